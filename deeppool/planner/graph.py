@@ -1,0 +1,173 @@
+"""LayerGraph: the traced model as a DAG of layers.
+
+A *layer* is one tensor-producing operation of the traced model (an
+``nn.Module`` call, a function such as ``torch.add`` or a tensor method),
+together with the non-tensor "glue" nodes it reads (``x.size(0)``, a tuple
+``getitem``...), which every rank that runs the layer recomputes locally.
+Every layer output has the batch in dimension 0; shapes, activation bytes and
+FLOPs are stored *per sample*, so the planner can scale them to any per-GPU
+batch.
+
+The graph is the contract between the tracer, the profiler, the planner and
+the executor: ``nodes`` are the torch.fx node names that make up the layer in
+execution order, so a process that re-traces the same model can run exactly
+these nodes (see :mod:`deeppool.planner.layer_exec`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import networkx as nx
+
+from deeppool.errors import DeeppoolError
+from deeppool.planner.jsonio import check_version, field
+
+GRAPH_SCHEMA_VERSION = 1
+
+
+class TraceMethod(enum.Enum):
+    """How the model was turned into a graph."""
+
+    FX = "fx"
+    EXPORT = "export"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layer:
+    """One layer of the traced model; sizes and FLOPs are per sample."""
+
+    name: str
+    op: str
+    target: str
+    nodes: tuple[str, ...]
+    inputs: tuple[str, ...]
+    output_shape: tuple[int, ...]
+    dtype: str
+    params: tuple[str, ...]
+    param_bytes: int
+    act_bytes: int
+    fwd_flops: float
+    bwd_flops: float
+
+    def __post_init__(self) -> None:
+        if not self.nodes or self.nodes[-1] != self.name:
+            raise DeeppoolError(f"layer '{self.name}': its last node must be the layer itself")
+        if min(self.param_bytes, self.act_bytes) < 0 or min(self.fwd_flops, self.bwd_flops) < 0:
+            raise DeeppoolError(f"layer '{self.name}': sizes and FLOPs must be non-negative")
+
+    @property
+    def signature(self) -> str:
+        """What determines this layer's cost: the op, its target and its shapes."""
+        return f"{self.op}|{self.target}|{self.output_shape}|{self.param_bytes}|{self.dtype}"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Layer:
+        return cls(
+            name=str(field(data, "name", kind="layer")),
+            op=str(field(data, "op", kind="layer")),
+            target=str(field(data, "target", kind="layer")),
+            nodes=tuple(field(data, "nodes", kind="layer")),
+            inputs=tuple(field(data, "inputs", kind="layer")),
+            output_shape=tuple(int(d) for d in field(data, "output_shape", kind="layer")),
+            dtype=str(field(data, "dtype", kind="layer")),
+            params=tuple(field(data, "params", kind="layer")),
+            param_bytes=int(field(data, "param_bytes", kind="layer")),
+            act_bytes=int(field(data, "act_bytes", kind="layer")),
+            fwd_flops=float(field(data, "fwd_flops", kind="layer")),
+            bwd_flops=float(field(data, "bwd_flops", kind="layer")),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerGraph:
+    """The layers in a topological (execution) order, their model inputs and output.
+
+    ``inputs`` are the names of the model's input placeholders with their
+    per-sample shapes; a layer input that names one of them reads the batch
+    directly. ``output`` is the layer whose value the model returns.
+    """
+
+    layers: tuple[Layer, ...]
+    inputs: tuple[str, ...]
+    input_shapes: tuple[tuple[int, ...], ...]
+    output: str
+    method: TraceMethod
+    schema_version: int = GRAPH_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        known = set(self.inputs)
+        for layer in self.layers:
+            missing = [name for name in layer.inputs if name not in known]
+            if missing:
+                raise DeeppoolError(
+                    f"layer '{layer.name}' reads '{missing[0]}', which no earlier layer produces"
+                )
+            if layer.name in known:
+                raise DeeppoolError(f"layer name '{layer.name}' appears twice")
+            known.add(layer.name)
+        if self.output not in known:
+            raise DeeppoolError(f"graph output '{self.output}' is not a layer")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(layer.name for layer in self.layers)
+
+    def layer(self, name: str) -> Layer:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
+
+    def edges(self) -> list[tuple[str, str]]:
+        """Layer-to-layer edges (producer, consumer); model inputs are not edges."""
+        produced = set(self.names)
+        return [
+            (src, layer.name)
+            for layer in self.layers
+            for src in dict.fromkeys(layer.inputs)
+            if src in produced
+        ]
+
+    def dag(self) -> nx.DiGraph:
+        """The graph as a networkx DAG whose nodes carry their :class:`Layer`."""
+        graph = nx.DiGraph()
+        for layer in self.layers:
+            graph.add_node(layer.name, layer=layer)
+        graph.add_edges_from(self.edges())
+        return graph
+
+    @property
+    def total_param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "method": self.method.value,
+            "inputs": list(self.inputs),
+            "input_shapes": [list(shape) for shape in self.input_shapes],
+            "output": self.output,
+            "layers": [layer.to_json() for layer in self.layers],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> LayerGraph:
+        payload = check_version(data, kind="layer graph", schema_version=GRAPH_SCHEMA_VERSION)
+        return cls(
+            layers=tuple(Layer.from_json(item) for item in field(payload, "layers", kind="graph")),
+            inputs=tuple(field(payload, "inputs", kind="graph")),
+            input_shapes=tuple(
+                tuple(int(d) for d in shape) for shape in field(payload, "input_shapes", kind="graph")
+            ),
+            output=str(field(payload, "output", kind="graph")),
+            method=TraceMethod(field(payload, "method", kind="graph")),
+        )

@@ -1,0 +1,272 @@
+"""Plan: the contract between planning and running (JSON, versioned, validated on load).
+
+A Plan names, for every layer, its GPU count, the ranks that run it and each
+rank's sample range of the global batch, with the predicted times; then the
+predicted iteration and the idle windows that background jobs will get, and
+how the solver did. :func:`build_plan` derives all of it from an assignment
+``{layer: gpus}`` through the cost model, so nothing in a Plan is computed
+twice in two ways.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from deeppool.errors import DeeppoolError
+from deeppool.planner.cost import CostModel, Phase, PhaseKind
+from deeppool.planner.hardware import NetworkModel
+from deeppool.planner.jsonio import check_version, field, read_json, write_json
+from deeppool.planner.modelspec import ModelSpec
+
+PLAN_SCHEMA_VERSION = 1
+
+
+class Strategy(enum.Enum):
+    """Which plan is written: the ILP optimum or one of its baselines."""
+
+    ILP = "ilp"
+    DATA_PARALLEL = "dp"
+    DEEPPOOL = "deeppool"
+
+
+def sample_ranges(global_batch: int, gpus: int) -> tuple[tuple[int, int], ...]:
+    """Rank ``i`` of ``gpus`` holds samples [⌊i·B/g⌋, ⌊(i+1)·B/g⌋)."""
+    return tuple(
+        (rank * global_batch // gpus, (rank + 1) * global_batch // gpus) for rank in range(gpus)
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedLayer:
+    name: str
+    op: str
+    gpus: int
+    ranks: tuple[int, ...]
+    samples: tuple[tuple[int, int], ...]
+    fwd_ms: float
+    bwd_ms: float
+    allreduce_ms: float
+    amplification: float
+    memory_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdleWindow:
+    """A stretch of one iteration in which ``rank`` has no foreground work."""
+
+    rank: int
+    start_ms: float
+    end_ms: float
+    after: str | None
+
+    @property
+    def length_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    iteration_ms: float
+    data_parallel_iteration_ms: float
+    deeppool_iteration_ms: float
+    speedup_vs_data_parallel: float
+    gpu_seconds_per_iteration: float
+    amplification: float
+    idle_gpu_fraction: float
+    peak_memory_bytes: int
+    idle_windows: tuple[IdleWindow, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverInfo:
+    name: str
+    status: str
+    seconds: float
+    gap: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    model: ModelSpec
+    global_batch: int
+    gpus: int
+    device: str
+    network: NetworkModel
+    strategy: Strategy
+    amplification_limit: float | None
+    layers: tuple[PlannedLayer, ...]
+    predicted: Prediction
+    solver: SolverInfo
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def assignment(self) -> dict[str, int]:
+        return {layer.name: layer.gpus for layer in self.layers}
+
+    def idle_windows(self, rank: int) -> list[IdleWindow]:
+        return [w for w in self.predicted.idle_windows if w.rank == rank]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "model": self.model.to_json(),
+            "global_batch": self.global_batch,
+            "gpus": self.gpus,
+            "device": self.device,
+            "network": self.network.to_json(),
+            "strategy": self.strategy.value,
+            "amplification_limit": self.amplification_limit,
+            "layers": [asdict(layer) for layer in self.layers],
+            "predicted": asdict(self.predicted),
+            "solver": asdict(self.solver),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, *, where: str = "input") -> Plan:
+        payload = check_version(data, kind="plan", schema_version=PLAN_SCHEMA_VERSION, where=where)
+        try:
+            predicted = dict(field(payload, "predicted", kind="plan"))
+            predicted["idle_windows"] = tuple(IdleWindow(**w) for w in predicted["idle_windows"])
+            limit = payload.get("amplification_limit")
+            return cls(
+                model=ModelSpec.from_json(field(payload, "model", kind="plan")),
+                global_batch=int(field(payload, "global_batch", kind="plan")),
+                gpus=int(field(payload, "gpus", kind="plan")),
+                device=str(field(payload, "device", kind="plan")),
+                network=NetworkModel.from_json(field(payload, "network", kind="plan")),
+                strategy=Strategy(field(payload, "strategy", kind="plan")),
+                amplification_limit=None if limit is None else float(limit),
+                layers=tuple(_planned_layer(item) for item in field(payload, "layers", kind="plan")),
+                predicted=Prediction(**predicted),
+                solver=SolverInfo(**field(payload, "solver", kind="plan")),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise DeeppoolError(f"plan {where} is malformed ({type(err).__name__}: {err}): regenerate it") from None
+
+    def save(self, path: str | Path) -> None:
+        write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        payload = read_json(path, kind="plan", schema_version=PLAN_SCHEMA_VERSION)
+        return cls.from_json(payload, where=f"file '{path}'")
+
+
+def _planned_layer(item: dict[str, Any]) -> PlannedLayer:
+    return PlannedLayer(
+        **{
+            **item,
+            "ranks": tuple(item["ranks"]),
+            "samples": tuple(tuple(pair) for pair in item["samples"]),
+        }
+    )
+
+
+def validate(plan: Plan) -> None:
+    """Refuse an inconsistent plan, naming the layer and rank at fault."""
+    if plan.gpus < 1 or plan.global_batch < 1:
+        raise DeeppoolError(f"plan has gpus={plan.gpus}, global_batch={plan.global_batch}: both must be >= 1")
+    if not plan.layers:
+        raise DeeppoolError("plan has no layers")
+    for layer in plan.layers:
+        if not 1 <= layer.gpus <= plan.gpus:
+            raise DeeppoolError(f"layer '{layer.name}' uses {layer.gpus} GPUs, outside 1..{plan.gpus}")
+        if layer.ranks != tuple(range(layer.gpus)):
+            raise DeeppoolError(f"layer '{layer.name}': ranks must be 0..{layer.gpus - 1}")
+        expected = sample_ranges(plan.global_batch, layer.gpus)
+        for rank, (got, want) in enumerate(zip(layer.samples, expected, strict=False)):
+            if tuple(got) != want:
+                raise DeeppoolError(
+                    f"layer '{layer.name}' rank {rank}: samples {list(got)} should be {list(want)}"
+                )
+        if len(layer.samples) != layer.gpus:
+            raise DeeppoolError(f"layer '{layer.name}': {len(layer.samples)} sample ranges for {layer.gpus} ranks")
+
+
+def build_plan(
+    cost: CostModel,
+    assignment: dict[str, int],
+    *,
+    model: ModelSpec,
+    gpus: int,
+    strategy: Strategy,
+    amplification_limit: float | None,
+    solver: SolverInfo,
+    baselines: dict[Strategy, float],
+) -> Plan:
+    """Everything a Plan states, derived from ``assignment`` through ``cost``."""
+    layers = tuple(_plan_layer(cost, layer.name, assignment[layer.name]) for layer in cost.graph.layers)
+    phases = cost.schedule(assignment)
+    iteration = cost.iteration_ms(assignment)
+    busy = sum((p.end_ms - p.start_ms) * p.ranks for p in phases)
+    single = sum(sum(cost.compute_ms(layer, 1)) for layer in cost.graph.layers)
+    dp = baselines[Strategy.DATA_PARALLEL]
+    predicted = Prediction(
+        iteration_ms=iteration,
+        data_parallel_iteration_ms=dp,
+        deeppool_iteration_ms=baselines[Strategy.DEEPPOOL],
+        speedup_vs_data_parallel=dp / iteration if iteration > 0 else 1.0,
+        gpu_seconds_per_iteration=busy / 1e3,
+        amplification=busy / single if single > 0 else 1.0,
+        idle_gpu_fraction=1.0 - busy / (iteration * gpus) if iteration > 0 else 0.0,
+        peak_memory_bytes=cost.peak_memory_bytes(assignment),
+        idle_windows=tuple(idle_windows(phases, gpus, iteration)),
+    )
+    return Plan(
+        model=model,
+        global_batch=cost.global_batch,
+        gpus=gpus,
+        device=cost.profile.device,
+        network=cost.network,
+        strategy=strategy,
+        amplification_limit=amplification_limit,
+        layers=layers,
+        predicted=predicted,
+        solver=solver,
+    )
+
+
+def _plan_layer(cost: CostModel, name: str, gpus: int) -> PlannedLayer:
+    layer = cost.graph.layer(name)
+    fwd, bwd = cost.compute_ms(layer, gpus)
+    return PlannedLayer(
+        name=name,
+        op=layer.op,
+        gpus=gpus,
+        ranks=tuple(range(gpus)),
+        samples=sample_ranges(cost.global_batch, gpus),
+        fwd_ms=fwd,
+        bwd_ms=bwd,
+        allreduce_ms=cost.allreduce_ms(layer, gpus),
+        amplification=cost.amplification(layer, gpus),
+        memory_bytes=cost.memory_bytes(layer, gpus),
+    )
+
+
+def idle_windows(phases: list[Phase], gpus: int, iteration_ms: float) -> list[IdleWindow]:
+    """Maximal stretches in which a rank runs no phase; ``after`` is the last phase's layer."""
+    windows: list[IdleWindow] = []
+    for rank in range(gpus):
+        clock, after = 0.0, None
+        for phase in phases:
+            if phase.ranks <= rank:
+                continue
+            if phase.start_ms - clock > 1e-9:
+                windows.append(IdleWindow(rank=rank, start_ms=clock, end_ms=phase.start_ms, after=after))
+            clock, after = phase.end_ms, _label(phase)
+        if iteration_ms - clock > 1e-9:
+            windows.append(IdleWindow(rank=rank, start_ms=clock, end_ms=iteration_ms, after=after))
+    return windows
+
+
+def _label(phase: Phase) -> str:
+    return f"{phase.kind.value}:{phase.layer}"
+
+
+__all__ = ["Phase", "PhaseKind", "Plan", "PlannedLayer", "Prediction", "SolverInfo", "Strategy", "build_plan"]

@@ -1,0 +1,159 @@
+"""Profile: forward and backward time of every layer at per-GPU batch sizes.
+
+A Profile is either *measured* (by :mod:`deeppool.planner.profiler` on a local
+CPU or CUDA device) or *estimated* from a :class:`DeviceModel`. Times at a
+batch size between measured ones are interpolated linearly; above the largest
+they are extrapolated from the last two points. The Profile also carries the
+device's memory size, which the planner's memory constraint uses.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deeppool.errors import DeeppoolError
+from deeppool.planner.graph import Layer, LayerGraph
+from deeppool.planner.hardware import DeviceModel
+from deeppool.planner.jsonio import field as json_field
+from deeppool.planner.jsonio import read_json, write_json
+
+PROFILE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerTimes:
+    """Measured (fwd_ms, bwd_ms) of one layer, by per-GPU batch size."""
+
+    batches: tuple[int, ...]
+    fwd_ms: tuple[float, ...]
+    bwd_ms: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.batches or list(self.batches) != sorted(set(self.batches)):
+            raise DeeppoolError("profile batch sizes must be distinct and increasing")
+        if not len(self.batches) == len(self.fwd_ms) == len(self.bwd_ms):
+            raise DeeppoolError("profile batch sizes and times differ in length")
+
+    def at(self, batch: int) -> tuple[float, float]:
+        return _interpolate(self.batches, self.fwd_ms, batch), _interpolate(
+            self.batches, self.bwd_ms, batch
+        )
+
+
+def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    index = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
+    if x <= x0:
+        return max(y0 * x / x0, 0.0)
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """Per-layer times on one device, keyed by layer name."""
+
+    device: str
+    source: str
+    dtype: str
+    memory_bytes: int
+    layers: dict[str, LayerTimes] = field(default_factory=dict)
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    def times(self, layer: str, batch: int) -> tuple[float, float]:
+        """(fwd_ms, bwd_ms) of ``layer`` at a per-GPU batch of ``batch`` samples."""
+        if batch <= 0:
+            return 0.0, 0.0
+        return self.layers[layer].at(batch)
+
+    def check_covers(self, graph: LayerGraph) -> None:
+        missing = [name for name in graph.names if name not in self.layers]
+        if missing:
+            raise DeeppoolError(
+                f"profile ({self.device}) has no times for layer '{missing[0]}': "
+                "it was measured for another model; profile this model again"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "device": self.device,
+            "source": self.source,
+            "dtype": self.dtype,
+            "memory_bytes": self.memory_bytes,
+            "layers": {
+                name: {"batches": list(t.batches), "fwd_ms": list(t.fwd_ms), "bwd_ms": list(t.bwd_ms)}
+                for name, t in self.layers.items()
+            },
+        }
+
+    @classmethod
+    def from_json(cls, payload: dict[str, Any]) -> Profile:
+        try:
+            layers = {
+                str(name): LayerTimes(
+                    batches=tuple(int(b) for b in entry["batches"]),
+                    fwd_ms=tuple(float(t) for t in entry["fwd_ms"]),
+                    bwd_ms=tuple(float(t) for t in entry["bwd_ms"]),
+                )
+                for name, entry in json_field(payload, "layers", kind="profile").items()
+            }
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise DeeppoolError(f"profile JSON has a malformed layer entry ({err}): regenerate it") from None
+        return cls(
+            device=str(json_field(payload, "device", kind="profile")),
+            source=str(json_field(payload, "source", kind="profile")),
+            dtype=str(json_field(payload, "dtype", kind="profile")),
+            memory_bytes=int(json_field(payload, "memory_bytes", kind="profile")),
+            layers=layers,
+        )
+
+    def save(self, path: str | Path) -> None:
+        write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        return cls.from_json(read_json(path, kind="profile", schema_version=PROFILE_SCHEMA_VERSION))
+
+
+def estimate_ms(layer: Layer, batch: int, device: DeviceModel) -> tuple[float, float]:
+    """Roofline estimate of (fwd_ms, bwd_ms) for ``layer`` at ``batch`` samples.
+
+    fwd = max(F_fwd·b / (P·e_c), (2·A·b + W) / (BW·e_b)) + k_fwd·o
+    bwd = max(F_bwd·b / (P·e_c), (4·A·b + 2·W) / (BW·e_b)) + k_bwd·o
+
+    with F the per-sample FLOPs, A the per-sample activation bytes, W the
+    parameter bytes, P the peak FLOP/s, BW the memory bandwidth, e the
+    efficiencies, o the launch overhead and k = 1 (fwd) / 2 (bwd) kernels.
+    """
+    flops_rate = device.peak_flops * device.compute_efficiency
+    byte_rate = device.mem_bandwidth * device.bandwidth_efficiency
+    activation = layer.act_bytes * batch
+    fwd = max(layer.fwd_flops * batch / flops_rate, (2 * activation + layer.param_bytes) / byte_rate)
+    bwd = max(layer.bwd_flops * batch / flops_rate, (4 * activation + 2 * layer.param_bytes) / byte_rate)
+    overhead = device.launch_overhead_s
+    return 1e3 * (fwd + overhead), 1e3 * (bwd + 2 * overhead)
+
+
+def estimated_profile(graph: LayerGraph, device: DeviceModel, batches: tuple[int, ...]) -> Profile:
+    """A Profile computed from ``device``'s roofline at each of ``batches``."""
+    ordered = tuple(sorted(set(batches)))
+    layers = {}
+    for layer in graph.layers:
+        times = [estimate_ms(layer, batch, device) for batch in ordered]
+        layers[layer.name] = LayerTimes(
+            batches=ordered,
+            fwd_ms=tuple(t[0] for t in times),
+            bwd_ms=tuple(t[1] for t in times),
+        )
+    return Profile(
+        device=device.name,
+        source=f"device-model:{device.name}",
+        dtype=graph.layers[0].dtype if graph.layers else "float32",
+        memory_bytes=device.memory_bytes,
+        layers=layers,
+    )

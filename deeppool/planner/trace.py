@@ -1,0 +1,338 @@
+"""Tracing: any ``nn.Module`` to a :class:`LayerGraph`.
+
+torch.fx ``symbolic_trace`` first, with modules as layers; when fx cannot
+trace the model, ``torch.export`` with a dynamic batch dimension, and the
+exported aten nodes are grouped back into layers by their module path. The
+batch dimension is found by running the graph at two batch sizes: nodes whose
+dimension 0 follows the batch are layers, everything else (sizes, tuples,
+parameters) is glue recomputed by the layer that reads it. Per-layer forward
+and backward FLOPs come from :class:`torch.utils.flop_counter.FlopCounterMode`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from deeppool.errors import DeeppoolError
+from deeppool.planner.graph import Layer, LayerGraph, TraceMethod
+from deeppool.planner.layer_exec import LayerRunner
+from deeppool.planner.modelspec import LoadedModel
+
+_PROBE_BATCHES = (2, 3)
+_LAYER_OPS = ("call_module", "call_function", "call_method")
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A traced model: the executable fx module and its layer graph."""
+
+    module: fx.GraphModule
+    graph: LayerGraph
+
+
+class _PathTracer(fx.Tracer):
+    """An fx tracer that remembers the module it was inside when tracing failed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed_in: str | None = None
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self.path_of_module(m) or "<root>"
+            raise
+
+
+def trace(loaded: LoadedModel, method: TraceMethod | None = None) -> Traced:
+    """Trace ``loaded`` with ``method``, or fx then export when ``method`` is None."""
+    if method is TraceMethod.EXPORT:
+        return _graph_of(_export(loaded), loaded, TraceMethod.EXPORT)
+    try:
+        module = _fx_trace(loaded.module)
+    except DeeppoolError as fx_error:
+        if method is TraceMethod.FX:
+            raise
+        try:
+            module = _export(loaded)
+        except DeeppoolError as export_error:
+            raise DeeppoolError(f"{fx_error}; {export_error}") from None
+        return _graph_of(module, loaded, TraceMethod.EXPORT)
+    return _graph_of(module, loaded, TraceMethod.FX)
+
+
+def _fx_trace(model: nn.Module) -> fx.GraphModule:
+    tracer = _PathTracer()
+    try:
+        graph = tracer.trace(model)
+    except Exception as err:
+        where = tracer.failed_in or "<root>"
+        raise DeeppoolError(
+            f"torch.fx cannot trace module '{where}' ({type(err).__name__}: {_first_line(err)})"
+        ) from None
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _export(loaded: LoadedModel) -> fx.GraphModule:
+    example = loaded.inputs(_PROBE_BATCHES[0])
+    batch = torch.export.Dim("batch", min=1)
+    dynamic = tuple({0: batch} for _ in example)
+    try:
+        program = torch.export.export(loaded.module, example, dynamic_shapes=dynamic, strict=False)
+    except Exception as err:
+        raise DeeppoolError(
+            f"torch.export cannot trace the model either ({type(err).__name__}: {_first_line(err)})"
+        ) from None
+    return program.module()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph and keeps every node's value."""
+
+    def __init__(self, module: fx.GraphModule) -> None:
+        super().__init__(module)
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        value = super().run_node(n)
+        self.values[n.name] = value
+        return value
+
+
+def _record(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    recorder = _Recorder(module)
+    with torch.no_grad():
+        try:
+            recorder.run(*inputs)
+        except Exception as err:
+            raise DeeppoolError(
+                f"the traced model fails on its own inputs ({type(err).__name__}: {_first_line(err)}): "
+                "check inputs(batch_size) against model()"
+            ) from None
+    return recorder.values
+
+
+def _batched(module: fx.GraphModule, loaded: LoadedModel) -> tuple[set[str], dict[str, Any]]:
+    """Names of nodes whose value is a tensor with the batch in dimension 0."""
+    small, large = (_record(module, loaded.inputs(b)) for b in _PROBE_BATCHES)
+    batched = {
+        name
+        for name, value in small.items()
+        if isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and isinstance(large.get(name), torch.Tensor)
+        and (value.shape[0], large[name].shape[0]) == _PROBE_BATCHES
+    }
+    return batched, small
+
+
+def _graph_of(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) -> Traced:
+    """Probe in eval mode, so tracing never updates batch-norm running statistics."""
+    was_training = module.training
+    module.eval()
+    try:
+        return _probed_graph(module, loaded, method)
+    finally:
+        module.train(was_training)
+
+
+def _probed_graph(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) -> Traced:
+    batched, values = _batched(module, loaded)
+    nodes = list(module.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    heads = [n for n in nodes if n.op in _LAYER_OPS and n.name in batched]
+    groups = _group(heads, method)
+    builder = _LayerBuilder(module, values, {n.name for n in placeholders}, groups)
+    layers = tuple(builder.build(group) for group in groups)
+    output = _output_layer(nodes, builder.layer_of)
+    graph = LayerGraph(
+        layers=layers,
+        inputs=tuple(n.name for n in placeholders),
+        input_shapes=tuple(tuple(values[n.name].shape[1:]) for n in placeholders),
+        output=output,
+        method=method,
+    )
+    return Traced(module=module, graph=graph)
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return str(path)
+
+
+def _module_type(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    _, kind = list(stack.values())[-1]
+    return getattr(kind, "__name__", str(kind).rsplit(".", 1)[-1].strip("'>"))
+
+
+def _group(heads: list[fx.Node], method: TraceMethod) -> list[list[fx.Node]]:
+    """fx: one node per layer; export: consecutive nodes of one module, one output."""
+    if method is TraceMethod.FX:
+        return [[node] for node in heads]
+    runs: list[list[fx.Node]] = []
+    for node in heads:
+        if runs and _module_path(node) and _module_path(runs[-1][-1]) == _module_path(node):
+            runs[-1].append(node)
+        else:
+            runs.append([node])
+    groups: list[list[fx.Node]] = []
+    for run in runs:
+        members = set(run)
+        escaping = [n for n in run if any(user not in members for user in n.users)]
+        groups.extend([run] if escaping == [run[-1]] else [[n] for n in run])
+    return groups
+
+
+class _LayerBuilder:
+    """Turns a group of head nodes plus their glue into a :class:`Layer`."""
+
+    def __init__(
+        self,
+        module: fx.GraphModule,
+        values: dict[str, Any],
+        placeholders: set[str],
+        groups: list[list[fx.Node]],
+    ) -> None:
+        self.module = module
+        self.values = values
+        self.placeholders = placeholders
+        self.layer_of = {node.name: group[-1].name for group in groups for node in group}
+        self.order = {node.name: index for index, node in enumerate(module.graph.nodes)}
+
+    def build(self, group: list[fx.Node]) -> Layer:
+        members: set[str] = {node.name for node in group}
+        inputs: list[str] = []
+        for node in group:
+            self._collect(node, members, inputs, set(members))
+        head = group[-1]
+        names = tuple(sorted(members, key=self.order.__getitem__))
+        params = self._params(names)
+        value = self.values[head.name]
+        sample_numel = value[0].numel()
+        fwd, bwd = self._flops(names, tuple(inputs), head)
+        return Layer(
+            name=head.name,
+            op=self._op(head),
+            target=self._target(head),
+            nodes=names,
+            inputs=tuple(inputs),
+            output_shape=tuple(value.shape[1:]),
+            dtype=str(value.dtype).removeprefix("torch."),
+            params=params,
+            param_bytes=self._param_bytes(params),
+            act_bytes=sample_numel * value.element_size(),
+            fwd_flops=fwd / _PROBE_BATCHES[0],
+            bwd_flops=bwd / _PROBE_BATCHES[0],
+        )
+
+    def _collect(self, node: fx.Node, members: set[str], inputs: list[str], seen: set[str]) -> None:
+        for arg in node.all_input_nodes:
+            if arg.name in seen:
+                continue
+            seen.add(arg.name)
+            if arg.name in self.placeholders or arg.name in self.layer_of:
+                source = self.layer_of.get(arg.name, arg.name)
+                if source != arg.name:
+                    raise DeeppoolError(
+                        f"node '{node.name}' reads '{arg.name}' from inside layer '{source}': "
+                        "this model cannot be split into layers"
+                    )
+                if source not in inputs:
+                    inputs.append(source)
+            else:
+                members.add(arg.name)
+                self._collect(arg, members, inputs, seen)
+
+    def _params(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        found: dict[str, None] = {}
+        by_name = {node.name: node for node in self.module.graph.nodes}
+        for name in names:
+            node = by_name[name]
+            if node.op == "call_module":
+                submodule = self.module.get_submodule(str(node.target))
+                for pname, _ in submodule.named_parameters():
+                    found[f"{node.target}.{pname}"] = None
+            elif node.op == "get_attr" and isinstance(
+                _attr(self.module, str(node.target)), nn.Parameter
+            ):
+                found[str(node.target)] = None
+        return tuple(found)
+
+    def _param_bytes(self, params: tuple[str, ...]) -> int:
+        total = 0
+        for name in params:
+            tensor = _attr(self.module, name)
+            total += tensor.numel() * tensor.element_size()
+        return total
+
+    def _op(self, head: fx.Node) -> str:
+        if head.op == "call_module":
+            return type(self.module.get_submodule(str(head.target))).__name__
+        module_type = _module_type(head)
+        if module_type and self.layer_of.get(head.name) and len(self._group_size(head)) > 1:
+            return module_type
+        target = head.target
+        return getattr(target, "__name__", str(target))
+
+    def _group_size(self, head: fx.Node) -> list[str]:
+        return [name for name, layer in self.layer_of.items() if layer == head.name]
+
+    def _target(self, head: fx.Node) -> str:
+        if head.op == "call_module":
+            return str(head.target)
+        return _module_path(head) or getattr(head.target, "__name__", str(head.target))
+
+    def _flops(self, names: tuple[str, ...], inputs: tuple[str, ...], head: fx.Node) -> tuple[float, float]:
+        layer = Layer(
+            name=head.name, op="", target="", nodes=names, inputs=inputs, output_shape=(),
+            dtype="", params=(), param_bytes=0, act_bytes=0, fwd_flops=0.0, bwd_flops=0.0,
+        )
+        runner = LayerRunner(self.module, layer)
+        args = [_grad_input(self.values[name]) for name in inputs]
+        with FlopCounterMode(display=False) as forward:
+            output = runner(*args)
+        if not output.requires_grad:
+            return float(forward.get_total_flops()), 0.0
+        with FlopCounterMode(display=False) as backward:
+            output.backward(torch.ones_like(output))
+        return float(forward.get_total_flops()), float(backward.get_total_flops())
+
+
+def _grad_input(value: torch.Tensor) -> torch.Tensor:
+    copy = value.detach().clone()
+    return copy.requires_grad_(copy.is_floating_point())
+
+
+def _attr(module: nn.Module, dotted: str) -> torch.Tensor:
+    value: Any = module
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _output_layer(nodes: list[fx.Node], layer_of: dict[str, str]) -> str:
+    output = next(n for n in nodes if n.op == "output")
+    result = output.args[0]
+    while isinstance(result, (tuple, list)) and len(result) == 1:
+        result = result[0]
+    if not isinstance(result, fx.Node) or result.name not in layer_of:
+        raise DeeppoolError("the model must return a single batched tensor computed by a layer")
+    return layer_of[result.name]
