@@ -1,0 +1,170 @@
+"""The planning pipeline: a traced graph and a profile in, a Plan out.
+
+:func:`plan_graph` is what the CLI, the coordinator and the simulator call:
+it builds the cost model, computes the two baselines and the ILP optimum in
+the same run, and writes the plan of the chosen strategy. :func:`plan` is the
+Python entry point for an ``nn.Module`` and example inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deeppool.errors import DeeppoolError
+from deeppool.planner import baselines
+from deeppool.planner.candidates import Limits, allowed_counts, check_memory, useful_counts
+from deeppool.planner.cost import CostModel
+from deeppool.planner.graph import LayerGraph
+from deeppool.planner.hardware import DEVICES, NETWORKS, NetworkModel, known_device
+from deeppool.planner.ilp import SolverName, solve
+from deeppool.planner.modelspec import LoadedModel, ModelSource, ModelSpec, squared_mean_loss
+from deeppool.planner.plan import Plan, SolverInfo, Strategy, build_plan
+from deeppool.planner.profile import Profile, estimated_profile
+from deeppool.planner.trace import trace
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """What to plan for: GPUs, global batch, strategy and limits."""
+
+    gpus: int
+    global_batch: int
+    strategy: Strategy = Strategy.ILP
+    amplification: float | None = None
+    enforce_memory: bool = True
+    time_limit_s: float = 60.0
+    solver: SolverName | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise DeeppoolError(f"--gpus {self.gpus}: plan for at least 1 GPU")
+        if self.global_batch < 1:
+            raise DeeppoolError(f"--batch {self.global_batch}: the global batch must be at least 1")
+        if self.time_limit_s <= 0:
+            raise DeeppoolError("--time-limit must be positive")
+        Limits(amplification=self.amplification)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Planned:
+    """The written plan and the assignments of every strategy, costed alike."""
+
+    plan: Plan
+    assignments: dict[Strategy, dict[str, int]]
+    cost: CostModel
+
+
+def plan_graph(
+    graph: LayerGraph,
+    profile: Profile,
+    network: NetworkModel,
+    request: PlanRequest,
+    *,
+    model: ModelSpec,
+) -> Planned:
+    """Solve the ILP and both baselines; return the plan of ``request.strategy``."""
+    profile.check_covers(graph)
+    cost = CostModel(graph=graph, profile=profile, network=network, global_batch=request.global_batch)
+    limits = Limits(
+        amplification=request.amplification,
+        memory_bytes=profile.memory_bytes if request.enforce_memory else None,
+    )
+    counts = useful_counts(request.gpus, request.global_batch)
+    options = {layer.name: allowed_counts(cost, layer, counts, limits) for layer in graph.layers}
+    check_memory(cost, options, limits)
+    result = solve(cost, options, memory_bytes=limits.memory_bytes, time_limit_s=request.time_limit_s,
+                   solver=request.solver)
+    assignments = {
+        Strategy.DATA_PARALLEL: baselines.data_parallel(cost, request.gpus),
+        Strategy.DEEPPOOL: baselines.deeppool_dp(cost, request.gpus, request.amplification),
+        Strategy.ILP: result.assignment,
+    }
+    status = result.status
+    best_baseline = _best_feasible_baseline(cost, assignments, options, limits)
+    if best_baseline is not None and cost.iteration_ms(best_baseline) < cost.iteration_ms(result.assignment):
+        assignments[Strategy.ILP] = best_baseline
+        status = f"{status} (a baseline was better within the time limit and is kept)"
+    times = {strategy: cost.iteration_ms(a) for strategy, a in assignments.items()}
+    info = SolverInfo(name=result.solver.value, status=status, seconds=result.seconds, gap=result.gap)
+    plan = build_plan(
+        cost,
+        assignments[request.strategy],
+        model=model,
+        gpus=request.gpus,
+        strategy=request.strategy,
+        amplification_limit=request.amplification,
+        solver=info,
+        baselines=times,
+    )
+    return Planned(plan=plan, assignments=assignments, cost=cost)
+
+
+def _best_feasible_baseline(
+    cost: CostModel,
+    assignments: dict[Strategy, dict[str, int]],
+    options: dict[str, tuple[int, ...]],
+    limits: Limits,
+) -> dict[str, int] | None:
+    counts = sorted({g for allowed in options.values() for g in allowed})
+    feasible = []
+    for strategy in (Strategy.DATA_PARALLEL, Strategy.DEEPPOOL):
+        mapped = {name: _smallest_equivalent(cost, g, counts) for name, g in assignments[strategy].items()}
+        within = all(mapped[name] in options[name] for name in mapped)
+        memory_ok = limits.memory_bytes is None or cost.peak_memory_bytes(mapped) <= limits.memory_bytes
+        if within and memory_ok:
+            feasible.append(mapped)
+    return min(feasible, key=cost.iteration_ms, default=None)
+
+
+def _smallest_equivalent(cost: CostModel, gpus: int, counts: list[int]) -> int:
+    share = cost.per_gpu_batch(gpus)
+    return next((g for g in counts if cost.per_gpu_batch(g) == share), gpus)
+
+
+def device_setup(device_model: str, global_batch: int, gpus: int, graph: LayerGraph) -> tuple[Profile, NetworkModel]:
+    """An estimated profile and the network preset of a named device model."""
+    known = known_device(device_model)
+    shares = sorted({-(-global_batch // g) for g in useful_counts(gpus, global_batch)})
+    return estimated_profile(graph, DEVICES[known], tuple(shares)), NETWORKS[known]
+
+
+def plan(
+    module: nn.Module,
+    example_inputs: tuple[torch.Tensor, ...],
+    *,
+    gpus: int,
+    global_batch: int | None = None,
+    device_model: str = "a100",
+    strategy: Strategy = Strategy.ILP,
+    amplification: float | None = None,
+    model_spec: ModelSpec | None = None,
+) -> Plan:
+    """Plan ``module`` for ``gpus`` GPUs of ``device_model`` from Python.
+
+    ``example_inputs`` carry the batch in dimension 0; the global batch defaults
+    to their batch size. ``model_spec`` says how other processes rebuild the
+    model; by default the module's class is rebuilt with no arguments.
+    """
+    batch = global_batch or int(example_inputs[0].shape[0])
+    request = PlanRequest(gpus=gpus, global_batch=batch, strategy=strategy, amplification=amplification)
+    loaded = LoadedModel(
+        module=module, inputs=_repeat(example_inputs), targets=lambda b: None, loss=squared_mean_loss
+    )
+    graph = trace(loaded).graph
+    profile, network = device_setup(device_model, batch, gpus, graph)
+    spec = model_spec or ModelSpec(
+        source=ModelSource.FACTORY,
+        location=f"{type(module).__module__}:{type(module).__qualname__}",
+        input_shape=tuple(example_inputs[0].shape[1:]),
+    )
+    return plan_graph(graph, profile, network, request, model=spec).plan
+
+
+def _repeat(example: tuple[torch.Tensor, ...]):
+    def make(batch_size: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t[torch.arange(batch_size) % t.shape[0]] for t in example)
+
+    return make

@@ -1,0 +1,163 @@
+"""The burst-parallel ILP (pulp): every layer picks one GPU count.
+
+Variables: ``x[l,g] ∈ {0,1}``, layer ``l`` runs on ``g`` GPUs (one count per
+layer). The reshard cost of an edge ``u→v``, ``R(g_u, g_v) = [g_u ≠ g_v] ·
+max(σ(g_u), σ(g_v))`` with ``σ`` the cost model's side time, is carried by a
+small min-cost flow per edge (a *ladder*): the counts sorted by ``σ``
+descending are levels ``1..K``; one unit of flow goes from ``u``'s count to
+``v``'s, either straight (``stay_g``, free, only when the counts are equal) or
+into the ladder at level ``i`` (cost ``σ_i``), down the ladder (free) or up it
+(``σ_k − σ_{k+1}`` a rung) and out at level ``j``; the cheapest such path
+costs exactly ``σ_min(i,j) = max(σ_i, σ_j)``. Minimise the cost model's
+iteration time::
+
+    Σ_l Σ_g x[l,g]·(fwd+bwd+AR)_l(g) + Σ_e 2·(Σ_k σ_k·enter_k + Σ_k (σ_k − σ_{k+1})·up_k)
+    s.t.  Σ_g x[l,g] = 1,   stay_g + enter_g = x[u,g],   stay_g + leave_g = x[v,g],
+          flow conservation on every ladder level,
+          Σ_l Σ_g x[l,g]·mem_l(g) ≤ device memory           (rank 0 runs every layer)
+
+The flow is the exact transport cost between the two layers' choices, so the
+LP relaxation is the local-polytope relaxation (integral on chains) with
+O(K) variables per edge instead of K² pair variables.
+The amplification limit is hard: counts above it are not offered
+(:mod:`deeppool.planner.candidates`). CBC solves by default; HiGHS when
+``highspy`` is installed.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import pulp
+
+from deeppool.errors import DeeppoolError
+from deeppool.planner.cost import CostModel
+
+
+class SolverName(enum.Enum):
+    CBC = "cbc"
+    HIGHS = "highs"
+
+
+def default_solver() -> SolverName:
+    return SolverName.HIGHS if pulp.HiGHS().available() else SolverName.CBC
+
+
+@dataclass(frozen=True, kw_only=True)
+class IlpResult:
+    assignment: dict[str, int]
+    solver: SolverName
+    status: str
+    seconds: float
+    gap: float
+    objective_ms: float
+
+
+def solve(
+    cost: CostModel,
+    options: dict[str, tuple[int, ...]],
+    *,
+    memory_bytes: int | None,
+    time_limit_s: float,
+    solver: SolverName | None = None,
+) -> IlpResult:
+    """Solve the ILP for ``options`` (the allowed counts of each layer)."""
+    chosen = solver or default_solver()
+    problem, x = _formulate(cost, options, memory_bytes)
+    started = time.perf_counter()
+    problem.solve(_backend(chosen, time_limit_s))
+    seconds = time.perf_counter() - started
+    status = pulp.LpStatus[problem.status]
+    if problem.status != pulp.LpStatusOptimal and not _has_solution(x):
+        raise DeeppoolError(
+            f"the ILP found no plan ({status}) within {time_limit_s:g} s: "
+            "raise --time-limit or relax --amplification"
+        )
+    assignment = {
+        name: max(choice, key=lambda g: choice[g].varValue or 0.0) for name, choice in x.items()
+    }
+    return IlpResult(
+        assignment=assignment,
+        solver=chosen,
+        status=status,
+        seconds=seconds,
+        gap=_gap(problem, chosen),
+        objective_ms=float(pulp.value(problem.objective) or 0.0),
+    )
+
+
+def _formulate(
+    cost: CostModel, options: dict[str, tuple[int, ...]], memory_bytes: int | None
+) -> tuple[pulp.LpProblem, dict[str, dict[int, pulp.LpVariable]]]:
+    problem = pulp.LpProblem("burst_parallel_plan", pulp.LpMinimize)
+    x = {
+        layer.name: {g: pulp.LpVariable(f"x_{i}_{g}", cat=pulp.LpBinary) for g in options[layer.name]}
+        for i, layer in enumerate(cost.graph.layers)
+    }
+    terms = []
+    for layer in cost.graph.layers:
+        problem += pulp.lpSum(x[layer.name].values()) == 1, f"one_{layer.name}"
+        terms += [cost.layer_ms(layer, g) * var for g, var in x[layer.name].items()]
+    for index, (src, dst) in enumerate(cost.graph.edges()):
+        terms += _edge(problem, cost, index, src, x[src], x[dst])
+    problem += pulp.lpSum(terms)
+    if memory_bytes is not None:
+        problem += (
+            pulp.lpSum(
+                cost.memory_bytes(layer, g) / 2**20 * var
+                for layer in cost.graph.layers
+                for g, var in x[layer.name].items()
+            )
+            <= memory_bytes / 2**20,
+            "memory",
+        )
+    return problem, x
+
+
+def _edge(
+    problem: pulp.LpProblem,
+    cost: CostModel,
+    index: int,
+    src: str,
+    xu: dict[int, pulp.LpVariable],
+    xv: dict[int, pulp.LpVariable],
+) -> list[pulp.LpAffineExpression]:
+    """Add edge ``index``'s ladder flow; return its objective terms (both directions)."""
+    if len(xu) == 1 and xu.keys() == xv.keys():
+        return []
+    producer = cost.graph.layer(src)
+    levels = sorted(set(xu) | set(xv), key=lambda g: (-cost.reshard_side_ms(producer, g), g))
+    sides = [cost.reshard_side_ms(producer, g) for g in levels]
+
+    def flow(name: str, count: int) -> list[pulp.LpVariable]:
+        return [pulp.LpVariable(f"{name}_{index}_{k}", lowBound=0) for k in range(count)]
+
+    stay, enter, leave = flow("s", len(levels)), flow("e", len(levels)), flow("l", len(levels))
+    down, up = flow("d", len(levels) - 1), flow("u", len(levels) - 1)
+    for k, g in enumerate(levels):
+        problem += stay[k] + enter[k] == xu.get(g, 0), f"from_{index}_{k}"
+        problem += stay[k] + leave[k] == xv.get(g, 0), f"to_{index}_{k}"
+        inflow = enter[k] + (down[k - 1] if k else 0) + (up[k] if k < len(up) else 0)
+        outflow = leave[k] + (down[k] if k < len(down) else 0) + (up[k - 1] if k else 0)
+        problem += inflow == outflow, f"ladder_{index}_{k}"
+    steps = [sides[k] - sides[k + 1] for k in range(len(up))]
+    return [2 * pulp.lpDot(sides, enter), 2 * pulp.lpDot(steps, up)]
+
+
+def _backend(solver: SolverName, time_limit_s: float) -> pulp.LpSolver:
+    if solver is SolverName.HIGHS:
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1)
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+
+
+def _has_solution(x: dict[str, dict[int, pulp.LpVariable]]) -> bool:
+    return all(any((var.varValue or 0) > 0.5 for var in choice.values()) for choice in x.values())
+
+
+def _gap(problem: pulp.LpProblem, solver: SolverName) -> float:
+    """Relative MIP gap: HiGHS reports it; for CBC 0 when proven optimal, else 1 (unknown)."""
+    if solver is SolverName.HIGHS:
+        return max(0.0, float(problem.solverModel.getInfo().mip_gap))
+    return 0.0 if problem.status == pulp.LpStatusOptimal else 1.0
