@@ -9,6 +9,7 @@ Python entry point for an ``nn.Module`` and example inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -18,12 +19,15 @@ from deeppool.planner import baselines
 from deeppool.planner.candidates import Limits, allowed_counts, check_memory, useful_counts
 from deeppool.planner.cost import CostModel
 from deeppool.planner.graph import LayerGraph
-from deeppool.planner.hardware import DEVICES, NETWORKS, NetworkModel, known_device
+from deeppool.planner.hardware import DEVICES, LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, known_device
 from deeppool.planner.ilp import SolverName, solve
 from deeppool.planner.modelspec import LoadedModel, ModelSource, ModelSpec, squared_mean_loss
 from deeppool.planner.plan import Plan, SolverInfo, Strategy, build_plan
 from deeppool.planner.profile import Profile, estimated_profile
-from deeppool.planner.trace import trace
+from deeppool.planner.profiler import ProfilerConfig, measure_profile
+from deeppool.planner.trace import Traced, trace
+
+LOCAL = "local"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,11 +128,79 @@ def _smallest_equivalent(cost: CostModel, gpus: int, counts: list[int]) -> int:
     return next((g for g in counts if cost.per_gpu_batch(g) == share), gpus)
 
 
+def planner_batches(gpus: int, global_batch: int) -> tuple[int, ...]:
+    """Every per-GPU batch the planner may use for ``gpus`` and ``global_batch``."""
+    return tuple(sorted({-(-global_batch // g) for g in useful_counts(gpus, global_batch)}))
+
+
 def device_setup(device_model: str, global_batch: int, gpus: int, graph: LayerGraph) -> tuple[Profile, NetworkModel]:
     """An estimated profile and the network preset of a named device model."""
     known = known_device(device_model)
-    shares = sorted({-(-global_batch // g) for g in useful_counts(gpus, global_batch)})
-    return estimated_profile(graph, DEVICES[known], tuple(shares)), NETWORKS[known]
+    return estimated_profile(graph, DEVICES[known], planner_batches(gpus, global_batch)), NETWORKS[known]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostSource:
+    """Where layer times come from: a device model, a profile file, or measuring here.
+
+    ``device_model`` is v100/a100/h100 (estimated) or ``local`` (measured on
+    ``local_device`` at the planner's per-GPU batches up to
+    ``max_measured_batch``, larger ones extrapolated). ``network`` names a
+    preset (a device model or ``local``); the three overrides replace figures.
+    """
+
+    device_model: str = LOCAL
+    profile_path: Path | None = None
+    local_device: str = "cpu"
+    max_measured_batch: int = 32
+    cache_dir: Path | None = None
+    network: str | None = None
+    gpus_per_node: int | None = None
+    intra_gbps: float | None = None
+    inter_gbps: float | None = None
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device_model != LOCAL:
+            known_device(self.device_model)
+        if self.network not in (None, LOCAL):
+            known_device(self.network)
+        if self.max_measured_batch < 1:
+            raise DeeppoolError("--max-measured-batch must be >= 1")
+
+    def network_model(self, profile: Profile) -> NetworkModel:
+        preset = self.network or self._preset_for(profile)
+        base = LOCAL_NETWORK if preset == LOCAL else NETWORKS[known_device(preset)]
+        return base.with_overrides(
+            gpus_per_node=self.gpus_per_node, intra_gbps=self.intra_gbps, inter_gbps=self.inter_gbps
+        )
+
+    def _preset_for(self, profile: Profile) -> str:
+        if self.profile_path is None:
+            return self.device_model
+        named = [known.value for known in KnownDevice if known.value in profile.device.lower()]
+        return named[0] if named else LOCAL
+
+    def profile(self, traced: Traced, loaded: LoadedModel, request: PlanRequest) -> Profile:
+        if self.profile_path is not None:
+            return Profile.load(self.profile_path)
+        batches = planner_batches(request.gpus, request.global_batch)
+        if self.device_model != LOCAL:
+            return estimated_profile(traced.graph, DEVICES[known_device(self.device_model)], batches)
+        measured = tuple(b for b in batches if b <= self.max_measured_batch) or (min(batches),)
+        config = ProfilerConfig(
+            device=self.local_device, batches=measured, cache_dir=self.cache_dir,
+            show_progress=self.show_progress,
+        )
+        return measure_profile(traced, loaded, config)
+
+
+def plan_model(spec: ModelSpec, request: PlanRequest, source: CostSource) -> Planned:
+    """Trace the model ``spec`` names, get its layer times from ``source``, plan it."""
+    loaded = spec.load()
+    traced = trace(loaded)
+    profile = source.profile(traced, loaded, request)
+    return plan_graph(traced.graph, profile, source.network_model(profile), request, model=spec)
 
 
 def plan(

@@ -9,8 +9,9 @@ global batch ``B`` (uneven splits allowed), so the per-GPU batch is
 
     T = Σ_l [ fwd_l(s(g_l)) + bwd_l(s(g_l)) + AR_l(g_l) ] + Σ_(u→v) 2 · R_uv(g_u, g_v)
 
-    AR_l(g)        = 0 if g = 1 or W_l = 0, else 2·(g−1)/g · W_l / BW(g) + 2·(g−1)·α(g)
-                     (ring all-reduce of the layer's gradients inside its group)
+    AR_l(g)        = 0 if g = 1 or W_l = 0, else 2·(g−1)/g · W_l / BW(g) + 2·⌈log₂ g⌉·α(g)
+                     (all-reduce of the layer's gradients inside its group: the ring's
+                      bandwidth term, the tree's latency term, as NCCL picks per size)
     R_uv(g_u, g_v) = 0 if g_u = g_v, else max(side(g_u), side(g_v)),
     side(g)        = α(g) + A_u · s(g) / BW(g)
                      (activations resharded forward, their gradients backward; the
@@ -79,7 +80,7 @@ class CostModel:
         if gpus == 1 or layer.param_bytes == 0:
             return 0.0
         seconds = 2 * (gpus - 1) / gpus * layer.param_bytes / self.network.bandwidth(gpus)
-        return 1e3 * (seconds + 2 * (gpus - 1) * self.network.latency_s(gpus))
+        return 1e3 * (seconds + 2 * math.ceil(math.log2(gpus)) * self.network.latency_s(gpus))
 
     def layer_ms(self, layer: Layer, gpus: int) -> float:
         """Compute plus gradient all-reduce: the time ``layer`` holds its GPUs."""

@@ -151,6 +151,7 @@ class LayerGraph:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "artifact": "layer graph",
             "schema_version": self.schema_version,
             "method": self.method.value,
             "inputs": list(self.inputs),

@@ -38,6 +38,9 @@ def check_version(
     """Refuse a payload that is not a ``kind`` object of the expected version."""
     if not isinstance(payload, dict):
         raise DeeppoolError(f"{kind} {where} is not a JSON object: regenerate it")
+    artifact = payload.get("artifact")
+    if artifact != kind:
+        raise DeeppoolError(f"{kind} {where} is not a {kind} JSON (artifact: {artifact or 'none'}): pass a {kind} file")
     found = payload.get("schema_version")
     if found != schema_version:
         raise DeeppoolError(

@@ -114,6 +114,7 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "artifact": "plan",
             "schema_version": self.schema_version,
             "model": self.model.to_json(),
             "global_batch": self.global_batch,

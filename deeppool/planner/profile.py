@@ -80,6 +80,7 @@ class Profile:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "artifact": "profile",
             "schema_version": self.schema_version,
             "device": self.device,
             "source": self.source,

@@ -11,11 +11,16 @@ and backward FLOPs come from :class:`torch.utils.flop_counter.FlopCounterMode`.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from deeppool.errors import DeeppoolError
@@ -85,12 +90,27 @@ def _export(loaded: LoadedModel) -> fx.GraphModule:
     batch = torch.export.Dim("batch", min=1)
     dynamic = tuple({0: batch} for _ in example)
     try:
-        program = torch.export.export(loaded.module, example, dynamic_shapes=dynamic, strict=False)
+        with _quiet_torch_logs():
+            program = torch.export.export(loaded.module, example, dynamic_shapes=dynamic, strict=False)
     except Exception as err:
         raise DeeppoolError(
             f"torch.export cannot trace the model either ({type(err).__name__}: {_first_line(err)})"
         ) from None
     return program.module()
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs and prints whole graphs on failure; the error message is enough."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    sink = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def _first_line(err: BaseException) -> str:
@@ -111,11 +131,11 @@ class _Recorder(fx.Interpreter):
         return value
 
 
-def _record(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+def _record(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...], fake: FakeTensorMode) -> dict[str, Any]:
     recorder = _Recorder(module)
-    with torch.no_grad():
+    with fake, torch.no_grad():
         try:
-            recorder.run(*inputs)
+            recorder.run(*(fake.from_tensor(t) for t in inputs))
         except Exception as err:
             raise DeeppoolError(
                 f"the traced model fails on its own inputs ({type(err).__name__}: {_first_line(err)}): "
@@ -124,9 +144,11 @@ def _record(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> dict[st
     return recorder.values
 
 
-def _batched(module: fx.GraphModule, loaded: LoadedModel) -> tuple[set[str], dict[str, Any]]:
+def _batched(
+    module: fx.GraphModule, loaded: LoadedModel, fake: FakeTensorMode
+) -> tuple[set[str], dict[str, Any]]:
     """Names of nodes whose value is a tensor with the batch in dimension 0."""
-    small, large = (_record(module, loaded.inputs(b)) for b in _PROBE_BATCHES)
+    small, large = (_record(module, loaded.inputs(b), fake) for b in _PROBE_BATCHES)
     batched = {
         name
         for name, value in small.items()
@@ -139,22 +161,25 @@ def _batched(module: fx.GraphModule, loaded: LoadedModel) -> tuple[set[str], dic
 
 
 def _graph_of(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) -> Traced:
-    """Probe in eval mode, so tracing never updates batch-norm running statistics."""
-    was_training = module.training
-    module.eval()
+    """Probe the graph; buffers (batch-norm running statistics) are restored after."""
+    saved = {name: buffer.clone() for name, buffer in module.named_buffers()}
     try:
         return _probed_graph(module, loaded, method)
     finally:
-        module.train(was_training)
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                buffer.copy_(saved[name])
 
 
 def _probed_graph(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) -> Traced:
-    batched, values = _batched(module, loaded)
+    """Shapes and FLOPs come from fake tensors: no arithmetic is done."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    batched, values = _batched(module, loaded, fake)
     nodes = list(module.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     heads = [n for n in nodes if n.op in _LAYER_OPS and n.name in batched]
     groups = _group(heads, method)
-    builder = _LayerBuilder(module, values, {n.name for n in placeholders}, groups)
+    builder = _LayerBuilder(module, values, {n.name for n in placeholders}, groups, fake)
     layers = tuple(builder.build(group) for group in groups)
     output = _output_layer(nodes, builder.layer_of)
     graph = LayerGraph(
@@ -210,8 +235,10 @@ class _LayerBuilder:
         values: dict[str, Any],
         placeholders: set[str],
         groups: list[list[fx.Node]],
+        fake: FakeTensorMode,
     ) -> None:
         self.module = module
+        self.fake = fake
         self.values = values
         self.placeholders = placeholders
         self.layer_of = {node.name: group[-1].name for group in groups for node in group}
@@ -306,13 +333,14 @@ class _LayerBuilder:
             dtype="", params=(), param_bytes=0, act_bytes=0, fwd_flops=0.0, bwd_flops=0.0,
         )
         runner = LayerRunner(self.module, layer)
-        args = [_grad_input(self.values[name]) for name in inputs]
-        with FlopCounterMode(display=False) as forward:
-            output = runner(*args)
-        if not output.requires_grad:
-            return float(forward.get_total_flops()), 0.0
-        with FlopCounterMode(display=False) as backward:
-            output.backward(torch.ones_like(output))
+        with self.fake:
+            args = [_grad_input(self.values[name]) for name in inputs]
+            with FlopCounterMode(display=False) as forward:
+                output = runner(*args)
+            if not output.requires_grad:
+                return float(forward.get_total_flops()), 0.0
+            with FlopCounterMode(display=False) as backward:
+                output.backward(torch.ones_like(output))
         return float(forward.get_total_flops()), float(backward.get_total_flops())
 
 

@@ -1,0 +1,7 @@
+"""A model file that forgets inputs()."""
+
+from torch import nn
+
+
+def model() -> nn.Module:
+    return nn.Linear(2, 2)
