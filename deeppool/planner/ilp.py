@@ -93,7 +93,7 @@ def _formulate(
 ) -> tuple[pulp.LpProblem, dict[str, dict[int, pulp.LpVariable]]]:
     problem = pulp.LpProblem("burst_parallel_plan", pulp.LpMinimize)
     x = {
-        layer.name: {g: pulp.LpVariable(f"x_{i}_{g}", cat=pulp.LpBinary) for g in options[layer.name]}
+        layer.name: {g: problem.add_variable(f"x_{i}_{g}", cat=pulp.LpBinary) for g in options[layer.name]}
         for i, layer in enumerate(cost.graph.layers)
     }
     terms = []
@@ -132,7 +132,7 @@ def _edge(
     sides = [cost.reshard_side_ms(producer, g) for g in levels]
 
     def flow(name: str, count: int) -> list[pulp.LpVariable]:
-        return [pulp.LpVariable(f"{name}_{index}_{k}", lowBound=0) for k in range(count)]
+        return [problem.add_variable(f"{name}_{index}_{k}", lowBound=0) for k in range(count)]
 
     stay, enter, leave = flow("s", len(levels)), flow("e", len(levels)), flow("l", len(levels))
     down, up = flow("d", len(levels) - 1), flow("u", len(levels) - 1)

@@ -257,7 +257,7 @@ class _LayerBuilder:
         fwd, bwd = self._flops(names, tuple(inputs), head)
         return Layer(
             name=head.name,
-            op=self._op(head),
+            op=self._op(head, params),
             target=self._target(head),
             nodes=names,
             inputs=tuple(inputs),
@@ -310,17 +310,14 @@ class _LayerBuilder:
             total += tensor.numel() * tensor.element_size()
         return total
 
-    def _op(self, head: fx.Node) -> str:
+    def _op(self, head: fx.Node, params: tuple[str, ...]) -> str:
+        """The module class for module calls and parameterised groups, else the function."""
         if head.op == "call_module":
             return type(self.module.get_submodule(str(head.target))).__name__
-        module_type = _module_type(head)
-        if module_type and self.layer_of.get(head.name) and len(self._group_size(head)) > 1:
-            return module_type
-        target = head.target
-        return getattr(target, "__name__", str(target))
-
-    def _group_size(self, head: fx.Node) -> list[str]:
-        return [name for name, layer in self.layer_of.items() if layer == head.name]
+        if params and _module_type(head):
+            return _module_type(head)
+        name = getattr(head.target, "__name__", str(head.target))
+        return name.removesuffix(".default")
 
     def _target(self, head: fx.Node) -> str:
         if head.op == "call_module":

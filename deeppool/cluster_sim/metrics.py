@@ -1,0 +1,130 @@
+"""Metrics of a simulated run, and their JSON, CSV and table forms.
+
+* JCT: finish − arrival, averaged and at the 99th percentile, over all jobs.
+* makespan: the last completion (the trace starts at 0).
+* gpu_utilization: busy GPU-time / (GPUs · makespan); a rank is busy while its
+  Plan runs a phase on it, and a lent rank for the share a background job uses.
+* fg_throughput / bg_throughput: work completed per second, the work of a job
+  being its recorded GPU-time (recorded duration × recorded GPUs) — i.e. in
+  "GPUs' worth of data-parallel work"; both are over the makespan.
+* cluster_throughput_vs_dp: (fg + bg throughput) over the ``dp`` policy's in
+  the same run (DeepPool's "cluster throughput relative to data parallel").
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.table import Table
+
+from deeppool.cluster_sim.engine import SimResult
+from deeppool.cluster_sim.policies import BASELINE
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyMetrics:
+    policy: str
+    jobs: int
+    fg_jobs: int
+    bg_jobs: int
+    avg_jct_s: float
+    p99_jct_s: float
+    avg_fg_jct_s: float
+    avg_bg_jct_s: float
+    makespan_s: float
+    gpu_utilization: float
+    fg_throughput: float
+    bg_throughput: float
+    cluster_throughput: float
+    cluster_throughput_vs_dp: float | None
+    preemptions: int
+    events: int
+    sim_wall_s: float
+    events_per_s: float
+
+
+def _mean(values: np.ndarray) -> float:
+    return float(values.mean()) if values.size else 0.0
+
+
+def measure(result: SimResult) -> PolicyMetrics:
+    records = result.records
+    jct = np.array([r.jct_s for r in records])
+    background = np.array([r.background for r in records], dtype=bool)
+    work = np.array([r.work_gpu_s for r in records])
+    span = result.makespan_s if result.makespan_s > 0 else 1.0
+    fg = float(work[~background].sum()) / span
+    bg = float(work[background].sum()) / span
+    return PolicyMetrics(
+        policy=result.policy,
+        jobs=len(records),
+        fg_jobs=int((~background).sum()),
+        bg_jobs=int(background.sum()),
+        avg_jct_s=_mean(jct),
+        p99_jct_s=float(np.percentile(jct, 99)) if jct.size else 0.0,
+        avg_fg_jct_s=_mean(jct[~background]),
+        avg_bg_jct_s=_mean(jct[background]),
+        makespan_s=result.makespan_s,
+        gpu_utilization=result.busy_gpu_s / (result.cluster.gpus * span),
+        fg_throughput=fg,
+        bg_throughput=bg,
+        cluster_throughput=fg + bg,
+        cluster_throughput_vs_dp=None,
+        preemptions=sum(r.preemptions for r in records),
+        events=result.events,
+        sim_wall_s=result.wall_s,
+        events_per_s=result.events / result.wall_s if result.wall_s > 0 else 0.0,
+    )
+
+
+def compare(results: Sequence[SimResult]) -> tuple[PolicyMetrics, ...]:
+    """Metrics of every run, with cluster throughput relative to the ``dp`` run when there is one."""
+    metrics = [measure(result) for result in results]
+    base = next((m for m in metrics if m.policy == BASELINE), None)
+    if base is None or base.cluster_throughput <= 0:
+        return tuple(metrics)
+    return tuple(
+        PolicyMetrics(**{**asdict(m), "cluster_throughput_vs_dp": m.cluster_throughput / base.cluster_throughput})
+        for m in metrics
+    )
+
+
+def write_metrics(metrics: Sequence[PolicyMetrics], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps({m.policy: asdict(m) for m in metrics}, indent=2) + "\n")
+    with (out / "metrics.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(asdict(metrics[0])))
+        writer.writeheader()
+        writer.writerows(asdict(m) for m in metrics)
+
+
+def write_jobs(results: Sequence[SimResult], out: Path) -> None:
+    """Per-job records of every policy: jobs.csv."""
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "jobs.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["policy", "job", "name", "background", "gpus", "arrival_s", "start_s", "finish_s", "jct_s", "preemptions"])
+        for result in results:
+            for r in result.records:
+                writer.writerow([result.policy, r.job_id, r.name, int(r.background), r.gpus,
+                                 f"{r.arrival_s:.3f}", f"{r.start_s:.3f}", f"{r.finish_s:.3f}",
+                                 f"{r.jct_s:.3f}", r.preemptions])
+
+
+def table(metrics: Sequence[PolicyMetrics], title: str) -> Table:
+    out = Table(title=title)
+    for column in ("policy", "avg JCT (h)", "p99 JCT (h)", "makespan (h)", "GPU util", "fg thr", "bg thr", "vs dp", "events/s"):
+        out.add_column(column, justify="left" if column == "policy" else "right")
+    for m in metrics:
+        ratio = "—" if m.cluster_throughput_vs_dp is None else f"{m.cluster_throughput_vs_dp:.3f}x"
+        out.add_row(
+            m.policy, f"{m.avg_jct_s / 3600:.2f}", f"{m.p99_jct_s / 3600:.2f}", f"{m.makespan_s / 3600:.2f}",
+            f"{m.gpu_utilization:.1%}", f"{m.fg_throughput:.1f}", f"{m.bg_throughput:.1f}", ratio,
+            f"{m.events_per_s:,.0f}",
+        )
+    return out

@@ -1,0 +1,130 @@
+"""Which model (and global batch) each trace job trains.
+
+Traces name no models, so every job is mapped to a model file through its
+workload key (the Pollux application, the Philly virtual-cluster id, the
+synthetic job's class). Defaults (docs/simulator.md):
+
+* Pollux applications: imagenet → resnet50, cifar10 → inception,
+  yolov3 → vgg16, bert / deepspeech2 / ncf → gpt2 (the closest example in kind:
+  ImageNet CNN, small CNN, detection backbone, sequence models).
+* Philly ids and anything unlisted: one of the four examples, drawn per job
+  from a generator seeded with ``--seed`` (Philly records no model).
+* Synthetic jobs: the example their class names.
+
+A mapping file (JSON) replaces the defaults::
+
+    {"imagenet": {"model": "examples/resnet50.py", "global_batch": 256},
+     "*":        {"model": "gpt2", "global_batch": 64}}
+
+``model`` is an example name or a model-file path (relative to the mapping
+file); ``"*"`` maps every key not listed. Without ``"*"`` an unlisted key is
+an error that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import deeppool
+from deeppool.errors import DeeppoolError
+from deeppool.planner.modelspec import ModelSpec
+
+EXAMPLES_DIR = Path(deeppool.__file__).resolve().parent.parent / "examples"
+EXAMPLE_BATCH = {"vgg16": 128, "resnet50": 256, "inception": 256, "gpt2": 64}
+POLLUX_DEFAULT = {
+    "imagenet": "resnet50",
+    "cifar10": "inception",
+    "yolov3": "vgg16",
+    "bert": "gpt2",
+    "deepspeech2": "gpt2",
+    "ncf": "gpt2",
+}
+WILDCARD = "*"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelChoice:
+    """A model file and the global batch its jobs train with (fixed: strong scaling)."""
+
+    name: str
+    spec: ModelSpec
+    global_batch: int
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise DeeppoolError(f"model '{self.name}': global_batch must be >= 1")
+
+
+def example(name: str, global_batch: int | None = None) -> ModelChoice:
+    path = EXAMPLES_DIR / f"{name}.py"
+    if name not in EXAMPLE_BATCH or not path.is_file():
+        raise DeeppoolError(f"'{name}' is not an example model: use one of {', '.join(EXAMPLE_BATCH)} or a .py path")
+    return ModelChoice(name=name, spec=ModelSpec.parse(str(path)), global_batch=global_batch or EXAMPLE_BATCH[name])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelMapping:
+    """Workload key → model; unlisted keys go to ``fallback``, else a seeded draw from ``spread``."""
+
+    by_key: Mapping[str, ModelChoice] = field(default_factory=dict)
+    fallback: ModelChoice | None = None
+    spread: tuple[ModelChoice, ...] = ()
+    source: str = "defaults"
+
+    def resolve(self, key: str, rng: random.Random, *, where: str) -> ModelChoice:
+        if key in self.by_key:
+            return self.by_key[key]
+        if self.fallback is not None:
+            return self.fallback
+        if self.spread:
+            return rng.choice(self.spread)
+        raise DeeppoolError(
+            f"{where}: '{key}' has no model mapping in {self.source}: add it (or \"*\") to the mapping file"
+        )
+
+    def choices(self) -> tuple[ModelChoice, ...]:
+        listed = list(self.by_key.values()) + ([self.fallback] if self.fallback else []) + list(self.spread)
+        return tuple({choice.name: choice for choice in listed}.values())
+
+
+def default_mapping() -> ModelMapping:
+    examples = {name: example(name) for name in EXAMPLE_BATCH}
+    by_key = {**examples, **{app: examples[model] for app, model in POLLUX_DEFAULT.items()}}
+    return ModelMapping(by_key=by_key, spread=tuple(examples.values()), source="the default mapping")
+
+
+def load_mapping(path: str | Path) -> ModelMapping:
+    source = Path(path)
+    if not source.is_file():
+        raise DeeppoolError(f"mapping file '{path}' does not exist: check the path")
+    try:
+        payload = json.loads(source.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DeeppoolError(f"mapping file '{path}' is not valid JSON ({err.__class__.__name__}: {err})") from None
+    if not isinstance(payload, dict) or not payload:
+        raise DeeppoolError(f"mapping file '{path}': expected a JSON object of key -> {{model, global_batch}}")
+    entries = {str(key): _entry(source, str(key), value) for key, value in payload.items()}
+    fallback = entries.pop(WILDCARD, None)
+    return ModelMapping(by_key=entries, fallback=fallback, source=f"mapping file '{path}'")
+
+
+def _entry(source: Path, key: str, value: Any) -> ModelChoice:
+    if not isinstance(value, dict) or "model" not in value:
+        raise DeeppoolError(f"mapping file '{source}': entry '{key}' needs a \"model\" (example name or .py path)")
+    model = str(value["model"])
+    batch = value.get("global_batch")
+    if batch is not None and (not isinstance(batch, int) or batch < 1):
+        raise DeeppoolError(f"mapping file '{source}': entry '{key}': global_batch must be an integer >= 1")
+    if model in EXAMPLE_BATCH:
+        return example(model, batch)
+    path = Path(model) if Path(model).is_absolute() else source.resolve().parent / model
+    if not path.is_file():
+        raise DeeppoolError(f"mapping file '{source}': entry '{key}': model file '{path}' does not exist")
+    if batch is None:
+        raise DeeppoolError(f"mapping file '{source}': entry '{key}': a model file needs a global_batch")
+    return ModelChoice(name=path.stem, spec=ModelSpec.parse(str(path)), global_batch=batch)

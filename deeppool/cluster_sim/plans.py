@@ -1,0 +1,288 @@
+"""Foreground Plans for simulated jobs: solved by the planner, cached, reduced to facts.
+
+For every (model, global batch, GPU count) a job may run on, the planner's
+:func:`deeppool.planner.api.plan_graph` is called once; it solves the burst
+strategy (the ILP by default) and costs both baselines in the same run, so the
+data-parallel Plan comes from the same call. Each Plan is reduced to
+:class:`PlanFacts` — its predicted iteration time, GPU-seconds per iteration
+and every rank's idle fraction — which is all the simulator reads.
+
+Plans are cached in memory and on disk (``cache_dir``), keyed by the model
+file's content, the batch, the GPU count, the strategy, the device and network
+and a fingerprint of the planner's source, so an 82,000-job trace solves a few
+dozen ILPs once, and later runs solve none. Traced graphs are cached the same way.
+Missing plans are solved one model per worker process (tracing dominates).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import multiprocessing
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import deeppool.planner
+from deeppool.cluster_sim.cluster import ClusterSpec
+from deeppool.cluster_sim.models import ModelChoice
+from deeppool.errors import DeeppoolError
+from deeppool.planner.api import PlanRequest, Planned, device_setup, plan_graph
+from deeppool.planner.graph import LayerGraph
+from deeppool.planner.jsonio import write_json
+from deeppool.planner.plan import Plan, Strategy, build_plan
+from deeppool.planner.trace import trace
+
+FACTS_VERSION = 1
+
+
+class PlanMode(enum.Enum):
+    """How a job runs on its whole GPUs: every layer on all of them, or its burst-parallel plan."""
+
+    DATA_PARALLEL = "dp"
+    BURST = "burst"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanFacts:
+    """What the simulator reads of a Plan."""
+
+    iteration_s: float
+    gpu_seconds_per_iteration: float
+    idle_fractions: tuple[float, ...]
+
+    @classmethod
+    def of(cls, plan: Plan) -> PlanFacts:
+        """Idle fraction of rank r = Σ its idle windows / iteration time."""
+        iteration_ms = plan.predicted.iteration_ms
+        idle = [0.0] * plan.gpus
+        for window in plan.predicted.idle_windows:
+            idle[window.rank] += window.length_ms
+        return cls(
+            iteration_s=iteration_ms / 1e3,
+            gpu_seconds_per_iteration=plan.predicted.gpu_seconds_per_iteration,
+            idle_fractions=tuple(min(1.0, max(0.0, t / iteration_ms)) if iteration_ms > 0 else 0.0 for t in idle),
+        )
+
+    @property
+    def gpus(self) -> int:
+        return len(self.idle_fractions)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """How burst plans are made: strategy (ILP or the DeepPool programme) and solver time limit."""
+
+    burst_strategy: Strategy = Strategy.ILP
+    time_limit_s: float = 30.0
+    amplification: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.burst_strategy is Strategy.DATA_PARALLEL:
+            raise DeeppoolError("--burst-strategy must be ilp or deeppool (dp is the baseline policy)")
+
+
+TRACER_SOURCES = ("graph.py", "layer_exec.py", "modelspec.py", "trace.py")
+
+
+def planner_fingerprint(names: tuple[str, ...] | None = None) -> str:
+    """A hash of the planner's source (or of ``names`` in it): cached results are stale once it changes."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(deeppool.planner.__file__).parent.glob("*.py")):
+        if names is None or path.name in names:
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class PlanBook:
+    """Facts of the Plan of every (model, GPUs, mode), solved once and cached."""
+
+    def __init__(self, *, cluster: ClusterSpec, settings: PlanSettings, cache_dir: Path | None) -> None:
+        self.cluster = cluster
+        self.settings = settings
+        self.cache_dir = cache_dir
+        self.solved = 0
+        self._facts: dict[tuple[ModelChoice, int, PlanMode], PlanFacts] = {}
+        self._graphs: dict[ModelChoice, LayerGraph] = {}
+        self._fingerprint = planner_fingerprint()
+        self._tracer_fingerprint = planner_fingerprint(TRACER_SOURCES)
+
+    def facts(self, model: ModelChoice, gpus: int, mode: PlanMode) -> PlanFacts:
+        key = (model, gpus, mode)
+        if key not in self._facts:
+            self._load_or_solve(model, gpus)
+        return self._facts[key]
+
+    def prepare(
+        self,
+        needs: Iterable[tuple[ModelChoice, int]],
+        advance: Callable[[int], None] = lambda done: None,
+        *,
+        workers: int = 1,
+    ) -> None:
+        """Load or solve the plans of every (model, GPUs) in ``needs``.
+
+        Cached plans are loaded here; the rest are solved one model per worker
+        process when ``workers`` > 1 (each worker traces its model once).
+        """
+        missing: dict[ModelChoice, list[int]] = {}
+        for model, gpus in needs:
+            if not self._load_cached(model, gpus):
+                missing.setdefault(model, []).append(gpus)
+            else:
+                advance(1)
+        if workers > 1 and len(missing) > 1:
+            self._solve_in_pool(missing, advance, workers)
+        for model, counts in missing.items():
+            for gpus in counts:
+                self.facts(model, gpus, PlanMode.BURST)
+                advance(1)
+
+    def _solve_in_pool(self, missing: dict[ModelChoice, list[int]], advance: Callable[[int], None], workers: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(workers, len(missing)), mp_context=context) as pool:
+            futures = {
+                pool.submit(_solve_model, self.cluster, self.settings, self.cache_dir, model, tuple(counts)): model
+                for model, counts in missing.items()
+            }
+            for future in as_completed(futures):
+                model = futures[future]
+                solved = future.result()
+                for gpus, facts in solved.items():
+                    self._store(model, gpus, facts)
+                self.solved += len(solved)
+                advance(len(solved))
+                missing[model] = []
+
+    def _load_cached(self, model: ModelChoice, gpus: int) -> bool:
+        if (model, gpus, PlanMode.BURST) in self._facts:
+            return True
+        path = self._cache_path(model, gpus)
+        if path is None or not path.is_file():
+            return False
+        try:
+            self._store(model, gpus, _read_facts(path))
+        except (ValueError, KeyError, TypeError):
+            return False  # a corrupted cache entry is solved again
+        return True
+
+    def _load_or_solve(self, model: ModelChoice, gpus: int) -> None:
+        if self._load_cached(model, gpus):
+            return
+        facts = self._solve(model, gpus)
+        self._store(model, gpus, facts)
+        path = self._cache_path(model, gpus)
+        if path is not None:
+            write_json(path, {"version": FACTS_VERSION, **{m.value: asdict(f) for m, f in facts.items()}})
+
+    def _store(self, model: ModelChoice, gpus: int, facts: dict[PlanMode, PlanFacts]) -> None:
+        for mode, fact in facts.items():
+            self._facts[(model, gpus, mode)] = fact
+
+    def _solve(self, model: ModelChoice, gpus: int) -> dict[PlanMode, PlanFacts]:
+        graph = self.graph(model)
+        profile, _ = device_setup(self.cluster.device.value, model.global_batch, model.global_batch, graph)
+        request = PlanRequest(
+            gpus=gpus,
+            global_batch=model.global_batch,
+            strategy=self.settings.burst_strategy,
+            amplification=self.settings.amplification,
+            time_limit_s=self.settings.time_limit_s,
+        )
+        try:
+            planned = plan_graph(graph, profile, self.cluster.network, request, model=model.spec)
+        except DeeppoolError as err:
+            raise DeeppoolError(f"model '{model.name}' (batch {model.global_batch}) on {gpus} GPU(s): {err}") from None
+        self.solved += 1
+        return {
+            PlanMode.BURST: PlanFacts.of(planned.plan),
+            PlanMode.DATA_PARALLEL: PlanFacts.of(_data_parallel_plan(planned, model, gpus)),
+        }
+
+    def graph(self, model: ModelChoice) -> LayerGraph:
+        """The model's layer graph: traced once per run, and cached on disk."""
+        if model not in self._graphs:
+            self._graphs[model] = self._load_or_trace(model)
+        return self._graphs[model]
+
+    def _load_or_trace(self, model: ModelChoice) -> LayerGraph:
+        path = None
+        if self.cache_dir is not None:
+            identity = {**self._model_identity(model), "planner": self._tracer_fingerprint}
+            path = self.cache_dir / "graphs" / f"{_digest(identity)}.json"
+            if path.is_file():
+                try:
+                    return LayerGraph.from_json(json.loads(path.read_text()))
+                except (ValueError, KeyError, TypeError, DeeppoolError):
+                    pass
+        graph = trace(model.spec.load()).graph
+        if path is not None:
+            write_json(path, graph.to_json())
+        return graph
+
+    def _model_identity(self, model: ModelChoice) -> dict[str, object]:
+        location = Path(model.spec.location)
+        content = hashlib.sha256(location.read_bytes()).hexdigest() if location.is_file() else model.spec.location
+        return {"model": content, "seed": model.spec.seed, "shape": model.spec.input_shape, "planner": self._fingerprint}
+
+    def _cache_path(self, model: ModelChoice, gpus: int) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        key = {
+            **self._model_identity(model),
+            "batch": model.global_batch,
+            "gpus": gpus,
+            "device": self.cluster.device.value,
+            "network": self.cluster.network.to_json(),
+            "settings": [self.settings.burst_strategy.value, self.settings.time_limit_s, self.settings.amplification],
+            "version": FACTS_VERSION,
+        }
+        return self.cache_dir / "plans" / f"{_digest(key)}.json"
+
+
+def _solve_model(
+    cluster: ClusterSpec, settings: PlanSettings, cache_dir: Path | None, model: ModelChoice, counts: tuple[int, ...]
+) -> dict[int, dict[PlanMode, PlanFacts]]:
+    """Worker process: trace ``model`` once and solve its plans for every count."""
+    book = PlanBook(cluster=cluster, settings=settings, cache_dir=cache_dir)
+    return {gpus: {mode: book.facts(model, gpus, mode) for mode in PlanMode} for gpus in counts}
+
+
+def _data_parallel_plan(planned: Planned, model: ModelChoice, gpus: int) -> Plan:
+    """The data-parallel Plan of the same planner run (the same cost model and baselines)."""
+    if planned.plan.strategy is Strategy.DATA_PARALLEL:
+        return planned.plan
+    predicted = planned.plan.predicted
+    return build_plan(
+        planned.cost,
+        planned.assignments[Strategy.DATA_PARALLEL],
+        model=model.spec,
+        gpus=gpus,
+        strategy=Strategy.DATA_PARALLEL,
+        amplification_limit=planned.plan.amplification_limit,
+        solver=planned.plan.solver,
+        baselines={
+            Strategy.DATA_PARALLEL: predicted.data_parallel_iteration_ms,
+            Strategy.DEEPPOOL: predicted.deeppool_iteration_ms,
+        },
+    )
+
+
+def _read_facts(path: Path) -> dict[PlanMode, PlanFacts]:
+    payload = json.loads(path.read_text())
+    if payload.get("version") != FACTS_VERSION:
+        raise ValueError("stale cache entry")
+    return {
+        mode: PlanFacts(
+            iteration_s=float(payload[mode.value]["iteration_s"]),
+            gpu_seconds_per_iteration=float(payload[mode.value]["gpu_seconds_per_iteration"]),
+            idle_fractions=tuple(float(f) for f in payload[mode.value]["idle_fractions"]),
+        )
+        for mode in PlanMode
+    }
+
+
+def _digest(payload: object) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]

@@ -1,0 +1,110 @@
+"""The contract between the engine and the policies: snapshots in, decisions out.
+
+A policy is a pure function ``decide(snapshot) -> Decision`` over a typed,
+read-only :class:`Snapshot` of the cluster. The engine applies the decision
+(preemptions, then starts, then loans) and asks again until the policy has
+nothing more to do, so a new policy is a new class in
+:mod:`deeppool.cluster_sim.policies` and never a change to the engine.
+
+For speed, a snapshot's collections are read-only *views* of the engine's
+queues (valid for the duration of the ``decide`` call, never copied): a FIFO
+policy looks at the head of an 80,000-job queue without paying for the tail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Reversible
+from dataclasses import dataclass
+from typing import Protocol
+
+from deeppool.cluster_sim.models import ModelChoice
+from deeppool.cluster_sim.plans import PlanMode
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SimJob:
+    """A job as the simulator runs it: its request, its model and its work in iterations."""
+
+    job_id: int
+    name: str
+    arrival_s: float
+    gpus: int
+    background: bool
+    model: ModelChoice
+    iterations: float
+    recorded_duration_s: float
+
+    @property
+    def work_gpu_s(self) -> float:
+        """The job's work in GPU-seconds under its recorded (data-parallel) allocation."""
+        return self.recorded_duration_s * self.gpus
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Slot:
+    """Rank ``rank`` of running foreground job ``host``, idle for ``idle_fraction`` of each iteration."""
+
+    host: int
+    rank: int
+    idle_fraction: float
+
+
+class ReversibleCollection(Collection, Reversible, Protocol):
+    """A sized, iterable, reversible read-only view (a dict's ``values()``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Snapshot:
+    """The cluster as a policy sees it at ``now_s``."""
+
+    now_s: float
+    total_gpus: int
+    free_gpus: int
+    waiting: Collection[SimJob]
+    waiting_fg: Collection[SimJob]
+    waiting_bg: Collection[SimJob]
+    free_slots: Collection[Slot]
+    preemptible: ReversibleCollection
+    preemptible_gpus: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Start:
+    """Run ``job_id`` on ``gpus`` whole GPUs with the plan of ``mode``."""
+
+    job_id: int
+    gpus: int
+    mode: PlanMode
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Lend:
+    """Run background job ``job_id`` data parallel on the idle time of ``slots``."""
+
+    job_id: int
+    slots: tuple[Slot, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """What to change now; ``preempt`` names background jobs holding whole GPUs."""
+
+    preempt: tuple[int, ...] = ()
+    start: tuple[Start, ...] = ()
+    lend: tuple[Lend, ...] = ()
+    wake_at_s: float | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.preempt or self.start or self.lend)
+
+
+NOTHING = Decision()
+
+
+class Policy(Protocol):
+    """A scheduling policy: ``name`` for reports, ``decide`` for the engine."""
+
+    name: str
+
+    def decide(self, snapshot: Snapshot) -> Decision: ...

@@ -1,0 +1,108 @@
+"""From a workload to simulated jobs, and from jobs to one result per policy."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from deeppool.cluster_sim.cluster import ClusterSpec
+from deeppool.cluster_sim.engine import Engine, SimResult
+from deeppool.cluster_sim.interference import InterferenceModel
+from deeppool.cluster_sim.models import ModelChoice, ModelMapping
+from deeppool.cluster_sim.plans import PlanBook, PlanMode
+from deeppool.cluster_sim.policies import policy_named
+from deeppool.cluster_sim.policy import SimJob
+from deeppool.cluster_sim.workload import BackgroundRule, TraceJob, Workload
+from deeppool.errors import DeeppoolError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assignment:
+    """Workload jobs with their models, before their work is known."""
+
+    jobs: tuple[TraceJob, ...]
+    models: tuple[ModelChoice, ...]
+    background: tuple[bool, ...]
+    dropped: int
+
+    def needs(self) -> list[tuple[ModelChoice, int]]:
+        """Every distinct (model, GPU count), largest first (the slow solves show early)."""
+        pairs = dict.fromkeys(zip(self.models, (job.gpus for job in self.jobs), strict=True))
+        return sorted(pairs, key=lambda pair: (-pair[1], pair[0].name))
+
+
+def assign(
+    workload: Workload,
+    *,
+    mapping: ModelMapping,
+    rule: BackgroundRule,
+    cluster: ClusterSpec,
+    seed: int,
+    drop_oversized: bool,
+) -> Assignment:
+    """Map every job to a model (seeded), classify it, and check that it fits the cluster."""
+    rng = random.Random(seed)
+    kept, models, background = [], [], []
+    dropped = 0
+    for job in workload.jobs:
+        if job.gpus > cluster.gpus:
+            if drop_oversized:
+                dropped += 1
+                continue
+            raise DeeppoolError(
+                f"{job.where}: job '{job.name}' asks for {job.gpus} GPUs but the cluster has {cluster.gpus}: "
+                "raise --gpus or pass --drop-oversized"
+            )
+        models.append(mapping.resolve(job.key, rng, where=job.where))
+        background.append(rule.is_background(job))
+        kept.append(job)
+    if not kept:
+        raise DeeppoolError(f"every job of {workload.source} asks for more than the cluster's {cluster.gpus} GPUs")
+    return Assignment(jobs=tuple(kept), models=tuple(models), background=tuple(background), dropped=dropped)
+
+
+def sim_jobs(assignment: Assignment, book: PlanBook) -> tuple[SimJob, ...]:
+    """Each job's work: its recorded duration over its recorded allocation's data-parallel iteration time."""
+    jobs = []
+    for index, (job, model, background) in enumerate(
+        zip(assignment.jobs, assignment.models, assignment.background, strict=True)
+    ):
+        dp = book.facts(model, job.gpus, PlanMode.DATA_PARALLEL)
+        jobs.append(
+            SimJob(
+                job_id=index,
+                name=job.name,
+                arrival_s=job.arrival_s,
+                gpus=job.gpus,
+                background=background,
+                model=model,
+                iterations=job.duration_s / dp.iteration_s,
+                recorded_duration_s=job.duration_s,
+            )
+        )
+    return tuple(jobs)
+
+
+def run_policies(
+    jobs: Sequence[SimJob],
+    *,
+    policies: Sequence[str],
+    cluster: ClusterSpec,
+    book: PlanBook,
+    interference: InterferenceModel,
+    progress: Callable[[str], Callable[[int], None]] = lambda name: (lambda done: None),
+) -> tuple[SimResult, ...]:
+    """One engine run per policy, on the same jobs and Plans."""
+    results = []
+    for name in policies:
+        engine = Engine(
+            cluster=cluster,
+            jobs=jobs,
+            policy=policy_named(name),
+            facts=book.facts,
+            interference=interference,
+            on_progress=progress(name),
+        )
+        results.append(engine.run())
+    return tuple(results)

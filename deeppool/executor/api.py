@@ -1,0 +1,147 @@
+"""The Python API: train one rank of a plan with injected communication.
+
+:func:`train_rank` is what every rank runs (the worker calls it with a
+:class:`~deeppool.executor.comm.TorchComm`; tests call it with a fake). It
+rebuilds and checks the model, optionally trains the single-process reference
+(``check``), runs ``config.steps`` iterations and returns this rank's result;
+rank 0's result carries the :class:`RunSummary` of all ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deeppool.errors import DeeppoolError
+from deeppool.executor.comm import Comm
+from deeppool.executor.config import RunConfig
+from deeppool.executor.data import BatchSource, LoaderBatches, SyntheticBatches
+from deeppool.executor.engine import Engine, EngineParts
+from deeppool.executor.gradients import GradientReducer
+from deeppool.executor.idle import IdleListener, ignore_idle
+from deeppool.executor.local_model import LocalModel, check_plan_matches, freeze_dropout, hold
+from deeppool.executor.program import build_program, idle_positions
+from deeppool.executor.reference import CheckResult, compare, train_reference
+from deeppool.executor.summary import RunSummary, summarise_run
+from deeppool.executor.syncbn import Reduce
+from deeppool.executor.timing import Clock, Recorder, RankTimes, Span, summarise
+from deeppool.planner.modelspec import LoadedModel, ModelSpec
+from deeppool.planner.plan import Plan
+from deeppool.planner.trace import Traced, trace
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankResult:
+    rank: int
+    losses: tuple[float, ...]
+    times: RankTimes
+    spans: tuple[Span, ...]
+    check: CheckResult | None
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    summary: RunSummary | None
+
+
+def train_rank(
+    plan: Plan,
+    *,
+    comm: Comm,
+    config: RunConfig,
+    data: Iterable[Any] | None = None,
+    on_idle: IdleListener = ignore_idle,
+    clock: Clock = time.perf_counter,
+    device: torch.device | None = None,
+    builder: ModelBuilder | None = None,
+) -> RankResult:
+    """Train rank ``comm.rank`` of ``plan``; ``data`` yields global ``(inputs, targets)``."""
+    builder = builder or ModelBuilder()
+    device = device or torch.device("cpu")
+    if comm.world_size != plan.gpus:
+        raise DeeppoolError(f"the plan is for {plan.gpus} GPUs but {comm.world_size} ranks were started: "
+                            f"start {plan.gpus} (--nproc {plan.gpus})")
+    loaded = builder.load(plan.model)
+    batches = _batches(loaded, plan, data)
+    traced = builder.trace(loaded)
+    check_plan_matches(plan, traced.graph)
+    reference = (
+        train_reference(builder.load(plan.model), batches, steps=config.steps,
+                        optimizer=config.optimizer)
+        if config.check else None
+    )
+    module = traced.module.to(device).train()
+    module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
+    if config.check:
+        freeze_dropout(module)
+    local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks))
+    recorder = Recorder(clock, _cuda_sync(device))
+    engine = _engine(plan, local, comm, loaded, config, recorder, on_idle, device)
+    losses = tuple(engine.step(step, batches(step)) for step in range(config.steps))
+    times = summarise(recorder.spans, rank=comm.rank, warmup=config.warmup)
+    check = compare(local.params, reference, bound=config.check_bound) if reference is not None else None
+    gathered = comm.gather((times, losses, check))
+    summary = None
+    if gathered is not None:
+        summary = summarise_run(
+            plan, [g[0] for g in gathered], [g[1] for g in gathered], [g[2] for g in gathered],
+            steps=config.steps, synchronous_allreduce=config.bucket_mb == 0,
+        )
+    return RankResult(
+        rank=comm.rank, losses=losses, times=times, spans=tuple(recorder.spans), check=check,
+        params={name: p.detach() for name, p in local.params.items()}, buffers=dict(local.buffers), summary=summary,
+    )
+
+
+class ModelBuilder:
+    """Builds and traces models; both touch process-global state (the RNG, fx's patching),
+    so ranks that share one process (tests) substitute a serialised builder."""
+
+    def load(self, spec: ModelSpec) -> LoadedModel:
+        return spec.load()
+
+    def trace(self, loaded: LoadedModel) -> Traced:
+        return trace(loaded)
+
+
+def _batches(loaded: LoadedModel, plan: Plan, data: Iterable[Any] | None) -> BatchSource:
+    if data is None:
+        return SyntheticBatches(loaded, plan.global_batch)
+    return LoaderBatches(data, plan.global_batch)
+
+
+def _group_sum(comm: Comm, ranks: tuple[int, ...]) -> Reduce:
+    def reduce(tensor: torch.Tensor) -> None:
+        comm.all_reduce(tensor, ranks)
+
+    return reduce
+
+
+def _cuda_sync(device: torch.device) -> Any:
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def _engine(
+    plan: Plan, local: LocalModel, comm: Comm, loaded: LoadedModel, config: RunConfig,
+    recorder: Recorder, on_idle: IdleListener, device: torch.device,
+) -> Engine:
+    program = build_program(plan, local.graph, comm.rank)
+    return Engine(
+        EngineParts(
+            plan=plan,
+            program=program,
+            model=local,
+            comm=comm,
+            loss=loaded.loss,
+            optimizer=config.optimizer.build(local.params.values()) if local.params else None,
+            reducer=GradientReducer(comm, config.bucket_bytes),
+            recorder=recorder,
+            idle=idle_positions(program, plan.idle_windows(comm.rank)),
+            on_idle=on_idle,
+            device=device,
+        )
+    )

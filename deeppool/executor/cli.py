@@ -1,0 +1,121 @@
+"""The executor's command line: ``deeppool run`` (launcher) and the per-rank worker.
+
+``app`` holds the ``run`` command, which the main CLI mounts as ``deeppool run``;
+``worker_app`` is what ``python -m deeppool.executor plan.json`` runs on every
+rank under torchrun. Both take the same run options.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from deeppool.errors import DeeppoolError
+from deeppool.executor.comm import Backend
+from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
+from deeppool.executor.launch import launch
+from deeppool.executor.worker import RankEnv, report_failure, run_worker
+
+PlanArg = Annotated[Path, typer.Argument(help="plan JSON written by `deeppool plan`")]
+Steps = Annotated[int, typer.Option(help="training iterations")]
+Warmup = Annotated[int, typer.Option(help="iterations left out of the timing medians")]
+Optim = Annotated[OptimizerKind, typer.Option("--optimizer", help="optimizer")]
+Lr = Annotated[float, typer.Option(help="learning rate")]
+Momentum = Annotated[float, typer.Option(help="SGD momentum")]
+BackendOpt = Annotated[Backend, typer.Option(help="auto: NCCL with CUDA, else gloo")]
+Timeout = Annotated[float, typer.Option("--timeout", help="seconds before a stalled communication fails")]
+BucketMb = Annotated[float, typer.Option(help="gradient bucket size in MiB (0: per layer, synchronous)")]
+Check = Annotated[bool, typer.Option("--check", help="also train one process and compare the parameters")]
+CheckBound = Annotated[float, typer.Option(help="largest max relative difference that --check accepts")]
+Out = Annotated[Path, typer.Option("--out", help="directory for traces, summary.json and error records")]
+
+app = typer.Typer(add_completion=False, help="Run a plan on torch.distributed.")
+worker_app = typer.Typer(add_completion=False, help="One rank of a plan (start it with torchrun).")
+
+
+@app.callback()
+def _group() -> None:
+    """Run a plan on torch.distributed."""
+
+
+def make_config(
+    *, steps: int, warmup: int, optimizer: OptimizerKind, lr: float, momentum: float, backend: Backend,
+    timeout: float, bucket_mb: float, check: bool, check_bound: float, out: Path,
+) -> RunConfig:
+    return RunConfig(
+        steps=steps, warmup=min(warmup, max(steps - 1, 0)),
+        optimizer=OptimizerConfig(kind=optimizer, lr=lr, momentum=momentum),
+        backend=backend, timeout_s=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out_dir=out,
+    )
+
+
+def config_args(config: RunConfig) -> list[str]:
+    """The worker's command-line options for ``config``."""
+    args = [
+        "--steps", str(config.steps), "--warmup", str(config.warmup),
+        "--optimizer", config.optimizer.kind.value, "--lr", repr(config.optimizer.lr),
+        "--momentum", repr(config.optimizer.momentum), "--backend", config.backend.value,
+        "--timeout", repr(config.timeout_s), "--bucket-mb", repr(config.bucket_mb),
+        "--check-bound", repr(config.check_bound), "--out", str(config.out_dir),
+    ]
+    return args + (["--check"] if config.check else [])
+
+
+@app.command()
+def run(
+    plan: PlanArg,
+    nproc: Annotated[int | None, typer.Option(help="ranks to start here (default: the plan's GPU count)")] = None,
+    steps: Steps = 50, warmup: Warmup = 5, optimizer: Optim = OptimizerKind.SGD, lr: Lr = 0.01,
+    momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = 300.0,
+    bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-5,
+    out: Out = Path("deeppool-run"),
+) -> None:
+    """Train with PLAN on --nproc local ranks (torchrun underneath) and print the timing summary."""
+    config = make_config(
+        steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, momentum=momentum, backend=backend,
+        timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
+    )
+    from deeppool.planner.plan import Plan
+
+    ranks = nproc if nproc is not None else Plan.load(plan).gpus
+    launch(plan, nproc=ranks, config=config, worker_args=config_args(config))
+
+
+@worker_app.command()
+def worker(
+    plan: PlanArg, steps: Steps = 50, warmup: Warmup = 5, optimizer: Optim = OptimizerKind.SGD, lr: Lr = 0.01,
+    momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = 300.0,
+    bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-5,
+    out: Out = Path("deeppool-run"),
+) -> None:
+    """Run this process's rank of PLAN (rank and world from torchrun's environment)."""
+    env = RankEnv.from_environ()
+    try:
+        config = make_config(
+            steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, momentum=momentum, backend=backend,
+            timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
+        )
+        run_worker(plan, config, env)
+    except BaseException as err:  # every failure leaves a record naming this rank
+        if isinstance(err, (SystemExit, typer.Exit)):
+            raise
+        kind = report_failure(err, env, out)
+        raise SystemExit(kind.value) from None
+
+
+def main() -> None:
+    """Standalone entry (``python -m deeppool.executor.cli run ...``): user errors as one line, exit 2."""
+    try:
+        app(standalone_mode=False)
+    except DeeppoolError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(getattr(err, "exit_code", 2)) from None
+    except typer.Abort:
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""One rank's training iteration: interpret its :class:`Program` op by op.
+
+Each layer runs on leaf copies of its inputs, so its backward is its own
+``torch.autograd.backward`` call and the gradients of its inputs can be sent
+back to the ranks that produced them. The loss on rank ``r`` of the output
+layer is scaled by ``n_r / B``, so the per-rank gradients *sum* to the
+gradient of the global mean loss; gradient all-reduces therefore sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from deeppool.executor.data import Batch
+from deeppool.executor.gradients import GradientReducer
+from deeppool.executor.idle import IdleListener, IdleWindowEvent
+from deeppool.executor.local_model import LocalModel
+from deeppool.executor.program import Op, OpKind, Program, Transfer, grad_flows
+from deeppool.executor.comm import Comm
+from deeppool.executor.timing import Category, Recorder, Span
+from deeppool.planner.plan import IdleWindow, Plan, PlannedLayer
+
+LossFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+_COMM = {OpKind.RESHARD, OpKind.RESHARD_GRAD, OpKind.ALLREDUCE}
+
+
+@dataclass
+class _State:
+    """What one iteration keeps between ops."""
+
+    batch: Batch
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    loss: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineParts:
+    """Everything an :class:`Engine` is wired from (all injected)."""
+
+    plan: Plan
+    program: Program
+    model: LocalModel
+    comm: Comm
+    loss: LossFn
+    optimizer: torch.optim.Optimizer | None
+    reducer: GradientReducer
+    recorder: Recorder
+    idle: dict[int | None, IdleWindow]
+    on_idle: IdleListener
+    device: torch.device
+
+
+class Engine:
+    def __init__(self, parts: EngineParts) -> None:
+        self.p = parts
+        self.rank = parts.program.rank
+        self.planned: dict[str, PlannedLayer] = {layer.name: layer for layer in parts.plan.layers}
+        self.flows = grad_flows(parts.model.graph)
+        self.placeholders = {name: i for i, name in enumerate(parts.model.graph.inputs)}
+        self.layers = {layer.name: layer for layer in parts.model.graph.layers}
+        self._open_idle: tuple[IdleWindow, float] | None = None
+        self._handlers: dict[OpKind, Callable[[Op, _State], None]] = {
+            OpKind.RESHARD: self._reshard,
+            OpKind.FORWARD: self._forward,
+            OpKind.LOSS: self._loss,
+            OpKind.BACKWARD: self._backward,
+            OpKind.ALLREDUCE: self._allreduce,
+            OpKind.RESHARD_GRAD: self._reshard_grad,
+        }
+
+    def step(self, step: int, batch: Batch) -> float:
+        """Run one iteration; returns this rank's share of the global mean loss."""
+        recorder = self.p.recorder
+        start = recorder.clock()
+        state = _State(batch=batch)
+        self._fire(None, step, start)
+        for op in self.p.program.ops:
+            if op.kind is OpKind.STEP:
+                self._optimizer_step(step)
+                continue
+            category = Category.COMM if op.kind in _COMM else Category.COMPUTE
+            with recorder.span(step, op.label, category):
+                self._handlers[op.kind](op, state)
+            self._close_idle(step)
+            if op.phase is not None:
+                self._fire(op.phase, step, start)
+        self._close_idle(step)
+        recorder.add(Span(step=step, label="iteration", category=Category.ITERATION, start_s=start, end_s=recorder.clock()))
+        return float(state.loss.detach()) if state.loss is not None else 0.0
+
+    # -- idle windows ---------------------------------------------------------------------------
+    def _fire(self, position: int | None, step: int, iteration_start: float) -> None:
+        window = self.p.idle.get(position)
+        if window is None:
+            return
+        now = self.p.recorder.clock()
+        self._open_idle = (window, now)
+        self.p.on_idle(
+            IdleWindowEvent(rank=self.rank, step=step, window=window, opened_at_s=now, iteration_start_s=iteration_start)
+        )
+
+    def _close_idle(self, step: int) -> None:
+        """An idle window lasts until the next op, which waits for the busy ranks, is done."""
+        if self._open_idle is None:
+            return
+        window, opened = self._open_idle
+        self._open_idle = None
+        label = f"idle after {window.after or 'start'} (planned {window.length_ms:.3g} ms)"
+        self.p.recorder.add(Span(step=step, label=label, category=Category.IDLE, start_s=opened, end_s=self.p.recorder.clock()))
+
+    # -- ops ------------------------------------------------------------------------------------
+    def _rows(self, layer: str) -> tuple[int, int]:
+        return self.planned[layer].samples[self.rank]
+
+    def _buffer(self, producer: str, rows: int) -> torch.Tensor:
+        layer = self.layers[producer]
+        dtype = getattr(torch, layer.dtype)
+        return torch.empty((rows, *layer.output_shape), dtype=dtype, device=self.p.device)
+
+    def _reshard(self, op: Op, state: _State) -> None:
+        assert op.producer is not None
+        out = state.outputs.get(op.producer)
+        src_start = self._rows(op.producer)[0] if out is not None else 0
+        sends = [(t.dst, out[t.start - src_start : t.end - src_start].contiguous()) for t in op.transfers
+                 if t.src == self.rank and t.dst != self.rank and out is not None]
+        mine = [t for t in op.transfers if t.dst == self.rank]
+        if not mine:
+            self.p.comm.exchange(sends, [])
+            return
+        dst_start, dst_end = self._rows(op.layer)
+        whole = len(mine) == 1 and mine[0].src == self.rank and out is not None and len(out) == dst_end - dst_start
+        value = out.detach() if whole and out is not None else self._buffer(op.producer, dst_end - dst_start)
+        recvs = [(t.src, value[t.start - dst_start : t.end - dst_start]) for t in mine if t.src != self.rank]
+        if not whole and out is not None:
+            for t in mine:
+                if t.src == self.rank:
+                    value[t.start - dst_start : t.end - dst_start] = out.detach()[t.start - src_start : t.end - src_start]
+        self.p.comm.exchange(sends, recvs)
+        state.leaves[(op.layer, op.producer)] = value.requires_grad_(self.flows[op.producer])
+
+    def _forward(self, op: Op, state: _State) -> None:
+        start, end = self._rows(op.layer)
+        args = []
+        for name in self.layers[op.layer].inputs:
+            if name in self.placeholders:
+                args.append(state.batch.inputs[self.placeholders[name]][start:end].to(self.p.device))
+            else:
+                args.append(state.leaves[(op.layer, name)])
+        state.outputs[op.layer] = self.p.model.runners[op.layer](*args)
+
+    def _loss(self, op: Op, state: _State) -> None:
+        start, end = self._rows(op.layer)
+        targets = state.batch.targets
+        local = None if targets is None else targets[start:end].to(self.p.device)
+        share = (end - start) / self.p.plan.global_batch
+        state.loss = self.p.loss(state.outputs[op.layer], local) * share
+
+    def _backward(self, op: Op, state: _State) -> None:
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        output = state.outputs.pop(op.layer)
+        if state.loss is not None and op.layer == self.p.model.graph.output and state.loss.requires_grad:
+            tensors.append(state.loss)
+            grads.append(None)
+        grad = state.grads.pop(op.layer, None)
+        if grad is not None and output.requires_grad:
+            tensors.append(output)
+            grads.append(grad)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
+    def _allreduce(self, op: Op, state: _State) -> None:
+        del state
+        gpus = self.planned[op.layer].gpus
+        if gpus == 1:
+            return
+        params = [self.p.model.params[name] for name in self.p.model.reduce_params[op.layer]]
+        self.p.reducer.add(tuple(range(gpus)), [p.grad for p in params if p.grad is not None])
+
+    def _reshard_grad(self, op: Op, state: _State) -> None:
+        assert op.producer is not None
+        leaf = state.leaves.pop((op.layer, op.producer), None)
+        sends: list[tuple[int, torch.Tensor]] = []
+        if leaf is not None:
+            dst_start = self._rows(op.layer)[0]
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            for t in op.transfers:
+                if t.dst == self.rank:
+                    piece = grad[t.start - dst_start : t.end - dst_start]
+                    if t.src == self.rank:
+                        self._accumulate(state, op.producer, t, piece)
+                    else:
+                        sends.append((t.src, piece.contiguous()))
+        incoming = [t for t in op.transfers if t.src == self.rank and t.dst != self.rank]
+        recvs = [(t.dst, self._buffer(op.producer, t.end - t.start)) for t in incoming]
+        self.p.comm.exchange(sends, recvs)
+        for t, (_, piece) in zip(incoming, recvs, strict=True):
+            self._accumulate(state, op.producer, t, piece)
+
+    def _accumulate(self, state: _State, producer: str, t: Transfer, piece: torch.Tensor) -> None:
+        start, end = self._rows(producer)
+        if producer not in state.grads:
+            if (t.start, t.end) == (start, end):
+                state.grads[producer] = piece
+                return
+            state.grads[producer] = torch.zeros((end - start, *piece.shape[1:]), dtype=piece.dtype, device=piece.device)
+        state.grads[producer][t.start - start : t.end - start] += piece
+
+    def _optimizer_step(self, step: int) -> None:
+        recorder = self.p.recorder
+        with recorder.span(step, "allreduce:wait", Category.COMM):
+            self.p.reducer.finish()
+        with recorder.span(step, "optimizer", Category.COMPUTE):
+            if self.p.optimizer is not None:
+                self.p.optimizer.step()
+                self.p.optimizer.zero_grad(set_to_none=True)

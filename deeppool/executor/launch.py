@@ -1,0 +1,118 @@
+"""``deeppool run``: start the ranks on this machine (torchrun's elastic agent) and report.
+
+The launcher refuses a plan that does not fit before starting anything (wrong
+``--nproc``, a model that does not match the plan), then runs ``nproc``
+workers with ``torch.distributed.launcher.elastic_launch`` (what torchrun runs
+underneath; no restarts). If any worker fails, the agent stops the others, and
+the launcher names the rank at fault: the earliest error a rank raised itself,
+else a rank that died by a signal, else the earliest communication failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from deeppool.errors import DeeppoolError
+from deeppool.executor.config import RunConfig
+from deeppool.executor.local_model import check_plan_matches
+from deeppool.planner.plan import Plan
+from deeppool.planner.trace import trace
+
+_PRIMARY = ("user", "check", "crash")
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""What the agent (or Ctrl-C) stops ranks with: not the cause of a failure."""
+
+
+class RunFailed(DeeppoolError):
+    """A rank failed; ``exit_code`` is the worker's (3: check over its bound)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankFailure:
+    rank: int
+    kind: str
+    message: str
+    time: float
+
+
+def preflight(plan: Plan, nproc: int) -> None:
+    """Everything that can be refused before a rank starts."""
+    if nproc != plan.gpus:
+        raise DeeppoolError(f"--nproc {nproc} differs from the plan's {plan.gpus} GPUs: use --nproc {plan.gpus} "
+                            "or re-plan for this many")
+    check_plan_matches(plan, trace(plan.model.load()).graph)
+
+
+def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[str]) -> None:
+    plan = Plan.load(plan_path)
+    preflight(plan, nproc)
+    out = config.out_dir
+    assert out is not None
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("error-rank*.json"):
+        stale.unlink()
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    launch_config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+    )
+    agent_log = logging.getLogger("torch.distributed.elastic")
+    level = agent_log.level
+    agent_log.setLevel(logging.CRITICAL)  # the launcher names the failed rank itself
+    try:
+        elastic_launch(launch_config, sys.executable)("-m", "deeppool.executor", str(plan_path), *worker_args)
+    except ChildFailedError as err:
+        raise _failure(err, out, nproc) from None
+    except (SignalException, KeyboardInterrupt):
+        raise RunFailed("interrupted: all ranks were stopped", exit_code=130) from None
+    finally:
+        agent_log.setLevel(level)
+
+
+def _failure(err: ChildFailedError, out: Path, nproc: int) -> RunFailed:
+    recorded = _recorded(out)
+    primary = [f for f in recorded if f.kind in _PRIMARY]
+    if primary:
+        first = min(primary, key=lambda f: f.time)
+        code = 3 if first.kind == "check" else 1
+        return RunFailed(f"rank {first.rank} failed: {first.message}" if first.kind != "check" else first.message, code)
+    for rank, failure in sorted(err.failures.items()):
+        if failure.exitcode < 0 and -failure.exitcode not in _STOP_SIGNALS:
+            name = signal.Signals(-failure.exitcode).name
+            return RunFailed(f"rank {rank} was killed by {name}; the other ranks were stopped")
+    silent = sorted(set(range(nproc)) - {f.rank for f in recorded})
+    if recorded and silent:
+        waiting = ", ".join(str(f.rank) for f in sorted(recorded, key=lambda f: f.rank))
+        return RunFailed(
+            f"rank {silent[0]} stopped responding: ranks {waiting} failed waiting for it; all ranks were stopped"
+        )
+    if recorded:
+        first = min(recorded, key=lambda f: f.time)
+        return RunFailed(f"rank {first.rank} failed: {first.message}")
+    rank, failure = min(err.failures.items())
+    return RunFailed(f"rank {rank} exited with code {failure.exitcode}")
+
+
+def _recorded(out: Path) -> list[RankFailure]:
+    failures = []
+    for path in out.glob("error-rank*.json"):
+        try:
+            failures.append(RankFailure(**json.loads(path.read_text())))
+        except (ValueError, TypeError):
+            continue
+    return failures

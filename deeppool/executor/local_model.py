@@ -1,0 +1,163 @@
+"""The part of the model one rank holds: its layers, their parameters, synced BatchNorm.
+
+The model is rebuilt from the plan's :class:`~deeppool.planner.modelspec.ModelSpec`
+(seeded, so identical on every rank) and traced again (deterministic node
+names); the plan is refused if its layers are not this model's. The rank then
+keeps only the parameters of the layers it runs, and a layer on ``g > 1``
+ranks gets its BatchNorm modules replaced by :class:`GroupBatchNorm` over
+ranks ``0..g-1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+from deeppool.errors import DeeppoolError
+from deeppool.executor.syncbn import GroupBatchNorm, Reduce
+from deeppool.planner.graph import Layer, LayerGraph
+from deeppool.planner.layer_exec import LayerRunner
+from deeppool.planner.plan import Plan
+
+GroupReduce = Callable[[tuple[int, ...]], Reduce]
+"""Makes the in-place sum over a group of ranks."""
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """The traced model as this rank holds it."""
+
+    module: fx.GraphModule
+    graph: LayerGraph
+    runners: dict[str, LayerRunner]
+    params: dict[str, nn.Parameter]
+    buffers: dict[str, torch.Tensor]
+    reduce_params: dict[str, tuple[str, ...]]
+
+
+def check_plan_matches(plan: Plan, graph: LayerGraph) -> None:
+    """Refuse a plan made for another model (or another version of this one)."""
+    where = plan.model.location
+    if len(plan.layers) != len(graph.layers):
+        raise DeeppoolError(
+            f"plan does not match model '{where}': the plan has {len(plan.layers)} layers, "
+            f"the model {len(graph.layers)}: re-plan this model"
+        )
+    for index, (planned, layer) in enumerate(zip(plan.layers, graph.layers, strict=True)):
+        if (planned.name, planned.op) != (layer.name, layer.op):
+            raise DeeppoolError(
+                f"plan does not match model '{where}': layer {index} is '{planned.name}' ({planned.op}) "
+                f"in the plan but '{layer.name}' ({layer.op}) in the model: re-plan this model"
+            )
+    smallest = min(plan.global_batch, *(b - a for layer in plan.layers for a, b in layer.samples))
+    if smallest < 1:
+        widest = max(plan.layers, key=lambda layer: layer.gpus)
+        raise DeeppoolError(
+            f"layer '{widest.name}' uses {widest.gpus} GPUs for a global batch of {plan.global_batch}: "
+            "every rank needs at least one sample; re-plan with a larger batch"
+        )
+
+
+def hold(plan: Plan, module: fx.GraphModule, graph: LayerGraph, rank: int, reduce: GroupReduce) -> LocalModel:
+    """Keep rank ``rank``'s layers and parameters of ``module``; install synced BatchNorm."""
+    mine = [layer for layer in graph.layers if rank < plan_gpus(plan, layer.name)]
+    names = {name for layer in mine for name in layer.params}
+    params = {name: _attr(module, name) for name in sorted(names)}
+    buffers = _buffers(module, mine)
+    _drop_others(module, names)
+    for layer in mine:
+        gpus = plan_gpus(plan, layer.name)
+        if gpus > 1:
+            _sync_batch_norms(module, layer, reduce(tuple(range(gpus))))
+    runners = {layer.name: LayerRunner(module, layer) for layer in mine}
+    return LocalModel(
+        module=module, graph=graph, runners=runners, params=params, buffers=buffers, reduce_params=_reduce_owners(plan, graph, mine)
+    )
+
+
+def plan_gpus(plan: Plan, layer: str) -> int:
+    for planned in plan.layers:
+        if planned.name == layer:
+            return planned.gpus
+    raise KeyError(layer)
+
+
+def _reduce_owners(plan: Plan, graph: LayerGraph, mine: list[Layer]) -> dict[str, tuple[str, ...]]:
+    """Each parameter is all-reduced once, after the last backward that touches it."""
+    first: dict[str, Layer] = {}
+    for layer in graph.layers:
+        for name in layer.params:
+            owner = first.setdefault(name, layer)
+            if plan_gpus(plan, owner.name) != plan_gpus(plan, layer.name):
+                raise DeeppoolError(
+                    f"parameter '{name}' is shared by layers '{owner.name}' and '{layer.name}' with different "
+                    "GPU counts: give them the same count"
+                )
+    return {layer.name: tuple(n for n in layer.params if first[n] is layer) for layer in mine}
+
+
+def _buffers(module: fx.GraphModule, layers: list[Layer]) -> dict[str, torch.Tensor]:
+    """Buffers (BatchNorm running statistics...) of the modules the rank's layers call."""
+    by_name = {node.name: node for node in module.graph.nodes}
+    found: dict[str, torch.Tensor] = {}
+    for layer in layers:
+        for node in (by_name[n] for n in layer.nodes):
+            if node.op == "call_module":
+                for name, buffer in module.get_submodule(str(node.target)).named_buffers():
+                    found[f"{node.target}.{name}"] = buffer
+    return found
+
+
+def _attr(module: nn.Module, dotted: str) -> nn.Parameter:
+    value: object = module
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    assert isinstance(value, nn.Parameter), dotted
+    return value
+
+
+def _drop_others(module: nn.Module, keep: set[str]) -> None:
+    """Free every parameter this rank does not run (its layers never read them)."""
+    for name, _ in list(module.named_parameters()):
+        if name not in keep:
+            owner_path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            owner._parameters[leaf] = None
+
+
+def _sync_batch_norms(module: fx.GraphModule, layer: Layer, reduce: Reduce) -> None:
+    by_name = {node.name: node for node in module.graph.nodes}
+    for node_name in layer.nodes:
+        node = by_name[node_name]
+        if node.op == "call_module":
+            target = str(node.target)
+            sub = module.get_submodule(target)
+            if isinstance(sub, nn.modules.batchnorm._BatchNorm):
+                _replace(module, target, GroupBatchNorm(sub, reduce))
+        elif node.op == "call_function" and "batch_norm" in getattr(node.target, "__name__", str(node.target)):
+            raise DeeppoolError(
+                f"layer '{layer.name}' calls batch_norm as a function on several ranks; the executor "
+                "synchronises only nn.BatchNorm modules: give this layer 1 GPU or use a module"
+            )
+
+
+def _replace(module: nn.Module, target: str, new: nn.Module) -> None:
+    parent_path, _, leaf = target.rpartition(".")
+    parent = module.get_submodule(parent_path) if parent_path else module
+    setattr(parent, leaf, new)
+
+
+def freeze_dropout(module: nn.Module) -> None:
+    """Make dropout the identity (``--check``: training stays deterministic)."""
+    for sub in module.modules():
+        if isinstance(sub, nn.modules.dropout._DropoutNd):
+            sub.eval()
+
+
+def device_of(backend_is_nccl: bool) -> torch.device:
+    if backend_is_nccl:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

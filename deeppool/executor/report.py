@@ -1,0 +1,59 @@
+"""Rendering a :class:`RunSummary` for people: rich tables and the check line."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from deeppool.executor.summary import RunSummary
+
+
+def _ratio(measured: float, predicted: float) -> str:
+    return f"{measured / predicted:.2f}" if predicted > 0 else "-"
+
+
+def layer_table(summary: RunSummary, *, limit: int = 40) -> Table:
+    """Measured vs predicted per-layer ms (the ``limit`` layers with the most predicted time)."""
+    table = Table(title="per-layer time, ms (measured = median, slowest rank of the layer)")
+    for column in ("layer", "gpus", "fwd pred", "fwd meas", "bwd pred", "bwd meas", "AR pred", "AR meas", "meas/pred"):
+        table.add_column(column, justify="left" if column == "layer" else "right")
+    rows = sorted(summary.layers, key=lambda l: l.fwd_predicted + l.bwd_predicted + l.allreduce_predicted, reverse=True)
+    for layer in rows[:limit]:
+        predicted = layer.fwd_predicted + layer.bwd_predicted
+        measured = layer.fwd_measured + layer.bwd_measured
+        table.add_row(
+            layer.name, str(layer.gpus),
+            f"{layer.fwd_predicted:.3f}", f"{layer.fwd_measured:.3f}",
+            f"{layer.bwd_predicted:.3f}", f"{layer.bwd_measured:.3f}",
+            f"{layer.allreduce_predicted:.3f}",
+            "-" if layer.allreduce_measured is None else f"{layer.allreduce_measured:.3f}",
+            _ratio(measured, predicted),
+        )
+    if len(rows) > limit:
+        table.caption = f"{len(rows) - limit} more layers in summary.json"
+    return table
+
+
+def summary_lines(summary: RunSummary) -> list[str]:
+    lines = [
+        f"steps: {summary.steps} ({summary.measured_steps} measured after warm-up) on {summary.gpus} ranks, "
+        f"global batch {summary.global_batch}",
+        f"iteration: measured {summary.iteration_measured_ms:.3f} ms, predicted {summary.iteration_predicted_ms:.3f} ms "
+        f"(measured/predicted {_ratio(summary.iteration_measured_ms, summary.iteration_predicted_ms)})",
+        f"throughput: {summary.iterations_per_s:.2f} iterations/s, {summary.samples_per_s:.1f} samples/s",
+    ]
+    if summary.losses:
+        lines.append(f"loss: first {summary.losses[0]:.6g}, last {summary.losses[-1]:.6g}")
+    if summary.check is not None:
+        lines.append(f"max relative difference: {summary.check.max_relative_difference:.3e}")
+        lines.append(
+            f"max relative difference of the updates: {summary.check.max_relative_update_difference:.3e} "
+            f"(worst parameter '{summary.check.worst}', bound {summary.check.bound:g})"
+        )
+    return lines
+
+
+def print_summary(summary: RunSummary, console: Console) -> None:
+    console.print(layer_table(summary))
+    for line in summary_lines(summary):
+        console.print(line, highlight=False, markup=False)

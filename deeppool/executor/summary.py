@@ -1,0 +1,110 @@
+"""What a run measured, merged over ranks, next to what the plan predicted."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from deeppool.executor.reference import CheckResult
+from deeppool.executor.timing import RankTimes
+from deeppool.planner.plan import Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerTiming:
+    """Per-layer ms: predicted by the plan, measured (slowest rank of the layer's group)."""
+
+    name: str
+    gpus: int
+    fwd_predicted: float
+    fwd_measured: float
+    bwd_predicted: float
+    bwd_measured: float
+    allreduce_predicted: float
+    allreduce_measured: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    gpus: int
+    global_batch: int
+    steps: int
+    measured_steps: int
+    iteration_predicted_ms: float
+    iteration_measured_ms: float
+    losses: tuple[float, ...]
+    layers: tuple[LayerTiming, ...]
+    check: CheckResult | None
+
+    @property
+    def iterations_per_s(self) -> float:
+        return 1e3 / self.iteration_measured_ms if self.iteration_measured_ms > 0 else 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.iterations_per_s * self.global_batch
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gpus": self.gpus,
+            "global_batch": self.global_batch,
+            "steps": self.steps,
+            "measured_steps": self.measured_steps,
+            "iteration_predicted_ms": self.iteration_predicted_ms,
+            "iteration_measured_ms": self.iteration_measured_ms,
+            "iterations_per_s": self.iterations_per_s,
+            "samples_per_s": self.samples_per_s,
+            "losses": list(self.losses),
+            "layers": [asdict(layer) for layer in self.layers],
+            "check": None if self.check is None else self.check.to_json(),
+        }
+
+
+def summarise_run(
+    plan: Plan,
+    times: list[RankTimes],
+    losses: list[tuple[float, ...]],
+    checks: list[CheckResult | None],
+    *,
+    steps: int,
+    synchronous_allreduce: bool,
+) -> RunSummary:
+    """Merge every rank's medians and loss shares into one summary (on rank 0)."""
+
+    def slowest(label: str, gpus: int) -> float:
+        return max(t.labels.get(label, 0.0) for t in times if t.rank < gpus)
+
+    layers = tuple(
+        LayerTiming(
+            name=layer.name,
+            gpus=layer.gpus,
+            fwd_predicted=layer.fwd_ms,
+            fwd_measured=slowest(f"forward:{layer.name}", layer.gpus),
+            bwd_predicted=layer.bwd_ms,
+            bwd_measured=slowest(f"backward:{layer.name}", layer.gpus),
+            allreduce_predicted=layer.allreduce_ms,
+            allreduce_measured=slowest(f"allreduce:{layer.name}", layer.gpus) if synchronous_allreduce else None,
+        )
+        for layer in plan.layers
+    )
+    present = [c for c in checks if c is not None]
+    check = max(present, key=lambda c: c.max_relative_difference) if present else None
+    if check is not None:
+        worst_update = max(c.max_relative_update_difference for c in present)
+        check = CheckResult(
+            max_relative_difference=check.max_relative_difference,
+            max_relative_update_difference=worst_update,
+            worst=check.worst,
+            bound=check.bound,
+        )
+    return RunSummary(
+        gpus=plan.gpus,
+        global_batch=plan.global_batch,
+        steps=steps,
+        measured_steps=min(t.steps for t in times),
+        iteration_predicted_ms=plan.predicted.iteration_ms,
+        iteration_measured_ms=max(t.iteration_ms for t in times),
+        losses=tuple(sum(column) for column in zip(*losses, strict=True)),
+        layers=layers,
+        check=check,
+    )

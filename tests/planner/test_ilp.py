@@ -1,0 +1,118 @@
+"""The ILP is optimal (equals enumeration), respects its hard limits and beats its baselines."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from deeppool.errors import DeeppoolError
+from deeppool.planner import baselines
+from deeppool.planner.api import PlanRequest, plan_graph
+from deeppool.planner.candidates import useful_counts
+from deeppool.planner.cost import CostModel
+from deeppool.planner.hardware import NETWORKS, KnownDevice, NetworkModel
+from deeppool.planner.ilp import SolverName
+from deeppool.planner.modelspec import ModelSource, ModelSpec
+from deeppool.planner.plan import Strategy
+from tests.planner import synthetic
+
+SPEC = ModelSpec(source=ModelSource.FACTORY, location="tests.models.factories:small_cnn", input_shape=(3, 8, 8))
+SLOW_NETWORK = NetworkModel(
+    gpus_per_node=2, intra_bandwidth=2e9, inter_bandwidth=0.2e9, intra_latency_s=2e-5, inter_latency_s=1e-4
+)
+
+CHAIN = synthetic.graph([
+    ("a", ("x",), 4_000_000, 400_000),
+    ("b", ("a",), 0, 400_000),
+    ("c", ("b",), 40_000_000, 4_000),
+    ("d", ("c",), 400_000, 4_000),
+])
+RESIDUAL = synthetic.graph([
+    ("a", ("x",), 400_000, 40_000),
+    ("b", ("a",), 4_000_000, 40_000),
+    ("c", ("b",), 40_000, 400_000),
+    ("d", ("c", "a"), 0, 40_000),
+    ("e", ("d",), 4_000_000, 4_000),
+])
+BASES = {"a": 0.5, "b": 0.05, "c": 2.0, "d": 0.01, "e": 0.3}
+
+
+def _problem(graph, gpus: int, batch: int) -> tuple[CostModel, dict]:
+    batches = tuple(range(1, batch + 1))
+    profile = synthetic.profile(graph, {n: BASES[n] for n in graph.names}, 0.05, batches)
+    return CostModel(graph=graph, profile=profile, network=SLOW_NETWORK, global_batch=batch), profile
+
+
+def _enumerate(cost: CostModel, gpus: int, amplification: float | None = None) -> float:
+    """The best iteration time over every count 1..gpus of every layer."""
+    best = float("inf")
+    names = cost.graph.names
+    for counts in itertools.product(range(1, gpus + 1), repeat=len(names)):
+        assignment = dict(zip(names, counts, strict=True))
+        if amplification is not None and any(
+            g > 1 and cost.amplification(cost.graph.layer(n), g) > amplification for n, g in assignment.items()
+        ):
+            continue
+        best = min(best, cost.iteration_ms(assignment))
+    return best
+
+
+@pytest.mark.parametrize("graph", [CHAIN, RESIDUAL], ids=["chain", "residual"])
+@pytest.mark.parametrize("solver", list(SolverName))
+def test_ilp_equals_exhaustive_enumeration_over_all_counts(graph, solver):
+    gpus, batch = 6, 12
+    cost, profile = _problem(graph, gpus, batch)
+    planned = plan_graph(graph, profile, SLOW_NETWORK, PlanRequest(gpus=gpus, global_batch=batch, solver=solver), model=SPEC)
+    assert planned.plan.solver.status.startswith("Optimal")
+    assert planned.plan.predicted.iteration_ms == pytest.approx(_enumerate(cost, gpus), rel=1e-6)
+    assert planned.plan.predicted.iteration_ms == pytest.approx(cost.iteration_ms(planned.plan.assignment))
+
+
+def test_amplification_limit_is_hard_and_still_optimal():
+    gpus, batch, limit = 6, 12, 1.5
+    cost, profile = _problem(RESIDUAL, gpus, batch)
+    request = PlanRequest(gpus=gpus, global_batch=batch, amplification=limit)
+    plan = plan_graph(RESIDUAL, profile, SLOW_NETWORK, request, model=SPEC).plan
+    assert all(layer.amplification <= limit + 1e-9 for layer in plan.layers)
+    assert plan.predicted.iteration_ms == pytest.approx(_enumerate(cost, gpus, limit), rel=1e-6)
+    unlimited = plan_graph(RESIDUAL, profile, SLOW_NETWORK, PlanRequest(gpus=gpus, global_batch=batch), model=SPEC).plan
+    assert any(layer.amplification > limit for layer in unlimited.layers), "the limit must bind in this test"
+
+
+def test_pruned_counts_are_the_smallest_per_gpu_batch():
+    assert useful_counts(8, 8) == (1, 2, 3, 4, 8)
+    assert useful_counts(1024, 256)[-3:] == (86, 128, 256)
+    assert useful_counts(32, 10) == (1, 2, 3, 4, 5, 10)
+
+
+def test_memory_limit_binds_and_infeasible_names_the_layer():
+    gpus, batch = 4, 64
+    cost, profile = _problem(CHAIN, gpus, batch)
+    free = plan_graph(CHAIN, profile, SLOW_NETWORK, PlanRequest(gpus=gpus, global_batch=batch), model=SPEC).plan
+    tight = free.predicted.peak_memory_bytes - 1
+    tight_profile = synthetic.profile(CHAIN, {n: BASES[n] for n in CHAIN.names}, 0.05, profile.layers["a"].batches, tight)
+    bounded = plan_graph(CHAIN, tight_profile, SLOW_NETWORK, PlanRequest(gpus=gpus, global_batch=batch), model=SPEC).plan
+    assert bounded.predicted.peak_memory_bytes <= tight
+    tiny = synthetic.profile(CHAIN, {n: BASES[n] for n in CHAIN.names}, 0.05, (1, 64), memory_bytes=1_000_000)
+    with pytest.raises(DeeppoolError, match="infeasible.*layer 'c'"):
+        plan_graph(CHAIN, tiny, SLOW_NETWORK, PlanRequest(gpus=gpus, global_batch=batch), model=SPEC)
+
+
+def test_ilp_never_slower_than_baselines_and_strategy_picks_the_plan():
+    gpus, batch = 8, 16
+    cost, profile = _problem(RESIDUAL, gpus, batch)
+    network = NETWORKS[KnownDevice.A100]
+    planned = plan_graph(RESIDUAL, profile, network, PlanRequest(gpus=gpus, global_batch=batch), model=SPEC)
+    predicted = planned.plan.predicted
+    assert predicted.iteration_ms <= predicted.data_parallel_iteration_ms + 1e-9
+    assert predicted.iteration_ms <= predicted.deeppool_iteration_ms + 1e-9
+    dp = plan_graph(RESIDUAL, profile, network, PlanRequest(gpus=gpus, global_batch=batch, strategy=Strategy.DATA_PARALLEL), model=SPEC).plan
+    assert {layer.gpus for layer in dp.layers} == {8}
+    assert dp.predicted.iteration_ms == pytest.approx(predicted.data_parallel_iteration_ms)
+
+
+def test_deeppool_baseline_uses_powers_of_two():
+    cost, _ = _problem(CHAIN, 6, 12)
+    assignment = baselines.deeppool_dp(cost, 6, amplification=2.0)
+    assert set(assignment.values()) <= {1, 2, 4}

@@ -1,0 +1,102 @@
+"""Tracing: fx first, torch.export as the fallback, a clear error when neither works."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from deeppool.errors import DeeppoolError
+from deeppool.planner.graph import LayerGraph, TraceMethod
+from deeppool.planner.layer_exec import runners
+from deeppool.planner.modelspec import LoadedModel, ModelSpec, squared_mean_loss
+from deeppool.planner.trace import trace
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+class SizeGlue(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return (y + x) * x.size(1)
+
+
+class ShapeLoop(nn.Module):
+    """fx cannot iterate over a traced shape; torch.export can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(x.shape[1] // 8):
+            x = torch.relu(self.first(x))
+        return self.second(x)
+
+
+def _loaded(module: nn.Module) -> LoadedModel:
+    return LoadedModel(module, lambda b: (torch.randn(b, 8),), lambda b: None, squared_mean_loss)
+
+
+def _run_layers(traced, x: torch.Tensor) -> torch.Tensor:
+    env = {traced.graph.inputs[0]: x}
+    for name, runner in runners(traced.module, traced.graph.layers).items():
+        env[name] = runner(*(env[i] for i in traced.graph.layer(name).inputs))
+    return env[traced.graph.output]
+
+
+def test_fx_layers_shapes_params_flops_and_glue():
+    traced = trace(_loaded(SizeGlue()))
+    graph = traced.graph
+    assert graph.method is TraceMethod.FX
+    assert graph.names == ("fc", "add", "mul")
+    fc, add, mul = graph.layers
+    assert fc.params == ("fc.weight", "fc.bias") and fc.param_bytes == (64 + 8) * 4
+    assert fc.output_shape == (8,) and fc.act_bytes == 32
+    assert fc.fwd_flops == 2 * 8 * 8 and fc.bwd_flops == 2 * fc.fwd_flops
+    assert add.inputs == ("fc", "x")
+    assert mul.nodes == ("size", "mul"), "the size() glue is recomputed by the layer that reads it"
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(_run_layers(traced, x), traced.module(x))
+
+
+def test_export_fallback_groups_nodes_by_module():
+    module = ShapeLoop()
+    traced = trace(_loaded(module))
+    assert traced.graph.method is TraceMethod.EXPORT
+    assert {layer.target for layer in traced.graph.layers} >= {"first", "second"}
+    first = next(layer for layer in traced.graph.layers if layer.target == "second")
+    assert first.op == "Linear" and first.param_bytes == (32 + 4) * 4
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(_run_layers(traced, x), module(x))
+
+
+def test_untraceable_model_names_the_module():
+    loaded = ModelSpec.parse(str(MODELS / "untraceable.py")).load()
+    with pytest.raises(DeeppoolError, match="torch.fx cannot trace module 'gate'.*torch.export cannot trace"):
+        trace(loaded)
+
+
+def test_branching_example_and_json_round_trip():
+    traced = trace(ModelSpec.parse(str(EXAMPLES / "inception.py")).load())
+    graph = traced.graph
+    cats = [layer for layer in graph.layers if layer.op == "cat"]
+    assert cats and all(len(layer.inputs) == 4 for layer in cats)
+    dag = graph.dag()
+    assert dag.number_of_nodes() == len(graph) and max(d for _, d in dag.out_degree()) >= 4
+    assert LayerGraph.from_json(graph.to_json()) == graph
+
+
+def test_tracing_leaves_batchnorm_statistics_alone():
+    module = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    before = module[1].running_mean.clone()
+    trace(_loaded(module))
+    assert torch.equal(module[1].running_mean, before)
