@@ -119,20 +119,30 @@ def _first_line(err: BaseException) -> str:
 
 
 class _Recorder(fx.Interpreter):
-    """Runs the graph and keeps every node's value."""
+    """Runs the graph and keeps every node's value and forward FLOPs."""
 
-    def __init__(self, module: fx.GraphModule) -> None:
+    def __init__(self, module: fx.GraphModule, counter: FlopCounterMode) -> None:
         super().__init__(module)
+        self.counter = counter
         self.values: dict[str, Any] = {}
+        self.flops: dict[str, int] = {}
 
     def run_node(self, n: fx.Node) -> Any:
+        before = self.counter.get_total_flops()
         value = super().run_node(n)
         self.values[n.name] = value
+        self.flops[n.name] = self.counter.get_total_flops() - before
         return value
 
 
-def _record(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...], fake: FakeTensorMode) -> dict[str, Any]:
-    recorder = _Recorder(module)
+def _record(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...], fake: FakeTensorMode) -> _Recorder:
+    with FlopCounterMode(display=False) as counter:
+        recorder = _Recorder(module, counter)
+        _run(recorder, inputs, fake)
+    return recorder
+
+
+def _run(recorder: _Recorder, inputs: tuple[torch.Tensor, ...], fake: FakeTensorMode) -> None:
     with fake, torch.no_grad():
         try:
             recorder.run(*(fake.from_tensor(t) for t in inputs))
@@ -141,14 +151,12 @@ def _record(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...], fake: Fake
                 f"the traced model fails on its own inputs ({type(err).__name__}: {_first_line(err)}): "
                 "check inputs(batch_size) against model()"
             ) from None
-    return recorder.values
 
 
-def _batched(
-    module: fx.GraphModule, loaded: LoadedModel, fake: FakeTensorMode
-) -> tuple[set[str], dict[str, Any]]:
+def _batched(module: fx.GraphModule, loaded: LoadedModel, fake: FakeTensorMode) -> tuple[set[str], _Recorder]:
     """Names of nodes whose value is a tensor with the batch in dimension 0."""
-    small, large = (_record(module, loaded.inputs(b), fake) for b in _PROBE_BATCHES)
+    probe, other = (_record(module, loaded.inputs(b), fake) for b in _PROBE_BATCHES)
+    small, large = probe.values, other.values
     batched = {
         name
         for name, value in small.items()
@@ -157,7 +165,7 @@ def _batched(
         and isinstance(large.get(name), torch.Tensor)
         and (value.shape[0], large[name].shape[0]) == _PROBE_BATCHES
     }
-    return batched, small
+    return batched, probe
 
 
 def _graph_of(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) -> Traced:
@@ -174,13 +182,15 @@ def _graph_of(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) 
 def _probed_graph(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) -> Traced:
     """Shapes and FLOPs come from fake tensors: no arithmetic is done."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    batched, values = _batched(module, loaded, fake)
+    batched, probe = _batched(module, loaded, fake)
+    values = probe.values
     nodes = list(module.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     heads = [n for n in nodes if n.op in _LAYER_OPS and n.name in batched]
     groups = _group(heads, method)
-    builder = _LayerBuilder(module, values, {n.name for n in placeholders}, groups, fake)
-    layers = tuple(builder.build(group) for group in groups)
+    with FlopCounterMode(display=False) as counter:
+        builder = _LayerBuilder(module, probe, {n.name for n in placeholders}, groups, fake, counter)
+        layers = tuple(builder.build(group) for group in groups)
     output = _output_layer(nodes, builder.layer_of)
     graph = LayerGraph(
         layers=layers,
@@ -232,14 +242,17 @@ class _LayerBuilder:
     def __init__(
         self,
         module: fx.GraphModule,
-        values: dict[str, Any],
+        probe: _Recorder,
         placeholders: set[str],
         groups: list[list[fx.Node]],
         fake: FakeTensorMode,
+        counter: FlopCounterMode,
     ) -> None:
         self.module = module
         self.fake = fake
-        self.values = values
+        self.counter = counter
+        self.values = probe.values
+        self.forward_flops = probe.flops
         self.placeholders = placeholders
         self.layer_of = {node.name: group[-1].name for group in groups for node in group}
         self.order = {node.name: index for index, node in enumerate(module.graph.nodes)}
@@ -325,6 +338,14 @@ class _LayerBuilder:
         return _module_path(head) or getattr(head.target, "__name__", str(head.target))
 
     def _flops(self, names: tuple[str, ...], inputs: tuple[str, ...], head: fx.Node) -> tuple[float, float]:
+        """Forward FLOPs from the probe run; backward by running the layer's backward.
+
+        The FLOP counter counts matrix products and convolutions only, so a
+        layer without forward FLOPs has no backward FLOPs either and is skipped.
+        """
+        forward = sum(self.forward_flops.get(name, 0) for name in names)
+        if forward == 0:
+            return 0.0, 0.0
         layer = Layer(
             name=head.name, op="", target="", nodes=names, inputs=inputs, output_shape=(),
             dtype="", params=(), param_bytes=0, act_bytes=0, fwd_flops=0.0, bwd_flops=0.0,
@@ -332,13 +353,12 @@ class _LayerBuilder:
         runner = LayerRunner(self.module, layer)
         with self.fake:
             args = [_grad_input(self.values[name]) for name in inputs]
-            with FlopCounterMode(display=False) as forward:
-                output = runner(*args)
-            if not output.requires_grad:
-                return float(forward.get_total_flops()), 0.0
-            with FlopCounterMode(display=False) as backward:
+            output = runner(*args)
+            before = self.counter.get_total_flops()
+            if output.requires_grad:
                 output.backward(torch.ones_like(output))
-        return float(forward.get_total_flops()), float(backward.get_total_flops())
+            backward = self.counter.get_total_flops() - before
+        return float(forward), float(backward)
 
 
 def _grad_input(value: torch.Tensor) -> torch.Tensor:

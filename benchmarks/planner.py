@@ -1,0 +1,149 @@
+"""Planner benchmark: plan time and plan quality, ILP vs its baselines, in one run.
+
+    python benchmarks/planner.py [--gpus 8,32,256,1024] [--chains 50,100,200,500,1000]
+
+For every example at every GPU count: tracing time (once per model, cold),
+ILP solve time and status, predicted speedup over data parallel, and the
+DeepPool-style DP's time and plan quality (its predicted iteration time over
+the ILP's) measured in the same run. Then synthetic chains of 50 to 1000
+layers. Layer times come from the A100 device model, so profiling is excluded
+as the issue asks. Targets: ResNet-50 at 256 GPUs planned in <= 2 s, the
+GPT-2-style example (>= 300 layers) in <= 10 s, both with optimal status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from deeppool.planner import baselines
+from deeppool.planner.api import PlanRequest, device_setup, plan_graph
+from deeppool.planner.cost import CostModel
+from deeppool.planner.graph import Layer, LayerGraph, TraceMethod
+from deeppool.planner.hardware import NETWORKS, KnownDevice
+from deeppool.planner.modelspec import ModelSpec
+from deeppool.planner.profile import LayerTimes, Profile
+from deeppool.planner.trace import trace
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+MODELS = ("vgg16", "resnet50", "inception", "gpt2")
+TARGETS = {("resnet50", 256): 2.0, ("gpt2", 32): 10.0}
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    layers: int
+    gpus: int
+    batch: int
+    trace_s: float
+    solve_s: float
+    status: str
+    speedup_vs_dp: float
+    deeppool_s: float
+    deeppool_over_ilp: float
+
+
+def _timed(work):
+    began = time.perf_counter()
+    result = work()
+    return result, time.perf_counter() - began
+
+
+def bench_example(name: str, gpu_counts: list[int]) -> list[Row]:
+    spec = ModelSpec.parse(str(EXAMPLES / f"{name}.py"))
+    traced, trace_s = _timed(lambda: trace(spec.load()))
+    rows = []
+    for gpus in gpu_counts:
+        batch = max(256, gpus)
+        profile, network = device_setup("a100", batch, gpus, traced.graph)
+        request = PlanRequest(gpus=gpus, global_batch=batch, time_limit_s=120)
+        planned, solve_s = _timed(lambda: plan_graph(traced.graph, profile, network, request, model=spec))
+        cost = planned.cost
+        _, deeppool_s = _timed(lambda: baselines.deeppool_dp(cost, gpus, None))
+        predicted = planned.plan.predicted
+        rows.append(Row(name, len(traced.graph), gpus, batch, trace_s, solve_s, planned.plan.solver.status,
+                        predicted.speedup_vs_data_parallel, deeppool_s,
+                        predicted.deeppool_iteration_ms / predicted.iteration_ms))
+    return rows
+
+
+def synthetic_chain(length: int, seed: int) -> tuple[LayerGraph, Profile]:
+    """A chain whose layers scale differently: some compute-bound, some latency-bound."""
+    rng = random.Random(seed)
+    layers, previous = [], "x"
+    for index in range(length):
+        name = f"l{index}"
+        act = rng.choice([4_000, 40_000, 400_000])
+        layers.append(Layer(name=name, op="Linear", target=name, nodes=(name,), inputs=(previous,),
+                            output_shape=(act // 4,), dtype="float32", params=(f"{name}.w",),
+                            param_bytes=rng.choice([0, 40_000, 4_000_000, 40_000_000]), act_bytes=act,
+                            fwd_flops=1e6, bwd_flops=2e6))
+        previous = name
+    graph = LayerGraph(layers=tuple(layers), inputs=("x",), input_shapes=((8,),), output=previous,
+                       method=TraceMethod.FX)
+    batches = tuple(range(1, 257))
+    times = {}
+    for layer in layers:
+        fixed, per_sample = rng.uniform(0.01, 0.1), rng.choice([0.0005, 0.005, 0.05])
+        fwd = tuple(fixed + per_sample * b for b in batches)
+        times[layer.name] = LayerTimes(batches=batches, fwd_ms=fwd, bwd_ms=tuple(2 * t for t in fwd))
+    return graph, Profile(device="synthetic", source="benchmark", dtype="float32", memory_bytes=80 * 1024**3,
+                          layers=times)
+
+
+def bench_chain(length: int, gpus: int = 64, batch: int = 256) -> Row:
+    graph, profile = synthetic_chain(length, seed=length)
+    network = NETWORKS[KnownDevice.A100]
+    request = PlanRequest(gpus=gpus, global_batch=batch, time_limit_s=300)
+    spec = ModelSpec.parse(str(EXAMPLES / "vgg16.py"))
+    planned, solve_s = _timed(lambda: plan_graph(graph, profile, network, request, model=spec))
+    cost = CostModel(graph=graph, profile=profile, network=network, global_batch=batch)
+    _, deeppool_s = _timed(lambda: baselines.deeppool_dp(cost, gpus, None))
+    predicted = planned.plan.predicted
+    return Row(f"chain-{length}", length, gpus, batch, 0.0, solve_s, planned.plan.solver.status,
+               predicted.speedup_vs_data_parallel, deeppool_s,
+               predicted.deeppool_iteration_ms / predicted.iteration_ms)
+
+
+def render(rows: list[Row]) -> Table:
+    table = Table(title="planner: plan time and quality (A100 device model; profiling excluded)")
+    for column in ("model", "layers", "GPUs", "batch", "trace s", "ILP solve s", "plan s", "status",
+                   "speedup vs DP", "DeepPool DP s", "DeepPool iter / ILP iter", "target"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        target = TARGETS.get((row.model, row.gpus))
+        total = row.trace_s + row.solve_s
+        verdict = "" if target is None else f"<= {target:g} s: {'met' if total <= target else 'MISSED'}"
+        table.add_row(row.model, str(row.layers), str(row.gpus), str(row.batch), f"{row.trace_s:.2f}",
+                      f"{row.solve_s:.2f}", f"{total:.2f}", row.status, f"{row.speedup_vs_dp:.2f}x",
+                      f"{row.deeppool_s:.3f}", f"{row.deeppool_over_ilp:.3f}", verdict)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", default="8,32,256,1024")
+    parser.add_argument("--chains", default="50,100,200,500,1000")
+    parser.add_argument("--models", default=",".join(MODELS))
+    args = parser.parse_args()
+    gpu_counts = [int(g) for g in args.gpus.split(",")]
+    console = Console()
+    rows = []
+    for name in args.models.split(","):
+        rows += bench_example(name, gpu_counts)
+        console.print(f"{name}: done")
+    for length in (int(n) for n in args.chains.split(",") if n):
+        rows.append(bench_chain(length))
+        console.print(f"chain-{length}: done")
+    console.print(render(rows))
+
+
+if __name__ == "__main__":
+    main()
