@@ -51,6 +51,7 @@ def plan(
     inter_gbps: Annotated[float | None, typer.Option(help="override the cross-node bandwidth per GPU, GB/s")] = None,
     amplification: Annotated[float | None, typer.Option(help="hard limit on a layer's GPU-time amplification")] = None,
     strategy: Annotated[str, typer.Option(help="which plan to write: ilp, dp or deeppool")] = "ilp",
+    optimizer: Annotated[str, typer.Option(help="sgd or adam: optimizer state memory and step time")] = "sgd",
     time_limit: Annotated[float, typer.Option(help="ILP time limit, seconds")] = 60.0,
     solver: Annotated[str | None, typer.Option(help="cbc or highs (default: highs when installed)")] = None,
     no_memory_limit: Annotated[bool, typer.Option(help="do not constrain per-GPU memory")] = False,
@@ -64,6 +65,7 @@ def plan(
     """Trace MODEL, profile it (or estimate for a GPU model) and solve its burst-parallel plan."""
     from deeppool.planner import report
     from deeppool.planner.api import LOCAL, CostSource, PlanRequest, plan_model
+    from deeppool.planner.cost import Optimizer
     from deeppool.planner.ilp import SolverName
     from deeppool.planner.modelspec import ModelSpec
     from deeppool.planner.plan import Strategy
@@ -72,6 +74,7 @@ def plan(
         gpus=gpus,
         global_batch=batch,
         strategy=_enum(Strategy, strategy, "--strategy"),
+        optimizer=_enum(Optimizer, optimizer, "--optimizer"),
         amplification=amplification,
         enforce_memory=not no_memory_limit,
         time_limit_s=time_limit,

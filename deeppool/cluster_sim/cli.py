@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -15,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from deeppool.cluster_sim.cluster import ClusterSpec
+from deeppool.cluster_sim.engine import SimResult
 from deeppool.cluster_sim.interference import (
     DEFAULT_BG_EFFICIENCY,
     DEFAULT_FG_SLOWDOWN,
@@ -41,36 +43,67 @@ from deeppool.planner.plan import Strategy
 app = typer.Typer(add_completion=False, help="Simulate a GPU cluster running a job trace.")
 SYNTHETIC = "synthetic"
 TABLE_WIDTH = 120
+ATTRIBUTION = (
+    "traces: Pollux OSDI'21 artifact (petuum/adaptdl osdi21-artifact, Apache-2.0); "
+    "philly.csv derived from the Microsoft Philly traces (msr-fiddle/philly-traces, CC-BY-4.0)"
+)
 DEFAULT_CACHE = Path.home() / ".cache" / "deeppool" / "cluster_sim"
+
+
+TraceArg = Annotated[str, typer.Argument(help="Philly-derived or Pollux workload CSV, or 'synthetic'.")]
+GpusOpt = Annotated[int, typer.Option("--gpus", help="GPUs in the cluster.")]
+NodeOpt = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="Device model of every GPU: v100, a100, h100.")]
+PolicyOpt = Annotated[list[str], typer.Option("--policy", help=f"Policy to run (repeat): {', '.join(POLICIES)}.")]
+OutOpt = Annotated[Path, typer.Option("--out", help="Folder for metrics.json/csv, jobs.csv and the plots.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seeds model draws and synthetic workloads.")]
+MappingOpt = Annotated[Path | None, typer.Option("--mapping", help="JSON: workload key -> {model, global_batch}.")]
+BackgroundOpt = Annotated[str, typer.Option("--background", help="Background jobs: gpus<=N, app:A[,B], column, none.")]
+SlowdownOpt = Annotated[float, typer.Option(help="Foreground iteration-time factor while hosting background work.")]
+EfficiencyOpt = Annotated[float, typer.Option(help="Share of lent idle time a background job turns into progress.")]
+LendOpt = Annotated[float, typer.Option(help="Ranks idle for less of an iteration are not lent.")]
+StrategyOpt = Annotated[str, typer.Option(help="Burst plans: ilp or deeppool.")]
+TimeLimitOpt = Annotated[float, typer.Option(help="ILP time limit per plan (s).")]
+CacheOpt = Annotated[Path, typer.Option(help="Where traced graphs and plans are cached.")]
+WorkersOpt = Annotated[int, typer.Option(help="Processes that solve missing plans (one model each).")]
+NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="Neither read nor write the plan cache.")]
+PolluxOpt = Annotated[Path | None, typer.Option(help="The Pollux artifact's traces/ folder (for run times).")]
+DropOpt = Annotated[bool, typer.Option("--drop-oversized", help="Drop jobs asking for more GPUs than exist.")]
+NoBaselineOpt = Annotated[bool, typer.Option("--no-baseline", help=f"Do not add the '{BASELINE}' baseline run.")]
+NoPlotsOpt = Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots.")]
+JobsOpt = Annotated[int, typer.Option(help="synthetic: number of jobs.")]
+RateOpt = Annotated[float, typer.Option(help="synthetic: arrivals per hour.")]
+MixOpt = Annotated[str, typer.Option(help="synthetic: GPUS:WEIGHT,...")]
+DurationOpt = Annotated[float, typer.Option(help="synthetic: median recorded run time (s).")]
 
 
 @app.command()
 def simulate(
-    trace: Annotated[str, typer.Argument(help="Philly-derived or Pollux workload CSV, or 'synthetic'.")],
-    gpus: Annotated[int, typer.Option("--gpus", help="GPUs in the cluster.")],
-    gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node.")] = 8,
-    device: Annotated[str, typer.Option("--device", help="Device model of every GPU: v100, a100, h100.")] = "a100",
-    policy: Annotated[list[str], typer.Option("--policy", help=f"Policy to run (repeat): {', '.join(POLICIES)}.")] = ["burst+bg"],  # noqa: B006
-    out: Annotated[Path, typer.Option("--out", help="Folder for metrics.json/csv, jobs.csv and the plots.")] = Path("sim-results"),
-    seed: Annotated[int, typer.Option("--seed", help="Seeds model draws and synthetic workloads.")] = 0,
-    mapping: Annotated[Path | None, typer.Option("--mapping", help="JSON: workload key -> {model, global_batch}.")] = None,
-    background: Annotated[str, typer.Option("--background", help="Background jobs: gpus<=N, app:A[,B], column, none.")] = "gpus<=1",
-    fg_slowdown: Annotated[float, typer.Option(help="Foreground iteration-time factor while hosting background work.")] = DEFAULT_FG_SLOWDOWN,
-    bg_efficiency: Annotated[float, typer.Option(help="Share of lent idle time a background job turns into progress.")] = DEFAULT_BG_EFFICIENCY,
-    min_lend_fraction: Annotated[float, typer.Option(help="Ranks idle for less of an iteration are not lent.")] = DEFAULT_MIN_LEND_FRACTION,
-    burst_strategy: Annotated[str, typer.Option(help="Burst plans: ilp or deeppool.")] = "ilp",
-    plan_time_limit: Annotated[float, typer.Option(help="ILP time limit per plan (s).")] = 30.0,
-    cache_dir: Annotated[Path, typer.Option(help="Where traced graphs and plans are cached.")] = DEFAULT_CACHE,
-    plan_workers: Annotated[int, typer.Option(help="Processes that solve missing plans (one model each).")] = os.cpu_count() or 1,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="Neither read nor write the plan cache.")] = False,
-    pollux_traces: Annotated[Path | None, typer.Option(help="The Pollux artifact's traces/ folder (for run times).")] = None,
-    drop_oversized: Annotated[bool, typer.Option("--drop-oversized", help="Drop jobs asking for more GPUs than the cluster has.")] = False,
-    no_baseline: Annotated[bool, typer.Option("--no-baseline", help=f"Do not add the '{BASELINE}' baseline run.")] = False,
-    no_plots: Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots.")] = False,
-    jobs: Annotated[int, typer.Option(help="synthetic: number of jobs.")] = 200,
-    arrival_rate: Annotated[float, typer.Option(help="synthetic: arrivals per hour.")] = 20.0,
-    size_mix: Annotated[str, typer.Option(help="synthetic: GPUS:WEIGHT,...")] = "1:0.6,2:0.1,4:0.1,8:0.1,16:0.1",
-    median_duration: Annotated[float, typer.Option(help="synthetic: median recorded run time (s).")] = 3600.0,
+    trace: TraceArg,
+    gpus: GpusOpt,
+    gpus_per_node: NodeOpt = 8,
+    device: DeviceOpt = "a100",
+    policy: PolicyOpt = ["burst+bg"],  # noqa: B006  (typer reads the default, never mutates it)
+    out: OutOpt = Path("sim-results"),
+    seed: SeedOpt = 0,
+    mapping: MappingOpt = None,
+    background: BackgroundOpt = "gpus<=1",
+    fg_slowdown: SlowdownOpt = DEFAULT_FG_SLOWDOWN,
+    bg_efficiency: EfficiencyOpt = DEFAULT_BG_EFFICIENCY,
+    min_lend_fraction: LendOpt = DEFAULT_MIN_LEND_FRACTION,
+    burst_strategy: StrategyOpt = "ilp",
+    plan_time_limit: TimeLimitOpt = 30.0,
+    cache_dir: CacheOpt = DEFAULT_CACHE,
+    plan_workers: WorkersOpt = os.cpu_count() or 1,
+    no_cache: NoCacheOpt = False,
+    pollux_traces: PolluxOpt = None,
+    drop_oversized: DropOpt = False,
+    no_baseline: NoBaselineOpt = False,
+    no_plots: NoPlotsOpt = False,
+    jobs: JobsOpt = 200,
+    arrival_rate: RateOpt = 20.0,
+    size_mix: MixOpt = "1:0.6,2:0.1,4:0.1,8:0.1,16:0.1",
+    median_duration: DurationOpt = 3600.0,
 ) -> None:
     """Replay TRACE on --gpus GPUs under each --policy; write metrics, tables and plots to --out."""
     console = Console(stderr=True)
@@ -82,36 +115,73 @@ def simulate(
         )
         settings = PlanSettings(burst_strategy=_strategy(burst_strategy), time_limit_s=plan_time_limit)
         rule = BackgroundRule.parse(background)
-        workload = _workload(trace, pollux_traces, SyntheticSpec(
-            jobs=jobs, arrivals_per_hour=arrival_rate, size_mix=parse_size_mix(size_mix),
-            median_duration_s=median_duration, seed=seed,
-        ))
+        spec = SyntheticSpec(jobs=jobs, arrivals_per_hour=arrival_rate, size_mix=parse_size_mix(size_mix),
+                             median_duration_s=median_duration, seed=seed)
+        workload = _workload(trace, pollux_traces, spec)
         chosen = load_mapping(mapping) if mapping is not None else default_mapping()
-        assignment = assign(workload, mapping=chosen, rule=rule, cluster=cluster, seed=seed, drop_oversized=drop_oversized)
+        assignment = assign(workload, mapping=chosen, rule=rule, cluster=cluster, seed=seed,
+                            drop_oversized=drop_oversized)
         book = PlanBook(cluster=cluster, settings=settings, cache_dir=None if no_cache else cache_dir)
         with _progress(console) as progress:
-            needs = assignment.needs()
-            planning = progress.add_task("plans (model x GPUs)", total=len(needs))
-            book.prepare(needs, lambda done: progress.advance(planning, done), workers=plan_workers)
+            planning = progress.add_task("plans (model x GPUs)", total=len(assignment.needs()))
+            book.prepare(assignment.needs(), lambda done: progress.advance(planning, done), workers=plan_workers)
             sim = sim_jobs(assignment, book)
             results = run_policies(sim, policies=policies, cluster=cluster, book=book, interference=interference,
                                    progress=_job_counter(progress, len(sim)))
     except DeeppoolError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)  # SystemExit: also leaves a host CLI run with standalone_mode=False
+    run = RunInfo(workload=workload, jobs=len(sim), dropped=assignment.dropped, cluster=cluster, rule=rule,
+                  interference=interference, settings=settings, seed=seed, solved=book.solved)
+    _report(results, run, out, console, plots=not no_plots)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunInfo:
+    """What was simulated (written as run.json)."""
+
+    workload: Workload
+    jobs: int
+    dropped: int
+    cluster: ClusterSpec
+    rule: BackgroundRule
+    interference: InterferenceModel
+    settings: PlanSettings
+    seed: int
+    solved: int
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "trace": self.workload.source,
+            "format": self.workload.format.value,
+            "jobs": self.jobs,
+            "dropped_oversized": self.dropped,
+            "cluster": {"gpus": self.cluster.gpus, "gpus_per_node": self.cluster.gpus_per_node,
+                        "device": self.cluster.device.value},
+            "background": self.rule.describe(),
+            "interference": asdict(self.interference),
+            "burst_strategy": self.settings.burst_strategy.value,
+            "seed": self.seed,
+            "plans_solved_this_run": self.solved,
+            "data": ATTRIBUTION,
+        }
+
+
+def _report(results: tuple[SimResult, ...], run: RunInfo, out: Path, console: Console, *, plots: bool) -> None:
     metrics = compare(results)
     write_metrics(metrics, out)
     write_jobs(results, out)
-    _write_run(out, workload, assignment.dropped, cluster, rule, interference, settings, seed, len(sim), book.solved)
-    if not no_plots:
-        from deeppool.cluster_sim.plots import write_plots
+    (out / "run.json").write_text(json.dumps(run.to_json(), indent=2) + "\n")
+    if plots:
+        from deeppool.cluster_sim.plots import write_plots  # matplotlib only when plotting
 
         write_plots(results, out)
-    title = f"{Path(workload.source).name}: {len(sim):,} jobs on {cluster.describe()}"
+    title = f"{Path(run.workload.source).name}: {run.jobs:,} jobs on {run.cluster.describe()}"
     Console(width=None if sys.stdout.isatty() else TABLE_WIDTH).print(table(metrics, title))
-    if assignment.dropped:
-        console.print(f"dropped {assignment.dropped} job(s) asking for more than {cluster.gpus} GPUs")
-    console.print(f"wrote {out}/metrics.json, metrics.csv, jobs.csv{'' if no_plots else ', utilisation.png, jct_cdf.png'}")
+    if run.dropped:
+        console.print(f"dropped {run.dropped} job(s) asking for more than {run.cluster.gpus} GPUs")
+    files = "metrics.json, metrics.csv, jobs.csv, run.json" + ("" if not plots else ", utilisation.png, jct_cdf.png")
+    console.print(f"wrote {out}/: {files}", soft_wrap=True)
 
 
 def _policies(requested: list[str], no_baseline: bool) -> tuple[str, ...]:
@@ -147,26 +217,6 @@ def _job_counter(progress: Progress, total: int) -> Callable[[str], Callable[[in
         return lambda done: progress.update(task, completed=done)
 
     return for_policy
-
-
-def _write_run(out, workload, dropped, cluster, rule, interference, settings, seed, jobs, solved) -> None:
-    """run.json: what was simulated, for reproducing it."""
-    payload = {
-        "trace": workload.source,
-        "format": workload.format.value,
-        "jobs": jobs,
-        "dropped_oversized": dropped,
-        "cluster": {"gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node, "device": cluster.device.value},
-        "background": rule.describe(),
-        "interference": {"fg_slowdown": interference.fg_slowdown, "bg_efficiency": interference.bg_efficiency,
-                         "min_lend_fraction": interference.min_lend_fraction},
-        "burst_strategy": settings.burst_strategy.value,
-        "seed": seed,
-        "plans_solved_this_run": solved,
-        "data": "traces: Pollux OSDI'21 artifact (petuum/adaptdl osdi21-artifact, Apache-2.0); "
-                "philly.csv derived from Microsoft Philly traces (msr-fiddle/philly-traces, CC-BY-4.0)",
-    }
-    (out / "run.json").write_text(json.dumps(payload, indent=2) + "\n")
 
 
 def main() -> None:

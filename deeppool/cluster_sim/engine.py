@@ -127,6 +127,7 @@ class Engine:
         self.remaining: dict[int, float] = {job.job_id: job.iterations for job in jobs}
         self.whole_bg: dict[int, SimJob] = {}
         self.whole_bg_gpus = 0
+        self.guests: dict[int, SimJob] = {}
         self.free_slots: dict[tuple[int, int], Slot] = {}
         self.host_slots: dict[int, list[Slot]] = {}
         self.slot_guest: dict[tuple[int, int], int] = {}
@@ -138,18 +139,19 @@ class Engine:
         self.timeline: list[tuple[float, float, float]] = []
         self.events = 0
         self.decisions = 0
+        self._memo: dict[tuple[int, int, PlanMode], PlanFacts] = {}
 
     # ---- the loop -------------------------------------------------------
     def run(self) -> SimResult:
         started = time.perf_counter()
         heap = self.heap
-        while heap:
+        while self._drop_stale():
             instant = heap[0][0]
             self._advance(instant)
-            while heap and heap[0][0] == instant:
-                _, kind, _, job_id, version = heapq.heappop(heap)
+            while self._drop_stale() and heap[0][0] == instant:
+                _, kind, _, job_id, _ = heapq.heappop(heap)
                 self.events += 1
-                self._handle(kind, job_id, version)
+                self._handle(kind, job_id)
             self._decide()
             self.timeline.append((self.now, self.busy_rate, float(self.cluster.gpus - self.free)))
         return SimResult(
@@ -172,13 +174,21 @@ class Engine:
         self.seq += 1
         heapq.heappush(self.heap, (at, kind, self.seq, job_id, version))
 
-    def _handle(self, kind: int, job_id: int, version: int) -> None:
+    def _drop_stale(self) -> bool:
+        """Pop completions made stale by a rate change; True while an event is left."""
+        heap = self.heap
+        while heap and heap[0][1] == EventKind.COMPLETION:
+            active = self.running.get(heap[0][3])
+            if active is not None and active.version == heap[0][4]:
+                break
+            heapq.heappop(heap)
+        return bool(heap)
+
+    def _handle(self, kind: int, job_id: int) -> None:
         if kind == EventKind.ARRIVAL:
             self._enqueue(self.jobs[job_id])
         elif kind == EventKind.COMPLETION:
-            active = self.running.get(job_id)
-            if active is not None and active.version == version:
-                self._complete(active)
+            self._complete(self.running[job_id])
 
     def _decide(self) -> None:
         for _ in range(MAX_ROUNDS):
@@ -192,6 +202,7 @@ class Engine:
                 free_slots=self.free_slots.values(),
                 preemptible=self.whole_bg.values(),
                 preemptible_gpus=self.whole_bg_gpus,
+                guests=self.guests.values(),
             )
             decision = self.policy.decide(snapshot)
             self.decisions += 1
@@ -229,7 +240,7 @@ class Engine:
             raise PolicyError(f"policy '{self.policy.name}' started job {start.job_id} on {start.gpus} GPUs, {self.free} free")
         job = self._dequeue(start.job_id)
         active = _Active(job, self.remaining[job.job_id], self.now)
-        active.facts = self.facts(job.model, start.gpus, start.mode)
+        active.facts = self._facts(job.model, start.gpus, start.mode)
         active.gpus = start.gpus
         self.free -= start.gpus
         self.running[job.job_id] = active
@@ -263,6 +274,7 @@ class Engine:
         active = _Active(job, self.remaining[job.job_id], self.now)
         active.slots = tuple(lend.slots)
         self.running[job.job_id] = active
+        self.guests[job.job_id] = job
         for key in keys:
             del self.free_slots[key]
             self.slot_guest[key] = job.job_id
@@ -274,12 +286,11 @@ class Engine:
         self._rate_guest(active)
 
     def _preempt(self, job_id: int) -> None:
-        job = self.whole_bg.get(job_id)
+        job = self.whole_bg.get(job_id) or self.guests.get(job_id)
         if job is None:
-            raise PolicyError(f"policy '{self.policy.name}' preempted job {job_id}, which holds no whole GPUs as background")
-        active = self._stop(self.running[job_id])
+            raise PolicyError(f"policy '{self.policy.name}' preempted job {job_id}, which is no running background job")
+        self._stop(self.running[job_id])
         self.preemptions[job_id] = self.preemptions.get(job_id, 0) + 1
-        del active
         self._enqueue(job)
 
     def _complete(self, active: _Active) -> None:
@@ -309,6 +320,7 @@ class Engine:
         self.busy_rate -= active.busy
         del self.running[job.job_id]
         if active.slots:
+            del self.guests[job.job_id]
             self._release_slots(active)
         else:
             self.free += active.gpus
@@ -342,6 +354,14 @@ class Engine:
                     self._rate_whole(host)
 
     # ---- rates ----------------------------------------------------------
+    def _facts(self, model: ModelChoice, gpus: int, mode: PlanMode) -> PlanFacts:
+        """``facts`` memoised by model identity (jobs share their ModelChoice; hashing one is slow)."""
+        key = (id(model), gpus, mode)
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = self.facts(model, gpus, mode)
+        return found
+
     def _bank(self, active: _Active) -> None:
         active.remaining = max(0.0, active.remaining - active.rate * (self.now - active.since))
         active.since = self.now
@@ -362,7 +382,7 @@ class Engine:
 
     def _rate_guest(self, active: _Active) -> None:
         job = active.job
-        own = self.facts(job.model, job.gpus, PlanMode.DATA_PARALLEL)
+        own = self._facts(job.model, job.gpus, PlanMode.DATA_PARALLEL)
         share = self.model.bg_efficiency * min(slot.idle_fraction for slot in active.slots)
         rate = share / own.iteration_s
         self._set_rate(active, rate, own.gpu_seconds_per_iteration * rate)

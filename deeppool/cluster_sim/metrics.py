@@ -124,7 +124,7 @@ def table(metrics: Sequence[PolicyMetrics], title: str) -> Table:
         ratio = "—" if m.cluster_throughput_vs_dp is None else f"{m.cluster_throughput_vs_dp:.3f}x"
         out.add_row(
             m.policy, f"{m.avg_jct_s / 3600:.2f}", f"{m.p99_jct_s / 3600:.2f}", f"{m.makespan_s / 3600:.2f}",
-            f"{m.gpu_utilization:.1%}", f"{m.fg_throughput:.1f}", f"{m.bg_throughput:.1f}", ratio,
+            f"{m.gpu_utilization:.1%}", f"{m.fg_throughput:.2f}", f"{m.bg_throughput:.2f}", ratio,
             f"{m.events_per_s:,.0f}",
         )
     return out

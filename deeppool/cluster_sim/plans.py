@@ -85,6 +85,10 @@ class PlanSettings:
 
 
 TRACER_SOURCES = ("graph.py", "layer_exec.py", "modelspec.py", "trace.py")
+PLANNER_SOURCES = TRACER_SOURCES + (
+    "api.py", "baselines.py", "candidates.py", "cost.py", "hardware.py", "ilp.py", "plan.py", "profile.py",
+)
+"""The planner modules a Plan depends on (reports and the profiler do not change one)."""
 
 
 def planner_fingerprint(names: tuple[str, ...] | None = None) -> str:
@@ -106,7 +110,7 @@ class PlanBook:
         self.solved = 0
         self._facts: dict[tuple[ModelChoice, int, PlanMode], PlanFacts] = {}
         self._graphs: dict[ModelChoice, LayerGraph] = {}
-        self._fingerprint = planner_fingerprint()
+        self._fingerprint = planner_fingerprint(PLANNER_SOURCES)
         self._tracer_fingerprint = planner_fingerprint(TRACER_SOURCES)
 
     def facts(self, model: ModelChoice, gpus: int, mode: PlanMode) -> PlanFacts:

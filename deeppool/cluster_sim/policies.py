@@ -7,7 +7,8 @@
   property) have low priority: they take free whole GPUs when there are any
   (and are preempted when a foreground job needs them), else they run on the
   idle ranks that running foreground Plans lend, at the interference model's
-  rate.
+  rate; a job on lent ranks moves to whole GPUs as soon as enough are free
+  and no background job waits.
 * ``dp+bg``    — the ablation: ``burst+bg`` with data-parallel foreground plans,
   whose ranks are rarely idle.
 
@@ -52,10 +53,22 @@ class FifoWithBackground:
 
     def decide(self, snapshot: Snapshot) -> Decision:
         preempt, starts, free = self._foreground(snapshot)
-        lends, free = self._background(snapshot, starts, free)
+        lends, free, drained = self._background(snapshot, starts, free)
+        if drained and not preempt:
+            preempt = self._promote(snapshot, free)
         if not (preempt or starts or lends):
             return NOTHING
         return Decision(preempt=tuple(preempt), start=tuple(starts), lend=tuple(lends))
+
+    @staticmethod
+    def _promote(snapshot: Snapshot, free: int) -> list[int]:
+        """Requeue guests that whole free GPUs could run at full speed (they restart there next round)."""
+        promoted = []
+        for guest in snapshot.guests:
+            if guest.gpus <= free:
+                promoted.append(guest.job_id)
+                free -= guest.gpus
+        return promoted
 
     def _foreground(self, snapshot: Snapshot) -> tuple[list[int], list[Start], int]:
         free, reclaimable = snapshot.free_gpus, snapshot.preemptible_gpus
@@ -74,7 +87,8 @@ class FifoWithBackground:
             free -= job.gpus
         return preempt, starts, free
 
-    def _background(self, snapshot: Snapshot, starts: list[Start], free: int) -> tuple[list[Lend], int]:
+    def _background(self, snapshot: Snapshot, starts: list[Start], free: int) -> tuple[list[Lend], int, bool]:
+        """Waiting background jobs on free GPUs, else on lent ranks; True when none is left waiting."""
         lends: list[Lend] = []
         slots = iter(snapshot.free_slots)
         slots_left = len(snapshot.free_slots)
@@ -86,8 +100,8 @@ class FifoWithBackground:
                 lends.append(Lend(job_id=job.job_id, slots=tuple(islice(slots, job.gpus))))
                 slots_left -= job.gpus
             else:
-                break
-        return lends, free
+                return lends, free, False
+        return lends, free, True
 
 
 POLICIES: dict[str, Policy] = {

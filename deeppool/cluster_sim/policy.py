@@ -55,7 +55,14 @@ class ReversibleCollection(Collection, Reversible, Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class Snapshot:
-    """The cluster as a policy sees it at ``now_s``."""
+    """The cluster as a policy sees it at ``now_s``.
+
+    ``waiting`` holds every waiting job in arrival order (requeued jobs at the
+    back), split into ``waiting_fg`` and ``waiting_bg``; ``free_slots`` the
+    lendable idle ranks of running foreground jobs; ``preemptible`` the
+    background jobs holding whole GPUs (``preemptible_gpus`` of them, oldest
+    first); ``guests`` the background jobs running on lent ranks.
+    """
 
     now_s: float
     total_gpus: int
@@ -66,6 +73,7 @@ class Snapshot:
     free_slots: Collection[Slot]
     preemptible: ReversibleCollection
     preemptible_gpus: int
+    guests: Collection[SimJob]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,7 +95,7 @@ class Lend:
 
 @dataclass(frozen=True, kw_only=True)
 class Decision:
-    """What to change now; ``preempt`` names background jobs holding whole GPUs."""
+    """What to change now; ``preempt`` names background jobs (on whole GPUs or lent ranks) to requeue."""
 
     preempt: tuple[int, ...] = ()
     start: tuple[Start, ...] = ()

@@ -65,6 +65,8 @@ class Engine:
         self.placeholders = {name: i for i, name in enumerate(parts.model.graph.inputs)}
         self.layers = {layer.name: layer for layer in parts.model.graph.layers}
         self._open_idle: tuple[IdleWindow, float] | None = None
+        steps = [op for op in parts.program.ops if op.kind is OpKind.STEP]
+        self._last_step: Op | None = steps[-1] if steps else None
         self._handlers: dict[OpKind, Callable[[Op, _State], None]] = {
             OpKind.RESHARD: self._reshard,
             OpKind.FORWARD: self._forward,
@@ -72,6 +74,7 @@ class Engine:
             OpKind.BACKWARD: self._backward,
             OpKind.ALLREDUCE: self._allreduce,
             OpKind.RESHARD_GRAD: self._reshard_grad,
+            OpKind.STEP: self._layer_step,
         }
 
     def step(self, step: int, batch: Batch) -> float:
@@ -81,9 +84,8 @@ class Engine:
         state = _State(batch=batch)
         self._fire(None, step, start)
         for op in self.p.program.ops:
-            if op.kind is OpKind.STEP:
+            if op is self._last_step:
                 self._optimizer_step(step)
-                continue
             category = Category.COMM if op.kind in _COMM else Category.COMPUTE
             with recorder.span(step, op.label, category):
                 self._handlers[op.kind](op, state)
@@ -211,6 +213,10 @@ class Engine:
                 return
             state.grads[producer] = torch.zeros((end - start, *piece.shape[1:]), dtype=piece.dtype, device=piece.device)
         state.grads[producer][t.start - start : t.end - start] += piece
+
+    def _layer_step(self, op: Op, state: _State) -> None:
+        """A layer's step phase; the optimizer itself steps once, before the rank's last one."""
+        del op, state
 
     def _optimizer_step(self, step: int) -> None:
         recorder = self.p.recorder

@@ -6,7 +6,9 @@ the cost model's schedule (:meth:`deeppool.planner.cost.CostModel.schedule`):
 forward over the layers in topological order (reshard each producer's output
 in, then compute), the loss on the output layer, then backward in reverse
 (compute, all-reduce the layer's gradients, send the input gradients back to
-the producers' ranks), then the optimizer step. Because all ranks walk one
+the producers' ranks), then the optimizer step of every layer on its ranks
+(one phase per layer, as in the schedule; the engine steps its optimizer once,
+at the rank's last step op). Because all ranks walk one
 global order and every communication joins only ranks that walk it too, no
 rank can wait on a peer that waits on it.
 
@@ -112,7 +114,7 @@ def build_program(plan: Plan, graph: LayerGraph, rank: int) -> Program:
     builder = _Builder(plan, graph, rank)
     builder.forward()
     builder.backward()
-    builder.emit(Op(kind=OpKind.STEP, layer=""), ranks=plan.gpus)
+    builder.steps()
     return Program(rank=rank, ops=tuple(builder.ops), phases=tuple(builder.phases))
 
 
@@ -159,6 +161,13 @@ class _Builder:
                 moves = transfers(producer.samples, planned.samples) if self.flows[producer.name] else ()
                 op = Op(kind=OpKind.RESHARD_GRAD, layer=layer.name, producer=producer.name, transfers=moves)
                 self.emit(op, ranks=max(producer.gpus, planned.gpus), phase=producer.gpus != planned.gpus)
+
+
+    def steps(self) -> None:
+        """One optimizer-step phase per layer on its ranks (the engine steps once, at the last)."""
+        for layer in self.graph.layers:
+            planned = self.planned[layer.name]
+            self.emit(Op(kind=OpKind.STEP, layer=layer.name), ranks=planned.gpus, phase=planned.step_ms > 0)
 
 
 def idle_positions(program: Program, windows: list[IdleWindow]) -> dict[int | None, IdleWindow]:

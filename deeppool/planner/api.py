@@ -17,7 +17,7 @@ from torch import nn
 from deeppool.errors import DeeppoolError
 from deeppool.planner import baselines
 from deeppool.planner.candidates import Limits, allowed_counts, check_memory, useful_counts
-from deeppool.planner.cost import CostModel
+from deeppool.planner.cost import CostModel, Optimizer
 from deeppool.planner.graph import LayerGraph
 from deeppool.planner.hardware import DEVICES, LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, known_device
 from deeppool.planner.ilp import SolverName, solve
@@ -37,6 +37,7 @@ class PlanRequest:
     gpus: int
     global_batch: int
     strategy: Strategy = Strategy.ILP
+    optimizer: Optimizer = Optimizer.SGD
     amplification: float | None = None
     enforce_memory: bool = True
     time_limit_s: float = 60.0
@@ -71,7 +72,10 @@ def plan_graph(
 ) -> Planned:
     """Solve the ILP and both baselines; return the plan of ``request.strategy``."""
     profile.check_covers(graph)
-    cost = CostModel(graph=graph, profile=profile, network=network, global_batch=request.global_batch)
+    cost = CostModel(
+        graph=graph, profile=profile, network=network, global_batch=request.global_batch,
+        optimizer=request.optimizer,
+    )
     limits = Limits(
         amplification=request.amplification,
         memory_bytes=profile.memory_bytes if request.enforce_memory else None,

@@ -51,5 +51,5 @@ def deeppool_dp(cost: CostModel, gpus: int, amplification: float | None) -> dict
 def _penalty(cost: CostModel, layer, gpus: int, amplification: float | None) -> float:
     if amplification is None:
         return 0.0
-    single = sum(cost.compute_ms(layer, 1))
+    single = cost.layer_ms(layer, 1)
     return max(0.0, cost.amplification(layer, gpus) - amplification) * single

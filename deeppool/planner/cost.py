@@ -7,7 +7,7 @@ global batch ``B`` (uneven splits allowed), so the per-GPU batch is
 ``W_l``, per-GPU bandwidth ``BW(g)`` and latency ``α(g)`` (node-local when
 ``g`` ranks fit in a node, else cross-node) the predicted iteration time is
 
-    T = Σ_l [ fwd_l(s(g_l)) + bwd_l(s(g_l)) + AR_l(g_l) ] + Σ_(u→v) 2 · R_uv(g_u, g_v)
+    T = Σ_l [ fwd_l(s(g_l)) + bwd_l(s(g_l)) + AR_l(g_l) + OPT_l ] + Σ_(u→v) 2 · R_uv(g_u, g_v)
 
     AR_l(g)        = 0 if g = 1 or W_l = 0, else 2·(g−1)/g · W_l / BW(g) + 2·⌈log₂ g⌉·α(g)
                      (all-reduce of the layer's gradients inside its group: the ring's
@@ -17,11 +17,15 @@ global batch ``B`` (uneven splits allowed), so the per-GPU batch is
                      (activations resharded forward, their gradients backward; the
                       busiest rank sends or receives at most one shard of either side)
 
+    OPT_l          = (3 + 2·k_opt) · W_l / BW_mem
+                     (the optimizer step reads weights and gradients and writes weights,
+                      plus k_opt state tensors read and written; BW_mem from the profile)
+
 Layers run one after another (branches included), each phase on the ranks it
 uses: this is the schedule :func:`schedule` lays out, from which GPU-time,
 amplification and the idle windows lent to background jobs follow. A layer's
 amplification is its GPU-time at ``g`` over its time on one GPU:
-``g · (fwd+bwd+AR)(g) / (fwd+bwd)(1)``. Memory on rank 0, which runs every
+``g · (fwd+bwd+AR+OPT)(g) / (fwd+bwd+OPT)(1)``. Memory on rank 0, which runs every
 layer, is ``Σ_l (2 + k_opt) · W_l + A_l · s(g_l)`` (weights, gradients,
 optimizer state, stored activations) and must fit the device.
 """
@@ -37,8 +41,16 @@ from deeppool.planner.graph import Layer, LayerGraph
 from deeppool.planner.hardware import NetworkModel
 from deeppool.planner.profile import Profile
 
-ADAM_STATE_FACTOR = 2
-"""Optimizer state per parameter byte (Adam: two moments)."""
+class Optimizer(enum.Enum):
+    """The optimizer the plan is for: it sets optimizer state memory and step time."""
+
+    SGD = "sgd"
+    ADAM = "adam"
+
+    @property
+    def state_factor(self) -> int:
+        """Optimizer state bytes per parameter byte (SGD without momentum: none; Adam: two moments)."""
+        return {Optimizer.SGD: 0, Optimizer.ADAM: 2}[self]
 
 
 class PhaseKind(enum.Enum):
@@ -46,6 +58,7 @@ class PhaseKind(enum.Enum):
     BACKWARD = "backward"
     ALLREDUCE = "allreduce"
     RESHARD = "reshard"
+    OPTIMIZER = "step"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +80,7 @@ class CostModel:
     profile: Profile
     network: NetworkModel
     global_batch: int
-    optimizer_state_factor: int = ADAM_STATE_FACTOR
+    optimizer: Optimizer = Optimizer.SGD
 
     def per_gpu_batch(self, gpus: int) -> int:
         return math.ceil(self.global_batch / gpus)
@@ -82,10 +95,15 @@ class CostModel:
         seconds = 2 * (gpus - 1) / gpus * layer.param_bytes / self.network.bandwidth(gpus)
         return 1e3 * (seconds + 2 * math.ceil(math.log2(gpus)) * self.network.latency_s(gpus))
 
+    def step_ms(self, layer: Layer) -> float:
+        """The optimizer step over the layer's parameters (the same on each of its ranks)."""
+        moved = (3 + 2 * self.optimizer.state_factor) * layer.param_bytes
+        return 1e3 * moved / self.profile.memory_bandwidth
+
     def layer_ms(self, layer: Layer, gpus: int) -> float:
-        """Compute plus gradient all-reduce: the time ``layer`` holds its GPUs."""
+        """Compute, gradient all-reduce and optimizer step: the time ``layer`` holds its GPUs."""
         fwd, bwd = self.compute_ms(layer, gpus)
-        return fwd + bwd + self.allreduce_ms(layer, gpus)
+        return fwd + bwd + self.allreduce_ms(layer, gpus) + self.step_ms(layer)
 
     def reshard_side_ms(self, producer: Layer, gpus: int) -> float:
         seconds = producer.act_bytes * self.per_gpu_batch(gpus) / self.network.bandwidth(gpus)
@@ -98,14 +116,14 @@ class CostModel:
         return max(self.reshard_side_ms(producer, src_gpus), self.reshard_side_ms(producer, dst_gpus))
 
     def amplification(self, layer: Layer, gpus: int) -> float:
-        single = sum(self.compute_ms(layer, 1))
+        single = self.layer_ms(layer, 1)
         if single <= 0:
             return 1.0
         return gpus * self.layer_ms(layer, gpus) / single
 
     def memory_bytes(self, layer: Layer, gpus: int) -> int:
         """Bytes ``layer`` needs on each of its ranks (rank 0 runs every layer)."""
-        state = (2 + self.optimizer_state_factor) * layer.param_bytes
+        state = (2 + self.optimizer.state_factor) * layer.param_bytes
         return state + layer.act_bytes * self.per_gpu_batch(gpus)
 
     def iteration_ms(self, assignment: Mapping[str, int]) -> float:
@@ -121,7 +139,7 @@ class CostModel:
         return sum(self.memory_bytes(layer, assignment[layer.name]) for layer in self.graph.layers)
 
     def schedule(self, assignment: Mapping[str, int]) -> list[Phase]:
-        """The phases of one iteration, forward in order then backward in reverse."""
+        """The phases of one iteration: forward in order, backward in reverse, optimizer steps."""
         phases: list[Phase] = []
         clock = 0.0
 
@@ -147,4 +165,6 @@ class CostModel:
                 if src in producers:
                     move = self.reshard_ms(producers[src], assignment[src], g)
                     add(PhaseKind.RESHARD, layer.name, move, max(assignment[src], g))
+        for layer in self.graph.layers:
+            add(PhaseKind.OPTIMIZER, layer.name, self.step_ms(layer), assignment[layer.name])
         return phases

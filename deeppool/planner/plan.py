@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.cost import CostModel, Phase, PhaseKind
+from deeppool.planner.cost import CostModel, Optimizer, Phase, PhaseKind
 from deeppool.planner.hardware import NetworkModel
 from deeppool.planner.jsonio import check_version, field, read_json, write_json
 from deeppool.planner.modelspec import ModelSpec
@@ -49,6 +49,7 @@ class PlannedLayer:
     fwd_ms: float
     bwd_ms: float
     allreduce_ms: float
+    step_ms: float
     amplification: float
     memory_bytes: int
 
@@ -96,6 +97,7 @@ class Plan:
     device: str
     network: NetworkModel
     strategy: Strategy
+    optimizer: Optimizer
     amplification_limit: float | None
     layers: tuple[PlannedLayer, ...]
     predicted: Prediction
@@ -122,6 +124,7 @@ class Plan:
             "device": self.device,
             "network": self.network.to_json(),
             "strategy": self.strategy.value,
+            "optimizer": self.optimizer.value,
             "amplification_limit": self.amplification_limit,
             "layers": [asdict(layer) for layer in self.layers],
             "predicted": asdict(self.predicted),
@@ -142,6 +145,7 @@ class Plan:
                 device=str(field(payload, "device", kind="plan")),
                 network=NetworkModel.from_json(field(payload, "network", kind="plan")),
                 strategy=Strategy(field(payload, "strategy", kind="plan")),
+                optimizer=Optimizer(field(payload, "optimizer", kind="plan")),
                 amplification_limit=None if limit is None else float(limit),
                 layers=tuple(_planned_layer(item) for item in field(payload, "layers", kind="plan")),
                 predicted=Prediction(**predicted),
@@ -206,7 +210,7 @@ def build_plan(
     phases = cost.schedule(assignment)
     iteration = cost.iteration_ms(assignment)
     busy = sum((p.end_ms - p.start_ms) * p.ranks for p in phases)
-    single = sum(sum(cost.compute_ms(layer, 1)) for layer in cost.graph.layers)
+    single = sum(cost.layer_ms(layer, 1) for layer in cost.graph.layers)
     dp = baselines[Strategy.DATA_PARALLEL]
     predicted = Prediction(
         iteration_ms=iteration,
@@ -226,6 +230,7 @@ def build_plan(
         device=cost.profile.device,
         network=cost.network,
         strategy=strategy,
+        optimizer=cost.optimizer,
         amplification_limit=amplification_limit,
         layers=layers,
         predicted=predicted,
@@ -245,6 +250,7 @@ def _plan_layer(cost: CostModel, name: str, gpus: int) -> PlannedLayer:
         fwd_ms=fwd,
         bwd_ms=bwd,
         allreduce_ms=cost.allreduce_ms(layer, gpus),
+        step_ms=cost.step_ms(layer),
         amplification=cost.amplification(layer, gpus),
         memory_bytes=cost.memory_bytes(layer, gpus),
     )

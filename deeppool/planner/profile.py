@@ -4,7 +4,8 @@ A Profile is either *measured* (by :mod:`deeppool.planner.profiler` on a local
 CPU or CUDA device) or *estimated* from a :class:`DeviceModel`. Times at a
 batch size between measured ones are interpolated linearly; above the largest
 they are extrapolated from the last two points. The Profile also carries the
-device's memory size, which the planner's memory constraint uses.
+device's memory size, which the planner's memory constraint uses, and its
+effective memory bandwidth, from which the optimizer step time follows.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Profile:
     source: str
     dtype: str
     memory_bytes: int
+    memory_bandwidth: float = 100e9
     layers: dict[str, LayerTimes] = field(default_factory=dict)
     schema_version: int = PROFILE_SCHEMA_VERSION
 
@@ -86,6 +88,7 @@ class Profile:
             "source": self.source,
             "dtype": self.dtype,
             "memory_bytes": self.memory_bytes,
+            "memory_bandwidth": self.memory_bandwidth,
             "layers": {
                 name: {"batches": list(t.batches), "fwd_ms": list(t.fwd_ms), "bwd_ms": list(t.bwd_ms)}
                 for name, t in self.layers.items()
@@ -110,6 +113,7 @@ class Profile:
             source=str(json_field(payload, "source", kind="profile")),
             dtype=str(json_field(payload, "dtype", kind="profile")),
             memory_bytes=int(json_field(payload, "memory_bytes", kind="profile")),
+            memory_bandwidth=float(json_field(payload, "memory_bandwidth", kind="profile")),
             layers=layers,
         )
 
@@ -156,5 +160,6 @@ def estimated_profile(graph: LayerGraph, device: DeviceModel, batches: tuple[int
         source=f"device-model:{device.name}",
         dtype=graph.layers[0].dtype if graph.layers else "float32",
         memory_bytes=device.memory_bytes,
+        memory_bandwidth=device.mem_bandwidth * device.bandwidth_efficiency,
         layers=layers,
     )

@@ -84,6 +84,17 @@ def device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def memory_bandwidth(device: torch.device, megabytes: int = 64, repeats: int = 5) -> float:
+    """Effective bytes/s of an in-place add over large tensors (what an optimizer step does)."""
+    count = megabytes * 2**20 // 4
+    left, right = torch.ones(count, device=device), torch.ones(count, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        elapsed, _ = _timed(device, lambda: left.add_(right, alpha=1e-6))
+        times.append(elapsed)
+    return 3 * count * 4 / (statistics.median(times[1:]) / 1e3)
+
+
 def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig) -> Profile:
     """Measure every layer of ``traced`` at ``config.batches`` on ``config.device``."""
     device = torch.device(config.device)
@@ -106,6 +117,7 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
         source="measured",
         dtype=graph.layers[0].dtype if graph.layers else "float32",
         memory_bytes=device_memory(device),
+        memory_bandwidth=memory_bandwidth(device),
         layers={
             name: LayerTimes(
                 batches=batches,

@@ -15,6 +15,7 @@ _PHASE_COLOURS = {
     PhaseKind.BACKWARD: "#DD8452",
     PhaseKind.ALLREDUCE: "#C44E52",
     PhaseKind.RESHARD: "#8172B3",
+    PhaseKind.OPTIMIZER: "#55A868",
 }
 
 
@@ -32,7 +33,7 @@ class Stage:
 
     @property
     def time_ms(self) -> float:
-        return sum(layer.fwd_ms + layer.bwd_ms + layer.allreduce_ms for layer in self.layers)
+        return sum(layer.fwd_ms + layer.bwd_ms + layer.allreduce_ms + layer.step_ms for layer in self.layers)
 
     @property
     def amplification(self) -> float:
@@ -59,7 +60,7 @@ def plan_table(plan: Plan, *, per_layer: bool = False) -> Table:
     table.add_column("amplification", justify="right")
     if per_layer:
         for layer in plan.layers:
-            time_ms = layer.fwd_ms + layer.bwd_ms + layer.allreduce_ms
+            time_ms = layer.fwd_ms + layer.bwd_ms + layer.allreduce_ms + layer.step_ms
             table.add_row(layer.name, layer.op, str(layer.gpus), f"{time_ms:.3f}", f"{layer.amplification:.2f}")
         return table
     for stage in stages(plan):

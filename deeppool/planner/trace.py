@@ -169,14 +169,17 @@ def _batched(module: fx.GraphModule, loaded: LoadedModel, fake: FakeTensorMode) 
 
 
 def _graph_of(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) -> Traced:
-    """Probe the graph; buffers (batch-norm running statistics) are restored after."""
+    """Probe the graph; buffers (batch-norm running statistics) and gradients are restored after."""
     saved = {name: buffer.clone() for name, buffer in module.named_buffers()}
+    grads = {name: param.grad for name, param in module.named_parameters()}
     try:
         return _probed_graph(module, loaded, method)
     finally:
         with torch.no_grad():
             for name, buffer in module.named_buffers():
                 buffer.copy_(saved[name])
+        for name, param in module.named_parameters():
+            param.grad = grads[name]
 
 
 def _probed_graph(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) -> Traced:

@@ -95,8 +95,9 @@ def test_branching_example_and_json_round_trip():
     assert LayerGraph.from_json(graph.to_json()) == graph
 
 
-def test_tracing_leaves_batchnorm_statistics_alone():
+def test_tracing_leaves_batchnorm_statistics_and_gradients_alone():
     module = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
     before = module[1].running_mean.clone()
     trace(_loaded(module))
     assert torch.equal(module[1].running_mean, before)
+    assert all(param.grad is None for param in module.parameters())

@@ -1,0 +1,41 @@
+"""Plans made by hand for tests: an estimated profile and a chosen GPU count per layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from deeppool.planner.cost import CostModel
+from deeppool.planner.graph import Layer
+from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice
+from deeppool.planner.modelspec import ModelSpec
+from deeppool.planner.plan import Plan, SolverInfo, Strategy, build_plan
+from deeppool.planner.profile import estimated_profile
+from deeppool.planner.trace import trace
+
+MODELS = Path(__file__).resolve().parent / "models"
+
+Assign = Callable[[int, Layer], int]
+
+
+def model_path(name: str) -> str:
+    return str(MODELS / f"{name}.py")
+
+
+def make_plan(name: str, *, global_batch: int, gpus: int, assign: Assign) -> Plan:
+    """A plan for ``tests/executor/models/<name>.py`` giving layer ``i`` ``assign(i, layer)`` GPUs."""
+    spec = ModelSpec.parse(model_path(name))
+    graph = trace(spec.load()).graph
+    profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2, 4, 8, 16, 32, 64))
+    cost = CostModel(graph=graph, profile=profile, network=NETWORKS[KnownDevice.A100], global_batch=global_batch)
+    assignment = {layer.name: assign(i, layer) for i, layer in enumerate(graph.layers)}
+    return build_plan(
+        cost, assignment, model=spec, gpus=gpus, strategy=Strategy.ILP, amplification_limit=None,
+        solver=SolverInfo(name="hand", status="Optimal", seconds=0.0, gap=0.0),
+        baselines={Strategy.DATA_PARALLEL: 1.0, Strategy.DEEPPOOL: 1.0},
+    )
+
+
+def cycle(*counts: int) -> Assign:
+    """Layer ``i`` gets ``counts[i % len(counts)]`` GPUs."""
+    return lambda i, layer: counts[i % len(counts)]

@@ -1,0 +1,60 @@
+"""Idle-window events: one per planned window per step, fired right after the phase it follows."""
+
+from __future__ import annotations
+
+import threading
+
+from deeppool.executor.api import train_rank
+from deeppool.executor.config import RunConfig
+from deeppool.executor.idle import IdleWindowEvent
+from deeppool.executor.timing import Category
+from tests.executor.fakes import SerialBuilder, ThreadWorld, run_threads
+from tests.executor.plans import cycle, make_plan
+
+STEPS = 3
+
+
+def test_idle_events_fire_after_the_planned_phase_every_step() -> None:
+    plan = make_plan("residual", global_batch=7, gpus=4, assign=cycle(1, 4, 2, 3))
+    events: dict[int, list[IdleWindowEvent]] = {rank: [] for rank in range(4)}
+    lock = threading.Lock()
+
+    def listener(event: IdleWindowEvent) -> None:
+        with lock:
+            events[event.rank].append(event)
+
+    builder = SerialBuilder(4)
+    results = run_threads(
+        ThreadWorld(4),
+        lambda comm: train_rank(plan, comm=comm, config=RunConfig(steps=STEPS), builder=builder, on_idle=listener),
+    )
+    for result in results:
+        rank = result.rank
+        planned = sorted(plan.idle_windows(rank), key=lambda w: w.start_ms)
+        fired = events[rank]
+        assert [(e.step, e.window) for e in fired] == [(s, w) for s in range(STEPS) for w in planned]
+        assert all(e.expected_ms == e.window.end_ms - e.window.start_ms > 0 for e in fired)
+        spans = [s for s in result.spans if s.category in (Category.COMPUTE, Category.COMM)]
+        for event in fired:
+            step_spans = [s for s in spans if s.step == event.step]
+            before = [s for s in step_spans if s.end_s <= event.opened_at_s]
+            after = [s for s in step_spans if s.start_s >= event.opened_at_s]
+            assert len(before) + len(after) == len(step_spans)  # fired between two ops, never inside one
+            if event.window.after is None:
+                assert not before
+            else:
+                assert max(before, key=lambda s: s.end_s).label == event.window.after
+            assert event.opened_at_s >= event.iteration_start_s
+    assert not events[0]  # rank 0 runs every layer: never idle
+    assert all(events[rank] for rank in (1, 2, 3))
+
+
+def test_idle_windows_appear_in_the_trace() -> None:
+    plan = make_plan("mlp", global_batch=6, gpus=2, assign=cycle(2, 1))
+    builder = SerialBuilder(2)
+    results = run_threads(
+        ThreadWorld(2), lambda comm: train_rank(plan, comm=comm, config=RunConfig(steps=2), builder=builder)
+    )
+    idle = [s for s in results[1].spans if s.category is Category.IDLE]
+    assert len(idle) == 2 * len(plan.idle_windows(1))
+    assert all(s.end_s >= s.start_s for s in idle)

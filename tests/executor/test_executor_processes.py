@@ -1,0 +1,97 @@
+"""Real processes: `deeppool run` over gloo, --check, traces, faults and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.executor.plans import Assign, cycle, make_plan
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def deeppool_run(plan_path: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 150):
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "deeppool.executor.cli", "run", str(plan_path), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+    )
+    return proc, time.monotonic() - started
+
+
+CHECKS = [
+    ("mlp", 6, 2, cycle(2, 1)),
+    ("residual", 7, 4, cycle(1, 4, 2, 3)),
+    ("branching", 6, 4, cycle(2, 4, 3, 1)),
+    ("tiny_gpt", 5, 2, cycle(2, 1, 2)),
+]
+
+
+@pytest.mark.parametrize(("name", "batch", "gpus", "assign"), CHECKS, ids=[f"{c[0]}-{c[2]}ranks" for c in CHECKS])
+def test_check_matches_single_process(tmp_path: Path, name: str, batch: int, gpus: int, assign: Assign) -> None:
+    plan_path = tmp_path / "plan.json"
+    make_plan(name, global_batch=batch, gpus=gpus, assign=assign).save(plan_path)
+    out = tmp_path / "out"
+    proc, _ = deeppool_run(plan_path, "--nproc", str(gpus), "--steps", "3", "--check", "--lr", "0.1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.search(r"^max relative difference: (\S+)$", proc.stdout, re.MULTILINE)
+    assert found is not None, proc.stdout
+    assert float(found.group(1)) <= 1e-5
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["check"]["passed"] and len(summary["losses"]) == 3
+    for rank in range(gpus):
+        events = json.loads((out / f"trace-rank{rank}.json").read_text())["traceEvents"]
+        assert {e.get("cat") for e in events if e["ph"] == "X"} >= {"compute", "comm", "iteration"}
+
+
+@pytest.fixture(scope="module")
+def faulty_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("faulty") / "plan.json"
+    make_plan("faulty", global_batch=6, gpus=3, assign=cycle(3, 2, 3, 1)).save(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("raise:1:6", "rank 1 failed: RuntimeError: injected failure"),
+        ("kill:2:6", "rank 2 was killed by SIGKILL"),
+        ("hang:1:6", "rank 1 stopped responding"),
+    ],
+)
+def test_a_failing_rank_stops_every_rank_and_is_named(faulty_plan: Path, tmp_path: Path, fault: str, message: str) -> None:
+    proc, elapsed = deeppool_run(
+        faulty_plan, "--steps", "50", "--timeout", "5", "--out", str(tmp_path), env={"DEEPPOOL_TEST_FAULT": fault}
+    )
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, proc.stderr[-2000:]
+    assert elapsed < 60
+
+
+def test_nproc_other_than_the_plan_is_refused_in_one_line(faulty_plan: Path) -> None:
+    proc, _ = deeppool_run(faulty_plan, "--nproc", "2")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: --nproc 2 differs from the plan's 3 GPUs: use --nproc 3 or re-plan for this many"
+
+
+def test_ctrl_c_stops_all_ranks(faulty_plan: Path, tmp_path: Path) -> None:
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "deeppool.executor.cli", "run", str(faulty_plan), "--steps", "100000", "--out", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    time.sleep(12)  # the ranks are training by now
+    os.killpg(launcher.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    _, stderr = launcher.communicate(timeout=60)
+    assert launcher.returncode != 0
+    leftover = subprocess.run(["pgrep", "-g", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    assert leftover == [], stderr[-2000:]

@@ -1,0 +1,143 @@
+"""Units: synchronised BatchNorm, gradient buckets, refusing bad input, the trace format."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from deeppool.errors import DeeppoolError
+from deeppool.executor.api import train_rank
+from deeppool.executor.config import OptimizerConfig, RunConfig
+from deeppool.executor.gradients import GradientReducer
+from deeppool.executor.launch import preflight
+from deeppool.executor.local_model import check_plan_matches
+from deeppool.executor.syncbn import GroupBatchNorm
+from deeppool.executor.timing import Category, Span, chrome_trace, summarise
+from deeppool.planner.modelspec import ModelSpec
+from deeppool.planner.plan import Plan
+from deeppool.planner.trace import trace
+from tests.executor.fakes import SerialBuilder, ThreadWorld, run_threads
+from tests.executor.plans import cycle, make_plan, model_path
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (5, 3, 4, 4)])
+def test_group_batch_norm_on_one_rank_is_batch_norm(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(shape[1]) if len(shape) == 2 else nn.BatchNorm2d(shape[1])
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    ref = copy.deepcopy(bn)
+    x = torch.randn(shape) * 3 + 1
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grad = torch.randn(shape)
+    GroupBatchNorm(bn, lambda t: None)(x1).backward(grad)
+    ref(x2).backward(grad)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bn.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bn.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bn.running_var, ref.running_var)
+    torch.testing.assert_close(bn.running_mean, ref.running_mean)
+    assert int(bn.num_batches_tracked) == 1
+
+
+def test_batch_norm_running_statistics_match_single_process_on_every_rank() -> None:
+    plan = make_plan("branching", global_batch=7, gpus=4, assign=cycle(4, 3, 2, 1))
+    builder = SerialBuilder(4)
+    config = RunConfig(steps=2, optimizer=OptimizerConfig(lr=0.1))
+    results = run_threads(ThreadWorld(4), lambda comm: train_rank(plan, comm=comm, config=config, builder=builder))
+    loaded = plan.model.load()
+    model, opt = loaded.module.train(), torch.optim.SGD(loaded.module.parameters(), lr=0.1)
+    for _ in range(2):
+        loaded.loss(model(*loaded.inputs(7)), loaded.targets(7)).backward()
+        opt.step()
+        opt.zero_grad()
+    expected = dict(model.named_buffers())
+    assert any("running_var" in name for name in results[3].buffers)
+    for result in results:
+        for name, value in result.buffers.items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=f"rank {result.rank} {name}")
+
+
+class _Handle:
+    def __init__(self) -> None:
+        self.waited = False
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+
+class _RecordingComm:
+    rank, world_size = 0, 2
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[int, ...], int]] = []
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, async_op: bool = False) -> _Handle:
+        self.calls.append((ranks, tensor.numel()))
+        tensor.mul_(2)
+        return _Handle()
+
+
+def test_gradient_buckets_are_per_group_and_written_back() -> None:
+    comm = _RecordingComm()
+    reducer = GradientReducer(comm, bucket_bytes=64)  # type: ignore[arg-type]
+    a, b, c = torch.ones(10), torch.ones(4), torch.ones(3)
+    reducer.add((0, 1), [a])  # 40 bytes: waits
+    reducer.add((0, 1, 2), [c])  # another group: its own bucket
+    reducer.add((0, 1), [b])  # 56 bytes
+    assert comm.calls == []
+    reducer.add((0, 1), [torch.ones(2)])  # 64 bytes: flush
+    assert comm.calls == [((0, 1), 16)]
+    reducer.finish()
+    assert comm.calls[-1] == ((0, 1, 2), 3)
+    assert bool((a == 2).all() and (b == 2).all() and (c == 2).all())
+
+
+def test_a_plan_for_another_model_is_refused() -> None:
+    plan = make_plan("mlp", global_batch=6, gpus=2, assign=cycle(2, 1))
+    other = trace(ModelSpec.parse(model_path("residual")).load()).graph
+    with pytest.raises(DeeppoolError, match="plan does not match model"):
+        check_plan_matches(plan, other)
+
+
+def test_a_plan_whose_model_file_changed_is_refused_before_training(tmp_path) -> None:
+    plan = make_plan("mlp", global_batch=6, gpus=2, assign=cycle(2, 1))
+    moved = Plan.from_json({**plan.to_json(), "model": {**plan.model.to_json(), "location": model_path("residual")}})
+    with pytest.raises(DeeppoolError, match="plan does not match model"):
+        preflight(moved, 2)
+
+
+def test_nproc_other_than_the_plan_is_refused() -> None:
+    plan = make_plan("mlp", global_batch=6, gpus=2, assign=cycle(2, 1))
+    with pytest.raises(DeeppoolError, match="--nproc 3 differs from the plan's 2 GPUs"):
+        preflight(plan, 3)
+    with pytest.raises(DeeppoolError, match="2 GPUs but 3 ranks"):
+        run_threads(ThreadWorld(3), lambda comm: train_rank(plan, comm=comm, config=RunConfig(steps=1)))
+
+
+def test_a_batch_smaller_than_a_layer_group_is_refused() -> None:
+    plan = make_plan("mlp", global_batch=3, gpus=4, assign=cycle(4, 1))
+    graph = trace(plan.model.load()).graph
+    with pytest.raises(DeeppoolError, match="every rank needs at least one sample"):
+        check_plan_matches(plan, graph)
+
+
+def test_chrome_trace_and_medians() -> None:
+    spans = [
+        Span(step=s, label=label, category=cat, start_s=s + a, end_s=s + b)
+        for s in range(3)
+        for label, cat, a, b in [("iteration", Category.ITERATION, 0.0, 0.5), ("forward:x", Category.COMPUTE, 0.0, 0.1),
+                                 ("reshard:x", Category.COMM, 0.1, 0.2 + 0.1 * s), ("idle", Category.IDLE, 0.1, 0.2)]
+    ]
+    times = summarise(spans, rank=1, warmup=1)
+    assert times.steps == 2 and times.iteration_ms == pytest.approx(500)
+    assert times.labels["reshard:x"] == pytest.approx(250) and "idle" not in times.labels
+    trace_json = chrome_trace(spans, rank=1)
+    complete = [e for e in trace_json["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == 12 and {e["cat"] for e in complete} == {"iteration", "compute", "comm", "idle"}
+    assert all(e["pid"] == 1 and e["dur"] >= 0 for e in complete)
