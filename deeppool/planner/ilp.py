@@ -96,24 +96,28 @@ def _formulate(
         layer.name: {g: problem.add_variable(f"x_{i}_{g}", cat=pulp.LpBinary) for g in options[layer.name]}
         for i, layer in enumerate(cost.graph.layers)
     }
-    terms = []
-    for layer in cost.graph.layers:
-        problem += pulp.lpSum(x[layer.name].values()) == 1, f"one_{layer.name}"
-        terms += [cost.layer_ms(layer, g) * var for g, var in x[layer.name].items()]
+    objective: dict[pulp.LpVariable, float] = {}
+    for i, layer in enumerate(cost.graph.layers):
+        _constrain(problem, {var: 1.0 for var in x[layer.name].values()}, pulp.LpConstraintEQ, 1.0, f"one_{i}")
+        objective.update({var: cost.layer_ms(layer, g) for g, var in x[layer.name].items()})
     for index, (src, dst) in enumerate(cost.graph.edges()):
-        terms += _edge(problem, cost, index, src, x[src], x[dst])
-    problem += pulp.lpSum(terms)
+        objective.update(_edge(problem, cost, index, src, x[src], x[dst]))
+    problem.setObjective(pulp.LpAffineExpression(objective))
     if memory_bytes is not None:
-        problem += (
-            pulp.lpSum(
-                cost.memory_bytes(layer, g) / 2**20 * var
-                for layer in cost.graph.layers
-                for g, var in x[layer.name].items()
-            )
-            <= memory_bytes / 2**20,
-            "memory",
-        )
+        usage = {
+            var: cost.memory_bytes(layer, g) / 2**20
+            for layer in cost.graph.layers
+            for g, var in x[layer.name].items()
+        }
+        _constrain(problem, usage, pulp.LpConstraintLE, memory_bytes / 2**20, "memory")
     return problem, x
+
+
+def _constrain(
+    problem: pulp.LpProblem, terms: dict[pulp.LpVariable, float], sense: int, rhs: float, name: str
+) -> None:
+    """Add ``Σ coef·var (sense) rhs`` without building intermediate expressions."""
+    problem.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), sense=sense, rhs=rhs, name=name))
 
 
 def _edge(
@@ -123,27 +127,42 @@ def _edge(
     src: str,
     xu: dict[int, pulp.LpVariable],
     xv: dict[int, pulp.LpVariable],
-) -> list[pulp.LpAffineExpression]:
-    """Add edge ``index``'s ladder flow; return its objective terms (both directions)."""
+) -> dict[pulp.LpVariable, float]:
+    """Add edge ``index``'s ladder flow; return its objective coefficients (both directions)."""
     if len(xu) == 1 and xu.keys() == xv.keys():
-        return []
+        return {}
     producer = cost.graph.layer(src)
     levels = sorted(set(xu) | set(xv), key=lambda g: (-cost.reshard_side_ms(producer, g), g))
     sides = [cost.reshard_side_ms(producer, g) for g in levels]
 
-    def flow(name: str, count: int) -> list[pulp.LpVariable]:
-        return [problem.add_variable(f"{name}_{index}_{k}", lowBound=0) for k in range(count)]
+    def flow(name: str, k: int) -> pulp.LpVariable:
+        return problem.add_variable(f"{name}_{index}_{k}", lowBound=0)
 
-    stay, enter, leave = flow("s", len(levels)), flow("e", len(levels)), flow("l", len(levels))
-    down, up = flow("d", len(levels) - 1), flow("u", len(levels) - 1)
+    down = [flow("d", k) for k in range(len(levels) - 1)]
+    up = [flow("u", k) for k in range(len(levels) - 1)]
+    objective = {var: 2 * (sides[k] - sides[k + 1]) for k, var in enumerate(up)}
     for k, g in enumerate(levels):
-        problem += stay[k] + enter[k] == xu.get(g, 0), f"from_{index}_{k}"
-        problem += stay[k] + leave[k] == xv.get(g, 0), f"to_{index}_{k}"
-        inflow = enter[k] + (down[k - 1] if k else 0) + (up[k] if k < len(up) else 0)
-        outflow = leave[k] + (down[k] if k < len(down) else 0) + (up[k - 1] if k else 0)
-        problem += inflow == outflow, f"ladder_{index}_{k}"
-    steps = [sides[k] - sides[k + 1] for k in range(len(up))]
-    return [2 * pulp.lpDot(sides, enter), 2 * pulp.lpDot(steps, up)]
+        ladder: dict[pulp.LpVariable, float] = {}
+        stay = flow("s", k) if g in xu and g in xv else None
+        if g in xu:
+            enter = flow("e", k)
+            objective[enter] = 2 * sides[k]
+            ladder[enter] = 1.0
+            _constrain(problem, {enter: 1.0, xu[g]: -1.0, **({stay: 1.0} if stay is not None else {})},
+                       pulp.LpConstraintEQ, 0.0, f"from_{index}_{k}")
+        if g in xv:
+            leave = flow("l", k)
+            ladder[leave] = -1.0
+            _constrain(problem, {leave: 1.0, xv[g]: -1.0, **({stay: 1.0} if stay is not None else {})},
+                       pulp.LpConstraintEQ, 0.0, f"to_{index}_{k}")
+        if k:
+            ladder[down[k - 1]] = 1.0
+            ladder[up[k - 1]] = -1.0
+        if k < len(up):
+            ladder[up[k]] = 1.0
+            ladder[down[k]] = -1.0
+        _constrain(problem, ladder, pulp.LpConstraintEQ, 0.0, f"ladder_{index}_{k}")
+    return objective
 
 
 def _backend(solver: SolverName, time_limit_s: float) -> pulp.LpSolver:
