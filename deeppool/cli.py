@@ -55,6 +55,7 @@ def plan(
     time_limit: Annotated[float, typer.Option(help="ILP time limit, seconds")] = 60.0,
     solver: Annotated[str | None, typer.Option(help="cbc or highs (default: highs when installed)")] = None,
     no_memory_limit: Annotated[bool, typer.Option(help="do not constrain per-GPU memory")] = False,
+    max_candidates: Annotated[int, typer.Option(help="thin the GPU counts per layer to about this many (0: all)")] = 32,
     local_device: Annotated[str, typer.Option(help="device to measure on with --device-model local")] = "cpu",
     max_measured_batch: Annotated[int, typer.Option(help="largest per-GPU batch measured locally")] = 32,
     cache_dir: Annotated[Path, typer.Option(help="profile cache directory")] = DEFAULT_CACHE,
@@ -79,6 +80,7 @@ def plan(
         enforce_memory=not no_memory_limit,
         time_limit_s=time_limit,
         solver=_enum(SolverName, solver, "--solver") if solver else None,
+        max_candidates=max_candidates or None,
     )
     source = CostSource(
         device_model=(device_model or LOCAL).lower(),

@@ -16,7 +16,7 @@ from torch import nn
 
 from deeppool.errors import DeeppoolError
 from deeppool.planner import baselines
-from deeppool.planner.candidates import Limits, allowed_counts, check_memory, useful_counts
+from deeppool.planner.candidates import Limits, allowed_counts, check_memory, thinned_counts, useful_counts
 from deeppool.planner.cost import CostModel, Optimizer
 from deeppool.planner.graph import LayerGraph
 from deeppool.planner.hardware import DEVICES, LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, known_device
@@ -28,6 +28,8 @@ from deeppool.planner.profiler import ProfilerConfig, measure_profile
 from deeppool.planner.trace import Traced, trace
 
 LOCAL = "local"
+DEFAULT_MAX_CANDIDATES = 32
+"""Keeps every useful count up to a global batch of about 300; thins larger problems."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +44,7 @@ class PlanRequest:
     enforce_memory: bool = True
     time_limit_s: float = 60.0
     solver: SolverName | None = None
+    max_candidates: int | None = DEFAULT_MAX_CANDIDATES
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -50,6 +53,8 @@ class PlanRequest:
             raise DeeppoolError(f"--batch {self.global_batch}: the global batch must be at least 1")
         if self.time_limit_s <= 0:
             raise DeeppoolError("--time-limit must be positive")
+        if self.max_candidates is not None and self.max_candidates < 2:
+            raise DeeppoolError("--max-candidates must be at least 2 (0 keeps every useful count)")
         Limits(amplification=self.amplification)
 
 
@@ -80,7 +85,7 @@ def plan_graph(
         amplification=request.amplification,
         memory_bytes=profile.memory_bytes if request.enforce_memory else None,
     )
-    counts = useful_counts(request.gpus, request.global_batch)
+    counts = thinned_counts(request.gpus, request.global_batch, request.max_candidates)
     options = {layer.name: allowed_counts(cost, layer, counts, limits) for layer in graph.layers}
     check_memory(cost, options, limits)
     result = solve(cost, options, memory_bytes=limits.memory_bytes, time_limit_s=request.time_limit_s,

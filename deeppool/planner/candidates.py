@@ -9,7 +9,8 @@ count also maps equal counts to equal counts, so no reshard is added. Hence
 the optimum over the kept counts equals the optimum over all of 1..G (counts
 above ``B`` leave GPUs without samples and are never better). For B = 256
 this leaves 31 counts out of 256; the test suite checks the claim against
-enumeration over every count.
+enumeration over every count. Large problems may further be thinned to a
+fixed number of counts (:func:`thinned_counts`), which is not lossless.
 """
 
 from __future__ import annotations
@@ -34,6 +35,26 @@ def useful_counts(gpus: int, global_batch: int) -> tuple[int, ...]:
             counts.append(g)
             previous = share
     return tuple(counts)
+
+
+def thinned_counts(gpus: int, global_batch: int, limit: int | None) -> tuple[int, ...]:
+    """About ``limit`` of the useful counts (all of them when ``limit`` is None).
+
+    This pruning can cost plan quality (the planner benchmark measures how
+    much): it keeps every power of two and the data-parallel width, so the
+    data-parallel and DeepPool-style plans stay representable and the ILP is
+    never predicted slower than them, and fills the gaps with the useful counts
+    nearest to a geometric series from 1 to the largest count.
+    """
+    counts = useful_counts(gpus, global_batch)
+    if limit is None or len(counts) <= limit:
+        return counts
+    kept = set(powers_of_two(gpus, global_batch)) | {counts[-1]}
+    spread = max(limit - len(kept), 2)
+    for step in range(spread):
+        target = counts[-1] ** (step / (spread - 1))
+        kept.add(min(counts, key=lambda g: abs(math.log(g / target))))
+    return tuple(sorted(kept))
 
 
 def powers_of_two(gpus: int, global_batch: int) -> tuple[int, ...]:
