@@ -63,16 +63,24 @@ def solve(
     time_limit_s: float,
     solver: SolverName | None = None,
 ) -> IlpResult:
-    """Solve the ILP for ``options`` (the allowed counts of each layer)."""
+    """Solve the ILP for ``options`` (the allowed counts of each layer).
+
+    The LP relaxation is solved first: when its optimum is integral (the ladder
+    formulation makes that the rule on these graphs) it is an optimal solution
+    of the ILP, with gap 0. Otherwise the ILP is solved by branch and bound.
+    """
     chosen = solver or default_solver()
     problem, x = _formulate(cost, options, memory_bytes)
     started = time.perf_counter()
-    problem.solve(_backend(chosen, time_limit_s))
+    problem.solve(_backend(chosen, time_limit_s, mip=False))
+    relaxed_ok = problem.status == pulp.LpStatusOptimal and _integral(x)
+    if not relaxed_ok:
+        remaining = max(time_limit_s - (time.perf_counter() - started), 1.0)
+        problem.solve(_backend(chosen, remaining, mip=True))
     seconds = time.perf_counter() - started
-    status = pulp.LpStatus[problem.status]
-    if problem.status != pulp.LpStatusOptimal and not _has_solution(x):
+    if not _has_solution(x):
         raise DeeppoolError(
-            f"the ILP found no plan ({status}) within {time_limit_s:g} s: "
+            f"the ILP found no plan ({pulp.LpStatus[problem.status]}) within {time_limit_s:g} s: "
             "raise --time-limit or relax --amplification"
         )
     assignment = {
@@ -81,9 +89,9 @@ def solve(
     return IlpResult(
         assignment=assignment,
         solver=chosen,
-        status=status,
+        status=_status(problem, relaxed_ok),
         seconds=seconds,
-        gap=_gap(problem, chosen),
+        gap=0.0 if relaxed_ok else _gap(problem, chosen),
         objective_ms=float(pulp.value(problem.objective) or 0.0),
     )
 
@@ -165,18 +173,35 @@ def _edge(
     return objective
 
 
-def _backend(solver: SolverName, time_limit_s: float) -> pulp.LpSolver:
+def _backend(solver: SolverName, time_limit_s: float, *, mip: bool) -> pulp.LpSolver:
     if solver is SolverName.HIGHS:
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1)
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+        options = {} if mip else {"presolve": "off"}
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1, mip=mip, **options)
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, mip=mip)
+
+
+def _integral(x: dict[str, dict[int, pulp.LpVariable]]) -> bool:
+    return all(
+        min(abs(value), abs(1 - value)) < 1e-6
+        for choice in x.values()
+        for value in (var.varValue or 0.0 for var in choice.values())
+    )
 
 
 def _has_solution(x: dict[str, dict[int, pulp.LpVariable]]) -> bool:
     return all(any((var.varValue or 0) > 0.5 for var in choice.values()) for choice in x.values())
 
 
+def _status(problem: pulp.LpProblem, relaxed_ok: bool) -> str:
+    if relaxed_ok:
+        return "Optimal (integral LP relaxation)"
+    if problem.sol_status == pulp.LpSolutionOptimal:
+        return "Optimal"
+    return f"{pulp.LpSolution[problem.sol_status]} (time limit)"
+
+
 def _gap(problem: pulp.LpProblem, solver: SolverName) -> float:
     """Relative MIP gap: HiGHS reports it; for CBC 0 when proven optimal, else 1 (unknown)."""
     if solver is SolverName.HIGHS:
         return max(0.0, float(problem.solverModel.getInfo().mip_gap))
-    return 0.0 if problem.status == pulp.LpStatusOptimal else 1.0
+    return 0.0 if problem.sol_status == pulp.LpSolutionOptimal else 1.0

@@ -90,7 +90,7 @@ def test_memory_limit_binds_and_infeasible_names_the_layer():
     gpus, batch = 4, 64
     cost, profile = _problem(CHAIN, gpus, batch)
     free = plan_graph(CHAIN, profile, SLOW_NETWORK, PlanRequest(gpus=gpus, global_batch=batch), model=SPEC).plan
-    tight = free.predicted.peak_memory_bytes - 1
+    tight = free.predicted.peak_memory_bytes - 2**20
     tight_profile = synthetic.profile(CHAIN, {n: BASES[n] for n in CHAIN.names}, 0.05, profile.layers["a"].batches, tight)
     bounded = plan_graph(CHAIN, tight_profile, SLOW_NETWORK, PlanRequest(gpus=gpus, global_batch=batch), model=SPEC).plan
     assert bounded.predicted.peak_memory_bytes <= tight
