@@ -2,9 +2,10 @@
 
     python benchmarks/planner.py [--gpus 8,32,256,1024] [--chains 50,100,200,500,1000]
 
-For every example at every GPU count: tracing time (once per model, after a
-warm-up trace of a tiny model that pays torch's one-time import of its
-dispatch machinery, ~1.5 s per process), ILP solve time and status,
+For every example at every GPU count: tracing time (once per model, built on
+the meta device as `deeppool plan --device-model` does, after a warm-up trace
+of a tiny model that pays torch's one-time import of its dispatch machinery,
+~1.5 s per process), ILP solve time and status,
 predicted speedup over data parallel, and the DeepPool-style DP's time and
 plan quality (its predicted iteration time over the ILP's) measured in the
 same run. Where the default candidate thinning (--max-candidates 32) drops
@@ -67,7 +68,7 @@ def _timed(work):
 
 def bench_example(name: str, gpu_counts: list[int]) -> list[Row]:
     spec = ModelSpec.parse(str(EXAMPLES / f"{name}.py"))
-    traced, trace_s = _timed(lambda: trace(spec.load()))
+    traced, trace_s = _timed(lambda: trace(spec.load(meta=True)))
     rows = []
     for gpus in gpu_counts:
         batch = max(256, gpus)

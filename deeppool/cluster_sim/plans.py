@@ -221,7 +221,7 @@ class PlanBook:
                     return LayerGraph.from_json(json.loads(path.read_text()))
                 except (ValueError, KeyError, TypeError, DeeppoolError):
                     pass
-        graph = trace(model.spec.load()).graph
+        graph = trace(model.spec.load(meta=True)).graph
         if path is not None:
             write_json(path, graph.to_json())
         return graph

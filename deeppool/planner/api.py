@@ -177,6 +177,10 @@ class CostSource:
         if self.max_measured_batch < 1:
             raise DeeppoolError("--max-measured-batch must be >= 1")
 
+    @property
+    def measures_locally(self) -> bool:
+        return self.profile_path is None and self.device_model == LOCAL
+
     def network_model(self, profile: Profile) -> NetworkModel:
         preset = self.network or self._preset_for(profile)
         base = LOCAL_NETWORK if preset == LOCAL else NETWORKS[known_device(preset)]
@@ -206,7 +210,7 @@ class CostSource:
 
 def plan_model(spec: ModelSpec, request: PlanRequest, source: CostSource) -> Planned:
     """Trace the model ``spec`` names, get its layer times from ``source``, plan it."""
-    loaded = spec.load()
+    loaded = spec.load(meta=not source.measures_locally)
     traced = trace(loaded)
     profile = source.profile(traced, loaded, request)
     return plan_graph(traced.graph, profile, source.network_model(profile), request, model=spec)

@@ -15,6 +15,7 @@ is stored in every Plan so that other processes can rebuild the same model.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import importlib.util
@@ -91,11 +92,16 @@ class ModelSpec:
             seed=int(data.get("seed", 0)),
         )
 
-    def load(self) -> LoadedModel:
-        """Build the model (parameters seeded with ``seed``) and its data functions."""
-        if self.source is ModelSource.FILE:
-            return _load_file(self)
-        return _load_factory(self)
+    def load(self, *, meta: bool = False) -> LoadedModel:
+        """Build the model (parameters seeded with ``seed``) and its data functions.
+
+        ``meta=True`` builds it on the meta device: shapes without storage or
+        initialisation, all that tracing for a device model needs.
+        """
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            if self.source is ModelSource.FILE:
+                return _load_file(self)
+            return _load_factory(self)
 
 
 @dataclass(frozen=True)

@@ -135,17 +135,40 @@ class _Recorder(fx.Interpreter):
         return value
 
 
-def _record(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...], fake: FakeTensorMode) -> _Recorder:
+class _ShapeOnly:
+    """Runs ops for their shapes only: on ``meta`` tensors when the model was built
+    on the meta device (fast), else under a :class:`FakeTensorMode`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.meta = device.type == "meta"
+        self.fake = None if self.meta else FakeTensorMode(allow_non_fake_inputs=True)
+
+    def __enter__(self) -> None:
+        if self.fake is not None:
+            self.fake.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fake is not None:
+            self.fake.__exit__(*exc)
+
+    def tensor(self, value: torch.Tensor) -> torch.Tensor:
+        if self.meta:
+            return value.to("meta")
+        assert self.fake is not None
+        return self.fake.from_tensor(value)
+
+
+def _record(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...], fake: _ShapeOnly) -> _Recorder:
     with FlopCounterMode(display=False) as counter:
         recorder = _Recorder(module, counter)
         _run(recorder, inputs, fake)
     return recorder
 
 
-def _run(recorder: _Recorder, inputs: tuple[torch.Tensor, ...], fake: FakeTensorMode) -> None:
+def _run(recorder: _Recorder, inputs: tuple[torch.Tensor, ...], fake: _ShapeOnly) -> None:
     with fake, torch.no_grad():
         try:
-            recorder.run(*(fake.from_tensor(t) for t in inputs))
+            recorder.run(*(fake.tensor(t) for t in inputs))
         except Exception as err:
             raise DeeppoolError(
                 f"the traced model fails on its own inputs ({type(err).__name__}: {_first_line(err)}): "
@@ -153,7 +176,13 @@ def _run(recorder: _Recorder, inputs: tuple[torch.Tensor, ...], fake: FakeTensor
             ) from None
 
 
-def _batched(module: fx.GraphModule, loaded: LoadedModel, fake: FakeTensorMode) -> tuple[set[str], _Recorder]:
+def _device_of(module: nn.Module) -> torch.device:
+    """Where the model's parameters live (``meta`` when it was built for planning only)."""
+    first = next(module.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _batched(module: fx.GraphModule, loaded: LoadedModel, fake: _ShapeOnly) -> tuple[set[str], _Recorder]:
     """Names of nodes whose value is a tensor with the batch in dimension 0."""
     probe, other = (_record(module, loaded.inputs(b), fake) for b in _PROBE_BATCHES)
     small, large = probe.values, other.values
@@ -183,8 +212,8 @@ def _graph_of(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) 
 
 
 def _probed_graph(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) -> Traced:
-    """Shapes and FLOPs come from fake tensors: no arithmetic is done."""
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    """Shapes and FLOPs come from meta or fake tensors: no arithmetic is done."""
+    fake = _ShapeOnly(_device_of(module))
     batched, probe = _batched(module, loaded, fake)
     values = probe.values
     nodes = list(module.graph.nodes)
@@ -248,7 +277,7 @@ class _LayerBuilder:
         probe: _Recorder,
         placeholders: set[str],
         groups: list[list[fx.Node]],
-        fake: FakeTensorMode,
+        fake: _ShapeOnly,
         counter: FlopCounterMode,
     ) -> None:
         self.module = module
