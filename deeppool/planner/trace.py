@@ -86,7 +86,8 @@ def _fx_trace(model: nn.Module) -> fx.GraphModule:
 
 
 def _export(loaded: LoadedModel) -> fx.GraphModule:
-    example = loaded.inputs(_PROBE_BATCHES[0])
+    device = _device_of(loaded.module)
+    example = tuple(t.to(device) for t in loaded.inputs(_PROBE_BATCHES[0]))
     batch = torch.export.Dim("batch", min=1)
     dynamic = tuple({0: batch} for _ in example)
     try:

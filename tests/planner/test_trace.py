@@ -79,6 +79,14 @@ def test_export_fallback_groups_nodes_by_module():
     torch.testing.assert_close(_run_layers(traced, x), module(x))
 
 
+def test_export_fallback_on_the_meta_device():
+    with torch.device("meta"):
+        module = ShapeLoop()
+    traced = trace(_loaded(module))
+    assert traced.graph.method is TraceMethod.EXPORT
+    assert traced.graph == trace(_loaded(ShapeLoop())).graph
+
+
 def test_untraceable_model_names_the_module():
     loaded = ModelSpec.parse(str(MODELS / "untraceable.py")).load()
     with pytest.raises(DeeppoolError, match="torch.fx cannot trace module 'gate'.*torch.export cannot trace"):
