@@ -2,13 +2,31 @@
 
 A layer that runs on ``g > 1`` ranks sees only its slice of the global batch,
 so its BatchNorm must take mean and variance over the whole batch to give the
-single-process result. :class:`GroupBatchNorm` all-reduces the per-channel
-count, sum and sum of squares (in float64) over the group in the forward, and
-the per-channel sums of ``dy`` and ``dy·x̂`` in the backward:
+single-process result. :class:`GroupBatchNorm` all-reduces (in float64) the
+per-channel count and sum, then the sum of squared deviations from the
+global mean, in the forward; and the per-channel sums of ``dy`` and
+``dy·(x − μ)`` in the backward:
 
-    dx = γ/σ · (dy − Σdy/N − x̂ · Σ(dy·x̂)/N),   dγ = Σ_local dy·x̂,   dβ = Σ_local dy
+    dx = γ·σ⁻¹ · (dy − Σdy/N − (x − μ) · σ⁻² · Σ(dy·(x − μ))/N)
+    dγ = σ⁻¹ · Σ_local dy·(x − μ),   dβ = Σ_local dy
 
 (``dγ``/``dβ`` stay local sums; the layer's gradient all-reduce adds them up).
+
+**Same arithmetic as single-process BatchNorm.** The forward reproduces
+PyTorch's CPU kernel step by step — ``μ = float(Σx / N)`` with a float64 sum,
+``var = float(Σ float((x − μ)²)) / N`` (two passes, the squares in the input
+dtype), ``σ⁻¹ = float(1 / √(var + ε))`` in float64, ``y = x·α + β`` with
+``α = σ⁻¹γ`` and ``β = β₀ − μα`` each rounded once (fused multiply-add) — so
+for contiguous inputs with spatial dimensions it is bit-for-bit the output of
+``nn.BatchNorm`` on the whole batch. This matters: a deep ReLU network
+amplifies a one-ulp difference in a normalised activation into a different
+ReLU mask and an O(1) relative difference in some gradients (single-process
+fp32 training of Inception on 1 and on 2 CPU threads already differs by more
+than 100% in some BatchNorm biases after 3 steps), so matching the reference
+to round-off needs the forward to be the reference's forward. Inputs without
+spatial dimensions (BatchNorm1d on ``[N, C]``), which PyTorch reduces with
+thread-dependent float partial sums, match to round-off instead.
+
 Running statistics are updated with the global mean and unbiased variance, so
 every rank keeps the single-process buffers.
 """
@@ -25,48 +43,64 @@ Reduce = Callable[[torch.Tensor], None]
 """Sums a tensor in place over the layer's group."""
 
 
+def _dims(x: torch.Tensor) -> list[int]:
+    return [0, *range(2, x.dim())]
+
+
+def _channel_view(x: torch.Tensor) -> list[int]:
+    return [1, x.shape[1]] + [1] * (x.dim() - 2)
+
+
+def group_moments(x: torch.Tensor, reduce: Reduce) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Global per-channel mean and biased variance (input dtype) and the global count.
+
+    Two reductions, as PyTorch's CPU kernel computes them: the mean from a
+    float64 sum, then the sum of squared deviations from that (rounded) mean.
+    """
+    dims, view = _dims(x), _channel_view(x)
+    first = torch.cat([torch.tensor([x.numel() // x.shape[1]], dtype=torch.float64, device=x.device),
+                       x.sum(dims, dtype=torch.float64)])
+    reduce(first)
+    count = int(first[0])
+    mean = (first[1:] / count).to(x.dtype)
+    centred = x - mean.view(view)
+    var_sum = (centred * centred).sum(dims, dtype=torch.float64)
+    reduce(var_sum)
+    return mean, var_sum.to(x.dtype) / count, count
+
+
 class _GroupBatchNormFn(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-        eps: float, reduce: Reduce, stats_out: list[torch.Tensor],
+        eps: float, reduce: Reduce, stats_out: list[Any],
     ) -> torch.Tensor:
-        dims = [0, *range(2, x.dim())]
-        x64 = x.double()
-        count = torch.full((1,), x.numel() / x.shape[1], dtype=torch.float64, device=x.device)
-        stats = torch.cat([count, x64.sum(dims), x64.square().sum(dims)])
-        reduce(stats)
-        channels = x.shape[1]
-        total, mean = stats[0], stats[1 : 1 + channels] / stats[0]
-        var = (stats[1 + channels :] / total - mean.square()).clamp_min(0)
-        stats_out.extend([mean, var, total])
-        shape = [1, channels] + [1] * (x.dim() - 2)
-        invstd = (var + eps).rsqrt().to(x.dtype).view(shape)
-        xhat = (x - mean.to(x.dtype).view(shape)) * invstd
-        ctx.save_for_backward(xhat, invstd, weight)
-        ctx.reduce, ctx.total, ctx.dims = reduce, float(total), dims
-        out = xhat
-        if weight is not None:
-            out = out * weight.view(shape)
-        if bias is not None:
-            out = out + bias.view(shape)
-        return out
+        mean, var, count = group_moments(x, reduce)
+        stats_out.extend([mean, var, count])
+        invstd = (1.0 / torch.sqrt(var.double() + eps)).to(x.dtype)
+        alpha = invstd if weight is None else invstd * weight
+        offset = torch.zeros_like(mean) if bias is None else bias
+        beta = (offset.double() - mean.double() * alpha.double()).to(x.dtype)  # one rounding, as an FMA
+        view = _channel_view(x)
+        ctx.save_for_backward(x, mean, invstd, weight)
+        ctx.reduce, ctx.count = reduce, count
+        return torch.addcmul(beta.view(view), x, alpha.view(view))
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        xhat, invstd, weight = ctx.saved_tensors
-        shape = invstd.shape
-        sum_dy = dy.sum(ctx.dims)
-        sum_dy_xhat = (dy * xhat).sum(ctx.dims)
-        both = torch.cat([sum_dy, sum_dy_xhat]).double()
+        x, mean, invstd, weight = ctx.saved_tensors
+        dims, view = _dims(x), _channel_view(x)
+        centred = x - mean.view(view)
+        local = torch.cat([dy.sum(dims, dtype=torch.float64), (centred * dy).sum(dims, dtype=torch.float64)])
+        both = local.clone()
         ctx.reduce(both)
-        channels = sum_dy.numel()
-        mean_dy = (both[:channels] / ctx.total).to(dy.dtype).view(shape)
-        mean_dy_xhat = (both[channels:] / ctx.total).to(dy.dtype).view(shape)
-        scale = invstd if weight is None else invstd * weight.view(shape)
-        dx = scale * (dy - mean_dy - xhat * mean_dy_xhat)
-        dweight = sum_dy_xhat if weight is not None and ctx.needs_input_grad[1] else None
-        dbias = sum_dy if ctx.needs_input_grad[2] else None
+        channels = mean.numel()
+        sum_dy, dot = both[:channels].to(x.dtype), both[channels:].to(x.dtype)
+        k = dot * invstd * invstd / ctx.count
+        scale = invstd if weight is None else invstd * weight
+        dx = (dy - (sum_dy / ctx.count).view(view) - centred * k.view(view)) * scale.view(view)
+        dweight = (local[channels:].to(x.dtype) * invstd) if weight is not None and ctx.needs_input_grad[1] else None
+        dbias = local[:channels].to(x.dtype) if ctx.needs_input_grad[2] else None
         return dx, dweight, dbias, None, None, None
 
 
@@ -90,20 +124,18 @@ class GroupBatchNorm(nn.Module):
         bn = self.bn
         if not bn.training:
             return bn(x)
-        stats: list[torch.Tensor] = []
-        out = _GroupBatchNormFn.apply(x, bn.weight, bn.bias, bn.eps, self._reduce, stats)
+        stats: list[Any] = []
+        out = _GroupBatchNormFn.apply(x.contiguous(), bn.weight, bn.bias, bn.eps, self._reduce, stats)
         if bn.track_running_stats and bn.running_mean is not None and bn.running_var is not None:
             self._update_running(bn, *stats)
         return out
 
     @staticmethod
-    def _update_running(
-        bn: nn.modules.batchnorm._BatchNorm, mean: torch.Tensor, var: torch.Tensor, total: torch.Tensor
-    ) -> None:
+    def _update_running(bn: nn.modules.batchnorm._BatchNorm, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
         assert bn.num_batches_tracked is not None and bn.running_mean is not None and bn.running_var is not None
         with torch.no_grad():
             bn.num_batches_tracked.add_(1)
             momentum = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
-            unbiased = var * (total / (total - 1)) if float(total) > 1 else var
+            unbiased = var * (count / (count - 1)) if count > 1 else var
             bn.running_mean.mul_(1 - momentum).add_(mean.to(bn.running_mean.dtype), alpha=momentum)
             bn.running_var.mul_(1 - momentum).add_(unbiased.to(bn.running_var.dtype), alpha=momentum)

@@ -159,17 +159,17 @@ class _ShapeOnly:
         return self.fake.from_tensor(value)
 
 
-def _record(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...], fake: _ShapeOnly) -> _Recorder:
+def _record(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...], shapes: _ShapeOnly) -> _Recorder:
     with FlopCounterMode(display=False) as counter:
         recorder = _Recorder(module, counter)
-        _run(recorder, inputs, fake)
+        _run(recorder, inputs, shapes)
     return recorder
 
 
-def _run(recorder: _Recorder, inputs: tuple[torch.Tensor, ...], fake: _ShapeOnly) -> None:
-    with fake, torch.no_grad():
+def _run(recorder: _Recorder, inputs: tuple[torch.Tensor, ...], shapes: _ShapeOnly) -> None:
+    with shapes, torch.no_grad():
         try:
-            recorder.run(*(fake.tensor(t) for t in inputs))
+            recorder.run(*(shapes.tensor(t) for t in inputs))
         except Exception as err:
             raise DeeppoolError(
                 f"the traced model fails on its own inputs ({type(err).__name__}: {_first_line(err)}): "
@@ -183,9 +183,9 @@ def _device_of(module: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def _batched(module: fx.GraphModule, loaded: LoadedModel, fake: _ShapeOnly) -> tuple[set[str], _Recorder]:
+def _batched(module: fx.GraphModule, loaded: LoadedModel, shapes: _ShapeOnly) -> tuple[set[str], _Recorder]:
     """Names of nodes whose value is a tensor with the batch in dimension 0."""
-    probe, other = (_record(module, loaded.inputs(b), fake) for b in _PROBE_BATCHES)
+    probe, other = (_record(module, loaded.inputs(b), shapes) for b in _PROBE_BATCHES)
     small, large = probe.values, other.values
     batched = {
         name
@@ -214,15 +214,15 @@ def _graph_of(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) 
 
 def _probed_graph(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) -> Traced:
     """Shapes and FLOPs come from meta or fake tensors: no arithmetic is done."""
-    fake = _ShapeOnly(_device_of(module))
-    batched, probe = _batched(module, loaded, fake)
+    shapes = _ShapeOnly(_device_of(module))
+    batched, probe = _batched(module, loaded, shapes)
     values = probe.values
     nodes = list(module.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     heads = [n for n in nodes if n.op in _LAYER_OPS and n.name in batched]
     groups = _group(heads, method)
     with FlopCounterMode(display=False) as counter:
-        builder = _LayerBuilder(module, probe, {n.name for n in placeholders}, groups, fake, counter)
+        builder = _LayerBuilder(module, probe, {n.name for n in placeholders}, groups, shapes, counter)
         layers = tuple(builder.build(group) for group in groups)
     output = _output_layer(nodes, builder.layer_of)
     graph = LayerGraph(
@@ -278,11 +278,11 @@ class _LayerBuilder:
         probe: _Recorder,
         placeholders: set[str],
         groups: list[list[fx.Node]],
-        fake: _ShapeOnly,
+        shapes: _ShapeOnly,
         counter: FlopCounterMode,
     ) -> None:
         self.module = module
-        self.fake = fake
+        self.shapes = shapes
         self.counter = counter
         self.values = probe.values
         self.forward_flops = probe.flops
@@ -384,7 +384,7 @@ class _LayerBuilder:
             dtype="", params=(), param_bytes=0, act_bytes=0, fwd_flops=0.0, bwd_flops=0.0,
         )
         runner = LayerRunner(self.module, layer)
-        with self.fake:
+        with self.shapes:
             args = [_grad_input(self.values[name]) for name in inputs]
             output = runner(*args)
             before = self.counter.get_total_flops()
