@@ -46,6 +46,7 @@ def plan(
     device_model: Annotated[str | None, typer.Option(help="v100, a100, h100 (estimated) or local (measured here)")] = None,
     profile: Annotated[Path | None, typer.Option(help="plan from a profile written by `deeppool profile`")] = None,
     network: Annotated[str | None, typer.Option(help="network preset: v100, a100, h100 or local")] = None,
+    network_file: Annotated[Path | None, typer.Option(help="measured network (`deeppool profile-network`)")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(help="override the preset's GPUs per node")] = None,
     intra_gbps: Annotated[float | None, typer.Option(help="override the in-node bandwidth per GPU, GB/s")] = None,
     inter_gbps: Annotated[float | None, typer.Option(help="override the cross-node bandwidth per GPU, GB/s")] = None,
@@ -89,6 +90,7 @@ def plan(
         max_measured_batch=max_measured_batch,
         cache_dir=cache_dir,
         network=network.lower() if network else None,
+        network_file=network_file,
         gpus_per_node=gpus_per_node,
         intra_gbps=intra_gbps,
         inter_gbps=inter_gbps,
@@ -148,6 +150,12 @@ def _mount_optional_commands() -> None:
         run = None
     if run is not None:
         app.command("run")(run)
+    try:
+        from deeppool.executor.cli import profile_network
+    except ImportError:
+        profile_network = None
+    if profile_network is not None:
+        app.command("profile-network")(profile_network)
     try:
         from deeppool.cluster_sim.cli import simulate
     except ImportError:

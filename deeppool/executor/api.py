@@ -2,8 +2,10 @@
 
 :func:`train_rank` is what every rank runs (the worker calls it with a
 :class:`~deeppool.executor.comm.TorchComm`; tests call it with a fake). It
-rebuilds and checks the model, optionally trains the single-process reference
-(``check``), runs ``config.steps`` iterations and returns this rank's result;
+rebuilds and checks the model, runs ``config.steps`` iterations (with ``check``,
+each followed by the same step of single-process training, compared and
+realigned: :class:`~deeppool.executor.reference.LockstepReference`) and
+returns this rank's result;
 rank 0's result carries the :class:`RunSummary` of all ranks.
 """
 
@@ -25,7 +27,7 @@ from deeppool.executor.gradients import GradientReducer
 from deeppool.executor.idle import IdleListener, ignore_idle
 from deeppool.executor.local_model import LocalModel, check_plan_matches, freeze_dropout, hold
 from deeppool.executor.program import build_program, idle_positions
-from deeppool.executor.reference import CheckResult, compare, train_reference
+from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
 from deeppool.executor.syncbn import Reduce
 from deeppool.executor.timing import Clock, Recorder, RankTimes, Span, summarise
@@ -68,8 +70,7 @@ def train_rank(
     traced = builder.trace(loaded)
     check_plan_matches(plan, traced.graph)
     reference = (
-        train_reference(builder.load(plan.model), batches, steps=config.steps,
-                        optimizer=config.optimizer)
+        LockstepReference(builder.load(plan.model), config.optimizer, bound=config.check_bound)
         if config.check else None
     )
     module = traced.module.to(device).train()
@@ -79,10 +80,16 @@ def train_rank(
     local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks))
     recorder = Recorder(clock, _cuda_sync(device))
     engine = _engine(plan, local, comm, loaded, config, recorder, on_idle, device)
-    losses = tuple(engine.step(step, batches(step)) for step in range(config.steps))
+    losses: list[float] = []
+    checks: list[CheckResult] = []
+    for step in range(config.steps):
+        batch = batches(step)
+        losses.append(engine.step(step, batch))
+        if reference is not None:
+            checks.append(reference.step(step, batch, local.params, local.buffers))
     times = summarise(recorder.spans, rank=comm.rank, warmup=config.warmup)
-    check = compare(local.params, reference, bound=config.check_bound) if reference is not None else None
-    gathered = comm.gather((times, losses, check))
+    check = worst_of(checks)
+    gathered = comm.gather((times, tuple(losses), check))
     summary = None
     if gathered is not None:
         summary = summarise_run(
@@ -90,7 +97,7 @@ def train_rank(
             steps=config.steps, synchronous_allreduce=config.bucket_mb == 0,
         )
     return RankResult(
-        rank=comm.rank, losses=losses, times=times, spans=tuple(recorder.spans), check=check,
+        rank=comm.rank, losses=tuple(losses), times=times, spans=tuple(recorder.spans), check=check,
         params={name: p.detach() for name, p in local.params.items()}, buffers=dict(local.buffers), summary=summary,
     )
 

@@ -1,6 +1,7 @@
 """The executor's command line: ``deeppool run`` (launcher) and the per-rank worker.
 
-``app`` holds the ``run`` command, which the main CLI mounts as ``deeppool run``;
+``app`` holds the ``run`` command, which the main CLI mounts as ``deeppool run``
+(and :func:`profile_network` as ``deeppool profile-network``);
 ``worker_app`` is what ``python -m deeppool.executor plan.json`` runs on every
 rank under torchrun. Both take the same run options.
 """
@@ -12,17 +13,21 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.comm import Backend
 from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
 from deeppool.executor.launch import launch
+from deeppool.executor.netprobe import DEFAULT_SIZES, ProbeConfig, probe_network
+from deeppool.executor.report import fit_table
 from deeppool.executor.worker import RankEnv, report_failure, run_worker
+from deeppool.planner.plan import Plan
 
 PlanArg = Annotated[Path, typer.Argument(help="plan JSON written by `deeppool plan`")]
 Steps = Annotated[int, typer.Option(help="training iterations")]
 Warmup = Annotated[int, typer.Option(help="iterations left out of the timing medians")]
-Optim = Annotated[OptimizerKind, typer.Option("--optimizer", help="optimizer")]
+Optim = Annotated[OptimizerKind | None, typer.Option("--optimizer", help="optimizer (default: the plan's)")]
 Lr = Annotated[float, typer.Option(help="learning rate")]
 Momentum = Annotated[float, typer.Option(help="SGD momentum")]
 BackendOpt = Annotated[Backend, typer.Option(help="auto: NCCL with CUDA, else gloo")]
@@ -68,25 +73,58 @@ def config_args(config: RunConfig) -> list[str]:
 def run(
     plan: PlanArg,
     nproc: Annotated[int | None, typer.Option(help="ranks to start here (default: the plan's GPU count)")] = None,
-    steps: Steps = 50, warmup: Warmup = 5, optimizer: Optim = OptimizerKind.SGD, lr: Lr = 0.01,
+    steps: Steps = 50, warmup: Warmup = 5, optimizer: Optim = None, lr: Lr = 0.01,
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = 300.0,
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-5,
     out: Out = Path("deeppool-run"),
 ) -> None:
     """Train with PLAN on --nproc local ranks (torchrun underneath) and print the timing summary."""
+    loaded = Plan.load(plan)
     config = make_config(
-        steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, momentum=momentum, backend=backend,
-        timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
+        steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
+        backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
     )
-    from deeppool.planner.plan import Plan
-
-    ranks = nproc if nproc is not None else Plan.load(plan).gpus
+    ranks = nproc if nproc is not None else loaded.gpus
     launch(plan, nproc=ranks, config=config, worker_args=config_args(config))
+
+
+def plan_optimizer(plan: Plan) -> OptimizerKind:
+    """The optimizer the plan was made for (its memory and step time assume it)."""
+    return OptimizerKind(plan.optimizer.value)
+
+
+def profile_network(
+    out: Annotated[Path, typer.Option(help="where to write the network JSON (for `deeppool plan --network-file`)")],
+    nproc: Annotated[int, typer.Option(help="processes to measure with (the ranks a plan will run)")] = 2,
+    sizes: Annotated[str, typer.Option(help="message sizes in bytes, comma-separated")] = ",".join(
+        str(size) for size in DEFAULT_SIZES
+    ),
+    repeats: Annotated[int, typer.Option(help="timed runs per size (median taken)")] = 10,
+    warmup: Annotated[int, typer.Option(help="untimed runs per size")] = 3,
+) -> None:
+    """Measure gloo all-reduce and point-to-point here and fit the cost model's latency and bandwidth."""
+    config = ProbeConfig(nproc=nproc, sizes=_sizes(sizes), repeats=repeats, warmup=warmup)
+    fitted = probe_network(config)
+    fitted.save(out)
+    console = Console()
+    console.print(fit_table(fitted))
+    console.print(
+        f"fitted: latency {fitted.latency_s * 1e6:.1f} us, bandwidth {fitted.bandwidth / 1e9:.3f} GB/s "
+        f"({nproc} gloo processes); network written to {out}",
+        highlight=False,
+    )
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise DeeppoolError(f"--sizes '{text}' is not comma-separated integers (bytes), e.g. 4096,1048576") from None
 
 
 @worker_app.command()
 def worker(
-    plan: PlanArg, steps: Steps = 50, warmup: Warmup = 5, optimizer: Optim = OptimizerKind.SGD, lr: Lr = 0.01,
+    plan: PlanArg, steps: Steps = 50, warmup: Warmup = 5, optimizer: Optim = None, lr: Lr = 0.01,
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = 300.0,
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-5,
     out: Out = Path("deeppool-run"),
@@ -95,8 +133,9 @@ def worker(
     env = RankEnv.from_environ()
     try:
         config = make_config(
-            steps=steps, warmup=warmup, optimizer=optimizer, lr=lr, momentum=momentum, backend=backend,
-            timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
+            steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(Plan.load(plan)), lr=lr,
+            momentum=momentum, backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check,
+            check_bound=check_bound, out=out,
         )
         run_worker(plan, config, env)
     except BaseException as err:  # every failure leaves a record naming this rank

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from deeppool.executor.netprobe import NetworkFit
 from deeppool.executor.summary import RunSummary
 
 
@@ -48,7 +49,7 @@ def summary_lines(summary: RunSummary) -> list[str]:
         lines.append(f"max relative difference: {summary.check.max_relative_difference:.3e}")
         lines.append(
             f"max relative difference of the updates: {summary.check.max_relative_update_difference:.3e} "
-            f"(worst parameter '{summary.check.worst}', bound {summary.check.bound:g})"
+            f"(worst parameter '{summary.check.worst}' at step {summary.check.step}, bound {summary.check.bound:g})"
         )
     return lines
 
@@ -57,3 +58,17 @@ def print_summary(summary: RunSummary, console: Console) -> None:
     console.print(layer_table(summary))
     for line in summary_lines(summary):
         console.print(line, highlight=False, markup=False)
+
+
+def fit_table(fitted: NetworkFit) -> Table:
+    """Each measured pattern next to the cost model's time with the fitted figures."""
+    table = Table(title="network probe: median time, measured vs the fitted cost model")
+    for column in ("pattern", "ranks", "bytes", "measured ms", "model ms", "model/measured"):
+        table.add_column(column, justify="left" if column == "pattern" else "right")
+    for sample in fitted.samples:
+        predicted = fitted.predict(sample)
+        table.add_row(
+            sample.pattern.value, str(sample.ranks), f"{sample.nbytes:,}", f"{sample.seconds * 1e3:.3f}",
+            f"{predicted * 1e3:.3f}", _ratio(predicted, sample.seconds),
+        )
+    return table

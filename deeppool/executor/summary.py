@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deeppool.executor.reference import CheckResult
+from deeppool.executor.reference import CheckResult, worst_of
 from deeppool.executor.timing import RankTimes
 from deeppool.planner.plan import Plan
 
@@ -87,16 +87,7 @@ def summarise_run(
         )
         for layer in plan.layers
     )
-    present = [c for c in checks if c is not None]
-    check = max(present, key=lambda c: c.max_relative_difference) if present else None
-    if check is not None:
-        worst_update = max(c.max_relative_update_difference for c in present)
-        check = CheckResult(
-            max_relative_difference=check.max_relative_difference,
-            max_relative_update_difference=worst_update,
-            worst=check.worst,
-            bound=check.bound,
-        )
+    check = worst_of([c for c in checks if c is not None])
     return RunSummary(
         gpus=plan.gpus,
         global_batch=plan.global_batch,

@@ -95,11 +95,13 @@ class _GroupBatchNormFn(torch.autograd.Function):
         both = local.clone()
         ctx.reduce(both)
         channels = mean.numel()
-        sum_dy, dot = both[:channels].to(x.dtype), both[channels:].to(x.dtype)
-        k = dot * invstd * invstd / ctx.count
-        scale = invstd if weight is None else invstd * weight
-        dx = (dy - (sum_dy / ctx.count).view(view) - centred * k.view(view)) * scale.view(view)
-        dweight = (local[channels:].to(x.dtype) * invstd) if weight is not None and ctx.needs_input_grad[1] else None
+        # the CPU kernel's order of operations, so that round-off follows the reference's
+        grad_mean = (both[:channels] / ctx.count).to(x.dtype)
+        k = both[channels:].to(x.dtype) * invstd * invstd / ctx.count
+        dx = (dy - grad_mean.view(view) - centred * k.view(view)) * invstd.view(view)
+        if weight is not None:
+            dx = dx * weight.view(view)
+        dweight = (local[channels:] * invstd.double()).to(x.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         dbias = local[:channels].to(x.dtype) if ctx.needs_input_grad[2] else None
         return dx, dweight, dbias, None, None, None
 

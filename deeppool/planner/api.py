@@ -155,7 +155,8 @@ class CostSource:
     ``device_model`` is v100/a100/h100 (estimated) or ``local`` (measured on
     ``local_device`` at the planner's per-GPU batches up to
     ``max_measured_batch``, larger ones extrapolated). ``network`` names a
-    preset (a device model or ``local``); the three overrides replace figures.
+    preset (a device model or ``local``), ``network_file`` a measured network
+    (``deeppool profile-network``) instead; the three overrides replace figures.
     """
 
     device_model: str = LOCAL
@@ -164,6 +165,7 @@ class CostSource:
     max_measured_batch: int = 32
     cache_dir: Path | None = None
     network: str | None = None
+    network_file: Path | None = None
     gpus_per_node: int | None = None
     intra_gbps: float | None = None
     inter_gbps: float | None = None
@@ -174,6 +176,10 @@ class CostSource:
             known_device(self.device_model)
         if self.network not in (None, LOCAL):
             known_device(self.network)
+        if self.network is not None and self.network_file is not None:
+            raise DeeppoolError("give either --network or --network-file, not both")
+        if self.network_file is not None:
+            NetworkModel.load(self.network_file)  # a bad file is refused before any tracing
         if self.max_measured_batch < 1:
             raise DeeppoolError("--max-measured-batch must be >= 1")
 
@@ -182,8 +188,11 @@ class CostSource:
         return self.profile_path is None and self.device_model == LOCAL
 
     def network_model(self, profile: Profile) -> NetworkModel:
-        preset = self.network or self._preset_for(profile)
-        base = LOCAL_NETWORK if preset == LOCAL else NETWORKS[known_device(preset)]
+        if self.network_file is not None:
+            base = NetworkModel.load(self.network_file)
+        else:
+            preset = self.network or self._preset_for(profile)
+            base = LOCAL_NETWORK if preset == LOCAL else NETWORKS[known_device(preset)]
         return base.with_overrides(
             gpus_per_node=self.gpus_per_node, intra_gbps=self.intra_gbps, inter_gbps=self.inter_gbps
         )

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from deeppool.errors import DeeppoolError
+from deeppool.planner import jsonio
 
 GIB = 1024**3
+NETWORK_SCHEMA_VERSION = 1
+"""Version of a network file (``deeppool profile-network``): ``artifact: network``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +57,8 @@ class NetworkModel:
             raise DeeppoolError("--gpus-per-node must be at least 1")
         if min(self.intra_bandwidth, self.inter_bandwidth) <= 0:
             raise DeeppoolError("network bandwidths must be positive")
+        if min(self.intra_latency_s, self.inter_latency_s) < 0:
+            raise DeeppoolError("network latencies must be >= 0")
 
     def bandwidth(self, gpus: int) -> float:
         """Bandwidth seen by a group of ``gpus`` ranks 0..gpus-1 (node-local if they fit)."""
@@ -63,6 +69,15 @@ class NetworkModel:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def load(cls, path: str | Path) -> NetworkModel:
+        """Read a network file written by ``deeppool profile-network``."""
+        payload = jsonio.read_json(path, kind="network", schema_version=NETWORK_SCHEMA_VERSION)
+        try:
+            return cls.from_json(payload)
+        except DeeppoolError as err:
+            raise DeeppoolError(f"network file '{path}': {err}") from None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NetworkModel:

@@ -16,7 +16,7 @@ from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
 from deeppool.executor.data import SyntheticBatches
 from deeppool.executor.reference import compare, train_reference
 from deeppool.planner.plan import Plan
-from tests.executor.fakes import SerialBuilder, ThreadWorld, run_threads
+from tests.executor.fakes import SerialBuilder, ThreadComm, ThreadWorld, run_threads
 from tests.executor.plans import Assign, cycle, make_plan
 
 STEPS = 3
@@ -98,3 +98,35 @@ def test_rank_results_carry_timing_for_every_layer_it_runs() -> None:
     assert summary.measured_steps == 2 and summary.iteration_measured_ms > 0
     assert all(layer.fwd_measured > 0 and layer.bwd_measured > 0 for layer in summary.layers)
     assert torch.tensor(summary.losses).isfinite().all()
+
+
+def test_check_is_exact_step_by_step_on_a_chaotic_batch_norm_relu_net() -> None:
+    # Regression (Inception example: 1.09 with free-running comparison). Deep conv-BN-ReLU
+    # nets amplify round-off into different ReLU masks, so --check compares each step from
+    # the reference's parameters; synchronised BatchNorm reproduces the forward bit for bit.
+    plan = make_plan("deep_bn", global_batch=6, gpus=3, assign=cycle(3, 3, 2, 1))
+    config = RunConfig(steps=4, check=True, optimizer=OptimizerConfig(lr=0.1, momentum=0.9))
+    check = train_threads(plan, config)[0].summary.check
+    assert check is not None and check.passed, check
+    assert check.max_relative_difference <= 1e-6
+
+
+class _SkewedComm(ThreadComm):
+    """Sums of more than one rank come out 0.1% too large (a bug the check must catch)."""
+
+    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, async_op: bool = False):
+        done = super().all_reduce(tensor, ranks, async_op=async_op)
+        tensor.mul_(1.001)
+        return done
+
+
+def test_the_step_by_step_check_still_catches_a_wrong_gradient() -> None:
+    plan = make_plan("mlp", global_batch=6, gpus=2, assign=cycle(2, 1))
+    builder = SerialBuilder(plan.gpus)
+    world = ThreadWorld(plan.gpus)
+    config = RunConfig(steps=2, check=True, optimizer=OptimizerConfig(lr=0.1))
+    results = run_threads(world, lambda comm: train_rank(plan, comm=_SkewedComm(world, comm.rank), config=config,
+                                                         builder=builder))
+    check = results[0].summary.check
+    assert check is not None and not check.passed
+    assert check.max_relative_update_difference > 1e-4

@@ -1,0 +1,249 @@
+"""Measure this machine's network for the cost model: gloo all-reduce and point-to-point.
+
+The planner never imports ``torch.distributed``, so the probe lives here.
+:func:`probe_network` starts ``nproc`` processes (``torch.multiprocessing``,
+spawn) that talk through the executor's own :class:`~deeppool.executor.comm.TorchComm`
+over gloo and time, at each message size:
+
+- point-to-point: a ping-pong between ranks 0 and 1 (``batch_isend_irecv``, as a
+  reshard moves activations), half the round trip;
+- all-reduce of a float32 tensor over ranks ``0..g-1`` for every ``g`` in
+  ``2..nproc`` (as a layer's gradients are summed).
+
+Every figure is the median over repeats after a warm-up, each repeat started
+after a barrier. It then fits one latency ``α`` and one bandwidth ``BW`` to the
+cost model's own formulas (:mod:`deeppool.planner.cost`):
+
+    point-to-point(n)   = α + n / BW                              (one side of a reshard)
+    all-reduce(g, W)    = 2(g−1)/g · W / BW + 2⌈log₂ g⌉ · α
+
+by least squares on relative error (each sample weighted by 1/time, so small
+and large messages count alike), with ``α ≥ 0``. On gloo over loopback the two
+patterns do not share one bandwidth (an all-reduce also sums on the CPU: per
+the formula it runs at about half the point-to-point bandwidth on a 2-core
+machine), so the joint fit is a compromise, off by up to about ±50% for each
+pattern alone; the file also records each pattern's own fit
+(``measured.per_pattern``) for a cost model that keeps them apart. The result is a
+:class:`~deeppool.planner.hardware.NetworkModel` for one host: in-node and
+cross-node figures are both the measured ones (cross-host links are not
+measured; override them with ``deeppool plan --inter-gbps``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import math
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deeppool.errors import DeeppoolError
+from deeppool.planner.hardware import LOCAL_NETWORK, NETWORK_SCHEMA_VERSION, NetworkModel
+from deeppool.planner.jsonio import write_json
+
+DEFAULT_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20)
+"""Message sizes in bytes: 4 KiB to 64 MiB (a reshard of a few samples to a large gradient bucket)."""
+
+
+class Pattern(enum.Enum):
+    P2P = "p2p"
+    ALLREDUCE = "allreduce"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One timed pattern: ``ranks`` taking part, ``nbytes`` per message, median ``seconds``."""
+
+    pattern: Pattern
+    ranks: int
+    nbytes: int
+    seconds: float
+
+    def terms(self) -> tuple[float, float]:
+        """The sample's coefficients of (α, 1/BW) in the cost model's formula."""
+        if self.pattern is Pattern.P2P:
+            return 1.0, float(self.nbytes)
+        g = self.ranks
+        return 2.0 * math.ceil(math.log2(g)), 2.0 * (g - 1) / g * self.nbytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pattern": self.pattern.value, "ranks": self.ranks, "bytes": self.nbytes, "seconds": self.seconds}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeConfig:
+    """What to measure: ranks, message sizes (bytes), repeats, warm-up runs, timeout."""
+
+    nproc: int = 2
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    repeats: int = 10
+    warmup: int = 3
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.nproc < 2:
+            raise DeeppoolError(f"--nproc {self.nproc}: measuring a network needs at least 2 processes")
+        if not self.sizes or min(self.sizes) < 4:
+            raise DeeppoolError("--sizes must be message sizes of at least 4 bytes")
+        if self.repeats < 1 or self.warmup < 0:
+            raise DeeppoolError("--repeats must be >= 1 and --warmup >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkFit:
+    """The fitted latency and bandwidth, and the samples they came from."""
+
+    latency_s: float
+    bandwidth: float
+    samples: tuple[Sample, ...]
+    nproc: int
+
+    def predict(self, sample: Sample) -> float:
+        """The cost model's seconds for ``sample`` with the fitted figures."""
+        alpha, per_byte = sample.terms()
+        return alpha * self.latency_s + per_byte / self.bandwidth
+
+    @property
+    def network(self) -> NetworkModel:
+        return NetworkModel(
+            gpus_per_node=LOCAL_NETWORK.gpus_per_node,
+            intra_bandwidth=self.bandwidth, inter_bandwidth=self.bandwidth,
+            intra_latency_s=self.latency_s, inter_latency_s=self.latency_s,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The NetworkModel file (``artifact: network``), with how it was measured."""
+        return {
+            "artifact": "network",
+            "schema_version": NETWORK_SCHEMA_VERSION,
+            **self.network.to_json(),
+            "measured": {
+                "nproc": self.nproc,
+                "backend": "gloo",
+                "host": socket.gethostname(),
+                "cpus": os.cpu_count(),
+                "samples": [s.to_json() | {"fitted_seconds": self.predict(s)} for s in self.samples],
+                "per_pattern": {pattern.value: _figures(self.samples, pattern, self.nproc) for pattern in Pattern},
+            },
+        }
+
+    def save(self, path: str | Path) -> None:
+        write_json(path, self.to_json())
+
+
+def fit(samples: Sequence[Sample], *, nproc: int) -> NetworkFit:
+    """Least squares on relative error for (α, 1/BW), α clamped at 0."""
+    rows = [(*s.terms(), s.seconds) for s in samples if s.seconds > 0]
+    if not rows:
+        raise DeeppoolError("the network probe measured nothing: check --sizes")
+    weighted = [(a / t, b / t) for a, b, t in rows]  # each row's target becomes 1
+    saa = sum(a * a for a, _ in weighted)
+    sab = sum(a * b for a, b in weighted)
+    sbb = sum(b * b for _, b in weighted)
+    sa = sum(a for a, _ in weighted)
+    sb = sum(b for _, b in weighted)
+    det = saa * sbb - sab * sab
+    alpha, per_byte = ((sa * sbb - sb * sab) / det, (saa * sb - sab * sa) / det) if det > 0 else (-1.0, 0.0)
+    if alpha < 0 or per_byte <= 0:
+        alpha, per_byte = 0.0, sb / sbb
+    return NetworkFit(latency_s=alpha, bandwidth=1.0 / per_byte, samples=tuple(samples), nproc=nproc)
+
+
+def _figures(samples: Sequence[Sample], pattern: Pattern, nproc: int) -> dict[str, float] | None:
+    """The fit to one pattern alone (for a cost model with a bandwidth per pattern)."""
+    chosen = [s for s in samples if s.pattern is pattern]
+    if not chosen:
+        return None
+    alone = fit(chosen, nproc=nproc)
+    return {"latency_s": alone.latency_s, "bandwidth": alone.bandwidth}
+
+
+Launcher = Callable[[ProbeConfig], list[Sample]]
+
+
+def probe_network(config: ProbeConfig, *, launcher: Launcher | None = None) -> NetworkFit:
+    """Measure with ``config`` (``launcher`` starts the processes; tests inject one) and fit."""
+    samples = (launcher or spawn_probe)(config)
+    return fit(samples, nproc=config.nproc)
+
+
+def measure_network(nproc: int, sizes: Sequence[int] = DEFAULT_SIZES) -> NetworkModel:
+    """This host's NetworkModel, measured with ``nproc`` gloo processes at ``sizes`` bytes."""
+    return probe_network(ProbeConfig(nproc=nproc, sizes=tuple(sizes))).network
+
+
+def spawn_probe(config: ProbeConfig) -> list[Sample]:
+    """Run the probe on ``config.nproc`` spawned processes; rank 0's samples."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    mp.start_processes(_rank_main, args=(config, port, results), nprocs=config.nproc, join=True,
+                       start_method="spawn")
+    return list(results.get())
+
+
+def _rank_main(rank: int, config: ProbeConfig, port: int, results: Any) -> None:
+    import torch.distributed as dist
+
+    from deeppool.executor.comm import TorchComm
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=config.nproc,
+        timeout=datetime.timedelta(seconds=config.timeout_s),
+    )
+    groups = [tuple(range(g)) for g in range(2, config.nproc + 1)]
+    comm = TorchComm(groups, timeout_s=config.timeout_s)
+    samples = []
+    for nbytes in config.sizes:
+        tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+        samples.append(Sample(pattern=Pattern.P2P, ranks=2, nbytes=tensor.numel() * 4,
+                              seconds=_timed(config, lambda t=tensor: _ping_pong(comm, t)) / 2))
+        for ranks in groups:
+            seconds = _timed(config, lambda t=tensor, r=ranks: _all_reduce(comm, t, r))
+            samples.append(Sample(pattern=Pattern.ALLREDUCE, ranks=len(ranks), nbytes=tensor.numel() * 4,
+                                  seconds=seconds))
+    if rank == 0:
+        results.put(samples)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _ping_pong(comm: Any, tensor: torch.Tensor) -> None:
+    if comm.rank == 0:
+        comm.exchange([(1, tensor)], [])
+        comm.exchange([], [(1, tensor)])
+    elif comm.rank == 1:
+        comm.exchange([], [(0, tensor)])
+        comm.exchange([(0, tensor)], [])
+
+
+def _all_reduce(comm: Any, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
+    if comm.rank in ranks:
+        comm.all_reduce(tensor, ranks)
+
+
+def _timed(config: ProbeConfig, work: Callable[[], Any]) -> float:
+    """Median seconds of ``work`` on this rank, each repeat after a barrier."""
+    import torch.distributed as dist
+
+    times = []
+    for repeat in range(config.warmup + config.repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        work()
+        if repeat >= config.warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -1,0 +1,126 @@
+"""The network probe: fitting the cost model's latency and bandwidth, the network file, planning with it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from deeppool.errors import DeeppoolError
+from deeppool.executor.netprobe import (
+    NetworkFit, Pattern, ProbeConfig, Sample, fit, measure_network, probe_network,
+)
+from deeppool.planner.api import CostSource
+from deeppool.planner.cost import CostModel
+from deeppool.planner.hardware import DEVICES, KnownDevice, NetworkModel
+from deeppool.planner.profile import estimated_profile
+from deeppool.planner.modelspec import ModelSpec
+from deeppool.planner.trace import trace
+from tests.executor.plans import model_path
+
+ALPHA, BW = 80e-6, 2e9
+
+
+def exact(pattern: Pattern, ranks: int, nbytes: int) -> Sample:
+    """A sample that follows the cost model's formula with ALPHA and BW exactly."""
+    if pattern is Pattern.P2P:
+        seconds = ALPHA + nbytes / BW
+    else:
+        seconds = 2 * (ranks - 1) / ranks * nbytes / BW + 2 * math.ceil(math.log2(ranks)) * ALPHA
+    return Sample(pattern=pattern, ranks=ranks, nbytes=nbytes, seconds=seconds)
+
+
+def synthetic(config: ProbeConfig) -> list[Sample]:
+    samples = []
+    for nbytes in config.sizes:
+        samples.append(exact(Pattern.P2P, 2, nbytes))
+        samples += [exact(Pattern.ALLREDUCE, g, nbytes) for g in range(2, config.nproc + 1)]
+    return samples
+
+
+def test_the_fit_recovers_latency_and_bandwidth_of_the_cost_models_formulas() -> None:
+    fitted = probe_network(ProbeConfig(nproc=4, sizes=(4096, 2**20, 2**24)), launcher=synthetic)
+    assert fitted.latency_s == pytest.approx(ALPHA, rel=1e-9)
+    assert fitted.bandwidth == pytest.approx(BW, rel=1e-9)
+    assert all(fitted.predict(s) == pytest.approx(s.seconds, rel=1e-9) for s in fitted.samples)
+
+
+def test_a_latency_the_data_cannot_support_is_clamped_at_zero() -> None:
+    samples = [Sample(pattern=Pattern.P2P, ranks=2, nbytes=n, seconds=n / BW * (0.5 if n < 10**5 else 1.0))
+               for n in (4096, 65536, 2**20, 2**24)]
+    fitted = fit(samples, nproc=2)
+    assert fitted.latency_s == 0.0 and fitted.bandwidth > 0
+
+
+def test_the_network_file_round_trips_and_plans_with_it(tmp_path: Path) -> None:
+    fitted = probe_network(ProbeConfig(nproc=2), launcher=synthetic)
+    path = tmp_path / "net.json"
+    fitted.save(path)
+    payload = json.loads(path.read_text())
+    assert payload["artifact"] == "network" and payload["schema_version"] == 1
+    assert len(payload["measured"]["samples"]) == len(fitted.samples)
+    loaded = NetworkModel.load(path)
+    assert loaded == fitted.network
+    assert loaded.intra_latency_s == pytest.approx(ALPHA) and loaded.intra_bandwidth == pytest.approx(BW)
+
+    graph = trace(ModelSpec.parse(model_path("mlp")).load()).graph
+    profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2))
+    source = CostSource(device_model="a100", network_file=path, intra_gbps=1.0)
+    network = source.network_model(profile)
+    assert network.intra_bandwidth == 1e9 and network.intra_latency_s == pytest.approx(ALPHA)  # overrides apply
+    cost = CostModel(graph=graph, profile=profile, network=source.network_model(profile).with_overrides(intra_gbps=BW / 1e9),
+                     global_batch=4)
+    layer = next(layer for layer in graph.layers if layer.param_bytes)
+    expected = 2 * 0.5 * layer.param_bytes / BW + 2 * ALPHA
+    assert cost.allreduce_ms(layer, 2) == pytest.approx(1e3 * expected)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("not json", "is not valid JSON"),
+        ('{"artifact": "plan", "schema_version": 1}', "is not a network JSON"),
+        ('{"artifact": "network", "schema_version": 9}', "has schema_version 9"),
+        ('{"artifact": "network", "schema_version": 1, "gpus_per_node": 8}', "is incomplete"),
+        ('{"artifact": "network", "schema_version": 1, "gpus_per_node": 8, "intra_bandwidth": -1, '
+         '"inter_bandwidth": 1, "intra_latency_s": 0, "inter_latency_s": 0}', "bandwidths must be positive"),
+    ],
+)
+def test_a_bad_network_file_is_refused_in_one_line(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "net.json"
+    path.write_text(content)
+    with pytest.raises(DeeppoolError, match=message) as err:
+        NetworkModel.load(path)
+    assert "\n" not in str(err.value)
+    with pytest.raises(DeeppoolError, match=message):
+        CostSource(device_model="a100", network_file=path)  # refused before any tracing
+
+
+def test_network_and_network_file_are_exclusive(tmp_path: Path) -> None:
+    path = tmp_path / "net.json"
+    probe_network(ProbeConfig(nproc=2), launcher=synthetic).save(path)
+    with pytest.raises(DeeppoolError, match="either --network or --network-file"):
+        CostSource(device_model="a100", network="a100", network_file=path)
+
+
+def test_probe_config_is_validated() -> None:
+    with pytest.raises(DeeppoolError, match="at least 2 processes"):
+        ProbeConfig(nproc=1)
+    with pytest.raises(DeeppoolError, match="--sizes"):
+        ProbeConfig(sizes=())
+
+
+@pytest.mark.slow
+def test_measuring_this_machine_with_two_gloo_processes() -> None:
+    network = measure_network(2, sizes=(4096, 2**20, 2**22))
+    assert isinstance(network, NetworkModel)
+    assert 1e6 < network.intra_bandwidth < 1e12 and 0 <= network.intra_latency_s < 0.1
+
+
+def test_fit_table_lists_every_sample() -> None:
+    from deeppool.executor.report import fit_table
+
+    fitted: NetworkFit = probe_network(ProbeConfig(nproc=3, sizes=(4096, 2**20)), launcher=synthetic)
+    assert fit_table(fitted).row_count == 2 * (1 + 2)
