@@ -142,31 +142,19 @@ def _enum(kind, value: str, flag: str):
         raise DeeppoolError(f"{flag} '{value}' is not one of {choices}") from None
 
 
-def _mount_optional_commands() -> None:
-    """Commands of the executor and simulator packages, registered by name."""
-    try:
-        from deeppool.executor.cli import run
-    except ImportError:
-        run = None
-    if run is not None:
-        app.command("run")(run)
-    try:
-        from deeppool.executor.cli import profile_network
-    except ImportError:
-        profile_network = None
-    if profile_network is not None:
-        app.command("profile-network")(profile_network)
-    try:
-        from deeppool.cluster_sim.cli import simulate
-    except ImportError:
-        simulate = None
-    if simulate is not None:
-        app.command("simulate")(simulate)
+def _mount_package_commands() -> None:
+    """The executor's and the simulator's commands, each defined in its own package."""
+    from deeppool.cluster_sim.cli import simulate
+    from deeppool.executor.cli import profile_network, run
+
+    app.command("run")(run)
+    app.command("profile-network")(profile_network)
+    app.command("simulate")(simulate)
 
 
 def main() -> None:
     """Entry point: user mistakes print one line and exit 2, never a traceback."""
-    _mount_optional_commands()
+    _mount_package_commands()
     try:
         app()
     except DeeppoolError as err:
