@@ -11,19 +11,18 @@ over gloo and time, at each message size:
   ``2..nproc`` (as a layer's gradients are summed).
 
 Every figure is the median over repeats after a warm-up, each repeat started
-after a barrier. It then fits one latency ``α`` and one bandwidth ``BW`` to the
-cost model's own formulas (:mod:`deeppool.planner.cost`):
+after a barrier. Each pattern is then fitted to the cost model's own formula
+(:mod:`deeppool.planner.cost`):
 
     point-to-point(n)   = α + n / BW                              (one side of a reshard)
-    all-reduce(g, W)    = 2(g−1)/g · W / BW + 2⌈log₂ g⌉ · α
+    all-reduce(g, W)    = 2(g−1)/g · W / (η·BW) + 2⌈log₂ g⌉ · λ·α
 
 by least squares on relative error (each sample weighted by 1/time, so small
 and large messages count alike), with ``α ≥ 0``. On gloo over loopback the two
-patterns do not share one bandwidth (an all-reduce also sums on the CPU: per
-the formula it runs at about half the point-to-point bandwidth on a 2-core
-machine), so the joint fit is a compromise, off by up to about ±50% for each
-pattern alone; the file also records each pattern's own fit
-(``measured.per_pattern``) for a cost model that keeps them apart. The result is a
+patterns do not share one bandwidth (an all-reduce also sums on the CPU), so
+α and BW come from the point-to-point fit and the all-reduce fit becomes the
+efficiency η and latency factor λ. The file also records the joint fit and
+every sample (``measured``). The result is a
 :class:`~deeppool.planner.hardware.NetworkModel` for one host: in-node and
 cross-node figures are both the measured ones (cross-host links are not
 measured; override them with ``deeppool plan --inter-gbps``).
@@ -113,10 +112,22 @@ class NetworkFit:
 
     @property
     def network(self) -> NetworkModel:
+        """Point-to-point figures, with all-reduce's own fit as its efficiency and latency factor."""
+        p2p = _figures(self.samples, Pattern.P2P, self.nproc)
+        reduce = _figures(self.samples, Pattern.ALLREDUCE, self.nproc)
+        if p2p is None or reduce is None:
+            return NetworkModel(
+                gpus_per_node=LOCAL_NETWORK.gpus_per_node,
+                intra_bandwidth=self.bandwidth, inter_bandwidth=self.bandwidth,
+                intra_latency_s=self.latency_s, inter_latency_s=self.latency_s,
+            )
+        bandwidth, latency = p2p["bandwidth"], p2p["latency_s"]
         return NetworkModel(
             gpus_per_node=LOCAL_NETWORK.gpus_per_node,
-            intra_bandwidth=self.bandwidth, inter_bandwidth=self.bandwidth,
-            intra_latency_s=self.latency_s, inter_latency_s=self.latency_s,
+            intra_bandwidth=bandwidth, inter_bandwidth=bandwidth,
+            intra_latency_s=latency, inter_latency_s=latency,
+            allreduce_efficiency=reduce["bandwidth"] / bandwidth,
+            allreduce_latency_factor=reduce["latency_s"] / latency if latency > 0 else 1.0,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -9,9 +9,11 @@ global batch ``B`` (uneven splits allowed), so the per-GPU batch is
 
     T = Σ_l [ fwd_l(s(g_l)) + bwd_l(s(g_l)) + AR_l(g_l) + OPT_l ] + Σ_(u→v) 2 · R_uv(g_u, g_v)
 
-    AR_l(g)        = 0 if g = 1 or W_l = 0, else 2·(g−1)/g · W_l / BW(g) + 2·⌈log₂ g⌉·α(g)
+    AR_l(g)        = 0 if g = 1 or W_l = 0, else 2·(g−1)/g · W_l / (η·BW(g)) + 2⌈log₂ g⌉·λ·α(g)
                      (all-reduce of the layer's gradients inside its group: the ring's
-                      bandwidth term, the tree's latency term, as NCCL picks per size)
+                      bandwidth term, the tree's latency term, as NCCL picks per size;
+                      η and λ scale the network's figures for all-reduce, 1 for the
+                      presets, measured by ``deeppool profile-network``)
     R_uv(g_u, g_v) = 0 if g_u = g_v, else max(side(g_u), side(g_v)),
     side(g)        = α(g) + A_u · s(g) / BW(g)
                      (activations resharded forward, their gradients backward; the
@@ -92,8 +94,8 @@ class CostModel:
     def allreduce_ms(self, layer: Layer, gpus: int) -> float:
         if gpus == 1 or layer.param_bytes == 0:
             return 0.0
-        seconds = 2 * (gpus - 1) / gpus * layer.param_bytes / self.network.bandwidth(gpus)
-        return 1e3 * (seconds + 2 * math.ceil(math.log2(gpus)) * self.network.latency_s(gpus))
+        seconds = 2 * (gpus - 1) / gpus * layer.param_bytes / self.network.allreduce_bandwidth(gpus)
+        return 1e3 * (seconds + 2 * math.ceil(math.log2(gpus)) * self.network.allreduce_latency_s(gpus))
 
     def step_ms(self, layer: Layer) -> float:
         """The optimizer step over the layer's parameters (the same on each of its ranks)."""

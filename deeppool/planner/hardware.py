@@ -51,8 +51,12 @@ class NetworkModel:
     inter_bandwidth: float
     intra_latency_s: float
     inter_latency_s: float
+    allreduce_efficiency: float = 1.0
+    allreduce_latency_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.allreduce_efficiency <= 0 or self.allreduce_latency_factor < 0:
+            raise DeeppoolError("the all-reduce efficiency must be positive and its latency factor >= 0")
         if self.gpus_per_node < 1:
             raise DeeppoolError("--gpus-per-node must be at least 1")
         if min(self.intra_bandwidth, self.inter_bandwidth) <= 0:
@@ -66,6 +70,13 @@ class NetworkModel:
 
     def latency_s(self, gpus: int) -> float:
         return self.intra_latency_s if gpus <= self.gpus_per_node else self.inter_latency_s
+
+    def allreduce_bandwidth(self, gpus: int) -> float:
+        """The bandwidth an all-reduce attains (a measured gloo all-reduce also sums on the CPU)."""
+        return self.bandwidth(gpus) * self.allreduce_efficiency
+
+    def allreduce_latency_s(self, gpus: int) -> float:
+        return self.latency_s(gpus) * self.allreduce_latency_factor
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,7 +93,7 @@ class NetworkModel:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NetworkModel:
         try:
-            return cls(**{key: data[key] for key in cls.__dataclass_fields__})
+            return cls(**{key: data[key] for key in cls.__dataclass_fields__ if key in data or key not in _OPTIONAL})
         except (KeyError, TypeError) as err:
             raise DeeppoolError(f"network JSON is incomplete ({err}): regenerate it") from None
 
@@ -99,6 +110,9 @@ class NetworkModel:
         if inter_gbps is not None:
             changes["inter_bandwidth"] = inter_gbps * 1e9
         return replace(self, **changes)
+
+
+_OPTIONAL = ("allreduce_efficiency", "allreduce_latency_factor")
 
 
 class KnownDevice(enum.Enum):
