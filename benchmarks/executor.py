@@ -123,8 +123,11 @@ def measure_network(nproc: int, path: Path) -> None:
 
     fitted = probe_network(ProbeConfig(nproc=nproc))
     fitted.save(path)
-    print(f"\nnetwork measured with {nproc} gloo processes: latency {fitted.latency_s * 1e6:.0f} us, "
-          f"bandwidth {fitted.bandwidth / 1e9:.2f} GB/s (fit to the cost model's formulas)")
+    network = fitted.network
+    print(f"\nnetwork measured with {nproc} gloo processes: point-to-point latency "
+          f"{network.intra_latency_s * 1e6:.0f} us, bandwidth {network.intra_bandwidth / 1e9:.2f} GB/s; "
+          f"all-reduce efficiency {network.allreduce_efficiency:.2f}, latency factor "
+          f"{network.allreduce_latency_factor:.2f} (fit to the cost model's formulas)")
     for sample in fitted.samples:
         print(f"  {sample.pattern.value:<9} {sample.nbytes:>10,} B  measured {sample.seconds * 1e3:8.3f} ms  "
               f"model {fitted.predict(sample) * 1e3:8.3f} ms")
@@ -167,29 +170,6 @@ def data_parallel(args: argparse.Namespace, work: Path) -> None:
     print(f"ratio executor/DDP: {executor / ddp:.3f} (target <= 1.10)")
 
 
-def allreduce_what_if(plan_path: Path, network_file: Path) -> float:
-    """The plan's predicted iteration with every all-reduce costed by the all-reduce samples' own fit.
-
-    The cost model has one bandwidth for all-reduce and point-to-point; the network
-    file keeps each pattern's own fit too. Same formula, other (α, BW).
-    """
-    from deeppool.planner.plan import Plan
-
-    plan = Plan.load(plan_path)
-    network = json.loads(network_file.read_text())
-    alone = network["measured"]["per_pattern"]["allreduce"]
-    joint_alpha, joint_bw = network["intra_latency_s"], network["intra_bandwidth"]
-    total = plan.predicted.iteration_ms
-    for layer in plan.layers:
-        if layer.allreduce_ms <= 0:
-            continue
-        hops = 2 * math.ceil(math.log2(layer.gpus))
-        transfer_s = layer.allreduce_ms / 1e3 - hops * joint_alpha
-        own = transfer_s * joint_bw / alone["bandwidth"] + hops * alone["latency_s"]
-        total += 1e3 * own - layer.allreduce_ms
-    return total
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
@@ -228,9 +208,6 @@ def main() -> None:
     for part, want, got in breakdown(summary):
         print(f"{part:<28}{want:>14.2f}{got:>14.2f}")
     print(f"measured/predicted {measured / predicted:.3f} (target within 15%)")
-    what_if = allreduce_what_if(work / "burst.json", network)
-    print(f"what-if: all-reduce costed with its own fit: predicted {what_if:.2f} ms, "
-          f"measured/predicted {measured / what_if:.3f}")
 
 
 if __name__ == "__main__":
