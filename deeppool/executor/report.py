@@ -46,10 +46,11 @@ def summary_lines(summary: RunSummary) -> list[str]:
     if summary.losses:
         lines.append(f"loss: first {summary.losses[0]:.6g}, last {summary.losses[-1]:.6g}")
     if summary.check is not None:
-        lines.append(f"max relative difference: {summary.check.max_relative_difference:.3e}")
+        check = summary.check
+        lines.append(f"max relative difference: {check.max_relative_difference:.3e}")
         lines.append(
-            f"max relative difference of the updates: {summary.check.max_relative_update_difference:.3e} "
-            f"(worst parameter '{summary.check.worst}' at step {summary.check.step}, bound {summary.check.bound:g})"
+            f"  bound {check.bound:g}, worst parameter '{check.worst}' after step {check.step}; "
+            f"relative to the updates themselves {check.max_relative_update_difference:.3e} (diagnostic, not bounded)"
         )
     return lines
 
