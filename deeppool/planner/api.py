@@ -97,7 +97,8 @@ def plan_graph(
     }
     status = result.status
     best_baseline = _best_feasible_baseline(cost, assignments, options, limits)
-    if best_baseline is not None and cost.iteration_ms(best_baseline) < cost.iteration_ms(result.assignment):
+    solved_ms = cost.iteration_ms(result.assignment)
+    if best_baseline is not None and cost.iteration_ms(best_baseline) < solved_ms * (1 - 1e-9):
         assignments[Strategy.ILP] = best_baseline
         status = f"{status} (a baseline was better within the time limit and is kept)"
     times = {strategy: cost.iteration_ms(a) for strategy, a in assignments.items()}
