@@ -14,9 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "models" / "tiny_mlp.py")
 
 
+SCRIPT = Path(sys.executable).parent / "deeppool"
+
+
 def deeppool(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-c", "from deeppool.cli import main; main()", *args]
-    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=300)
+    """The installed console script (its entry point is what users run)."""
+    command = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from deeppool.cli import main; main()"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
 def test_plan_writes_plan_and_gantt(tmp_path):

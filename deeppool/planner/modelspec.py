@@ -7,8 +7,9 @@ A *model file* is a Python file that defines::
     def targets(batch_size: int) -> Tensor                    # optional
     def loss(output: Tensor, targets: Tensor | None) -> Tensor  # optional, mean over samples
 
-A *factory* is ``package.module:callable`` returning an ``nn.Module``; its
-inputs are standard-normal tensors of ``input_shape`` per sample. Without
+A *factory* is ``package.module:callable`` returning an ``nn.Module``,
+importable from the environment or, as with ``python -m``, from the current
+directory; its inputs are standard-normal tensors of ``input_shape`` per sample. Without
 ``loss`` the loss is the mean of the squared output. The :class:`ModelSpec`
 is stored in every Plan so that other processes can rebuild the same model.
 """
@@ -19,7 +20,9 @@ import contextlib
 import enum
 import importlib
 import importlib.util
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -155,10 +158,25 @@ def _import_file(path: Path) -> ModuleType:
     return module
 
 
+@contextlib.contextmanager
+def _importable_from_cwd() -> Iterator[None]:
+    """Resolve ``package.module`` against the current directory too, as ``python -m`` does."""
+    here = os.getcwd()
+    added = here not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(here)
+
+
 def _load_factory(spec: ModelSpec) -> LoadedModel:
     module_name, _, attr = spec.location.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        with _importable_from_cwd():
+            module = importlib.import_module(module_name)
     except ImportError as err:
         raise DeeppoolError(f"cannot import '{module_name}' for model '{spec.location}': {err}") from None
     factory = getattr(module, attr, None)
