@@ -207,9 +207,9 @@ class CostSource:
     def profile(self, traced: Traced, loaded: LoadedModel, request: PlanRequest) -> Profile:
         if self.profile_path is not None:
             return Profile.load(self.profile_path)
-        batches = planner_batches(request.gpus, request.global_batch)
         if self.device_model != LOCAL:
-            return estimated_profile(traced.graph, DEVICES[known_device(self.device_model)], batches)
+            return device_setup(self.device_model, request.global_batch, request.gpus, traced.graph)[0]
+        batches = planner_batches(request.gpus, request.global_batch)
         measured = tuple(b for b in batches if b <= self.max_measured_batch) or (min(batches),)
         config = ProfilerConfig(
             device=self.local_device, batches=measured, cache_dir=self.cache_dir,

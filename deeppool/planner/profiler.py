@@ -112,6 +112,8 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
                 progress.advance(task)
     if cache:
         cache.save()
+    for parameter in traced.module.parameters():
+        parameter.grad = None  # timing the backward passes left gradients behind
     return Profile(
         device=device_name(device),
         source="measured",
@@ -144,12 +146,14 @@ def _measure_batch(
     for index, layer in enumerate(graph.layers):
         args = [env[name] for name in layer.inputs]
         key = _key(layer, args, batch, device, config)
-        cached = cache.get(key) if cache else None
-        measured = cached or _time_layer(runners[layer.name], args, device, config)
-        if cache and not cached:
-            cache.put(key, measured)
-        with torch.no_grad():
-            env[layer.name] = runners[layer.name](*args)
+        measured = cache.get(key) if cache else None
+        if measured is None:
+            measured, env[layer.name] = _time_layer(runners[layer.name], args, device, config)
+            if cache:
+                cache.put(key, measured)
+        else:
+            with torch.no_grad():
+                env[layer.name] = runners[layer.name](*args)
         for name in layer.inputs:
             if last_use.get(name) == index:
                 env.pop(name, None)
@@ -164,7 +168,8 @@ def _key(layer: Layer, args: list[torch.Tensor], batch: int, device: torch.devic
 
 def _time_layer(
     runner: LayerRunner, args: list[torch.Tensor], device: torch.device, config: ProfilerConfig
-) -> tuple[float, float]:
+) -> tuple[tuple[float, float], torch.Tensor]:
+    """Median (fwd_ms, bwd_ms) over the timed repeats, and the layer's output (detached)."""
     fwd: list[float] = []
     bwd: list[float] = []
     for repeat in range(config.warmup + config.repeats):
@@ -177,7 +182,7 @@ def _time_layer(
         if repeat >= config.warmup:
             fwd.append(forward_ms)
             bwd.append(backward_ms)
-    return statistics.median(fwd), statistics.median(bwd)
+    return (statistics.median(fwd), statistics.median(bwd)), output.detach()
 
 
 def _timed(device: torch.device, work: Callable[[], object]) -> tuple[float, object]:
