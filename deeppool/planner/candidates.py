@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from deeppool.errors import DeeppoolError
 from deeppool.planner.cost import CostModel
 from deeppool.planner.graph import Layer
-
-GIB = 1024**3
+from deeppool.planner.hardware import GIB
 
 
 def useful_counts(gpus: int, global_batch: int) -> tuple[int, ...]:

@@ -145,10 +145,6 @@ class LayerGraph:
         graph.add_edges_from(self.edges())
         return graph
 
-    @property
-    def total_param_bytes(self) -> int:
-        return sum(layer.param_bytes for layer in self.layers)
-
     def to_json(self) -> dict[str, Any]:
         return {
             "artifact": "layer graph",

@@ -52,7 +52,6 @@ class IlpResult:
     status: str
     seconds: float
     gap: float
-    objective_ms: float
 
 
 def solve(
@@ -92,7 +91,6 @@ def solve(
         status=_status(problem, relaxed_ok),
         seconds=seconds,
         gap=0.0 if relaxed_ok else _gap(problem, chosen),
-        objective_ms=float(pulp.value(problem.objective) or 0.0),
     )
 
 

@@ -289,6 +289,7 @@ class _LayerBuilder:
         self.placeholders = placeholders
         self.layer_of = {node.name: group[-1].name for group in groups for node in group}
         self.order = {node.name: index for index, node in enumerate(module.graph.nodes)}
+        self.by_name = {node.name: node for node in module.graph.nodes}
 
     def build(self, group: list[fx.Node]) -> Layer:
         members: set[str] = {node.name for node in group}
@@ -336,9 +337,8 @@ class _LayerBuilder:
 
     def _params(self, names: tuple[str, ...]) -> tuple[str, ...]:
         found: dict[str, None] = {}
-        by_name = {node.name: node for node in self.module.graph.nodes}
         for name in names:
-            node = by_name[name]
+            node = self.by_name[name]
             if node.op == "call_module":
                 submodule = self.module.get_submodule(str(node.target))
                 for pname, _ in submodule.named_parameters():
