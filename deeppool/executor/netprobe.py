@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from deeppool.errors import DeeppoolError
@@ -155,17 +156,12 @@ def fit(samples: Sequence[Sample], *, nproc: int) -> NetworkFit:
     rows = [(*s.terms(), s.seconds) for s in samples if s.seconds > 0]
     if not rows:
         raise DeeppoolError("the network probe measured nothing: check --sizes")
-    weighted = [(a / t, b / t) for a, b, t in rows]  # each row's target becomes 1
-    saa = sum(a * a for a, _ in weighted)
-    sab = sum(a * b for a, b in weighted)
-    sbb = sum(b * b for _, b in weighted)
-    sa = sum(a for a, _ in weighted)
-    sb = sum(b for _, b in weighted)
-    det = saa * sbb - sab * sab
-    alpha, per_byte = ((sa * sbb - sb * sab) / det, (saa * sb - sab * sa) / det) if det > 0 else (-1.0, 0.0)
+    weighted = np.array([(a / t, b / t) for a, b, t in rows])  # each row's target becomes 1
+    ones = np.ones(len(rows))
+    (alpha, per_byte), *_ = np.linalg.lstsq(weighted, ones, rcond=None)
     if alpha < 0 or per_byte <= 0:
-        alpha, per_byte = 0.0, sb / sbb
-    return NetworkFit(latency_s=alpha, bandwidth=1.0 / per_byte, samples=tuple(samples), nproc=nproc)
+        alpha, per_byte = 0.0, float(weighted[:, 1] @ ones / (weighted[:, 1] @ weighted[:, 1]))
+    return NetworkFit(latency_s=float(alpha), bandwidth=1.0 / float(per_byte), samples=tuple(samples), nproc=nproc)
 
 
 def _figures(samples: Sequence[Sample], pattern: Pattern, nproc: int) -> dict[str, float] | None:
