@@ -21,20 +21,14 @@ app = typer.Typer(
 DEFAULT_CACHE = Path.home() / ".cache" / "deeppool"
 
 
-def _shape(text: str | None) -> tuple[int, ...]:
+def _ints(text: str | None, flag: str, example: str) -> tuple[int, ...]:
+    """Comma-separated integers from the command line, or a one-line error."""
     if not text:
         return ()
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise DeeppoolError(f"--input-shape '{text}' is not comma-separated integers, e.g. 3,224,224") from None
-
-
-def _batches(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise DeeppoolError(f"--batches '{text}' is not comma-separated integers, e.g. 1,2,4,8") from None
+        raise DeeppoolError(f"{flag} '{text}' is not comma-separated integers, e.g. {example}") from None
 
 
 @app.command()
@@ -97,7 +91,7 @@ def plan(
     )
     if profile is not None and device_model is not None:
         raise DeeppoolError("give either --profile or --device-model, not both")
-    spec = ModelSpec.parse(model, input_shape=_shape(input_shape))
+    spec = ModelSpec.parse(model, input_shape=_ints(input_shape, "--input-shape", "3,224,224"))
     planned = plan_model(spec, request, source)
     planned.plan.save(out)
     console = Console()
@@ -126,9 +120,9 @@ def profile_command(
     from deeppool.planner.trace import trace
 
     config = ProfilerConfig(
-        device=device, batches=_batches(batches), warmup=warmup, repeats=repeats, cache_dir=cache_dir
+        device=device, batches=_ints(batches, "--batches", "1,2,4,8"), warmup=warmup, repeats=repeats, cache_dir=cache_dir
     )
-    loaded = ModelSpec.parse(model, input_shape=_shape(input_shape)).load()
+    loaded = ModelSpec.parse(model, input_shape=_ints(input_shape, "--input-shape", "3,224,224")).load()
     measured = measure_profile(trace(loaded), loaded, config)
     measured.save(out)
     Console().print(f"profiled {len(measured.layers)} layers on {measured.device} at batches {config.batches}: {out}")
