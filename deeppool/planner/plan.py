@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.cost import CostModel, Optimizer, Phase, PhaseKind
+from deeppool.planner.cost import CostModel, Optimizer, Phase
 from deeppool.planner.hardware import NetworkModel
 from deeppool.planner.jsonio import check_version, field, read_json, write_json
 from deeppool.planner.modelspec import ModelSpec
@@ -275,5 +275,3 @@ def idle_windows(phases: list[Phase], gpus: int, iteration_ms: float) -> list[Id
 def _label(phase: Phase) -> str:
     return f"{phase.kind.value}:{phase.layer}"
 
-
-__all__ = ["Phase", "PhaseKind", "Plan", "PlannedLayer", "Prediction", "SolverInfo", "Strategy", "build_plan"]
