@@ -53,6 +53,11 @@ class PlannedLayer:
     amplification: float
     memory_bytes: int
 
+    @property
+    def busy_ms(self) -> float:
+        """The time the layer holds its GPUs in one iteration (reshards excluded)."""
+        return self.fwd_ms + self.bwd_ms + self.allreduce_ms + self.step_ms
+
 
 @dataclass(frozen=True, kw_only=True)
 class IdleWindow:

@@ -23,9 +23,15 @@ _PHASE_COLOURS = {
 class Stage:
     """Consecutive layers that use the same GPU count."""
 
-    first: PlannedLayer
-    last: PlannedLayer
     layers: tuple[PlannedLayer, ...]
+
+    @property
+    def first(self) -> PlannedLayer:
+        return self.layers[0]
+
+    @property
+    def last(self) -> PlannedLayer:
+        return self.layers[-1]
 
     @property
     def gpus(self) -> int:
@@ -33,7 +39,7 @@ class Stage:
 
     @property
     def time_ms(self) -> float:
-        return sum(layer.fwd_ms + layer.bwd_ms + layer.allreduce_ms + layer.step_ms for layer in self.layers)
+        return sum(layer.busy_ms for layer in self.layers)
 
     @property
     def amplification(self) -> float:
@@ -47,7 +53,7 @@ def stages(plan: Plan) -> list[Stage]:
             groups[-1].append(layer)
         else:
             groups.append([layer])
-    return [Stage(group[0], group[-1], tuple(group)) for group in groups]
+    return [Stage(tuple(group)) for group in groups]
 
 
 def plan_table(plan: Plan, *, per_layer: bool = False) -> Table:
@@ -60,8 +66,7 @@ def plan_table(plan: Plan, *, per_layer: bool = False) -> Table:
     table.add_column("amplification", justify="right")
     if per_layer:
         for layer in plan.layers:
-            time_ms = layer.fwd_ms + layer.bwd_ms + layer.allreduce_ms + layer.step_ms
-            table.add_row(layer.name, layer.op, str(layer.gpus), f"{time_ms:.3f}", f"{layer.amplification:.2f}")
+            table.add_row(layer.name, layer.op, str(layer.gpus), f"{layer.busy_ms:.3f}", f"{layer.amplification:.2f}")
         return table
     for stage in stages(plan):
         span = stage.first.name if len(stage.layers) == 1 else f"{stage.first.name} … {stage.last.name}"
