@@ -35,7 +35,7 @@ from deeppool.planner.candidates import useful_counts
 from deeppool.planner.cost import CostModel
 from deeppool.planner.graph import Layer, LayerGraph, TraceMethod
 from deeppool.planner.hardware import NETWORKS, KnownDevice
-from deeppool.planner.modelspec import LoadedModel, ModelSpec, squared_mean_loss
+from deeppool.planner.modelspec import LoadedModel, ModelSpec, default_loss
 from deeppool.planner.profile import LayerTimes, Profile
 from deeppool.planner.trace import trace
 
@@ -155,7 +155,7 @@ def main() -> None:
     args = parser.parse_args()
     gpu_counts = [int(g) for g in args.gpus.split(",")]
     console = Console(width=220)
-    warm_up = LoadedModel(torch.nn.Linear(4, 4), lambda b: (torch.randn(b, 4),), lambda b: None, squared_mean_loss)
+    warm_up = LoadedModel(torch.nn.Linear(4, 4), lambda b: (torch.randn(b, 4),), lambda b: None, default_loss)
     trace(warm_up)
     rows = []
     for name in args.models.split(","):

@@ -31,6 +31,7 @@ from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
 from deeppool.executor.syncbn import Reduce
 from deeppool.executor.timing import Clock, Recorder, RankTimes, Span, summarise
+from deeppool.planner.graph import TraceMethod
 from deeppool.planner.modelspec import LoadedModel, ModelSpec
 from deeppool.planner.plan import Plan
 from deeppool.planner.trace import Traced, trace
@@ -73,7 +74,7 @@ def train_rank(
         LockstepReference(builder.load(plan.model), config.optimizer, bound=config.check_bound)
         if config.check else None
     )
-    module = traced.module.to(device).train()
+    module = _training(traced).to(device)
     module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
     if config.check:
         freeze_dropout(module)
@@ -116,7 +117,14 @@ class ModelBuilder:
 def _batches(loaded: LoadedModel, plan: Plan, data: Iterable[Any] | None) -> BatchSource:
     if data is None:
         return SyntheticBatches(loaded, plan.global_batch)
-    return LoaderBatches(data, plan.global_batch)
+    return LoaderBatches(data, plan.global_batch, loaded)
+
+
+def _training(traced: Traced) -> torch.nn.Module:
+    """The traced module in training mode (an exported graph was captured in it and has no mode)."""
+    if traced.graph.method is TraceMethod.FX:
+        traced.module.train()
+    return traced.module
 
 
 def _group_sum(comm: Comm, ranks: tuple[int, ...]) -> Reduce:

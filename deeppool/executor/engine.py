@@ -62,7 +62,8 @@ class Engine:
         self.rank = parts.program.rank
         self.planned: dict[str, PlannedLayer] = {layer.name: layer for layer in parts.plan.layers}
         self.flows = grad_flows(parts.model.graph)
-        self.placeholders = {name: i for i, name in enumerate(parts.model.graph.inputs)}
+        graph = parts.model.graph
+        self.placeholders = dict(zip(graph.inputs, graph.input_keys, strict=True))
         self.layers = {layer.name: layer for layer in parts.model.graph.layers}
         self._open_idle: tuple[IdleWindow, float] | None = None
         steps = [op for op in parts.program.ops if op.kind is OpKind.STEP]

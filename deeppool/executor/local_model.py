@@ -100,29 +100,40 @@ def _reduce_owners(plan: Plan, graph: LayerGraph, mine: list[Layer]) -> dict[str
 
 
 def _buffers(module: fx.GraphModule, layers: list[Layer]) -> dict[str, torch.Tensor]:
-    """Buffers (BatchNorm running statistics...) of the modules the rank's layers call."""
+    """Buffers (BatchNorm running statistics...) the rank's layers use, by their name in the model."""
     by_name = {node.name: node for node in module.graph.nodes}
+    named = {id(buffer): name for name, buffer in module.named_buffers()}
     found: dict[str, torch.Tensor] = {}
     for layer in layers:
         for node in (by_name[n] for n in layer.nodes):
             if node.op == "call_module":
-                for name, buffer in module.get_submodule(str(node.target)).named_buffers():
-                    found[f"{node.target}.{name}"] = buffer
+                used = list(module.get_submodule(str(node.target)).buffers())
+            elif node.op == "get_attr":
+                used = [_attr_value(module, str(node.target))]
+            else:
+                continue
+            found.update({named[id(b)]: b for b in used if isinstance(b, torch.Tensor) and id(b) in named})
     return found
 
 
-def _attr(module: nn.Module, dotted: str) -> nn.Parameter:
+def _attr_value(module: nn.Module, dotted: str) -> object:
     value: object = module
     for part in dotted.split("."):
         value = getattr(value, part)
+    return value
+
+
+def _attr(module: nn.Module, dotted: str) -> nn.Parameter:
+    value = _attr_value(module, dotted)
     assert isinstance(value, nn.Parameter), dotted
     return value
 
 
 def _drop_others(module: nn.Module, keep: set[str]) -> None:
-    """Free every parameter this rank does not run (its layers never read them)."""
-    for name, _ in list(module.named_parameters()):
-        if name not in keep:
+    """Free every parameter this rank does not run (its layers never read them), under every name."""
+    kept = {id(_attr(module, name)) for name in keep}
+    for name, param in list(module.named_parameters(remove_duplicate=False)):
+        if id(param) not in kept:
             owner_path, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_path) if owner_path else module
             owner._parameters[leaf] = None

@@ -103,7 +103,7 @@ class LockstepReference:
     def step(self, step: int, batch: Batch, params: Tensors, buffers: Tensors) -> CheckResult:
         """Train the reference on ``batch``, compare ``params``, then set them (and ``buffers``) to it."""
         before = {name: self._params[name].detach().clone() for name in params}
-        loss = self._loaded.loss(self._model(*batch.inputs), batch.targets)
+        loss = self._loaded.loss(batch.run(self._model), batch.targets)
         loss.backward()
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
@@ -127,7 +127,7 @@ def train_reference(loaded: LoadedModel, batches: BatchSource, *, steps: int, op
     losses = []
     for step in range(steps):
         batch = batches(step)
-        loss = loaded.loss(model(*batch.inputs), batch.targets)
+        loss = loaded.loss(batch.run(model), batch.targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -21,7 +21,7 @@ from deeppool.planner.cost import CostModel, Optimizer
 from deeppool.planner.graph import LayerGraph
 from deeppool.planner.hardware import DEVICES, LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, known_device
 from deeppool.planner.ilp import SolverName, solve
-from deeppool.planner.modelspec import LoadedModel, ModelSource, ModelSpec, squared_mean_loss
+from deeppool.planner.modelspec import LoadedModel, ModelSource, ModelSpec, default_loss
 from deeppool.planner.plan import Plan, SolverInfo, Strategy, build_plan
 from deeppool.planner.profile import Profile, estimated_profile
 from deeppool.planner.profiler import ProfilerConfig, measure_profile
@@ -246,7 +246,7 @@ def plan(
     batch = global_batch or int(example_inputs[0].shape[0])
     request = PlanRequest(gpus=gpus, global_batch=batch, strategy=strategy, amplification=amplification)
     loaded = LoadedModel(
-        module=module, inputs=_repeat(example_inputs), targets=lambda b: None, loss=squared_mean_loss
+        module=module, inputs=_repeat(example_inputs), targets=lambda b: None, loss=default_loss
     )
     graph = trace(loaded).graph
     profile, network = device_setup(device_model, batch, gpus, graph)

@@ -45,7 +45,16 @@ def deeppool_dp(cost: CostModel, gpus: int, amplification: float | None) -> dict
     for layer, back in zip(reversed(layers), reversed(choices), strict=True):
         assignment[layer.name] = g
         g = back[g]
-    return assignment
+    return tie(cost, assignment)
+
+
+def tie(cost: CostModel, assignment: dict[str, int]) -> dict[str, int]:
+    """Layers that share a parameter take the count of the first of them (DeepPool knew no sharing)."""
+    tied = dict(assignment)
+    for group in cost.graph.tied():
+        for name in group[1:]:
+            tied[name] = tied[group[0]]
+    return tied
 
 
 def _penalty(cost: CostModel, layer, gpus: int, amplification: float | None) -> float:

@@ -26,6 +26,8 @@ from deeppool.errors import DeeppoolError
 from deeppool.planner.jsonio import check_version, field
 
 GRAPH_SCHEMA_VERSION = 1
+OUTPUT_LAYER = "output"
+"""The name of the layer that builds a structured model output (a tuple, dict, ``ModelOutput``)."""
 
 
 class TraceMethod(enum.Enum):
@@ -88,9 +90,11 @@ class Layer:
 class LayerGraph:
     """The layers in a topological (execution) order, their model inputs and output.
 
-    ``inputs`` are the names of the model's input placeholders with their
-    per-sample shapes; a layer input that names one of them reads the batch
-    directly. ``output`` is the layer whose value the model returns.
+    ``inputs`` are the names of the model's input placeholders, ``input_keys``
+    the ``forward`` arguments they stand for (the keys of ``inputs()``), with
+    their per-sample shapes; a layer input that names one of them reads the
+    batch directly. ``output`` is the layer whose value the model returns: one
+    layer's tensor, or the :data:`OUTPUT_LAYER` that builds a structure.
     """
 
     layers: tuple[Layer, ...]
@@ -98,9 +102,14 @@ class LayerGraph:
     input_shapes: tuple[tuple[int, ...], ...]
     output: str
     method: TraceMethod
+    input_keys: tuple[str, ...] = ()
     schema_version: int = GRAPH_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
+        if not self.input_keys:
+            object.__setattr__(self, "input_keys", self.inputs)
+        if len(self.input_keys) != len(self.inputs):
+            raise DeeppoolError("the graph's input keys do not match its inputs")
         known = set(self.inputs)
         for layer in self.layers:
             missing = [name for name in layer.inputs if name not in known]
@@ -137,6 +146,18 @@ class LayerGraph:
             if src in produced
         ]
 
+    def tied(self) -> list[tuple[str, ...]]:
+        """Groups of layers that share a parameter (tied embeddings...): each must get one GPU count."""
+        graph = nx.Graph()
+        users: dict[str, str] = {}
+        for layer in self.layers:
+            for param in layer.params:
+                first = users.setdefault(param, layer.name)
+                if first != layer.name:
+                    graph.add_edge(first, layer.name)
+        order = {name: index for index, name in enumerate(self.names)}
+        return [tuple(sorted(group, key=order.__getitem__)) for group in nx.connected_components(graph)]
+
     def dag(self) -> nx.DiGraph:
         """The graph as a networkx DAG whose nodes carry their :class:`Layer`."""
         graph = nx.DiGraph()
@@ -151,6 +172,7 @@ class LayerGraph:
             "schema_version": self.schema_version,
             "method": self.method.value,
             "inputs": list(self.inputs),
+            "input_keys": list(self.input_keys),
             "input_shapes": [list(shape) for shape in self.input_shapes],
             "output": self.output,
             "layers": [layer.to_json() for layer in self.layers],
@@ -162,6 +184,7 @@ class LayerGraph:
         return cls(
             layers=tuple(Layer.from_json(item) for item in field(payload, "layers", kind="graph")),
             inputs=tuple(field(payload, "inputs", kind="graph")),
+            input_keys=tuple(payload.get("input_keys", ())),
             input_shapes=tuple(
                 tuple(int(d) for d in shape) for shape in field(payload, "input_shapes", kind="graph")
             ),

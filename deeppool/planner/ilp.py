@@ -15,6 +15,8 @@ iteration time::
     s.t.  Σ_g x[l,g] = 1,   stay_g + enter_g = x[u,g],   stay_g + leave_g = x[v,g],
           flow conservation on every ladder level,
           Σ_l Σ_g x[l,g]·mem_l(g) ≤ device memory           (rank 0 runs every layer)
+          x[l,g] = x[m,g]  for layers l, m sharing a parameter (tied embeddings):
+                           one count, so the shared gradient is summed in one group
 
 The flow is the exact transport cost between the two layers' choices, so the
 LP relaxation is the local-polytope relaxation (integral on chains) with
@@ -108,6 +110,8 @@ def _formulate(
         objective.update({var: cost.layer_ms(layer, g) for g, var in x[layer.name].items()})
     for index, (src, dst) in enumerate(cost.graph.edges()):
         objective.update(_edge(problem, cost, index, src, x[src], x[dst]))
+    for index, group in enumerate(cost.graph.tied()):
+        _tie(problem, index, [x[name] for name in group])
     problem.setObjective(pulp.LpAffineExpression(objective))
     if memory_bytes is not None:
         usage = {
@@ -117,6 +121,18 @@ def _formulate(
         }
         _constrain(problem, usage, pulp.LpConstraintLE, memory_bytes / 2**20, "memory")
     return problem, x
+
+
+def _tie(problem: pulp.LpProblem, index: int, choices: list[dict[int, pulp.LpVariable]]) -> None:
+    """The layers of ``choices`` pick the same count (a count one of them lacks is ruled out)."""
+    common = set.intersection(*(set(choice) for choice in choices))
+    first = choices[0]
+    for k, choice in enumerate(choices):
+        for g, var in choice.items():
+            if g not in common:
+                _constrain(problem, {var: 1.0}, pulp.LpConstraintEQ, 0.0, f"untied_{index}_{k}_{g}")
+            elif k:
+                _constrain(problem, {var: 1.0, first[g]: -1.0}, pulp.LpConstraintEQ, 0.0, f"tie_{index}_{k}_{g}")
 
 
 def _constrain(

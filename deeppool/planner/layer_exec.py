@@ -3,14 +3,33 @@
 The profiler times layers with it and the executor trains with it, so both run
 exactly the torch.fx nodes that the :class:`~deeppool.planner.graph.Layer`
 names, with torch.fx's own node semantics (:class:`torch.fx.Interpreter`).
+A layer's value is its last node's: a tensor, or for the ``output`` layer the
+model's output structure (rebuilt as ``forward`` returns it, e.g. a
+``ModelOutput`` from an exported graph's flat outputs).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from deeppool.planner.graph import Layer
+
+
+def structured_output(module: fx.GraphModule, flat: Any) -> Any:
+    """The value of ``module``'s output node as its ``forward`` returns it."""
+    return module.graph.process_outputs(flat)
+
+
+def floating_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value`` (a tensor or a structure) that gradients flow back from."""
+    return [
+        leaf for leaf in pytree.tree_leaves(value)
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+    ]
 
 
 class LayerRunner:
@@ -22,18 +41,18 @@ class LayerRunner:
         if missing:
             raise KeyError(f"layer '{layer.name}': node '{missing[0]}' is not in the traced model")
         self.layer = layer
+        self._module = module
         self._nodes = [by_name[name] for name in layer.nodes]
         self._inputs = [by_name[name] for name in layer.inputs]
         self._interpreter = fx.Interpreter(module)
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *inputs: torch.Tensor) -> Any:
         env: dict[fx.Node, object] = dict(zip(self._inputs, inputs, strict=True))
         self._interpreter.env = env
         for node in self._nodes:
             env[node] = self._interpreter.run_node(node)
-        output = env[self._nodes[-1]]
-        assert isinstance(output, torch.Tensor)
-        return output
+        last = self._nodes[-1]
+        return structured_output(self._module, env[last]) if last.op == "output" else env[last]
 
 
 def runners(module: fx.GraphModule, layers: tuple[Layer, ...]) -> dict[str, LayerRunner]:

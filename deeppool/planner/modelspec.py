@@ -2,16 +2,26 @@
 
 A *model file* is a Python file that defines::
 
-    def model() -> nn.Module                                  # required
-    def inputs(batch_size: int) -> tuple[Tensor, ...]         # required
-    def targets(batch_size: int) -> Tensor                    # optional
-    def loss(output: Tensor, targets: Tensor | None) -> Tensor  # optional, mean over samples
+    def model() -> nn.Module                                        # required
+    def inputs(batch_size: int) -> tuple[Tensor, ...] | dict[str, Any]  # required: forward's args
+    def targets(batch_size: int) -> Tensor                          # optional
+    def loss(output: Any, targets: Tensor | None) -> Tensor         # optional, mean over samples
+
+``inputs`` returns the positional arguments of ``forward`` or a dict of its
+keyword arguments (``input_ids``, ``attention_mask``, ``labels``...); every
+tensor has the batch in dimension 0, other values (``use_cache=False``) are
+constants. Both are bound to ``forward``'s signature by name
+(:func:`bind_inputs`). ``output`` is whatever the model returns: a tensor,
+tuple, namedtuple, dict or ``ModelOutput``. Without ``loss`` the loss is
+:func:`default_loss`: the model's own loss when it returns one (Hugging Face
+models given ``labels``), else the mean of the squared floating outputs.
 
 A *factory* is ``package.module:callable`` returning an ``nn.Module``,
 importable from the environment or, as with ``python -m``, from the current
-directory; its inputs are standard-normal tensors of ``input_shape`` per sample. Without
-``loss`` the loss is the mean of the squared output. The :class:`ModelSpec`
-is stored in every Plan so that other processes can rebuild the same model.
+directory; its one input has ``input_shape`` per sample: standard normal, or
+for an integer ``input_dtype`` token ids below ``vocab_size``. The
+:class:`ModelSpec` is stored in every Plan so that other processes can
+rebuild the same model.
 """
 
 from __future__ import annotations
@@ -20,9 +30,10 @@ import contextlib
 import enum
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -30,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from deeppool.errors import DeeppoolError
 from deeppool.planner.jsonio import field
@@ -47,19 +59,35 @@ class ModelSpec:
     source: ModelSource
     location: str
     input_shape: tuple[int, ...] = ()
+    input_dtype: str = "float32"
+    vocab_size: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.source is ModelSource.FACTORY and not self.input_shape:
             raise DeeppoolError(
                 f"model '{self.location}' is a factory: give its per-sample input shape, "
-                "e.g. --input-shape 3,224,224"
+                "e.g. --input-shape 3,224,224 (or --input-shape 128 --input-dtype int64 --vocab-size 50257)"
             )
         if any(dim < 1 for dim in self.input_shape):
             raise DeeppoolError(f"--input-shape {self.input_shape} has a dimension < 1")
+        dtype = getattr(torch, self.input_dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise DeeppoolError(f"--input-dtype '{self.input_dtype}' is not a torch dtype, e.g. float32 or int64")
+        if not dtype.is_floating_point and self.vocab_size < 1:
+            raise DeeppoolError(
+                f"--input-dtype {self.input_dtype} gives token ids: also give --vocab-size (ids are drawn below it)"
+            )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.input_dtype)
 
     @classmethod
-    def parse(cls, text: str, *, input_shape: tuple[int, ...] = (), seed: int = 0) -> ModelSpec:
+    def parse(
+        cls, text: str, *, input_shape: tuple[int, ...] = (), input_dtype: str = "float32", vocab_size: int = 0,
+        seed: int = 0,
+    ) -> ModelSpec:
         """A path to a ``.py`` file, or ``package.module:callable``."""
         if text.endswith(".py") or Path(text).exists():
             path = Path(text)
@@ -71,7 +99,8 @@ class ModelSpec:
                 f"model '{text}' is neither a .py file nor 'package.module:callable'"
             )
         return cls(
-            source=ModelSource.FACTORY, location=text, input_shape=input_shape, seed=seed
+            source=ModelSource.FACTORY, location=text, input_shape=input_shape, input_dtype=input_dtype,
+            vocab_size=vocab_size, seed=seed,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -79,6 +108,8 @@ class ModelSpec:
             "source": self.source.value,
             "location": self.location,
             "input_shape": list(self.input_shape),
+            "input_dtype": self.input_dtype,
+            "vocab_size": self.vocab_size,
             "seed": self.seed,
         }
 
@@ -92,6 +123,8 @@ class ModelSpec:
             source=source,
             location=str(field(data, "location", kind="model")),
             input_shape=tuple(int(d) for d in data.get("input_shape", [])),
+            input_dtype=str(data.get("input_dtype", "float32")),
+            vocab_size=int(data.get("vocab_size", 0)),
             seed=int(data.get("seed", 0)),
         )
 
@@ -107,20 +140,77 @@ class ModelSpec:
             return _load_factory(self)
 
 
+Inputs = tuple[torch.Tensor, ...] | Mapping[str, Any]
+"""What ``inputs(batch_size)`` returns: ``forward``'s positional or keyword arguments."""
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     """A built model and the functions that make its synthetic data and loss."""
 
     module: nn.Module
-    inputs: Callable[[int], tuple[torch.Tensor, ...]]
+    inputs: Callable[[int], Inputs]
     targets: Callable[[int], torch.Tensor | None]
-    loss: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+    loss: Callable[[Any, torch.Tensor | None], torch.Tensor]
+
+    def named_inputs(self, batch_size: int) -> dict[str, Any]:
+        """``inputs(batch_size)`` bound to ``forward``'s parameter names."""
+        return bind_inputs(self.module, self.inputs(batch_size))
 
 
-def squared_mean_loss(output: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
-    """The default loss: mean over samples of the squared output."""
+def bind_inputs(module: nn.Module, given: Any) -> dict[str, Any]:
+    """Name every value of ``given`` (a tensor, tuple or dict) by ``module.forward``'s parameters."""
+    signature = inspect.signature(module.forward)
+    if isinstance(given, torch.Tensor):
+        given = (given,)
+    try:
+        if isinstance(given, Mapping):
+            bound = signature.bind(**given)
+        elif isinstance(given, (tuple, list)):
+            bound = signature.bind(*given)
+        else:
+            raise TypeError(f"got {type(given).__name__}, not a tuple or dict")
+    except TypeError as err:
+        raise DeeppoolError(
+            f"inputs() does not fit {type(module).__name__}.forward{signature}: {err}"
+        ) from None
+    named = dict(bound.arguments)
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL and name in named:
+            raise DeeppoolError(
+                f"{type(module).__name__}.forward takes *{name}: give inputs() as a dict of named arguments"
+            )
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD and name in named:
+            named.update(named.pop(name))
+    return named
+
+
+def default_loss(output: Any, targets: torch.Tensor | None) -> torch.Tensor:
+    """The model's own loss when it returns one, else the mean of its squared outputs.
+
+    The own loss is ``output.loss`` or ``output["loss"]`` (a ``ModelOutput`` or
+    dict, as Hugging Face models return when given ``labels``) or the first
+    item of a tuple when that is a scalar. Otherwise it is the sum over the
+    output's floating tensors of their mean square: every head trains.
+    """
     del targets
-    return output.float().square().mean()
+    own = _own_loss(output)
+    if own is not None:
+        return own
+    leaves = [
+        leaf for leaf in pytree.tree_leaves(output)
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() > 0
+    ]
+    if not leaves:
+        raise DeeppoolError("the model returns no floating tensor to train on: define loss(output, targets)")
+    return sum((leaf.float().square().mean() for leaf in leaves[1:]), leaves[0].float().square().mean())
+
+
+def _own_loss(output: Any) -> torch.Tensor | None:
+    found = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if found is None and isinstance(output, (tuple, list)) and output:
+        found = output[0]
+    return found if isinstance(found, torch.Tensor) and found.dim() == 0 else None
 
 
 def _no_targets(batch_size: int) -> None:
@@ -141,7 +231,7 @@ def _load_file(spec: ModelSpec) -> LoadedModel:
         module=model,
         inputs=module.inputs,
         targets=getattr(module, "targets", _no_targets),
-        loss=getattr(module, "loss", squared_mean_loss),
+        loss=getattr(module, "loss", default_loss),
     )
 
 
@@ -184,13 +274,15 @@ def _load_factory(spec: ModelSpec) -> LoadedModel:
         raise DeeppoolError(f"'{module_name}' has no callable '{attr}': check the model path")
     torch.manual_seed(spec.seed)
     model = _build(factory, spec.location)
-    shape = spec.input_shape
+    shape = (*spec.input_shape,)
 
     def make_inputs(batch_size: int) -> tuple[torch.Tensor, ...]:
         generator = torch.Generator().manual_seed(spec.seed)
-        return (torch.randn((batch_size, *shape), generator=generator),)
+        if spec.dtype.is_floating_point:
+            return (torch.randn((batch_size, *shape), generator=generator, dtype=spec.dtype),)
+        return (torch.randint(0, spec.vocab_size, (batch_size, *shape), generator=generator, dtype=spec.dtype),)
 
-    return LoadedModel(module=model, inputs=make_inputs, targets=_no_targets, loss=squared_mean_loss)
+    return LoadedModel(module=model, inputs=make_inputs, targets=_no_targets, loss=default_loss)
 
 
 def _build(factory: Callable[[], Any], where: str) -> nn.Module:

@@ -1,32 +1,43 @@
 """Tracing: any ``nn.Module`` to a :class:`LayerGraph`.
 
-torch.fx ``symbolic_trace`` first, with modules as layers; when fx cannot
-trace the model, ``torch.export`` with a dynamic batch dimension, and the
-exported aten nodes are grouped back into layers by their module path. The
-batch dimension is found by running the graph at two batch sizes: nodes whose
-dimension 0 follows the batch are layers, everything else (sizes, tuples,
-parameters) is glue recomputed by the layer that reads it. Per-layer forward
-and backward FLOPs come from :class:`torch.utils.flop_counter.FlopCounterMode`.
+torch.fx ``symbolic_trace`` first, with modules as layers (arguments that
+``inputs()`` does not give, or gives as non-tensors, are traced as the
+constants they are); when fx cannot trace the model, ``torch.export`` with a
+dynamic batch dimension (in training mode), and the exported aten nodes are
+grouped back into layers by their module path. The batch dimension is found by
+running the graph at two batch sizes: nodes whose dimension 0 follows the batch
+are layers, everything else (sizes, tuples, parameters) is glue recomputed by
+the layer that reads it. In-place operations are made safe to split first
+(:mod:`deeppool.planner.mutation`). A model whose output is not one layer's
+tensor (a tuple, dict, ``ModelOutput``, a loss it computes itself) gets an
+``output`` layer that computes the whole output structure from the layers it
+reads. A parameter used by several layers (tied embeddings) is named once, by
+its first name in ``named_parameters()``, and its bytes count in the first
+layer that uses it. Per-layer forward and backward FLOPs come from
+:class:`torch.utils.flop_counter.FlopCounterMode`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.graph import Layer, LayerGraph, TraceMethod
-from deeppool.planner.layer_exec import LayerRunner
+from deeppool.planner.graph import OUTPUT_LAYER, Layer, LayerGraph, TraceMethod
+from deeppool.planner.layer_exec import LayerRunner, floating_leaves, structured_output
 from deeppool.planner.modelspec import LoadedModel
+from deeppool.planner.mutation import Mutation, Probe, after_mutation, functionalize, merged_groups
 
 _PROBE_BATCHES = (2, 3)
 _LAYER_OPS = ("call_module", "call_function", "call_method")
@@ -58,25 +69,26 @@ class _PathTracer(fx.Tracer):
 
 def trace(loaded: LoadedModel, method: TraceMethod | None = None) -> Traced:
     """Trace ``loaded`` with ``method``, or fx then export when ``method`` is None."""
+    named = loaded.named_inputs(_PROBE_BATCHES[0])
     if method is TraceMethod.EXPORT:
-        return _graph_of(_export(loaded), loaded, TraceMethod.EXPORT)
+        return _graph_of(_export(loaded.module, named), loaded, TraceMethod.EXPORT)
     try:
-        module = _fx_trace(loaded.module)
+        module = _fx_trace(loaded.module, named)
     except DeeppoolError as fx_error:
         if method is TraceMethod.FX:
             raise
         try:
-            module = _export(loaded)
+            module = _export(loaded.module, named)
         except DeeppoolError as export_error:
             raise DeeppoolError(f"{fx_error}; {export_error}") from None
         return _graph_of(module, loaded, TraceMethod.EXPORT)
     return _graph_of(module, loaded, TraceMethod.FX)
 
 
-def _fx_trace(model: nn.Module) -> fx.GraphModule:
+def _fx_trace(model: nn.Module, named: Mapping[str, Any]) -> fx.GraphModule:
     tracer = _PathTracer()
     try:
-        graph = tracer.trace(model)
+        graph = tracer.trace(model, concrete_args=_concrete_args(model, named) or None)
     except Exception as err:
         where = tracer.failed_in or "<root>"
         raise DeeppoolError(
@@ -85,19 +97,54 @@ def _fx_trace(model: nn.Module) -> fx.GraphModule:
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
-def _export(loaded: LoadedModel) -> fx.GraphModule:
-    device = _device_of(loaded.module)
-    example = tuple(t.to(device) for t in loaded.inputs(_PROBE_BATCHES[0]))
+def _concrete_args(model: nn.Module, named: Mapping[str, Any]) -> dict[str, Any]:
+    """``forward``'s arguments that are constants: given as non-tensors, or not given (their defaults)."""
+    concrete = {}
+    for name, parameter in inspect.signature(model.forward).parameters.items():
+        if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        if name in named and not isinstance(named[name], torch.Tensor):
+            concrete[name] = named[name]
+        elif name not in named and parameter.default is not inspect.Parameter.empty:
+            concrete[name] = parameter.default
+    return concrete
+
+
+def _export(model: nn.Module, named: Mapping[str, Any]) -> fx.GraphModule:
+    device = _device_of(model)
+    kwargs = {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in named.items()}
     batch = torch.export.Dim("batch", min=1)
-    dynamic = tuple({0: batch} for _ in example)
+    dynamic = {name: {0: batch} if isinstance(value, torch.Tensor) else None for name, value in kwargs.items()}
+    model.train()  # the exported graph keeps training behaviour: dropout on, BatchNorm on batch statistics
     try:
         with _quiet_torch_logs():
-            program = torch.export.export(loaded.module, example, dynamic_shapes=dynamic, strict=False)
+            program = torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as err:
         raise DeeppoolError(
             f"torch.export cannot trace the model either ({type(err).__name__}: {_first_line(err)})"
         ) from None
     return program.module()
+
+
+def placeholder_values(module: fx.GraphModule, named: Mapping[str, Any]) -> list[Any]:
+    """The values of ``module``'s placeholders, in order: given inputs by name, else the defaults."""
+    values = []
+    for node in module.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        key = input_key(node)
+        if isinstance(named.get(key), torch.Tensor) or (key in named and not node.args):
+            values.append(named[key])
+        elif node.args:
+            values.append(node.args[0])
+        else:
+            raise DeeppoolError(f"inputs() gives no value for the model's input '{key}'")
+    return values
+
+
+def input_key(node: fx.Node) -> str:
+    """The ``forward`` argument a placeholder stands for."""
+    return str(node.target).lstrip("*")
 
 
 @contextlib.contextmanager
@@ -120,20 +167,31 @@ def _first_line(err: BaseException) -> str:
 
 
 class _Recorder(fx.Interpreter):
-    """Runs the graph and keeps every node's value and forward FLOPs."""
+    """Runs the graph and keeps every node's value, forward FLOPs and the tensors it mutated."""
 
     def __init__(self, module: fx.GraphModule, counter: FlopCounterMode) -> None:
         super().__init__(module)
         self.counter = counter
         self.values: dict[str, Any] = {}
         self.flops: dict[str, int] = {}
+        self.mutated: dict[str, tuple[torch.Tensor, ...]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        inputs = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        versions = [tensor._version for tensor in inputs]
         before = self.counter.get_total_flops()
         value = super().run_node(n)
         self.values[n.name] = value
         self.flops[n.name] = self.counter.get_total_flops() - before
+        changed = tuple(t for t, version in zip(inputs, versions, strict=True) if t._version != version)
+        if changed and n.op != "output":
+            self.mutated[n.name] = changed
         return value
+
+    @property
+    def probe(self) -> Probe:
+        return Probe(values=self.values, mutated=self.mutated)
 
 
 class _ShapeOnly:
@@ -159,17 +217,18 @@ class _ShapeOnly:
         return self.fake.from_tensor(value)
 
 
-def _record(module: fx.GraphModule, inputs: tuple[torch.Tensor, ...], shapes: _ShapeOnly) -> _Recorder:
+def _record(module: fx.GraphModule, named: Mapping[str, Any], shapes: _ShapeOnly) -> _Recorder:
     with FlopCounterMode(display=False) as counter:
         recorder = _Recorder(module, counter)
-        _run(recorder, inputs, shapes)
+        _run(recorder, placeholder_values(module, named), shapes)
     return recorder
 
 
-def _run(recorder: _Recorder, inputs: tuple[torch.Tensor, ...], shapes: _ShapeOnly) -> None:
+def _run(recorder: _Recorder, inputs: list[Any], shapes: _ShapeOnly) -> None:
     with shapes, torch.no_grad():
         try:
-            recorder.run(*(shapes.tensor(t) for t in inputs))
+            fed = [shapes.tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+            recorder.run(*fed, enable_io_processing=False)
         except Exception as err:
             raise DeeppoolError(
                 f"the traced model fails on its own inputs ({type(err).__name__}: {_first_line(err)}): "
@@ -183,11 +242,9 @@ def _device_of(module: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def _batched(module: fx.GraphModule, loaded: LoadedModel, shapes: _ShapeOnly) -> tuple[set[str], _Recorder]:
+def _batched(small: Mapping[str, Any], large: Mapping[str, Any]) -> set[str]:
     """Names of nodes whose value is a tensor with the batch in dimension 0."""
-    probe, other = (_record(module, loaded.inputs(b), shapes) for b in _PROBE_BATCHES)
-    small, large = probe.values, other.values
-    batched = {
+    return {
         name
         for name, value in small.items()
         if isinstance(value, torch.Tensor)
@@ -195,7 +252,6 @@ def _batched(module: fx.GraphModule, loaded: LoadedModel, shapes: _ShapeOnly) ->
         and isinstance(large.get(name), torch.Tensor)
         and (value.shape[0], large[name].shape[0]) == _PROBE_BATCHES
     }
-    return batched, probe
 
 
 def _graph_of(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) -> Traced:
@@ -215,24 +271,50 @@ def _graph_of(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) 
 def _probed_graph(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) -> Traced:
     """Shapes and FLOPs come from meta or fake tensors: no arithmetic is done."""
     shapes = _ShapeOnly(_device_of(module))
-    batched, probe = _batched(module, loaded, shapes)
-    values = probe.values
+    small_inputs, large_inputs = (loaded.named_inputs(b) for b in _PROBE_BATCHES)
+    probes: list[_Recorder] = []
+
+    def probe() -> Probe:
+        probes.append(_record(module, small_inputs, shapes))
+        return probes[-1].probe
+
+    _, mutations = functionalize(module, probe)
+    small = probes[-1]
+    batched = _batched(small.values, _record(module, large_inputs, shapes).values)
     nodes = list(module.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
+    placeholders = _placeholders(nodes, small.values, batched)
     heads = [n for n in nodes if n.op in _LAYER_OPS and n.name in batched]
-    groups = _group(heads, method)
+    groups = _merge(_group(heads, method), mutations, nodes)
     with FlopCounterMode(display=False) as counter:
-        builder = _LayerBuilder(module, probe, {n.name for n in placeholders}, groups, shapes, counter)
-        layers = tuple(builder.build(group) for group in groups)
-    output = _output_layer(nodes, builder.layer_of)
+        builder = _LayerBuilder(module, small, {n.name for n in placeholders}, groups, shapes, counter)
+        layers = [builder.build(group) for group in groups]
+        output = _output_layer(nodes, builder.layer_of, small.values, module)
+        if output is None:
+            layers.append(builder.build_output(nodes[-1]))
+            output = OUTPUT_LAYER
     graph = LayerGraph(
-        layers=layers,
+        layers=tuple(layers),
         inputs=tuple(n.name for n in placeholders),
-        input_shapes=tuple(tuple(values[n.name].shape[1:]) for n in placeholders),
+        input_keys=tuple(input_key(n) for n in placeholders),
+        input_shapes=tuple(tuple(small.values[n.name].shape[1:]) for n in placeholders),
         output=output,
         method=method,
     )
     return Traced(module=module, graph=graph)
+
+
+def _placeholders(nodes: list[fx.Node], values: Mapping[str, Any], batched: set[str]) -> list[fx.Node]:
+    """The tensor inputs; each must carry the batch in dimension 0."""
+    found = []
+    for node in nodes:
+        if node.op == "placeholder" and isinstance(values.get(node.name), torch.Tensor):
+            if node.name not in batched:
+                raise DeeppoolError(
+                    f"input '{input_key(node)}' has shape {tuple(values[node.name].shape)} for a batch of "
+                    f"{_PROBE_BATCHES[0]}: inputs(batch_size) must put the batch in dimension 0 of every tensor"
+                )
+            found.append(node)
+    return found
 
 
 def _module_path(node: fx.Node) -> str:
@@ -269,6 +351,31 @@ def _group(heads: list[fx.Node], method: TraceMethod) -> list[list[fx.Node]]:
     return groups
 
 
+def _merge(groups: list[list[fx.Node]], mutations: list[Mutation], nodes: list[fx.Node]) -> list[list[fx.Node]]:
+    """Join the groups that a mutated tensor's producer, views and mutators fall in (one layer each)."""
+    index = {node.name: i for i, group in enumerate(groups) for node in group}
+    parent = list(range(len(groups)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for members in merged_groups(mutations):
+        found = sorted({root(index[name]) for name in members if name in index})
+        for other in found[1:]:
+            parent[other] = found[0]
+    order = {node.name: i for i, node in enumerate(nodes)}
+    joined: dict[int, list[fx.Node]] = {}
+    for i, group in enumerate(groups):
+        joined.setdefault(root(i), []).extend(group)
+    return sorted(
+        (sorted(group, key=lambda n: order[n.name]) for group in joined.values()),
+        key=lambda group: order[group[-1].name],
+    )
+
+
 class _LayerBuilder:
     """Turns a group of head nodes plus their glue into a :class:`Layer`."""
 
@@ -290,32 +397,49 @@ class _LayerBuilder:
         self.layer_of = {node.name: group[-1].name for group in groups for node in group}
         self.order = {node.name: index for index, node in enumerate(module.graph.nodes)}
         self.by_name = {node.name: node for node in module.graph.nodes}
+        self.canonical = {id(param): name for name, param in module.named_parameters()}
+        self.counted: set[str] = set()
 
     def build(self, group: list[fx.Node]) -> Layer:
-        members: set[str] = {node.name for node in group}
-        inputs: list[str] = []
-        for node in group:
-            self._collect(node, members, inputs, set(members))
         head = group[-1]
-        names = tuple(sorted(members, key=self.order.__getitem__))
+        names, inputs = self._members(group)
         params = self._params(names)
         value = self.values[head.name]
-        sample_numel = value[0].numel()
-        fwd, bwd = self._flops(names, tuple(inputs), head)
+        named = _named_node(head)
+        fwd, bwd = self._flops(names, inputs, head)
         return Layer(
             name=head.name,
-            op=self._op(head, params),
-            target=self._target(head),
+            op=self._op(named, params),
+            target=self._target(named),
             nodes=names,
-            inputs=tuple(inputs),
+            inputs=inputs,
             output_shape=tuple(value.shape[1:]),
             dtype=str(value.dtype).removeprefix("torch."),
             params=params,
             param_bytes=self._param_bytes(params),
-            act_bytes=sample_numel * value.element_size(),
+            act_bytes=value[0].numel() * value.element_size(),
             fwd_flops=fwd / _PROBE_BATCHES[0],
             bwd_flops=bwd / _PROBE_BATCHES[0],
         )
+
+    def build_output(self, output: fx.Node) -> Layer:
+        """The layer that computes the model's whole output structure from the layers it reads."""
+        names, inputs = self._members([output])
+        params = self._params(names)
+        fwd, bwd = self._flops(names, inputs, output)
+        return Layer(
+            name=output.name, op="output", target="output", nodes=names, inputs=inputs, output_shape=(),
+            dtype="", params=params, param_bytes=self._param_bytes(params), act_bytes=0,
+            fwd_flops=fwd / _PROBE_BATCHES[0], bwd_flops=bwd / _PROBE_BATCHES[0],
+        )
+
+    def _members(self, group: list[fx.Node]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The group's nodes with the glue it recomputes, in order, and the layers and inputs it reads."""
+        members: set[str] = {node.name for node in group}
+        inputs: list[str] = []
+        for node in group:
+            self._collect(node, members, inputs, set(members))
+        return tuple(sorted(members, key=self.order.__getitem__)), tuple(inputs)
 
     def _collect(self, node: fx.Node, members: set[str], inputs: list[str], seen: set[str]) -> None:
         for arg in node.all_input_nodes:
@@ -336,24 +460,27 @@ class _LayerBuilder:
                 self._collect(arg, members, inputs, seen)
 
     def _params(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """The parameters the nodes use, each by its canonical name (a shared one has one name)."""
         found: dict[str, None] = {}
         for name in names:
             node = self.by_name[name]
             if node.op == "call_module":
-                submodule = self.module.get_submodule(str(node.target))
-                for pname, _ in submodule.named_parameters():
-                    found[f"{node.target}.{pname}"] = None
-            elif node.op == "get_attr" and isinstance(
-                _attr(self.module, str(node.target)), nn.Parameter
-            ):
-                found[str(node.target)] = None
+                for param in self.module.get_submodule(str(node.target)).parameters():
+                    found[self.canonical[id(param)]] = None
+            elif node.op == "get_attr":
+                value = _attr(self.module, str(node.target))
+                if isinstance(value, nn.Parameter):
+                    found[self.canonical[id(value)]] = None
         return tuple(found)
 
     def _param_bytes(self, params: tuple[str, ...]) -> int:
+        """Bytes of the parameters no earlier layer has counted (a shared one counts once)."""
         total = 0
         for name in params:
-            tensor = _attr(self.module, name)
-            total += tensor.numel() * tensor.element_size()
+            if name not in self.counted:
+                self.counted.add(name)
+                tensor = _attr(self.module, name)
+                total += tensor.numel() * tensor.element_size()
         return total
 
     def _op(self, head: fx.Node, params: tuple[str, ...]) -> str:
@@ -386,12 +513,19 @@ class _LayerBuilder:
         runner = LayerRunner(self.module, layer)
         with self.shapes:
             args = [_grad_input(self.values[name]) for name in inputs]
-            output = runner(*args)
+            outputs = floating_leaves(runner(*args))
             before = self.counter.get_total_flops()
-            if output.requires_grad:
-                output.backward(torch.ones_like(output))
+            if outputs:
+                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
             backward = self.counter.get_total_flops() - before
         return float(forward), float(backward)
+
+
+def _named_node(head: fx.Node) -> fx.Node:
+    """The node a layer is named after: for a mutation's result node, the mutation."""
+    if head.op == "call_function" and head.target is after_mutation:
+        return head.args[1]
+    return head
 
 
 def _grad_input(value: torch.Tensor) -> torch.Tensor:
@@ -406,11 +540,14 @@ def _attr(module: nn.Module, dotted: str) -> torch.Tensor:
     return value
 
 
-def _output_layer(nodes: list[fx.Node], layer_of: dict[str, str]) -> str:
-    output = next(n for n in nodes if n.op == "output")
-    result = output.args[0]
-    while isinstance(result, (tuple, list)) and len(result) == 1:
-        result = result[0]
-    if not isinstance(result, fx.Node) or result.name not in layer_of:
-        raise DeeppoolError("the model must return a single batched tensor computed by a layer")
-    return layer_of[result.name]
+def _output_layer(nodes: list[fx.Node], layer_of: dict[str, str], values: Mapping[str, Any],
+                  module: fx.GraphModule) -> str | None:
+    """The layer whose tensor the model returns, or None when the output is a structure."""
+    output = nodes[-1]
+    result = pytree.tree_leaves(output.args[0])
+    if not isinstance(structured_output(module, values[output.name]), torch.Tensor) or len(result) != 1:
+        return None
+    node = result[0]
+    if not isinstance(node, fx.Node) or layer_of.get(node.name) != node.name:
+        return None
+    return node.name

@@ -11,7 +11,7 @@ from torch import nn
 from deeppool.errors import DeeppoolError
 from deeppool.planner.graph import LayerGraph, TraceMethod
 from deeppool.planner.layer_exec import runners
-from deeppool.planner.modelspec import LoadedModel, ModelSpec, squared_mean_loss
+from deeppool.planner.modelspec import LoadedModel, ModelSpec, default_loss
 from deeppool.planner.trace import trace
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -43,7 +43,7 @@ class ShapeLoop(nn.Module):
 
 
 def _loaded(module: nn.Module) -> LoadedModel:
-    return LoadedModel(module, lambda b: (torch.randn(b, 8),), lambda b: None, squared_mean_loss)
+    return LoadedModel(module, lambda b: (torch.randn(b, 8),), lambda b: None, default_loss)
 
 
 def _run_layers(traced, x: torch.Tensor) -> torch.Tensor:
