@@ -9,7 +9,7 @@ random op draw *per sample* instead.
 
 Which ops are random: every ``OpOverload`` tagged
 ``torch.Tag.nondeterministic_seeded``. Every other op runs untouched; the tag
-check is the first thing the mode does.
+check (memoised per op, one dict lookup) is the first thing the mode does.
 
 Each random call has an *ordinal* ``k``: its position among the random calls of
 one forward, in the model's execution order (the caller sets it before running
@@ -29,7 +29,10 @@ with ``n`` starts with 1 instead) with the device's default generator seeded to
 argument (``bernoulli_``, ``out=``) writes through the slice and returns that
 argument. A shared call runs once with the generator seeded to ``seed_k``, so
 every rank draws the same values. An explicit ``generator=`` argument is
-replaced by the seeded default generator. The caller's generator state is saved
+replaced by the seeded default generator. Limits: the batch must be dim 0 of a
+batched call (an RNN with ``batch_first=False`` and inter-layer dropout is not
+split per sample), and a tensor argument whose dim 0 equals ``n`` by
+coincidence is sliced too. The caller's generator state is saved
 before the call and restored after it, so the user's own RNG stream is untouched.
 
 Hence sample ``i`` at step ``s`` in call ``k`` always draws from ``mix(seed, s,
@@ -52,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -83,11 +87,19 @@ def batched_calls(probes: Mapping[int, Sequence[RandomCall]]) -> dict[int, bool]
     that size; they must record the same ops in the same order.
     """
     recordings = list(probes.values())
+    if not recordings:
+        return {}
     ops = [call.op for call in recordings[0]]
     for size, calls in probes.items():
         if [call.op for call in calls] != ops:
-            raise DeeppoolError(f"random ops differ between probe batch sizes (batch {size}); the model's random calls must not depend on the batch size")
-    return {call.ordinal: all(calls[index].rows == size for size, calls in probes.items()) for index, call in enumerate(recordings[0])}
+            raise DeeppoolError(
+                f"random ops differ between probe batch sizes (batch {size}); "
+                "the model's random calls must not depend on the batch size"
+            )
+    return {
+        call.ordinal: all(calls[index].rows == size for size, calls in probes.items())
+        for index, call in enumerate(recordings[0])
+    }
 
 
 class SampleRandomness(TorchDispatchMode):
@@ -108,16 +120,22 @@ class SampleRandomness(TorchDispatchMode):
         self.offset = 0
         self.ordinal = 0
         self.calls: list[RandomCall] = []
+        self._seeded: dict[OpOverload, bool] = {}
 
     def at(self, *, step: int, offset: int, ordinal: int) -> SampleRandomness:
         """Set the position and return the mode, so ``with mode.at(...):`` also enters it."""
         if min(step, offset, ordinal) < 0:
-            raise DeeppoolError(f"randomness position step={step} offset={offset} ordinal={ordinal} must be non-negative")
+            raise DeeppoolError(f"randomness position {step=} {offset=} {ordinal=} must be non-negative")
         self.step, self.offset, self.ordinal = step, offset, ordinal
         return self
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        if _SEEDED not in func.tags:
+    def __torch_dispatch__(
+        self, func: OpOverload, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        seeded = self._seeded.get(func)
+        if seeded is None:
+            seeded = self._seeded[func] = _SEEDED in func.tags
+        if not seeded:
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         ordinal = self.ordinal
@@ -125,7 +143,10 @@ class SampleRandomness(TorchDispatchMode):
         if self.batched is None:
             return self._record(func, args, kwargs, ordinal)
         if ordinal not in self.batched:
-            raise DeeppoolError(f"random op {func} at ordinal {ordinal} was not seen when the model was traced; the model's random calls must not depend on the data")
+            raise DeeppoolError(
+                f"random op {func} at ordinal {ordinal} was not seen when the model was traced; "
+                "the model's random calls must not depend on the data"
+            )
         if "generator" in kwargs:
             kwargs = {**kwargs, "generator": None}
         generator = _default_generator(_device_of(args, kwargs))
@@ -138,14 +159,16 @@ class SampleRandomness(TorchDispatchMode):
         finally:
             generator.set_state(state)
 
-    def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ordinal: int) -> Any:
+    def _record(self, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], ordinal: int) -> Any:
         output = func(*args, **kwargs)
         first = next(_tensors(output), None)
         rows = first.shape[0] if first is not None and first.dim() > 0 else None
         self.calls.append(RandomCall(ordinal=ordinal, op=str(func), rows=rows))
         return output
 
-    def _per_sample(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ordinal: int, generator: torch.Generator) -> Any:
+    def _per_sample(
+        self, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], ordinal: int, generator: torch.Generator
+    ) -> Any:
         rows = _local_rows(func, args)
         if rows == 0:
             return func(*args, **kwargs)
@@ -167,7 +190,7 @@ def _is_size(value: Any) -> bool:
     return isinstance(value, list | tuple) and len(value) > 0 and all(isinstance(item, int) for item in value)
 
 
-def _local_rows(func: Any, args: tuple[Any, ...]) -> int:
+def _local_rows(func: OpOverload, args: tuple[Any, ...]) -> int:
     """``n``: dim 0 of the first tensor argument, else the first element of a size list."""
     for tensor in _tensors(args):
         if tensor.dim() > 0:
@@ -180,19 +203,32 @@ def _local_rows(func: Any, args: tuple[Any, ...]) -> int:
 
 def _one_sample(value: Any, rows: int, j: int) -> Any:
     """Sample ``j`` of an argument: batch tensors sliced to ``[j:j+1]``, a batch size list to 1."""
+    if isinstance(value, torch.Tensor):
+        return _row(value, rows, j)
     if _is_size(value):
         return [1, *value[1:]] if value[0] == rows else value
-    return tree_map(lambda leaf: leaf[j : j + 1] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == rows else leaf, value)
+    if isinstance(value, list | tuple | dict):
+        return tree_map(lambda leaf: _row(leaf, rows, j), value)
+    return value
 
 
-def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> Any:
+def _row(leaf: Any, rows: int, j: int) -> Any:
+    batch = isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == rows
+    return leaf[j : j + 1] if batch else leaf
+
+
+def _argument(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> Any:
     return args[index] if index < len(args) else kwargs[func._schema.arguments[index].name]
 
 
-def _written_sources(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+def _written_sources(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """Per return of ``func``: the argument it writes and returns, or None."""
     arguments = func._schema.arguments
-    written = {frozenset(arg.alias_info.before_set): index for index, arg in enumerate(arguments) if arg.alias_info is not None and arg.alias_info.is_write}
+    written = {
+        frozenset(arg.alias_info.before_set): index
+        for index, arg in enumerate(arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    }
     sources = []
     for ret in func._schema.returns:
         index = written.get(frozenset(ret.alias_info.before_set)) if ret.alias_info is not None else None
@@ -201,16 +237,23 @@ def _written_sources(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 
 
 def _concat(*parts: Any) -> Any:
-    return tree_map(lambda *leaves: torch.cat(leaves) if isinstance(leaves[0], torch.Tensor) else leaves[0], parts[0], *parts[1:])
+    """The per-sample outputs joined leaf by leaf: tensors on dim 0, anything else from sample 0."""
+
+    def join(*leaves: Any) -> Any:
+        return torch.cat(leaves) if isinstance(leaves[0], torch.Tensor) else leaves[0]
+
+    return tree_map(join, parts[0], *parts[1:])
 
 
-def _join(func: Any, outputs: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _join(func: OpOverload, outputs: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The whole-batch output: written arguments as they are, other outputs concatenated on dim 0."""
     sources = _written_sources(func, args, kwargs)
     if len(sources) == 1:
         return sources[0] if sources[0] is not None else _concat(*outputs)
     columns = zip(*outputs, strict=True)
-    return tuple(source if source is not None else _concat(*column) for source, column in zip(sources, columns, strict=True))
+    return tuple(
+        source if source is not None else _concat(*column) for source, column in zip(sources, columns, strict=True)
+    )
 
 
 def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
@@ -225,5 +268,6 @@ def _default_generator(device: torch.device) -> torch.Generator:
     if device.type == "cpu":
         return torch.default_generator
     if device.type == "cuda":
-        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
     raise DeeppoolError(f"per-sample randomness supports cpu and cuda tensors, not '{device.type}'")

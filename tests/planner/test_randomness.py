@@ -25,16 +25,21 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4))
 
 
-def forward_and_grad(fn: Callable[[torch.Tensor], torch.Tensor], mode: SampleRandomness, x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+Layer = Callable[[torch.Tensor], torch.Tensor]
+Result = tuple[torch.Tensor, torch.Tensor]
+
+
+def forward_and_grad(fn: Layer, mode: SampleRandomness, x: torch.Tensor, offset: int) -> Result:
+    """Output and input gradient of rows ``[offset, offset + n)``; the upstream gradient follows the global row."""
     x = x.clone().requires_grad_(True)
     y = run(mode, lambda: fn(x), offset=offset)
     rows, cols = y.shape
-    y.backward(torch.arange(offset * cols, (offset + rows) * cols, dtype=y.dtype).reshape(rows, cols))
+    y.backward(torch.arange(offset * cols, (offset + rows) * cols, dtype=y.dtype, device=y.device).reshape(rows, cols))
     assert x.grad is not None
     return y.detach(), x.grad
 
 
-def split_runs(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+def split_runs(fn: Layer, x: torch.Tensor) -> tuple[Result, Result]:
     """(output, input gradient) of all 6 rows at offset 0, then rows 0:2 and 2:6 concatenated."""
     mode = SampleRandomness(seed=SEED, batched={0: True})
     whole = forward_and_grad(fn, mode, x, 0)
@@ -75,6 +80,9 @@ def test_native_dropout_is_split_invariant_with_its_mask() -> None:
     tail = run(mode, lambda: torch.ops.aten.native_dropout(x[2:], 0.5, True), offset=2)
     for index in range(2):
         assert torch.equal(whole[index], torch.cat([head[index], tail[index]]))
+    whole_out, split_out = split_runs(lambda x: torch.ops.aten.native_dropout(x, 0.5, True)[0], x)
+    assert torch.equal(whole_out[0], split_out[0])
+    assert torch.equal(whole_out[1], split_out[1])
 
 
 def masks(mode: SampleRandomness, step: int) -> torch.Tensor:
@@ -120,18 +128,20 @@ def split_equal(fn: Callable[[int], torch.Tensor]) -> None:
         lambda rows: torch.empty(rows, 3).uniform_(),
         lambda rows: torch.normal(torch.zeros(rows, 3), 1.0),
         lambda rows: torch.rand(rows, 2, generator=torch.Generator().manual_seed(5)),
+        lambda rows: torch.rand(rows, 2, out=torch.empty(rows, 2)),
     ],
-    ids=["rand_like", "randn", "randint", "bernoulli_", "uniform_", "normal", "generator"],
+    ids=["rand_like", "randn", "randint", "bernoulli_", "uniform_", "normal", "generator", "out"],
 )
 def test_batched_ops_are_split_invariant(fn: Callable[[int], torch.Tensor]) -> None:
     split_equal(fn)
 
 
-def test_in_place_returns_and_fills_its_argument() -> None:
-    x = torch.zeros(4, 6)
-    out = run(SampleRandomness(seed=SEED, batched={0: True}), lambda: x.uniform_())
-    assert out is x
-    assert bool((x > 0).all())
+def test_written_arguments_are_returned_and_filled() -> None:
+    x, buffer = torch.zeros(4, 6), torch.zeros(4, 6)
+    mode = SampleRandomness(seed=SEED, batched={0: True})
+    assert run(mode, lambda: x.uniform_()) is x
+    assert run(mode, lambda: torch.rand(4, 6, out=buffer)) is buffer
+    assert torch.equal(x, buffer)
 
 
 def test_shared_call_is_the_same_everywhere_and_seeded_by_step() -> None:
@@ -199,7 +209,8 @@ def test_non_random_ops_pass_through() -> None:
 
 
 def test_seed_mix_is_stable() -> None:
-    assert sample_seed(0, 0, 0, 0) == sample_seed(0, 0, 0, 0) < 2**63
+    """A golden value: every process and every Python run must derive the same seeds."""
+    assert sample_seed(1234, 5, 2, 17) == 323980884804928933
     assert len({sample_seed(1, 2, 3, row) for row in range(-1, 100)}) == 101
 
 
@@ -207,3 +218,13 @@ def test_sample_draws_from_its_own_seed() -> None:
     whole = run(SampleRandomness(seed=SEED, batched={0: True}), lambda: torch.rand(4, 3), step=2, offset=10)
     torch.manual_seed(sample_seed(SEED, 2, 0, 13))
     assert torch.equal(whole[3:], torch.rand(1, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_dropout_is_split_invariant_and_leaves_the_cuda_rng_alone() -> None:
+    before = torch.cuda.get_rng_state()
+    whole, split = split_runs(lambda x: F.dropout(x, 0.5), torch.randn(6, 8, device="cuda"))
+    assert torch.equal(whole[0], split[0])
+    assert torch.equal(whole[1], split[1])
+    assert torch.equal(before, torch.cuda.get_rng_state())
