@@ -29,11 +29,11 @@ with ``n`` starts with 1 instead) with the device's default generator seeded to
 argument (``bernoulli_``, ``out=``) writes through the slice and returns that
 argument. A shared call runs once with the generator seeded to ``seed_k``, so
 every rank draws the same values. An explicit ``generator=`` argument is
-replaced by the seeded default generator. Limits: the batch must be dim 0 of a
-batched call (an RNN with ``batch_first=False`` and inter-layer dropout is not
-split per sample), and a tensor argument whose dim 0 equals ``n`` by
-coincidence is sliced too. The caller's generator state is saved
+replaced by the seeded default generator. The caller's generator state is saved
 before the call and restored after it, so the user's own RNG stream is untouched.
+Limits: the batch must be dim 0 of a batched call (an RNN with
+``batch_first=False`` and inter-layer dropout is not split per sample), and a
+tensor argument whose dim 0 equals ``n`` by coincidence is sliced too.
 
 Hence sample ``i`` at step ``s`` in call ``k`` always draws from ``mix(seed, s,
 k, i)``: a single process running the whole batch at offset 0 draws exactly
