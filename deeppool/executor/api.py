@@ -25,7 +25,7 @@ from deeppool.executor.data import BatchSource, LoaderBatches, SyntheticBatches
 from deeppool.executor.engine import Engine, EngineParts
 from deeppool.executor.gradients import GradientReducer
 from deeppool.executor.idle import IdleListener, ignore_idle
-from deeppool.executor.local_model import LocalModel, check_plan_matches, freeze_dropout, hold
+from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
 from deeppool.executor.program import build_program, idle_positions
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
@@ -71,14 +71,13 @@ def train_rank(
     traced = builder.trace(loaded)
     check_plan_matches(plan, traced.graph)
     reference = (
-        LockstepReference(builder.load(plan.model), config.optimizer, bound=config.check_bound)
+        LockstepReference(builder.load(plan.model), config.optimizer, bound=config.check_bound,
+                          random=traced.random.mode(plan.model.seed))
         if config.check else None
     )
     module = _training(traced).to(device)
     module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
-    if config.check:
-        freeze_dropout(module)
-    local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks))
+    local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks), traced.random)
     recorder = Recorder(clock, _cuda_sync(device))
     engine = _engine(plan, local, comm, loaded, config, recorder, on_idle, device)
     losses: list[float] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,7 +34,8 @@ class _State:
     """What one iteration keeps between ops."""
 
     batch: Batch
-    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    step: int
+    outputs: dict[str, Any] = field(default_factory=dict)
     leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     loss: torch.Tensor | None = None
@@ -82,7 +84,7 @@ class Engine:
         """Run one iteration; returns this rank's share of the global mean loss."""
         recorder = self.p.recorder
         start = recorder.clock()
-        state = _State(batch=batch)
+        state = _State(batch=batch, step=step)
         self._fire(None, step, start)
         for op in self.p.program.ops:
             if op is self._last_step:
@@ -155,7 +157,13 @@ class Engine:
                 args.append(state.batch.inputs[self.placeholders[name]][start:end].to(self.p.device))
             else:
                 args.append(state.leaves[(op.layer, name)])
-        state.outputs[op.layer] = self.p.model.runners[op.layer](*args)
+        runner = self.p.model.runners[op.layer]
+        random = self.p.model.random
+        if random is None:
+            state.outputs[op.layer] = runner(*args)
+            return
+        with random.at(step=state.step, offset=start, ordinal=0):
+            state.outputs[op.layer] = runner(*args)
 
     def _loss(self, op: Op, state: _State) -> None:
         start, end = self._rows(op.layer)

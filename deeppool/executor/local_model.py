@@ -21,6 +21,7 @@ from deeppool.executor.syncbn import GroupBatchNorm, Reduce
 from deeppool.planner.graph import Layer, LayerGraph
 from deeppool.planner.layer_exec import LayerRunner
 from deeppool.planner.plan import Plan
+from deeppool.planner.randomness import RandomSites, SampleRandomness
 
 GroupReduce = Callable[[tuple[int, ...]], Reduce]
 """Makes the in-place sum over a group of ranks."""
@@ -36,6 +37,8 @@ class LocalModel:
     params: dict[str, nn.Parameter]
     buffers: dict[str, torch.Tensor]
     reduce_params: dict[str, tuple[str, ...]]
+    random: SampleRandomness | None = None
+    """The per-sample randomness mode the layers draw under (None: the model draws no random numbers)."""
 
 
 def check_plan_matches(plan: Plan, graph: LayerGraph) -> None:
@@ -61,8 +64,14 @@ def check_plan_matches(plan: Plan, graph: LayerGraph) -> None:
         )
 
 
-def hold(plan: Plan, module: fx.GraphModule, graph: LayerGraph, rank: int, reduce: GroupReduce) -> LocalModel:
-    """Keep rank ``rank``'s layers and parameters of ``module``; install synced BatchNorm."""
+def hold(
+    plan: Plan, module: fx.GraphModule, graph: LayerGraph, rank: int, reduce: GroupReduce,
+    random: RandomSites | None = None,
+) -> LocalModel:
+    """Keep rank ``rank``'s layers and parameters of ``module``; install synced BatchNorm.
+
+    With ``random`` sites, the layers draw per sample, seeded by the plan's model seed.
+    """
     mine = [layer for layer in graph.layers if rank < plan_gpus(plan, layer.name)]
     names = {name for layer in mine for name in layer.params}
     params = {name: _attr(module, name) for name in sorted(names)}
@@ -72,9 +81,12 @@ def hold(plan: Plan, module: fx.GraphModule, graph: LayerGraph, rank: int, reduc
         gpus = plan_gpus(plan, layer.name)
         if gpus > 1:
             _sync_batch_norms(module, layer, reduce(tuple(range(gpus))))
-    runners = {layer.name: LayerRunner(module, layer) for layer in mine}
+    mode = random.mode(plan.model.seed) if random else None
+    drawing = (random, mode) if random is not None and mode is not None else None
+    runners = {layer.name: LayerRunner(module, layer, drawing) for layer in mine}
     return LocalModel(
-        module=module, graph=graph, runners=runners, params=params, buffers=buffers, reduce_params=_reduce_owners(plan, graph, mine)
+        module=module, graph=graph, runners=runners, params=params, buffers=buffers,
+        reduce_params=_reduce_owners(plan, graph, mine), random=mode,
     )
 
 

@@ -42,6 +42,7 @@ from deeppool.executor.config import OptimizerConfig
 from deeppool.executor.data import Batch, BatchSource
 from deeppool.executor.local_model import freeze_dropout
 from deeppool.planner.modelspec import LoadedModel
+from deeppool.planner.randomness import SampleRandomness
 
 Tensors = Mapping[str, torch.Tensor]
 
@@ -91,10 +92,12 @@ def worst_of(checks: Sequence[CheckResult]) -> CheckResult | None:
 class LockstepReference:
     """Single-process training advanced one step at a time beside the distributed run."""
 
-    def __init__(self, loaded: LoadedModel, optimizer: OptimizerConfig, *, bound: float) -> None:
+    def __init__(
+        self, loaded: LoadedModel, optimizer: OptimizerConfig, *, bound: float, random: SampleRandomness
+    ) -> None:
         self._loaded = loaded
         self._model = loaded.module.train()
-        freeze_dropout(self._model)
+        self._random = random
         self._params = dict(self._model.named_parameters())
         self._buffers = dict(self._model.named_buffers())
         self._optimizer = optimizer.build(self._model.parameters())
@@ -103,7 +106,9 @@ class LockstepReference:
     def step(self, step: int, batch: Batch, params: Tensors, buffers: Tensors) -> CheckResult:
         """Train the reference on ``batch``, compare ``params``, then set them (and ``buffers``) to it."""
         before = {name: self._params[name].detach().clone() for name in params}
-        loss = self._loaded.loss(batch.run(self._model), batch.targets)
+        with self._random.at(step=step, offset=0, ordinal=0):
+            output = batch.run(self._model)
+        loss = self._loaded.loss(output, batch.targets)
         loss.backward()
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)

@@ -17,6 +17,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from deeppool.planner.graph import Layer
+from deeppool.planner.randomness import RandomSites, SampleRandomness
 
 
 def structured_output(module: fx.GraphModule, flat: Any) -> Any:
@@ -33,9 +34,16 @@ def floating_leaves(value: Any) -> list[torch.Tensor]:
 
 
 class LayerRunner:
-    """Callable that computes a layer's output from its input tensors."""
+    """Callable that computes a layer's output from its input tensors.
 
-    def __init__(self, module: fx.GraphModule, layer: Layer) -> None:
+    With ``random`` (the model's random sites and an active per-sample mode),
+    each node that draws random numbers starts at its ordinal in the whole
+    model, so the layer draws what the model would for the same samples.
+    """
+
+    def __init__(
+        self, module: fx.GraphModule, layer: Layer, random: tuple[RandomSites, SampleRandomness] | None = None
+    ) -> None:
         by_name = {node.name: node for node in module.graph.nodes}
         missing = [name for name in (*layer.nodes, *layer.inputs) if name not in by_name]
         if missing:
@@ -45,11 +53,14 @@ class LayerRunner:
         self._nodes = [by_name[name] for name in layer.nodes]
         self._inputs = [by_name[name] for name in layer.inputs]
         self._interpreter = fx.Interpreter(module)
+        self._random = random
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         env: dict[fx.Node, object] = dict(zip(self._inputs, inputs, strict=True))
         self._interpreter.env = env
         for node in self._nodes:
+            if self._random is not None and node.name in self._random[0].first:
+                self._random[1].ordinal = self._random[0].first[node.name]
             env[node] = self._interpreter.run_node(node)
         last = self._nodes[-1]
         return structured_output(self._module, env[last]) if last.op == "output" else env[last]

@@ -11,7 +11,9 @@ A *model file* is a Python file that defines::
 keyword arguments (``input_ids``, ``attention_mask``, ``labels``...); every
 tensor has the batch in dimension 0, other values (``use_cache=False``) are
 constants. Both are bound to ``forward``'s signature by name
-(:func:`bind_inputs`). ``output`` is whatever the model returns: a tensor,
+(:func:`bind_inputs`); a ``forward`` that takes ``use_cache`` (Hugging Face
+decoders) gets ``use_cache=False`` unless ``inputs()`` says otherwise, since
+training uses no generation cache and a cache object is no tensor structure. ``output`` is whatever the model returns: a tensor,
 tuple, namedtuple, dict or ``ModelOutput``. Without ``loss`` the loss is
 :func:`default_loss`: the model's own loss when it returns one (Hugging Face
 models given ``labels``), else the mean of the squared floating outputs.
@@ -182,6 +184,8 @@ def bind_inputs(module: nn.Module, given: Any) -> dict[str, Any]:
             )
         if parameter.kind is inspect.Parameter.VAR_KEYWORD and name in named:
             named.update(named.pop(name))
+    if "use_cache" in signature.parameters:
+        named.setdefault("use_cache", False)
     return named
 
 

@@ -145,24 +145,29 @@ def _rewrite(graph: fx.Graph, mutations: list[Mutation], probe: Probe) -> bool:
     """Fix the first mutation of each tensor that needs a clone, a result node or redirected readers."""
     order = {node.name: index for index, node in enumerate(graph.nodes)}
     by_name = {node.name: node for node in graph.nodes}
+    related: dict[str, set[str]] = {}
+    for mutation in mutations:
+        related.setdefault(mutation.base, set()).update(mutation.aliases, mutation.chain, (mutation.node,))
     done: set[str] = set()
-    changed = False
     for mutation in mutations:
         if mutation.base in done:
             continue
-        plan = _Fix.of(mutation, by_name, order, probe)
-        if plan.needed:
-            plan.apply(graph, by_name)
+        fix = _Fix.of(mutation, related[mutation.base], by_name, order, probe)
+        if fix.needed:
+            fix.apply(graph, by_name)
             done.add(mutation.base)
-            changed = True
-    return changed
+    return bool(done)
 
 
 @dataclass(frozen=True, kw_only=True)
 class _Fix:
+    """How one mutation is made splittable (see the module docstring)."""
+
     mutation: Mutation
     clone: bool
     result_node: bool
+    result: str | None
+    """The mutation's existing result node, if an earlier pass made one."""
     later_readers: tuple[tuple[str, str], ...]
     """(reader, alias it reads) pairs that run after the mutation."""
 
@@ -171,22 +176,29 @@ class _Fix:
         return self.clone or self.result_node or bool(self.later_readers)
 
     @classmethod
-    def of(cls, mutation: Mutation, by_name: dict[str, fx.Node], order: dict[str, int], probe: Probe) -> _Fix:
-        members = {*mutation.aliases, *mutation.chain, mutation.node}
+    def of(
+        cls, mutation: Mutation, related: set[str], by_name: dict[str, fx.Node], order: dict[str, int], probe: Probe
+    ) -> _Fix:
+        """``related``: every node that produces, aliases, views or mutates the same tensor."""
+        results = [user.name for user in by_name[mutation.node].users if user.target is after_mutation]
+        own = {*mutation.chain, mutation.node, *results}
         at = order[mutation.node]
         before, after = [], []
         for alias in mutation.aliases:
             if order[alias] >= at:
                 continue
             for user in by_name[alias].users:
-                if user.name in members:
-                    continue
-                (before if order[user.name] < at else after).append((user.name, alias))
-        base_value = probe.values[mutation.base]
+                if order[user.name] < at and user.name not in related:
+                    before.append((user.name, alias))
+                elif order[user.name] > at and user.name not in own:
+                    after.append((user.name, alias))
         clone = by_name[mutation.base].op == "placeholder" or bool(before)
-        returns_base = probe.values.get(mutation.node) is base_value
-        result_node = not returns_base and (clone or bool(after))
-        return cls(mutation=mutation, clone=clone, result_node=result_node, later_readers=tuple(after))
+        returns_base = probe.values.get(mutation.node) is probe.values[mutation.base]
+        result_node = not returns_base and not results and (clone or bool(after))
+        return cls(
+            mutation=mutation, clone=clone, result_node=result_node, result=results[0] if results else None,
+            later_readers=tuple(after),
+        )
 
     def apply(self, graph: fx.Graph, by_name: dict[str, fx.Node]) -> None:
         m = self.mutation
@@ -199,7 +211,7 @@ class _Fix:
             first.replace_input_with(read, read_now)
         else:
             read_now = read
-        result = node
+        result = by_name[self.result] if self.result is not None else node
         if self.result_node:
             with graph.inserting_after(node):
                 result = graph.call_function(after_mutation, (read_now, node))

@@ -271,3 +271,18 @@ def _default_generator(device: torch.device) -> torch.Generator:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return torch.cuda.default_generators[index]
     raise DeeppoolError(f"per-sample randomness supports cpu and cuda tensors, not '{device.type}'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RandomSites:
+    """Where a traced model draws random numbers: each node's first ordinal, and which calls are batched."""
+
+    first: Mapping[str, int]
+    batched: Mapping[int, bool]
+
+    def __bool__(self) -> bool:
+        return bool(self.batched)
+
+    def mode(self, seed: int) -> SampleRandomness:
+        """A mode that draws per sample for this model."""
+        return SampleRandomness(seed=seed, batched=self.batched)

@@ -38,6 +38,7 @@ from deeppool.planner.graph import OUTPUT_LAYER, Layer, LayerGraph, TraceMethod
 from deeppool.planner.layer_exec import LayerRunner, floating_leaves, structured_output
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.mutation import Mutation, Probe, after_mutation, functionalize, merged_groups
+from deeppool.planner.randomness import RandomSites, SampleRandomness, batched_calls
 
 _PROBE_BATCHES = (2, 3)
 _LAYER_OPS = ("call_module", "call_function", "call_method")
@@ -45,10 +46,11 @@ _LAYER_OPS = ("call_module", "call_function", "call_method")
 
 @dataclass(frozen=True)
 class Traced:
-    """A traced model: the executable fx module and its layer graph."""
+    """A traced model: the executable fx module, its layer graph and where it draws random numbers."""
 
     module: fx.GraphModule
     graph: LayerGraph
+    random: RandomSites
 
 
 class _PathTracer(fx.Tracer):
@@ -172,16 +174,21 @@ class _Recorder(fx.Interpreter):
     def __init__(self, module: fx.GraphModule, counter: FlopCounterMode) -> None:
         super().__init__(module)
         self.counter = counter
+        self.random = SampleRandomness(seed=0)
         self.values: dict[str, Any] = {}
         self.flops: dict[str, int] = {}
         self.mutated: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.first_random: dict[str, int] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         inputs = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         versions = [tensor._version for tensor in inputs]
         before = self.counter.get_total_flops()
+        ordinal = self.random.ordinal
         value = super().run_node(n)
+        if self.random.ordinal > ordinal:
+            self.first_random[n.name] = ordinal
         self.values[n.name] = value
         self.flops[n.name] = self.counter.get_total_flops() - before
         changed = tuple(t for t, version in zip(inputs, versions, strict=True) if t._version != version)
@@ -228,7 +235,8 @@ def _run(recorder: _Recorder, inputs: list[Any], shapes: _ShapeOnly) -> None:
     with shapes, torch.no_grad():
         try:
             fed = [shapes.tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
-            recorder.run(*fed, enable_io_processing=False)
+            with recorder.random:
+                recorder.run(*fed, enable_io_processing=False)
         except Exception as err:
             raise DeeppoolError(
                 f"the traced model fails on its own inputs ({type(err).__name__}: {_first_line(err)}): "
@@ -279,11 +287,14 @@ def _probed_graph(module: fx.GraphModule, loaded: LoadedModel, method: TraceMeth
         return probes[-1].probe
 
     _, mutations = functionalize(module, probe)
-    small = probes[-1]
-    batched = _batched(small.values, _record(module, large_inputs, shapes).values)
+    small, large = probes[-1], _record(module, large_inputs, shapes)
+    batched = _batched(small.values, large.values)
+    sizes = dict(zip(_PROBE_BATCHES, (small.random.calls, large.random.calls), strict=True))
+    random = RandomSites(first=small.first_random, batched=batched_calls(sizes))
     nodes = list(module.graph.nodes)
     placeholders = _placeholders(nodes, small.values, batched)
-    heads = [n for n in nodes if n.op in _LAYER_OPS and n.name in batched]
+    data = _from_data(nodes, {n.name for n in placeholders}, small.values)
+    heads = [n for n in nodes if n.op in _LAYER_OPS and n.name in batched and n.name in data]
     groups = _merge(_group(heads, method), mutations, nodes)
     with FlopCounterMode(display=False) as counter:
         builder = _LayerBuilder(module, small, {n.name for n in placeholders}, groups, shapes, counter)
@@ -300,7 +311,22 @@ def _probed_graph(module: fx.GraphModule, loaded: LoadedModel, method: TraceMeth
         output=output,
         method=method,
     )
-    return Traced(module=module, graph=graph)
+    return Traced(module=module, graph=graph, random=random)
+
+
+def _from_data(nodes: list[fx.Node], inputs: set[str], values: Mapping[str, Any]) -> set[str]:
+    """Nodes computed from the inputs' values (through tensors; a size read carries no data).
+
+    The others (``arange(batch)``, ``zeros(b, d)``: made from sizes and
+    constants) may follow the batch but carry no sample's data, so every reader
+    recomputes them for its own rows rather than receiving another rank's.
+    """
+    found = set(inputs)
+    for node in nodes:
+        holds_tensor = any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(values.get(node.name)))
+        if holds_tensor and any(arg.name in found for arg in node.all_input_nodes):
+            found.add(node.name)
+    return found
 
 
 def _placeholders(nodes: list[fx.Node], values: Mapping[str, Any], batched: set[str]) -> list[fx.Node]:
