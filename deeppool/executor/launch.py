@@ -1,7 +1,8 @@
 """``deeppool run``: start the ranks on this machine (torchrun's elastic agent) and report.
 
 The launcher refuses a plan that does not fit before starting anything (wrong
-``--nproc``, a model that does not match the plan), then runs ``nproc``
+``--nproc``, a model that does not match the plan, a model whose layers mix
+the samples of a batch: :mod:`deeppool.planner.batching`), then runs ``nproc``
 workers with ``torch.distributed.launcher.elastic_launch`` (what torchrun runs
 underneath; no restarts). If any worker fails, the agent stops the others, and
 the launcher names the rank at fault: the earliest error a rank raised itself,
@@ -26,6 +27,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import RunConfig
 from deeppool.executor.local_model import check_plan_matches
+from deeppool.planner.batching import check_per_sample
 from deeppool.planner.plan import Plan
 from deeppool.planner.trace import trace
 
@@ -55,7 +57,10 @@ def preflight(plan: Plan, nproc: int) -> None:
     if nproc != plan.gpus:
         raise DeeppoolError(f"--nproc {nproc} differs from the plan's {plan.gpus} GPUs: use --nproc {plan.gpus} "
                             "or re-plan for this many")
-    check_plan_matches(plan, trace(plan.model.load()).graph)
+    loaded = plan.model.load()
+    traced = trace(loaded)
+    check_plan_matches(plan, traced.graph)
+    check_per_sample(traced, loaded, seed=plan.model.seed)
 
 
 def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[str]) -> None:

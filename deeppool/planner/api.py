@@ -16,6 +16,7 @@ from torch import nn
 
 from deeppool.errors import DeeppoolError
 from deeppool.planner import baselines
+from deeppool.planner.batching import check_per_sample
 from deeppool.planner.candidates import Limits, allowed_counts, check_memory, thinned_counts, useful_counts
 from deeppool.planner.cost import CostModel, Optimizer
 from deeppool.planner.graph import LayerGraph
@@ -222,6 +223,8 @@ def plan_model(spec: ModelSpec, request: PlanRequest, source: CostSource) -> Pla
     """Trace the model ``spec`` names, get its layer times from ``source``, plan it."""
     loaded = spec.load(meta=not source.measures_locally)
     traced = trace(loaded)
+    if source.measures_locally:
+        check_per_sample(traced, loaded, seed=spec.seed)
     profile = source.profile(traced, loaded, request)
     return plan_graph(traced.graph, profile, source.network_model(profile), request, model=spec)
 
