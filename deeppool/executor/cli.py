@@ -75,7 +75,7 @@ def run(
     nproc: Annotated[int | None, typer.Option(help="ranks to start here (default: the plan's GPU count)")] = None,
     steps: Steps = 50, warmup: Warmup = 5, optimizer: Optim = None, lr: Lr = 0.01,
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = 300.0,
-    bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-5,
+    bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"),
 ) -> None:
     """Train with PLAN on --nproc local ranks (torchrun underneath) and print the timing summary."""
@@ -126,7 +126,7 @@ def _sizes(text: str) -> tuple[int, ...]:
 def worker(
     plan: PlanArg, steps: Steps = 50, warmup: Warmup = 5, optimizer: Optim = None, lr: Lr = 0.01,
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = 300.0,
-    bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-5,
+    bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"),
 ) -> None:
     """Run this process's rank of PLAN (rank and world from torchrun's environment)."""
