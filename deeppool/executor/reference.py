@@ -32,17 +32,23 @@ bit for bit, see :mod:`deeppool.executor.syncbn`).
 (:func:`relative_differences`): ``‖t − t_ref‖ / max(‖t_ref‖, FLOOR · max_u ‖u_ref‖)``,
 Frobenius norms, the maximum over all the reference's tensors of that kind
 (so every rank uses the same floor). A tensor's own norm is the natural
-scale — a zeroed LayerNorm gradient or a frozen running mean is then a
+scale: a zeroed LayerNorm gradient or a frozen running mean is then a
 difference of 1, however small the tensor is next to the others, which a
 bound relative to the parameters (a step moves many of them by less than
 1e-5 of their size) never sees. The floor is for tensors whose reference
-value is itself round-off: the bias of a layer right before BatchNorm, whose
-gradient is a sum of terms that cancel exactly in exact arithmetic. Its
-computed value is fp32 round-off of terms about as large as the model's
-other gradients, and two correct computations of it differ by O(1) of
-themselves; measured against ``FLOOR`` times the largest gradient of the
-model, such round-off stays under the bound, while a real error in any
-tensor larger than ``bound · FLOOR`` of the largest one still crosses it.
+value is itself round-off: the bias of a layer right before BatchNorm and
+an attention key bias have gradients that cancel exactly in exact
+arithmetic, and come out as fp32 round-off of terms about as large as the
+model's other gradients, about 5e-8 of the largest gradient norm (the
+residual test model, tiny GPT); two correct computations of such a tensor
+differ by O(1) of itself (up to 2.7 measured). Against ``FLOOR = 1e-3`` of
+the largest norm they read at most 4.9e-5. With the default bound of 1e-3
+(``RunConfig.check_bound``) a tensor larger than 1e-3 of the largest must be
+right to 0.1%, and a zeroed or dropped one is caught whenever its norm
+exceeds 1e-6 of the largest. Correct runs give at most 4.9e-5 (residual,
+at the floor) and 2.3e-5 (Inception, ``conv1.bn.bias``), 20 times under the
+bound or more (figures per model: ``docs/executor.md``); a 1e-4 bound would
+leave a margin of 2.
 A parameter that got no gradient counts as zeros (``None`` on one side only
 is a dropped gradient).
 
@@ -58,7 +64,7 @@ the tests on small, well-conditioned models.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,16 +224,17 @@ class LockstepReference:
                 value.copy_(self._ref_buffers[name])
 
     def _result(self, step: int, found: Mapping[Kind, Mapping[str, float]]) -> CheckResult:
-        worst = [
-            Difference(kind=kind, name=name, value=value, step=step, rank=self._rank)
-            for kind, values in found.items()
-            for name, value in _largest(values)
-        ]
+        worst = [self._largest(kind, values, step) for kind, values in found.items() if values]
         return CheckResult(
             gradient=_max(found[Kind.GRADIENT]), buffer=_max(found[Kind.BUFFER]),
             parameter=_max(found[Kind.PARAMETER]),
             worst=max(worst, key=lambda d: d.value) if worst else None, bound=self._bound,
         )
+
+    def _largest(self, kind: Kind, values: Mapping[str, float], step: int) -> Difference:
+        """The (first) largest difference of ``kind``."""
+        name = max(values, key=values.__getitem__)
+        return Difference(kind=kind, name=name, value=values[name], step=step, rank=self._rank)
 
 
 def relative_differences(got: MaybeTensors, want: MaybeTensors, *, floor: float = FLOOR) -> dict[str, float]:
@@ -263,7 +270,8 @@ class Reference:
 
 @dataclass(frozen=True, kw_only=True)
 class Comparison:
-    """Free-running parameters against the reference's: worst :func:`parameter_differences`, and against the updates."""
+    """Free-running parameters against the reference's: the worst :func:`parameter_differences`,
+    and the worst ratio to the tensor's own update."""
 
     relative: float
     relative_to_update: float
@@ -328,13 +336,6 @@ def _norm_of_difference(got: torch.Tensor | None, want: torch.Tensor | None) -> 
     if got is None or want is None:
         return _norm(want if got is None else got)
     return _norm(got.detach().cpu().double() - want.detach().cpu().double())
-
-
-def _largest(values: Mapping[str, float]) -> Iterable[tuple[str, float]]:
-    """The (first) largest entry, if any."""
-    if values:
-        name = max(values, key=values.__getitem__)
-        yield name, values[name]
 
 
 def _max(values: Mapping[str, float]) -> float:
