@@ -3,8 +3,9 @@
 :func:`train_rank` is what every rank runs (the worker calls it with a
 :class:`~deeppool.executor.comm.TorchComm`; tests call it with a fake). It
 rebuilds and checks the model, runs ``config.steps`` iterations (with ``check``,
-each followed by the same step of single-process training, compared and
-realigned: :class:`~deeppool.executor.reference.LockstepReference`) and
+each followed by the same step of single-process training; gradients, buffers
+and parameters are compared, then realigned:
+:class:`~deeppool.executor.reference.LockstepReference`) and
 returns this rank's result;
 rank 0's result carries the :class:`RunSummary` of all ranks.
 """
@@ -70,23 +71,23 @@ def train_rank(
     batches = _batches(loaded, plan, data)
     traced = builder.trace(loaded)
     check_plan_matches(plan, traced.graph)
-    reference = (
-        LockstepReference(builder.load(plan.model), config.optimizer, bound=config.check_bound,
-                          random=traced.random.mode(plan.model.seed))
-        if config.check else None
-    )
+    reference_model = builder.load(plan.model) if config.check else None
     module = _training(traced).to(device)
     module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
     local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks), traced.random)
+    reference = None if reference_model is None else LockstepReference(
+        reference_model, config.optimizer, params=local.params, buffers=local.buffers, rank=comm.rank,
+        bound=config.check_bound, random=traced.random.mode(plan.model.seed),
+    )
     recorder = Recorder(clock, _cuda_sync(device))
-    engine = _engine(plan, local, comm, loaded, config, recorder, on_idle, device)
+    engine = _engine(plan, local, comm, loaded, config, recorder, on_idle, device, reference)
     losses: list[float] = []
     checks: list[CheckResult] = []
     for step in range(config.steps):
         batch = batches(step)
         losses.append(engine.step(step, batch))
         if reference is not None:
-            checks.append(reference.step(step, batch, local.params, local.buffers))
+            checks.append(reference.step(step, batch))
     times = summarise(recorder.spans, rank=comm.rank, warmup=config.warmup)
     check = worst_of(checks)
     gathered = comm.gather((times, tuple(losses), check))
@@ -141,7 +142,7 @@ def _cuda_sync(device: torch.device) -> Any:
 
 def _engine(
     plan: Plan, local: LocalModel, comm: Comm, loaded: LoadedModel, config: RunConfig,
-    recorder: Recorder, on_idle: IdleListener, device: torch.device,
+    recorder: Recorder, on_idle: IdleListener, device: torch.device, reference: LockstepReference | None,
 ) -> Engine:
     program = build_program(plan, local.graph, comm.rank)
     return Engine(
@@ -157,5 +158,6 @@ def _engine(
             idle=idle_positions(program, plan.idle_windows(comm.rank)),
             on_idle=on_idle,
             device=device,
+            on_gradients=None if reference is None else reference.gradients_reduced,
         )
     )

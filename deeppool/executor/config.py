@@ -48,7 +48,7 @@ class RunConfig:
     timeout_s: float = 300.0
     bucket_mb: float = 25.0
     check: bool = False
-    check_bound: float = 1e-5
+    check_bound: float = 1e-3
     out_dir: Path | None = None
 
     def __post_init__(self) -> None:

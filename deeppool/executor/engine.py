@@ -56,6 +56,8 @@ class EngineParts:
     idle: dict[int | None, IdleWindow]
     on_idle: IdleListener
     device: torch.device
+    on_gradients: Callable[[int], None] | None = None
+    """Called with the step once gradients are reduced, before the optimizer steps (``--check``)."""
 
 
 class Engine:
@@ -231,6 +233,8 @@ class Engine:
         recorder = self.p.recorder
         with recorder.span(step, "allreduce:wait", Category.COMM):
             self.p.reducer.finish()
+        if self.p.on_gradients is not None:
+            self.p.on_gradients(step)
         with recorder.span(step, "optimizer", Category.COMPUTE):
             if self.p.optimizer is not None:
                 self.p.optimizer.step()

@@ -173,13 +173,6 @@ def _replace(module: nn.Module, target: str, new: nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
-def freeze_dropout(module: nn.Module) -> None:
-    """Make dropout the identity (``--check``: training stays deterministic)."""
-    for sub in module.modules():
-        if isinstance(sub, nn.modules.dropout._DropoutNd):
-            sub.eval()
-
-
 def device_of(backend_is_nccl: bool) -> torch.device:
     if backend_is_nccl:
         return torch.device("cuda", torch.cuda.current_device())

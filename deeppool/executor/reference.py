@@ -1,53 +1,268 @@
 """``--check``: single-process training on the same global batches, and the comparison.
 
 The reference is the eager model (not the traced one), built from the same
-seeded spec, trained with the same optimizer on the same batches. Dropout is
-made the identity in both runs when checking (see :func:`freeze_dropout`), so
-both are deterministic.
+seeded spec, trained with the same optimizer on the same batches. Dropout and
+every other random op stay on: both runs draw per sample
+(:class:`~deeppool.planner.randomness.SampleRandomness`, same seed), so the
+reference draws for each sample exactly what the ranks draw for it.
 
-``--check`` runs the reference **in lockstep** (:class:`LockstepReference`):
-after every step the rank's parameters are compared with the reference's and
-then set to them (its optimizer state and BatchNorm buffers stay its own), so
-every step starts from the same parameters. Comparing free-running fp32
-trainings after several steps measures chaos, not correctness: a deep
-BatchNorm-ReLU network turns a one-ulp difference in a weight into a different
-ReLU mask at the next step and an O(1) relative difference in some updates —
-single-process PyTorch training of Inception or ResNet-50 for 3 steps on 1 and
-on 2 CPU threads differs by more than 100% in some BatchNorm biases. One step
-from equal parameters is reproducible to round-off (the synchronised
-BatchNorm computes the single-process forward bit for bit, see
-:mod:`deeppool.executor.syncbn`).
+``--check`` runs the reference **in lockstep** (:class:`LockstepReference`).
+Every step, on every rank, three kinds of tensor are compared with the
+reference's (:class:`Kind`):
 
-The reported figure, per parameter tensor, is ``max|p − p_ref|`` over the
-largest magnitude among its module's parameters (:func:`module_scales`: a
-BatchNorm bias, which starts at zero and whose one-step gradient is a
-near-cancelling sum, is measured against the scale of the BatchNorm's
-weight and bias, not against its own first update), maximised over tensors
-and steps. The ratio to each tensor's own update is reported too
-(``max|p − p_ref| / max|p_ref − p_prev|``, the update floored at
-``UPDATE_FLOOR · max|p_ref|``), since it is the stricter test when a step
-moves the parameters little. :func:`train_reference` and :func:`compare` are
-the free-running form, used by the tests on small, well-conditioned models.
+- the **gradient** of each parameter the rank holds, after the executor's
+  gradient all-reduce and before the optimizer step (the engine calls
+  :meth:`LockstepReference.gradients_reduced` there): the full gradient of
+  the global mean loss, which every rank of a layer holds after the sum;
+- the **buffers** of the modules the rank runs (BatchNorm running statistics,
+  ``num_batches_tracked``), after the step;
+- the **parameters** after the optimizer step, so that an optimizer bug shows.
+
+Then the rank's parameters and buffers are set to the reference's (its
+optimizer state stays its own), so every step starts from the same state.
+Comparing free-running fp32 trainings after several steps measures chaos, not
+correctness: a deep BatchNorm-ReLU network turns a one-ulp difference in a
+weight into a different ReLU mask at the next step and an O(1) relative
+difference in some updates — single-process PyTorch training of Inception or
+ResNet-50 for 3 steps on 1 and on 2 CPU threads differs by more than 100% in
+some BatchNorm biases. One step from equal parameters is reproducible to
+round-off (the synchronised BatchNorm computes the single-process forward
+bit for bit, see :mod:`deeppool.executor.syncbn`).
+
+**Gradients and buffers** are measured per tensor against their own size
+(:func:`relative_differences`): ``‖t − t_ref‖ / max(‖t_ref‖, FLOOR · max_u ‖u_ref‖)``,
+Frobenius norms, the maximum over all the reference's tensors of that kind
+(so every rank uses the same floor). A tensor's own norm is the natural
+scale: a zeroed LayerNorm gradient or a frozen running mean is then a
+difference of 1, however small the tensor is next to the others, which a
+bound relative to the parameters (a step moves many of them by less than
+1e-5 of their size) never sees. The floor is for tensors whose reference
+value is itself round-off: the bias of a layer right before BatchNorm and
+an attention key bias have gradients that cancel exactly in exact
+arithmetic, and come out as fp32 round-off of terms about as large as the
+model's other gradients, about 5e-8 of the largest gradient norm (the
+residual test model, tiny GPT); two correct computations of such a tensor
+differ by O(1) of itself (up to 2.7 measured). Against ``FLOOR = 1e-3`` of
+the largest norm they read at most 4.9e-5. With the default bound of 1e-3
+(``RunConfig.check_bound``) a tensor larger than 1e-3 of the largest must be
+right to 0.1%, and a zeroed or dropped one is caught whenever its norm
+exceeds 1e-6 of the largest. Correct runs give at most 4.9e-5 (residual,
+at the floor) and 2.3e-5 (Inception, ``conv1.bn.bias``), 20 times under the
+bound or more (figures per model: ``docs/executor.md``); a 1e-4 bound would
+leave a margin of 2.
+A parameter that got no gradient counts as zeros (``None`` on one side only
+is a dropped gradient).
+
+**Parameters** after the step are measured as ``max|p − p_ref|`` over the
+largest magnitude among the parameters of the tensor's module
+(:func:`module_scales`: ``bn.bias``, which starts at zero, is measured
+against the scale of ``bn.weight`` and ``bn.bias``).
+
+:func:`train_reference` and :func:`compare` are the free-running form, used by
+the tests on small, well-conditioned models.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from deeppool.executor.config import OptimizerConfig
 from deeppool.executor.data import Batch, BatchSource
-from deeppool.executor.local_model import freeze_dropout
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.randomness import SampleRandomness
 
 Tensors = Mapping[str, torch.Tensor]
+MaybeTensors = Mapping[str, torch.Tensor | None]
+
+FLOOR = 1e-3
+"""A tensor's norm counts as at least this fraction of the largest norm of its kind (see the module docstring)."""
 
 UPDATE_FLOOR = 1e-4
-"""Updates smaller than this fraction of a tensor's magnitude count as this large."""
+"""Updates smaller than this fraction of a tensor's magnitude count as this large (free-running :func:`compare`)."""
+
+
+class Kind(enum.Enum):
+    """What was compared with the reference."""
+
+    GRADIENT = "gradient"
+    BUFFER = "buffer"
+    PARAMETER = "parameter"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Difference:
+    """One tensor's relative difference from the reference."""
+
+    kind: Kind
+    name: str
+    value: float
+    step: int
+    rank: int
+
+    def describe(self) -> str:
+        return f"{self.kind.value} of '{self.name}', step {self.step}, rank {self.rank}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "name": self.name, "value": self.value, "step": self.step, "rank": self.rank}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Difference:
+        return cls(kind=Kind(data["kind"]), name=str(data["name"]), value=float(data["value"]),
+                   step=int(data["step"]), rank=int(data["rank"]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckResult:
+    """The largest relative difference of each kind (over tensors, steps, ranks) and the worst tensor."""
+
+    gradient: float
+    buffer: float
+    parameter: float
+    worst: Difference | None
+    bound: float
+
+    @property
+    def max_relative_difference(self) -> float:
+        return max(self.gradient, self.buffer, self.parameter)
+
+    @property
+    def passed(self) -> bool:
+        return self.max_relative_difference <= self.bound
+
+    def line(self) -> str:
+        """``max relative difference: 3.1e-01 (gradient of 'x', step 0, rank 1)``."""
+        where = f" ({self.worst.describe()})" if self.worst is not None else ""
+        return f"max relative difference: {self.max_relative_difference:.3e}{where}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gradient": self.gradient,
+            "buffer": self.buffer,
+            "parameter": self.parameter,
+            "max_relative_difference": self.max_relative_difference,
+            "worst": None if self.worst is None else self.worst.to_json(),
+            "bound": self.bound,
+            "passed": self.passed,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CheckResult:
+        worst = data.get("worst")
+        return cls(
+            gradient=float(data["gradient"]), buffer=float(data["buffer"]), parameter=float(data["parameter"]),
+            worst=None if worst is None else Difference.from_json(worst), bound=float(data["bound"]),
+        )
+
+
+def worst_of(checks: Sequence[CheckResult]) -> CheckResult | None:
+    """The largest difference of each kind over steps or ranks, and the worst tensor of all."""
+    if not checks:
+        return None
+    worsts = [c.worst for c in checks if c.worst is not None]
+    return CheckResult(
+        gradient=max(c.gradient for c in checks),
+        buffer=max(c.buffer for c in checks),
+        parameter=max(c.parameter for c in checks),
+        worst=max(worsts, key=lambda d: d.value) if worsts else None,
+        bound=checks[0].bound,
+    )
+
+
+class LockstepReference:
+    """Single-process training advanced one step at a time beside one rank of the distributed run.
+
+    ``params`` and ``buffers`` are the ones the rank holds; the engine calls
+    :meth:`gradients_reduced` between its gradient all-reduce and its
+    optimizer step, and :meth:`step` follows the engine's step.
+    """
+
+    def __init__(
+        self, loaded: LoadedModel, optimizer: OptimizerConfig, *, params: Mapping[str, nn.Parameter],
+        buffers: Tensors, rank: int, bound: float, random: SampleRandomness,
+    ) -> None:
+        self._loaded = loaded
+        self._model = loaded.module.train()
+        self._random = random
+        self._ref_params = dict(self._model.named_parameters())
+        self._ref_buffers = dict(self._model.named_buffers())
+        self._optimizer = optimizer.build(self._model.parameters())
+        self._params = params
+        self._buffers = {name: b for name, b in buffers.items() if name in self._ref_buffers}  # not fx's constants
+        self._rank = rank
+        self._bound = bound
+        self._gradients: dict[str, torch.Tensor | None] = {}
+
+    def gradients_reduced(self, step: int) -> None:
+        """Keep a copy of the rank's reduced gradients (the engine's ``on_gradients``)."""
+        del step
+        self._gradients = {name: _detached(p.grad) for name, p in self._params.items()}
+
+    def step(self, step: int, batch: Batch) -> CheckResult:
+        """Train the reference on ``batch``, compare, then set the rank's parameters and buffers to it."""
+        with self._random.at(step=step, offset=0, ordinal=0):
+            output = batch.run(self._model)
+        loss = self._loaded.loss(output, batch.targets)
+        loss.backward()
+        gradients = relative_differences(self._gradients, {n: p.grad for n, p in self._ref_params.items()})
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        buffers = relative_differences(self._buffers, self._ref_buffers)
+        params = parameter_differences(self._params, {n: p.detach() for n, p in self._ref_params.items()})
+        self._gradients = {}
+        self._realign()
+        found = {Kind.GRADIENT: gradients, Kind.BUFFER: buffers, Kind.PARAMETER: params}
+        return self._result(step, found)
+
+    def _realign(self) -> None:
+        with torch.no_grad():
+            for name, value in self._params.items():
+                value.copy_(self._ref_params[name])
+            for name, value in self._buffers.items():
+                value.copy_(self._ref_buffers[name])
+
+    def _result(self, step: int, found: Mapping[Kind, Mapping[str, float]]) -> CheckResult:
+        worst = [self._largest(kind, values, step) for kind, values in found.items() if values]
+        return CheckResult(
+            gradient=_max(found[Kind.GRADIENT]), buffer=_max(found[Kind.BUFFER]),
+            parameter=_max(found[Kind.PARAMETER]),
+            worst=max(worst, key=lambda d: d.value) if worst else None, bound=self._bound,
+        )
+
+    def _largest(self, kind: Kind, values: Mapping[str, float], step: int) -> Difference:
+        """The (first) largest difference of ``kind``."""
+        name = max(values, key=values.__getitem__)
+        return Difference(kind=kind, name=name, value=values[name], step=step, rank=self._rank)
+
+
+def relative_differences(got: MaybeTensors, want: MaybeTensors, *, floor: float = FLOOR) -> dict[str, float]:
+    """``‖g − w‖ / max(‖w‖, floor · max over all of want ‖w‖)`` for each tensor of ``got``; ``None`` is zeros."""
+    norms = {name: _norm(value) for name, value in want.items()}
+    least = floor * max(norms.values(), default=0.0)
+    found = {}
+    for name, value in got.items():
+        diff = _norm_of_difference(value, want[name])
+        scale = max(norms[name], least)
+        found[name] = diff / scale if scale > 0 else diff
+    return found
+
+
+def parameter_differences(params: Tensors, reference: Tensors) -> dict[str, float]:
+    """``max|p − p_ref|`` over the largest magnitude among the module's parameters, per tensor of ``params``."""
+    scales = module_scales(reference)
+    found = {}
+    for name, value in params.items():
+        if value.numel():
+            diff = float((value.detach().cpu().double() - reference[name].double()).abs().max())
+            scale = scales[_module(name)]
+            found[name] = diff / scale if scale > 0 else diff
+    return found
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,81 +273,33 @@ class Reference:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CheckResult:
-    max_relative_difference: float
-    max_relative_update_difference: float
+class Comparison:
+    """Free-running parameters against the reference's: the worst :func:`parameter_differences`,
+    and the worst ratio to the tensor's own update."""
+
+    relative: float
+    relative_to_update: float
     worst: str
-    bound: float
-    step: int = 0
-    """The step (0-based) after which the worst difference was found."""
-
-    @property
-    def passed(self) -> bool:
-        return self.max_relative_difference <= self.bound
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "max_relative_difference": self.max_relative_difference,
-            "max_relative_update_difference": self.max_relative_update_difference,
-            "worst": self.worst,
-            "step": self.step,
-            "bound": self.bound,
-            "passed": self.passed,
-        }
 
 
-def worst_of(checks: Sequence[CheckResult]) -> CheckResult | None:
-    """The largest difference over steps or ranks (and the largest update difference)."""
-    if not checks:
-        return None
-    worst = max(checks, key=lambda c: c.max_relative_difference)
-    return replace(worst, max_relative_update_difference=max(c.max_relative_update_difference for c in checks))
+def train_reference(
+    loaded: LoadedModel, batches: BatchSource, *, steps: int, optimizer: OptimizerConfig,
+    random: SampleRandomness | None = None,
+) -> Reference:
+    """Train the eager model (freshly built, untouched) for ``steps`` global batches.
 
-
-class LockstepReference:
-    """Single-process training advanced one step at a time beside the distributed run."""
-
-    def __init__(
-        self, loaded: LoadedModel, optimizer: OptimizerConfig, *, bound: float, random: SampleRandomness
-    ) -> None:
-        self._loaded = loaded
-        self._model = loaded.module.train()
-        self._random = random
-        self._params = dict(self._model.named_parameters())
-        self._buffers = dict(self._model.named_buffers())
-        self._optimizer = optimizer.build(self._model.parameters())
-        self._bound = bound
-
-    def step(self, step: int, batch: Batch, params: Tensors, buffers: Tensors) -> CheckResult:
-        """Train the reference on ``batch``, compare ``params``, then set them (and ``buffers``) to it."""
-        before = {name: self._params[name].detach().clone() for name in params}
-        with self._random.at(step=step, offset=0, ordinal=0):
-            output = batch.run(self._model)
-        loss = self._loaded.loss(output, batch.targets)
-        loss.backward()
-        self._optimizer.step()
-        self._optimizer.zero_grad(set_to_none=True)
-        after = {name: value.detach() for name, value in self._params.items()}
-        check = compare(params, Reference(initial=before, final=after, losses=(float(loss.detach()),)), bound=self._bound)
-        with torch.no_grad():
-            for name, value in params.items():
-                value.copy_(after[name])
-            for name, value in buffers.items():
-                value.copy_(self._buffers[name])
-        return replace(check, step=step)
-
-
-def train_reference(loaded: LoadedModel, batches: BatchSource, *, steps: int, optimizer: OptimizerConfig) -> Reference:
-    """Train the eager model (freshly built, untouched) for ``steps`` global batches."""
+    A model that draws random numbers needs ``random``, the executor's per-sample mode.
+    """
     model = loaded.module
     model.train()
-    freeze_dropout(model)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     opt = optimizer.build(model.parameters())
     losses = []
     for step in range(steps):
         batch = batches(step)
-        loss = loaded.loss(batch.run(model), batch.targets)
+        with random.at(step=step, offset=0, ordinal=0) if random is not None else contextlib.nullcontext():
+            output = batch.run(model)
+        loss = loaded.loss(output, batch.targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -141,23 +308,17 @@ def train_reference(loaded: LoadedModel, batches: BatchSource, *, steps: int, op
     return Reference(initial=initial, final=final, losses=tuple(losses))
 
 
-def compare(params: Tensors, reference: Reference, *, bound: float) -> CheckResult:
-    """Worst relative difference over ``params`` (the ones this rank holds)."""
-    scales = module_scales(reference.final)
-    worst, worst_name, worst_update = 0.0, "", 0.0
-    for name, value in params.items():
-        got, want = value.detach().cpu().double(), reference.final[name].double()
-        if not got.numel():
-            continue
-        diff = float((got - want).abs().max())
-        scale = scales[_module(name)]
-        rel = diff / scale if scale > 0 else diff
-        if rel > worst or not worst_name:
-            worst, worst_name = rel, name
-        worst_update = max(worst_update, _update_ratio(diff, want, reference.initial[name].double()))
-    return CheckResult(
-        max_relative_difference=worst, max_relative_update_difference=worst_update, worst=worst_name, bound=bound
-    )
+def compare(params: Tensors, reference: Reference) -> Comparison:
+    """Worst relative difference over ``params`` (the ones a rank holds) after free-running training.
+
+    The ratio to each tensor's own update (``max|p − p_ref| / max|p_ref − p_0|``,
+    the update floored at ``UPDATE_FLOOR · max|p_ref|``) is the stricter test
+    when training moves the parameters little.
+    """
+    found = parameter_differences(params, reference.final)
+    worst = max(found, key=found.__getitem__, default="")
+    updates = [_update_ratio(params[name], reference.final[name], reference.initial[name]) for name in found]
+    return Comparison(relative=found.get(worst, 0.0), relative_to_update=max(updates, default=0.0), worst=worst)
 
 
 def module_scales(params: Tensors) -> dict[str, float]:
@@ -174,9 +335,29 @@ def _module(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def _update_ratio(diff: float, want: torch.Tensor, initial: torch.Tensor) -> float:
-    scale = float(want.abs().max())
-    moved = float((want - initial).abs().max())
+def _detached(grad: torch.Tensor | None) -> torch.Tensor | None:
+    return None if grad is None else grad.detach().clone()
+
+
+def _norm(value: torch.Tensor | None) -> float:
+    return 0.0 if value is None else float(torch.linalg.vector_norm(value.detach().cpu().double()))
+
+
+def _norm_of_difference(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
+    if got is None or want is None:
+        return _norm(want if got is None else got)
+    return _norm(got.detach().cpu().double() - want.detach().cpu().double())
+
+
+def _max(values: Mapping[str, float]) -> float:
+    return max(values.values(), default=0.0)
+
+
+def _update_ratio(value: torch.Tensor, want: torch.Tensor, initial: torch.Tensor) -> float:
+    got, want, initial = value.detach().cpu().double(), want.double(), initial.double()
+    diff = float((got - want).abs().max()) if got.numel() else 0.0
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    moved = float((want - initial).abs().max()) if want.numel() else 0.0
     floor = max(moved, UPDATE_FLOOR * scale)  # a parameter that barely moves (a bias before BatchNorm)
     if floor > 0:
         return diff / floor

@@ -47,10 +47,10 @@ def summary_lines(summary: RunSummary) -> list[str]:
         lines.append(f"loss: first {summary.losses[0]:.6g}, last {summary.losses[-1]:.6g}")
     if summary.check is not None:
         check = summary.check
-        lines.append(f"max relative difference: {check.max_relative_difference:.3e}")
+        lines.append(check.line())
         lines.append(
-            f"  bound {check.bound:g}, worst parameter '{check.worst}' after step {check.step}; "
-            f"relative to the updates themselves {check.max_relative_update_difference:.3e} (diagnostic, not bounded)"
+            f"  bound {check.bound:g}; by kind: gradient {check.gradient:.3e}, buffer {check.buffer:.3e}, "
+            f"parameter {check.parameter:.3e}"
         )
     return lines
 

@@ -81,9 +81,10 @@ def run_worker(plan_path: Path, config: RunConfig, env: RankEnv) -> None:
         print_summary(result.summary, Console(width=None if sys.stdout.isatty() else 160))
         check = result.summary.check
         if check is not None and not check.passed:
+            where = f" ({check.worst.describe()})" if check.worst is not None else ""
             raise CheckFailed(
                 f"check failed: max relative difference {check.max_relative_difference:.3e} "
-                f"exceeds the bound {check.bound:g} (parameter '{check.worst}')"
+                f"exceeds the bound {check.bound:g}{where}"
             )
 
 

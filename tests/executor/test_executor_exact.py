@@ -34,9 +34,9 @@ def assert_exact(plan: Plan, results: list[RankResult], optimizer: OptimizerConf
     reference = train_reference(loaded, SyntheticBatches(loaded, plan.global_batch), steps=STEPS, optimizer=optimizer)
     held = set()
     for result in results:
-        check = compare(result.params, reference, bound=1e-5)
-        assert check.max_relative_difference <= 1e-5, (result.rank, check)
-        assert check.max_relative_update_difference <= 1e-3, (result.rank, check)
+        comparison = compare(result.params, reference)
+        assert comparison.relative <= 1e-5, (result.rank, comparison)
+        assert comparison.relative_to_update <= 1e-3, (result.rank, comparison)
         held |= set(result.params)
     assert held == set(reference.final)  # every parameter is trained somewhere (rank 0 holds all)
     summary = results[0].summary
@@ -88,7 +88,8 @@ def test_check_inside_the_ranks_reports_the_difference() -> None:
     plan = make_plan("branching", global_batch=6, gpus=3, assign=cycle(3, 1, 2))
     results = train_threads(plan, RunConfig(steps=2, check=True, optimizer=OptimizerConfig(lr=0.1)))
     check = results[0].summary.check
-    assert check is not None and check.passed and check.max_relative_difference <= 1e-5
+    assert check is not None and check.passed and check.max_relative_difference <= 1e-5, check
+    assert check.worst is not None and check.worst.rank in range(3)
 
 
 def test_rank_results_carry_timing_for_every_layer_it_runs() -> None:
@@ -108,15 +109,15 @@ def test_check_is_exact_step_by_step_on_a_chaotic_batch_norm_relu_net() -> None:
     config = RunConfig(steps=4, check=True, optimizer=OptimizerConfig(lr=0.1, momentum=0.9))
     check = train_threads(plan, config)[0].summary.check
     assert check is not None and check.passed, check
-    assert check.max_relative_difference <= 1e-6
+    assert check.gradient <= 1e-5 and check.buffer <= 1e-6 and check.parameter <= 1e-6, check
 
 
 class _SkewedComm(ThreadComm):
-    """Sums of more than one rank come out 0.1% too large (a bug the check must catch)."""
+    """Sums of more than one rank come out 1% too large (a bug the check must catch)."""
 
     def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, async_op: bool = False):
         done = super().all_reduce(tensor, ranks, async_op=async_op)
-        tensor.mul_(1.001)
+        tensor.mul_(1.01)
         return done
 
 
@@ -129,4 +130,4 @@ def test_the_step_by_step_check_still_catches_a_wrong_gradient() -> None:
                                                          builder=builder))
     check = results[0].summary.check
     assert check is not None and not check.passed
-    assert check.max_relative_update_difference > 1e-4
+    assert check.gradient == pytest.approx(0.01, rel=1e-3), check

@@ -31,5 +31,5 @@ def test_nccl_check_matches_single_process(tmp_path: Path, name: str) -> None:
     proc, _ = deeppool_run(plan_path, "--nproc", str(ranks), "--steps", "3", "--check", "--backend", "nccl",
                            "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    found = re.search(r"^max relative difference: (\S+)$", proc.stdout, re.MULTILINE)
-    assert found is not None and float(found.group(1)) <= 1e-5, proc.stdout
+    found = re.search(r"^max relative difference: (\S+) \(", proc.stdout, re.MULTILINE)
+    assert found is not None and float(found.group(1)) <= 1e-4, proc.stdout  # a tenth of the default bound
