@@ -24,7 +24,12 @@ def model_path(name: str) -> str:
 
 def make_plan(name: str, *, global_batch: int, gpus: int, assign: Assign) -> Plan:
     """A plan for ``tests/executor/models/<name>.py`` giving layer ``i`` ``assign(i, layer)`` GPUs."""
-    spec = ModelSpec.parse(model_path(name))
+    return make_plan_for(model_path(name), global_batch=global_batch, gpus=gpus, assign=assign)
+
+
+def make_plan_for(path: str | Path, *, global_batch: int, gpus: int, assign: Assign) -> Plan:
+    """A plan for the model file at ``path`` giving layer ``i`` ``assign(i, layer)`` GPUs."""
+    spec = ModelSpec.parse(str(path))
     graph = trace(spec.load()).graph
     profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2, 4, 8, 16, 32, 64))
     cost = CostModel(graph=graph, profile=profile, network=NETWORKS[KnownDevice.A100], global_batch=global_batch)
