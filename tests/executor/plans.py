@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from deeppool.planner.baselines import tie
 from deeppool.planner.cost import CostModel
 from deeppool.planner.graph import Layer
 from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice
@@ -28,12 +29,15 @@ def make_plan(name: str, *, global_batch: int, gpus: int, assign: Assign) -> Pla
 
 
 def make_plan_for(path: str | Path, *, global_batch: int, gpus: int, assign: Assign) -> Plan:
-    """A plan for the model file at ``path`` giving layer ``i`` ``assign(i, layer)`` GPUs."""
+    """A plan for the model file at ``path`` giving layer ``i`` ``assign(i, layer)`` GPUs.
+
+    Layers that share a parameter take the first one's count, as the planner requires.
+    """
     spec = ModelSpec.parse(str(path))
     graph = trace(spec.load()).graph
     profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2, 4, 8, 16, 32, 64))
     cost = CostModel(graph=graph, profile=profile, network=NETWORKS[KnownDevice.A100], global_batch=global_batch)
-    assignment = {layer.name: assign(i, layer) for i, layer in enumerate(graph.layers)}
+    assignment = tie(cost, {layer.name: assign(i, layer) for i, layer in enumerate(graph.layers)})
     return build_plan(
         cost, assignment, model=spec, gpus=gpus, strategy=Strategy.ILP, amplification_limit=None,
         solver=SolverInfo(name="hand", status="Optimal", seconds=0.0, gap=0.0),
