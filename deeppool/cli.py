@@ -154,3 +154,7 @@ def main() -> None:
     except DeeppoolError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
+
+
+if __name__ == "__main__":
+    main()
