@@ -15,13 +15,14 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import OptimizerConfig, OptimizerKind
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
-from deeppool.multiplex.job import forward, load_model
+from deeppool.multiplex.job import forward
 from deeppool.planner.modelspec import ModelSpec
 from deeppool.planner.plan import Plan
 
@@ -63,8 +64,7 @@ def check(plan: Plan, config: BackgroundConfig, machine: Machine | None = None) 
     check_windows(plan)
     machine = machine or Machine.here(gpu=config.mode.needs_gpu)
     check_mode(config.mode, machine)
-    load_model(config.model)  # a one-line error if the file does not load
-    memory = background_memory(config.model, config.batch, config.optimizer)
+    memory = background_memory(config.model, config.batch, config.optimizer)  # loads it: a one-line error if not
     check_memory(plan, memory, machine, config)
     return memory
 
@@ -105,7 +105,7 @@ def _state_factor(optimizer: OptimizerConfig) -> int:
     return 1 if optimizer.momentum > 0 else 0
 
 
-def background_memory(path, batch: int, optimizer: OptimizerConfig) -> BackgroundMemory:
+def background_memory(path: Path, batch: int, optimizer: OptimizerConfig) -> BackgroundMemory:
     """Estimate without allocating: the model on the meta device, one forward pass counting outputs."""
     loaded = ModelSpec.parse(str(path)).load(meta=True)
     params = sum(p.numel() * p.element_size() for p in loaded.module.parameters())
