@@ -54,6 +54,7 @@ class ProcessBackground:
             [sys.executable, "-m", "deeppool.multiplex.child", str(spec_path)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env={**os.environ, **(env or {})},
         )
+        (folder / f"background-rank{rank}.pid").write_text(f"{self.proc.pid}\n")
         self.dead = False
         self.ready = False
 

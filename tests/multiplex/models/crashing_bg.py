@@ -1,4 +1,4 @@
-"""A background model that trains for a few steps and then raises (a crash mid-run)."""
+"""A background model that trains one step and then raises (a crash mid-run)."""
 
 import torch
 from torch import nn
@@ -12,7 +12,7 @@ class Crashing(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        if self.calls > 3:
+        if self.calls > 1:
             raise RuntimeError("background model blew up")
         return self.fc(x)
 
