@@ -98,7 +98,7 @@ class Worker:
         self.stats.busy_s += busy
         if len(self.stats.spans) < MAX_SPANS:
             self.stats.spans.append((wall, time.perf_counter()))
-        per_row = done.seconds / done.rows
+        per_row = busy / done.rows  # CPU time: a piece preempted by the foreground must not look slow
         self.per_row_s = per_row if self.per_row_s is None else 0.7 * self.per_row_s + 0.3 * per_row
         if done.stepped:
             self.stats.steps += 1
@@ -121,6 +121,7 @@ class Worker:
             else:
                 rows = int(left / self.per_row_s)
                 if rows < 1:
+                    self.per_row_s *= 0.9  # an estimate that never fits again would never be corrected
                     break
             self.piece(rows)
         self.stats.windows.append((window_ms, 1e3 * (self.stats.busy_s - before)))
