@@ -1,7 +1,9 @@
 """deeppool: burst-parallel training and GPU multiplexing.
 
 ``deeppool.plan(module, example_inputs, gpus=...)`` plans a model from Python;
-the packages are ``planner``, ``executor`` and ``cluster_sim``.
+``deeppool.run(plan, background=...)`` runs one (with a background job in its
+idle windows); the packages are ``planner``, ``executor``, ``multiplex`` and
+``cluster_sim``.
 """
 
 from deeppool.errors import DeeppoolError
@@ -16,4 +18,11 @@ def plan(*args, **kwargs):
     return plan_module(*args, **kwargs)
 
 
-__all__ = ["DeeppoolError", "__version__", "plan"]
+def run(*args, **kwargs):
+    """Run a plan on local ranks, optionally with a background job: see :func:`deeppool.multiplex.api.run`."""
+    from deeppool.multiplex.api import run as run_plan
+
+    return run_plan(*args, **kwargs)
+
+
+__all__ = ["DeeppoolError", "__version__", "plan", "run"]

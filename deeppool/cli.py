@@ -137,11 +137,13 @@ def _enum(kind, value: str, flag: str):
 
 
 def _mount_package_commands() -> None:
-    """The executor's and the simulator's commands, each defined in its own package."""
+    """The executor's, the multiplexer's and the simulator's commands, each defined in its own package."""
     from deeppool.cluster_sim.cli import simulate
     from deeppool.executor.cli import profile_network, run
+    from deeppool.multiplex.cli import app as multiplex_app
 
     app.command("run")(run)
+    app.add_typer(multiplex_app, name="multiplex")
     app.command("profile-network")(profile_network)
     app.command("simulate")(simulate)
 
@@ -154,3 +156,7 @@ def main() -> None:
     except DeeppoolError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
+
+
+if __name__ == "__main__":
+    main()

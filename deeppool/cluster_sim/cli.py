@@ -61,6 +61,9 @@ MappingOpt = Annotated[Path | None, typer.Option("--mapping", help="JSON: worklo
 BackgroundOpt = Annotated[str, typer.Option("--background", help="Background jobs: gpus<=N, app:A[,B], column, none.")]
 SlowdownOpt = Annotated[float, typer.Option(help="Foreground iteration-time factor while hosting background work.")]
 EfficiencyOpt = Annotated[float, typer.Option(help="Share of lent idle time a background job turns into progress.")]
+InterferenceOpt = Annotated[Path | None, typer.Option(
+    "--interference", help="Measured interference.json (`deeppool multiplex bench`): replaces --fg-slowdown and "
+    "--bg-efficiency.")]
 LendOpt = Annotated[float, typer.Option(help="Ranks idle for less of an iteration are not lent.")]
 StrategyOpt = Annotated[str, typer.Option(help="Burst plans: ilp or deeppool.")]
 TimeLimitOpt = Annotated[float, typer.Option(help="ILP time limit per plan (s).")]
@@ -91,6 +94,7 @@ def simulate(
     fg_slowdown: SlowdownOpt = DEFAULT_FG_SLOWDOWN,
     bg_efficiency: EfficiencyOpt = DEFAULT_BG_EFFICIENCY,
     min_lend_fraction: LendOpt = DEFAULT_MIN_LEND_FRACTION,
+    interference_file: InterferenceOpt = None,
     burst_strategy: StrategyOpt = "ilp",
     plan_time_limit: TimeLimitOpt = 30.0,
     cache_dir: CacheOpt = DEFAULT_CACHE,
@@ -110,8 +114,11 @@ def simulate(
     try:
         cluster = ClusterSpec(gpus=gpus, gpus_per_node=gpus_per_node, device=known_device(device))
         policies = _policies(policy, no_baseline)
-        interference = InterferenceModel(
-            fg_slowdown=fg_slowdown, bg_efficiency=bg_efficiency, min_lend_fraction=min_lend_fraction
+        interference = (
+            InterferenceModel.measured(interference_file, min_lend_fraction=min_lend_fraction)
+            if interference_file is not None
+            else InterferenceModel(fg_slowdown=fg_slowdown, bg_efficiency=bg_efficiency,
+                                   min_lend_fraction=min_lend_fraction)
         )
         settings = PlanSettings(burst_strategy=_strategy(burst_strategy), time_limit_s=plan_time_limit)
         rule = BackgroundRule.parse(background)

@@ -15,12 +15,16 @@ The defaults are assumptions, not measurements (docs/simulator.md): DeepPool
 (Park et al., MLSys 2022, §5) multiplexes with CUDA stream priorities and
 CUDA graphs so that the foreground keeps its speed to within a few percent,
 and background kernels fill most but not all of the idle windows because of
-launch latency and window fragmentation.
+launch latency and window fragmentation. ``deeppool multiplex bench`` measures
+both (``interference.json``); :meth:`InterferenceModel.measured` reads that
+file in their place (``deeppool simulate --interference FILE``).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from deeppool.errors import DeeppoolError
 
@@ -42,3 +46,17 @@ class InterferenceModel:
             raise DeeppoolError(f"--bg-efficiency {self.bg_efficiency} must be in (0, 1]")
         if not 0 <= self.min_lend_fraction <= 1:
             raise DeeppoolError(f"--min-lend-fraction {self.min_lend_fraction} must be in [0, 1]")
+
+    @classmethod
+    def measured(cls, path: Path, *, min_lend_fraction: float = DEFAULT_MIN_LEND_FRACTION) -> InterferenceModel:
+        """The slowdown and efficiency ``deeppool multiplex bench`` wrote to ``interference.json``."""
+        try:
+            data = json.loads(path.read_text())
+            slowdown, efficiency = float(data["fg_slowdown"]), float(data["bg_efficiency"])
+        except FileNotFoundError:
+            raise DeeppoolError(f"--interference '{path}' does not exist: write it with `deeppool multiplex bench`") from None
+        except (ValueError, KeyError, TypeError):
+            raise DeeppoolError(f"--interference '{path}' is not an interference.json from `deeppool multiplex bench` "
+                                "(needs fg_slowdown and bg_efficiency)") from None
+        return cls(fg_slowdown=max(1.0, slowdown), bg_efficiency=min(1.0, max(efficiency, 1e-3)),
+                   min_lend_fraction=min_lend_fraction)

@@ -18,10 +18,15 @@ from rich.console import Console
 from deeppool.errors import DeeppoolError
 from deeppool.executor.comm import Backend
 from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
-from deeppool.executor.launch import launch
 from deeppool.executor.netprobe import DEFAULT_SIZES, ProbeConfig, probe_network
 from deeppool.executor.report import fit_table
 from deeppool.executor.worker import RankEnv, report_failure, run_worker
+from deeppool.multiplex.api import launch_with_background
+from deeppool.multiplex.config import MuxMode
+from deeppool.multiplex.options import (
+    AbBlock, BackgroundOpt, BgBatch, BgCheckpointDir, BgLr, BgOptim, MpsPercentage, MuxOpt, SlowdownTarget,
+    make_background,
+)
 from deeppool.planner.plan import Plan
 
 PlanArg = Annotated[Path, typer.Argument(help="plan JSON written by `deeppool plan`")]
@@ -82,6 +87,9 @@ def run(
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = 300.0,
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"),
+    background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
+    bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
+    bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
 ) -> None:
     """Train with PLAN on --nproc local ranks (torchrun underneath) and print the timing summary."""
     loaded = Plan.load(plan)
@@ -89,8 +97,13 @@ def run(
         steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
         backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
     )
+    bg = make_background(
+        background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,
+        slowdown_target=slowdown_target, ab_block=ab_block, bg_checkpoint_dir=bg_checkpoint_dir,
+        mps_percentage=mps_percentage, out=out,
+    )
     ranks = nproc if nproc is not None else loaded.gpus
-    launch(plan, nproc=ranks, config=config, worker_args=config_args(config))
+    launch_with_background(plan, nproc=ranks, config=config, background=bg, worker_args=config_args(config))
 
 
 def plan_optimizer(plan: Plan) -> OptimizerKind:
@@ -133,6 +146,9 @@ def worker(
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = 300.0,
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"),
+    background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
+    bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
+    bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
 ) -> None:
     """Run this process's rank of PLAN (rank and world from torchrun's environment)."""
     env = RankEnv.from_environ()
@@ -142,7 +158,12 @@ def worker(
             momentum=momentum, backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check,
             check_bound=check_bound, out=out,
         )
-        run_worker(plan, config, env)
+        bg = make_background(
+            background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,
+            slowdown_target=slowdown_target, ab_block=ab_block, bg_checkpoint_dir=bg_checkpoint_dir,
+            mps_percentage=mps_percentage, out=out,
+        )
+        run_worker(plan, config, env, bg)
     except BaseException as err:  # every failure leaves a record naming this rank
         if isinstance(err, (SystemExit, typer.Exit)):
             raise

@@ -25,9 +25,10 @@ class Category(enum.Enum):
     COMM = "comm"
     IDLE = "idle"
     ITERATION = "iteration"
+    BACKGROUND = "background"
 
 
-_TRACK = {Category.ITERATION: 0, Category.COMPUTE: 1, Category.COMM: 2, Category.IDLE: 3}
+_TRACK = {Category.ITERATION: 0, Category.COMPUTE: 1, Category.COMM: 2, Category.IDLE: 3, Category.BACKGROUND: 4}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +89,7 @@ def summarise(spans: list[Span], *, rank: int, warmup: int) -> RankTimes:
             continue
         if span.category is Category.ITERATION:
             iterations.append(span.ms)
-        elif span.category is not Category.IDLE:
+        elif span.category not in (Category.IDLE, Category.BACKGROUND):
             per_step[span.label][span.step] += span.ms
     labels = {label: statistics.median(by_step.values()) for label, by_step in per_step.items()}
     iteration = statistics.median(iterations) if iterations else 0.0

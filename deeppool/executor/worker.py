@@ -9,6 +9,7 @@ naming the rank; the exit code tells its kind (:class:`Failure`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import enum
 import json
@@ -28,9 +29,14 @@ from deeppool.errors import DeeppoolError
 from deeppool.executor.api import RankResult, train_rank
 from deeppool.executor.comm import Backend, PeerError, TorchComm
 from deeppool.executor.config import RunConfig
+from deeppool.executor.idle import ignore_idle
 from deeppool.executor.program import rank_groups
 from deeppool.executor.report import print_summary
-from deeppool.executor.timing import chrome_trace
+from deeppool.executor.timing import Span, chrome_trace
+from deeppool.multiplex.config import BackgroundConfig
+from deeppool.multiplex.hook import Multiplexer
+from deeppool.multiplex.metrics import MultiplexReport
+from deeppool.multiplex.report import print_report
 from deeppool.planner.jsonio import write_json
 from deeppool.planner.plan import Plan
 
@@ -64,7 +70,7 @@ class RankEnv:
         )
 
 
-def run_worker(plan_path: Path, config: RunConfig, env: RankEnv) -> None:
+def run_worker(plan_path: Path, config: RunConfig, env: RankEnv, background: BackgroundConfig | None = None) -> None:
     plan = Plan.load(plan_path)
     if env.world_size != plan.gpus:
         raise DeeppoolError(
@@ -74,11 +80,22 @@ def run_worker(plan_path: Path, config: RunConfig, env: RankEnv) -> None:
     device = _device(backend, env)
     _init(backend, env, config.timeout_s)
     comm = TorchComm(rank_groups(plan), timeout_s=config.timeout_s)
-    result = train_rank(plan, comm=comm, config=config, device=device)
-    _write_outputs(result, config.out_dir)
+    mux = Multiplexer.start(plan, background, rank=env.rank, out_dir=config.out_dir, device=device) if background else None
+    try:
+        with mux.foreground() if mux is not None else contextlib.nullcontext():
+            on_idle = mux.on_idle if mux is not None else ignore_idle
+            result = train_rank(plan, comm=comm, config=config, device=device, on_idle=on_idle)
+    finally:
+        if mux is not None:
+            mux.stop()
+    report = mux.gather(comm, result.spans) if mux is not None else None
+    _write_outputs(result, config.out_dir, mux.trace_spans() if mux else [], report)
     dist.destroy_process_group()
     if result.summary is not None:
-        print_summary(result.summary, Console(width=None if sys.stdout.isatty() else 160))
+        console = Console(width=None if sys.stdout.isatty() else 160)
+        print_summary(result.summary, console)
+        if report is not None:
+            print_report(report, console)
         check = result.summary.check
         if check is not None and not check.passed:
             where = f" ({check.worst.describe()})" if check.worst is not None else ""
@@ -111,13 +128,16 @@ def _init(backend: Backend, env: RankEnv, timeout_s: float) -> None:
     )
 
 
-def _write_outputs(result: RankResult, out_dir: Path | None) -> None:
+def _write_outputs(
+    result: RankResult, out_dir: Path | None, extra: list[Span], report: MultiplexReport | None
+) -> None:
     if out_dir is None:
         return
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / f"trace-rank{result.rank}.json", chrome_trace(list(result.spans), rank=result.rank))
+    write_json(out_dir / f"trace-rank{result.rank}.json", chrome_trace([*result.spans, *extra], rank=result.rank))
     if result.summary is not None:
-        write_json(out_dir / "summary.json", result.summary.to_json())
+        extras = {"multiplex": report.to_json()} if report is not None else {}
+        write_json(out_dir / "summary.json", {**result.summary.to_json(), **extras})
 
 
 def classify(err: BaseException) -> Failure:

@@ -1,0 +1,204 @@
+"""The background process of one hosting rank: ``python -m deeppool.multiplex.child SPEC.json``.
+
+It trains the background job (:class:`~deeppool.multiplex.job.BackgroundJob`)
+as its parent, the rank's process, tells it over stdin, one line per message:
+
+* ``w DEADLINE WINDOW_MS`` (gated modes): an idle window is open until the
+  ``time.perf_counter()`` instant DEADLINE; do micro-steps, each sized from the
+  measured time per row, while they fit, then wait for the next token. A token
+  that arrives after its deadline is dropped.
+* ``go`` / ``pause`` (free modes): train continuously / stop until ``go``.
+* ``q``: save a checkpoint and the statistics, exit 0.
+
+It runs under ``SCHED_IDLE`` except in mode ``none``, uses one torch thread,
+and dies with its parent (``PR_SET_PDEATHSIG``). At exit, whatever the cause,
+it writes its statistics (``stats`` in the spec) atomically; a failure is
+written there too and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deeppool.executor.config import OptimizerConfig, OptimizerKind
+from deeppool.multiplex.config import MuxMode
+from deeppool.multiplex.job import BackgroundJob, load_model
+
+PR_SET_PDEATHSIG = 1
+MAX_SPANS = 20_000
+
+
+@dataclass
+class Stats:
+    """What the parent reads back: busy CPU time, samples, losses, and spans for the trace."""
+
+    pid: int
+    start_step: int = 0
+    steps: int = 0
+    samples: int = 0
+    busy_s: float = 0.0
+    tokens: int = 0
+    dropped_tokens: int = 0
+    losses: list[float] = field(default_factory=list)
+    spans: list[tuple[float, float]] = field(default_factory=list)
+    windows: list[tuple[float, float]] = field(default_factory=list)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Lines:
+    """Lines from a file descriptor, without Python's buffering (so ``select`` tells the truth)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._buffer = b""
+        self.closed = False
+
+    def next(self, timeout: float | None) -> str | None:
+        """The next line, or None after ``timeout`` seconds (None: wait) or at end of file ("q")."""
+        while b"\n" not in self._buffer:
+            if self.closed:
+                return "q"
+            ready, _, _ = select.select([self.fd], [], [], timeout)
+            if not ready:
+                return None
+            chunk = os.read(self.fd, 4096)
+            if not chunk:
+                self.closed = True
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode().strip()
+
+
+class Worker:
+    """Runs the job as the messages say, accounting CPU time per piece of work."""
+
+    def __init__(self, job: BackgroundJob, stats: Stats, every: int) -> None:
+        self.job, self.stats, self.every = job, stats, every
+        self.per_row_s: float | None = None
+
+    def piece(self, rows: int | None) -> None:
+        cpu, wall = time.process_time(), time.perf_counter()
+        done = self.job.micro_step(rows)
+        busy = time.process_time() - cpu
+        self.stats.busy_s += busy
+        if len(self.stats.spans) < MAX_SPANS:
+            self.stats.spans.append((wall, time.perf_counter()))
+        per_row = busy / done.rows  # CPU time: a piece preempted by the foreground must not look slow
+        self.per_row_s = per_row if self.per_row_s is None else 0.7 * self.per_row_s + 0.3 * per_row
+        if done.stepped:
+            self.stats.steps += 1
+            self.stats.samples += self.job.batch
+            self.stats.losses.append(float(done.loss or 0.0))
+            if self.job.step % self.every == 0:
+                self.job.save()
+
+    def window(self, deadline: float, window_ms: float) -> None:
+        """Micro-steps while they fit before ``deadline``; at least one row is tried per token once sized."""
+        self.stats.tokens += 1
+        if time.perf_counter() >= deadline:
+            self.stats.dropped_tokens += 1
+            return
+        before = self.stats.busy_s
+        while True:
+            left = deadline - time.perf_counter()
+            if self.per_row_s is None:
+                rows = 1
+            else:
+                rows = int(left / self.per_row_s)
+                if rows < 1:
+                    self.per_row_s *= 0.9  # an estimate that never fits again would never be corrected
+                    break
+            self.piece(rows)
+        self.stats.windows.append((window_ms, 1e3 * (self.stats.busy_s - before)))
+
+    def gated(self, lines: Lines) -> None:
+        while True:
+            message = lines.next(None)
+            if message is None or message == "q":
+                return
+            kind, *args = message.split()
+            if kind == "w":
+                self.window(float(args[0]), float(args[1]))
+
+    def free(self, lines: Lines) -> None:
+        running = False
+        while True:
+            message = lines.next(0.0 if running else None)
+            if message == "q":
+                return
+            if message in ("go", "pause"):
+                running = message == "go"
+            if running:
+                self.piece(None)
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+def _write(path: Path, stats: Stats) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(stats.to_json()))
+    os.replace(tmp, path)
+
+
+def _optimizer(spec: dict[str, Any]) -> OptimizerConfig:
+    return OptimizerConfig(kind=OptimizerKind(spec["kind"]), lr=spec["lr"], momentum=spec["momentum"])
+
+
+def run(spec: dict[str, Any]) -> int:
+    _die_with_parent(int(spec["parent"]))
+    mode = MuxMode(spec["mode"])
+    if mode is not MuxMode.NONE:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    torch.set_num_threads(1)
+    stats = Stats(pid=os.getpid())
+    stats_path = Path(spec["stats"])
+    try:
+        checkpoint = Path(spec["checkpoint"]) if spec.get("checkpoint") else None
+        job = BackgroundJob(load_model(Path(spec["model"])), batch=int(spec["batch"]),
+                            optimizer=_optimizer(spec["optimizer"]), seed=int(spec["seed"]),
+                            device=torch.device(spec.get("device", "cpu")), checkpoint=checkpoint)
+        stats.start_step = job.step
+        worker = Worker(job, stats, int(spec["checkpoint_every"]))
+        lines = Lines(sys.stdin.fileno())
+        print("ready", flush=True)
+        os.dup2(2, 1)  # anything the model prints goes to the log, never into the parent's pipe
+        (worker.gated if mode.gated else worker.free)(lines)
+        job.save()
+        return 0
+    except BaseException as err:  # noqa: BLE001  the parent reads the failure from the statistics
+        stats.error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        traceback.print_exc()
+        return 1
+    finally:
+        _write(stats_path, stats)
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    sys.exit(run(spec))
+
+
+if __name__ == "__main__":
+    main()

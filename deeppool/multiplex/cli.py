@@ -1,0 +1,47 @@
+"""``deeppool multiplex``: the multiplexing commands (``bench``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from deeppool.errors import DeeppoolError
+from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
+from deeppool.multiplex.bench import bench
+from deeppool.multiplex.config import BackgroundConfig, MuxMode
+from deeppool.multiplex.report import mode_table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Background jobs on a plan's idle windows.")
+
+
+def _modes(text: str) -> tuple[MuxMode, ...]:
+    try:
+        return tuple(MuxMode(part.strip()) for part in text.split(","))
+    except ValueError:
+        names = ", ".join(m.value for m in MuxMode)
+        raise DeeppoolError(f"--modes '{text}': each must be one of {names}") from None
+
+
+@app.command("bench")
+def bench_command(
+    plan: Annotated[Path, typer.Argument(help="plan JSON written by `deeppool plan`")],
+    background: Annotated[Path, typer.Option("--background", help="background model file")],
+    out: Annotated[Path, typer.Option("--out", help="folder for multiplex.json, interference.json and the runs")],
+    modes: Annotated[str, typer.Option(help="comma-separated modes (CPU: none,sched_idle,gate)")] = "none,sched_idle,gate",
+    steps: Annotated[int, typer.Option(help="foreground iterations per mode")] = 60,
+    bg_batch: Annotated[int, typer.Option(help="background batch size")] = 8,
+    bg_optimizer: Annotated[OptimizerKind, typer.Option("--bg-optimizer")] = OptimizerKind.SGD,
+    bg_lr: Annotated[float, typer.Option(help="background learning rate")] = 0.01,
+    slowdown_target: Annotated[float, typer.Option(help="foreground slowdown target (fraction)")] = 0.05,
+) -> None:
+    """Run PLAN with the background in each mode and compare the foreground alone vs shared."""
+    config = BackgroundConfig(model=background.resolve(), batch=bg_batch, slowdown_target=slowdown_target,
+                              optimizer=OptimizerConfig(kind=bg_optimizer, lr=bg_lr))
+    reports = bench(plan, config, _modes(modes), config=RunConfig(steps=steps, warmup=3, out_dir=out), out=out)
+    console = Console()
+    console.print(mode_table(reports, title=f"multiplex bench: {plan.name}, background {background.name}"))
+    console.print(f"wrote {out}/multiplex.json and {out}/interference.json (for `deeppool simulate --interference`)",
+                  highlight=False)

@@ -1,0 +1,92 @@
+"""Typed configuration of a background job and of how it shares the foreground's devices."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deeppool.errors import DeeppoolError
+from deeppool.executor.config import OptimizerConfig
+
+
+class MuxMode(enum.Enum):
+    """How background work is kept out of the foreground's way."""
+
+    NONE = "none"  # plain time-slicing: a background process at normal priority (the baseline)
+    SCHED_IDLE = "sched_idle"  # a background process under SCHED_IDLE, not gated
+    GATE = "gate"  # a SCHED_IDLE process that works only inside idle windows (a token per window)
+    PRIORITY = "priority"  # GPU: a thread in the rank's process, low-priority stream, CUDA-graph pieces
+    MPS = "mps"  # GPU: a background process as an MPS client with an active-thread percentage
+
+    @property
+    def needs_gpu(self) -> bool:
+        return self in (MuxMode.PRIORITY, MuxMode.MPS)
+
+    @property
+    def gated(self) -> bool:
+        """Whether work is admitted only into idle windows (else the process runs freely)."""
+        return self in (MuxMode.GATE, MuxMode.PRIORITY)
+
+    @property
+    def in_process(self) -> bool:
+        return self is MuxMode.PRIORITY
+
+
+CPU_MODES = (MuxMode.NONE, MuxMode.SCHED_IDLE, MuxMode.GATE)
+GPU_MODES = (MuxMode.NONE, MuxMode.PRIORITY, MuxMode.MPS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ABSchedule:
+    """Interleaved A/B: after ``warmup`` steps alone, blocks of ``block`` steps alternate alone / shared.
+
+    The first step of every block is a transition and is left out of the comparison.
+    """
+
+    warmup: int = 3
+    block: int = 4
+
+    def __post_init__(self) -> None:
+        if self.warmup < 1:
+            raise DeeppoolError(f"--ab-warmup {self.warmup} must be at least 1 (a baseline before sharing)")
+        if self.block < 2:
+            raise DeeppoolError(f"--ab-block {self.block} must be at least 2 (one transition step, one measured)")
+
+    def shared(self, step: int) -> bool:
+        """Whether the background may work during ``step``."""
+        return step >= self.warmup and ((step - self.warmup) // self.block) % 2 == 1
+
+    def measured(self, step: int) -> bool:
+        return step >= self.warmup and (step - self.warmup) % self.block != 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackgroundConfig:
+    """A background training job: a model file, a batch, an optimizer, and how it shares the device."""
+
+    model: Path
+    batch: int = 8
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    mode: MuxMode = MuxMode.GATE
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 50
+    slowdown_target: float = 0.05
+    mps_percentage: int = 30
+    schedule: ABSchedule = field(default_factory=ABSchedule)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise DeeppoolError(f"--bg-batch {self.batch} must be at least 1")
+        if self.checkpoint_every < 1:
+            raise DeeppoolError(f"--bg-checkpoint-every {self.checkpoint_every} must be at least 1")
+        if not 0 < self.slowdown_target < 1:
+            raise DeeppoolError(f"--slowdown-target {self.slowdown_target} must be in (0, 1), e.g. 0.05")
+        if not 1 <= self.mps_percentage <= 100:
+            raise DeeppoolError(f"--mps-percentage {self.mps_percentage} must be in [1, 100]")
+
+    def checkpoint(self, rank: int) -> Path | None:
+        if self.checkpoint_dir is None:
+            return None
+        return self.checkpoint_dir / f"background-rank{rank}.pt"

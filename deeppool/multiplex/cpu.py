@@ -1,0 +1,116 @@
+"""A background process per hosting rank: the CPU mode, and the process side of MPS.
+
+The rank's process starts ``python -m deeppool.multiplex.child`` with a spec
+file, talks to it over its stdin (tokens for windows, go/pause for the A/B
+blocks) and reads its statistics file when it has stopped. The child cannot
+take the rank down: a write to a dead child marks it dead and is otherwise
+ignored, and its failure is reported from its statistics, its exit code and
+its log. :meth:`ProcessBackground.stop` asks it to quit, then terminates, then
+kills, and always waits, so no process is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, IO
+
+from deeppool.multiplex.config import BackgroundConfig
+from deeppool.multiplex.metrics import RankBackground
+
+Spawn = Callable[..., subprocess.Popen]
+
+
+def child_spec(config: BackgroundConfig, *, rank: int, stats: Path, device: str = "cpu") -> dict[str, Any]:
+    checkpoint = config.checkpoint(rank)
+    return {
+        "model": str(config.model), "batch": config.batch, "mode": config.mode.value, "seed": config.seed + rank,
+        "optimizer": {"kind": config.optimizer.kind.value, "lr": config.optimizer.lr,
+                      "momentum": config.optimizer.momentum},
+        "checkpoint": None if checkpoint is None else str(checkpoint), "checkpoint_every": config.checkpoint_every,
+        "stats": str(stats), "parent": os.getpid(), "device": device,
+    }
+
+
+class ProcessBackground:
+    """One child process and its pipe; every method is safe after the child has died."""
+
+    def __init__(self, spec: dict[str, Any], *, rank: int, folder: Path, env: dict[str, str] | None = None,
+                 spawn: Spawn = subprocess.Popen) -> None:
+        self.rank = rank
+        folder.mkdir(parents=True, exist_ok=True)
+        self.stats_path = Path(spec["stats"])
+        self.stats_path.unlink(missing_ok=True)
+        self.log_path = folder / f"background-rank{rank}.log"
+        spec_path = folder / f"background-rank{rank}.json"
+        spec_path.write_text(json.dumps(spec))
+        self._log: IO[bytes] = self.log_path.open("wb")
+        self.proc = spawn(
+            [sys.executable, "-m", "deeppool.multiplex.child", str(spec_path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env={**os.environ, **(env or {})},
+        )
+        (folder / f"background-rank{rank}.pid").write_text(f"{self.proc.pid}\n")
+        self.dead = False
+        self.ready = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _send(self, line: str) -> None:
+        if self.dead or self.proc.stdin is None:
+            return
+        try:
+            self.proc.stdin.write(f"{line}\n".encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            self.dead = True
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the child has loaded its model (it prints one line), failed, or ``timeout_s`` passed."""
+        if self.ready or self.dead or self.proc.stdout is None:
+            return
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline() if ready else b""
+        self.ready = line.strip() == b"ready"
+        self.dead = not self.ready and self.proc.poll() is not None
+
+    def admit(self, deadline_s: float, window_ms: float) -> None:
+        self._send(f"w {deadline_s:.6f} {window_ms:.6f}")
+
+    def running(self, on: bool) -> None:
+        self._send("go" if on else "pause")
+
+    def stop(self, timeout_s: float = 10.0) -> RankBackground:
+        self._send("q")
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        code = _reap(self.proc, timeout_s)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+        return RankBackground.read(self.rank, self.proc.pid, self.stats_path, code, self.log_path)
+
+
+def _reap(proc: subprocess.Popen, timeout_s: float) -> int:
+    """Wait; then SIGTERM; then SIGKILL: the child is always waited for."""
+    for action in (None, proc.terminate, proc.kill):
+        if action is not None:
+            try:
+                action()
+            except ProcessLookupError:
+                pass
+        try:
+            return proc.wait(timeout=timeout_s if action is None else 2.0)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()
+

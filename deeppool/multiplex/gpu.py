@@ -1,0 +1,173 @@
+"""``--mux priority``: the background as a thread in the rank's process, on a low-priority CUDA stream.
+
+As DeepPool's runtime does (``BeTask.cpp``, ``GraphPieces.cpp``): the thread
+shares the rank's CUDA context; the foreground runs on a high-priority stream
+(:func:`foreground_stream`); after warm-up the background step is captured as
+CUDA graphs, cut into *pieces* of about ``piece_ms`` (micro-steps of a few
+rows each, and the optimizer step), replayed on a low-priority stream. A piece
+is admitted only inside an idle window (a token from the listener, with a
+deadline), at most one is in flight (the thread waits for its event before the
+next), and none is launched when its measured length does not fit before the
+window's deadline — so none runs into the foreground's next op, all-reduce
+included. The controller shrinks the deadlines when the foreground slows.
+
+Untested without a GPU (the ``gpu`` tests run it where one exists). Importing
+this module needs no CUDA; constructing :class:`StreamBackground` without one
+is a one-line error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from deeppool.errors import DeeppoolError
+from deeppool.executor.config import OptimizerKind
+from deeppool.multiplex.config import BackgroundConfig
+from deeppool.multiplex.job import BackgroundJob, _slice, forward, load_model
+from deeppool.multiplex.metrics import RankBackground
+
+WARMUP_STEPS = 3
+
+
+def require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise DeeppoolError("--mux priority needs a CUDA GPU and none is visible here: use --mux gate on CPU")
+
+
+@contextlib.contextmanager
+def foreground_stream(device: torch.device) -> Iterator[None]:
+    """Run the foreground on the highest-priority stream of ``device``."""
+    _, highest = torch.cuda.Stream.priority_range()
+    with torch.cuda.stream(torch.cuda.Stream(device=device, priority=highest)):
+        yield
+
+
+@dataclass
+class Pieces:
+    """The background step as CUDA graphs: micro-step pieces then the optimizer step."""
+
+    graphs: list[torch.cuda.CUDAGraph]
+    ms: list[float]
+    static: tuple[object, object]
+    rows: int
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+
+def capture(job: BackgroundJob, stream: torch.cuda.Stream, piece_ms: float) -> Pieces:
+    """Warm up, size micro-steps to ``piece_ms`` and capture each piece (static shapes, no host syncs)."""
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_STEPS):
+            job.train_step()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        job.train_step()
+        end.record(stream)
+    end.synchronize()
+    rows = max(1, min(job.batch, math.floor(job.batch * piece_ms / max(start.elapsed_time(end), 1e-3))))
+    static = job._batch()
+    for p in job.module.parameters():
+        p.grad = torch.zeros_like(p)
+    graphs, losses = [], []
+    for first in range(0, job.batch, rows):
+        last = min(job.batch, first + rows)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = forward(job.module, _slice(static[0], first, last))
+            loss = job.loaded.loss(out, _slice(static[1], first, last)) * ((last - first) / job.batch)
+            loss.backward()
+        graphs.append(graph)
+        losses.append(loss)
+    step = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(step, stream=stream):
+        job.optimizer.step()
+        job.optimizer.zero_grad(set_to_none=False)
+    graphs.append(step)
+    return Pieces(graphs=graphs, ms=[piece_ms] * len(graphs), static=static, rows=rows, losses=losses)
+
+
+class StreamBackground:
+    """The listener's background for ``--mux priority``: tokens in, graph pieces out, one in flight."""
+
+    def __init__(self, config: BackgroundConfig, *, rank: int, device: torch.device, piece_ms: float = 0.5) -> None:
+        require_cuda()
+        self.config, self.rank, self.device, self.piece_ms = config, rank, device, piece_ms
+        least, _ = torch.cuda.Stream.priority_range()
+        self.stream = torch.cuda.Stream(device=device, priority=least)
+        self._tokens: queue.SimpleQueue[tuple[float, float] | None] = queue.SimpleQueue()
+        self._result: dict[str, object] = {"steps": 0, "busy_s": 0.0, "tokens": 0, "dropped": 0, "losses": [],
+                                           "windows": [], "error": None, "start_step": 0}
+        self._thread = threading.Thread(target=self._main, name=f"deeppool-bg-rank{rank}", daemon=True)
+        self._thread.start()
+
+    def admit(self, deadline_s: float, window_ms: float) -> None:
+        self._tokens.put((deadline_s, window_ms))
+
+    def running(self, on: bool) -> None:
+        del on
+
+    def wait_ready(self, timeout_s: float) -> None:
+        del timeout_s  # tokens queue up until the graphs are captured; stale ones are skipped
+
+    def stop(self, timeout_s: float = 10.0) -> RankBackground:
+        self._tokens.put(None)
+        self._thread.join(timeout_s)
+        r = self._result
+        return RankBackground(
+            rank=self.rank, pid=os.getpid(), exit_code=0 if r["error"] is None else 1, start_step=int(r["start_step"]),
+            steps=int(r["steps"]), samples=int(r["steps"]) * self.config.batch, busy_s=float(r["busy_s"]),
+            tokens=int(r["tokens"]), dropped_tokens=int(r["dropped"]), losses=tuple(r["losses"]), spans=(),
+            windows=tuple(r["windows"]), error=r["error"],
+        )
+
+    def _job(self) -> BackgroundJob:
+        job = BackgroundJob(load_model(self.config.model), batch=self.config.batch, optimizer=self.config.optimizer,
+                            seed=self.config.seed + self.rank, device=self.device,
+                            checkpoint=self.config.checkpoint(self.rank))
+        if self.config.optimizer.kind is OptimizerKind.ADAM:  # graph capture needs capturable state
+            job.optimizer = torch.optim.Adam(job.module.parameters(), lr=self.config.optimizer.lr, capturable=True)
+        return job
+
+    def _main(self) -> None:
+        try:
+            torch.cuda.set_device(self.device)
+            job = self._job()
+            self._result["start_step"] = job.step
+            pieces = capture(job, self.stream, self.piece_ms)
+            self._serve(job, pieces)
+            job.save()
+        except Exception as err:  # noqa: BLE001  reported; the foreground goes on
+            self._result["error"] = f"{type(err).__name__}: {err}"
+
+    def _serve(self, job: BackgroundJob, pieces: Pieces) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            self._loop(job, pieces, start, end)
+
+    def _loop(self, job: BackgroundJob, pieces: Pieces, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        index = 0
+        while (token := self._tokens.get()) is not None:
+            deadline, window_ms = token
+            self._result["tokens"] = int(self._result["tokens"]) + 1
+            busy = 0.0
+            while time.perf_counter() + pieces.ms[index] / 1e3 <= deadline:
+                start.record(self.stream)
+                pieces.graphs[index].replay()  # replays on the current stream: the low-priority one
+                end.record(self.stream)
+                end.synchronize()  # at most one piece in flight
+                pieces.ms[index] = start.elapsed_time(end)
+                busy += pieces.ms[index]
+                index = (index + 1) % len(pieces.graphs)
+                if index == 0:
+                    job.step += 1
+                    self._result["steps"] = int(self._result["steps"]) + 1
+            self._result["busy_s"] = float(self._result["busy_s"]) + busy / 1e3
+            self._result["windows"].append((window_ms, busy))  # type: ignore[union-attr]

@@ -1,0 +1,88 @@
+"""The executor's thin hook: a listener for a rank, stopped after training, and the report on rank 0.
+
+    mux = Multiplexer.start(plan, background, rank=rank, out_dir=out, device=device)
+    try:
+        result = train_rank(plan, ..., on_idle=mux.on_idle)
+    finally:
+        mux.stop()
+    report = mux.gather(comm, result.spans)   # every rank; the report on rank 0
+
+A rank the plan never leaves idle hosts nothing (its listener is never called).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from deeppool.executor.comm import Comm
+from deeppool.executor.idle import IdleWindowEvent
+from deeppool.executor.timing import Span
+from deeppool.multiplex.config import BackgroundConfig, MuxMode
+from deeppool.multiplex.cpu import ProcessBackground, child_spec
+from deeppool.multiplex.metrics import MultiplexReport, RankBackground, RankSteps, report
+from deeppool.multiplex.session import Background, Session
+from deeppool.planner.plan import Plan
+
+
+class Multiplexer:
+    def __init__(self, plan: Plan, config: BackgroundConfig, rank: int, session: Session | None,
+                 device: torch.device) -> None:
+        self.plan, self.config, self.rank, self.session, self.device = plan, config, rank, session, device
+        self.background: RankBackground | None = None
+
+    @classmethod
+    def start(cls, plan: Plan, config: BackgroundConfig, *, rank: int, out_dir: Path | None,
+              device: torch.device) -> Multiplexer:
+        if not any(w.length_ms > 0 for w in plan.idle_windows(rank)):
+            return cls(plan, config, rank, None, device)
+        folder = (out_dir or Path(tempfile.mkdtemp(prefix="deeppool-bg-"))) / "background"
+        background = _background(config, rank=rank, folder=folder, device=device)
+        session = Session(config, background, predicted_iteration_ms=plan.predicted.iteration_ms)
+        return cls(plan, config, rank, session, device)
+
+    def foreground(self) -> contextlib.AbstractContextManager[None]:
+        """Where the foreground runs: a high-priority CUDA stream in ``--mux priority``."""
+        if self.session is not None and self.config.mode is MuxMode.PRIORITY and self.device.type == "cuda":
+            from deeppool.multiplex.gpu import foreground_stream
+
+            return foreground_stream(self.device)
+        return contextlib.nullcontext()
+
+    def on_idle(self, event: IdleWindowEvent) -> None:
+        if self.session is not None:
+            self.session(event)
+
+    def stop(self) -> RankBackground | None:
+        if self.session is not None and self.background is None:
+            self.background = self.session.stop()
+        return self.background
+
+    def trace_spans(self) -> list[Span]:
+        return self.background.trace_spans() if self.background is not None else []
+
+    def gather(self, comm: Comm, spans: Iterable[Span]) -> MultiplexReport | None:
+        gathered = comm.gather(RankSteps.of(self.rank, spans, self.stop()))
+        if gathered is None:
+            return None
+        planned = sum(w.length_ms for w in self.plan.predicted.idle_windows)
+        return report(self.config.mode, self.config.schedule, list(gathered), planned_idle_ms=planned)
+
+
+def _background(config: BackgroundConfig, *, rank: int, folder: Path, device: torch.device) -> Background:
+    if config.mode is MuxMode.PRIORITY:
+        from deeppool.multiplex.gpu import StreamBackground
+
+        return StreamBackground(config, rank=rank, device=device)
+    env = None
+    if config.mode is MuxMode.MPS:
+        from deeppool.multiplex.mps import client_env
+
+        env = client_env(config.mps_percentage)
+    spec = child_spec(config, rank=rank, stats=folder / f"background-rank{rank}.stats.json",
+                      device=str(device) if config.mode is MuxMode.MPS else "cpu")
+    return ProcessBackground(spec, rank=rank, folder=folder, env=env)

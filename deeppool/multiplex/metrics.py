@@ -1,0 +1,202 @@
+"""What multiplexing measured: foreground slowdown, background progress, recovered idle time, net gain.
+
+Foreground slowdown compares the same plan in the same invocation, interleaved
+A/B (:class:`~deeppool.multiplex.config.ABSchedule`): the median iteration of
+the measured *shared* steps over the median of the measured *alone* steps,
+minus one. The foreground's idle rank-time per iteration is measured too (the
+idle spans of every rank, median over the alone steps), so
+
+    recovered = background busy time / (idle rank-time per iteration · shared iterations)
+
+counts the background's compute (CPU time, or GPU time) against what the plan
+left idle while it was allowed to work. In a free-running mode the background
+also takes time the foreground wanted, so the figure can pass 1. The net gain
+is useful rank-time per second with the background over without it:
+
+    gain = ((R·T_a − I + B) / T_s) / ((R·T_a − I) / T_a)
+
+with R ranks, T_a and T_s the alone and shared iteration times, I the idle
+rank-time and B the background's busy time per shared iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from deeppool.executor.timing import Category, Span
+from deeppool.multiplex.config import ABSchedule, MuxMode
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankBackground:
+    """One hosting rank's background job, as it ended."""
+
+    rank: int
+    pid: int
+    exit_code: int
+    start_step: int
+    steps: int
+    samples: int
+    busy_s: float
+    tokens: int
+    dropped_tokens: int
+    losses: tuple[float, ...]
+    spans: tuple[tuple[float, float], ...]
+    windows: tuple[tuple[float, float], ...]
+    error: str | None
+
+    @classmethod
+    def read(cls, rank: int, pid: int, stats: Path, exit_code: int, log: Path | None = None) -> RankBackground:
+        try:
+            data = json.loads(stats.read_text())
+        except (OSError, ValueError):
+            data = {}
+        error = data.get("error")
+        if exit_code != 0 and error is None:
+            error = describe_exit(exit_code) + _log_tail(log)
+        return cls(
+            rank=rank, pid=pid, exit_code=exit_code, start_step=int(data.get("start_step", 0)),
+            steps=int(data.get("steps", 0)), samples=int(data.get("samples", 0)),
+            busy_s=float(data.get("busy_s", 0.0)), tokens=int(data.get("tokens", 0)),
+            dropped_tokens=int(data.get("dropped_tokens", 0)), losses=tuple(data.get("losses", ())),
+            spans=tuple(tuple(s) for s in data.get("spans", ())), windows=tuple(tuple(w) for w in data.get("windows", ())),
+            error=error,
+        )
+
+    def trace_spans(self) -> list[Span]:
+        return [Span(step=-1, label="background", category=Category.BACKGROUND, start_s=a, end_s=b)
+                for a, b in self.spans]
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name
+        hint = " (out of memory?)" if -code == signal.SIGKILL else ""
+        return f"killed by {name}{hint}"
+    return f"exited with code {code}"
+
+
+def _log_tail(log: Path | None) -> str:
+    if log is None or not log.exists():
+        return ""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return f": {lines[-1].strip()}" if lines else ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSteps:
+    """What a rank sends to rank 0: per-step iteration and idle ms, and its background (if it hosts one)."""
+
+    rank: int
+    iteration_ms: dict[int, float]
+    idle_ms: dict[int, float]
+    background: RankBackground | None
+
+    @classmethod
+    def of(cls, rank: int, spans: Iterable[Span], background: RankBackground | None) -> RankSteps:
+        iteration: dict[int, float] = {}
+        idle: dict[int, float] = defaultdict(float)
+        for span in spans:
+            if span.category is Category.ITERATION:
+                iteration[span.step] = span.ms
+            elif span.category is Category.IDLE:
+                idle[span.step] += span.ms
+        return cls(rank=rank, iteration_ms=iteration, idle_ms=dict(idle), background=background)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultiplexReport:
+    mode: str
+    fg_alone_ms: float
+    fg_shared_ms: float
+    fg_slowdown: float
+    alone_steps: int
+    shared_steps: int
+    idle_rank_ms_per_iteration: float
+    planned_idle_rank_ms_per_iteration: float
+    bg_busy_s: float
+    bg_steps: int
+    bg_samples: int
+    bg_samples_per_s: float
+    recovered_fraction: float
+    net_gain: float
+    bg_loss_first: float | None
+    bg_loss_last: float | None
+    bg_pids: tuple[int, ...]
+    bg_errors: tuple[str, ...]
+    efficiency_by_window_ms: tuple[tuple[float, float], ...]
+
+    @property
+    def fg_iteration_ms(self) -> float:
+        return self.fg_shared_ms
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["fg_iteration_ms"] = self.fg_iteration_ms
+        data["efficiency_by_window_ms"] = [{"window_ms": w, "efficiency": e} for w, e in self.efficiency_by_window_ms]
+        return data
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def report(
+    mode: MuxMode, schedule: ABSchedule, ranks: list[RankSteps], *, planned_idle_ms: float,
+) -> MultiplexReport:
+    """Rank 0's summary over every rank's steps (rank 0 runs every stage, so its iterations are the run's)."""
+    iterations = max(ranks, key=lambda r: len(r.iteration_ms)).iteration_ms
+    steps = sorted(iterations)
+    alone = [s for s in steps if schedule.measured(s) and not schedule.shared(s)]
+    shared = [s for s in steps if schedule.measured(s) and schedule.shared(s)]
+    shared_all = [s for s in steps if schedule.shared(s)]
+    t_alone = _median([iterations[s] for s in alone])
+    t_shared = _median([iterations[s] for s in shared])
+    idle = _median([sum(r.idle_ms.get(s, 0.0) for r in ranks) for s in alone])
+    hosts = [r.background for r in ranks if r.background is not None]
+    busy_s = sum(b.busy_s for b in hosts)
+    shared_wall_s = sum(iterations[s] for s in shared_all) / 1e3
+    possible_ms = idle * len(shared_all)
+    losses = [b.losses for b in hosts if b.losses]
+    return MultiplexReport(
+        mode=mode.value, fg_alone_ms=t_alone, fg_shared_ms=t_shared,
+        fg_slowdown=t_shared / t_alone - 1 if t_alone > 0 and t_shared > 0 else 0.0,
+        alone_steps=len(alone), shared_steps=len(shared), idle_rank_ms_per_iteration=idle,
+        planned_idle_rank_ms_per_iteration=planned_idle_ms, bg_busy_s=busy_s,
+        bg_steps=sum(b.steps for b in hosts), bg_samples=sum(b.samples for b in hosts),
+        bg_samples_per_s=sum(b.samples for b in hosts) / shared_wall_s if shared_wall_s > 0 else 0.0,
+        recovered_fraction=1e3 * busy_s / possible_ms if possible_ms > 0 else 0.0,
+        net_gain=net_gain(len(ranks), t_alone, t_shared, idle, 1e3 * busy_s / max(len(shared_all), 1)),
+        bg_loss_first=losses[0][0] if losses else None, bg_loss_last=losses[0][-1] if losses else None,
+        bg_pids=tuple(b.pid for b in hosts),
+        bg_errors=tuple(f"rank {b.rank}: background {b.error}" for b in hosts if b.error),
+        efficiency_by_window_ms=efficiency_curve([w for b in hosts for w in b.windows]),
+    )
+
+
+def net_gain(ranks: int, t_alone: float, t_shared: float, idle: float, bg_per_iteration: float) -> float:
+    """Useful rank-time per second with the background over without it (see the module docstring)."""
+    work = ranks * t_alone - idle
+    if work <= 0 or t_shared <= 0 or t_alone <= 0:
+        return 1.0
+    return ((work + bg_per_iteration) / t_shared) / (work / t_alone)
+
+
+def efficiency_curve(windows: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """Busy over offered window time, in power-of-two bins of window length (ms; bin = its lower edge)."""
+    bins: dict[float, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for window_ms, busy_ms in windows:
+        if window_ms <= 0:
+            continue
+        edge = 2.0 ** math.floor(math.log2(window_ms))
+        bins[edge][0] += window_ms
+        bins[edge][1] += busy_ms
+    return tuple((edge, min(1.0, busy / offered)) for edge, (offered, busy) in sorted(bins.items()) if offered > 0)

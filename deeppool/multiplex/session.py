@@ -1,0 +1,87 @@
+"""One hosting rank's multiplexing: the idle listener the executor calls, over a background.
+
+On every idle-window event (synchronous on the training thread, so it only
+does arithmetic and one pipe write) it
+
+1. closes the previous iteration's timing when a new step begins (its length is
+   the gap between the iterations' starts) and feeds it to the A/B baseline
+   (alone steps) or to the :class:`SlowdownController` (shared steps);
+2. in a gated mode, admits a piece of background work into the window: the
+   window's planned length, rescaled to this machine (the undisturbed
+   iteration time over the plan's predicted one), times the controller's
+   share gives a deadline; in a free mode it switches the background on or
+   off at the A/B block boundaries.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Protocol
+
+from deeppool.executor.idle import IdleWindowEvent
+from deeppool.multiplex.config import BackgroundConfig
+from deeppool.multiplex.controller import ControllerConfig, SlowdownController
+from deeppool.multiplex.metrics import RankBackground
+
+BASELINE_KEEP = 16
+READY_TIMEOUT_S = 60.0
+
+
+class Background(Protocol):
+    """Where the background work runs (a process, a thread on a low-priority stream)."""
+
+    def admit(self, deadline_s: float, window_ms: float) -> None: ...
+
+    def running(self, on: bool) -> None: ...
+
+    def wait_ready(self, timeout_s: float) -> None: ...
+
+    def stop(self, timeout_s: float = 10.0) -> RankBackground: ...
+
+
+class Session:
+    """The :class:`~deeppool.executor.idle.IdleListener` of one hosting rank."""
+
+    def __init__(self, config: BackgroundConfig, background: Background, *, predicted_iteration_ms: float) -> None:
+        self.config = config
+        self.background = background
+        self.predicted_ms = predicted_iteration_ms
+        self.controller = SlowdownController(ControllerConfig(target=config.slowdown_target))
+        self.alone_ms: list[float] = []
+        self._step: int | None = None
+        self._step_start = 0.0
+        self._on = False
+
+    def __call__(self, event: IdleWindowEvent) -> None:
+        if event.step != self._step:
+            self._new_step(event)
+        if self._on and self.config.mode.gated:
+            window_ms = event.expected_ms * self.scale
+            deadline = event.opened_at_s + self.controller.share * window_ms / 1e3
+            self.background.admit(deadline, window_ms)
+
+    @property
+    def scale(self) -> float:
+        """Measured undisturbed ms per planned ms (1 before a baseline exists)."""
+        if not self.alone_ms or self.predicted_ms <= 0:
+            return 1.0
+        return statistics.median(self.alone_ms) / self.predicted_ms
+
+    def _new_step(self, event: IdleWindowEvent) -> None:
+        schedule = self.config.schedule
+        if self._step is not None and event.step == self._step + 1:
+            elapsed_ms = 1e3 * (event.iteration_start_s - self._step_start)
+            if not schedule.shared(self._step) and self._step >= 1:  # step 0 warms up
+                self.alone_ms = (self.alone_ms + [elapsed_ms])[-BASELINE_KEEP:]
+            elif schedule.measured(self._step) and self.alone_ms:
+                self.controller.observe(elapsed_ms, statistics.median(self.alone_ms))
+        self._step, self._step_start = event.step, event.iteration_start_s
+        on = schedule.shared(event.step)
+        if on and not self._on:  # a transition step, never measured: the background must be up to share
+            self.background.wait_ready(READY_TIMEOUT_S)
+        if on != self._on and not self.config.mode.gated:
+            self.background.running(on)
+        self._on = on
+
+    def stop(self) -> RankBackground:
+        return self.background.stop()

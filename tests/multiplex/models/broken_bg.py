@@ -1,0 +1,3 @@
+"""A background model file that does not load."""
+
+raise ImportError("this background model cannot be imported")

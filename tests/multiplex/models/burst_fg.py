@@ -1,0 +1,24 @@
+"""A foreground whose middle layer is planned on one rank: rank 1 idles while rank 0 runs it."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WIDTH, CLASSES = 384, 10
+
+
+def model() -> nn.Module:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+                         nn.Linear(WIDTH, CLASSES))
+
+
+def inputs(batch_size: int) -> tuple[torch.Tensor, ...]:
+    return (torch.randn(batch_size, WIDTH, generator=torch.Generator().manual_seed(0)),)
+
+
+def targets(batch_size: int) -> torch.Tensor:
+    return torch.randint(0, CLASSES, (batch_size,), generator=torch.Generator().manual_seed(1))
+
+
+def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output, targets)

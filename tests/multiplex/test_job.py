@@ -1,0 +1,50 @@
+"""The background job really trains, in micro-steps too, and resumes from its checkpoint exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from deeppool.executor.config import OptimizerConfig, OptimizerKind
+from deeppool.multiplex.job import BackgroundJob, load_model
+from tests.multiplex.plans import BACKGROUND
+
+ADAM = OptimizerConfig(kind=OptimizerKind.ADAM, lr=0.01)
+
+
+def job(checkpoint: Path | None = None, batch: int = 16) -> BackgroundJob:
+    return BackgroundJob(load_model(BACKGROUND), batch=batch, optimizer=ADAM, checkpoint=checkpoint)
+
+
+def test_loss_falls() -> None:
+    j = job()
+    losses = [j.train_step() for _ in range(60)]
+    assert sum(losses[-10:]) / 10 < 0.6 * sum(losses[:10]) / 10
+    assert j.step == 60 and j.samples == 60 * 16
+
+
+def test_micro_steps_make_the_same_step() -> None:
+    whole, parts = job(), job()
+    whole.train_step()
+    pieces = [parts.micro_step(rows) for rows in (5, 5, 6)]
+    assert [p.stepped for p in pieces] == [False, False, True]
+    for a, b in zip(whole.module.parameters(), parts.module.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # Adam normalises tiny sums
+
+
+def test_resumes_from_its_checkpoint_exactly(tmp_path: Path) -> None:
+    straight = job()
+    for _ in range(6):
+        straight.train_step()
+    first = job(tmp_path / "bg.pt")
+    for _ in range(3):
+        first.train_step()
+    first.save()
+    assert not list(tmp_path.glob("*.tmp*"))  # written atomically
+    resumed = job(tmp_path / "bg.pt")
+    assert resumed.step == 3
+    for _ in range(3):
+        resumed.train_step()
+    for a, b in zip(straight.module.parameters(), resumed.module.parameters(), strict=True):
+        assert torch.equal(a, b)

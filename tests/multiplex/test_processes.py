@@ -1,0 +1,122 @@
+"""Real processes: the background child, `deeppool run --background`, failures on either side, leftovers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deeppool.multiplex.config import BackgroundConfig, MuxMode
+from deeppool.multiplex.cpu import ProcessBackground, child_spec
+from tests.executor.plans import cycle, make_plan
+from tests.multiplex.plans import BACKGROUND, MODELS, REPO, burst_plan
+
+pytestmark = pytest.mark.slow
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (read from /proc, no psutil)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def deeppool(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deeppool.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    burst_plan().save(path)
+    return path
+
+
+def test_gated_child_trains_on_tokens_and_leaves_nothing(tmp_path: Path) -> None:
+    config = BackgroundConfig(model=BACKGROUND, mode=MuxMode.GATE, checkpoint_dir=tmp_path)
+    child = ProcessBackground(child_spec(config, rank=1, stats=tmp_path / "stats.json"), rank=1, folder=tmp_path)
+    child.wait_ready(60)
+    assert child.ready
+    for _ in range(40):
+        child.admit(time.perf_counter() + 0.01, 10.0)
+        time.sleep(0.012)
+    result = child.stop()
+    assert result.exit_code == 0 and result.error is None
+    assert result.steps > 3 and result.busy_s > 0 and result.tokens == 40
+    assert (tmp_path / "background-rank1.pt").exists()
+    assert not alive(result.pid)
+
+
+def test_run_with_a_gated_background(plan_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = deeppool("run", str(plan_path), "--nproc", "2", "--background", str(BACKGROUND), "--bg-batch", "8",
+                    "--mux", "gate", "--steps", "20", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mux = json.loads((out / "summary.json").read_text())["multiplex"]
+    for key in ("fg_slowdown", "recovered_fraction", "bg_samples_per_s", "fg_iteration_ms", "net_gain"):
+        assert isinstance(mux[key], float), key
+    assert mux["bg_busy_s"] > 0 and mux["bg_errors"] == [] and mux["mode"] == "gate"
+    assert "fg slowdown" in proc.stdout and "recovered" in proc.stdout
+    events = json.loads((out / "trace-rank1.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "background" for e in events)
+    assert (out / "background" / "background-rank1.pt").exists()
+    assert not any(alive(pid) for pid in mux["bg_pids"])
+
+
+def test_a_crashing_background_is_reported_and_the_foreground_finishes(plan_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = deeppool("run", str(plan_path), "--nproc", "2", "--background", str(MODELS / "crashing_bg.py"),
+                    "--mux", "none", "--steps", "16", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["losses"]) == 16
+    assert summary["multiplex"]["bg_errors"] == ["rank 1: background RuntimeError: background model blew up"]
+    assert "background model blew up; the foreground went on" in proc.stdout
+
+
+@pytest.mark.parametrize("fault", ["raise:1:20", "kill:1:20"])
+def test_a_foreground_failure_stops_the_background(tmp_path: Path, fault: str) -> None:
+    plan = tmp_path / "plan.json"
+    make_plan("faulty", global_batch=6, gpus=2, assign=cycle(2, 1)).save(plan)
+    out = tmp_path / "out"
+    proc = deeppool("run", str(plan), "--nproc", "2", "--background", str(BACKGROUND), "--mux", "none",
+                    "--steps", "200", "--timeout", "5", "--out", str(out), env={"DEEPPOOL_TEST_FAULT": fault})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    pid = int((out / "background" / "background-rank1.pid").read_text())
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--background", str(MODELS / "broken_bg.py")), "failed to import"),
+        (("--background", str(BACKGROUND), "--mux", "priority"), "--mux priority needs a CUDA GPU"),
+        (("--background", str(BACKGROUND), "--mux", "mps"), "--mux mps needs a CUDA GPU"),
+        (("--background", str(MODELS / "huge_bg.py")), "GiB"),
+    ],
+    ids=["unloadable", "priority", "mps", "too-big"],
+)
+def test_bad_background_input_is_one_line_and_exit_2(plan_path: Path, tmp_path: Path, args, message: str) -> None:
+    proc = deeppool("run", str(plan_path), "--nproc", "2", *args, "--out", str(tmp_path))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+
+
+def test_a_plan_without_idle_windows_is_refused(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    burst_plan(lone=()).save(plan)
+    proc = deeppool("run", str(plan), "--nproc", "2", "--background", str(BACKGROUND), "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: the plan has no idle windows") and "nothing to lend" in proc.stderr

@@ -1,0 +1,104 @@
+"""The listener: A/B blocks, tokens only in shared steps, deadlines from the controller, metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deeppool.executor.idle import IdleWindowEvent
+from deeppool.executor.timing import Category, Span
+from deeppool.multiplex.config import ABSchedule, BackgroundConfig, MuxMode
+from deeppool.multiplex.metrics import RankBackground, RankSteps, efficiency_curve, report
+from deeppool.multiplex.session import Session
+from deeppool.planner.plan import IdleWindow
+
+WINDOW = IdleWindow(rank=1, start_ms=0.0, end_ms=0.5, after="forward:a")
+
+
+class FakeBackground:
+    def __init__(self) -> None:
+        self.tokens: list[tuple[int, float, float]] = []
+        self.switches: list[tuple[int, bool]] = []
+        self.step = 0
+
+    def admit(self, deadline_s: float, window_ms: float) -> None:
+        self.tokens.append((self.step, deadline_s, window_ms))
+
+    def running(self, on: bool) -> None:
+        self.switches.append((self.step, on))
+
+    def wait_ready(self, timeout_s: float) -> None:
+        del timeout_s
+
+    def stop(self, timeout_s: float = 10.0) -> RankBackground:
+        raise AssertionError("not used")
+
+
+def drive(mode: MuxMode, iteration_ms, steps: int = 19) -> tuple[Session, FakeBackground]:
+    fake = FakeBackground()
+    config = BackgroundConfig(model=Path("bg.py"), mode=mode, schedule=ABSchedule(warmup=3, block=4))
+    session = Session(config, fake, predicted_iteration_ms=1.0)
+    start = 0.0
+    for step in range(steps):
+        fake.step = step
+        session(IdleWindowEvent(rank=1, step=step, window=WINDOW, opened_at_s=start + 1e-3, iteration_start_s=start))
+        start += iteration_ms(step) / 1e3
+    return session, fake
+
+
+def test_schedule_alternates_blocks_after_warmup() -> None:
+    s = ABSchedule(warmup=2, block=3)
+    assert [s.shared(i) for i in range(11)] == [False] * 5 + [True] * 3 + [False] * 3
+    assert [s.measured(i) for i in range(8)] == [False, False, False, True, True, False, True, True]
+
+
+def test_gate_admits_only_in_shared_steps_with_rescaled_windows() -> None:
+    session, fake = drive(MuxMode.GATE, lambda step: 10.0)
+    schedule = session.config.schedule
+    assert {step for step, _, _ in fake.tokens} == {s for s in range(19) if schedule.shared(s)}
+    step, deadline, window_ms = fake.tokens[-1]
+    assert window_ms == pytest.approx(5.0)  # 0.5 planned ms x (10 measured / 1 predicted)
+    assert fake.switches == []
+
+
+def test_controller_backs_off_when_shared_steps_are_slow() -> None:
+    session, _ = drive(MuxMode.GATE, lambda step: 20.0 if session_shared(step) else 10.0)
+    assert session.controller.backoffs > 0 and session.controller.share < 0.5
+
+
+def session_shared(step: int) -> bool:
+    return ABSchedule(warmup=3, block=4).shared(step)
+
+
+def test_free_modes_switch_at_block_boundaries() -> None:
+    _, fake = drive(MuxMode.SCHED_IDLE, lambda step: 10.0)
+    assert fake.switches == [(7, True), (11, False), (15, True)]
+    assert fake.tokens == []
+
+
+def _bg(busy_s: float, windows=()) -> RankBackground:
+    return RankBackground(rank=1, pid=1, exit_code=0, start_step=0, steps=5, samples=40, busy_s=busy_s, tokens=1,
+                          dropped_tokens=0, losses=(2.0, 1.0), spans=(), windows=tuple(windows), error=None)
+
+
+def test_report_compares_alone_and_shared_steps() -> None:
+    schedule = ABSchedule(warmup=1, block=2)
+    iterations = {s: (11.0 if schedule.shared(s) else 10.0) for s in range(9)}
+    rank0 = RankSteps(rank=0, iteration_ms=iterations, idle_ms={}, background=None)
+    rank1 = RankSteps(rank=1, iteration_ms=iterations, idle_ms={s: 4.0 for s in range(9)}, background=_bg(0.008))
+    r = report(MuxMode.GATE, schedule, [rank0, rank1], planned_idle_ms=0.1)
+    assert r.fg_slowdown == pytest.approx(0.1)
+    shared = [s for s in range(9) if schedule.shared(s)]
+    assert r.recovered_fraction == pytest.approx(8.0 / (4.0 * len(shared)))
+    assert r.bg_samples_per_s == pytest.approx(40 / (11e-3 * len(shared)))
+    assert r.net_gain == pytest.approx(((16 + 2) / 11) / (16 / 10))
+
+
+def test_rank_steps_and_efficiency_curve() -> None:
+    spans = [Span(step=0, label="iteration", category=Category.ITERATION, start_s=0, end_s=0.01),
+             Span(step=0, label="idle", category=Category.IDLE, start_s=0, end_s=0.002),
+             Span(step=0, label="idle", category=Category.IDLE, start_s=0.003, end_s=0.004)]
+    steps = RankSteps.of(1, spans, None)
+    assert steps.iteration_ms[0] == pytest.approx(10.0) and steps.idle_ms[0] == pytest.approx(3.0)
+    assert efficiency_curve([(1.5, 0.75), (1.2, 0.6), (5.0, 4.0)]) == ((1.0, pytest.approx(0.5)), (4.0, 0.8))

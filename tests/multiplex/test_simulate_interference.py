@@ -1,0 +1,43 @@
+"""`deeppool simulate --interference` replaces the assumed slowdown and efficiency with measured ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from deeppool.cluster_sim.cli import app
+from deeppool.cluster_sim.interference import InterferenceModel
+from deeppool.errors import DeeppoolError
+
+DATA = Path(__file__).resolve().parents[1] / "cluster_sim" / "data"
+
+
+def simulate(out: Path, cache: Path, *extra: str) -> dict:
+    args = ["synthetic", "--gpus", "8", "--gpus-per-node", "4", "--mapping", str(DATA / "mapping.json"),
+            "--policy", "burst+bg", "--no-baseline", "--jobs", "20", "--arrival-rate", "60", "--median-duration", "600",
+            "--size-mix", "1:0.5,4:0.5", "--no-plots", "--out", str(out), "--cache-dir", str(cache), *extra]
+    result = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "metrics.json").read_text())["burst+bg"]
+
+
+def test_measured_interference_changes_the_background_throughput(tmp_path: Path) -> None:
+    measured = tmp_path / "interference.json"
+    measured.write_text(json.dumps({"mode": "gate", "fg_slowdown": 1.3, "bg_efficiency": 0.05}))
+    assumed = simulate(tmp_path / "assumed", tmp_path / "cache")
+    used = simulate(tmp_path / "measured", tmp_path / "cache", "--interference", str(measured))
+    run = json.loads((tmp_path / "measured" / "run.json").read_text())
+    assert run["interference"]["fg_slowdown"] == 1.3 and run["interference"]["bg_efficiency"] == 0.05
+    assert used["bg_throughput"] < assumed["bg_throughput"]
+
+
+def test_a_file_that_is_not_interference_json_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(DeeppoolError, match="needs fg_slowdown and bg_efficiency"):
+        InterferenceModel.measured(bad)
+    with pytest.raises(DeeppoolError, match="does not exist"):
+        InterferenceModel.measured(tmp_path / "missing.json")
