@@ -37,6 +37,8 @@ def plan(
     gpus: Annotated[int, typer.Option(help="GPUs the foreground job gets")],
     batch: Annotated[int, typer.Option(help="global batch size (fixed: strong scaling)")] = 256,
     input_shape: Annotated[str | None, typer.Option(help="per-sample input shape for a factory, e.g. 3,224,224")] = None,
+    input_dtype: Annotated[str, typer.Option(help="a factory's input dtype: float32, or int64 for token ids")] = "float32",
+    vocab_size: Annotated[int, typer.Option(help="token ids are drawn below this (with an integer --input-dtype)")] = 0,
     device_model: Annotated[str | None, typer.Option(help="v100, a100, h100 (estimated) or local (measured here)")] = None,
     profile: Annotated[Path | None, typer.Option(help="plan from a profile written by `deeppool profile`")] = None,
     network: Annotated[str | None, typer.Option(help="network preset: v100, a100, h100 or local")] = None,
@@ -91,7 +93,10 @@ def plan(
     )
     if profile is not None and device_model is not None:
         raise DeeppoolError("give either --profile or --device-model, not both")
-    spec = ModelSpec.parse(model, input_shape=_ints(input_shape, "--input-shape", "3,224,224"))
+    spec = ModelSpec.parse(
+        model, input_shape=_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
+        vocab_size=vocab_size,
+    )
     planned = plan_model(spec, request, source)
     planned.plan.save(out)
     console = Console()
@@ -110,6 +115,8 @@ def profile_command(
     device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
     batches: Annotated[str, typer.Option(help="per-GPU batch sizes to measure")] = "1,2,4,8,16,32",
     input_shape: Annotated[str | None, typer.Option(help="per-sample input shape for a factory")] = None,
+    input_dtype: Annotated[str, typer.Option(help="a factory's input dtype: float32, or int64 for token ids")] = "float32",
+    vocab_size: Annotated[int, typer.Option(help="token ids are drawn below this (with an integer --input-dtype)")] = 0,
     warmup: Annotated[int, typer.Option(help="untimed runs per layer and batch")] = 2,
     repeats: Annotated[int, typer.Option(help="timed runs (median taken)")] = 5,
     cache_dir: Annotated[Path, typer.Option(help="profile cache directory")] = DEFAULT_CACHE,
@@ -122,7 +129,10 @@ def profile_command(
     config = ProfilerConfig(
         device=device, batches=_ints(batches, "--batches", "1,2,4,8"), warmup=warmup, repeats=repeats, cache_dir=cache_dir
     )
-    loaded = ModelSpec.parse(model, input_shape=_ints(input_shape, "--input-shape", "3,224,224")).load()
+    loaded = ModelSpec.parse(
+        model, input_shape=_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
+        vocab_size=vocab_size,
+    ).load()
     measured = measure_profile(trace(loaded), loaded, config)
     measured.save(out)
     Console().print(f"profiled {len(measured.layers)} layers on {measured.device} at batches {config.batches}: {out}")

@@ -56,7 +56,16 @@ def test_factory_form_with_input_shape(tmp_path):
     assert result.returncode == 0, result.stderr
     model = json.loads((tmp_path / "p.json").read_text())["model"]
     assert model == {"source": "factory", "location": "tests.models.factories:small_cnn",
-                     "input_shape": [3, 8, 8], "seed": 0}
+                     "input_shape": [3, 8, 8], "input_dtype": "float32", "vocab_size": 0, "seed": 0}
+
+
+def test_factory_with_token_inputs(tmp_path):
+    result = deeppool("plan", "tests.models.token_factory:tiny_lm", "--input-shape", "16", "--input-dtype", "int64",
+                      "--vocab-size", "64", "--gpus", "2", "--batch", "4", "--device-model", "a100",
+                      "--out", str(tmp_path / "p.json"))
+    assert result.returncode == 0, result.stderr
+    model = json.loads((tmp_path / "p.json").read_text())["model"]
+    assert (model["input_dtype"], model["vocab_size"]) == ("int64", 64)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +88,10 @@ BAD_INPUTS = {
     "infeasible amplification": (["plan", TINY, "--gpus", "2", "--amplification", "0.5"], "below 1"),
     "corrupted profile": (["plan", TINY, "--gpus", "2", "--profile", "{folder}/corrupt.json"], "not valid JSON"),
     "wrong version": (["plan", TINY, "--gpus", "2", "--profile", "{folder}/old.json"], "schema_version 0"),
+    "token ids without a vocabulary": (["plan", "tests.models.token_factory:tiny_lm", "--input-shape", "16",
+                                        "--input-dtype", "int64", "--gpus", "2"], "--vocab-size"),
+    "unknown input dtype": (["plan", "tests.models.factories:small_cnn", "--input-shape", "3,8,8",
+                             "--input-dtype", "float99", "--gpus", "2"], "--input-dtype 'float99'"),
 }
 
 
