@@ -10,6 +10,7 @@ ranks ``0..g-1``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -129,10 +130,7 @@ def _buffers(module: fx.GraphModule, layers: list[Layer]) -> dict[str, torch.Ten
 
 
 def _attr_value(module: nn.Module, dotted: str) -> object:
-    value: object = module
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
+    return operator.attrgetter(dotted)(module)
 
 
 def _attr(module: nn.Module, dotted: str) -> nn.Parameter:
