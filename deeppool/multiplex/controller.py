@@ -19,7 +19,7 @@ from deeppool.errors import DeeppoolError
 @dataclass(frozen=True, kw_only=True)
 class ControllerConfig:
     target: float = 0.05
-    start: float = 0.5
+    start: float = 1.0
     increase: float = 0.05
     decrease: float = 0.6
     floor: float = 0.05

@@ -26,7 +26,7 @@ import math
 import signal
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,10 +51,14 @@ class RankBackground:
     losses: tuple[float, ...]
     spans: tuple[tuple[float, float], ...]
     windows: tuple[tuple[float, float], ...]
+    """(measured window ms, background busy ms in it), one per admitted window."""
     error: str | None
 
     @classmethod
-    def read(cls, rank: int, pid: int, stats: Path, exit_code: int, log: Path | None = None) -> RankBackground:
+    def read(cls, rank: int, pid: int, stats: Path, exit_code: int, log: Path | None = None, *,
+             closed_ms: Sequence[float | None] = ()) -> RankBackground:
+        """The child's statistics; ``closed_ms`` are the admitted windows' measured lengths, in token order
+        (None for a window that is not a sample: a transition step's)."""
         try:
             data = json.loads(stats.read_text())
         except (OSError, ValueError):
@@ -67,13 +71,19 @@ class RankBackground:
             steps=int(data.get("steps", 0)), samples=int(data.get("samples", 0)),
             busy_s=float(data.get("busy_s", 0.0)), tokens=int(data.get("tokens", 0)),
             dropped_tokens=int(data.get("dropped_tokens", 0)), losses=tuple(data.get("losses", ())),
-            spans=tuple(tuple(s) for s in data.get("spans", ())), windows=tuple(tuple(w) for w in data.get("windows", ())),
+            spans=tuple(tuple(s) for s in data.get("spans", ())),
+            windows=window_samples(closed_ms, data.get("window_busy_ms", ())),
             error=error,
         )
 
     def trace_spans(self) -> list[Span]:
         return [Span(step=-1, label="background", category=Category.BACKGROUND, start_s=a, end_s=b)
                 for a, b in self.spans]
+
+
+def window_samples(closed_ms: Sequence[float | None], busy_ms: Sequence[float]) -> tuple[tuple[float, float], ...]:
+    """(measured window ms, busy ms) for each admitted window that is a sample."""
+    return tuple((length, busy) for length, busy in zip(closed_ms, busy_ms) if length is not None)
 
 
 def describe_exit(code: int) -> str:
