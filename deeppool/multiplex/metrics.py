@@ -53,6 +53,9 @@ class RankBackground:
     windows: tuple[tuple[float, float], ...]
     """(measured window ms, background busy ms in it), one per admitted window."""
     error: str | None
+    share: float | None = None
+    """The slowdown controller's share of each window at the end (gated modes)."""
+    backoffs: int = 0
 
     @classmethod
     def read(cls, rank: int, pid: int, stats: Path, exit_code: int, log: Path | None = None, *,
@@ -143,6 +146,8 @@ class MultiplexReport:
     bg_pids: tuple[int, ...]
     bg_errors: tuple[str, ...]
     efficiency_by_window_ms: tuple[tuple[float, float], ...]
+    controller_share: float | None = None
+    controller_backoffs: int = 0
 
     @property
     def fg_iteration_ms(self) -> float:
@@ -189,6 +194,8 @@ def report(
         bg_pids=tuple(b.pid for b in hosts),
         bg_errors=tuple(f"rank {b.rank}: background {b.error}" for b in hosts if b.error),
         efficiency_by_window_ms=efficiency_curve([w for b in hosts for w in b.windows]),
+        controller_share=min((b.share for b in hosts if b.share is not None), default=None),
+        controller_backoffs=sum(b.backoffs for b in hosts),
     )
 
 

@@ -24,6 +24,7 @@ the work done in it (the efficiency by window length).
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from typing import Protocol
 
 from deeppool.executor.idle import IdleWindowEvent
@@ -110,4 +111,7 @@ class Session:
         self._on = on
 
     def stop(self) -> RankBackground:
-        return self.background.stop()
+        result = self.background.stop()
+        if not self.config.mode.gated:
+            return result
+        return replace(result, share=self.controller.share, backoffs=self.controller.backoffs)
