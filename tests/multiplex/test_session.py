@@ -21,10 +21,13 @@ class FakeBackground:
         self.tokens: list[tuple[int, float, float]] = []
         self.closes: list[tuple[int, float]] = []
         self.switches: list[tuple[int, bool]] = []
+        self.budgets_ms: list[float] = []
         self.step = 0
+        self.opened_at_s = 0.0
 
     def admit(self, deadline_s: float, window_ms: float) -> None:
         self.tokens.append((self.step, deadline_s, window_ms))
+        self.budgets_ms.append(1e3 * (deadline_s - self.opened_at_s))
 
     def close(self, window_ms: float) -> None:
         self.closes.append((self.step, window_ms))
@@ -47,6 +50,7 @@ def drive(mode: MuxMode, iteration_ms, steps: int = 19, window_ms=lambda step: 4
     for step in range(steps):
         fake.step = step
         event = IdleWindowEvent(rank=1, step=step, window=WINDOW, opened_at_s=start + 1e-3, iteration_start_s=start)
+        fake.opened_at_s = event.opened_at_s
         session.opened(event)
         session.closed(event, event.opened_at_s + window_ms(step) / 1e3)
         start += iteration_ms(step) / 1e3
@@ -87,8 +91,9 @@ def test_windows_shorter_than_the_minimum_are_not_lent() -> None:
 
 
 def test_controller_backs_off_when_shared_steps_are_slow() -> None:
-    session, _ = drive(MuxMode.GATE, lambda step: 20.0 if session_shared(step) else 10.0)
-    assert session.controller.backoffs > 0 and session.controller.share < 0.5
+    session, fake = drive(MuxMode.GATE, lambda step: 20.0 if session_shared(step) else 10.0, steps=27)
+    assert session.controller.backoffs == 2 and session.controller.share == pytest.approx(0.36)
+    assert fake.budgets_ms[0] == pytest.approx(4.0) and fake.budgets_ms[-1] == pytest.approx(0.36 * 4.0)
 
 
 def session_shared(step: int) -> bool:
