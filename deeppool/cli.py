@@ -147,8 +147,9 @@ def _enum(kind, value: str, flag: str):
 
 
 def _mount_package_commands() -> None:
-    """The executor's, the multiplexer's and the simulator's commands, each defined in its own package."""
+    """The executor's, the multiplexer's, the simulator's and the coordinator's commands, each in its own package."""
     from deeppool.cluster_sim.cli import simulate
+    from deeppool.coordinator import cli as coordinator
     from deeppool.executor.cli import profile_network, run
     from deeppool.multiplex.cli import app as multiplex_app
 
@@ -156,6 +157,10 @@ def _mount_package_commands() -> None:
     app.add_typer(multiplex_app, name="multiplex")
     app.command("profile-network")(profile_network)
     app.command("simulate")(simulate)
+    app.command("serve")(coordinator.serve)
+    app.add_typer(coordinator.token_app, name="token")
+    for command in (coordinator.submit, coordinator.jobs, coordinator.logs, coordinator.cancel):
+        app.command()(command)
 
 
 def main() -> None:
