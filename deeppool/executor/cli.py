@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.comm import Backend
+from deeppool.executor.config import Backend
 from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
 from deeppool.executor.netprobe import DEFAULT_SIZES, ProbeConfig, probe_network
 from deeppool.executor.report import fit_table

@@ -6,11 +6,24 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.comm import Backend
+
+if TYPE_CHECKING:  # torch loads when an optimizer is built: the CLI checks options without it
+    import torch
+
+
+class Backend(enum.Enum):
+    AUTO = "auto"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+    def resolve(self, cuda_available: bool) -> Backend:
+        """AUTO is NCCL when CUDA is available, else gloo."""
+        if self is not Backend.AUTO:
+            return self
+        return Backend.NCCL if cuda_available else Backend.GLOO
 
 
 class OptimizerKind(enum.Enum):
@@ -31,6 +44,8 @@ class OptimizerConfig:
             raise DeeppoolError(f"--momentum {self.momentum} must be in [0, 1)")
 
     def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        import torch
+
         params = list(params)
         if self.kind is OptimizerKind.ADAM:
             return torch.optim.Adam(params, lr=self.lr)
