@@ -29,7 +29,7 @@ def existing_file(path: Path | None, flag: str) -> None:
 
 
 def new_file(path: Path | None, flag: str, suffixes: tuple[str, ...] = ()) -> None:
-    """``path`` (when given) can be written as a file: not a folder, in a folder that exists, a known suffix."""
+    """``path`` (when given) can be written as a file: not a folder, under a writable folder, a known suffix."""
     if path is None:
         return
     if path.is_dir():
@@ -45,10 +45,9 @@ def out_folder(path: Path, flag: str) -> None:
     """``path`` is a folder or can become one: not an existing file, under a writable parent."""
     if path.exists() and not path.is_dir():
         raise DeeppoolError(f"{flag} '{path}' is a file: give a folder (it is created when missing)")
-    if not path.exists():
-        _writable_parent(path, flag)
-    elif not os.access(path, os.W_OK):
+    if path.exists() and not os.access(path, os.W_OK):
         raise DeeppoolError(f"{flag} '{path}' is not writable")
+    _writable_parent(path, flag)
 
 
 def distinct(paths: dict[str, Path | None]) -> None:
@@ -97,9 +96,12 @@ def positive_ints(text: str | None, flag: str, example: str) -> tuple[int, ...]:
 
 
 def _writable_parent(path: Path, flag: str) -> None:
-    parent = path.parent if str(path.parent) else Path(".")
+    """The nearest existing folder above ``path`` is writable (missing folders are created on writing)."""
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
     if not parent.is_dir():
-        raise DeeppoolError(f"{flag} '{path}': folder '{parent}' does not exist")
+        raise DeeppoolError(f"{flag} '{path}': '{parent}' is a file, not a folder")
     if not os.access(parent, os.W_OK):
         raise DeeppoolError(f"{flag} '{path}': folder '{parent}' is not writable")
 

@@ -181,15 +181,21 @@ def plan(
 
 
 def python_spec(module: nn.Module, example: tuple[torch.Tensor, ...]) -> ModelSpec:
-    """How another process rebuilds ``module``: its class with no arguments, else only with the module itself."""
-    first = example[0]
-    dtype = str(first.dtype).removeprefix("torch.")
-    vocab = 0 if first.is_floating_point() else int(first.max()) + 1
+    """How another process rebuilds ``module``: its class with no arguments, else only with the module itself.
+
+    Either way the one input's per-sample shape and dtype are kept, so the module itself can run the plan.
+    """
     cls = type(module)
-    source = ModelSource.FACTORY if len(example) == 1 and _class_rebuilds(module) else ModelSource.PYTHON
-    return ModelSpec(source=source, location=f"{cls.__module__}:{cls.__qualname__}",
-                     input_shape=tuple(first.shape[1:]), input_dtype=dtype, vocab_size=vocab,
-                     root=os.getcwd() if source is ModelSource.FACTORY else "")
+    location = f"{cls.__module__}:{cls.__qualname__}"
+    first = example[0]
+    if len(example) != 1 or first.dim() < 2:
+        return ModelSpec(source=ModelSource.PYTHON, location=location)
+    rebuilds = _class_rebuilds(module)
+    return ModelSpec(
+        source=ModelSource.FACTORY if rebuilds else ModelSource.PYTHON, location=location,
+        input_shape=tuple(first.shape[1:]), input_dtype=str(first.dtype).removeprefix("torch."),
+        vocab_size=0 if first.is_floating_point() else int(first.max()) + 1, root=os.getcwd() if rebuilds else "",
+    )
 
 
 def _class_rebuilds(module: nn.Module) -> bool:

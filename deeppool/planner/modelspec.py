@@ -293,10 +293,21 @@ def _load_file(spec: ModelSpec) -> LoadedModel:
     model = _build(module.model, spec.location)
     return LoadedModel(
         module=model,
-        inputs=module.inputs,
+        inputs=_tupled(module.inputs),
         targets=getattr(module, "targets", _no_targets),
         loss=getattr(module, "loss", default_loss),
     )
+
+
+def _tupled(inputs: Callable[[int], Any]) -> Callable[[int], Any]:
+    """``inputs`` with a bare tensor returned as the one positional argument it is."""
+    import torch
+
+    def make(batch_size: int) -> Any:
+        given = inputs(batch_size)
+        return (given,) if isinstance(given, torch.Tensor) else given
+
+    return make
 
 
 def _import_file(path: Path) -> ModuleType:
