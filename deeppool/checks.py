@@ -73,9 +73,21 @@ def positive(value: float | None, flag: str) -> None:
 
 
 def device(text: str, flag: str) -> None:
-    """``cpu`` or ``cuda[:N]``."""
-    if not DEVICE_PATTERN.match(text):
+    """``cpu``, or ``cuda[:N]`` naming a CUDA device that is here (only then is torch imported)."""
+    match = DEVICE_PATTERN.match(text)
+    if not match:
         raise DeeppoolError(f"{flag} '{text}' is not a device this tool measures on: use cpu or cuda[:N]")
+    if text == "cpu":
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(match.group(2)[1:]) if match.group(2) else 0
+    if index >= count:
+        raise DeeppoolError(
+            f"{flag} {text}: {'no CUDA device is' if count == 0 else f'only {count} CUDA device(s) are'} visible here; "
+            "measure on cpu, or estimate for a GPU with --device-model a100 (v100, h100)"
+        )
 
 
 def ints(text: str | None, flag: str, example: str) -> tuple[int, ...]:

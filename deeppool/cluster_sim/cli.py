@@ -116,7 +116,7 @@ def simulate(
         if not no_cache:
             checks.out_folder(cache_dir, "--cache-dir")
         if trace != SYNTHETIC:
-            checks.existing_file(Path(trace), "trace")
+            checks.existing_file(Path(trace), "trace file")
         checks.existing_file(mapping, "--mapping")
         checks.at_least(plan_workers, 1, "--plan-workers")
         checks.positive(plan_time_limit, "--plan-time-limit")

@@ -106,7 +106,7 @@ def run(
     """Train with PLAN on --nproc local ranks (torchrun underneath) and print the timing summary."""
     from deeppool.planner.plan import Plan
 
-    checks.existing_file(plan, "plan")
+    checks.existing_file(plan, "plan file")
     checks.out_folder(out, "--out")
     checks.existing_file(background, "--background")
     if bg_checkpoint_dir is not None:
@@ -123,8 +123,23 @@ def run(
         slowdown_target=slowdown_target, ab_block=ab_block, bg_checkpoint_dir=bg_checkpoint_dir,
         mps_percentage=mps_percentage, out=out,
     )
+    if model is None:
+        check_model_here(loaded, plan)
     path = plan if model is None else with_model(loaded, model, out)
     _launch(path, ranks=ranks, config=config, background=bg)
+
+
+def check_model_here(plan: Plan, path: Path) -> None:
+    """The plan's model can be rebuilt here, or the one line says to give --model."""
+    from deeppool.planner.modelspec import ModelSource
+
+    spec = plan.model
+    if spec.source is ModelSource.PYTHON:
+        raise DeeppoolError(f"plan '{path}' was made from a module built in Python ('{spec.location}'): "
+                            "give --model model.py (or package.module:factory) to rebuild it")
+    if spec.source in (ModelSource.FILE, ModelSource.SAVED) and not Path(spec.location).is_file():
+        raise DeeppoolError(f"plan '{path}' names model '{spec.location}', which is not here: "
+                            "give --model PATH to the model file on this machine")
 
 
 def check_ranks(ranks: int, plan: Plan, *, given: bool) -> None:

@@ -44,10 +44,11 @@ def bench_command(
     """Run PLAN with the background in each mode and compare the foreground alone vs shared."""
     from deeppool.planner.plan import Plan
 
-    checks.existing_file(plan, "plan")
+    checks.existing_file(plan, "plan file")
     checks.existing_file(background, "--background")
     checks.out_folder(out, "--out")
     chosen = _modes(modes)
+    checks.positive(bg_lr, "--bg-lr")
     if steps <= BENCH_WARMUP:
         raise DeeppoolError(f"--steps {steps} must be more than the {BENCH_WARMUP} warm-up iterations of each mode")
     config = BackgroundConfig(model=background.resolve(), batch=bg_batch, slowdown_target=slowdown_target,
