@@ -7,35 +7,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from deeppool.cli import default_output, main
+from deeppool.cli import default_output
+from tests.entry import deeppool
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "tests" / "models" / "tiny_mlp.py")
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-@dataclass(frozen=True)
-class Result:
-    code: int
-    stdout: str
-    stderr: str
-
-
-def deeppool(capsys: pytest.CaptureFixture[str], *args: str) -> Result:
-    """``deeppool ARGS`` in this process, through the console script's entry point."""
-    capsys.readouterr()
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else 1
-    captured = capsys.readouterr()
-    return Result(code=code, stdout=captured.out, stderr=captured.err)
 
 
 def files_under(folder: Path) -> set[Path]:

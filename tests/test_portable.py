@@ -15,24 +15,19 @@ import torch
 from torch import nn
 
 import deeppool
-from deeppool.cli import main
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import RunConfig
 from deeppool.planner.modelspec import ModelSource
 from deeppool.planner.plan import Plan
+from tests import entry
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "tests" / "models"
 
 
 def deeppool_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    capsys.readouterr()
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else 1
-    return code, capsys.readouterr().err
+    result = entry.deeppool(capsys, *args)
+    return result.code, result.stderr
 
 
 @pytest.fixture
