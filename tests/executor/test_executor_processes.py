@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from deeppool.executor.reference import CheckResult
+from tests.entry import deeppool
 from tests.executor.plans import Assign, cycle, make_plan, model_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,22 +101,17 @@ def test_ctrl_c_stops_all_ranks(faulty_plan: Path, tmp_path: Path) -> None:
     assert leftover == [], stderr[-2000:]
 
 
-def deeppool_main(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-c", "from deeppool.cli import main; main()", *args]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=150)
-
-
-def test_profile_network_then_plan_with_the_measured_network(tmp_path: Path) -> None:
+def test_profile_network_then_plan_with_the_measured_network(tmp_path: Path, capfd) -> None:
     network = tmp_path / "net.json"
-    probed = deeppool_main("profile-network", "--nproc", "2", "--out", str(network), "--sizes", "4096,1048576",
+    probed = deeppool(capfd, "profile-network", "--nproc", "2", "--out", str(network), "--sizes", "4096,1048576",
                            "--repeats", "3", "--warmup", "1")
-    assert probed.returncode == 0, probed.stderr[-2000:]
+    assert probed.code == 0, probed.stderr[-2000:]
     assert "fitted: latency" in probed.stdout
     measured = json.loads(network.read_text())
     plan_path = tmp_path / "plan.json"
-    planned = deeppool_main("plan", model_path("mlp"), "--gpus", "2", "--batch", "6", "--device-model", "a100",
+    planned = deeppool(capfd, "plan", model_path("mlp"), "--gpus", "2", "--batch", "6", "--device-model", "a100",
                             "--network-file", str(network), "--out", str(plan_path))
-    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert planned.code == 0, planned.stderr[-2000:]
     plan = json.loads(plan_path.read_text())
     assert plan["network"]["intra_bandwidth"] == pytest.approx(measured["intra_bandwidth"])
     assert plan["network"]["intra_latency_s"] == pytest.approx(measured["intra_latency_s"])
