@@ -54,7 +54,7 @@ def test_plan_writes_plan_and_gantt(capsys, tmp_path):
     result = deeppool(capsys, "plan", TINY, "--gpus", "8", "--batch", "32", "--device-model", "h100",
                       "--out", str(out), "--gantt", str(chart))
     assert result.code == 0, result.stderr
-    assert "vs data parallel" in result.stdout and "amplification: a layer's GPU-time" in result.stdout
+    assert "data parallel" in result.stdout and "amplification: a layer's GPU-time" in result.stdout
     assert "DP" not in result.stdout.replace("DeepPool", "")  # "DP" never stands for two things
     plan = json.loads(out.read_text())
     assert plan["gpus"] == 8 and plan["global_batch"] == 32 and plan["device"] == "h100"
