@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
 from deeppool.errors import DeeppoolError
+
+if TYPE_CHECKING:  # each command imports its work (and torch) only after its options are checked
+    from deeppool.planner.modelspec import ModelSpec
+    from deeppool.planner.request import CostSource, PlanRequest
 
 app = typer.Typer(
     help="Plan, run and simulate burst-parallel training (per-layer GPU counts).",
@@ -16,6 +21,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
+EnumT = TypeVar("EnumT", bound=enum.Enum)
 DEFAULT_CACHE = Path.home() / ".cache" / "deeppool"
 LOCAL = "local"
 
@@ -67,7 +73,8 @@ def plan(
     out = out or default_output(model, "plan.json")
     checks.new_file(out, "--out")
     checks.new_file(gantt, "--gantt", checks.IMAGE_SUFFIXES)
-    checks.distinct({"--out": out, "--gantt": gantt})
+    checks.distinct({"--out": out, "--gantt": gantt, "MODEL": Path(model) if model.endswith(".py") else None,
+                     "--profile": profile})
     if profile is not None and device_model is not None:
         raise DeeppoolError("give either --profile or --device-model, not both")
     request = PlanRequest(
@@ -103,7 +110,9 @@ def plan(
     _plan_and_report(spec, request, source, out=out, gantt=gantt, per_layer=per_layer)
 
 
-def _plan_and_report(spec, request, source, *, out: Path, gantt: Path | None, per_layer: bool) -> None:
+def _plan_and_report(
+    spec: ModelSpec, request: PlanRequest, source: CostSource, *, out: Path, gantt: Path | None, per_layer: bool,
+) -> None:
     from deeppool.output import console
     from deeppool.planner import report
     from deeppool.planner.api import plan_model
@@ -144,6 +153,7 @@ def profile_command(
     from deeppool.planner.modelspec import ModelSpec
 
     checks.new_file(out, "--out")
+    checks.distinct({"--out": out, "MODEL": Path(model) if model.endswith(".py") else None})
     checks.device(device, "--device")
     measured_batches = checks.positive_ints(batches, "--batches", "1,2,4,8")
     if not measured_batches:
@@ -159,7 +169,7 @@ def profile_command(
              cache_dir=cache_dir)
 
 
-def _measure(spec, *, out: Path, device: str, batches: tuple[int, ...], warmup: int, repeats: int,
+def _measure(spec: ModelSpec, *, out: Path, device: str, batches: tuple[int, ...], warmup: int, repeats: int,
              cache_dir: Path) -> None:
     from deeppool.output import console
     from deeppool.planner.profiler import ProfilerConfig, measure_profile
@@ -172,7 +182,7 @@ def _measure(spec, *, out: Path, device: str, batches: tuple[int, ...], warmup: 
     console().print(f"profiled {len(measured.layers)} layers on {measured.device} at batches {config.batches}: {out}")
 
 
-def _enum(kind, value: str, flag: str):
+def _enum(kind: type[EnumT], value: str, flag: str) -> EnumT:
     try:
         return kind(value.lower())
     except ValueError:

@@ -31,6 +31,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "old.json").write_text(json.dumps({"artifact": "profile", "schema_version": 0}))
     (folder / "existing.txt").write_text("not a folder\n")
     (folder / "folder").mkdir()
+    (folder / "model.py").write_text(Path(TINY).read_text())
     (folder / "trace.csv").write_text("name,time,application,num_replicas,batch_size,duration\na,0,tiny,2,64,10\n")
     from deeppool.planner.api import CostSource, PlanRequest, plan_model
     from deeppool.planner.modelspec import ModelSpec
@@ -173,6 +174,8 @@ MISTAKES: list[tuple[str, list[str], str]] = [
     ("plan --inter-gbps negative", ["plan", TINY, "--gpus", "2", "--inter-gbps", "-1"], "--inter-gbps"),
     ("plan --gantt is a folder", ["plan", TINY, "--gpus", "2", "--gantt", "{tmp}"], "--gantt"),
     ("plan --gantt same as --out", ["plan", TINY, "--gpus", "2", "--out", "x.png", "--gantt", "x.png"], "--gantt"),
+    ("plan --out is the model file", ["plan", "{ws}/model.py", "--gpus", "2", "--out", "{ws}/model.py"], "--out"),
+    ("profile --out is the model file", ["profile", "{ws}/model.py", "--out", "{ws}/model.py"], "--out"),
     ("plan --out under a file", ["plan", TINY, "--gpus", "2", "--out", "{ws}/existing.txt/p.json"], "--out"),
     ("plan --cache-dir is a file", ["plan", TINY, "--gpus", "2", "--cache-dir", "{ws}/existing.txt"], "--cache-dir"),
     ("plan --input-shape not numbers", ["plan", "tests.models.factories:small_cnn", "--gpus", "2",
