@@ -71,6 +71,21 @@ def test_run_model_override_replaces_the_plans_model(moved_plan: Path, tmp_path:
     assert Path(Plan.load(path).model.location) == MODELS / "tiny_mlp.py"
 
 
+def test_a_python_plan_runs_with_a_model_file_named_on_the_command_line(tmp_path: Path, monkeypatch) -> None:
+    from deeppool.executor import cli
+    from deeppool.multiplex import api
+
+    plan = deeppool.plan(nn.Sequential(nn.Linear(16, 4)), (torch.randn(8, 16),), gpus=2)
+    assert plan.model.source is ModelSource.PYTHON
+    plan.save(tmp_path / "p.json")
+    with pytest.raises(DeeppoolError, match="give --model"):
+        cli.run(tmp_path / "p.json", out=tmp_path / "run")
+    launched: list[Path] = []
+    monkeypatch.setattr(api, "launch_with_background", lambda plan, **_: launched.append(plan))
+    cli.run(tmp_path / "p.json", model=str(MODELS / "tiny_mlp.py"), out=tmp_path / "run")
+    assert Plan.load(launched[0]).model.source is ModelSource.FILE
+
+
 def test_a_factory_plan_loads_from_any_folder(tmp_path: Path, capsys, monkeypatch) -> None:
     out = tmp_path / "f.json"
     code, err = deeppool_cli(capsys, "plan", "tests.models.factories:small_cnn", "--input-shape", "3,8,8",

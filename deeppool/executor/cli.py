@@ -173,13 +173,13 @@ def with_model(plan: Plan, model: str, out: Path) -> Path:
     """A copy of ``plan`` in ``out`` whose model is rebuilt from ``model`` (the plan's inputs and seed kept)."""
     import dataclasses
 
-    from deeppool.planner.modelspec import ModelSource, ModelSpec
+    from deeppool.planner.modelspec import ModelSpec
 
-    factory = plan.model.source is not ModelSource.FILE
-    spec = ModelSpec.parse(
-        model, input_shape=plan.model.input_shape if factory else (), seed=plan.model.seed,
-        input_dtype=plan.model.input_dtype if factory else "float32", vocab_size=plan.model.vocab_size if factory else 0,
-    )
+    if model.endswith(".py") or Path(model).exists():
+        spec = ModelSpec.parse(model, seed=plan.model.seed)  # a model file makes its own inputs
+    else:
+        spec = ModelSpec.parse(model, input_shape=plan.model.input_shape, input_dtype=plan.model.input_dtype,
+                               vocab_size=plan.model.vocab_size, seed=plan.model.seed)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "plan.json"
     dataclasses.replace(plan, model=spec).save(path)

@@ -19,11 +19,14 @@ tuple, namedtuple, dict or ``ModelOutput``. Without ``loss`` the loss is
 models given ``labels``), else the mean of the squared floating outputs.
 
 A *factory* is ``package.module:callable`` returning an ``nn.Module``,
-importable from the environment or, as with ``python -m``, from the current
-directory; its one input has ``input_shape`` per sample: standard normal, or
-for an integer ``input_dtype`` token ids below ``vocab_size``. The
-:class:`ModelSpec` is stored in every Plan so that other processes can
-rebuild the same model.
+importable from the environment or, as with ``python -m``, from the folder it
+was planned in (``root``); its one input has ``input_shape`` per sample:
+standard normal, or for an integer ``input_dtype`` token ids below
+``vocab_size``. A *saved* model is a module pickled by ``deeppool.run(plan,
+model=module)``, with a factory's inputs; a *python* model was built in a
+Python session and cannot be rebuilt. The :class:`ModelSpec` is stored in
+every Plan so that other processes can rebuild the same model; a Plan file
+stores its paths relative to itself.
 """
 
 from __future__ import annotations
