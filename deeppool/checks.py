@@ -36,9 +36,8 @@ def new_file(path: Path | None, flag: str, suffixes: tuple[str, ...] = ()) -> No
         raise DeeppoolError(f"{flag} '{path}' is a folder: give a file name, e.g. {path / 'out'}{_first(suffixes)}")
     _writable_parent(path, flag)
     if suffixes and path.suffix.lower() not in suffixes:
-        raise DeeppoolError(
-            f"{flag} '{path}': '{path.suffix or '(no suffix)'}' is not an image format; use one of {', '.join(suffixes)}"
-        )
+        suffix = path.suffix or "(no suffix)"
+        raise DeeppoolError(f"{flag} '{path}': '{suffix}' is not an image format; use one of {', '.join(suffixes)}")
 
 
 def out_folder(path: Path, flag: str) -> None:

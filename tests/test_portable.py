@@ -91,7 +91,8 @@ def test_a_factory_plan_loads_from_any_folder(tmp_path: Path, capsys, monkeypatc
     code, err = deeppool_cli(capsys, "plan", "tests.models.factories:small_cnn", "--input-shape", "3,8,8",
                              "--gpus", "2", "--batch", "8", "--device-model", "a100", "--out", str(out))
     assert code == 0, err
-    script = f"from deeppool.planner.plan import Plan\nprint(type(Plan.load({str(out)!r}).model.load().module).__name__)"
+    script = (f"from deeppool.planner.plan import Plan\n"
+              f"print(type(Plan.load({str(out)!r}).model.load().module).__name__)")
     elsewhere = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
                                timeout=120)
     assert elsewhere.stdout.strip() == "Sequential", elsewhere.stderr

@@ -142,9 +142,12 @@ def simulate(
         sys.exit(err.exit_code)  # SystemExit: also leaves a host CLI run with standalone_mode=False
 
 
-def _simulate(workload: Workload, chosen: ModelMapping, *, rule: BackgroundRule, cluster: ClusterSpec, policies: tuple[str, ...],
-              interference: InterferenceModel, strategy: Strategy, plan_time_limit: float, cache_dir: Path | None,
-              plan_workers: int, seed: int, drop_oversized: bool, out: Path, plots: bool) -> None:
+def _simulate(
+    workload: Workload, chosen: ModelMapping, *, rule: BackgroundRule, cluster: ClusterSpec, policies: tuple[str, ...],
+    interference: InterferenceModel, strategy: Strategy, plan_time_limit: float, cache_dir: Path | None,
+    plan_workers: int, seed: int, drop_oversized: bool, out: Path, plots: bool,
+) -> None:
+    """Plan what the trace needs, simulate each policy, report: the work, once every option is checked."""
     from rich.console import Console
 
     from deeppool.cluster_sim.plans import PlanBook, PlanSettings

@@ -79,7 +79,8 @@ class PlanSettings:
 
 TRACER_SOURCES = ("graph.py", "layer_exec.py", "modelspec.py", "trace.py")
 PLANNER_SOURCES = TRACER_SOURCES + (
-    "api.py", "baselines.py", "candidates.py", "cost.py", "hardware.py", "ilp.py", "plan.py", "profile.py", "request.py",
+    "api.py", "baselines.py", "candidates.py", "cost.py", "hardware.py", "ilp.py", "plan.py", "profile.py",
+    "request.py",
 )
 """The planner modules a Plan depends on (reports and the profiler do not change one)."""
 

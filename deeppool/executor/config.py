@@ -101,7 +101,8 @@ class ProbeConfig:
         if self.nproc < 2:
             raise DeeppoolError(f"--nproc {self.nproc}: measuring a network needs at least 2 processes")
         if not self.sizes or min(self.sizes) < 4:
-            raise DeeppoolError(f"--sizes {','.join(map(str, self.sizes))}: every message size must be at least 4 bytes")
+            sizes = ",".join(map(str, self.sizes))
+            raise DeeppoolError(f"--sizes {sizes}: every message size must be at least 4 bytes")
         if self.repeats < 1:
             raise DeeppoolError(f"--repeats {self.repeats} must be at least 1")
         if self.warmup < 0:

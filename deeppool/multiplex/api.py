@@ -81,9 +81,10 @@ def _saved(module: nn.Module, planned: ModelSpec, out: Path) -> ModelSpec:
 
     cls = type(module)
     if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        where = "a function" if "<locals>" in cls.__qualname__ else "__main__"
         raise DeeppoolError(
-            f"model class {cls.__qualname__} is defined in {'a function' if '<locals>' in cls.__qualname__ else '__main__'}"
-            ", so the ranks cannot import it: define it in a module (a .py file next to your script) or give a model file"
+            f"model class {cls.__qualname__} is defined in {where}, so the ranks cannot import it: "
+            "define it in a module (a .py file next to your script) or give a model file"
         )
     if planned.source is ModelSource.FILE or not planned.input_shape:
         raise DeeppoolError("model= needs a plan made from Python with one input tensor: "
