@@ -85,7 +85,7 @@ def device(text: str, flag: str) -> None:
     if index >= count:
         raise DeeppoolError(
             f"{flag} {text}: {'no CUDA device is' if count == 0 else f'only {count} CUDA device(s) are'} visible here; "
-            "measure on cpu, or estimate for a GPU with --device-model a100 (v100, h100)"
+            "measure on cpu, or on a machine with a GPU (`deeppool plan --device-model a100` estimates without one)"
         )
 
 
