@@ -148,12 +148,11 @@ def _simulate(
     plan_workers: int, seed: int, drop_oversized: bool, out: Path, plots: bool,
 ) -> None:
     """Plan what the trace needs, simulate each policy, report: the work, once every option is checked."""
-    from rich.console import Console
-
     from deeppool.cluster_sim.plans import PlanBook, PlanSettings
     from deeppool.cluster_sim.runner import assign, run_policies, sim_jobs
+    from deeppool.output import console as shown
 
-    console = Console(stderr=True)
+    console = shown(stderr=True)
     settings = PlanSettings(burst_strategy=strategy, time_limit_s=plan_time_limit)
     assignment = assign(workload, mapping=chosen, rule=rule, cluster=cluster, seed=seed, drop_oversized=drop_oversized)
     book = PlanBook(cluster=cluster, settings=settings, cache_dir=cache_dir)
