@@ -54,7 +54,7 @@ def bench_command(
     config = BackgroundConfig(model=background.resolve(), batch=bg_batch, slowdown_target=slowdown_target,
                               optimizer=OptimizerConfig(kind=bg_optimizer, lr=bg_lr))
     run_config = RunConfig(steps=steps, warmup=BENCH_WARMUP, out_dir=out)
-    Plan.load(plan)
+    Plan.load(plan)  # a corrupted or old plan is refused before any run starts
     _bench(plan, config, chosen, run_config, background=background)
 
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from deeppool.planner.cost import CostModel, Phase, PhaseKind
 from deeppool.planner.plan import Plan, PlannedLayer
+
+if TYPE_CHECKING:  # matplotlib loads only when a chart is drawn
+    from matplotlib.axes import Axes
 
 _PHASE_COLOURS = {
     PhaseKind.FORWARD: "#4C72B0",
@@ -133,7 +137,7 @@ def gantt(plan: Plan, cost: CostModel, path: str | Path) -> None:
     plt.close(figure)
 
 
-def _name_stages(axes, plan: Plan, phases: list[Phase]) -> None:
+def _name_stages(axes: Axes, plan: Plan, phases: list[Phase]) -> None:
     """Each stage's name on a top axis, over its forward (F) and backward (B) spans."""
     spans: list[tuple[float, str]] = []
     for index, stage in enumerate(stages(plan), start=1):
