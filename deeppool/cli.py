@@ -11,6 +11,7 @@ import typer
 from deeppool.errors import DeeppoolError
 
 if TYPE_CHECKING:  # each command imports its work (and torch) only after its options are checked
+    from deeppool.planner.ilp import SolverName
     from deeppool.planner.modelspec import ModelSpec
     from deeppool.planner.request import CostSource, PlanRequest
 
@@ -65,7 +66,6 @@ def plan(
     """Trace MODEL, profile it (or estimate for a GPU model) and solve its burst-parallel plan."""
     from deeppool import checks
     from deeppool.planner.cost import Optimizer
-    from deeppool.planner.ilp import SolverName
     from deeppool.planner.modelspec import ModelSpec
     from deeppool.planner.plan import Strategy
     from deeppool.planner.request import CostSource, PlanRequest, check_samples
@@ -85,7 +85,7 @@ def plan(
         amplification=amplification,
         enforce_memory=not no_memory_limit,
         time_limit_s=time_limit,
-        solver=_enum(SolverName, solver, "--solver") if solver else None,
+        solver=_solver(solver) if solver else None,
         max_candidates=max_candidates or None,
     )
     check_samples(gpus, batch)
@@ -180,6 +180,12 @@ def _measure(spec: ModelSpec, *, out: Path, device: str, batches: tuple[int, ...
     measured = measure_profile(trace(loaded), loaded, config)
     measured.save(out)
     console().print(f"profiled {len(measured.layers)} layers on {measured.device} at batches {config.batches}: {out}")
+
+
+def _solver(name: str) -> SolverName:
+    from deeppool.planner.ilp import SolverName
+
+    return _enum(SolverName, name, "--solver")
 
 
 def _enum(kind: type[EnumT], value: str, flag: str) -> EnumT:

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deeppool import checks
 from deeppool.errors import DeeppoolError
 from deeppool.planner.candidates import Limits
 from deeppool.planner.cost import Optimizer
 from deeppool.planner.hardware import LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, known_device
-from deeppool.planner.ilp import SolverName
 from deeppool.planner.plan import Strategy
 from deeppool.planner.profile import Profile
+
+if TYPE_CHECKING:  # the solver (pulp, highspy) loads when a --solver is named or a plan is solved
+    from deeppool.planner.ilp import SolverName
 
 LOCAL = "local"
 DEFAULT_MAX_CANDIDATES = 32
