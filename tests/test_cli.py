@@ -307,24 +307,28 @@ def test_the_mistake_table_covers_every_command():
 
 
 # -- the console script itself --------------------------------------------------------------------------------
-def _imports_torch(*args: str) -> tuple[int, bool]:
-    """Run ``deeppool ARGS`` in a fresh interpreter: its exit code, and whether it imported torch."""
+HEAVY = ("torch", "pulp", "matplotlib")
+
+
+def _loads(*args: str) -> tuple[int, set[str]]:
+    """Run ``deeppool ARGS`` in a fresh interpreter: its exit code, and which heavy packages it imported."""
     probe = (
         "import sys\nfrom deeppool.cli import main\n"
         f"try:\n    main({list(args)!r})\nexcept SystemExit as done:\n    code = done.code or 0\nelse:\n    code = 0\n"
-        "print(code, 'torch' in sys.modules)"
+        f"print(code, *[name for name in {HEAVY!r} if name in sys.modules])"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    code, torch_loaded = result.stdout.split()[-2:]
-    return int(code), torch_loaded == "True"
+    code, *loaded = result.stdout.splitlines()[-1].split()
+    return int(code), set(loaded)
 
 
-def test_help_and_failing_checks_never_load_torch():
-    assert _imports_torch("--help") == (0, False)
-    assert _imports_torch("plan", "--help") == (0, False)
-    assert _imports_torch("plan", TINY, "--gpus", "0") == (2, False)
-    assert _imports_torch("simulate", "synthetic", "--gpus", "8", "--policy", "magic") == (2, False)
-    assert _imports_torch("run", "nope.json") == (2, False)
+def test_help_and_failing_checks_load_no_heavy_package():
+    assert _loads("--help") == (0, set())
+    assert _loads("plan", "--help") == (0, set())
+    assert _loads("plan", TINY, "--gpus", "0") == (2, set())
+    assert _loads("plan", TINY, "--gpus", "2", "--time-limit", "-1") == (2, set())
+    assert _loads("simulate", "synthetic", "--gpus", "8", "--policy", "magic") == (2, set())
+    assert _loads("run", "nope.json") == (2, set())
 
 
 def test_plan_help_shows_defaults_and_plain_flags(capsys):
