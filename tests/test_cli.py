@@ -282,6 +282,24 @@ MISTAKES: list[tuple[str, list[str], str]] = [
     ("profile-network --repeats 0", ["profile-network", "--out", "n.json", "--repeats", "0"], "--repeats"),
     ("profile-network --warmup negative", ["profile-network", "--out", "n.json", "--warmup", "-1"], "--warmup"),
     ("profile-network --out is a folder", ["profile-network", "--out", "{tmp}"], "--out"),
+    # the coordinator
+    ("serve --port 0", ["serve", "--port", "0"], "--port"),
+    ("serve --port too large", ["serve", "--port", "70000"], "--port"),
+    ("serve --gpus not a number", ["serve", "--gpus", "many"], "--gpus"),
+    ("serve --gpus 0", ["serve", "--gpus", "0"], "--gpus"),
+    ("serve --allow missing folder", ["serve", "--allow", "{tmp}/nowhere"], "--allow"),
+    ("serve --db is a folder", ["serve", "--db", "{tmp}"], "--db"),
+    ("serve --db in a missing folder", ["serve", "--db", "{tmp}/no/db.sqlite"], "--db"),
+    ("serve --log-dir is a file", ["serve", "--db", "{tmp}/db.sqlite", "--log-dir", "{ws}/existing.txt"], "--log-dir"),
+    ("token create bad name", ["token", "create", "a b"], "user name"),
+    ("token create --db is a folder", ["token", "create", "alice", "--db", "{tmp}"], "--db"),
+    ("submit unknown kind", ["submit", "xx", TINY, "--batch", "8"], "job kind"),
+    ("submit missing model file", ["submit", "fg", "nope.py", "--batch", "8"], "model file"),
+    ("submit --batch 0", ["submit", "fg", TINY, "--batch", "0"], "--batch"),
+    ("submit --gpus 0", ["submit", "fg", TINY, "--batch", "8", "--gpus", "0"], "--gpus"),
+    ("submit without --batch", ["submit", "fg", TINY], "--batch"),
+    ("cancel a job that is not a number", ["cancel", "first"], "job"),
+    ("logs a job that is not a number", ["logs", "first"], "job"),
     # the command itself
     ("unknown command", ["plna", TINY], "plna"),
 ]
@@ -302,7 +320,8 @@ def test_a_mistake_is_one_line_exit_2_naming_the_flag_and_leaves_nothing(capsys,
 
 def test_the_mistake_table_covers_every_command():
     covered = {args[0] if args[0] != "multiplex" else " ".join(args[:2]) for _, args, _ in MISTAKES}
-    assert {"plan", "profile", "run", "simulate", "multiplex bench", "profile-network"} <= covered
+    assert {"plan", "profile", "run", "simulate", "multiplex bench", "profile-network", "serve", "token", "submit",
+            "cancel", "logs"} <= covered
     assert len(MISTAKES) >= 15 + 40
 
 

@@ -33,6 +33,8 @@ def serve(
     for root in roots:
         if not root.is_dir():
             raise DeeppoolError(f"--allow '{root}' is not a folder")
+    if log_dir is not None and log_dir.exists() and not log_dir.is_dir():
+        raise DeeppoolError(f"--log-dir '{log_dir}' is a file: give a folder")
     import uvicorn
 
     from deeppool.coordinator.app import ServerSettings, create_app
@@ -68,8 +70,9 @@ def token_create(
     db: Annotated[Path, typer.Option(help="the coordinator's database file")] = Path("deeppool.db"),
 ) -> None:
     """Create (or replace) NAME's token; it is printed once, alone on the last line, and stored only as a hash."""
-    from deeppool.coordinator.store import Store
+    from deeppool.coordinator.store import Store, check_user_name
 
+    check_user_name(name)
     token = Store(db).create_token(name)
     typer.echo(f"token for {name} (shown once; export DEEPPOOL_TOKEN=...):")
     typer.echo(token)
@@ -109,12 +112,11 @@ def submit(
 
 def jobs() -> None:
     """Your jobs: id, kind, state, GPUs, progress, age."""
-    from rich.console import Console
-
     from deeppool.coordinator.client import Client
     from deeppool.coordinator.report import jobs_table
+    from deeppool.output import console
 
-    Console().print(jobs_table(Client().jobs()))
+    console().print(jobs_table(Client().jobs()))
 
 
 def logs(

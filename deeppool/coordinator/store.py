@@ -73,6 +73,11 @@ def _now() -> str:
     return datetime.now(UTC).isoformat()
 
 
+def check_user_name(name: str) -> None:
+    if not name or len(name) > 64 or not name.replace("-", "").replace("_", "").isalnum():
+        raise DeeppoolError(f"user name '{name}' must be 1 to 64 letters, digits, '-' or '_'")
+
+
 def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -119,8 +124,7 @@ class Store:
     # -- tokens ----------------------------------------------------------------------------------
     def create_token(self, name: str) -> str:
         """A new token for ``name`` (replacing any earlier one); only its hash is kept."""
-        if not name or not name.replace("-", "").replace("_", "").isalnum():
-            raise DeeppoolError(f"user name '{name}' must be letters, digits, '-' or '_'")
+        check_user_name(name)
         token = secrets.token_urlsafe(32)
         with self._write() as db:
             db.execute("INSERT INTO users(name, token_sha256, created_at) VALUES (?, ?, ?) "
