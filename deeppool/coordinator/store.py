@@ -210,6 +210,12 @@ class Store:
                       at=datetime.fromisoformat(r["at"]),
                       from_state=JobStatus(r["from_state"]) if r["from_state"] else None) for r in rows]
 
+    def attempts(self, job_id: int) -> int:
+        """How many times the job has been started (its moves into STARTING): the current attempt's number."""
+        rows = self._read("SELECT COUNT(*) FROM events WHERE job_id = ? AND to_state = ?",
+                          (job_id, JobStatus.STARTING.value))
+        return int(rows[0][0])
+
     def integrity(self) -> str:
         return str(self._read("PRAGMA integrity_check")[0][0])
 
