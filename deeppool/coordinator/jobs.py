@@ -82,6 +82,7 @@ class Job(BaseModel):
     reason: str | None = None
     exit_code: int | None = None
     progress: float = Field(default=0.0, description="steps done over steps asked, in [0, 1]")
+    host_id: int | None = Field(default=None, description="the foreground job whose idle windows it runs in")
 
 
 class Event(BaseModel):

@@ -15,29 +15,41 @@ every live job's current attempt:
   same attempt a no-op, so nothing runs twice.
 
 Jobs CANCELLED while running are stopped (SIGTERM, grace, SIGKILL).
+
+A background job lent a foreground job's idle windows (a *guest*) runs
+inside its host's ranks, so it has no process of its own: it becomes RUNNING
+with its host, and when the host ends it SUCCEEDED if it trained (the host's
+``summary.json`` counts its steps), else it goes back to the queue.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 from deeppool.coordinator.jobs import Job, JobStatus
 from deeppool.coordinator.launcher import LocalLauncher, Phase
 from deeppool.coordinator.store import Store
 
-Steps = Callable[[Job], list[list[str]]]
+Steps = Callable[[Job, int, Sequence[Job]], list[list[str]]]
+"""A job's steps for an attempt, given the guests lent its idle windows."""
 
 
 class Runtime:
     def __init__(self, store: Store, launcher: LocalLauncher, steps: Steps, *, grace_s: float = 5.0) -> None:
         self.store, self.launcher, self.steps, self.grace_s = store, launcher, steps, grace_s
 
-    def start(self, job: Job, reason: str) -> bool:
-        """Claim the job (PENDING → STARTING) and launch its next attempt; False if someone else moved it."""
+    def start(self, job: Job, reason: str, guests: Sequence[Job] = ()) -> bool:
+        """Claim the job (PENDING → STARTING) and its guests, then launch; False if someone else moved it."""
         if not self.store.transition(job.id, JobStatus.STARTING, reason):
             return False
-        self.launcher.launch(job.id, self.store.attempts(job.id), self.steps(job))
+        claimed = [g for g in guests
+                   if self.store.transition(g.id, JobStatus.STARTING, f"lent the idle windows of job {job.id}",
+                                            host_id=job.id)]
+        attempt = self.store.attempts(job.id)
+        self.launcher.launch(job.id, attempt, self.steps(job, attempt, claimed))
         return True
 
     def requeue(self, job: Job, reason: str) -> None:
@@ -48,7 +60,11 @@ class Runtime:
     def reconcile(self, now: datetime | None = None) -> None:
         now = now or datetime.now(UTC)
         for job in self.store.jobs(states=(JobStatus.STARTING, JobStatus.RUNNING)):
-            self._settle(job, now)
+            if job.host_id is None:
+                self._settle(job, now)
+        for guest in self.store.jobs(states=(JobStatus.STARTING, JobStatus.RUNNING)):
+            if guest.host_id is not None:
+                self._settle_guest(guest)
         for job in self.store.jobs(states=(JobStatus.CANCELLED,)):
             attempt = self.store.attempts(job.id)
             if attempt and self.launcher.observe(job.id, attempt).phase is Phase.RUNNING:
@@ -67,4 +83,28 @@ class Runtime:
             self.store.transition(job.id, JobStatus.FAILED, f"lost: attempt {attempt}'s supervisor ended without an "
                                                             "exit code")
         elif seen.phase is Phase.NOT_STARTED and now - job.updated_at > timedelta(seconds=self.grace_s):
-            self.launcher.launch(job.id, attempt, self.steps(job))
+            guests = self.store.jobs(states=(JobStatus.STARTING,), host_id=job.id)
+            self.launcher.launch(job.id, attempt, self.steps(job, attempt, guests))
+
+    def _settle_guest(self, guest: Job) -> None:
+        host = self.store.job(guest.host_id)
+        assert host is not None
+        if host.state is JobStatus.RUNNING and guest.state is JobStatus.STARTING:
+            self.store.transition(guest.id, JobStatus.RUNNING, f"training in the idle windows of job {host.id}")
+        elif host.state.terminal or host.state is JobStatus.PENDING:
+            steps = guest_steps(self.launcher.files(host.id, self.store.attempts(host.id)).folder, host.id)
+            if host.state is JobStatus.SUCCEEDED and steps > 0:
+                self.store.transition(guest.id, JobStatus.SUCCEEDED, f"trained {steps} steps in job {host.id}'s "
+                                                                     "idle windows", exit_code=0)
+            else:
+                self.store.transition(guest.id, JobStatus.PENDING, f"job {host.id} ended ({host.state.value}) "
+                                                                   f"after {steps} background steps: requeued")
+
+
+def guest_steps(folder: Path, host_id: int) -> int:
+    """Background steps the host's run reports (its ``summary.json``), 0 when there is none."""
+    try:
+        summary = json.loads((folder / f"job-{host_id}" / "summary.json").read_text())
+        return int(summary["multiplex"]["bg_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0

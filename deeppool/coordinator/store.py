@@ -47,6 +47,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     reason TEXT,
     exit_code INTEGER,
     progress REAL NOT NULL DEFAULT 0,
+    host_id INTEGER REFERENCES jobs(id),
     created_at TEXT NOT NULL,
     updated_at TEXT NOT NULL
 );
@@ -163,8 +164,13 @@ class Store:
             row = db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return _job(row), True
 
-    def transition(self, job_id: int, target: JobStatus, reason: str, *, exit_code: int | None = None) -> bool:
-        """Move the job to ``target`` if that is legal from its current state (atomically); whether it moved."""
+    def transition(self, job_id: int, target: JobStatus, reason: str, *, exit_code: int | None = None,
+                   host_id: int | None = None) -> bool:
+        """Move the job to ``target`` if that is legal from its current state (atomically); whether it moved.
+
+        ``host_id`` names the foreground job whose idle windows a background job starts in (moves to
+        STARTING); a move back to PENDING clears it.
+        """
         allowed = sorted(state.value for state in sources(target))
         if not allowed:
             return False
@@ -175,10 +181,11 @@ class Store:
                              (job_id, *allowed)).fetchone()
             if row is None:
                 return False
+            host = "?" if target in (JobStatus.STARTING, JobStatus.PENDING) else "host_id"
             changed = db.execute(
-                f"UPDATE jobs SET state = ?, reason = ?, exit_code = COALESCE(?, exit_code), updated_at = ? "
-                f"WHERE id = ? AND state IN ({marks})",
-                (target.value, reason, exit_code, now, job_id, *allowed)).rowcount
+                f"UPDATE jobs SET state = ?, reason = ?, exit_code = COALESCE(?, exit_code), updated_at = ?, "
+                f"host_id = {host} WHERE id = ? AND state IN ({marks})",
+                (target.value, reason, exit_code, now, *([host_id] if host == "?" else []), job_id, *allowed)).rowcount
             if changed:
                 db.execute("INSERT INTO events(job_id, from_state, to_state, reason, at) VALUES (?, ?, ?, ?, ?)",
                            (job_id, row["state"], target.value, reason, now))
@@ -193,8 +200,12 @@ class Store:
         rows = self._read("SELECT * FROM jobs WHERE id = ?", (job_id,))
         return _job(rows[0]) if rows else None
 
-    def jobs(self, *, owner: str | None = None, states: tuple[JobStatus, ...] = ()) -> list[Job]:
+    def jobs(self, *, owner: str | None = None, states: tuple[JobStatus, ...] = (), host_id: int | None = None
+             ) -> list[Job]:
         clauses, args = [], []
+        if host_id is not None:
+            clauses.append("host_id = ?")
+            args.append(host_id)
         if owner is not None:
             clauses.append("owner = ?")
             args.append(owner)
@@ -225,4 +236,4 @@ def _job(row: sqlite3.Row) -> Job:
                model=row["model"], gpus=row["gpus"], batch=row["batch"], steps=row["steps"],
                amplification=row["amplification"], created_at=datetime.fromisoformat(row["created_at"]),
                updated_at=datetime.fromisoformat(row["updated_at"]), reason=row["reason"],
-               exit_code=row["exit_code"], progress=row["progress"])
+               exit_code=row["exit_code"], progress=row["progress"], host_id=row["host_id"])

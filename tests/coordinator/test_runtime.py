@@ -27,7 +27,7 @@ def python(code: str) -> list[str]:
 def runtime(tmp_path: Path, steps: list[list[str]]) -> Runtime:
     store = Store(tmp_path / "db.sqlite")
     store.create_token("alice")
-    return Runtime(store, LocalLauncher(tmp_path / "jobs"), lambda job: steps, grace_s=0.5)
+    return Runtime(store, LocalLauncher(tmp_path / "jobs"), lambda job, attempt, guests: steps, grace_s=0.5)
 
 
 def submit(rt: Runtime) -> Job:
