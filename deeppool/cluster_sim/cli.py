@@ -27,10 +27,11 @@ from deeppool.cluster_sim.metrics import compare, table, write_jobs, write_metri
 from deeppool.cluster_sim.models import default_mapping, load_mapping
 from deeppool.cluster_sim.plans import PlanBook, PlanSettings
 from deeppool.cluster_sim.policies import BASELINE, POLICIES, policy_named
-from deeppool.cluster_sim.runner import assign, run_policies, sim_jobs
+from deeppool.cluster_sim.runner import DEFAULT_RESTART_PENALTY_S, assign, run_policies, sim_jobs
 from deeppool.cluster_sim.workload import (
     BackgroundRule,
     SyntheticSpec,
+    TraceFormat,
     Workload,
     parse_size_mix,
     read_workload,
@@ -42,7 +43,7 @@ from deeppool.planner.plan import Strategy
 
 app = typer.Typer(add_completion=False, help="Simulate a GPU cluster running a job trace.")
 SYNTHETIC = "synthetic"
-TABLE_WIDTH = 120
+TABLE_WIDTH = 160
 ATTRIBUTION = (
     "traces: Pollux OSDI'21 artifact (petuum/adaptdl osdi21-artifact, Apache-2.0); "
     "philly.csv derived from the Microsoft Philly traces (msr-fiddle/philly-traces, CC-BY-4.0)"
@@ -54,7 +55,8 @@ TraceArg = Annotated[str, typer.Argument(help="Philly-derived or Pollux workload
 GpusOpt = Annotated[int, typer.Option("--gpus", help="GPUs in the cluster.")]
 NodeOpt = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="Device model of every GPU: v100, a100, h100.")]
-PolicyOpt = Annotated[list[str], typer.Option("--policy", help=f"Policy to run (repeat): {', '.join(POLICIES)}.")]
+PolicyOpt = Annotated[list[str], typer.Option(
+    "--policy", help=f"Policy to run (repeat): [ORDER:]PLACEMENT or ORDER, one of {', '.join(POLICIES)}.")]
 OutOpt = Annotated[Path, typer.Option("--out", help="Folder for metrics.json/csv, jobs.csv and the plots.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seeds model draws and synthetic workloads.")]
 MappingOpt = Annotated[Path | None, typer.Option("--mapping", help="JSON: workload key -> {model, global_batch}.")]
@@ -65,6 +67,8 @@ InterferenceOpt = Annotated[Path | None, typer.Option(
     "--interference", help="Measured interference.json (`deeppool multiplex bench`): replaces --fg-slowdown and "
     "--bg-efficiency.")]
 LendOpt = Annotated[float, typer.Option(help="Ranks idle for less of an iteration are not lent.")]
+RestartOpt = Annotated[float, typer.Option(
+    "--restart-penalty", help="Seconds lost each time a preempted or evicted job runs again.")]
 StrategyOpt = Annotated[str, typer.Option(help="Burst plans: ilp or deeppool.")]
 TimeLimitOpt = Annotated[float, typer.Option(help="ILP time limit per plan (s).")]
 CacheOpt = Annotated[Path, typer.Option(help="Where traced graphs and plans are cached.")]
@@ -95,6 +99,7 @@ def simulate(
     bg_efficiency: EfficiencyOpt = DEFAULT_BG_EFFICIENCY,
     min_lend_fraction: LendOpt = DEFAULT_MIN_LEND_FRACTION,
     interference_file: InterferenceOpt = None,
+    restart_penalty: RestartOpt = DEFAULT_RESTART_PENALTY_S,
     burst_strategy: StrategyOpt = "ilp",
     plan_time_limit: TimeLimitOpt = 30.0,
     cache_dir: CacheOpt = DEFAULT_CACHE,
@@ -112,8 +117,11 @@ def simulate(
     """Replay TRACE on --gpus GPUs under each --policy; write metrics, tables and plots to --out."""
     console = Console(stderr=True)
     try:
+        _check_out(out)
         cluster = ClusterSpec(gpus=gpus, gpus_per_node=gpus_per_node, device=known_device(device))
         policies = _policies(policy, no_baseline)
+        if not 0 <= restart_penalty < 86400:
+            raise DeeppoolError(f"--restart-penalty {restart_penalty}: give seconds in [0, 86400)")
         interference = (
             InterferenceModel.measured(interference_file, min_lend_fraction=min_lend_fraction)
             if interference_file is not None
@@ -125,7 +133,8 @@ def simulate(
         spec = SyntheticSpec(jobs=jobs, arrivals_per_hour=arrival_rate, size_mix=parse_size_mix(size_mix),
                              median_duration_s=median_duration, seed=seed)
         workload = _workload(trace, pollux_traces, spec)
-        chosen = load_mapping(mapping) if mapping is not None else default_mapping()
+        chosen = (load_mapping(mapping) if mapping is not None
+                  else default_mapping(spread=workload.format is TraceFormat.PHILLY))
         assignment = assign(workload, mapping=chosen, rule=rule, cluster=cluster, seed=seed,
                             drop_oversized=drop_oversized)
         book = PlanBook(cluster=cluster, settings=settings, cache_dir=None if no_cache else cache_dir)
@@ -134,12 +143,13 @@ def simulate(
             book.prepare(assignment.needs(), lambda done: progress.advance(planning, done), workers=plan_workers)
             sim = sim_jobs(assignment, book)
             results = run_policies(sim, policies=policies, cluster=cluster, book=book, interference=interference,
-                                   progress=_job_counter(progress, len(sim)))
+                                   restart_penalty_s=restart_penalty, progress=_job_counter(progress, len(sim)))
     except DeeppoolError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)  # SystemExit: also leaves a host CLI run with standalone_mode=False
     run = RunInfo(workload=workload, jobs=len(sim), dropped=assignment.dropped, cluster=cluster, rule=rule,
-                  interference=interference, settings=settings, seed=seed, solved=book.solved)
+                  interference=interference, settings=settings, seed=seed, solved=book.solved,
+                  restart_penalty_s=restart_penalty)
     _report(results, run, out, console, plots=not no_plots)
 
 
@@ -156,6 +166,7 @@ class RunInfo:
     settings: PlanSettings
     seed: int
     solved: int
+    restart_penalty_s: float
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -167,6 +178,7 @@ class RunInfo:
                         "device": self.cluster.device.value},
             "background": self.rule.describe(),
             "interference": asdict(self.interference),
+            "restart_penalty_s": self.restart_penalty_s,
             "burst_strategy": self.settings.burst_strategy.value,
             "seed": self.seed,
             "plans_solved_this_run": self.solved,
@@ -196,6 +208,18 @@ def _policies(requested: list[str], no_baseline: bool) -> tuple[str, ...]:
     if not no_baseline and BASELINE not in names:
         names.insert(0, BASELINE)
     return tuple(dict.fromkeys(names))
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an --out that cannot take the results before anything runs."""
+    if out.exists() and not out.is_dir():
+        raise DeeppoolError(f"--out '{out}' is a file: give a folder (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DeeppoolError(f"--out '{out}' cannot be created ({err.strerror}): give a writable folder") from None
+    if not os.access(out, os.W_OK):
+        raise DeeppoolError(f"--out '{out}' is not writable: give a writable folder")
 
 
 def _strategy(text: str) -> Strategy:

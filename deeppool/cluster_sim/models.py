@@ -84,7 +84,7 @@ class ModelMapping:
         if self.spread:
             return rng.choice(self.spread)
         raise DeeppoolError(
-            f"{where}: '{key}' has no model mapping in {self.source}: add it (or \"*\") to the mapping file"
+            f"{where}: '{key}' has no model mapping in {self.source}: add it (or \"*\") to a --mapping file"
         )
 
     def choices(self) -> tuple[ModelChoice, ...]:
@@ -92,10 +92,12 @@ class ModelMapping:
         return tuple({choice.name: choice for choice in listed}.values())
 
 
-def default_mapping() -> ModelMapping:
+def default_mapping(*, spread: bool = True) -> ModelMapping:
+    """The defaults; ``spread`` draws a model for unlisted keys (Philly ids), else they are errors (applications)."""
     examples = {name: example(name) for name in EXAMPLE_BATCH}
     by_key = {**examples, **{app: examples[model] for app, model in POLLUX_DEFAULT.items()}}
-    return ModelMapping(by_key=by_key, spread=tuple(examples.values()), source="the default mapping")
+    source = "the default mapping" + ("" if spread else f" (applications: {', '.join(sorted(by_key))})")
+    return ModelMapping(by_key=by_key, spread=tuple(examples.values()) if spread else (), source=source)
 
 
 def load_mapping(path: str | Path) -> ModelMapping:

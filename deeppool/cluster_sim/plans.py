@@ -35,7 +35,7 @@ from deeppool.planner.jsonio import write_json
 from deeppool.planner.plan import Plan, Strategy, build_plan
 from deeppool.planner.trace import trace
 
-FACTS_VERSION = 2
+FACTS_VERSION = 3
 
 
 class PlanMode(enum.Enum):
@@ -54,21 +54,38 @@ class PlanFacts:
     idle_fractions: tuple[float, ...]
     idle_windows_ms: tuple[tuple[float, ...], ...] = ()
     """Each rank's idle window lengths (ms), for efficiency by window length; empty in hand-made facts."""
+    granularity_ms: float = 0.0
+    """The longest single layer phase (forward or backward) on a rank: the job's indivisible step piece."""
+    rank_memory_bytes: tuple[int, ...] = ()
+    """Each rank's memory (the layers it runs); empty in hand-made facts (no memory used)."""
 
     @classmethod
     def of(cls, plan: Plan) -> PlanFacts:
-        """Idle fraction of rank r = Σ its idle windows / iteration time."""
+        """Idle fraction of rank r = Σ its idle windows / iteration time; rank memory = Σ its layers' memory."""
         iteration_ms = plan.predicted.iteration_ms
         windows: list[list[float]] = [[] for _ in range(plan.gpus)]
         for window in plan.predicted.idle_windows:
             windows[window.rank].append(window.length_ms)
+        memory = [0] * plan.gpus
+        for layer in plan.layers:
+            for rank in layer.ranks:
+                memory[rank] += layer.memory_bytes
         return cls(
             iteration_s=iteration_ms / 1e3,
             gpu_seconds_per_iteration=plan.predicted.gpu_seconds_per_iteration,
             idle_fractions=tuple(min(1.0, max(0.0, sum(w) / iteration_ms)) if iteration_ms > 0 else 0.0
                                  for w in windows),
             idle_windows_ms=tuple(tuple(w) for w in windows),
+            granularity_ms=max((max(layer.fwd_ms, layer.bwd_ms) for layer in plan.layers), default=0.0),
+            rank_memory_bytes=tuple(memory),
         )
+
+    def rank_memory(self, rank: int) -> int:
+        return self.rank_memory_bytes[rank] if self.rank_memory_bytes else 0
+
+    @property
+    def peak_rank_memory_bytes(self) -> int:
+        return max(self.rank_memory_bytes, default=0)
 
     def windows_ms(self, rank: int) -> tuple[float, ...]:
         """Rank ``rank``'s idle windows (one window of the whole idle time when lengths are unknown)."""
@@ -294,6 +311,8 @@ def _read_facts(path: Path) -> dict[PlanMode, PlanFacts]:
             gpu_seconds_per_iteration=float(payload[mode.value]["gpu_seconds_per_iteration"]),
             idle_fractions=tuple(float(f) for f in payload[mode.value]["idle_fractions"]),
             idle_windows_ms=tuple(tuple(float(w) for w in rank) for rank in payload[mode.value]["idle_windows_ms"]),
+            granularity_ms=float(payload[mode.value]["granularity_ms"]),
+            rank_memory_bytes=tuple(int(b) for b in payload[mode.value]["rank_memory_bytes"]),
         )
         for mode in PlanMode
     }

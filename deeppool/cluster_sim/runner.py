@@ -16,6 +16,9 @@ from deeppool.cluster_sim.policy import SimJob
 from deeppool.cluster_sim.workload import BackgroundRule, TraceJob, Workload
 from deeppool.errors import DeeppoolError
 
+DEFAULT_RESTART_PENALTY_S = 30.0
+"""Time lost each time a preempted or evicted job runs again: the Pollux artifact simulator's restart delay."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Assignment:
@@ -79,6 +82,8 @@ def sim_jobs(assignment: Assignment, book: PlanBook) -> tuple[SimJob, ...]:
                 model=model,
                 iterations=job.duration_s / dp.iteration_s,
                 recorded_duration_s=job.duration_s,
+                granularity_ms=dp.granularity_ms,
+                memory_bytes=dp.peak_rank_memory_bytes,
             )
         )
     return tuple(jobs)
@@ -91,6 +96,7 @@ def run_policies(
     cluster: ClusterSpec,
     book: PlanBook,
     interference: InterferenceModel,
+    restart_penalty_s: float = DEFAULT_RESTART_PENALTY_S,
     progress: Callable[[str], Callable[[int], None]] = lambda name: (lambda done: None),
 ) -> tuple[SimResult, ...]:
     """One engine run per policy, on the same jobs and Plans."""
@@ -102,6 +108,7 @@ def run_policies(
             policy=policy_named(name),
             facts=book.facts,
             interference=interference,
+            restart_penalty_s=restart_penalty_s,
             on_progress=progress(name),
         )
         results.append(engine.run())

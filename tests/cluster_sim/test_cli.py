@@ -99,3 +99,10 @@ def test_an_oversized_job_in_a_real_pollux_workload_is_named(tmp_path) -> None:
     result = CliRunner().invoke(app, [str(TRACES / "workloads" / "workload-6.csv"), "--gpus", "8", "--no-cache",
                                       "--out", str(tmp_path)])
     assert result.exit_code == 2 and "workload-6.csv:5: job 'cifar10-3' asks for 16 GPUs but the cluster has 8" in result.output
+
+
+def test_an_out_that_is_a_file_is_refused_before_the_run(tmp_path) -> None:
+    taken = tmp_path / "results"
+    taken.write_text("not a folder")
+    result = CliRunner().invoke(app, ["nosuch.csv", "--gpus", "8", "--no-cache", "--out", str(taken)])
+    assert result.exit_code == 2 and f"--out '{taken}' is a file" in result.output  # before the trace is read

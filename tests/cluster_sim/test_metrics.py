@@ -23,7 +23,7 @@ def results():
     jobs = [make_job(i, arrival=3 * i, gpus=(1, 2, 4, 8)[i % 4], iterations=80 + 10 * i, background=i % 4 == 0)
             for i in range(24)]
     return [Engine(cluster=CLUSTER, jobs=jobs, policy=POLICIES[name], facts=fake_facts,
-                   interference=InterferenceModel()).run() for name in ("dp", "burst", "burst+bg")]
+                   interference=InterferenceModel(), restart_penalty_s=0.0).run() for name in ("dp", "burst", "burst+bg")]
 
 
 def test_metrics_follow_their_definitions() -> None:
