@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.engine import Engine, SimResult
@@ -47,6 +47,7 @@ def assign(
     """Map every job to a model (seeded), classify it, and check that it fits the cluster."""
     rng = random.Random(seed)
     kept, models, background = [], [], []
+    interned: dict[tuple[str, int], ModelChoice] = {}
     dropped = 0
     for job in workload.jobs:
         if job.gpus > cluster.gpus:
@@ -57,12 +58,24 @@ def assign(
                 f"{job.where}: job '{job.name}' asks for {job.gpus} GPUs but the cluster has {cluster.gpus}: "
                 "raise --gpus or pass --drop-oversized"
             )
-        models.append(mapping.resolve(job.key, rng, where=job.where))
+        models.append(_job_model(mapping.resolve(job.key, rng, where=job.where), job, interned))
         background.append(rule.is_background(job))
         kept.append(job)
     if not kept:
         raise DeeppoolError(f"every job of {workload.source} asks for more than the cluster's {cluster.gpus} GPUs")
     return Assignment(jobs=tuple(kept), models=tuple(models), background=tuple(background), dropped=dropped)
+
+
+def _job_model(model: ModelChoice, job: TraceJob, interned: dict[tuple[str, int], ModelChoice]) -> ModelChoice:
+    """``model`` at the job's batch (the batch rule of :mod:`models`), one shared object per (model, batch)."""
+    batch = model.batch_for(job.gpus, job.batch_size)
+    if batch < job.gpus:
+        raise DeeppoolError(f"{job.where}: job '{job.name}' trains at batch {batch} on {job.gpus} GPUs: some GPUs "
+                            "would hold no sample; give a per_gpu_batch in the --mapping file")
+    key = (model.spec.location, batch)
+    if key not in interned:
+        interned[key] = replace(model, global_batch=batch)
+    return interned[key]
 
 
 def sim_jobs(assignment: Assignment, book: PlanBook) -> tuple[SimJob, ...]:

@@ -190,3 +190,18 @@ def test_pollux_run_times_accumulate_gradients_and_are_never_near_zero() -> None
     assert 0 < above < durations.duration_s("imagenet", 16, 6400, where="w")  # scalability.csv beyond 16 GPUs
     with pytest.raises(DeeppoolError, match="beyond imagenet's measured maximum of 64"):
         durations.duration_s("imagenet", 128, 6400, where="w")
+
+
+def test_the_batch_grows_with_the_gpu_count(tmp_path, data_dir) -> None:
+    cluster = ClusterSpec(gpus=128, gpus_per_node=8)
+    philly = read_workload(write(tmp_path, PHILLY + "2017-10-09 07:00:00,60,128,7680,a\n2017-10-09 07:00:01,60,2,120,a\n"))
+    gpt2 = ModelMapping(fallback=default_mapping().by_key["gpt2"])
+    assignment = assign(philly, mapping=gpt2, rule=BackgroundRule(), cluster=cluster, seed=0, drop_oversized=False)
+    assert [m.global_batch for m in assignment.models] == [8 * 128, 8 * 2]  # gpt2: 64 at 8 GPUs, 8 per GPU
+    pollux = read_workload(write(tmp_path, "name,time,application,num_replicas,batch_size,duration\nx,0,tiny,4,48,60\n"))
+    tiny = load_mapping(data_dir / "mapping.json")
+    (model,) = assign(pollux, mapping=tiny, rule=BackgroundRule(), cluster=cluster, seed=0, drop_oversized=False).models
+    assert model.global_batch == 48  # the trace's batch_size column
+    starved = read_workload(write(tmp_path, "name,time,application,num_replicas,batch_size,duration\nx,0,tiny,64,32,60\n"))
+    with pytest.raises(DeeppoolError, match="trains at batch 32 on 64 GPUs: some GPUs would hold no sample"):
+        assign(starved, mapping=tiny, rule=BackgroundRule(), cluster=cluster, seed=0, drop_oversized=False)
