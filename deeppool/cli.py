@@ -148,7 +148,7 @@ def _enum(kind, value: str, flag: str):
 
 def _mount_package_commands() -> None:
     """The executor's, the multiplexer's and the simulator's commands, each defined in its own package."""
-    from deeppool.cluster_sim.cli import simulate
+    from deeppool.cluster_sim.cli import simulate, simulate_deeppool
     from deeppool.executor.cli import profile_network, run
     from deeppool.multiplex.cli import app as multiplex_app
 
@@ -156,6 +156,7 @@ def _mount_package_commands() -> None:
     app.add_typer(multiplex_app, name="multiplex")
     app.command("profile-network")(profile_network)
     app.command("simulate")(simulate)
+    app.command("simulate-deeppool")(simulate_deeppool)
 
 
 def main() -> None:

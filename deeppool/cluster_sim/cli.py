@@ -23,8 +23,8 @@ from deeppool.cluster_sim.interference import (
     DEFAULT_MIN_LEND_FRACTION,
     InterferenceModel,
 )
-from deeppool.cluster_sim.metrics import compare, table, write_jobs, write_metrics
-from deeppool.cluster_sim.models import default_mapping, load_mapping
+from deeppool.cluster_sim.metrics import compare, scenario_table, table, write_jobs, write_metrics
+from deeppool.cluster_sim.models import EXAMPLE_BATCH, default_mapping, example, load_mapping
 from deeppool.cluster_sim.plans import PlanBook, PlanSettings
 from deeppool.cluster_sim.policies import BASELINE, POLICIES, policy_named
 from deeppool.cluster_sim.runner import DEFAULT_RESTART_PENALTY_S, assign, run_policies, sim_jobs
@@ -122,12 +122,7 @@ def simulate(
         policies = _policies(policy, no_baseline)
         if not 0 <= restart_penalty < 86400:
             raise DeeppoolError(f"--restart-penalty {restart_penalty}: give seconds in [0, 86400)")
-        interference = (
-            InterferenceModel.measured(interference_file, min_lend_fraction=min_lend_fraction)
-            if interference_file is not None
-            else InterferenceModel(fg_slowdown=fg_slowdown, bg_efficiency=bg_efficiency,
-                                   min_lend_fraction=min_lend_fraction)
-        )
+        interference = _interference(interference_file, fg_slowdown, bg_efficiency, min_lend_fraction)
         settings = PlanSettings(burst_strategy=_strategy(burst_strategy), time_limit_s=plan_time_limit)
         rule = BackgroundRule.parse(background)
         spec = SyntheticSpec(jobs=jobs, arrivals_per_hour=arrival_rate, size_mix=parse_size_mix(size_mix),
@@ -248,6 +243,48 @@ def _job_counter(progress: Progress, total: int) -> Callable[[str], Callable[[in
         return lambda done: progress.update(task, completed=done)
 
     return for_policy
+
+
+ScenarioGpusOpt = Annotated[list[int], typer.Option("--gpus", help="GPU counts (repeat).")]
+ScenarioModelOpt = Annotated[list[str], typer.Option("--model", help="Example models (repeat).")]
+
+
+def simulate_deeppool(
+    gpus: ScenarioGpusOpt = [8, 16, 32, 64, 128, 256],  # noqa: B006  (typer reads the default)
+    model: ScenarioModelOpt = list(EXAMPLE_BATCH),  # noqa: B006
+    gpus_per_node: NodeOpt = 8,
+    device: DeviceOpt = "a100",
+    fg_slowdown: SlowdownOpt = DEFAULT_FG_SLOWDOWN,
+    bg_efficiency: EfficiencyOpt = DEFAULT_BG_EFFICIENCY,
+    min_lend_fraction: LendOpt = DEFAULT_MIN_LEND_FRACTION,
+    interference_file: InterferenceOpt = None,
+    plan_time_limit: TimeLimitOpt = 30.0,
+    cache_dir: CacheOpt = DEFAULT_CACHE,
+    out: OutOpt = Path("sim-results"),
+) -> None:
+    """DeepPool's evaluation: one foreground job plus unlimited background jobs, per example and GPU count."""
+    from deeppool.cluster_sim.scenario import PAPER_RANGE, evaluate
+
+    try:
+        _check_out(out)
+        interference = _interference(interference_file, fg_slowdown, bg_efficiency, min_lend_fraction)
+        cluster = ClusterSpec(gpus=gpus_per_node, gpus_per_node=gpus_per_node, device=known_device(device))
+        book = PlanBook(cluster=cluster, settings=PlanSettings(time_limit_s=plan_time_limit), cache_dir=cache_dir)
+        points = [evaluate(example(name), count, gpus_per_node=gpus_per_node, book=book, interference=interference)
+                  for name in model for count in gpus]
+    except DeeppoolError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    (out / "scenario.json").write_text(json.dumps([asdict(p) for p in points], indent=2) + "\n")
+    low, high = PAPER_RANGE
+    Console(width=None if sys.stdout.isatty() else TABLE_WIDTH).print(scenario_table(points, f"{low}-{high}x"))
+    print(f"wrote {out}/scenario.json", file=sys.stderr)
+
+
+def _interference(path: Path | None, slowdown: float, efficiency: float, lend: float) -> InterferenceModel:
+    if path is not None:
+        return InterferenceModel.measured(path, min_lend_fraction=lend)
+    return InterferenceModel(fg_slowdown=slowdown, bg_efficiency=efficiency, min_lend_fraction=lend)
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ from rich.table import Table
 
 from deeppool.cluster_sim.engine import SimResult
 from deeppool.cluster_sim.policies import BASELINE
+from deeppool.cluster_sim.scenario import ScenarioPoint
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,4 +146,16 @@ def table(metrics: Sequence[PolicyMetrics], title: str) -> Table:
             f"{m.lent_gpu_seconds / 3600:,.1f}", f"{m.bg_gpu_seconds_in_windows / 3600:,.1f}",
             f"{m.preemptions}/{m.evictions}",
         )
+    return out
+
+
+def scenario_table(points: Sequence[ScenarioPoint], paper: str) -> Table:
+    """DeepPool's scenario: cluster throughput over data parallel per model and GPU count, beside the paper's."""
+    out = Table(title="one foreground job + unlimited background jobs (DeepPool's evaluation)")
+    columns = ("model", "GPUs", "fg batch", "burst speedup", "fg share", "bg share", "lent", "vs dp", "paper")
+    for column in columns:
+        out.add_column(column, justify="left" if column == "model" else "right")
+    for p in points:
+        out.add_row(p.model, str(p.gpus), str(p.fg_batch), f"{p.burst_speedup:.2f}x", f"{p.fg_share:.2f}",
+                    f"{p.bg_share:.2f}", f"{p.lent_fraction:.0%}", f"{p.cluster_throughput_vs_dp:.2f}x", paper)
     return out
