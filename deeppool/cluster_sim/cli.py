@@ -189,12 +189,12 @@ def _report(results: tuple[SimResult, ...], run: RunInfo, out: Path, console: Co
     if plots:
         from deeppool.cluster_sim.plots import write_plots  # matplotlib only when plotting
 
-        write_plots(results, out)
+        write_plots(results, metrics, out)
     title = f"{Path(run.workload.source).name}: {run.jobs:,} jobs on {run.cluster.describe()}"
     Console(width=None if sys.stdout.isatty() else TABLE_WIDTH).print(table(metrics, title))
     if run.dropped:
         console.print(f"dropped {run.dropped} job(s) asking for more than {run.cluster.gpus} GPUs")
-    files = "metrics.json, metrics.csv, jobs.csv, run.json" + ("" if not plots else ", utilisation.png, jct_cdf.png")
+    files = "metrics.json, metrics.csv, jobs.csv, run.json" + ("" if not plots else ", utilisation.png, jct_cdf.png, throughput.png")
     console.print(f"wrote {out}/: {files}", soft_wrap=True)
 
 

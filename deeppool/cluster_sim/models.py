@@ -3,8 +3,10 @@
 **Batch rule** (the batch grows with the GPU count, so every rank of every
 plan has samples): a job's global batch is
 
-1. the trace's own batch when it records one (the Pollux workloads'
-   ``batch_size`` column);
+1. the trace's own batch (the Pollux workloads' ``batch_size`` column) when
+   the mapping entry says ``"trace_batch": true`` — only then is the model
+   the application whose samples the column counts (an ncf batch of 32,768
+   is not 32,768 gpt2 sequences);
 2. else ``per_gpu_batch × GPUs`` — the examples' per-GPU batch is their
    reference global batch at 8 GPUs over 8 (vgg16 16, resnet50 32,
    inception 32, gpt2 8), a mapping entry may give ``per_gpu_batch``;
@@ -39,7 +41,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,8 @@ class ModelChoice:
     global_batch: int
     per_gpu_batch: int | None = None
     """When set, a job on G GPUs trains at ``per_gpu_batch × G`` (the batch rule above)."""
+    trace_batch: bool = False
+    """Whether the trace's batch column is in this model's samples (the batch rule above)."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or (self.per_gpu_batch is not None and self.per_gpu_batch < 1):
@@ -78,7 +82,7 @@ class ModelChoice:
 
     def batch_for(self, gpus: int, trace_batch: int | None) -> int:
         """The global batch of a job on ``gpus`` GPUs (the batch rule)."""
-        if trace_batch is not None:
+        if self.trace_batch and trace_batch is not None:
             return trace_batch
         if self.per_gpu_batch is not None:
             return self.per_gpu_batch * gpus
@@ -147,17 +151,19 @@ def _entry(source: Path, key: str, value: Any) -> ModelChoice:
         raise DeeppoolError(f"mapping file '{source}': entry '{key}' needs a \"model\" (example name or .py path)")
     model = str(value["model"])
     batch, per_gpu = value.get("global_batch"), value.get("per_gpu_batch")
+    trace_batch = value.get("trace_batch", False)
+    if not isinstance(trace_batch, bool):
+        raise DeeppoolError(f"mapping file '{source}': entry '{key}': trace_batch must be true or false")
     for field_name, number in (("global_batch", batch), ("per_gpu_batch", per_gpu)):
         if number is not None and (not isinstance(number, int) or number < 1):
             raise DeeppoolError(f"mapping file '{source}': entry '{key}': {field_name} must be an integer >= 1")
     if model in EXAMPLE_BATCH:
         chosen = example(model, batch)
-        return chosen if per_gpu is None else ModelChoice(name=chosen.name, spec=chosen.spec,
-                                                          global_batch=chosen.global_batch, per_gpu_batch=per_gpu)
+        return replace(chosen, per_gpu_batch=per_gpu or chosen.per_gpu_batch, trace_batch=trace_batch)
     path = Path(model) if Path(model).is_absolute() else source.resolve().parent / model
     if not path.is_file():
         raise DeeppoolError(f"mapping file '{source}': entry '{key}': model file '{path}' does not exist")
     if batch is None and per_gpu is None:
         raise DeeppoolError(f"mapping file '{source}': entry '{key}': a model file needs a global_batch or per_gpu_batch")
     return ModelChoice(name=path.stem, spec=ModelSpec.parse(str(path)), global_batch=batch or per_gpu,
-                       per_gpu_batch=per_gpu)
+                       per_gpu_batch=per_gpu, trace_batch=trace_batch)

@@ -38,7 +38,7 @@ def test_compare_policies_on_a_synthetic_workload(tmp_path, data_dir, cache) -> 
         assert REQUIRED <= set(entry) and entry["jobs"] == 40
     assert metrics["dp"]["cluster_throughput_vs_dp"] == 1.0
     assert metrics["burst"]["avg_jct_s"] <= metrics["dp"]["avg_jct_s"] * (1 + 1e-9)
-    for name in ("metrics.csv", "jobs.csv", "run.json", "utilisation.png", "jct_cdf.png"):
+    for name in ("metrics.csv", "jobs.csv", "run.json", "utilisation.png", "jct_cdf.png", "throughput.png"):
         assert (out / name).stat().st_size > 0, name
     assert "burst+bg" in result.output and "vs dp" in result.output
 

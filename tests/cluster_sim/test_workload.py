@@ -201,7 +201,12 @@ def test_the_batch_grows_with_the_gpu_count(tmp_path, data_dir) -> None:
     pollux = read_workload(write(tmp_path, "name,time,application,num_replicas,batch_size,duration\nx,0,tiny,4,48,60\n"))
     tiny = load_mapping(data_dir / "mapping.json")
     (model,) = assign(pollux, mapping=tiny, rule=BackgroundRule(), cluster=cluster, seed=0, drop_oversized=False).models
-    assert model.global_batch == 48  # the trace's batch_size column
-    starved = read_workload(write(tmp_path, "name,time,application,num_replicas,batch_size,duration\nx,0,tiny,64,32,60\n"))
-    with pytest.raises(DeeppoolError, match="trains at batch 32 on 64 GPUs: some GPUs would hold no sample"):
+    assert model.global_batch == 64  # the entry's fixed batch: the column is not in tiny's samples
+    own = tmp_path / "own.json"
+    own.write_text('{"*": {"model": "%s", "global_batch": 64, "trace_batch": true}}' % (data_dir / "tiny_mlp.py"))
+    (model,) = assign(pollux, mapping=load_mapping(own), rule=BackgroundRule(), cluster=cluster, seed=0,
+                      drop_oversized=False).models
+    assert model.global_batch == 48  # the trace's batch_size column, in the model's own samples
+    starved = read_workload(write(tmp_path, "name,time,application,num_replicas,batch_size,duration\nx,0,tiny,128,32,60\n"))
+    with pytest.raises(DeeppoolError, match="trains at batch 64 on 128 GPUs: some GPUs would hold no sample"):
         assign(starved, mapping=tiny, rule=BackgroundRule(), cluster=cluster, seed=0, drop_oversized=False)
