@@ -25,7 +25,7 @@ from deeppool.cluster_sim.interference import (
 )
 from deeppool.cluster_sim.metrics import compare, scenario_table, table, write_jobs, write_metrics
 from deeppool.cluster_sim.models import EXAMPLE_BATCH, default_mapping, example, load_mapping
-from deeppool.cluster_sim.plans import PlanBook, PlanSettings
+from deeppool.cluster_sim.plans import BurstStrategy, PlanBook, PlanSettings
 from deeppool.cluster_sim.policies import BASELINE, POLICIES, policy_named
 from deeppool.cluster_sim.runner import DEFAULT_RESTART_PENALTY_S, assign, run_policies, sim_jobs
 from deeppool.cluster_sim.workload import (
@@ -39,7 +39,6 @@ from deeppool.cluster_sim.workload import (
 )
 from deeppool.errors import DeeppoolError
 from deeppool.planner.hardware import known_device
-from deeppool.planner.plan import Strategy
 
 app = typer.Typer(add_completion=False, help="Simulate a GPU cluster running a job trace.")
 SYNTHETIC = "synthetic"
@@ -217,9 +216,9 @@ def _check_out(out: Path) -> None:
         raise DeeppoolError(f"--out '{out}' is not writable: give a writable folder")
 
 
-def _strategy(text: str) -> Strategy:
+def _strategy(text: str) -> BurstStrategy:
     try:
-        return Strategy(text)
+        return BurstStrategy(text)
     except ValueError:
         raise DeeppoolError(f"--burst-strategy '{text}': use ilp or deeppool") from None
 

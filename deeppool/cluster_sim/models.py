@@ -43,11 +43,13 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import deeppool
 from deeppool.errors import DeeppoolError
-from deeppool.planner.modelspec import ModelSpec
+
+if TYPE_CHECKING:
+    from deeppool.planner.modelspec import ModelSpec
 
 EXAMPLES_DIR = Path(deeppool.__file__).resolve().parent.parent / "examples"
 EXAMPLE_BATCH = {"vgg16": 128, "resnet50": 256, "inception": 256, "gpt2": 64}
@@ -66,10 +68,13 @@ WILDCARD = "*"
 
 @dataclass(frozen=True, kw_only=True)
 class ModelChoice:
-    """A model file and the global batch one job trains it with (strong scaling within the job)."""
+    """A model file and the global batch one job trains it with (strong scaling within the job).
+
+    The file is only a path here: torch is imported (by :attr:`spec`) only when a Plan must be solved.
+    """
 
     name: str
-    spec: ModelSpec
+    path: Path
     global_batch: int
     per_gpu_batch: int | None = None
     """When set, a job on G GPUs trains at ``per_gpu_batch × G`` (the batch rule above)."""
@@ -79,6 +84,13 @@ class ModelChoice:
     def __post_init__(self) -> None:
         if self.global_batch < 1 or (self.per_gpu_batch is not None and self.per_gpu_batch < 1):
             raise DeeppoolError(f"model '{self.name}': global_batch and per_gpu_batch must be >= 1")
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The planner's model spec (imports torch: needed only to trace and solve)."""
+        from deeppool.planner.modelspec import ModelSpec
+
+        return ModelSpec.parse(str(self.path))
 
     def batch_for(self, gpus: int, trace_batch: int | None) -> int:
         """The global batch of a job on ``gpus`` GPUs (the batch rule)."""
@@ -94,7 +106,7 @@ def example(name: str, global_batch: int | None = None) -> ModelChoice:
     if name not in EXAMPLE_BATCH or not path.is_file():
         raise DeeppoolError(f"'{name}' is not an example model: use one of {', '.join(EXAMPLE_BATCH)} or a .py path")
     per_gpu = None if global_batch else EXAMPLE_BATCH[name] // REFERENCE_GPUS
-    return ModelChoice(name=name, spec=ModelSpec.parse(str(path)), global_batch=global_batch or EXAMPLE_BATCH[name],
+    return ModelChoice(name=name, path=path.resolve(), global_batch=global_batch or EXAMPLE_BATCH[name],
                        per_gpu_batch=per_gpu)
 
 
@@ -165,5 +177,5 @@ def _entry(source: Path, key: str, value: Any) -> ModelChoice:
         raise DeeppoolError(f"mapping file '{source}': entry '{key}': model file '{path}' does not exist")
     if batch is None and per_gpu is None:
         raise DeeppoolError(f"mapping file '{source}': entry '{key}': a model file needs a global_batch or per_gpu_batch")
-    return ModelChoice(name=path.stem, spec=ModelSpec.parse(str(path)), global_batch=batch or per_gpu,
+    return ModelChoice(name=path.stem, path=path.resolve(), global_batch=batch or per_gpu,
                        per_gpu_batch=per_gpu, trace_batch=trace_batch)

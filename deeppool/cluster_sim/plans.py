@@ -12,6 +12,8 @@ file's content, the batch, the GPU count, the strategy, the device and network
 and a fingerprint of the planner's source, so an 82,000-job trace solves a few
 dozen ILPs once, and later runs solve none. Traced graphs are cached the same way.
 Missing plans are solved one model per worker process (tracing dominates).
+The planner's tracing and solving modules (and torch with them) are imported
+only when a Plan or graph is missing from the cache.
 """
 
 from __future__ import annotations
@@ -24,16 +26,18 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import deeppool.planner
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.models import ModelChoice
 from deeppool.errors import DeeppoolError
-from deeppool.planner.api import PlanRequest, Planned, device_setup, plan_graph
 from deeppool.planner.graph import LayerGraph
 from deeppool.planner.jsonio import write_json
-from deeppool.planner.plan import Plan, Strategy, build_plan
-from deeppool.planner.trace import trace
+
+if TYPE_CHECKING:  # the planner's solving half imports torch: loaded only when a Plan must be solved
+    from deeppool.planner.api import Planned
+    from deeppool.planner.plan import Plan
 
 FACTS_VERSION = 3
 
@@ -98,17 +102,20 @@ class PlanFacts:
         return len(self.idle_fractions)
 
 
+class BurstStrategy(enum.Enum):
+    """The planner strategies that make burst plans (values as the planner's ``Strategy`` spells them)."""
+
+    ILP = "ilp"
+    DEEPPOOL = "deeppool"
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanSettings:
     """How burst plans are made: strategy (ILP or the DeepPool programme) and solver time limit."""
 
-    burst_strategy: Strategy = Strategy.ILP
+    burst_strategy: BurstStrategy = BurstStrategy.ILP
     time_limit_s: float = 30.0
     amplification: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.burst_strategy is Strategy.DATA_PARALLEL:
-            raise DeeppoolError("--burst-strategy must be ilp or deeppool (dp is the baseline policy)")
 
 
 TRACER_SOURCES = ("graph.py", "layer_exec.py", "modelspec.py", "trace.py")
@@ -213,12 +220,15 @@ class PlanBook:
             self._facts[(model, gpus, mode)] = fact
 
     def _solve(self, model: ModelChoice, gpus: int) -> dict[PlanMode, PlanFacts]:
+        from deeppool.planner.api import PlanRequest, device_setup, plan_graph
+        from deeppool.planner.plan import Strategy
+
         graph = self.graph(model)
         profile, _ = device_setup(self.cluster.device.value, model.global_batch, model.global_batch, graph)
         request = PlanRequest(
             gpus=gpus,
             global_batch=model.global_batch,
-            strategy=self.settings.burst_strategy,
+            strategy=Strategy(self.settings.burst_strategy.value),
             amplification=self.settings.amplification,
             time_limit_s=self.settings.time_limit_s,
         )
@@ -248,15 +258,16 @@ class PlanBook:
                     return LayerGraph.from_json(json.loads(path.read_text()))
                 except (ValueError, KeyError, TypeError, DeeppoolError):
                     pass
+        from deeppool.planner.trace import trace
+
         graph = trace(model.spec.load(meta=True)).graph
         if path is not None:
             write_json(path, graph.to_json())
         return graph
 
     def _model_identity(self, model: ModelChoice) -> dict[str, object]:
-        location = Path(model.spec.location)
-        content = hashlib.sha256(location.read_bytes()).hexdigest() if location.is_file() else model.spec.location
-        return {"model": content, "seed": model.spec.seed, "shape": model.spec.input_shape, "planner": self._fingerprint}
+        content = hashlib.sha256(model.path.read_bytes()).hexdigest() if model.path.is_file() else str(model.path)
+        return {"model": content, "planner": self._fingerprint}
 
     def _cache_path(self, model: ModelChoice, gpus: int) -> Path | None:
         if self.cache_dir is None:
@@ -283,6 +294,8 @@ def _solve_model(
 
 def _data_parallel_plan(planned: Planned, model: ModelChoice, gpus: int) -> Plan:
     """The data-parallel Plan of the same planner run (the same cost model and baselines)."""
+    from deeppool.planner.plan import Strategy, build_plan
+
     if planned.plan.strategy is Strategy.DATA_PARALLEL:
         return planned.plan
     predicted = planned.plan.predicted

@@ -72,7 +72,7 @@ def _job_model(model: ModelChoice, job: TraceJob, interned: dict[tuple[str, int]
     if batch < job.gpus:
         raise DeeppoolError(f"{job.where}: job '{job.name}' trains at batch {batch} on {job.gpus} GPUs: some GPUs "
                             "would hold no sample; give a per_gpu_batch in the --mapping file")
-    key = (model.spec.location, batch)
+    key = (str(model.path), batch)
     if key not in interned:
         interned[key] = replace(model, global_batch=batch)
     return interned[key]

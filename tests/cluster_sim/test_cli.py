@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -106,3 +110,22 @@ def test_an_out_that_is_a_file_is_refused_before_the_run(tmp_path) -> None:
     taken.write_text("not a folder")
     result = CliRunner().invoke(app, ["nosuch.csv", "--gpus", "8", "--no-cache", "--out", str(taken)])
     assert result.exit_code == 2 and f"--out '{taken}' is a file" in result.output  # before the trace is read
+
+
+RUN_AND_REPORT_TORCH = """
+import sys
+from deeppool.cluster_sim.cli import app
+app(sys.argv[1:], standalone_mode=False)
+print("torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_torch_is_not_imported_when_every_plan_is_cached(tmp_path, data_dir) -> None:
+    args = ["synthetic", "--gpus", "8", "--gpus-per-node", "4", "--mapping", str(data_dir / "mapping.json"),
+            "--jobs", "10", "--size-mix", "1:0.5,4:0.5", "--no-plots", "--cache-dir", str(tmp_path / "cache"),
+            "--plan-workers", "1", "--out", str(tmp_path / "out")]
+    runs = [subprocess.run([sys.executable, "-c", RUN_AND_REPORT_TORCH, *args], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+            for _ in range(2)]
+    assert "torch imported: True" in runs[0].stdout  # the first run traces and solves
+    assert "torch imported: False" in runs[1].stdout  # the second reads every plan from the cache
