@@ -98,7 +98,7 @@ class Scheduler:
         starts = [Start(job_id=job.job_id, gpus=job.gpus, mode=self.placement.mode) for job in admitted]
         lend: list[Lend] = []
         if lends:
-            lend, free, drained = _background(snapshot, starts, free, self.placement.mode)
+            lend, free, drained = _background(snapshot, starts, free, self.placement.mode, set(preempt))
             if drained and not preempt:
                 preempt = _promote(snapshot, free)
         if not (preempt or starts or lend):
@@ -153,11 +153,15 @@ def _reclaim(snapshot: Snapshot, shortfall: int, preempt: list[int]) -> int:
 
 
 def _background(
-    snapshot: Snapshot, starts: list[Start], free: int, mode: PlanMode
+    snapshot: Snapshot, starts: list[Start], free: int, mode: PlanMode, leaving: set[int]
 ) -> tuple[list[Lend], int, bool]:
-    """Waiting background jobs on free GPUs, else on lent ranks that fit them; True when none is left waiting."""
+    """Waiting background jobs on free GPUs, else on lent ranks that fit them; True when none is left waiting.
+
+    Ranks of hosts in ``leaving`` (preempted by this decision) are not lent.
+    """
     lends: list[Lend] = []
-    slots = sorted(snapshot.free_slots, key=lambda s: (s.longest_window_ms, s.host, s.rank))
+    slots = sorted((s for s in snapshot.free_slots if s.host not in leaving),
+                   key=lambda s: (s.longest_window_ms, s.host, s.rank))
     windows = [slot.longest_window_ms for slot in slots]
     for job in snapshot.waiting_bg:
         if job.gpus <= free:

@@ -292,3 +292,15 @@ def test_order_and_placement_are_separate_axes() -> None:
     jobs = [make_job(i, arrival=i, gpus=1 + i % 8, iterations=100, background=i % 2 == 0) for i in range(40)]
     for name in ("tiresias:burst", "tiresias:burst+bg", "fifo-backfill:dp+bg"):
         assert len(run(jobs, POLICIES[name]).records) == 40, name
+
+
+def test_tiresias_never_lends_the_ranks_of_a_host_it_preempts() -> None:
+    threshold_s = 16 * 3600 / 8
+    jobs = [
+        make_job(0, arrival=0, gpus=8, iterations=8 * 3 * threshold_s),          # demoted after two hours
+        make_job(1, arrival=threshold_s + 100, gpus=8, iterations=800),          # preempts it
+        *(make_job(2 + i, arrival=threshold_s + 100, gpus=1, iterations=1e6, background=True) for i in range(8)),
+    ]
+    result = run(jobs, POLICIES["tiresias:burst+bg"], restart_penalty_s=30.0)
+    assert len(result.records) == 10
+    assert next(r for r in result.records if r.job_id == 0).preemptions == 1
