@@ -19,10 +19,13 @@ A policy is two independent choices:
   idle ranks running foreground Plans lend, exactly as many as they ask for,
   where a window holds their step pieces and memory holds their rank; a guest
   moves to whole GPUs once enough are free and no background job waits) and
-  ``dp+bg`` (the ablation: ``burst+bg`` with data-parallel foreground Plans).
+  ``dp+bg`` (the ablation: ``burst+bg`` with data-parallel foreground Plans)
+  and ``burst+prio`` (the other ablation: ``burst+bg`` without loans — the
+  background's low priority alone, which shows how much of ``burst+bg``'s
+  gain is queueing rather than work done in idle windows).
 
 Names: a placement alone is FIFO order (``dp``, ``burst``, ``burst+bg``,
-``dp+bg``: their historical meaning); an order alone is data-parallel
+``dp+bg``: their historical meaning; ``burst+prio``); an order alone is data-parallel
 placement (``fifo-backfill``, ``tiresias``); ``ORDER:PLACEMENT`` combines
 them (``tiresias:burst+bg``).
 
@@ -56,10 +59,16 @@ class Placement(enum.Enum):
     BURST = "burst"
     DP_BG = "dp+bg"
     BURST_BG = "burst+bg"
+    BURST_PRIO = "burst+prio"
 
     @property
     def mode(self) -> PlanMode:
-        return PlanMode.BURST if self in (Placement.BURST, Placement.BURST_BG) else PlanMode.DATA_PARALLEL
+        return PlanMode.DATA_PARALLEL if self in (Placement.DP, Placement.DP_BG) else PlanMode.BURST
+
+    @property
+    def prioritises(self) -> bool:
+        """Whether background jobs wait in their own low-priority queue (and are preempted for foreground work)."""
+        return self in (Placement.DP_BG, Placement.BURST_BG, Placement.BURST_PRIO)
 
     @property
     def lends(self) -> bool:
@@ -83,12 +92,12 @@ class Scheduler:
         return f"{self.order.value}:{self.placement.value}"
 
     def decide(self, snapshot: Snapshot) -> Decision:
-        lends = self.placement.lends
+        aware = self.placement.prioritises
         if self.order is Order.TIRESIAS:
-            preempt, admitted, wake = self._tiresias(snapshot, lends)
+            preempt, admitted, wake = self._tiresias(snapshot, aware)
         else:
-            queue = snapshot.waiting_fg if lends else snapshot.waiting
-            reclaimable = snapshot.preemptible_gpus if lends else 0
+            queue = snapshot.waiting_fg if aware else snapshot.waiting
+            reclaimable = snapshot.preemptible_gpus if aware else 0
             preempt, wake = [], None
             admitted = _admit(queue, snapshot.free_gpus + reclaimable, backfill=self.order is Order.FIFO_BACKFILL)
         freed = sum(snapshot.holding[job_id] for job_id in preempt)
@@ -97,19 +106,19 @@ class Scheduler:
             free += _reclaim(snapshot, -free, preempt)
         starts = [Start(job_id=job.job_id, gpus=job.gpus, mode=self.placement.mode) for job in admitted]
         lend: list[Lend] = []
-        if lends:
-            lend, free, drained = _background(snapshot, starts, free, self.placement.mode, set(preempt))
+        if aware:
+            lend, free, drained = _background(snapshot, starts, free, self.placement, set(preempt))
             if drained and not preempt:
                 preempt = _promote(snapshot, free)
         if not (preempt or starts or lend):
             return Decision(wake_at_s=wake) if wake is not None else NOTHING
         return Decision(preempt=tuple(preempt), start=tuple(starts), lend=tuple(lend), wake_at_s=wake)
 
-    def _tiresias(self, snapshot: Snapshot, lends: bool) -> tuple[list[int], list[SimJob], float | None]:
+    def _tiresias(self, snapshot: Snapshot, aware: bool) -> tuple[list[int], list[SimJob], float | None]:
         """Admit waiting and running jobs greedily by (queue, arrival); preempt the running ones left out."""
         attained = snapshot.attained_gpu_s
-        running = [job for job in snapshot.running if not (lends and job.background)]
-        waiting = snapshot.waiting_fg if lends else snapshot.waiting
+        running = [job for job in snapshot.running if not (aware and job.background)]
+        waiting = snapshot.waiting_fg if aware else snapshot.waiting
         threshold = self.queue_threshold_gpu_s
         ranked = sorted((*running, *waiting), key=lambda j: (attained[j.job_id] >= threshold, j.arrival_s, j.job_id))
         kept = {job.job_id for job in _admit(ranked, snapshot.total_gpus, backfill=True)}
@@ -153,19 +162,19 @@ def _reclaim(snapshot: Snapshot, shortfall: int, preempt: list[int]) -> int:
 
 
 def _background(
-    snapshot: Snapshot, starts: list[Start], free: int, mode: PlanMode, leaving: set[int]
+    snapshot: Snapshot, starts: list[Start], free: int, placement: Placement, leaving: set[int]
 ) -> tuple[list[Lend], int, bool]:
     """Waiting background jobs on free GPUs, else on lent ranks that fit them; True when none is left waiting.
 
-    Ranks of hosts in ``leaving`` (preempted by this decision) are not lent.
+    Ranks of hosts in ``leaving`` (preempted by this decision) are not lent; none are without ``placement.lends``.
     """
     lends: list[Lend] = []
-    slots = sorted((s for s in snapshot.free_slots if s.host not in leaving),
-                   key=lambda s: (s.longest_window_ms, s.host, s.rank))
+    lendable = (s for s in snapshot.free_slots if s.host not in leaving) if placement.lends else ()
+    slots = sorted(lendable, key=lambda s: (s.longest_window_ms, s.host, s.rank))
     windows = [slot.longest_window_ms for slot in slots]
     for job in snapshot.waiting_bg:
         if job.gpus <= free:
-            starts.append(Start(job_id=job.job_id, gpus=job.gpus, mode=mode))
+            starts.append(Start(job_id=job.job_id, gpus=job.gpus, mode=placement.mode))
             free -= job.gpus
             continue
         chosen = _fitting(slots, windows, job)

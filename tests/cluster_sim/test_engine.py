@@ -304,3 +304,12 @@ def test_tiresias_never_lends_the_ranks_of_a_host_it_preempts() -> None:
     result = run(jobs, POLICIES["tiresias:burst+bg"], restart_penalty_s=30.0)
     assert len(result.records) == 10
     assert next(r for r in result.records if r.job_id == 0).preemptions == 1
+
+
+def test_burst_prio_is_burst_bg_without_loans() -> None:
+    jobs = [make_job(0, arrival=0, gpus=8, iterations=800), make_job(1, arrival=1, gpus=1, iterations=10, background=True)]
+    lent = run(jobs, POLICIES["burst+bg"])
+    unlent = run(jobs, POLICIES["burst+prio"])
+    assert lent.lent_gpu_s > 0 and unlent.lent_gpu_s == 0.0
+    fg = next(r for r in unlent.records if r.job_id == 0)
+    assert next(r for r in unlent.records if r.job_id == 1).start_s == pytest.approx(fg.finish_s)
