@@ -104,7 +104,7 @@ class _Row:
         if not math.isfinite(value) or value < minimum:
             raise self.fail(column, f"{raw} must be a finite number >= {minimum:g}")
         if value > maximum:
-            raise self.fail(column, f"{raw} s is over {maximum:g} s (a year): not a real job's run time")
+            raise self.fail(column, f"{raw} s is over {maximum:g} s: not a real job's run time")
         return value
 
     def duration(self) -> float:
