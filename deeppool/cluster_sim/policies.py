@@ -116,9 +116,12 @@ class Scheduler:
 
     def _tiresias(self, snapshot: Snapshot, aware: bool) -> tuple[list[int], list[SimJob], float | None]:
         """Admit waiting and running jobs greedily by (queue, arrival); preempt the running ones left out."""
+        waiting = snapshot.waiting_fg if aware else snapshot.waiting
+        spare = snapshot.free_gpus + (snapshot.preemptible_gpus if aware else 0)
+        if sum(job.gpus for job in waiting) <= spare:  # everyone fits: the greedy pass would admit all
+            return [], list(waiting), None
         attained = snapshot.attained_gpu_s
         running = [job for job in snapshot.running if not (aware and job.background)]
-        waiting = snapshot.waiting_fg if aware else snapshot.waiting
         threshold = self.queue_threshold_gpu_s
         ranked = sorted((*running, *waiting), key=lambda j: (attained[j.job_id] >= threshold, j.arrival_s, j.job_id))
         kept = {job.job_id for job in _admit(ranked, snapshot.total_gpus, backfill=True)}
