@@ -29,6 +29,7 @@ again.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import heapq
 import time
@@ -44,6 +45,10 @@ from deeppool.cluster_sim.policy import Decision, Lend, Policy, SimJob, Slot, Sn
 FactsLookup = Callable[[ModelChoice, int, PlanMode], PlanFacts]
 MAX_ROUNDS = 10_000
 BUSY_TOLERANCE = 1e-6
+
+
+def _arrival(job: SimJob) -> tuple[float, int]:
+    return job.arrival_s, job.job_id
 
 
 class EventKind(enum.IntEnum):
@@ -118,24 +123,30 @@ class _Active:
 
 
 class _AttainedView(Mapping[int, float]):
-    """Read-only GPU-seconds of whole-GPU service per job, live for running jobs."""
+    """Read-only GPU-seconds of whole-GPU service of every job that has run, live for running jobs.
+
+    A job that never held whole GPUs is absent (Tiresias' policy reads it as 0 and as never run).
+    """
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
     def __getitem__(self, job_id: int) -> float:
         engine = self._engine
-        banked = engine.attained.get(job_id, 0.0)
         gpus = engine.holding.get(job_id)
         if gpus is None:
-            return banked
-        return banked + gpus * (engine.now - engine.running[job_id].since)
+            return engine.attained[job_id]
+        return engine.attained.get(job_id, 0.0) + gpus * (engine.now - engine.running[job_id].since)
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._engine.attained or job_id in self._engine.holding
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._engine.jobs)
+        engine = self._engine
+        return iter(dict.fromkeys([*engine.attained, *engine.holding]))
 
     def __len__(self) -> int:
-        return len(self._engine.jobs)
+        return sum(1 for _ in self)
 
 
 class Engine:
@@ -166,6 +177,7 @@ class Engine:
         self.waiting: dict[int, SimJob] = {}
         self.waiting_fg: dict[int, SimJob] = {}
         self.waiting_bg: dict[int, SimJob] = {}
+        self.requeued: list[SimJob] = []  # waiting jobs that ran before, by (arrival, id)
         self.running: dict[int, _Active] = {}
         self.holding: dict[int, int] = {}
         self.holding_jobs: dict[int, SimJob] = {}
@@ -265,6 +277,7 @@ class Engine:
             guests=self.guests.values(),
             holding=self.holding,
             running=self.holding_jobs.values(),
+            requeued=self.requeued,
             attained_gpu_s=self._attained_view,
         )
 
@@ -300,6 +313,14 @@ class Engine:
         self.waiting[job.job_id] = job
         (self.waiting_bg if job.background else self.waiting_fg)[job.job_id] = job
 
+    def _requeue(self, job: SimJob) -> None:
+        self._enqueue(job)
+        bisect.insort(self.requeued, job, key=_arrival)
+
+    def _unrequeue(self, job: SimJob) -> None:
+        index = bisect.bisect_left(self.requeued, _arrival(job), key=_arrival)
+        del self.requeued[index]
+
     def _dequeue(self, job_id: int) -> SimJob:
         job = self.waiting.pop(job_id, None)
         if job is None:
@@ -308,6 +329,8 @@ class Engine:
                 raise self._fail(f"placed job {job_id} before its arrival at t={known.arrival_s:.0f}s")
             raise self._fail(f"placed job {job_id}, which is not waiting")
         (self.waiting_bg if job.background else self.waiting_fg).pop(job_id)
+        if job_id in self.first_start:
+            self._unrequeue(job)
         self.first_start.setdefault(job_id, self.now)
         return job
 
@@ -400,7 +423,7 @@ class Engine:
             raise self._fail(f"preempted job {job_id}, which is not running")
         self._stop(active)
         self.preemptions[job_id] = self.preemptions.get(job_id, 0) + 1
-        self._enqueue(active.job)
+        self._requeue(active.job)
 
     def _complete(self, active: _Active) -> None:
         job = self._stop(active)
@@ -453,7 +476,7 @@ class Engine:
             if guest_id is not None and guest_id in self.running:
                 self._stop(self.running[guest_id])
                 self.evictions[guest_id] = self.evictions.get(guest_id, 0) + 1
-                self._enqueue(self.jobs[guest_id])
+                self._requeue(self.jobs[guest_id])
             self.slot_guest.pop(key, None)
 
     def _release_slots(self, guest: _Active) -> None:

@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import bisect
 import enum
-from collections.abc import Iterable
+import heapq
+from collections.abc import Iterable, Iterator
+from itertools import chain
 from dataclasses import dataclass
 
 from deeppool.cluster_sim.plans import PlanMode
@@ -115,27 +117,45 @@ class Scheduler:
         return Decision(preempt=tuple(preempt), start=tuple(starts), lend=tuple(lend), wake_at_s=wake)
 
     def _tiresias(self, snapshot: Snapshot, aware: bool) -> tuple[list[int], list[SimJob], float | None]:
-        """Admit waiting and running jobs greedily by (queue, arrival); preempt the running ones left out."""
+        """Admit waiting and running jobs greedily by (queue, arrival); preempt the running ones left out.
+
+        Jobs never run are all in the first queue and wait in arrival order, so only the running and
+        requeued jobs are sorted; the rest are merged in lazily until the GPUs are spoken for.
+        """
         waiting = snapshot.waiting_fg if aware else snapshot.waiting
-        spare = snapshot.free_gpus + (snapshot.preemptible_gpus if aware else 0)
-        if sum(job.gpus for job in waiting) <= spare:  # everyone fits: the greedy pass would admit all
-            return [], list(waiting), None
-        attained = snapshot.attained_gpu_s
-        running = [job for job in snapshot.running if not (aware and job.background)]
-        threshold = self.queue_threshold_gpu_s
-        ranked = sorted((*running, *waiting), key=lambda j: (attained[j.job_id] >= threshold, j.arrival_s, j.job_id))
-        kept = {job.job_id for job in _admit(ranked, snapshot.total_gpus, backfill=True)}
-        preempt = [job.job_id for job in running if job.job_id not in kept]
-        admitted = [job for job in waiting if job.job_id in kept]
-        wake = None
-        if len(kept) < len(ranked):  # someone waits: wake when a running job leaves the first queue
-            crossings = [
-                snapshot.now_s + (threshold - attained[job.job_id]) / job.gpus
-                for job in ranked
-                if job.job_id in kept and attained[job.job_id] < threshold
-            ]
-            wake = min(crossings, default=None)
-        return preempt, admitted, wake
+        if _within(waiting, snapshot.free_gpus + (snapshot.preemptible_gpus if aware else 0)):
+            return [], list(waiting), None  # everyone fits: the greedy pass would admit all
+        attained, threshold = snapshot.attained_gpu_s, self.queue_threshold_gpu_s
+        running = sorted((job for job in snapshot.running if not (aware and job.background)), key=_arrival)
+
+        def served(first_queue: bool) -> Iterator[SimJob]:
+            """Running and requeued jobs of one queue, by arrival (lazily: a decision reads only a prefix)."""
+            requeued = (job for job in snapshot.requeued if not (aware and job.background))
+            return (job for job in heapq.merge(running, requeued, key=_arrival)
+                    if (attained.get(job.job_id, 0.0) < threshold) == first_queue)
+
+        fresh = (job for job in waiting if job.job_id not in attained)
+        ranked = chain(heapq.merge(served(True), fresh, key=_arrival), served(False))
+        kept = _admit(ranked, snapshot.total_gpus, backfill=True)
+        kept_ids = {job.job_id for job in kept}
+        preempt = [job.job_id for job in running if job.job_id not in kept_ids]
+        admitted = [job for job in kept if job.job_id not in snapshot.holding]
+        crossings = [snapshot.now_s + (threshold - attained.get(job.job_id, 0.0)) / job.gpus
+                     for job in kept if attained.get(job.job_id, 0.0) < threshold]
+        return preempt, admitted, min(crossings, default=None)
+
+
+def _arrival(job: SimJob) -> tuple[float, int]:
+    return job.arrival_s, job.job_id
+
+
+def _within(jobs: Iterable[SimJob], gpus: int) -> bool:
+    """Whether all of ``jobs`` fit in ``gpus`` GPUs (stops at the first excess)."""
+    for job in jobs:
+        gpus -= job.gpus
+        if gpus < 0:
+            return False
+    return True
 
 
 def _admit(ordered: Iterable[SimJob], capacity: int, *, backfill: bool) -> list[SimJob]:

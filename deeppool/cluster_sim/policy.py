@@ -13,7 +13,7 @@ policy looks at the head of an 80,000-job queue without paying for the tail.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Reversible
+from collections.abc import Collection, Mapping, Reversible, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,8 +80,10 @@ class Snapshot:
     background jobs holding whole GPUs (``preemptible_gpus`` of them, oldest
     first); ``guests`` the background jobs running on lent ranks; ``holding``
     every job on whole GPUs (job id -> GPUs held) and ``running`` those jobs;
-    ``attained_gpu_s`` the GPU-seconds of whole-GPU service each job has had
-    so far (Tiresias' attained service; 0 for a job never run).
+    ``requeued`` the waiting jobs that ran before (preempted or evicted), in
+    (arrival, job id) order, as the other waiting jobs are; ``attained_gpu_s`` the
+    GPU-seconds of whole-GPU service each job that ever held whole GPUs has had
+    so far (Tiresias' attained service; a job never run is absent).
     """
 
     now_s: float
@@ -96,6 +98,7 @@ class Snapshot:
     guests: Collection[SimJob]
     holding: Mapping[int, int]
     running: Collection[SimJob]
+    requeued: Sequence[SimJob]
     attained_gpu_s: Mapping[int, float]
 
 
