@@ -1,6 +1,6 @@
 """DeepPool's own evaluation as a scenario: one foreground job and an unlimited supply of background jobs.
 
-DeepPool (Park et al., MLSys 2022, §6) reports *cluster throughput* — the
+DeepPool (Park et al., MLSys 2022) reports *cluster throughput* — the
 foreground's training throughput plus the background jobs', normalised to the
 foreground alone under data parallelism — of 1.2x to 2.3x. The scenario puts
 one foreground job of ``model`` on all ``gpus`` GPUs of a cluster, and one
