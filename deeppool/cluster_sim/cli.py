@@ -27,7 +27,7 @@ from deeppool.cluster_sim.interference import (
 from deeppool.cluster_sim.metrics import compare, scenario_table, table, write_jobs, write_metrics
 from deeppool.cluster_sim.models import EXAMPLE_BATCH, default_mapping, example, load_mapping
 from deeppool.cluster_sim.plans import BurstStrategy, PlanBook, PlanSettings
-from deeppool.cluster_sim.policies import BASELINE, POLICIES, policy_named
+from deeppool.scheduling.policies import BASELINE, POLICIES, policy_named
 from deeppool.cluster_sim.runner import DEFAULT_RESTART_PENALTY_S, assign, run_policies, sim_jobs
 from deeppool.cluster_sim.workload import (
     BackgroundRule,

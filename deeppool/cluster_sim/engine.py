@@ -40,7 +40,7 @@ from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.models import ModelChoice
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
-from deeppool.cluster_sim.policy import Decision, Lend, Policy, SimJob, Slot, Snapshot, Start
+from deeppool.scheduling.policy import Decision, Lend, Policy, SimJob, Slot, Snapshot, Start
 
 FactsLookup = Callable[[ModelChoice, int, PlanMode], PlanFacts]
 MAX_ROUNDS = 10_000

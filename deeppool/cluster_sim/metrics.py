@@ -29,7 +29,7 @@ import numpy as np
 from rich.table import Table
 
 from deeppool.cluster_sim.engine import SimResult
-from deeppool.cluster_sim.policies import BASELINE
+from deeppool.scheduling.policies import BASELINE
 from deeppool.cluster_sim.scenario import ScenarioPoint
 
 

@@ -18,6 +18,7 @@ only when a Plan or graph is missing from the cache.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import multiprocessing
@@ -30,10 +31,10 @@ from typing import TYPE_CHECKING
 import deeppool.planner
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.models import ModelChoice
-from deeppool.cluster_sim.policy import PlanMode
 from deeppool.errors import DeeppoolError
 from deeppool.planner.graph import LayerGraph
 from deeppool.planner.jsonio import write_json
+from deeppool.scheduling.policy import PlanMode
 
 if TYPE_CHECKING:  # the planner's solving half imports torch: loaded only when a Plan must be solved
     from deeppool.planner.api import Planned

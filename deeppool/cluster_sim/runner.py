@@ -11,8 +11,8 @@ from deeppool.cluster_sim.engine import Engine, SimResult
 from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.models import ModelChoice, ModelMapping
 from deeppool.cluster_sim.plans import PlanBook, PlanMode
-from deeppool.cluster_sim.policies import policy_named
-from deeppool.cluster_sim.policy import SimJob
+from deeppool.scheduling.policies import policy_named
+from deeppool.scheduling.policy import SimJob
 from deeppool.cluster_sim.workload import BackgroundRule, TraceJob, Workload
 from deeppool.errors import DeeppoolError
 

@@ -32,8 +32,8 @@ from deeppool.cluster_sim.engine import Engine
 from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.models import ModelChoice
 from deeppool.cluster_sim.plans import PlanBook, PlanMode
-from deeppool.cluster_sim.policies import POLICIES
-from deeppool.cluster_sim.policy import SimJob
+from deeppool.scheduling.policies import POLICIES
+from deeppool.scheduling.policy import SimJob
 
 PAPER_RANGE = (1.2, 2.3)
 """DeepPool's reported cluster throughput over data parallel (Park et al., MLSys 2022)."""

@@ -15,7 +15,8 @@ jobs in their own low-priority queue by default): each tick builds a
   running foreground job offers no slots to later ones (``free_slots`` is
   empty), which is where this differs from the simulator.
 
-Attained service (Tiresias' order) is GPUs × seconds in the current run.
+Attained service (Tiresias' order) is GPUs × seconds in the current run; a
+requeued job starts again from 0.
 """
 
 from __future__ import annotations
@@ -38,14 +39,15 @@ def as_sim_job(job: Job) -> SimJob:
                   model=ModelChoice(name=path.stem, path=path, global_batch=job.batch))
 
 
-def snapshot(jobs: list[Job], total_gpus: int, now: datetime) -> Snapshot:
+def snapshot(jobs: list[Job], total_gpus: int, now: datetime, requeued: frozenset[int] = frozenset()) -> Snapshot:
+    """The policy's view of the database; ``requeued``: the waiting jobs that ran before (preempted)."""
     waiting = [as_sim_job(j) for j in jobs if j.state is JobStatus.PENDING]
     whole = [j for j in jobs if j.state in LIVE and j.host_id is None]
     running = [as_sim_job(j) for j in whole]
     holding = {j.id: j.gpus for j in whole}
     preemptible = [job for job in running if job.background]
-    attained = {j.id: (now - j.updated_at).total_seconds() * j.gpus if j.state is JobStatus.RUNNING else 0.0
-                for j in jobs}
+    attained = {j.id: (now - j.updated_at).total_seconds() * j.gpus for j in jobs if j.state is JobStatus.RUNNING}
+    attained.update({job_id: 0.0 for job_id in requeued})
     return Snapshot(
         now_s=now.timestamp(), total_gpus=total_gpus, free_gpus=total_gpus - sum(holding.values()),
         waiting=waiting, waiting_fg=[j for j in waiting if not j.background],
@@ -53,6 +55,7 @@ def snapshot(jobs: list[Job], total_gpus: int, now: datetime) -> Snapshot:
         preemptible_gpus=sum(j.gpus for j in preemptible),
         guests=[as_sim_job(j) for j in jobs if j.state in LIVE and j.host_id is not None],
         holding=holding, running=running, attained_gpu_s=attained,
+        requeued=sorted((j for j in waiting if j.job_id in requeued), key=lambda j: (j.arrival_s, j.job_id)),
     )
 
 
@@ -65,8 +68,10 @@ class Service:
     def tick(self, now: datetime | None = None) -> Decision:
         now = now or datetime.now(UTC)
         self.runtime.reconcile(now)
-        jobs = self.runtime.store.jobs()
-        decision = self.policy.decide(snapshot(jobs, self.total_gpus, now))
+        store = self.runtime.store
+        jobs = store.jobs()
+        requeued = frozenset(j.id for j in jobs if j.state is JobStatus.PENDING and store.attempts(j.id) > 0)
+        decision = self.policy.decide(snapshot(jobs, self.total_gpus, now, requeued))
         self.apply(decision, {j.id: j for j in jobs})
         return decision
 

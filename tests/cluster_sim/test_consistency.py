@@ -8,7 +8,7 @@ from deeppool.cluster_sim.engine import Engine
 from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.models import ModelMapping
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
-from deeppool.cluster_sim.policies import POLICIES
+from deeppool.scheduling.policies import POLICIES
 from deeppool.cluster_sim.runner import assign, sim_jobs
 from deeppool.cluster_sim.workload import BackgroundRule, TraceJob, Workload, TraceFormat
 from deeppool.planner.api import PlanRequest, device_setup, plan_graph

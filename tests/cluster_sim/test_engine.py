@@ -10,8 +10,8 @@ from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.engine import Engine, PolicyError
 from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
-from deeppool.cluster_sim.policies import POLICIES
-from deeppool.cluster_sim.policy import NOTHING, Decision, Lend, Snapshot, Start
+from deeppool.scheduling.policies import POLICIES
+from deeppool.scheduling.policy import NOTHING, Decision, Lend, Snapshot, Start
 
 from .fakes import fake_facts, make_job
 

@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator
 from itertools import chain
 from dataclasses import dataclass
 
-from deeppool.cluster_sim.policy import NOTHING, Decision, Lend, PlanMode, Policy, SimJob, Slot, Snapshot, Start
+from deeppool.scheduling.policy import NOTHING, Decision, Lend, PlanMode, Policy, SimJob, Slot, Snapshot, Start
 from deeppool.errors import DeeppoolError
 
 TIRESIAS_THRESHOLD_GPU_S = 16 * 3600.0

@@ -4,7 +4,7 @@ A policy is a pure function ``decide(snapshot) -> Decision`` over a typed,
 read-only :class:`Snapshot` of the cluster. The engine applies the decision
 (preemptions, then starts, then loans) and asks again until the policy has
 nothing more to do, so a new policy is a new class in
-:mod:`deeppool.cluster_sim.policies` and never a change to the engine.
+:mod:`deeppool.scheduling.policies` and never a change to the engine.
 
 For speed, a snapshot's collections are read-only *views* of the engine's
 queues (valid for the duration of the ``decide`` call, never copied): a FIFO
