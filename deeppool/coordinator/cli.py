@@ -25,6 +25,8 @@ def serve(
                                                      show_default="the current folder")] = None,
     log_dir: Annotated[Path | None, typer.Option(help="where job logs go", show_default="DB's folder/logs")] = None,
     device_model: Annotated[str, typer.Option(help="device model foreground jobs are planned with")] = "a100",
+    paused: Annotated[bool, typer.Option("--paused", help="accept and queue jobs, start none (drain the cluster)")
+                      ] = False,
 ) -> None:
     """Run the coordinator: a REST API (OpenAPI at /docs) over an embedded database."""
     if not 0 < port < 65536:
@@ -52,7 +54,8 @@ def serve(
     settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs,
                               device="cuda" if _gpu_count() else "cpu")
     runtime = Runtime(store, LocalLauncher(logs), DriverSteps(folder=logs, device_model=device_model))
-    service = Service(runtime, Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), slots)
+    service = Service(runtime, Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), slots,
+                      paused=paused)
     uvicorn.run(create_app(store, settings, service), host=host, port=port, workers=1, log_level="warning")
 
 

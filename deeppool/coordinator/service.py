@@ -27,7 +27,7 @@ from pathlib import Path
 
 from deeppool.coordinator.jobs import Job, JobKind, JobStatus
 from deeppool.coordinator.runtime import Runtime
-from deeppool.scheduling import Decision, ModelChoice, Policy, SimJob, Snapshot
+from deeppool.scheduling import NOTHING, Decision, ModelChoice, Policy, SimJob, Snapshot
 
 LIVE = (JobStatus.STARTING, JobStatus.RUNNING)
 
@@ -60,14 +60,19 @@ def snapshot(jobs: list[Job], total_gpus: int, now: datetime, requeued: frozense
 
 
 class Service:
-    def __init__(self, runtime: Runtime, policy: Policy, total_gpus: int, *, period_s: float = 0.5) -> None:
+    def __init__(self, runtime: Runtime, policy: Policy, total_gpus: int, *, period_s: float = 0.5,
+                 paused: bool = False) -> None:
+        """``paused``: keep watching running jobs but start none (to drain the cluster, or queue first)."""
         self.runtime, self.policy, self.total_gpus, self.period_s = runtime, policy, total_gpus, period_s
+        self.paused = paused
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="deeppool-coordinator", daemon=True)
 
     def tick(self, now: datetime | None = None) -> Decision:
         now = now or datetime.now(UTC)
         self.runtime.reconcile(now)
+        if self.paused:
+            return NOTHING
         store = self.runtime.store
         jobs = store.jobs()
         requeued = frozenset(j.id for j in jobs if j.state is JobStatus.PENDING and store.attempts(j.id) > 0)

@@ -53,3 +53,12 @@ def test_applying_a_decision_starts_foreground_jobs_with_a_waiting_guest(tmp_pat
     assert states[1].state is JobStatus.STARTING and states[1].host_id is None  # on a free GPU of its own
     assert states[4].state is JobStatus.STARTING and states[4].host_id == 2  # the waiting one: job 2's guest
     assert states[3].state is JobStatus.PENDING
+
+
+def test_a_paused_service_starts_nothing(tmp_path: Path) -> None:
+    store = queue(tmp_path)
+    launcher = Recorder(tmp_path / "jobs")
+    service = Service(Runtime(store, launcher, lambda job, attempt, guests: [["true"]]),
+                      Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), 4, paused=True)
+    assert service.tick().empty and launcher.launched == []
+    assert all(job.state is JobStatus.PENDING for job in store.jobs())
