@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response, status
 from fastapi import Path as PathParam
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel
 
 from deeppool.coordinator.jobs import Job, JobRequest, JobStatus
+from deeppool.coordinator.page import render
 from deeppool.coordinator.store import Store
 
 if TYPE_CHECKING:
@@ -106,6 +107,12 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
         if job.owner != name:
             raise HTTPException(status.HTTP_403_FORBIDDEN, f"job {job_id} belongs to another user")
         return job
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def page() -> HTMLResponse:
+        """The read-only status page: every job, and GPUs over time (no token: it shows no secrets)."""
+        jobs = store.jobs()
+        return HTMLResponse(render(jobs, {j.id: store.events(j.id) for j in jobs}, settings.gpus))
 
     @app.get("/healthz")
     def healthz() -> dict[str, bool]:

@@ -1,0 +1,101 @@
+"""The read-only status page at ``/``: the jobs, and a GPU-by-time timeline of foreground and background work.
+
+The timeline is drawn from the event log: a job holds its GPUs from each
+move into RUNNING until the next move out of it. Foreground GPUs are stacked
+below background ones. A guest in a foreground job's idle windows holds no
+GPU of its own: it is drawn as a thin band over its host's time. The page is
+plain HTML with an inline SVG, no script, so it renders anywhere. It needs no
+token, so it shows no owners and no model paths.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from deeppool.coordinator.jobs import Event, Job, JobKind, JobStatus
+from deeppool.coordinator.report import age
+
+WIDTH, HEIGHT, MARGIN = 900, 220, 40
+COLOURS = {JobKind.FOREGROUND: "#3b6fb6", JobKind.BACKGROUND: "#e59b2d"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Interval:
+    job: Job
+    start: float
+    end: float
+
+
+def intervals(jobs: Sequence[Job], events: dict[int, list[Event]], now: datetime) -> list[Interval]:
+    out = []
+    for job in jobs:
+        opened: float | None = None
+        for event in events.get(job.id, []):
+            if event.to_state is JobStatus.RUNNING:
+                opened = event.at.timestamp()
+            elif opened is not None:
+                out.append(Interval(job=job, start=opened, end=event.at.timestamp()))
+                opened = None
+        if opened is not None:
+            out.append(Interval(job=job, start=opened, end=now.timestamp()))
+    return out
+
+
+def allocation(spans: Sequence[Interval], kind: JobKind, t: float) -> int:
+    return sum(s.job.gpus for s in spans if s.job.kind is kind and s.job.host_id is None and s.start <= t < s.end)
+
+
+def timeline(spans: Sequence[Interval], total_gpus: int) -> str:
+    """An SVG: foreground and background GPUs held over time, stacked, with guests as bands."""
+    if not spans:
+        return f'<svg width="{WIDTH}" height="{HEIGHT}"><text x="{MARGIN}" y="{HEIGHT // 2}">no job has run yet</text></svg>'
+    t0, t1 = min(s.start for s in spans), max(s.end for s in spans)
+    span = max(t1 - t0, 1e-3)
+    x = lambda t: MARGIN + (WIDTH - 2 * MARGIN) * (t - t0) / span  # noqa: E731
+    y = lambda g: HEIGHT - MARGIN - (HEIGHT - 2 * MARGIN) * g / max(total_gpus, 1)  # noqa: E731
+    cuts = sorted({s.start for s in spans} | {s.end for s in spans})
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" role="img" '
+             f'aria-label="GPUs held over time">',
+             f'<line x1="{MARGIN}" y1="{y(0)}" x2="{WIDTH - MARGIN}" y2="{y(0)}" stroke="#444"/>',
+             f'<line x1="{MARGIN}" y1="{y(total_gpus)}" x2="{WIDTH - MARGIN}" y2="{y(total_gpus)}" '
+             f'stroke="#aaa" stroke-dasharray="4"/>',
+             f'<text x="4" y="{y(total_gpus) + 4}" font-size="11">{total_gpus} GPUs</text>']
+    for a, b in zip(cuts, cuts[1:]):
+        fg = allocation(spans, JobKind.FOREGROUND, a)
+        bg = allocation(spans, JobKind.BACKGROUND, a)
+        for low, high, kind in ((0, fg, JobKind.FOREGROUND), (fg, fg + bg, JobKind.BACKGROUND)):
+            if high > low:
+                parts.append(f'<rect x="{x(a):.1f}" y="{y(high):.1f}" width="{max(x(b) - x(a), 0.5):.1f}" '
+                             f'height="{y(low) - y(high):.1f}" fill="{COLOURS[kind]}"/>')
+    for s in spans:
+        if s.job.host_id is not None:
+            parts.append(f'<rect x="{x(s.start):.1f}" y="{y(0) + 4}" width="{max(x(s.end) - x(s.start), 0.5):.1f}" '
+                         f'height="6" fill="{COLOURS[JobKind.BACKGROUND]}"><title>job {s.job.id} in the idle windows '
+                         f'of job {s.job.host_id}</title></rect>')
+    parts.append(f'<text x="{MARGIN}" y="{HEIGHT - 8}" font-size="11">{datetime.fromtimestamp(t0, UTC):%H:%M:%S}</text>')
+    parts.append(f'<text x="{WIDTH - MARGIN - 50}" y="{HEIGHT - 8}" font-size="11">'
+                 f'{datetime.fromtimestamp(t1, UTC):%H:%M:%S} UTC</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def render(jobs: Sequence[Job], events: dict[int, list[Event]], total_gpus: int, now: datetime | None = None) -> str:
+    now = now or datetime.now(UTC)
+    rows = "".join(
+        f"<tr><td>{j.id}</td><td>{j.kind.value}</td><td class='{j.state.value.lower()}'>{j.state.value}</td>"
+        f"<td>{j.gpus if j.host_id is None else 'windows of ' + str(j.host_id)}</td><td>{100 * j.progress:.0f}%</td>"
+        f"<td>{age(j.created_at, now)}</td><td>{html.escape(j.reason or '')}</td></tr>"
+        for j in jobs)
+    legend = "".join(f"<span style='color:{c}'>&#9632;</span> {k.name.lower()} " for k, c in COLOURS.items())
+    return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">
+<title>deeppool coordinator</title><style>
+body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
+td,th{{border-bottom:1px solid #ddd;padding:4px 10px;text-align:left}} .running{{color:#2a7}} .failed{{color:#c33}}
+</style></head><body><h1>deeppool coordinator</h1>
+<h2>GPUs over time</h2><p>{legend}(thin band: a background job in a foreground job's idle windows)</p>
+{timeline(intervals(jobs, events, now), total_gpus)}
+<h2>{len(jobs)} jobs</h2><table><tr><th>id</th><th>kind</th><th>state</th><th>GPUs</th><th>progress</th>
+<th>age</th><th>last change</th></tr>{rows}</table></body></html>"""
