@@ -1,8 +1,9 @@
 """The planning pipeline: a traced graph and a profile in, a Plan out.
 
 :func:`plan_graph` is what the CLI, the coordinator and the simulator call:
-it builds the cost model, computes the two baselines and the ILP optimum in
-the same run, and writes the plan of the chosen strategy. :func:`plan` is the
+it builds the cost model, computes the baselines and the ILP optimum in the
+same run (:mod:`deeppool.planner.strategies`), refuses figures that break the
+cost model's invariants, and writes the plan of the chosen strategy. :func:`plan` is the
 Python entry point for an ``nn.Module`` and example inputs.
 """
 
@@ -15,17 +16,19 @@ import torch
 from torch import nn
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner import baselines
 from deeppool.planner.batching import check_per_sample
-from deeppool.planner.candidates import Limits, allowed_counts, check_memory, thinned_counts, useful_counts
-from deeppool.planner.cost import CostModel, Optimizer
+from deeppool.planner.candidates import Limits, useful_counts
+from deeppool.planner.cost import DEFAULT_BUCKET_BYTES, CostModel, Optimizer, check_invariants
 from deeppool.planner.graph import LayerGraph
-from deeppool.planner.hardware import DEVICES, LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, known_device
-from deeppool.planner.ilp import SolverName, solve
+from deeppool.planner.hardware import (
+    DEVICES, LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, Precision, known_device,
+)
+from deeppool.planner.ilp import SolverName
 from deeppool.planner.modelspec import LoadedModel, ModelSource, ModelSpec, default_loss
-from deeppool.planner.plan import Plan, SolverInfo, Strategy, build_plan
+from deeppool.planner.plan import Plan, Strategy, build_plan
 from deeppool.planner.profile import Profile, estimated_profile
 from deeppool.planner.profiler import ProfilerConfig, measure_profile
+from deeppool.planner.strategies import Objective, Search, solve_all
 from deeppool.planner.trace import Traced, trace
 
 LOCAL = "local"
@@ -46,6 +49,10 @@ class PlanRequest:
     time_limit_s: float = 60.0
     solver: SolverName | None = None
     max_candidates: int | None = DEFAULT_MAX_CANDIDATES
+    bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20
+    precision: Precision | None = None
+    objective: Objective = Objective.TIME
+    price: float = 0.0
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -56,7 +63,11 @@ class PlanRequest:
             raise DeeppoolError("--time-limit must be positive")
         if self.max_candidates is not None and self.max_candidates < 2:
             raise DeeppoolError("--max-candidates must be at least 2 (0 keeps every useful count)")
+        if self.bucket_mb < 0:
+            raise DeeppoolError(f"--bucket-mb {self.bucket_mb} must be >= 0")
         Limits(amplification=self.amplification)
+        Search(gpus=self.gpus, limits=Limits(), max_candidates=None, time_limit_s=self.time_limit_s,
+               objective=self.objective, price=self.price)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +77,7 @@ class Planned:
     plan: Plan
     assignments: dict[Strategy, dict[str, int]]
     cost: CostModel
+    search: Search
 
 
 def plan_graph(
@@ -76,67 +88,35 @@ def plan_graph(
     *,
     model: ModelSpec,
 ) -> Planned:
-    """Solve the ILP and both baselines; return the plan of ``request.strategy``."""
+    """Solve the ILP and its baselines; return the plan of ``request.strategy``."""
     profile.check_covers(graph)
     cost = CostModel(
         graph=graph, profile=profile, network=network, global_batch=request.global_batch,
-        optimizer=request.optimizer,
+        optimizer=request.optimizer, precision=Precision.of_profile(profile.dtype),
+        bucket_bytes=int(request.bucket_mb * 2**20),
     )
     limits = Limits(
         amplification=request.amplification,
         memory_bytes=profile.memory_bytes if request.enforce_memory else None,
     )
-    counts = thinned_counts(request.gpus, request.global_batch, request.max_candidates)
-    options = {layer.name: allowed_counts(cost, layer, counts, limits) for layer in graph.layers}
-    check_memory(cost, options, limits)
-    result = solve(cost, options, memory_bytes=limits.memory_bytes, time_limit_s=request.time_limit_s,
-                   solver=request.solver)
-    assignments = {
-        Strategy.DATA_PARALLEL: baselines.data_parallel(cost, request.gpus),
-        Strategy.DEEPPOOL: baselines.deeppool_dp(cost, request.gpus, request.amplification),
-        Strategy.ILP: result.assignment,
-    }
-    status = result.status
-    best_baseline = _best_feasible_baseline(cost, assignments, options, limits)
-    solved_ms = cost.iteration_ms(result.assignment)
-    if best_baseline is not None and cost.iteration_ms(best_baseline) < solved_ms * (1 - 1e-9):
-        assignments[Strategy.ILP] = best_baseline
-        status = f"{status} (a baseline was better within the time limit and is kept)"
-    times = {strategy: cost.iteration_ms(a) for strategy, a in assignments.items()}
-    info = SolverInfo(name=result.solver.value, status=status, seconds=result.seconds, gap=result.gap)
+    search = Search(
+        gpus=request.gpus, limits=limits, max_candidates=request.max_candidates,
+        time_limit_s=request.time_limit_s, solver=request.solver, objective=request.objective, price=request.price,
+    )
+    solved = solve_all(cost, search)
+    chosen = solved.assignments[request.strategy]
+    check_invariants(cost, chosen)
     plan = build_plan(
         cost,
-        assignments[request.strategy],
+        chosen,
         model=model,
         gpus=request.gpus,
         strategy=request.strategy,
         amplification_limit=request.amplification,
-        solver=info,
-        baselines=times,
+        solver=solved.solver,
+        baselines=solved.baselines,
     )
-    return Planned(plan=plan, assignments=assignments, cost=cost)
-
-
-def _best_feasible_baseline(
-    cost: CostModel,
-    assignments: dict[Strategy, dict[str, int]],
-    options: dict[str, tuple[int, ...]],
-    limits: Limits,
-) -> dict[str, int] | None:
-    counts = sorted({g for allowed in options.values() for g in allowed})
-    feasible = []
-    for strategy in (Strategy.DATA_PARALLEL, Strategy.DEEPPOOL):
-        mapped = {name: _smallest_equivalent(cost, g, counts) for name, g in assignments[strategy].items()}
-        within = all(mapped[name] in options[name] for name in mapped)
-        memory_ok = limits.memory_bytes is None or cost.peak_memory_bytes(mapped) <= limits.memory_bytes
-        if within and memory_ok:
-            feasible.append(mapped)
-    return min(feasible, key=cost.iteration_ms, default=None)
-
-
-def _smallest_equivalent(cost: CostModel, gpus: int, counts: list[int]) -> int:
-    share = cost.per_gpu_batch(gpus)
-    return next((g for g in counts if cost.per_gpu_batch(g) == share), gpus)
+    return Planned(plan=plan, assignments=solved.assignments, cost=cost, search=search)
 
 
 def planner_batches(gpus: int, global_batch: int) -> tuple[int, ...]:
@@ -144,10 +124,13 @@ def planner_batches(gpus: int, global_batch: int) -> tuple[int, ...]:
     return tuple(sorted({-(-global_batch // g) for g in useful_counts(gpus, global_batch)}))
 
 
-def device_setup(device_model: str, global_batch: int, gpus: int, graph: LayerGraph) -> tuple[Profile, NetworkModel]:
-    """An estimated profile and the network preset of a named device model."""
+def device_setup(
+    device_model: str, global_batch: int, gpus: int, graph: LayerGraph, precision: Precision | None = None,
+) -> tuple[Profile, NetworkModel]:
+    """An estimated profile (in ``precision``, the model's own by default) and the network preset of a device model."""
     known = known_device(device_model)
-    return estimated_profile(graph, DEVICES[known], planner_batches(gpus, global_batch)), NETWORKS[known]
+    batches = planner_batches(gpus, global_batch)
+    return estimated_profile(graph, DEVICES[known], batches, precision), NETWORKS[known]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,7 +192,9 @@ class CostSource:
         if self.profile_path is not None:
             return Profile.load(self.profile_path)
         if self.device_model != LOCAL:
-            return device_setup(self.device_model, request.global_batch, request.gpus, traced.graph)[0]
+            return device_setup(
+                self.device_model, request.global_batch, request.gpus, traced.graph, request.precision
+            )[0]
         batches = planner_batches(request.gpus, request.global_batch)
         measured = tuple(b for b in batches if b <= self.max_measured_batch) or (min(batches),)
         config = ProfilerConfig(

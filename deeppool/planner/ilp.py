@@ -2,8 +2,10 @@
 
 Variables: ``x[l,g] ∈ {0,1}``, layer ``l`` runs on ``g`` GPUs (one count per
 layer). The reshard cost of an edge ``u→v``, ``R(g_u, g_v) = [g_u ≠ g_v] ·
-max(σ(g_u), σ(g_v))`` with ``σ`` the cost model's side time, is carried by a
-small min-cost flow per edge (a *ladder*): the counts sorted by ``σ``
+(max(σ(g_u), σ(g_v)) + [max(g_u, g_v) > node]·max(δ(g_u), δ(g_v)))`` with ``σ``
+the cost model's in-node side time and ``δ`` what crossing nodes adds, is
+carried by small min-cost flows per edge (*ladders*; the ``δ`` ladder has a
+free hub joining the in-node counts, so a move inside a node pays no ``δ``): the counts sorted by ``σ``
 descending are levels ``1..K``; one unit of flow goes from ``u``'s count to
 ``v``'s, either straight (``stay_g``, free, only when the counts are equal) or
 into the ladder at level ``i`` (cost ``σ_i``), down the ladder (free) or up it
@@ -11,9 +13,9 @@ into the ladder at level ``i`` (cost ``σ_i``), down the ladder (free) or up it
 costs exactly ``σ_min(i,j) = max(σ_i, σ_j)``. Minimise the cost model's
 iteration time::
 
-    Σ_l Σ_g x[l,g]·(fwd+bwd+AR)_l(g) + Σ_e 2·(Σ_k σ_k·enter_k + Σ_k (σ_k − σ_{k+1})·up_k)
-    s.t.  Σ_g x[l,g] = 1,   stay_g + enter_g = x[u,g],   stay_g + leave_g = x[v,g],
-          flow conservation on every ladder level,
+    Σ_l Σ_g x[l,g]·layer_ms_l(g)·(1 + price·g/1000) + Σ_e Σ_ladders 2·(Σ_k σ_k·enter_k + Σ_k (σ_k − σ_{k+1})·up_k)
+    s.t.  Σ_g x[l,g] = 1,   stay_g + enter_g (+ hub_g) = x[u,g],   stay_g + leave_g (+ hub_g) = x[v,g],
+          flow conservation on every ladder level and hub,
           Σ_l Σ_g x[l,g]·mem_l(g) ≤ device memory           (rank 0 runs every layer)
           x[l,g] = x[m,g]  for layers l, m sharing a parameter (tied embeddings):
                            one count, so the shared gradient is summed in one group
@@ -52,6 +54,7 @@ class IlpResult:
     assignment: dict[str, int]
     solver: SolverName
     status: str
+    optimal: bool
     seconds: float
     gap: float
 
@@ -63,15 +66,18 @@ def solve(
     memory_bytes: int | None,
     time_limit_s: float,
     solver: SolverName | None = None,
+    price: float = 0.0,
 ) -> IlpResult:
     """Solve the ILP for ``options`` (the allowed counts of each layer).
 
     The LP relaxation is solved first: when its optimum is integral (the ladder
     formulation makes that the rule on these graphs) it is an optimal solution
     of the ILP, with gap 0. Otherwise the ILP is solved by branch and bound.
+    ``price`` > 0 adds ``price · g · layer_ms(g) / 1000`` per layer (DeepPool's
+    trade-off of time against GPU-time).
     """
     chosen = solver or default_solver()
-    problem, x = _formulate(cost, options, memory_bytes)
+    problem, x = _formulate(cost, options, memory_bytes, price)
     started = time.perf_counter()
     problem.solve(_backend(chosen, time_limit_s, mip=False))
     relaxed_ok = problem.status == pulp.LpStatusOptimal and _integral(x)
@@ -91,13 +97,14 @@ def solve(
         assignment=assignment,
         solver=chosen,
         status=_status(problem, relaxed_ok),
+        optimal=relaxed_ok or problem.sol_status == pulp.LpSolutionOptimal,
         seconds=seconds,
         gap=0.0 if relaxed_ok else _gap(problem, chosen),
     )
 
 
 def _formulate(
-    cost: CostModel, options: dict[str, tuple[int, ...]], memory_bytes: int | None
+    cost: CostModel, options: dict[str, tuple[int, ...]], memory_bytes: int | None, price: float
 ) -> tuple[pulp.LpProblem, dict[str, dict[int, pulp.LpVariable]]]:
     problem = pulp.LpProblem("burst_parallel_plan", pulp.LpMinimize)
     x = {
@@ -107,7 +114,7 @@ def _formulate(
     objective: dict[pulp.LpVariable, float] = {}
     for i, layer in enumerate(cost.graph.layers):
         _constrain(problem, {var: 1.0 for var in x[layer.name].values()}, pulp.LpConstraintEQ, 1.0, f"one_{i}")
-        objective.update({var: cost.layer_ms(layer, g) for g, var in x[layer.name].items()})
+        objective.update({var: cost.layer_ms(layer, g) * (1 + price * g / 1e3) for g, var in x[layer.name].items()})
     for index, (src, dst) in enumerate(cost.graph.edges()):
         objective.update(_edge(problem, cost, index, src, x[src], x[dst]))
     for index, group in enumerate(cost.graph.tied()):
@@ -150,40 +157,69 @@ def _edge(
     xu: dict[int, pulp.LpVariable],
     xv: dict[int, pulp.LpVariable],
 ) -> dict[pulp.LpVariable, float]:
-    """Add edge ``index``'s ladder flow; return its objective coefficients (both directions)."""
+    """Add edge ``index``'s ladder flows; return their objective coefficients (both directions).
+
+    One ladder prices ``max(σ(g_u), σ(g_v))`` (in-node links); a second one
+    adds ``max(δ(g_u), δ(g_v))`` when the pair crosses nodes, its in-node counts
+    joined by a free hub so that a move inside a node pays no crossing.
+    """
     if len(xu) == 1 and xu.keys() == xv.keys():
         return {}
     producer = cost.graph.layer(src)
-    levels = sorted(set(xu) | set(xv), key=lambda g: (-cost.reshard_side_ms(producer, g), g))
-    sides = [cost.reshard_side_ms(producer, g) for g in levels]
+    counts = set(xu) | set(xv)
+    objective = _ladder(problem, f"{index}", xu, xv, {g: cost.reshard_side_ms(producer, g) for g in counts}, set())
+    node = cost.network.gpus_per_node
+    if max(counts) > node:
+        crossing = {g: cost.crossing_ms(producer, g) for g in counts}
+        inside = {g for g in counts if g <= node}
+        objective.update(_ladder(problem, f"{index}x", xu, xv, crossing, inside))
+    return objective
+
+
+def _ladder(
+    problem: pulp.LpProblem,
+    tag: str,
+    xu: dict[int, pulp.LpVariable],
+    xv: dict[int, pulp.LpVariable],
+    side: dict[int, float],
+    hub: set[int],
+) -> dict[pulp.LpVariable, float]:
+    """One unit of flow from u's count to v's: straight (equal counts), through ``hub``, or the ladder."""
+    levels = sorted(side, key=lambda g: (-side[g], g))
+    sides = [side[g] for g in levels]
 
     def flow(name: str, k: int) -> pulp.LpVariable:
-        return problem.add_variable(f"{name}_{index}_{k}", lowBound=0)
+        return problem.add_variable(f"{name}_{tag}_{k}", lowBound=0)
 
     down = [flow("d", k) for k in range(len(levels) - 1)]
     up = [flow("u", k) for k in range(len(levels) - 1)]
     objective = {var: 2 * (sides[k] - sides[k + 1]) for k, var in enumerate(up)}
+    into_hub: dict[pulp.LpVariable, float] = {}
     for k, g in enumerate(levels):
         ladder: dict[pulp.LpVariable, float] = {}
         stay = flow("s", k) if g in xu and g in xv else None
-        if g in xu:
-            enter = flow("e", k)
-            objective[enter] = 2 * sides[k]
-            ladder[enter] = 1.0
-            _constrain(problem, {enter: 1.0, xu[g]: -1.0, **({stay: 1.0} if stay is not None else {})},
-                       pulp.LpConstraintEQ, 0.0, f"from_{index}_{k}")
-        if g in xv:
-            leave = flow("l", k)
-            ladder[leave] = -1.0
-            _constrain(problem, {leave: 1.0, xv[g]: -1.0, **({stay: 1.0} if stay is not None else {})},
-                       pulp.LpConstraintEQ, 0.0, f"to_{index}_{k}")
+        for end, sign, name in ((xu, 1.0, "e"), (xv, -1.0, "l")):
+            if g not in end:
+                continue
+            port = flow(name, k)
+            if sign > 0:
+                objective[port] = 2 * sides[k]
+            ladder[port] = sign
+            terms = {port: 1.0, end[g]: -1.0, **({stay: 1.0} if stay is not None else {})}
+            if g in hub:
+                shortcut = flow(f"h{name}", k)
+                terms[shortcut] = 1.0
+                into_hub[shortcut] = sign
+            _constrain(problem, terms, pulp.LpConstraintEQ, 0.0, f"{name}_{tag}_{k}")
         if k:
             ladder[down[k - 1]] = 1.0
             ladder[up[k - 1]] = -1.0
         if k < len(up):
             ladder[up[k]] = 1.0
             ladder[down[k]] = -1.0
-        _constrain(problem, ladder, pulp.LpConstraintEQ, 0.0, f"ladder_{index}_{k}")
+        _constrain(problem, ladder, pulp.LpConstraintEQ, 0.0, f"ladder_{tag}_{k}")
+    if into_hub:
+        _constrain(problem, into_hub, pulp.LpConstraintEQ, 0.0, f"hub_{tag}")
     return objective
 
 
@@ -208,10 +244,10 @@ def _has_solution(x: dict[str, dict[int, pulp.LpVariable]]) -> bool:
 
 def _status(problem: pulp.LpProblem, relaxed_ok: bool) -> str:
     if relaxed_ok:
-        return "Optimal (integral LP relaxation)"
+        return "optimal (integral LP relaxation)"
     if problem.sol_status == pulp.LpSolutionOptimal:
-        return "Optimal"
-    return f"{pulp.LpSolution[problem.sol_status]} (time limit)"
+        return "optimal"
+    return f"{pulp.LpSolution[problem.sol_status].lower()} (time limit)"
 
 
 def _gap(problem: pulp.LpProblem, solver: SolverName) -> float:

@@ -17,7 +17,7 @@ from typing import Any
 
 from deeppool.errors import DeeppoolError
 from deeppool.planner.graph import Layer, LayerGraph
-from deeppool.planner.hardware import DeviceModel
+from deeppool.planner.hardware import DeviceModel, Precision
 from deeppool.planner.jsonio import field as json_field
 from deeppool.planner.jsonio import read_json, write_json
 
@@ -125,31 +125,36 @@ class Profile:
         return cls.from_json(read_json(path, kind="profile", schema_version=PROFILE_SCHEMA_VERSION))
 
 
-def estimate_ms(layer: Layer, batch: int, device: DeviceModel) -> tuple[float, float]:
-    """Roofline estimate of (fwd_ms, bwd_ms) for ``layer`` at ``batch`` samples.
+def estimate_ms(layer: Layer, batch: int, device: DeviceModel, precision: Precision) -> tuple[float, float]:
+    """Roofline estimate of (fwd_ms, bwd_ms) for ``layer`` at ``batch`` samples in ``precision``.
 
-    fwd = max(F_fwd·b / (P·e_c), (2·A·b + W) / (BW·e_b)) + k_fwd·o
-    bwd = max(F_bwd·b / (P·e_c), (4·A·b + 2·W) / (BW·e_b)) + k_bwd·o
+    fwd = max(F_fwd·b / (P_p·e_c), (2·A·b + W) / (BW·e_b)) + k_fwd·o
+    bwd = max(F_bwd·b / (P_p·e_c), (4·A·b + 2·W) / (BW·e_b)) + k_bwd·o
 
-    with F the per-sample FLOPs, A the per-sample activation bytes, W the
-    parameter bytes, P the peak FLOP/s, BW the memory bandwidth, e the
-    efficiencies, o the launch overhead and k = 1 (fwd) / 2 (bwd) kernels.
+    with F the per-sample FLOPs, A the per-sample activation bytes and W the
+    parameter bytes (both in precision ``p``), P_p the device's peak FLOP/s in
+    ``p``, BW the memory bandwidth, e the efficiencies, o the launch overhead
+    and k = 1 (fwd) / 2 (bwd) kernels.
     """
-    flops_rate = device.peak_flops * device.compute_efficiency
+    flops_rate = device.peak(precision) * device.compute_efficiency
     byte_rate = device.mem_bandwidth * device.bandwidth_efficiency
-    activation = layer.act_bytes * batch
-    fwd = max(layer.fwd_flops * batch / flops_rate, (2 * activation + layer.param_bytes) / byte_rate)
-    bwd = max(layer.bwd_flops * batch / flops_rate, (4 * activation + 2 * layer.param_bytes) / byte_rate)
+    scale = precision.scale(layer.dtype)
+    activation, weights = layer.act_bytes * batch * scale, layer.param_bytes * scale
+    fwd = max(layer.fwd_flops * batch / flops_rate, (2 * activation + weights) / byte_rate)
+    bwd = max(layer.bwd_flops * batch / flops_rate, (4 * activation + 2 * weights) / byte_rate)
     overhead = device.launch_overhead_s
     return 1e3 * (fwd + overhead), 1e3 * (bwd + 2 * overhead)
 
 
-def estimated_profile(graph: LayerGraph, device: DeviceModel, batches: tuple[int, ...]) -> Profile:
-    """A Profile computed from ``device``'s roofline at each of ``batches``."""
+def estimated_profile(
+    graph: LayerGraph, device: DeviceModel, batches: tuple[int, ...], precision: Precision | None = None,
+) -> Profile:
+    """A Profile computed from ``device``'s roofline at each of ``batches`` (precision: the model's by default)."""
+    chosen = precision or Precision.of_dtype(graph.layers[0].dtype if graph.layers else "float32")
     ordered = tuple(sorted(set(batches)))
     layers = {}
     for layer in graph.layers:
-        times = [estimate_ms(layer, batch, device) for batch in ordered]
+        times = [estimate_ms(layer, batch, device, chosen) for batch in ordered]
         layers[layer.name] = LayerTimes(
             batches=ordered,
             fwd_ms=tuple(t[0] for t in times),
@@ -158,7 +163,7 @@ def estimated_profile(graph: LayerGraph, device: DeviceModel, batches: tuple[int
     return Profile(
         device=device.name,
         source=f"device-model:{device.name}",
-        dtype=graph.layers[0].dtype if graph.layers else "float32",
+        dtype=chosen.value,
         memory_bytes=device.memory_bytes,
         memory_bandwidth=device.mem_bandwidth * device.bandwidth_efficiency,
         layers=layers,

@@ -11,6 +11,7 @@ import deeppool
 from deeppool.planner.graph import TraceMethod
 from deeppool.planner.hardware import DEVICES, KnownDevice
 from deeppool.planner.modelspec import ModelSpec
+from deeppool.planner.hardware import Precision
 from deeppool.planner.profile import Profile, estimate_ms
 from deeppool.planner.profiler import ProfileCache, ProfilerConfig, measure_profile
 from deeppool.planner.trace import trace
@@ -48,7 +49,7 @@ def test_interpolation_between_and_beyond_measured_batches():
 def test_device_model_estimates_scale_with_the_device():
     graph = trace(ModelSpec.parse(str(TINY)).load()).graph
     fc1 = graph.layer("fc1")
-    v100, h100 = (estimate_ms(fc1, 4096, DEVICES[k]) for k in (KnownDevice.V100, KnownDevice.H100))
+    v100, h100 = (estimate_ms(fc1, 4096, DEVICES[k], Precision.TF32) for k in (KnownDevice.V100, KnownDevice.H100))
     assert h100[0] < v100[0] and h100[1] < v100[1]
     assert graph.method is TraceMethod.FX
 
