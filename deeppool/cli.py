@@ -49,12 +49,17 @@ def plan(
     amplification: Annotated[float | None, typer.Option(help="hard limit on a layer's GPU-time amplification")] = None,
     strategy: Annotated[str, typer.Option(help="which plan to write: ilp, dp or deeppool")] = "ilp",
     optimizer: Annotated[str, typer.Option(help="sgd or adam: optimizer state memory and step time")] = "sgd",
+    precision: Annotated[str | None, typer.Option(help="fp32, tf32, bf16 or fp16 for a device model (default: the model's dtype)")] = None,
+    bucket_mb: Annotated[float, typer.Option(help="the executor's gradient bucket, MiB (0: per layer, synchronous)")] = 25.0,
+    objective: Annotated[str, typer.Option(help="time (iteration time under --amplification) or time+gpu-time (needs --price)")] = "time",
+    price: Annotated[float, typer.Option(help="with --objective time+gpu-time: ms of iteration worth one GPU-second")] = 0.0,
+    pareto: Annotated[Path | None, typer.Option(help="write a PNG of iteration time against GPU-seconds, baselines marked")] = None,
     time_limit: Annotated[float, typer.Option(help="ILP time limit, seconds")] = 60.0,
     solver: Annotated[str | None, typer.Option(help="cbc or highs (default: highs when installed)")] = None,
     no_memory_limit: Annotated[bool, typer.Option(help="do not constrain per-GPU memory")] = False,
     max_candidates: Annotated[int, typer.Option(help="thin the GPU counts per layer to about this many (0: all)")] = 32,
     local_device: Annotated[str, typer.Option(help="device to measure on with --device-model local")] = "cpu",
-    max_measured_batch: Annotated[int, typer.Option(help="largest per-GPU batch measured locally")] = 32,
+    max_measured_batch: Annotated[int, typer.Option(help="largest per-GPU batch measured locally (the rest is fitted)")] = 8,
     cache_dir: Annotated[Path, typer.Option(help="profile cache directory")] = DEFAULT_CACHE,
     out: Annotated[Path, typer.Option(help="where to write the plan JSON")] = Path("plan.json"),
     gantt: Annotated[Path | None, typer.Option(help="write a PNG Gantt chart of one iteration")] = None,
@@ -64,9 +69,11 @@ def plan(
     from deeppool.planner import report
     from deeppool.planner.api import LOCAL, CostSource, PlanRequest, plan_model
     from deeppool.planner.cost import Optimizer
+    from deeppool.planner.hardware import Precision
     from deeppool.planner.ilp import SolverName
     from deeppool.planner.modelspec import ModelSpec
     from deeppool.planner.plan import Strategy
+    from deeppool.planner.strategies import Objective
 
     request = PlanRequest(
         gpus=gpus,
@@ -78,6 +85,10 @@ def plan(
         time_limit_s=time_limit,
         solver=_enum(SolverName, solver, "--solver") if solver else None,
         max_candidates=max_candidates or None,
+        bucket_mb=bucket_mb,
+        precision=Precision.parse(precision) if precision else None,
+        objective=_enum(Objective, objective, "--objective"),
+        price=price,
     )
     source = CostSource(
         device_model=(device_model or LOCAL).lower(),
@@ -100,12 +111,19 @@ def plan(
     planned = plan_model(spec, request, source)
     planned.plan.save(out)
     console = Console()
+    if planned.cost.profile.fit is not None:
+        console.print(planned.cost.profile.fit.describe())
     console.print(report.plan_table(planned.plan, per_layer=per_layer))
     console.print(report.summary(planned.plan))
     console.print(f"plan written to {out}")
     if gantt is not None:
         report.gantt(planned.plan, planned.cost, gantt)
         console.print(f"Gantt chart written to {gantt}")
+    if pareto is not None:
+        from deeppool.planner.pareto import front, plot
+
+        plot(front(planned), pareto)
+        console.print(f"Pareto front written to {pareto}")
 
 
 @app.command("profile")
@@ -135,6 +153,8 @@ def profile_command(
     ).load()
     measured = measure_profile(trace(loaded), loaded, config)
     measured.save(out)
+    if measured.fit is not None:
+        Console().print(measured.fit.describe())
     Console().print(f"profiled {len(measured.layers)} layers on {measured.device} at batches {config.batches}: {out}")
 
 

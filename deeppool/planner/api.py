@@ -138,8 +138,8 @@ class CostSource:
     """Where layer times come from: a device model, a profile file, or measuring here.
 
     ``device_model`` is v100/a100/h100 (estimated) or ``local`` (measured on
-    ``local_device`` at the planner's per-GPU batches up to
-    ``max_measured_batch``, larger ones extrapolated). ``network`` names a
+    ``local_device`` at a few per-GPU batches up to ``max_measured_batch``,
+    :func:`measured_batches`, and fitted to the planner's). ``network`` names a
     preset (a device model or ``local``), ``network_file`` a measured network
     (``deeppool profile-network``) instead; the three overrides replace figures.
     """
@@ -147,7 +147,7 @@ class CostSource:
     device_model: str = LOCAL
     profile_path: Path | None = None
     local_device: str = "cpu"
-    max_measured_batch: int = 32
+    max_measured_batch: int = 8
     cache_dir: Path | None = None
     network: str | None = None
     network_file: Path | None = None
@@ -196,12 +196,18 @@ class CostSource:
                 self.device_model, request.global_batch, request.gpus, traced.graph, request.precision
             )[0]
         batches = planner_batches(request.gpus, request.global_batch)
-        measured = tuple(b for b in batches if b <= self.max_measured_batch) or (min(batches),)
         config = ProfilerConfig(
-            device=self.local_device, batches=measured, cache_dir=self.cache_dir,
-            show_progress=self.show_progress,
+            device=self.local_device, batches=measured_batches(self.max_measured_batch, max(batches)),
+            fit_to=batches, cache_dir=self.cache_dir, show_progress=self.show_progress,
         )
         return measure_profile(traced, loaded, config)
+
+
+def measured_batches(largest: int, needed: int) -> tuple[int, ...]:
+    """The per-GPU batches measured locally: powers of two up to ``largest`` and ``needed``, from 2 when 3 remain."""
+    limit = min(largest, needed)
+    powers = tuple(2**k for k in range(limit.bit_length()))
+    return powers[1:] if len(powers) > 3 else powers
 
 
 def plan_model(spec: ModelSpec, request: PlanRequest, source: CostSource) -> Planned:

@@ -11,7 +11,7 @@ effective memory bandwidth, from which the optimizer step time follows.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,29 @@ def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FitQuality:
+    """How well a measured profile's line fits held its points, and how noisy the measuring was."""
+
+    measured_batches: tuple[int, ...]
+    error_p50: float
+    error_p90: float
+    noisy: int
+    measurements: int
+
+    def describe(self, bound: float = 0.25) -> str:
+        """One line for people; it warns when the fit or the measurements are loose."""
+        line = (
+            f"profile measured at per-GPU batches {list(self.measured_batches)} and fitted (t = a + b·batch): "
+            f"fit error median {100 * self.error_p50:.1f}%, p90 {100 * self.error_p90:.1f}%"
+        )
+        if self.noisy:
+            line += f"; warning: {self.noisy} of {self.measurements} measurements stayed noisy (spread > 20%)"
+        if self.error_p90 > bound:
+            line += "; warning: the fit is loose, the machine may be busy: re-plan on a quieter machine"
+        return line
+
+
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     """Per-layer times on one device, keyed by layer name."""
 
@@ -64,6 +87,7 @@ class Profile:
     memory_bytes: int
     memory_bandwidth: float = 100e9
     layers: dict[str, LayerTimes] = field(default_factory=dict)
+    fit: FitQuality | None = None
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def times(self, layer: str, batch: int) -> tuple[float, float]:
@@ -93,6 +117,7 @@ class Profile:
                 name: {"batches": list(t.batches), "fwd_ms": list(t.fwd_ms), "bwd_ms": list(t.bwd_ms)}
                 for name, t in self.layers.items()
             },
+            "fit": None if self.fit is None else {**asdict(self.fit), "measured_batches": list(self.fit.measured_batches)},
         }
 
     @classmethod
@@ -115,6 +140,7 @@ class Profile:
             memory_bytes=int(json_field(payload, "memory_bytes", kind="profile")),
             memory_bandwidth=float(json_field(payload, "memory_bandwidth", kind="profile")),
             layers=layers,
+            fit=_fit(payload.get("fit")),
         )
 
     def save(self, path: str | Path) -> None:
@@ -123,6 +149,15 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         return cls.from_json(read_json(path, kind="profile", schema_version=PROFILE_SCHEMA_VERSION))
+
+
+def _fit(entry: dict[str, Any] | None) -> FitQuality | None:
+    if entry is None:
+        return None
+    try:
+        return FitQuality(**{**entry, "measured_batches": tuple(entry["measured_batches"])})
+    except (KeyError, TypeError) as err:
+        raise DeeppoolError(f"profile JSON has a malformed fit entry ({err}): regenerate it") from None
 
 
 def estimate_ms(layer: Layer, batch: int, device: DeviceModel, precision: Precision) -> tuple[float, float]:
