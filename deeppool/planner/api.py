@@ -9,6 +9,7 @@ Python entry point for an ``nn.Module`` and example inputs.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,8 +200,14 @@ class CostSource:
         config = ProfilerConfig(
             device=self.local_device, batches=measured_batches(self.max_measured_batch, max(batches)),
             fit_to=batches, cache_dir=self.cache_dir, show_progress=self.show_progress,
+            threads=rank_threads(request.gpus) if self.local_device == "cpu" else None,
         )
         return measure_profile(traced, loaded, config)
+
+
+def rank_threads(gpus: int) -> int:
+    """The intra-op threads a rank of a ``gpus``-rank run on this host gets: its share of the cores."""
+    return max(1, (os.cpu_count() or 1) // gpus)
 
 
 def measured_batches(largest: int, needed: int) -> tuple[int, ...]:

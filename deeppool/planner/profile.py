@@ -63,6 +63,7 @@ class FitQuality:
     error_p90: float
     noisy: int
     measurements: int
+    spread_bound: float
 
     def describe(self, bound: float = 0.25) -> str:
         """One line for people; it warns when the fit or the measurements are loose."""
@@ -71,7 +72,7 @@ class FitQuality:
             f"fit error median {100 * self.error_p50:.1f}%, p90 {100 * self.error_p90:.1f}%"
         )
         if self.noisy:
-            line += f"; warning: {self.noisy} of {self.measurements} measurements stayed noisy (spread > 20%)"
+            line += f"; warning: {self.noisy} of {self.measurements} measurements stayed noisy (spread > {100 * self.spread_bound:.0f}%)"
         if self.error_p90 > bound:
             line += "; warning: the fit is loose, the machine may be busy: re-plan on a quieter machine"
         return line

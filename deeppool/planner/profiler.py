@@ -4,9 +4,12 @@ Each layer runs alone (:class:`LayerRunner`) on the activations its producers
 computed, at a few per-GPU batch sizes (``batches``): ``warmup`` untimed runs,
 then timed runs (``time.perf_counter`` on the CPU, CUDA events on a GPU) in
 rounds of ``repeats`` until the spread of the kept runs (outliers beyond
-3 scaled median absolute deviations dropped) is within ``spread_bound`` of
-their median, or ``max_repeats`` runs were taken; a measurement still wider
-is counted as noisy and the profile says how many there were.
+3 scaled median absolute deviations, MAD, dropped; spread = scaled MAD over
+the median) is within ``spread_bound``, or ``max_repeats`` runs were taken; a
+measurement still wider is counted as noisy and the profile says how many
+there were. On the CPU ``threads`` sets the intra-op threads while measuring
+(a rank of a run on this host gets ``cores / ranks`` of them; a busy machine
+stalls multi-threaded kernels far more than single-threaded ones).
 
 Every layer's times are then fitted by ``t(s) = a + b·s`` (least squares,
 ``a, b ≥ 0``), which is what a layer's time does once the batch fills the
@@ -24,6 +27,7 @@ model, or resuming an interrupted run, measures nothing twice.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -52,8 +56,9 @@ class ProfilerConfig:
     fit_to: tuple[int, ...] = ()
     warmup: int = 1
     repeats: int = 3
-    max_repeats: int = 12
-    spread_bound: float = 0.2
+    max_repeats: int = 9
+    spread_bound: float = 0.1
+    threads: int | None = None
     cache_dir: Path | None = None
     show_progress: bool = True
 
@@ -137,22 +142,28 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
     traced.module.to(device)
     cache = ProfileCache(config.cache_dir) if config.cache_dir else None
     batches = tuple(sorted(set(config.batches)))
-    measured: dict[str, list[Measured]] = {layer.name: [] for layer in graph.layers}
+    measured: dict[str, dict[int, Measured]] = {layer.name: {} for layer in graph.layers}
     runners = {layer.name: LayerRunner(traced.module, layer) for layer in graph.layers}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads or threads)
+    if device.type == "cpu":
+        steady_allocator()
     try:
         with Progress(disable=not config.show_progress, transient=True) as progress:
             task = progress.add_task(f"profiling on {device_name(device)}", total=len(batches) * len(graph))
-            for batch in batches:
+            for batch in reversed(batches):  # the largest first: smaller batches reuse its freed memory
                 for layer, sample in _measure_batch(graph, runners, loaded, batch, device, config, cache):
-                    measured[layer].append(sample)
+                    measured[layer][batch] = sample
                     progress.advance(task)
     finally:
+        torch.set_num_threads(threads)
         if cache:
             cache.save()
     for parameter in traced.module.parameters():
         parameter.grad = None  # timing the backward passes left gradients behind
     targets = tuple(sorted(set(batches) | set(config.fit_to)))
-    layers = {name: fit_layer(batches, samples, targets) for name, samples in measured.items()}
+    ordered = {name: [samples[b] for b in batches] for name, samples in measured.items()}
+    layers = {name: fit_layer(batches, samples, targets) for name, samples in ordered.items()}
     return Profile(
         device=device_name(device),
         source="measured",
@@ -160,8 +171,30 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
         memory_bytes=device_memory(device),
         memory_bandwidth=memory_bandwidth(device),
         layers={name: times for name, (times, _) in layers.items()},
-        fit=_quality(batches, [errors for _, errors in layers.values()], measured, config.spread_bound),
+        fit=_quality(batches, [errors for _, errors in layers.values()], ordered, config.spread_bound),
     )
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 * 2**20
+
+
+def steady_allocator() -> None:
+    """Keep freed CPU memory for reuse, as a training loop's steady state does (glibc only).
+
+    glibc maps a large tensor afresh on every allocation until its dynamic
+    threshold adapts, and returns freed memory at the top of the heap; each
+    fresh page then faults on first touch, which in a VM made element-wise
+    layers at the first batch measured 10-80x slower than at the next. Fixed
+    thresholds (tensors below 32 MiB from the heap, the heap never trimmed)
+    make the warm-up run absorb the faults.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+    libc.mallopt(_M_TRIM_THRESHOLD, 2**30)
 
 
 def fit_line(xs: tuple[int, ...], ys: list[float]) -> tuple[float, float]:
@@ -213,6 +246,7 @@ def _quality(
         error_p90=flat[min(int(0.9 * len(flat)), len(flat) - 1)] if flat else 0.0,
         noisy=sum(spread > bound for spread in spreads),
         measurements=len(spreads),
+        spread_bound=bound,
     )
 
 
@@ -249,7 +283,7 @@ def _key(layer: Layer, args: list[torch.Tensor], batch: int, device: torch.devic
     shapes = [(tuple(a.shape[1:]), str(a.dtype)) for a in args]
     text = (
         f"{layer.signature}|{shapes}|{batch}|{device_name(device)}|{torch.__version__}|{config.warmup}|"
-        f"{config.repeats}|{config.max_repeats}|{config.spread_bound}"
+        f"{config.repeats}|{config.max_repeats}|{config.spread_bound}|{config.threads}"
     )
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -298,9 +332,10 @@ def _inliers(values: list[float]) -> list[int]:
 
 
 def _spread(values: list[float]) -> float:
-    """(max − min) / median of ``values`` (0 for a single value)."""
+    """The scaled median absolute deviation over the median of ``values`` (a robust relative spread)."""
     median = statistics.median(values)
-    return (max(values) - min(values)) / median if median > 0 else 0.0
+    mad = 1.4826 * statistics.median(abs(v - median) for v in values)
+    return mad / median if median > 0 else 0.0
 
 
 def _timed(device: torch.device, work: Callable[[], object]) -> tuple[float, object]:
