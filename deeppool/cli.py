@@ -47,7 +47,7 @@ def plan(
     intra_gbps: Annotated[float | None, typer.Option(help="override the in-node bandwidth per GPU, GB/s")] = None,
     inter_gbps: Annotated[float | None, typer.Option(help="override the cross-node bandwidth per GPU, GB/s")] = None,
     amplification: Annotated[float | None, typer.Option(help="hard limit on a layer's GPU-time amplification")] = None,
-    strategy: Annotated[str, typer.Option(help="which plan to write: ilp, dp or deeppool")] = "ilp",
+    strategy: Annotated[str, typer.Option(help="which plan to write: ilp, dp (data parallel on all GPUs), best-dp (the best data-parallel width) or deeppool")] = "ilp",
     optimizer: Annotated[str, typer.Option(help="sgd or adam: optimizer state memory and step time")] = "sgd",
     precision: Annotated[str | None, typer.Option(help="fp32, tf32, bf16 or fp16 for a device model (default: the model's dtype)")] = None,
     bucket_mb: Annotated[float, typer.Option(help="the executor's gradient bucket, MiB (0: per layer, synchronous)")] = 25.0,

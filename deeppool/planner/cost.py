@@ -24,10 +24,11 @@ each node across). The predicted iteration time is
               with b = min(bucket, Σ_l W_l) (a bucket's latency shared by its layers by
               bytes) and the last bucket the layers whose forward-order prefix of
               parameter bytes is below ``Σ W mod bucket`` (a whole bucket if 0).
-    BN_l(g)   = AR(g, 8(C+1), 1) + AR(g, 8C, 1) + AR(g, 16C, 1) for an ``nn.BatchNorm`` layer
-              on g > 1 ranks (C channels): the executor's synchronised BatchNorm
-              reduces count and sum, then squared deviations (forward), then
-              Σdy and Σdy·(x−μ) (backward), in float64, synchronously.
+    BN_l(g)   = AR(g, 8(C+1), 1) + AR(g, 8C, 1)  (forward)  +  AR(g, 16C, 1)  (backward)
+              for an ``nn.BatchNorm`` layer on g > 1 ranks (C channels): the executor's
+              synchronised BatchNorm reduces count and sum, then squared deviations,
+              then Σdy and Σdy·(x−μ), in float64, synchronously; a plan's
+              ``fwd_ms``/``bwd_ms`` include these.
     R_uv(g_u, g_v) = 0 if g_u = g_v, else α(G) + A_u · s(min(g_u, g_v)) / BW(G),  G = max(g_u, g_v)
               (activations resharded forward, their gradients backward; the busiest
               rank moves one shard of the smaller group, over the slowest link the
@@ -165,13 +166,19 @@ class CostModel:
             return full
         return max(0.0, full - self.compute_ms(layer, gpus)[1])
 
-    def batchnorm_ms(self, layer: Layer, gpus: int) -> float:
-        """``BN_l(g)``: synchronised BatchNorm's three statistics all-reduces."""
+    def batchnorm_ms(self, layer: Layer, gpus: int) -> tuple[float, float]:
+        """``BN_l(g)`` split into (forward, backward): synchronised BatchNorm's statistics all-reduces."""
         if gpus == 1 or "BatchNorm" not in layer.op:
-            return 0.0
+            return 0.0, 0.0
         channels = layer.output_shape[0] if layer.output_shape else 1
-        sizes = (channels + 1, channels, 2 * channels)
-        return 1e3 * sum(self.network.allreduce_s(gpus, _STATS_BYTES * n) for n in sizes)
+        forward = sum(self.network.allreduce_s(gpus, _STATS_BYTES * n) for n in (channels + 1, channels))
+        return 1e3 * forward, 1e3 * self.network.allreduce_s(gpus, _STATS_BYTES * 2 * channels)
+
+    def phases_ms(self, layer: Layer, gpus: int) -> tuple[float, float]:
+        """(forward, backward) ms the layer holds its ranks: compute plus synchronised BatchNorm."""
+        fwd, bwd = self.compute_ms(layer, gpus)
+        bn_fwd, bn_bwd = self.batchnorm_ms(layer, gpus)
+        return fwd + bn_fwd, bwd + bn_bwd
 
     def step_ms(self, layer: Layer) -> float:
         """The optimizer step over the layer's parameters (the same on each of its ranks)."""
@@ -180,8 +187,8 @@ class CostModel:
 
     def layer_ms(self, layer: Layer, gpus: int) -> float:
         """Compute, synchronised BatchNorm, exposed all-reduce and optimizer step: the time ``layer`` holds its GPUs."""
-        fwd, bwd = self.compute_ms(layer, gpus)
-        return fwd + bwd + self.batchnorm_ms(layer, gpus) + self.allreduce_ms(layer, gpus) + self.step_ms(layer)
+        fwd, bwd = self.phases_ms(layer, gpus)
+        return fwd + bwd + self.allreduce_ms(layer, gpus) + self.step_ms(layer)
 
     def reshard_side_ms(self, producer: Layer, gpus: int, *, across: bool = False) -> float:
         """``σ(g)`` (in-node) or, with ``across``, ``σ_x(g)``: one shard of ``gpus`` ranks over one link."""
@@ -252,12 +259,10 @@ class CostModel:
         for layer in self.graph.layers:
             g = assignment[layer.name]
             reshards(layer, g)
-            fwd = self.compute_ms(layer, g)[0] + self.batchnorm_ms(layer, g) / 3
-            add(PhaseKind.FORWARD, layer.name, fwd, g)
+            add(PhaseKind.FORWARD, layer.name, self.phases_ms(layer, g)[0], g)
         for layer in reversed(self.graph.layers):
             g = assignment[layer.name]
-            bwd = self.compute_ms(layer, g)[1] + 2 * self.batchnorm_ms(layer, g) / 3
-            add(PhaseKind.BACKWARD, layer.name, bwd, g)
+            add(PhaseKind.BACKWARD, layer.name, self.phases_ms(layer, g)[1], g)
             add(PhaseKind.ALLREDUCE, layer.name, self.allreduce_ms(layer, g), g)
             reshards(layer, g)
         for layer in self.graph.layers:

@@ -235,7 +235,7 @@ def build_plan(
         speedup_vs_best_data_parallel=best / iteration if iteration > 0 else 1.0,
         gpu_seconds_per_iteration=busy / 1e3,
         amplification=busy / single if single > 0 else 1.0,
-        idle_gpu_fraction=1.0 - busy / (iteration * gpus) if iteration > 0 else 0.0,
+        idle_gpu_fraction=max(0.0, 1.0 - busy / (iteration * gpus)) if iteration > 0 else 0.0,
         peak_memory_bytes=cost.peak_memory_bytes(assignment),
         idle_windows=tuple(idle_windows(phases, gpus, iteration)),
     )
@@ -257,7 +257,7 @@ def build_plan(
 
 def _plan_layer(cost: CostModel, name: str, gpus: int) -> PlannedLayer:
     layer = cost.graph.layer(name)
-    fwd, bwd = cost.compute_ms(layer, gpus)
+    fwd, bwd = cost.phases_ms(layer, gpus)
     return PlannedLayer(
         name=name,
         op=layer.op,

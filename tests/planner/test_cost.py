@@ -52,9 +52,11 @@ def test_synchronised_batchnorm_pays_three_small_allreduces():
     bn = replace(synthetic.layer("a", ("x",), params=512, act=4096), op="BatchNorm2d", output_shape=(64, 4, 4))
     graph = replace(GRAPH, layers=(bn, GRAPH.layer("b")))
     cost = replace(_cost(), graph=graph)
-    expected = sum(NETWORK.allreduce_s(8, 8 * n) for n in (65, 64, 128))
-    assert cost.batchnorm_ms(bn, 8) == pytest.approx(1e3 * expected)
-    assert cost.batchnorm_ms(bn, 1) == 0 and cost.batchnorm_ms(GRAPH.layer("b"), 8) == 0
+    forward = sum(NETWORK.allreduce_s(8, 8 * n) for n in (65, 64))
+    assert cost.batchnorm_ms(bn, 8) == pytest.approx((1e3 * forward, 1e3 * NETWORK.allreduce_s(8, 8 * 128)))
+    assert cost.batchnorm_ms(bn, 1) == (0, 0) and cost.batchnorm_ms(GRAPH.layer("b"), 8) == (0, 0)
+    fwd, bwd = cost.compute_ms(bn, 8)
+    assert cost.phases_ms(bn, 8) == pytest.approx((fwd + 1e3 * forward, bwd + 1e3 * NETWORK.allreduce_s(8, 1024)))
 
 
 def test_reshard_is_priced_at_the_slowest_link_it_crosses():

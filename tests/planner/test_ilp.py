@@ -14,7 +14,9 @@ from deeppool.planner.cost import CostModel
 from deeppool.planner.hardware import NETWORKS, KnownDevice, NetworkModel
 from deeppool.planner.ilp import SolverName
 from deeppool.planner.modelspec import ModelSource, ModelSpec
+from deeppool.planner.pareto import front, plot
 from deeppool.planner.plan import Strategy
+from deeppool.planner.strategies import Objective
 from tests.planner import synthetic
 
 SPEC = ModelSpec(source=ModelSource.FACTORY, location="tests.models.factories:small_cnn", input_shape=(3, 8, 8))
@@ -149,3 +151,21 @@ def test_thinned_candidates_say_so_and_a_failed_solve_keeps_the_best_baseline(mo
     assert "no ILP solution" in kept.solver.status and "kept the best feasible baseline" in kept.solver.status
     assert kept.predicted.iteration_ms == pytest.approx(min(
         kept.predicted.best_data_parallel_iteration_ms, kept.predicted.deeppool_iteration_ms))
+
+
+def test_pricing_gpu_time_trades_iteration_time_for_gpu_seconds_and_the_front_is_drawn(tmp_path):
+    gpus, batch = 8, 16
+    _, profile = _problem(RESIDUAL, gpus, batch)
+    fast = plan_graph(RESIDUAL, profile, SLOW_NETWORK, PlanRequest(gpus=gpus, global_batch=batch), model=SPEC)
+    dear = PlanRequest(gpus=gpus, global_batch=batch, objective=Objective.TIME_AND_GPU_TIME, price=1e4)
+    frugal = plan_graph(RESIDUAL, profile, SLOW_NETWORK, dear, model=SPEC).plan.predicted
+    assert frugal.gpu_seconds_per_iteration <= fast.plan.predicted.gpu_seconds_per_iteration + 1e-12
+    assert frugal.iteration_ms >= fast.plan.predicted.iteration_ms - 1e-9
+    drawn = front(fast)
+    times = [p.iteration_ms for p in drawn.ilp]
+    assert times == sorted(times, reverse=True), "along the front, more GPU-time buys less iteration time"
+    assert drawn.ilp[-1].iteration_ms == pytest.approx(fast.plan.predicted.iteration_ms)
+    plot(drawn, tmp_path / "front.png")
+    assert (tmp_path / "front.png").stat().st_size > 10_000
+    with pytest.raises(DeeppoolError, match="needs a --price"):
+        PlanRequest(gpus=gpus, global_batch=batch, objective=Objective.TIME_AND_GPU_TIME)
