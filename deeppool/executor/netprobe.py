@@ -119,10 +119,12 @@ class NetworkFit:
         if p2p is None or reduce is None:
             return NetworkModel.flat(
                 gpus_per_node=LOCAL_NETWORK.gpus_per_node, bandwidth=self.bandwidth, latency_s=self.latency_s,
+                allreduce_overlap=LOCAL_NETWORK.allreduce_overlap,
             )
         bandwidth, latency = p2p["bandwidth"], p2p["latency_s"]
         return NetworkModel.flat(
             gpus_per_node=LOCAL_NETWORK.gpus_per_node, bandwidth=bandwidth, latency_s=latency,
+            allreduce_overlap=LOCAL_NETWORK.allreduce_overlap,
             allreduce_efficiency=reduce["bandwidth"] / bandwidth,
             allreduce_latency_factor=reduce["latency_s"] / latency if latency > 0 else 1.0,
         )

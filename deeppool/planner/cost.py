@@ -20,7 +20,8 @@ each node across). The predicted iteration time is
                 = 0                                    if g = 1 or W_l = 0
                 = AR(g, W_l, 1)                        with bucket 0 (one synchronous call per layer)
                 = AR(g, W_l, W_l / b)                  if l is in the last bucket
-                = max(0, AR(g, W_l, W_l / b) − bwd_l)  otherwise (hidden behind the backward)
+                = max(0, AR(g, W_l, W_l / b) − ω·bwd_l)  otherwise (hidden behind the backward;
+                                                      ω the network's overlap: 1 on GPUs, 0 for gloo on CPUs)
               with b = min(bucket, Σ_l W_l) (a bucket's latency shared by its layers by
               bytes) and the last bucket the layers whose forward-order prefix of
               parameter bytes is below ``Σ W mod bucket`` (a whole bucket if 0).
@@ -164,7 +165,7 @@ class CostModel:
         full = 1e3 * self.network.allreduce_s(gpus, nbytes, latencies=nbytes / self._bucket_share)
         if layer.name in self._tail:
             return full
-        return max(0.0, full - self.compute_ms(layer, gpus)[1])
+        return max(0.0, full - self.network.allreduce_overlap * self.compute_ms(layer, gpus)[1])
 
     def batchnorm_ms(self, layer: Layer, gpus: int) -> tuple[float, float]:
         """``BN_l(g)`` split into (forward, backward): synchronised BatchNorm's statistics all-reduces."""

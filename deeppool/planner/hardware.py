@@ -110,7 +110,10 @@ class NetworkModel:
 
     Bandwidths are bytes/s, latencies seconds. ``allreduce_efficiency`` (η) and
     ``allreduce_latency_factor`` (λ) scale them for all-reduce (1 for the
-    presets; measured by ``deeppool profile-network``).
+    presets; measured by ``deeppool profile-network``). ``allreduce_overlap``
+    (ω) is the share of the backward that an asynchronous all-reduce can hide
+    behind: 1 on GPUs (NCCL runs beside the compute kernels), 0 for gloo on a
+    host's CPU cores, where the reduction competes with the compute for them.
     """
 
     gpus_per_node: int
@@ -121,10 +124,13 @@ class NetworkModel:
     inter_latency_s: float
     allreduce_efficiency: float = 1.0
     allreduce_latency_factor: float = 1.0
+    allreduce_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         if self.allreduce_efficiency <= 0 or self.allreduce_latency_factor < 0:
             raise DeeppoolError("the all-reduce efficiency must be positive and its latency factor >= 0")
+        if not 0 <= self.allreduce_overlap <= 1:
+            raise DeeppoolError(f"the all-reduce overlap {self.allreduce_overlap} must be within 0..1")
         if self.gpus_per_node < 1 or self.nics_per_node < 1:
             raise DeeppoolError("--gpus-per-node and the NICs per node must be at least 1")
         if min(self.intra_bandwidth, self.nic_bandwidth) <= 0:
@@ -224,7 +230,7 @@ class NetworkModel:
         return replace(self, **changes)
 
 
-_OPTIONAL = ("allreduce_efficiency", "allreduce_latency_factor")
+_OPTIONAL = ("allreduce_efficiency", "allreduce_latency_factor", "allreduce_overlap")
 
 
 class KnownDevice(enum.Enum):
@@ -272,7 +278,7 @@ NETWORKS: dict[KnownDevice, NetworkModel] = {
 
 LOCAL_NETWORK = NetworkModel(
     gpus_per_node=64, intra_bandwidth=5e9, nics_per_node=1, nic_bandwidth=1.25e9 * 64,
-    intra_latency_s=50e-6, inter_latency_s=100e-6,
+    intra_latency_s=50e-6, inter_latency_s=100e-6, allreduce_overlap=0.0,
 )
 """Processes on one host talking through gloo over shared memory / loopback."""
 
