@@ -14,7 +14,8 @@ Rates (see :mod:`deeppool.cluster_sim.interference`):
 * a job on whole GPUs runs one iteration per ``Plan.iteration_ms`` of its Plan
   on those GPUs, times ``fg_slowdown`` while it hosts a background job; it
   keeps ``gpu_seconds_per_iteration`` of GPU time busy per iteration;
-* a background job on lent ranks runs ``bg_efficiency · min(idle) / T_dp(k)``.
+* a background job on lent ranks runs ``min(usable) / T_dp(k)``, each lent rank's idle windows
+  weighted by the efficiency for their length.
 """
 
 from __future__ import annotations
@@ -253,12 +254,14 @@ class Engine:
 
     def _open_slots(self, host: _Active) -> None:
         assert host.facts is not None
-        idle = host.facts.idle_fractions
+        facts = host.facts
+        idle = facts.idle_fractions
         ranks = sorted(range(len(idle)), key=lambda r: -idle[r])
-        slots = [
-            Slot(host=host.job.job_id, rank=r, idle_fraction=idle[r])
+        usable = {r: self.model.usable_fraction(facts.windows_ms(r), facts.iteration_s * 1e3) for r in ranks}
+        slots = [  # a rank whose windows background work cannot fill is not lent
+            Slot(host=host.job.job_id, rank=r, idle_fraction=idle[r], usable_fraction=usable[r])
             for r in ranks
-            if idle[r] >= self.model.min_lend_fraction and idle[r] > 0
+            if idle[r] >= self.model.min_lend_fraction and usable[r] > 0
         ]
         self.host_slots[host.job.job_id] = slots
         for slot in slots:
@@ -383,6 +386,6 @@ class Engine:
     def _rate_guest(self, active: _Active) -> None:
         job = active.job
         own = self._facts(job.model, job.gpus, PlanMode.DATA_PARALLEL)
-        share = self.model.bg_efficiency * min(slot.idle_fraction for slot in active.slots)
+        share = min(slot.usable_fraction for slot in active.slots)
         rate = share / own.iteration_s
         self._set_rate(active, rate, own.gpu_seconds_per_iteration * rate)

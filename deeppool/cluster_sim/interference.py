@@ -2,11 +2,17 @@
 
 A background job placed on ``k`` lent ranks of foreground jobs progresses at
 
-    rate_bg = bg_efficiency · min_i(idle_i) / T_bg(k)
+    rate_bg = min_i(usable_i) / T_bg(k),   usable_i = Σ_w e(len_w) · len_w / T_fg
 
-iterations per second, ``idle_i`` being the idle fraction of lent rank ``i`` in
-the foreground Plan (its idle windows over its iteration time) and ``T_bg(k)``
-the background job's own data-parallel iteration time on ``k`` GPUs. A
+iterations per second: ``len_w`` runs over the idle windows of lent rank ``i``
+in the foreground Plan, ``e(len)`` is the background's efficiency in a window
+of that length (the share of it turned into background work) and ``T_bg(k)``
+the background job's own data-parallel iteration time on ``k`` GPUs. With no
+measured curve, ``e`` is the constant ``bg_efficiency``. A measured curve
+(``efficiency_by_window_ms`` of ``interference.json``: efficiency per
+power-of-two bin of window length, by the bin's lower edge) gives each window
+its bin's efficiency; windows shorter than the shortest bin measured get 0
+(the multiplexer does not lend them), longer ones the longest bin's. A
 foreground job that hosts at least one background job runs at
 ``T_fg · fg_slowdown``. Ranks idle for less than ``min_lend_fraction`` of an
 iteration are not lent.
@@ -22,6 +28,7 @@ file in their place (``deeppool simulate --interference FILE``).
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +45,8 @@ class InterferenceModel:
     fg_slowdown: float = DEFAULT_FG_SLOWDOWN
     bg_efficiency: float = DEFAULT_BG_EFFICIENCY
     min_lend_fraction: float = DEFAULT_MIN_LEND_FRACTION
+    efficiency_by_window_ms: tuple[tuple[float, float], ...] = ()
+    """(bin's lower edge in ms, efficiency), sorted by edge; empty: ``bg_efficiency`` for every window."""
 
     def __post_init__(self) -> None:
         if self.fg_slowdown < 1:
@@ -46,17 +55,36 @@ class InterferenceModel:
             raise DeeppoolError(f"--bg-efficiency {self.bg_efficiency} must be in (0, 1]")
         if not 0 <= self.min_lend_fraction <= 1:
             raise DeeppoolError(f"--min-lend-fraction {self.min_lend_fraction} must be in [0, 1]")
+        edges = [edge for edge, _ in self.efficiency_by_window_ms]
+        if edges != sorted(set(edges)) or any(not 0 <= e <= 1 for _, e in self.efficiency_by_window_ms):
+            raise DeeppoolError("efficiency_by_window_ms needs increasing window lengths and efficiencies in [0, 1]")
+
+    def efficiency(self, window_ms: float) -> float:
+        """The share of an idle window of ``window_ms`` that background work fills."""
+        curve = self.efficiency_by_window_ms
+        if not curve:
+            return self.bg_efficiency
+        index = bisect.bisect_right([edge for edge, _ in curve], window_ms) - 1
+        return curve[index][1] if index >= 0 else 0.0
+
+    def usable_fraction(self, windows_ms: tuple[float, ...], iteration_ms: float) -> float:
+        """The share of an iteration a lent rank turns into background work: Σ_w e(len_w) · len_w / T."""
+        if iteration_ms <= 0:
+            return 0.0
+        return min(1.0, sum(self.efficiency(w) * w for w in windows_ms) / iteration_ms)
 
     @classmethod
     def measured(cls, path: Path, *, min_lend_fraction: float = DEFAULT_MIN_LEND_FRACTION) -> InterferenceModel:
-        """The slowdown and efficiency ``deeppool multiplex bench`` wrote to ``interference.json``."""
+        """The slowdown, efficiency and efficiency by window length ``deeppool multiplex bench`` wrote."""
         try:
             data = json.loads(path.read_text())
             slowdown, efficiency = float(data["fg_slowdown"]), float(data["bg_efficiency"])
+            curve = tuple(sorted((float(b["window_ms"]), min(1.0, max(0.0, float(b["efficiency"]))))
+                                 for b in data.get("efficiency_by_window_ms", ())))
         except FileNotFoundError:
             raise DeeppoolError(f"--interference '{path}' does not exist: write it with `deeppool multiplex bench`") from None
         except (ValueError, KeyError, TypeError):
             raise DeeppoolError(f"--interference '{path}' is not an interference.json from `deeppool multiplex bench` "
                                 "(needs fg_slowdown and bg_efficiency)") from None
         return cls(fg_slowdown=max(1.0, slowdown), bg_efficiency=min(1.0, max(efficiency, 1e-3)),
-                   min_lend_fraction=min_lend_fraction)
+                   min_lend_fraction=min_lend_fraction, efficiency_by_window_ms=curve)

@@ -36,7 +36,7 @@ from deeppool.planner.jsonio import write_json
 from deeppool.planner.plan import Plan, Strategy, build_plan
 from deeppool.planner.trace import trace
 
-FACTS_VERSION = 1
+FACTS_VERSION = 2
 
 
 class PlanMode(enum.Enum):
@@ -53,19 +53,29 @@ class PlanFacts:
     iteration_s: float
     gpu_seconds_per_iteration: float
     idle_fractions: tuple[float, ...]
+    idle_windows_ms: tuple[tuple[float, ...], ...] = ()
+    """Each rank's idle window lengths (ms), for efficiency by window length; empty in hand-made facts."""
 
     @classmethod
     def of(cls, plan: Plan) -> PlanFacts:
         """Idle fraction of rank r = Σ its idle windows / iteration time."""
         iteration_ms = plan.predicted.iteration_ms
-        idle = [0.0] * plan.gpus
+        windows: list[list[float]] = [[] for _ in range(plan.gpus)]
         for window in plan.predicted.idle_windows:
-            idle[window.rank] += window.length_ms
+            windows[window.rank].append(window.length_ms)
         return cls(
             iteration_s=iteration_ms / 1e3,
             gpu_seconds_per_iteration=plan.predicted.gpu_seconds_per_iteration,
-            idle_fractions=tuple(min(1.0, max(0.0, t / iteration_ms)) if iteration_ms > 0 else 0.0 for t in idle),
+            idle_fractions=tuple(min(1.0, max(0.0, sum(w) / iteration_ms)) if iteration_ms > 0 else 0.0
+                                 for w in windows),
+            idle_windows_ms=tuple(tuple(w) for w in windows),
         )
+
+    def windows_ms(self, rank: int) -> tuple[float, ...]:
+        """Rank ``rank``'s idle windows (one window of the whole idle time when lengths are unknown)."""
+        if self.idle_windows_ms:
+            return self.idle_windows_ms[rank]
+        return (self.idle_fractions[rank] * self.iteration_s * 1e3,)
 
     @property
     def gpus(self) -> int:
@@ -288,6 +298,7 @@ def _read_facts(path: Path) -> dict[PlanMode, PlanFacts]:
             iteration_s=float(payload[mode.value]["iteration_s"]),
             gpu_seconds_per_iteration=float(payload[mode.value]["gpu_seconds_per_iteration"]),
             idle_fractions=tuple(float(f) for f in payload[mode.value]["idle_fractions"]),
+            idle_windows_ms=tuple(tuple(float(w) for w in rank) for rank in payload[mode.value]["idle_windows_ms"]),
         )
         for mode in PlanMode
     }

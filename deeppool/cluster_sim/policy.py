@@ -42,11 +42,16 @@ class SimJob:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Slot:
-    """Rank ``rank`` of running foreground job ``host``, idle for ``idle_fraction`` of each iteration."""
+    """Rank ``rank`` of running foreground job ``host``, idle for ``idle_fraction`` of each iteration.
+
+    ``usable_fraction`` is the share of an iteration background work fills on it: its idle windows,
+    each weighted by the interference model's efficiency for a window of its length.
+    """
 
     host: int
     rank: int
     idle_fraction: float
+    usable_fraction: float
 
 
 class ReversibleCollection(Collection, Reversible, Protocol):

@@ -25,7 +25,7 @@ from deeppool.executor.config import RunConfig
 from deeppool.executor.data import BatchSource, LoaderBatches, SyntheticBatches
 from deeppool.executor.engine import Engine, EngineParts
 from deeppool.executor.gradients import GradientReducer
-from deeppool.executor.idle import IdleListener, ignore_idle
+from deeppool.executor.idle import IdleListener, NoBackground
 from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
 from deeppool.executor.program import build_program, idle_positions
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
@@ -56,7 +56,7 @@ def train_rank(
     comm: Comm,
     config: RunConfig,
     data: Iterable[Any] | None = None,
-    on_idle: IdleListener = ignore_idle,
+    on_idle: IdleListener | None = None,
     clock: Clock = time.perf_counter,
     device: torch.device | None = None,
     builder: ModelBuilder | None = None,
@@ -142,7 +142,7 @@ def _cuda_sync(device: torch.device) -> Any:
 
 def _engine(
     plan: Plan, local: LocalModel, comm: Comm, loaded: LoadedModel, config: RunConfig,
-    recorder: Recorder, on_idle: IdleListener, device: torch.device, reference: LockstepReference | None,
+    recorder: Recorder, on_idle: IdleListener | None, device: torch.device, reference: LockstepReference | None,
 ) -> Engine:
     program = build_program(plan, local.graph, comm.rank)
     return Engine(
@@ -156,7 +156,7 @@ def _engine(
             reducer=GradientReducer(comm, config.bucket_bytes),
             recorder=recorder,
             idle=idle_positions(program, plan.idle_windows(comm.rank)),
-            on_idle=on_idle,
+            on_idle=on_idle or NoBackground(),
             device=device,
             on_gradients=None if reference is None else reference.gradients_reduced,
         )

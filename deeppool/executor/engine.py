@@ -69,7 +69,7 @@ class Engine:
         graph = parts.model.graph
         self.placeholders = dict(zip(graph.inputs, graph.input_keys, strict=True))
         self.layers = {layer.name: layer for layer in parts.model.graph.layers}
-        self._open_idle: tuple[IdleWindow, float] | None = None
+        self._open_idle: IdleWindowEvent | None = None
         steps = [op for op in parts.program.ops if op.kind is OpKind.STEP]
         self._last_step: Op | None = steps[-1] if steps else None
         self._handlers: dict[OpKind, Callable[[Op, _State], None]] = {
@@ -106,20 +106,22 @@ class Engine:
         window = self.p.idle.get(position)
         if window is None:
             return
-        now = self.p.recorder.clock()
-        self._open_idle = (window, now)
-        self.p.on_idle(
-            IdleWindowEvent(rank=self.rank, step=step, window=window, opened_at_s=now, iteration_start_s=iteration_start)
-        )
+        event = IdleWindowEvent(rank=self.rank, step=step, window=window, opened_at_s=self.p.recorder.clock(),
+                                iteration_start_s=iteration_start)
+        self._open_idle = event
+        self.p.on_idle.opened(event)
 
     def _close_idle(self, step: int) -> None:
         """An idle window lasts until the next op, which waits for the busy ranks, is done."""
-        if self._open_idle is None:
+        event = self._open_idle
+        if event is None:
             return
-        window, opened = self._open_idle
         self._open_idle = None
+        closed = self.p.recorder.clock()
+        self.p.on_idle.closed(event, closed)
+        window = event.window
         label = f"idle after {window.after or 'start'} (planned {window.length_ms:.3g} ms)"
-        self.p.recorder.add(Span(step=step, label=label, category=Category.IDLE, start_s=opened, end_s=self.p.recorder.clock()))
+        self.p.recorder.add(Span(step=step, label=label, category=Category.IDLE, start_s=event.opened_at_s, end_s=closed))
 
     # -- ops ------------------------------------------------------------------------------------
     def _rows(self, layer: str) -> tuple[int, int]:

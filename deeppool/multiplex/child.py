@@ -3,10 +3,12 @@
 It trains the background job (:class:`~deeppool.multiplex.job.BackgroundJob`)
 as its parent, the rank's process, tells it over stdin, one line per message:
 
-* ``w DEADLINE WINDOW_MS`` (gated modes): an idle window is open until the
+* ``w DEADLINE`` (gated modes): an idle window is open until the
   ``time.perf_counter()`` instant DEADLINE; do micro-steps, each sized from the
   measured time per row, while they fit, then wait for the next token. A token
-  that arrives after its deadline is dropped.
+  that arrives after its deadline is dropped. In ``gate`` mode the parent
+  also stops the process (``SIGSTOP``) when the window closes and continues
+  it when the next opens; a micro-step cut by the stop resumes in that window.
 * ``go`` / ``pause`` (free modes): train continuously / stop until ``go``.
 * ``q``: save a checkpoint and the statistics, exit 0.
 
@@ -53,7 +55,7 @@ class Stats:
     dropped_tokens: int = 0
     losses: list[float] = field(default_factory=list)
     spans: list[tuple[float, float]] = field(default_factory=list)
-    windows: list[tuple[float, float]] = field(default_factory=list)
+    window_busy_ms: list[float] = field(default_factory=list)
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -67,6 +69,10 @@ class Lines:
         self.fd = fd
         self._buffer = b""
         self.closed = False
+
+    def pending(self) -> bool:
+        """Whether a message is waiting (a newer window, or quit), without blocking."""
+        return b"\n" in self._buffer or self.closed or bool(select.select([self.fd], [], [], 0)[0])
 
     def next(self, timeout: float | None) -> str | None:
         """The next line, or None after ``timeout`` seconds (None: wait) or at end of file ("q")."""
@@ -107,14 +113,15 @@ class Worker:
             if self.job.step % self.every == 0:
                 self.job.save()
 
-    def window(self, deadline: float, window_ms: float) -> None:
-        """Micro-steps while they fit before ``deadline``; at least one row is tried per token once sized."""
+    def window(self, deadline: float, lines: Lines) -> None:
+        """Micro-steps while they fit before ``deadline`` and no newer message waits (the window has closed)."""
         self.stats.tokens += 1
         if time.perf_counter() >= deadline:
             self.stats.dropped_tokens += 1
+            self.stats.window_busy_ms.append(0.0)
             return
         before = self.stats.busy_s
-        while True:
+        while not lines.pending():
             left = deadline - time.perf_counter()
             if self.per_row_s is None:
                 rows = 1
@@ -124,7 +131,7 @@ class Worker:
                     self.per_row_s *= 0.9  # an estimate that never fits again would never be corrected
                     break
             self.piece(rows)
-        self.stats.windows.append((window_ms, 1e3 * (self.stats.busy_s - before)))
+        self.stats.window_busy_ms.append(1e3 * (self.stats.busy_s - before))
 
     def gated(self, lines: Lines) -> None:
         while True:
@@ -133,7 +140,7 @@ class Worker:
                 return
             kind, *args = message.split()
             if kind == "w":
-                self.window(float(args[0]), float(args[1]))
+                self.window(float(args[0]), lines)
 
     def free(self, lines: Lines) -> None:
         running = False

@@ -73,6 +73,8 @@ class BackgroundConfig:
     checkpoint_every: int = 50
     slowdown_target: float = 0.05
     mps_percentage: int = 30
+    min_window_ms: float = 1.0
+    """Shorter windows are not lent: waking and stopping the background costs more than it could do."""
     schedule: ABSchedule = field(default_factory=ABSchedule)
     seed: int = 0
 
@@ -83,6 +85,8 @@ class BackgroundConfig:
             raise DeeppoolError(f"--bg-checkpoint-every {self.checkpoint_every} must be at least 1")
         if not 0 < self.slowdown_target < 1:
             raise DeeppoolError(f"--slowdown-target {self.slowdown_target} must be in (0, 1), e.g. 0.05")
+        if self.min_window_ms < 0:
+            raise DeeppoolError(f"min_window_ms {self.min_window_ms} must be at least 0")
         if not 1 <= self.mps_percentage <= 100:
             raise DeeppoolError(f"--mps-percentage {self.mps_percentage} must be in [1, 100]")
 

@@ -2,7 +2,11 @@
 
 The rank's process starts ``python -m deeppool.multiplex.child`` with a spec
 file, talks to it over its stdin (tokens for windows, go/pause for the A/B
-blocks) and reads its statistics file when it has stopped. The child cannot
+blocks) and reads its statistics file when it has stopped. In ``gate`` mode
+the child is also held stopped outside windows: ``SIGCONT`` when a window
+opens (after its token is written), ``SIGSTOP`` the moment it closes, so the
+background never computes while the foreground's rank does, whatever its
+piece sizes and however late it woke. The child cannot
 take the rank down: a write to a dead child marks it dead and is otherwise
 ignored, and its failure is reported from its statistics, its exit code and
 its log. :meth:`ProcessBackground.stop` asks it to quit, then terminates, then
@@ -14,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, IO
 
-from deeppool.multiplex.config import BackgroundConfig
+from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.metrics import RankBackground
 
 Spawn = Callable[..., subprocess.Popen]
@@ -57,6 +62,8 @@ class ProcessBackground:
         (folder / f"background-rank{rank}.pid").write_text(f"{self.proc.pid}\n")
         self.dead = False
         self.ready = False
+        self.stops = MuxMode(spec["mode"]) is MuxMode.GATE
+        self.closed_ms: list[float | None] = []
 
     @property
     def pid(self) -> int:
@@ -81,12 +88,26 @@ class ProcessBackground:
         self.dead = not self.ready and self.proc.poll() is not None
 
     def admit(self, deadline_s: float, window_ms: float) -> None:
-        self._send(f"w {deadline_s:.6f} {window_ms:.6f}")
+        del window_ms  # the child needs only the deadline
+        self._send(f"w {deadline_s:.6f}")
+        self._signal(signal.SIGCONT)
+
+    def close(self, window_ms: float | None) -> None:
+        self._signal(signal.SIGSTOP)
+        self.closed_ms.append(window_ms)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self.stops and not self.dead:
+            try:
+                os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                self.dead = True
 
     def running(self, on: bool) -> None:
         self._send("go" if on else "pause")
 
     def stop(self, timeout_s: float = 10.0) -> RankBackground:
+        self._signal(signal.SIGCONT)
         self._send("q")
         if self.proc.stdin is not None:
             try:
@@ -97,7 +118,8 @@ class ProcessBackground:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._log.close()
-        return RankBackground.read(self.rank, self.proc.pid, self.stats_path, code, self.log_path)
+        return RankBackground.read(self.rank, self.proc.pid, self.stats_path, code, self.log_path,
+                                   closed_ms=self.closed_ms)
 
 
 def _reap(proc: subprocess.Popen, timeout_s: float) -> int:

@@ -7,9 +7,9 @@ CUDA graphs, cut into *pieces* of about ``piece_ms`` (micro-steps of a few
 rows each, and the optimizer step), replayed on a low-priority stream. A piece
 is admitted only inside an idle window (a token from the listener, with a
 deadline), at most one is in flight (the thread waits for its event before the
-next), and none is launched when its measured length does not fit before the
-window's deadline — so none runs into the foreground's next op, all-reduce
-included. The controller shrinks the deadlines when the foreground slows.
+next), none is launched when its measured length does not fit before the
+window's deadline, and none after the executor has closed the window — so
+none runs into the foreground's next op, all-reduce included. The controller shrinks the deadlines when the foreground slows.
 
 Untested without a GPU (the ``gpu`` tests run it where one exists). Importing
 this module needs no CUDA; constructing :class:`StreamBackground` without one
@@ -33,7 +33,7 @@ from deeppool.errors import DeeppoolError
 from deeppool.executor.config import OptimizerKind
 from deeppool.multiplex.config import BackgroundConfig
 from deeppool.multiplex.job import BackgroundJob, _slice, forward, load_model
-from deeppool.multiplex.metrics import RankBackground
+from deeppool.multiplex.metrics import RankBackground, window_samples
 
 WARMUP_STEPS = 3
 
@@ -102,14 +102,23 @@ class StreamBackground:
         self.config, self.rank, self.device, self.piece_ms = config, rank, device, piece_ms
         least, _ = torch.cuda.Stream.priority_range()
         self.stream = torch.cuda.Stream(device=device, priority=least)
-        self._tokens: queue.SimpleQueue[tuple[float, float] | None] = queue.SimpleQueue()
+        self._tokens: queue.SimpleQueue[tuple[float, int] | None] = queue.SimpleQueue()
+        self._opened = 0
+        self._closed = 0
+        self._closed_ms: list[float | None] = []
         self._result: dict[str, object] = {"steps": 0, "busy_s": 0.0, "tokens": 0, "dropped": 0, "losses": [],
                                            "windows": [], "error": None, "start_step": 0}
         self._thread = threading.Thread(target=self._main, name=f"deeppool-bg-rank{rank}", daemon=True)
         self._thread.start()
 
     def admit(self, deadline_s: float, window_ms: float) -> None:
-        self._tokens.put((deadline_s, window_ms))
+        del window_ms
+        self._opened += 1
+        self._tokens.put((deadline_s, self._opened))
+
+    def close(self, window_ms: float | None) -> None:
+        self._closed = self._opened  # read by the thread between pieces: no further launch in this window
+        self._closed_ms.append(window_ms)
 
     def running(self, on: bool) -> None:
         del on
@@ -125,7 +134,7 @@ class StreamBackground:
             rank=self.rank, pid=os.getpid(), exit_code=0 if r["error"] is None else 1, start_step=int(r["start_step"]),
             steps=int(r["steps"]), samples=int(r["steps"]) * self.config.batch, busy_s=float(r["busy_s"]),
             tokens=int(r["tokens"]), dropped_tokens=int(r["dropped"]), losses=tuple(r["losses"]), spans=(),
-            windows=tuple(r["windows"]), error=r["error"],
+            windows=window_samples(self._closed_ms, r["windows"]), error=r["error"],
         )
 
     def _job(self) -> BackgroundJob:
@@ -155,10 +164,10 @@ class StreamBackground:
     def _loop(self, job: BackgroundJob, pieces: Pieces, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         index = 0
         while (token := self._tokens.get()) is not None:
-            deadline, window_ms = token
+            deadline, window = token
             self._result["tokens"] = int(self._result["tokens"]) + 1
             busy = 0.0
-            while time.perf_counter() + pieces.ms[index] / 1e3 <= deadline:
+            while self._closed < window and time.perf_counter() + pieces.ms[index] / 1e3 <= deadline:
                 start.record(self.stream)
                 pieces.graphs[index].replay()  # replays on the current stream: the low-priority one
                 end.record(self.stream)
@@ -170,4 +179,4 @@ class StreamBackground:
                     job.step += 1
                     self._result["steps"] = int(self._result["steps"]) + 1
             self._result["busy_s"] = float(self._result["busy_s"]) + busy / 1e3
-            self._result["windows"].append((window_ms, busy))  # type: ignore[union-attr]
+            self._result["windows"].append(busy)  # type: ignore[union-attr]

@@ -2,7 +2,7 @@
 
     mux = Multiplexer.start(plan, background, rank=rank, out_dir=out, device=device)
     try:
-        result = train_rank(plan, ..., on_idle=mux.on_idle)
+        result = train_rank(plan, ..., on_idle=mux.listener)
     finally:
         mux.stop()
     report = mux.gather(comm, result.spans)   # every rank; the report on rank 0
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from deeppool.executor.comm import Comm
-from deeppool.executor.idle import IdleWindowEvent
+from deeppool.executor.idle import IdleListener, NoBackground
 from deeppool.executor.timing import Span
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.cpu import ProcessBackground, child_spec
@@ -53,9 +53,10 @@ class Multiplexer:
             return foreground_stream(self.device)
         return contextlib.nullcontext()
 
-    def on_idle(self, event: IdleWindowEvent) -> None:
-        if self.session is not None:
-            self.session(event)
+    @property
+    def listener(self) -> IdleListener:
+        """What the executor calls as windows open and close: the session, or nothing on a rank never idle."""
+        return self.session if self.session is not None else NoBackground()
 
     def stop(self) -> RankBackground | None:
         if self.session is not None and self.background is None:

@@ -26,7 +26,7 @@ import math
 import signal
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,10 +51,17 @@ class RankBackground:
     losses: tuple[float, ...]
     spans: tuple[tuple[float, float], ...]
     windows: tuple[tuple[float, float], ...]
+    """(measured window ms, background busy ms in it), one per admitted window."""
     error: str | None
+    share: float | None = None
+    """The slowdown controller's share of each window at the end (gated modes)."""
+    backoffs: int = 0
 
     @classmethod
-    def read(cls, rank: int, pid: int, stats: Path, exit_code: int, log: Path | None = None) -> RankBackground:
+    def read(cls, rank: int, pid: int, stats: Path, exit_code: int, log: Path | None = None, *,
+             closed_ms: Sequence[float | None] = ()) -> RankBackground:
+        """The child's statistics; ``closed_ms`` are the admitted windows' measured lengths, in token order
+        (None for a window that is not a sample: a transition step's)."""
         try:
             data = json.loads(stats.read_text())
         except (OSError, ValueError):
@@ -67,13 +74,19 @@ class RankBackground:
             steps=int(data.get("steps", 0)), samples=int(data.get("samples", 0)),
             busy_s=float(data.get("busy_s", 0.0)), tokens=int(data.get("tokens", 0)),
             dropped_tokens=int(data.get("dropped_tokens", 0)), losses=tuple(data.get("losses", ())),
-            spans=tuple(tuple(s) for s in data.get("spans", ())), windows=tuple(tuple(w) for w in data.get("windows", ())),
+            spans=tuple(tuple(s) for s in data.get("spans", ())),
+            windows=window_samples(closed_ms, data.get("window_busy_ms", ())),
             error=error,
         )
 
     def trace_spans(self) -> list[Span]:
         return [Span(step=-1, label="background", category=Category.BACKGROUND, start_s=a, end_s=b)
                 for a, b in self.spans]
+
+
+def window_samples(closed_ms: Sequence[float | None], busy_ms: Sequence[float]) -> tuple[tuple[float, float], ...]:
+    """(measured window ms, busy ms) for each admitted window that is a sample."""
+    return tuple((length, busy) for length, busy in zip(closed_ms, busy_ms) if length is not None)
 
 
 def describe_exit(code: int) -> str:
@@ -133,6 +146,8 @@ class MultiplexReport:
     bg_pids: tuple[int, ...]
     bg_errors: tuple[str, ...]
     efficiency_by_window_ms: tuple[tuple[float, float], ...]
+    controller_share: float | None = None
+    controller_backoffs: int = 0
 
     @property
     def fg_iteration_ms(self) -> float:
@@ -179,6 +194,8 @@ def report(
         bg_pids=tuple(b.pid for b in hosts),
         bg_errors=tuple(f"rank {b.rank}: background {b.error}" for b in hosts if b.error),
         efficiency_by_window_ms=efficiency_curve([w for b in hosts for w in b.windows]),
+        controller_share=min((b.share for b in hosts if b.share is not None), default=None),
+        controller_backoffs=sum(b.backoffs for b in hosts),
     )
 
 

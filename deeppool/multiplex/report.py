@@ -29,6 +29,9 @@ def print_report(report: MultiplexReport, console: Console) -> None:
         f"idle rank-time {report.idle_rank_ms_per_iteration:.2f} ms per iteration "
         f"({report.alone_steps} alone / {report.shared_steps} shared steps measured)",
     ]
+    if report.controller_share is not None:
+        lines.append(f"controller: each window's budget ended at {report.controller_share:.2f} of its measured length "
+                     f"after {report.controller_backoffs} back-offs")
     if report.bg_loss_first is not None:
         lines.append(f"background loss: first {report.bg_loss_first:.6g}, last {report.bg_loss_last:.6g}")
     lines += [f"error: {error}; the foreground went on" for error in report.bg_errors]

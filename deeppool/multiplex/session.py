@@ -1,21 +1,30 @@
 """One hosting rank's multiplexing: the idle listener the executor calls, over a background.
 
-On every idle-window event (synchronous on the training thread, so it only
-does arithmetic and one pipe write) it
+The executor calls it when each idle window opens and closes (synchronous on
+the training thread, so it only does arithmetic, one pipe write and a signal).
+When a window opens it
 
 1. closes the previous iteration's timing when a new step begins (its length is
    the gap between the iterations' starts) and feeds it to the A/B baseline
    (alone steps) or to the :class:`SlowdownController` (shared steps);
-2. in a gated mode, admits a piece of background work into the window: the
-   window's planned length, rescaled to this machine (the undisturbed
-   iteration time over the plan's predicted one), times the controller's
-   share gives a deadline; in a free mode it switches the background on or
-   off at the A/B block boundaries.
+2. in a gated mode, admits background work into the window. The budget is the
+   window's *measured* length (the median of the same window in the alone
+   steps; before any is measured, its planned length rescaled by the
+   undisturbed over the predicted iteration time) times the controller's
+   share, and ``opened + budget`` is the deadline. Windows expected shorter
+   than ``min_window_ms`` are not lent. In a free mode it switches the
+   background on or off at the A/B block boundaries.
+
+When a gated window closes, the background is told at once (the CPU child is
+stopped, the GPU thread launches no further piece), so no background work
+runs outside a window, and the window's measured length is recorded beside
+the work done in it (the efficiency by window length).
 """
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from typing import Protocol
 
 from deeppool.executor.idle import IdleWindowEvent
@@ -31,6 +40,8 @@ class Background(Protocol):
     """Where the background work runs (a process, a thread on a low-priority stream)."""
 
     def admit(self, deadline_s: float, window_ms: float) -> None: ...
+
+    def close(self, window_ms: float | None) -> None: ...
 
     def running(self, on: bool) -> None: ...
 
@@ -48,17 +59,33 @@ class Session:
         self.predicted_ms = predicted_iteration_ms
         self.controller = SlowdownController(ControllerConfig(target=config.slowdown_target))
         self.alone_ms: list[float] = []
+        self.window_ms: dict[str | None, list[float]] = {}
         self._step: int | None = None
         self._step_start = 0.0
         self._on = False
+        self._admitted = False
 
-    def __call__(self, event: IdleWindowEvent) -> None:
+    def opened(self, event: IdleWindowEvent) -> None:
         if event.step != self._step:
             self._new_step(event)
-        if self._on and self.config.mode.gated:
-            window_ms = event.expected_ms * self.scale
-            deadline = event.opened_at_s + self.controller.share * window_ms / 1e3
-            self.background.admit(deadline, window_ms)
+        expected = self.expected_ms(event)
+        if self._on and self.config.mode.gated and expected >= self.config.min_window_ms:
+            self.background.admit(event.opened_at_s + self.controller.share * expected / 1e3, expected)
+            self._admitted = True
+
+    def closed(self, event: IdleWindowEvent, closed_at_s: float) -> None:
+        length_ms = 1e3 * (closed_at_s - event.opened_at_s)
+        if self._admitted:  # a transition step's window (it waited for the background to load) is not a sample
+            self.background.close(length_ms if self.config.schedule.measured(event.step) else None)
+            self._admitted = False
+        elif not self.config.schedule.shared(event.step) and event.step >= 1:
+            known = self.window_ms.setdefault(event.window.after, [])
+            self.window_ms[event.window.after] = (known + [length_ms])[-BASELINE_KEEP:]
+
+    def expected_ms(self, event: IdleWindowEvent) -> float:
+        """The window's undisturbed length here: measured in the alone steps, else planned and rescaled."""
+        measured = self.window_ms.get(event.window.after)
+        return statistics.median(measured) if measured else event.expected_ms * self.scale
 
     @property
     def scale(self) -> float:
@@ -84,4 +111,7 @@ class Session:
         self._on = on
 
     def stop(self) -> RankBackground:
-        return self.background.stop()
+        result = self.background.stop()
+        if not self.config.mode.gated:
+            return result
+        return replace(result, share=self.controller.share, backoffs=self.controller.backoffs)

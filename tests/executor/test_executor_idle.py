@@ -17,12 +17,19 @@ STEPS = 3
 def test_idle_events_fire_after_the_planned_phase_every_step() -> None:
     plan = make_plan("residual", global_batch=7, gpus=4, assign=cycle(1, 4, 2, 3))
     events: dict[int, list[IdleWindowEvent]] = {rank: [] for rank in range(4)}
+    closed: dict[int, list[tuple[IdleWindowEvent, float]]] = {rank: [] for rank in range(4)}
     lock = threading.Lock()
 
-    def listener(event: IdleWindowEvent) -> None:
-        with lock:
-            events[event.rank].append(event)
+    class Listener:
+        def opened(self, event: IdleWindowEvent) -> None:
+            with lock:
+                events[event.rank].append(event)
 
+        def closed(self, event: IdleWindowEvent, closed_at_s: float) -> None:
+            with lock:
+                closed[event.rank].append((event, closed_at_s))
+
+    listener = Listener()
     builder = SerialBuilder(4)
     results = run_threads(
         ThreadWorld(4),
@@ -34,6 +41,9 @@ def test_idle_events_fire_after_the_planned_phase_every_step() -> None:
         fired = events[rank]
         assert [(e.step, e.window) for e in fired] == [(s, w) for s in range(STEPS) for w in planned]
         assert all(e.expected_ms == e.window.end_ms - e.window.start_ms > 0 for e in fired)
+        assert [event for event, _ in closed[rank]] == fired  # every window closes, in order, before the next opens
+        idle = [s for s in result.spans if s.category is Category.IDLE]
+        assert [(s.start_s, s.end_s) for s in idle] == [(e.opened_at_s, at) for e, at in closed[rank]]
         spans = [s for s in result.spans if s.category in (Category.COMPUTE, Category.COMM)]
         for event in fired:
             step_spans = [s for s in spans if s.step == event.step]

@@ -36,5 +36,7 @@ def test_priority_background_trains_on_tokens() -> None:
     for _ in range(50):
         bg.admit(time.perf_counter() + 0.005, 5.0)
         time.sleep(0.006)
+        bg.close(6.0)
     result = bg.stop()
     assert result.error is None and result.busy_s > 0
+    assert len(result.windows) == 50 and all(busy <= 6.0 for _, busy in result.windows)

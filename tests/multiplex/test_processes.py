@@ -40,17 +40,41 @@ def plan_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_gated_child_trains_on_tokens_and_leaves_nothing(tmp_path: Path) -> None:
+def state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def stopped(pid: int, timeout_s: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while state(pid) not in "Tt":
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_gated_child_trains_only_inside_windows_and_leaves_nothing(tmp_path: Path) -> None:
     config = BackgroundConfig(model=BACKGROUND, mode=MuxMode.GATE, checkpoint_dir=tmp_path)
     child = ProcessBackground(child_spec(config, rank=1, stats=tmp_path / "stats.json"), rank=1, folder=tmp_path)
     child.wait_ready(60)
     assert child.ready
     for _ in range(40):
-        child.admit(time.perf_counter() + 0.01, 10.0)
-        time.sleep(0.012)
+        child.admit(time.perf_counter() + 1.0, 10.0)  # a generous deadline: the close is what ends the window
+        time.sleep(0.01)
+        child.close(10.0)
+        assert stopped(child.pid)  # between windows (a runnable child stops the next time it is scheduled)
+    ticks = cpu_ticks(child.pid)
+    time.sleep(0.3)
+    assert cpu_ticks(child.pid) == ticks  # no background work outside a window
     result = child.stop()
     assert result.exit_code == 0 and result.error is None
     assert result.steps > 3 and result.busy_s > 0 and result.tokens == 40
+    assert len(result.windows) == 40 and sum(busy for _, busy in result.windows) <= 40 * 10.0 * 1.2
     assert (tmp_path / "background-rank1.pt").exists()
     assert not alive(result.pid)
 

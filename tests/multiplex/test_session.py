@@ -19,11 +19,18 @@ WINDOW = IdleWindow(rank=1, start_ms=0.0, end_ms=0.5, after="forward:a")
 class FakeBackground:
     def __init__(self) -> None:
         self.tokens: list[tuple[int, float, float]] = []
+        self.closes: list[tuple[int, float]] = []
         self.switches: list[tuple[int, bool]] = []
+        self.budgets_ms: list[float] = []
         self.step = 0
+        self.opened_at_s = 0.0
 
     def admit(self, deadline_s: float, window_ms: float) -> None:
         self.tokens.append((self.step, deadline_s, window_ms))
+        self.budgets_ms.append(1e3 * (deadline_s - self.opened_at_s))
+
+    def close(self, window_ms: float) -> None:
+        self.closes.append((self.step, window_ms))
 
     def running(self, on: bool) -> None:
         self.switches.append((self.step, on))
@@ -35,14 +42,17 @@ class FakeBackground:
         raise AssertionError("not used")
 
 
-def drive(mode: MuxMode, iteration_ms, steps: int = 19) -> tuple[Session, FakeBackground]:
+def drive(mode: MuxMode, iteration_ms, steps: int = 19, window_ms=lambda step: 4.0) -> tuple[Session, FakeBackground]:
     fake = FakeBackground()
     config = BackgroundConfig(model=Path("bg.py"), mode=mode, schedule=ABSchedule(warmup=3, block=4))
     session = Session(config, fake, predicted_iteration_ms=1.0)
     start = 0.0
     for step in range(steps):
         fake.step = step
-        session(IdleWindowEvent(rank=1, step=step, window=WINDOW, opened_at_s=start + 1e-3, iteration_start_s=start))
+        event = IdleWindowEvent(rank=1, step=step, window=WINDOW, opened_at_s=start + 1e-3, iteration_start_s=start)
+        fake.opened_at_s = event.opened_at_s
+        session.opened(event)
+        session.closed(event, event.opened_at_s + window_ms(step) / 1e3)
         start += iteration_ms(step) / 1e3
     return session, fake
 
@@ -53,18 +63,37 @@ def test_schedule_alternates_blocks_after_warmup() -> None:
     assert [s.measured(i) for i in range(8)] == [False, False, False, True, True, False, True, True]
 
 
-def test_gate_admits_only_in_shared_steps_with_rescaled_windows() -> None:
-    session, fake = drive(MuxMode.GATE, lambda step: 10.0)
+def test_gate_admits_only_in_shared_steps_with_measured_windows() -> None:
+    session, fake = drive(MuxMode.GATE, lambda step: 10.0, window_ms=lambda step: 3.0 + (step % 2))
     schedule = session.config.schedule
-    assert {step for step, _, _ in fake.tokens} == {s for s in range(19) if schedule.shared(s)}
-    step, deadline, window_ms = fake.tokens[-1]
-    assert window_ms == pytest.approx(5.0)  # 0.5 planned ms x (10 measured / 1 predicted)
+    shared = [s for s in range(19) if schedule.shared(s)]
+    assert [step for step, _, _ in fake.tokens] == shared
+    assert [step for step, _ in fake.closes] == shared  # every admitted window is closed, at its measured length
+    assert [ms for _, ms in fake.closes] == [pytest.approx(3.0 + s % 2) if schedule.measured(s) else None
+                                             for s in shared]  # a transition step's window is no sample
+    step, deadline, window_ms = fake.tokens[0]
+    assert window_ms == pytest.approx(3.5)  # the median of this window in the alone steps 1..6, not 0.5 x 10
     assert fake.switches == []
 
 
+def test_gate_falls_back_to_the_rescaled_plan_before_any_window_is_measured() -> None:
+    fake = FakeBackground()
+    config = BackgroundConfig(model=Path("bg.py"), mode=MuxMode.GATE, schedule=ABSchedule(warmup=1, block=2))
+    session = Session(config, fake, predicted_iteration_ms=1.0)
+    session.alone_ms = [10.0]
+    event = IdleWindowEvent(rank=1, step=3, window=WINDOW, opened_at_s=1.0, iteration_start_s=1.0)
+    assert session.expected_ms(event) == pytest.approx(5.0)  # 0.5 planned ms x (10 measured / 1 predicted)
+
+
+def test_windows_shorter_than_the_minimum_are_not_lent() -> None:
+    _, fake = drive(MuxMode.GATE, lambda step: 10.0, window_ms=lambda step: 0.5)
+    assert fake.tokens == [] and fake.closes == []
+
+
 def test_controller_backs_off_when_shared_steps_are_slow() -> None:
-    session, _ = drive(MuxMode.GATE, lambda step: 20.0 if session_shared(step) else 10.0)
-    assert session.controller.backoffs > 0 and session.controller.share < 0.5
+    session, fake = drive(MuxMode.GATE, lambda step: 20.0 if session_shared(step) else 10.0, steps=27)
+    assert session.controller.backoffs == 2 and session.controller.share == pytest.approx(0.36)
+    assert fake.budgets_ms[0] == pytest.approx(4.0) and fake.budgets_ms[-1] == pytest.approx(0.36 * 4.0)
 
 
 def session_shared(step: int) -> bool:

@@ -41,3 +41,25 @@ def test_a_file_that_is_not_interference_json_is_refused(tmp_path: Path) -> None
         InterferenceModel.measured(bad)
     with pytest.raises(DeeppoolError, match="does not exist"):
         InterferenceModel.measured(tmp_path / "missing.json")
+
+
+def test_efficiency_follows_the_measured_window_length_bins() -> None:
+    model = InterferenceModel(efficiency_by_window_ms=((1.0, 0.2), (4.0, 0.6), (16.0, 0.9)))
+    assert model.efficiency(0.5) == 0.0  # shorter than anything measured: not lent
+    assert model.efficiency(1.0) == 0.2 and model.efficiency(3.9) == 0.2
+    assert model.efficiency(8.0) == 0.6 and model.efficiency(1000.0) == 0.9
+    assert model.usable_fraction((0.5, 2.0, 8.0), 20.0) == pytest.approx((0.2 * 2.0 + 0.6 * 8.0) / 20.0)
+    assert InterferenceModel(bg_efficiency=0.8).usable_fraction((2.0, 8.0), 20.0) == pytest.approx(0.8 * 10 / 20)
+    with pytest.raises(DeeppoolError, match="increasing window lengths"):
+        InterferenceModel(efficiency_by_window_ms=((4.0, 0.5), (1.0, 0.5)))
+
+
+def test_a_curve_that_fills_no_window_of_the_plans_lends_nothing(tmp_path: Path) -> None:
+    curve = [{"window_ms": 1e6, "efficiency": 1.0}]  # only windows of 1000 s and longer would be filled
+    measured = tmp_path / "interference.json"
+    measured.write_text(json.dumps({"fg_slowdown": 1.0, "bg_efficiency": 1.0, "efficiency_by_window_ms": curve}))
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps({"fg_slowdown": 1.0, "bg_efficiency": 1.0}))
+    with_curve = simulate(tmp_path / "curve", tmp_path / "cache", "--interference", str(measured))
+    without = simulate(tmp_path / "flat", tmp_path / "cache", "--interference", str(flat))
+    assert with_curve["bg_throughput"] < without["bg_throughput"]
