@@ -34,8 +34,9 @@ each node across). The predicted iteration time is
               (activations resharded forward, their gradients backward; the busiest
               rank moves one shard of the smaller group, over the slowest link the
               pair crosses: NVLink inside a node, the GPU's NIC share across nodes).
-              Written for the ILP as ``max(σ(g_u), σ(g_v)) + [G > node]·max(δ(g_u), δ(g_v))``
-              with ``σ(g) = α_in + A·s(g)/BW_in`` and ``δ(g) = σ_x(g) − σ(g) ≥ 0``.
+              The ILP carries it with two ladders: ``max(σ(g_u), σ(g_v))`` over in-node
+              counts, ``max(σ_x(g_u), σ_x(g_v))`` over all, ``σ(g) = α_in + A·s(g)/BW_in``,
+              ``σ_x(g) = α_x + A·s(g)/BW_x``; the cheaper one that applies is the term.
     OPT_l     = (3 + 2·k_opt) · W_l / BW_mem
               (the optimizer step reads weights and gradients and writes weights,
                plus k_opt state tensors read and written; BW_mem from the profile)
@@ -196,10 +197,6 @@ class CostModel:
         bandwidth = self.network.inter_bandwidth if across else self.network.intra_bandwidth
         latency = self.network.inter_latency_s if across else self.network.intra_latency_s
         return 1e3 * (latency + self.act_bytes(producer) * self.per_gpu_batch(gpus) / bandwidth)
-
-    def crossing_ms(self, producer: Layer, gpus: int) -> float:
-        """``δ(g)``: what crossing nodes adds to ``σ(g)``."""
-        return self.reshard_side_ms(producer, gpus, across=True) - self.reshard_side_ms(producer, gpus)
 
     def crosses(self, src_gpus: int, dst_gpus: int) -> bool:
         return max(src_gpus, dst_gpus) > self.network.gpus_per_node

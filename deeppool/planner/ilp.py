@@ -3,9 +3,10 @@
 Variables: ``x[l,g] ∈ {0,1}``, layer ``l`` runs on ``g`` GPUs (one count per
 layer). The reshard cost of an edge ``u→v``, ``R(g_u, g_v) = [g_u ≠ g_v] ·
 (max(σ(g_u), σ(g_v)) + [max(g_u, g_v) > node]·max(δ(g_u), δ(g_v)))`` with ``σ``
-the cost model's in-node side time and ``δ`` what crossing nodes adds, is
-carried by small min-cost flows per edge (*ladders*; the ``δ`` ladder has a
-free hub joining the in-node counts, so a move inside a node pays no ``δ``): the counts sorted by ``σ``
+the cost model's in-node side time and ``δ`` what crossing nodes adds (together
+``σ_x(min(g_u, g_v))`` when the pair crosses nodes), is carried by small
+min-cost flows per edge (*ladders*: one over the in-node counts with sides
+``σ``, one over every count with sides ``σ_x``): the counts sorted by ``σ``
 descending are levels ``1..K``; one unit of flow goes from ``u``'s count to
 ``v``'s, either straight (``stay_g``, free, only when the counts are equal) or
 into the ladder at level ``i`` (cost ``σ_i``), down the ladder (free) or up it
@@ -14,8 +15,8 @@ costs exactly ``σ_min(i,j) = max(σ_i, σ_j)``. Minimise the cost model's
 iteration time::
 
     Σ_l Σ_g x[l,g]·layer_ms_l(g)·(1 + price·g/1000) + Σ_e Σ_ladders 2·(Σ_k σ_k·enter_k + Σ_k (σ_k − σ_{k+1})·up_k)
-    s.t.  Σ_g x[l,g] = 1,   stay_g + enter_g (+ hub_g) = x[u,g],   stay_g + leave_g (+ hub_g) = x[v,g],
-          flow conservation on every ladder level and hub,
+    s.t.  Σ_g x[l,g] = 1,   stay_g + Σ_ladders enter_g = x[u,g],   stay_g + Σ_ladders leave_g = x[v,g],
+          flow conservation on every ladder level,
           Σ_l Σ_g x[l,g]·mem_l(g) ≤ device memory           (rank 0 runs every layer)
           x[l,g] = x[m,g]  for layers l, m sharing a parameter (tied embeddings):
                            one count, so the shared gradient is summed in one group
@@ -157,34 +158,50 @@ def _edge(
     xu: dict[int, pulp.LpVariable],
     xv: dict[int, pulp.LpVariable],
 ) -> dict[pulp.LpVariable, float]:
-    """Add edge ``index``'s ladder flows; return their objective coefficients (both directions).
+    """Add edge ``index``'s ladders; return their objective coefficients (both directions).
 
-    One ladder prices ``max(σ(g_u), σ(g_v))`` (in-node links); a second one
-    adds ``max(δ(g_u), δ(g_v))`` when the pair crosses nodes, its in-node counts
-    joined by a free hub so that a move inside a node pays no crossing.
+    The unit of flow from u's count to v's goes straight (equal counts, free)
+    or through one ladder: the in-node ladder (only the counts within a node,
+    sides ``σ``) or, when some count leaves the node, the cross-node ladder
+    (every count, sides ``σ_x``). Either costs ``max`` of the two sides, so the
+    cheapest route is exactly the cost model's ``R(g_u, g_v)``.
     """
     if len(xu) == 1 and xu.keys() == xv.keys():
         return {}
     producer = cost.graph.layer(src)
-    counts = set(xu) | set(xv)
-    objective = _ladder(problem, f"{index}", xu, xv, {g: cost.reshard_side_ms(producer, g) for g in counts}, set())
-    node = cost.network.gpus_per_node
-    if max(counts) > node:
-        crossing = {g: cost.crossing_ms(producer, g) for g in counts}
-        inside = {g for g in counts if g <= node}
-        objective.update(_ladder(problem, f"{index}x", xu, xv, crossing, inside))
+    counts = sorted(set(xu) | set(xv))
+    inside = [g for g in counts if g <= cost.network.gpus_per_node]
+    rails = []
+    if len(inside) > 1:
+        rails.append(_ladder(problem, f"{index}", {g: cost.reshard_side_ms(producer, g) for g in inside}))
+    if len(inside) < len(counts):
+        rails.append(_ladder(problem, f"{index}x", {g: cost.reshard_side_ms(producer, g, across=True) for g in counts}))
+    objective: dict[pulp.LpVariable, float] = {}
+    for k, g in enumerate(counts):
+        stay = problem.add_variable(f"s_{index}_{k}", lowBound=0) if g in xu and g in xv else None
+        for end, port, name in ((xu, 0, "from"), (xv, 1, "to")):
+            if g not in end:
+                continue
+            terms = {end[g]: -1.0, **({stay: 1.0} if stay is not None else {})}
+            for rail in rails:
+                if g in rail.ports[port]:
+                    terms[rail.ports[port][g]] = 1.0
+            _constrain(problem, terms, pulp.LpConstraintEQ, 0.0, f"{name}_{index}_{k}")
+    for rail in rails:
+        objective.update(rail.objective)
     return objective
 
 
-def _ladder(
-    problem: pulp.LpProblem,
-    tag: str,
-    xu: dict[int, pulp.LpVariable],
-    xv: dict[int, pulp.LpVariable],
-    side: dict[int, float],
-    hub: set[int],
-) -> dict[pulp.LpVariable, float]:
-    """One unit of flow from u's count to v's: straight (equal counts), through ``hub``, or the ladder."""
+@dataclass(frozen=True)
+class _Rail:
+    """A ladder's entry and exit variables by count, and its objective coefficients."""
+
+    ports: tuple[dict[int, pulp.LpVariable], dict[int, pulp.LpVariable]]
+    objective: dict[pulp.LpVariable, float]
+
+
+def _ladder(problem: pulp.LpProblem, tag: str, side: dict[int, float]) -> _Rail:
+    """Levels sorted by side descending: enter at ``σ_i``, go down free, up at ``σ_k − σ_{k+1}``, leave free."""
     levels = sorted(side, key=lambda g: (-side[g], g))
     sides = [side[g] for g in levels]
 
@@ -194,23 +211,12 @@ def _ladder(
     down = [flow("d", k) for k in range(len(levels) - 1)]
     up = [flow("u", k) for k in range(len(levels) - 1)]
     objective = {var: 2 * (sides[k] - sides[k + 1]) for k, var in enumerate(up)}
-    into_hub: dict[pulp.LpVariable, float] = {}
+    enter: dict[int, pulp.LpVariable] = {}
+    leave: dict[int, pulp.LpVariable] = {}
     for k, g in enumerate(levels):
-        ladder: dict[pulp.LpVariable, float] = {}
-        stay = flow("s", k) if g in xu and g in xv else None
-        for end, sign, name in ((xu, 1.0, "e"), (xv, -1.0, "l")):
-            if g not in end:
-                continue
-            port = flow(name, k)
-            if sign > 0:
-                objective[port] = 2 * sides[k]
-            ladder[port] = sign
-            terms = {port: 1.0, end[g]: -1.0, **({stay: 1.0} if stay is not None else {})}
-            if g in hub:
-                shortcut = flow(f"h{name}", k)
-                terms[shortcut] = 1.0
-                into_hub[shortcut] = sign
-            _constrain(problem, terms, pulp.LpConstraintEQ, 0.0, f"{name}_{tag}_{k}")
+        enter[g], leave[g] = flow("e", k), flow("l", k)
+        objective[enter[g]] = 2 * sides[k]
+        ladder = {enter[g]: 1.0, leave[g]: -1.0}
         if k:
             ladder[down[k - 1]] = 1.0
             ladder[up[k - 1]] = -1.0
@@ -218,9 +224,7 @@ def _ladder(
             ladder[up[k]] = 1.0
             ladder[down[k]] = -1.0
         _constrain(problem, ladder, pulp.LpConstraintEQ, 0.0, f"ladder_{tag}_{k}")
-    if into_hub:
-        _constrain(problem, into_hub, pulp.LpConstraintEQ, 0.0, f"hub_{tag}")
-    return objective
+    return _Rail(ports=(enter, leave), objective=objective)
 
 
 def _backend(solver: SolverName, time_limit_s: float, *, mip: bool) -> pulp.LpSolver:

@@ -97,7 +97,8 @@ def test_measurements_repeat_until_stable_and_the_cache_is_written_as_it_goes(tm
                             spread_bound=1e-6, show_progress=False)
     profile = measure_profile(traced, loaded, config)
     assert profile.fit is not None and profile.fit.measured_batches == (1, 2)
-    assert profile.fit.noisy == profile.fit.measurements == 2 * len(traced.graph)  # no CPU timing is that steady
+    assert profile.fit.measurements == 2 * len(traced.graph)
+    assert profile.fit.noisy > 0  # few CPU timings are steady to a millionth
     assert profile.layers["fc1"].batches == (1, 2, 3, 16)
     assert "warning" in profile.fit.describe()
     assert Profile.from_json(profile.to_json()) == profile
