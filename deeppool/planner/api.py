@@ -29,7 +29,7 @@ from deeppool.planner.modelspec import LoadedModel, ModelSource, ModelSpec, defa
 from deeppool.planner.plan import Plan, Strategy, build_plan
 from deeppool.planner.profile import Profile, estimated_profile
 from deeppool.planner.profiler import ProfilerConfig, measure_profile
-from deeppool.planner.strategies import Objective, Search, solve_all
+from deeppool.planner.strategies import Objective, Search, check_objective, solve_all
 from deeppool.planner.trace import Traced, trace
 
 LOCAL = "local"
@@ -67,8 +67,7 @@ class PlanRequest:
         if self.bucket_mb < 0:
             raise DeeppoolError(f"--bucket-mb {self.bucket_mb} must be >= 0")
         Limits(amplification=self.amplification)
-        Search(gpus=self.gpus, limits=Limits(), max_candidates=None, time_limit_s=self.time_limit_s,
-               objective=self.objective, price=self.price)
+        check_objective(self.objective, self.price)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +218,11 @@ def measured_batches(largest: int, needed: int) -> tuple[int, ...]:
 
 def plan_model(spec: ModelSpec, request: PlanRequest, source: CostSource) -> Planned:
     """Trace the model ``spec`` names, get its layer times from ``source``, plan it."""
+    if request.precision is not None and source.device_model == LOCAL:
+        raise DeeppoolError(
+            f"--precision {request.precision.value} applies to a --device-model (v100, a100, h100); "
+            "a measured profile keeps the precision it was measured in"
+        )
     loaded = spec.load(meta=not source.measures_locally)
     traced = trace(loaded)
     if source.measures_locally:

@@ -34,6 +34,14 @@ class Objective(enum.Enum):
     TIME_AND_GPU_TIME = "time+gpu-time"
 
 
+def check_objective(objective: Objective, price: float) -> None:
+    """Refuse a negative price, or the trade-off objective without a price."""
+    if price < 0:
+        raise DeeppoolError(f"--price {price} must be >= 0")
+    if objective is Objective.TIME_AND_GPU_TIME and price == 0:
+        raise DeeppoolError("--objective time+gpu-time needs a --price > 0 (ms of iteration per GPU-second)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Search:
     """How to search: GPUs, limits, candidate thinning, solver and objective."""
@@ -47,10 +55,7 @@ class Search:
     price: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.price < 0:
-            raise DeeppoolError(f"--price {self.price} must be >= 0")
-        if self.objective is Objective.TIME_AND_GPU_TIME and self.price == 0:
-            raise DeeppoolError("--objective time+gpu-time needs a --price > 0 (ms of iteration per GPU-second)")
+        check_objective(self.objective, self.price)
 
     @property
     def weight(self) -> float:

@@ -9,9 +9,14 @@ import pytest
 
 from deeppool.planner.cost import CostModel, Optimizer
 from deeppool.errors import DeeppoolError
-from deeppool.planner.hardware import NetworkModel, Precision
+from deeppool.planner.api import PlanRequest, plan_graph
+from deeppool.planner.hardware import DEVICES, KnownDevice, NetworkModel, Precision
+from deeppool.planner.modelspec import ModelSource, ModelSpec
+from deeppool.planner.plan import Plan
+from deeppool.planner.profile import estimate_ms, estimated_profile
 from tests.planner import synthetic
 
+SPEC = ModelSpec(source=ModelSource.FACTORY, location="tests.models.factories:small_cnn", input_shape=(3, 8, 8))
 GRAPH = synthetic.graph([("a", ("x",), 8_000_000, 40_000), ("b", ("a",), 0, 40_000)])
 NETWORK = NetworkModel(
     gpus_per_node=4, intra_bandwidth=100e9, nics_per_node=4, nic_bandwidth=10e9, intra_latency_s=1e-5, inter_latency_s=5e-5,
@@ -90,3 +95,15 @@ def test_optimizer_step_and_memory_follow_the_optimizer():
     assert sgd.iteration_ms({"a": 4, "b": 2}) == pytest.approx(
         sgd.layer_ms(a, 4) + sgd.layer_ms(GRAPH.layer("b"), 2) + 2 * sgd.reshard_ms(a, 4, 2)
     )
+
+
+def test_compute_is_priced_at_the_precision_peak_and_the_plan_records_it():
+    heavy = replace(synthetic.layer("a", ("x",), params=4, act=4), fwd_flops=1e12, bwd_flops=2e12)
+    a100 = DEVICES[KnownDevice.A100]
+    fp32, bf16 = (estimate_ms(heavy, 8, a100, p) for p in (Precision.FP32, Precision.BF16))
+    assert fp32[0] / bf16[0] == pytest.approx(312 / 19.5, rel=1e-3)
+    estimated = estimated_profile(GRAPH, a100, (1, 2, 4, 8), Precision.BF16)
+    assert estimated.dtype == "bf16"
+    planned = plan_graph(GRAPH, estimated, NETWORK, PlanRequest(gpus=4, global_batch=8), model=SPEC)
+    assert planned.plan.precision is Precision.BF16 and planned.cost.precision is Precision.BF16
+    assert Plan.from_json(planned.plan.to_json()).precision is Precision.BF16
