@@ -51,8 +51,8 @@ optimizer state, stored activations) and must fit the device.
 
 Invariants every prediction keeps (:func:`check_invariants` refuses a plan
 that breaks them): every term is finite and ≥ 0, and no layer's GPU-time on
-``g`` GPUs is below its time on one (amplification ≥ 1 up to measurement
-noise).
+``g`` GPUs is below its time on one (amplification ≥ 1; below 0.5 the figures
+are refused as measurement noise, not hardware).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 from deeppool.errors import DeeppoolError
@@ -116,12 +116,10 @@ class CostModel:
     optimizer: Optimizer = Optimizer.SGD
     precision: Precision = Precision.FP32
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    _tail: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 0:
             raise DeeppoolError(f"gradient bucket of {self.bucket_bytes} bytes: must be >= 0")
-        object.__setattr__(self, "_tail", self._last_bucket())
 
     def per_gpu_batch(self, gpus: int) -> int:
         return math.ceil(self.global_batch / gpus)
@@ -139,7 +137,9 @@ class CostModel:
         total = sum(self.param_bytes(layer) for layer in self.graph.layers)
         return max(min(self.bucket_bytes, total), 1.0)
 
-    def _last_bucket(self) -> frozenset[str]:
+    @cached_property
+    def _tail(self) -> frozenset[str]:
+        """The layers in the last gradient bucket: the first ones, whose gradients come last."""
         total = sum(self.param_bytes(layer) for layer in self.graph.layers)
         if self.bucket_bytes == 0 or total == 0:
             return frozenset()
