@@ -187,10 +187,18 @@ class CostModel:
         moved = (3 + 2 * self.optimizer.state_factor) * self.param_bytes(layer)
         return 1e3 * moved / self.profile.memory_bandwidth
 
+    @cached_property
+    def _layer_memo(self) -> dict[tuple[str, int], float]:
+        """``layer_ms`` by (layer, GPUs): the ILP, the baselines and the plan ask for the same ones often."""
+        return {}
+
     def layer_ms(self, layer: Layer, gpus: int) -> float:
         """Compute, synchronised BatchNorm, exposed all-reduce and optimizer step: the time ``layer`` holds its GPUs."""
-        fwd, bwd = self.phases_ms(layer, gpus)
-        return fwd + bwd + self.allreduce_ms(layer, gpus) + self.step_ms(layer)
+        key = (layer.name, gpus)
+        if key not in self._layer_memo:
+            fwd, bwd = self.phases_ms(layer, gpus)
+            self._layer_memo[key] = fwd + bwd + self.allreduce_ms(layer, gpus) + self.step_ms(layer)
+        return self._layer_memo[key]
 
     def reshard_side_ms(self, producer: Layer, gpus: int, *, across: bool = False) -> float:
         """``σ(g)`` (in-node) or, with ``across``, ``σ_x(g)``: one shard of ``gpus`` ranks over one link."""
