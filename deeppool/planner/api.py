@@ -28,7 +28,7 @@ from deeppool.planner.ilp import SolverName
 from deeppool.planner.modelspec import LoadedModel, ModelSource, ModelSpec, default_loss
 from deeppool.planner.plan import Plan, Strategy, build_plan
 from deeppool.planner.profile import Profile, estimated_profile
-from deeppool.planner.profiler import ProfilerConfig, measure_profile
+from deeppool.planner.profiler import ProfilerConfig, intra_op_threads, measure_profile
 from deeppool.planner.strategies import Objective, Search, check_objective, solve_all
 from deeppool.planner.trace import Traced, trace
 
@@ -188,6 +188,10 @@ class CostSource:
         named = [known.value for known in KnownDevice if known.value in profile.device.lower()]
         return named[0] if named else LOCAL
 
+    def threads(self, request: PlanRequest) -> int | None:
+        """Intra-op threads while measuring on the CPU: one rank's share of the cores (None on a GPU)."""
+        return rank_threads(request.gpus) if self.local_device == "cpu" else None
+
     def profile(self, traced: Traced, loaded: LoadedModel, request: PlanRequest) -> Profile:
         if self.profile_path is not None:
             return Profile.load(self.profile_path)
@@ -199,7 +203,7 @@ class CostSource:
         config = ProfilerConfig(
             device=self.local_device, batches=measured_batches(self.max_measured_batch, max(batches)),
             fit_to=batches, cache_dir=self.cache_dir, show_progress=self.show_progress,
-            threads=rank_threads(request.gpus) if self.local_device == "cpu" else None,
+            threads=self.threads(request),
         )
         return measure_profile(traced, loaded, config)
 
@@ -226,7 +230,8 @@ def plan_model(spec: ModelSpec, request: PlanRequest, source: CostSource) -> Pla
     loaded = spec.load(meta=not source.measures_locally)
     traced = trace(loaded)
     if source.measures_locally:
-        check_per_sample(traced, loaded, seed=spec.seed)
+        with intra_op_threads(source.threads(request)):
+            check_per_sample(traced, loaded, seed=spec.seed)
     profile = source.profile(traced, loaded, request)
     return plan_graph(traced.graph, profile, source.network_model(profile), request, model=spec)
 

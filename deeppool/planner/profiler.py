@@ -33,7 +33,8 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,19 +145,16 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
     batches = tuple(sorted(set(config.batches)))
     measured: dict[str, dict[int, Measured]] = {layer.name: {} for layer in graph.layers}
     runners = {layer.name: LayerRunner(traced.module, layer) for layer in graph.layers}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads or threads)
     if device.type == "cpu":
         steady_allocator()
     try:
-        with Progress(disable=not config.show_progress, transient=True) as progress:
+        with intra_op_threads(config.threads), Progress(disable=not config.show_progress, transient=True) as progress:
             task = progress.add_task(f"profiling on {device_name(device)}", total=len(batches) * len(graph))
             for batch in reversed(batches):  # the largest first: smaller batches reuse its freed memory
                 for layer, sample in _measure_batch(graph, runners, loaded, batch, device, config, cache):
                     measured[layer][batch] = sample
                     progress.advance(task)
     finally:
-        torch.set_num_threads(threads)
         if cache:
             cache.save()
     for parameter in traced.module.parameters():
@@ -173,6 +171,17 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
         layers={name: times for name, (times, _) in layers.items()},
         fit=_quality(batches, [errors for _, errors in layers.values()], ordered, config.spread_bound),
     )
+
+
+@contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` intra-op threads (unchanged for None), then restore them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
