@@ -165,13 +165,6 @@ class NetworkModel:
     def nodes(self, gpus: int) -> int:
         return math.ceil(gpus / self.gpus_per_node)
 
-    def bandwidth(self, gpus: int) -> float:
-        """Per-GPU bandwidth of the slowest link a group of ``gpus`` ranks 0..gpus-1 crosses."""
-        return self.intra_bandwidth if gpus <= self.gpus_per_node else self.inter_bandwidth
-
-    def latency_s(self, gpus: int) -> float:
-        return self.intra_latency_s if gpus <= self.gpus_per_node else self.inter_latency_s
-
     def allreduce_s(self, gpus: int, nbytes: float, *, latencies: float = 1.0) -> float:
         """Hierarchical all-reduce of ``nbytes`` on ranks 0..gpus-1 (NCCL's ring inside, then across nodes).
 
