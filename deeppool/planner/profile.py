@@ -64,13 +64,15 @@ class FitQuality:
     noisy: int
     measurements: int
     spread_bound: float
+    compared: int
 
     def describe(self, bound: float = 0.25) -> str:
         """One line for people; it warns when the fit or the measurements are loose."""
-        line = (
-            f"profile measured at per-GPU batches {list(self.measured_batches)} and fitted (t = a + b·batch): "
-            f"fit error median {100 * self.error_p50:.1f}%, p90 {100 * self.error_p90:.1f}%"
-        )
+        line = f"profile measured at per-GPU batches {list(self.measured_batches)} and fitted (t = a + b·batch): "
+        if self.compared:
+            line += f"fit error median {100 * self.error_p50:.1f}%, p90 {100 * self.error_p90:.1f}% ({self.compared} points)"
+        else:
+            line += "fit error not measured (every layer is below the timer's noise floor)"
         if self.noisy:
             line += f"; warning: {self.noisy} of {self.measurements} measurements stayed noisy (spread > {100 * self.spread_bound:.0f}%)"
         if self.error_p90 > bound:

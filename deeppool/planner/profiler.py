@@ -256,6 +256,7 @@ def _quality(
         noisy=sum(spread > bound for spread in spreads),
         measurements=len(spreads),
         spread_bound=bound,
+        compared=len(flat),
     )
 
 
