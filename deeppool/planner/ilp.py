@@ -23,7 +23,9 @@ iteration time::
 
 The flow is the exact transport cost between the two layers' choices, so the
 LP relaxation is the local-polytope relaxation (integral on chains) with
-O(K) variables per edge instead of K² pair variables.
+O(K) variables per edge instead of K² pair variables; with the cross-node
+ladder beside the in-node one it was still integral on every example
+(``benchmarks/planner.py``), and branch and bound covers the rest.
 The amplification limit is hard: counts above it are not offered
 (:mod:`deeppool.planner.candidates`). CBC solves by default; HiGHS when
 ``highspy`` is installed.
