@@ -55,7 +55,7 @@ def burst_plan(model: Path, nproc: int, batch: int, network: Path, cache: Path, 
     """Write a plan with at least two distinct GPU counts to ``out``; say how it was found."""
     from deeppool.planner.api import CostSource, PlanRequest, plan_graph, plan_model
     from deeppool.planner.modelspec import ModelSpec
-    from deeppool.planner.strategies import Objective
+    from deeppool.planner.request import Objective
 
     spec = ModelSpec.parse(str(model))
     request = PlanRequest(gpus=nproc, global_batch=batch)

@@ -14,12 +14,14 @@ def _ratio(measured: float, predicted: float) -> str:
 
 
 def layer_table(summary: RunSummary, *, limit: int = 40) -> Table:
-    """Measured vs predicted per-layer ms (the ``limit`` layers with the most predicted time)."""
-    table = Table(title="per-layer time, ms (measured = median, slowest rank of the layer)")
+    """Measured vs predicted per-layer ms, in layer order (beyond ``limit`` layers, those with the most time)."""
+    table = Table(title="per-layer time, ms (measured = median, slowest rank of the layer), in layer order")
     for column in ("layer", "gpus", "fwd pred", "fwd meas", "bwd pred", "bwd meas", "AR pred", "AR meas", "meas/pred"):
         table.add_column(column, justify="left" if column == "layer" else "right")
-    rows = sorted(summary.layers, key=lambda l: l.fwd_predicted + l.bwd_predicted + l.allreduce_predicted, reverse=True)
-    for layer in rows[:limit]:
+    rows = list(summary.layers)
+    heaviest = sorted(rows, key=lambda l: l.fwd_predicted + l.bwd_predicted + l.allreduce_predicted, reverse=True)
+    shown = {id(layer) for layer in heaviest[:limit]}
+    for layer in (layer for layer in rows if id(layer) in shown):
         predicted = layer.fwd_predicted + layer.bwd_predicted
         measured = layer.fwd_measured + layer.bwd_measured
         table.add_row(
@@ -31,7 +33,7 @@ def layer_table(summary: RunSummary, *, limit: int = 40) -> Table:
             _ratio(measured, predicted),
         )
     if len(rows) > limit:
-        table.caption = f"{len(rows) - limit} more layers in summary.json"
+        table.caption = f"the {limit} layers with the most predicted time; {len(rows) - limit} more in summary.json"
     return table
 
 

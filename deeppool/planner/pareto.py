@@ -18,7 +18,7 @@ from deeppool.planner.candidates import allowed_counts, thinned_counts, useful_c
 from deeppool.planner.cost import CostModel
 from deeppool.planner.ilp import solve
 from deeppool.planner.plan import Strategy
-from deeppool.planner.strategies import Objective
+from deeppool.planner.request import Objective
 
 PRICE_FACTORS = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 1e3, 1e4)
 """Prices swept, as multiples of the all-GPU data-parallel plan's ms per GPU-second."""

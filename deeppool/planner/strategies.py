@@ -16,7 +16,6 @@ stays exact).
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -27,19 +26,7 @@ from deeppool.planner.candidates import Limits, allowed_counts, check_memory, th
 from deeppool.planner.cost import CostModel
 from deeppool.planner.ilp import SolverName, default_solver, solve
 from deeppool.planner.plan import SolverInfo, Strategy
-
-
-class Objective(enum.Enum):
-    TIME = "time"
-    TIME_AND_GPU_TIME = "time+gpu-time"
-
-
-def check_objective(objective: Objective, price: float) -> None:
-    """Refuse a negative price, or the trade-off objective without a price."""
-    if price < 0:
-        raise DeeppoolError(f"--price {price} must be >= 0")
-    if objective is Objective.TIME_AND_GPU_TIME and price == 0:
-        raise DeeppoolError("--objective time+gpu-time needs a --price > 0 (ms of iteration per GPU-second)")
+from deeppool.planner.request import Objective, check_objective
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ from deeppool.planner.ilp import SolverName
 from deeppool.planner.modelspec import ModelSource, ModelSpec
 from deeppool.planner.pareto import front, plot
 from deeppool.planner.plan import Strategy
-from deeppool.planner.strategies import Objective
+from deeppool.planner.request import Objective
 from tests.planner import synthetic
 
 SPEC = ModelSpec(source=ModelSource.FACTORY, location="tests.models.factories:small_cnn", input_shape=(3, 8, 8))
