@@ -10,9 +10,11 @@ allowed roots; it is never run through a shell.
 
 # No ``from __future__ import annotations`` here: FastAPI reads the routes' dependency aliases at runtime.
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Response, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -21,6 +23,9 @@ from pydantic import BaseModel
 
 from deeppool.coordinator.jobs import Job, JobRequest, JobStatus
 from deeppool.coordinator.store import Store
+
+if TYPE_CHECKING:
+    from deeppool.coordinator.service import Service
 
 FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 LOG_CHUNK = 1 << 20
@@ -48,8 +53,18 @@ class Cluster(BaseModel):
     allocations: list[Allocation]
 
 
-def create_app(store: Store, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="deeppool coordinator", version="1",
+def create_app(store: Store, settings: ServerSettings, service: "Service | None" = None) -> FastAPI:
+    """The API over ``store``; with a ``service``, its loop runs while the app does (recovering first)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if service is not None:
+            service.start()
+        yield
+        if service is not None:
+            service.stop()
+
+    app = FastAPI(title="deeppool coordinator", version="1", lifespan=lifespan,
                   description="Submit foreground (burst-parallel) and background training jobs.")
     bearer = HTTPBearer(auto_error=False, description="a token from `deeppool token create NAME`")
 
