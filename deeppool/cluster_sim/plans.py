@@ -18,6 +18,7 @@ only when a Plan or graph is missing from the cache.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import multiprocessing
