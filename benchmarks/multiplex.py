@@ -44,6 +44,7 @@ def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def burst_plan(batch: int):
+    from deeppool.planner.baselines import Baselines
     from deeppool.planner.cost import CostModel
     from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice
     from deeppool.planner.modelspec import ModelSpec
@@ -58,7 +59,7 @@ def burst_plan(batch: int):
     assignment = {layer.name: 1 if i in LONE else 2 for i, layer in enumerate(graph.layers)}
     return build_plan(cost, assignment, model=spec, gpus=2, strategy=Strategy.ILP, amplification_limit=None,
                       solver=SolverInfo(name="hand", status="Optimal", seconds=0.0, gap=0.0),
-                      baselines={Strategy.DATA_PARALLEL: 1.0, Strategy.DEEPPOOL: 1.0})
+                      baselines=Baselines(data_parallel_ms=1.0, deeppool_ms=1.0, best_data_parallel_gpus=1, best_data_parallel_ms=1.0))
 
 
 def main() -> None:

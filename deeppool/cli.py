@@ -48,15 +48,21 @@ def plan(
         help="hard limit on a layer's GPU-time amplification: its time x GPUs over its time on one GPU (>= 1)",
         show_default="no limit")] = None,
     strategy: Annotated[str, typer.Option(
-        help="which plan to write: ilp, dp (data parallel) or deeppool (the paper's dynamic programme)")] = "ilp",
+        help="which plan to write: ilp, dp (data parallel on all GPUs), best-dp (data parallel at its best width) "
+             "or deeppool (the paper's planner)")] = "ilp",
     optimizer: Annotated[str, typer.Option(help="sgd or adam: optimizer state memory and step time")] = "sgd",
+    precision: Annotated[str | None, typer.Option(help="fp32, tf32, bf16 or fp16 for a device model (default: the model's dtype)")] = None,
+    bucket_mb: Annotated[float, typer.Option(help="the executor's gradient bucket, MiB (0: per layer, synchronous)")] = 25.0,
+    objective: Annotated[str, typer.Option(help="time (iteration time under --amplification) or time+gpu-time (needs --price)")] = "time",
+    price: Annotated[float, typer.Option(help="with --objective time+gpu-time: ms of iteration worth one GPU-second")] = 0.0,
+    pareto: Annotated[Path | None, typer.Option(help="write a PNG of iteration time against GPU-seconds, baselines marked")] = None,
     time_limit: Annotated[float, typer.Option(help="ILP time limit, seconds")] = 60.0,
     solver: Annotated[str | None, typer.Option(help="cbc or highs", show_default="highs when installed")] = None,
     no_memory_limit: Annotated[bool, typer.Option(
         "--no-memory-limit", help="do not constrain per-GPU memory (default: plans fit the device's memory)")] = False,
     max_candidates: Annotated[int, typer.Option(help="thin the GPU counts per layer to about this many (0: all)")] = 32,
     local_device: Annotated[str, typer.Option(help="cpu or cuda[:N]: where --device-model local measures")] = "cpu",
-    max_measured_batch: Annotated[int, typer.Option(help="largest per-GPU batch measured locally")] = 32,
+    max_measured_batch: Annotated[int, typer.Option(help="largest per-GPU batch measured locally (the rest is fitted)")] = 8,
     cache_dir: Annotated[Path, typer.Option(help="profile cache directory")] = DEFAULT_CACHE,
     out: Annotated[Path | None, typer.Option(
         help="where to write the plan JSON", show_default="MODEL-plan.json, e.g. resnet50-plan.json")] = None,
@@ -66,15 +72,17 @@ def plan(
     """Trace MODEL, profile it (or estimate for a GPU model) and solve its burst-parallel plan."""
     from deeppool import checks
     from deeppool.planner.cost import Optimizer
+    from deeppool.planner.hardware import Precision
     from deeppool.planner.modelspec import ModelSpec
     from deeppool.planner.plan import Strategy
-    from deeppool.planner.request import CostSource, PlanRequest, check_samples
+    from deeppool.planner.request import CostSource, Objective, PlanRequest, check_precision, check_samples
 
     out = out or default_output(model, "plan.json")
     checks.new_file(out, "--out")
     checks.new_file(gantt, "--gantt", checks.IMAGE_SUFFIXES)
-    checks.distinct({"--out": out, "--gantt": gantt, "MODEL": Path(model) if model.endswith(".py") else None,
-                     "--profile": profile})
+    checks.new_file(pareto, "--pareto", checks.IMAGE_SUFFIXES)
+    checks.distinct({"--out": out, "--gantt": gantt, "--pareto": pareto,
+                     "MODEL": Path(model) if model.endswith(".py") else None, "--profile": profile})
     if profile is not None and device_model is not None:
         raise DeeppoolError("give either --profile or --device-model, not both")
     request = PlanRequest(
@@ -87,6 +95,10 @@ def plan(
         time_limit_s=time_limit,
         solver=_solver(solver) if solver else None,
         max_candidates=max_candidates or None,
+        bucket_mb=bucket_mb,
+        precision=Precision.parse(precision) if precision else None,
+        objective=_enum(Objective, objective, "--objective"),
+        price=price,
     )
     check_samples(gpus, batch)
     source = CostSource(
@@ -101,17 +113,19 @@ def plan(
         intra_gbps=intra_gbps,
         inter_gbps=inter_gbps,
     )
+    check_precision(request, source)
     if source.measures_locally:
         checks.out_folder(cache_dir, "--cache-dir")
     spec = ModelSpec.parse(
         model, input_shape=checks.positive_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
         vocab_size=vocab_size,
     )
-    _plan_and_report(spec, request, source, out=out, gantt=gantt, per_layer=per_layer)
+    _plan_and_report(spec, request, source, out=out, gantt=gantt, pareto=pareto, per_layer=per_layer)
 
 
 def _plan_and_report(
-    spec: ModelSpec, request: PlanRequest, source: CostSource, *, out: Path, gantt: Path | None, per_layer: bool,
+    spec: ModelSpec, request: PlanRequest, source: CostSource, *, out: Path, gantt: Path | None,
+    pareto: Path | None, per_layer: bool,
 ) -> None:
     from deeppool.output import console
     from deeppool.planner import report
@@ -120,6 +134,8 @@ def _plan_and_report(
     planned = plan_model(spec, request, source)
     planned.plan.save(out)
     shown = console()
+    if planned.cost.profile.fit is not None:
+        shown.print(planned.cost.profile.fit.describe())
     shown.print(report.plan_table(planned.plan, per_layer=per_layer))
     shown.print(report.summary(planned.plan))
     shown.print(report.AMPLIFICATION_NOTE, style="dim")
@@ -127,6 +143,11 @@ def _plan_and_report(
     if gantt is not None:
         report.gantt(planned.plan, planned.cost, gantt)
         shown.print(f"Gantt chart written to {gantt}")
+    if pareto is not None:
+        from deeppool.planner.pareto import front, plot
+
+        plot(front(planned), pareto)
+        shown.print(f"Pareto front written to {pareto}")
 
 
 def default_output(model: str, suffix: str) -> Path:
@@ -179,6 +200,8 @@ def _measure(spec: ModelSpec, *, out: Path, device: str, batches: tuple[int, ...
     loaded = spec.load()
     measured = measure_profile(trace(loaded), loaded, config)
     measured.save(out)
+    if measured.fit is not None:
+        console().print(measured.fit.describe())
     console().print(f"profiled {len(measured.layers)} layers on {measured.device} at batches {config.batches}: {out}")
 
 

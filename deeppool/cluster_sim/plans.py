@@ -115,6 +115,7 @@ class PlanSettings:
 TRACER_SOURCES = ("graph.py", "layer_exec.py", "modelspec.py", "trace.py")
 PLANNER_SOURCES = TRACER_SOURCES + (
     "api.py", "baselines.py", "candidates.py", "cost.py", "hardware.py", "ilp.py", "plan.py", "profile.py",
+    "strategies.py",
     "request.py",
 )
 """The planner modules a Plan depends on (reports and the profiler do not change one)."""
@@ -289,11 +290,18 @@ def _solve_model(
 
 def _data_parallel_plan(planned: Planned, model: ModelChoice, gpus: int) -> Plan:
     """The data-parallel Plan of the same planner run (the same cost model and baselines)."""
+    from deeppool.planner.baselines import Baselines
     from deeppool.planner.plan import Strategy, build_plan
 
     if planned.plan.strategy is Strategy.DATA_PARALLEL:
         return planned.plan
     predicted = planned.plan.predicted
+    baselines = Baselines(
+        data_parallel_ms=predicted.data_parallel_iteration_ms,
+        deeppool_ms=predicted.deeppool_iteration_ms,
+        best_data_parallel_gpus=predicted.best_data_parallel_gpus,
+        best_data_parallel_ms=predicted.best_data_parallel_iteration_ms,
+    )
     return build_plan(
         planned.cost,
         planned.assignments[Strategy.DATA_PARALLEL],
@@ -302,10 +310,7 @@ def _data_parallel_plan(planned: Planned, model: ModelChoice, gpus: int) -> Plan
         strategy=Strategy.DATA_PARALLEL,
         amplification_limit=planned.plan.amplification_limit,
         solver=planned.plan.solver,
-        baselines={
-            Strategy.DATA_PARALLEL: predicted.data_parallel_iteration_ms,
-            Strategy.DEEPPOOL: predicted.deeppool_iteration_ms,
-        },
+        baselines=baselines,
     )
 
 

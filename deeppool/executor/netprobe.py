@@ -95,16 +95,14 @@ class NetworkFit:
         p2p = _figures(self.samples, Pattern.P2P, self.nproc)
         reduce = _figures(self.samples, Pattern.ALLREDUCE, self.nproc)
         if p2p is None or reduce is None:
-            return NetworkModel(
-                gpus_per_node=LOCAL_NETWORK.gpus_per_node,
-                intra_bandwidth=self.bandwidth, inter_bandwidth=self.bandwidth,
-                intra_latency_s=self.latency_s, inter_latency_s=self.latency_s,
+            return NetworkModel.flat(
+                gpus_per_node=LOCAL_NETWORK.gpus_per_node, bandwidth=self.bandwidth, latency_s=self.latency_s,
+                allreduce_overlap=LOCAL_NETWORK.allreduce_overlap,
             )
         bandwidth, latency = p2p["bandwidth"], p2p["latency_s"]
-        return NetworkModel(
-            gpus_per_node=LOCAL_NETWORK.gpus_per_node,
-            intra_bandwidth=bandwidth, inter_bandwidth=bandwidth,
-            intra_latency_s=latency, inter_latency_s=latency,
+        return NetworkModel.flat(
+            gpus_per_node=LOCAL_NETWORK.gpus_per_node, bandwidth=bandwidth, latency_s=latency,
+            allreduce_overlap=LOCAL_NETWORK.allreduce_overlap,
             allreduce_efficiency=reduce["bandwidth"] / bandwidth,
             allreduce_latency_factor=reduce["latency_s"] / latency if latency > 0 else 1.0,
         )

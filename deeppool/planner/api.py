@@ -1,8 +1,9 @@
 """The planning pipeline: a traced graph and a profile in, a Plan out.
 
 :func:`plan_graph` is what the CLI, the coordinator and the simulator call:
-it builds the cost model, computes the two baselines and the ILP optimum in
-the same run, and writes the plan of the chosen strategy. :func:`plan` is the
+it builds the cost model, computes the baselines and the ILP optimum in the
+same run (:mod:`deeppool.planner.strategies`), refuses figures that break the
+cost model's invariants, and writes the plan of the chosen strategy. :func:`plan` is the
 Python entry point for an ``nn.Module`` and example inputs.
 """
 
@@ -16,18 +17,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deeppool.planner import baselines
 from deeppool.planner.batching import check_per_sample
-from deeppool.planner.candidates import Limits, allowed_counts, check_memory, thinned_counts, useful_counts
-from deeppool.planner.cost import CostModel
+from deeppool.planner.candidates import Limits, useful_counts
+from deeppool.planner.cost import CostModel, check_invariants
 from deeppool.planner.graph import LayerGraph
-from deeppool.planner.hardware import DEVICES, NETWORKS, NetworkModel, known_device
-from deeppool.planner.ilp import solve
+from deeppool.planner.hardware import DEVICES, NETWORKS, NetworkModel, Precision, known_device
 from deeppool.planner.modelspec import LoadedModel, ModelSource, ModelSpec, default_loss
-from deeppool.planner.plan import Plan, SolverInfo, Strategy, build_plan
+from deeppool.planner.plan import Plan, Strategy, build_plan
 from deeppool.planner.profile import Profile, estimated_profile
-from deeppool.planner.profiler import ProfilerConfig, measure_profile
-from deeppool.planner.request import LOCAL, CostSource, PlanRequest, check_samples
+from deeppool.planner.profiler import ProfilerConfig, intra_op_threads, measure_profile
+from deeppool.planner.request import LOCAL, CostSource, PlanRequest, check_precision, check_samples
+from deeppool.planner.strategies import Search, solve_all
 from deeppool.planner.trace import Traced, trace
 
 __all__ = ["LOCAL", "CostSource", "PlanRequest", "Planned", "device_setup", "plan", "plan_graph", "plan_model"]
@@ -40,6 +40,7 @@ class Planned:
     plan: Plan
     assignments: dict[Strategy, dict[str, int]]
     cost: CostModel
+    search: Search
 
 
 def plan_graph(
@@ -50,67 +51,35 @@ def plan_graph(
     *,
     model: ModelSpec,
 ) -> Planned:
-    """Solve the ILP and both baselines; return the plan of ``request.strategy``."""
+    """Solve the ILP and its baselines; return the plan of ``request.strategy``."""
     profile.check_covers(graph)
     cost = CostModel(
         graph=graph, profile=profile, network=network, global_batch=request.global_batch,
-        optimizer=request.optimizer,
+        optimizer=request.optimizer, precision=Precision.of_profile(profile.dtype),
+        bucket_bytes=int(request.bucket_mb * 2**20),
     )
     limits = Limits(
         amplification=request.amplification,
         memory_bytes=profile.memory_bytes if request.enforce_memory else None,
     )
-    counts = thinned_counts(request.gpus, request.global_batch, request.max_candidates)
-    options = {layer.name: allowed_counts(cost, layer, counts, limits) for layer in graph.layers}
-    check_memory(cost, options, limits)
-    result = solve(cost, options, memory_bytes=limits.memory_bytes, time_limit_s=request.time_limit_s,
-                   solver=request.solver)
-    assignments = {
-        Strategy.DATA_PARALLEL: baselines.data_parallel(cost, request.gpus),
-        Strategy.DEEPPOOL: baselines.deeppool_dp(cost, request.gpus, request.amplification),
-        Strategy.ILP: result.assignment,
-    }
-    status = result.status
-    best_baseline = _best_feasible_baseline(cost, assignments, options, limits)
-    solved_ms = cost.iteration_ms(result.assignment)
-    if best_baseline is not None and cost.iteration_ms(best_baseline) < solved_ms * (1 - 1e-9):
-        assignments[Strategy.ILP] = best_baseline
-        status = f"{status} (a baseline was better within the time limit and is kept)"
-    times = {strategy: cost.iteration_ms(a) for strategy, a in assignments.items()}
-    info = SolverInfo(name=result.solver.value, status=status, seconds=result.seconds, gap=result.gap)
+    search = Search(
+        gpus=request.gpus, limits=limits, max_candidates=request.max_candidates,
+        time_limit_s=request.time_limit_s, solver=request.solver, objective=request.objective, price=request.price,
+    )
+    solved = solve_all(cost, search)
+    chosen = solved.assignments[request.strategy]
+    check_invariants(cost, chosen)
     plan = build_plan(
         cost,
-        assignments[request.strategy],
+        chosen,
         model=model,
         gpus=request.gpus,
         strategy=request.strategy,
         amplification_limit=request.amplification,
-        solver=info,
-        baselines=times,
+        solver=solved.solver,
+        baselines=solved.baselines,
     )
-    return Planned(plan=plan, assignments=assignments, cost=cost)
-
-
-def _best_feasible_baseline(
-    cost: CostModel,
-    assignments: dict[Strategy, dict[str, int]],
-    options: dict[str, tuple[int, ...]],
-    limits: Limits,
-) -> dict[str, int] | None:
-    counts = sorted({g for allowed in options.values() for g in allowed})
-    feasible = []
-    for strategy in (Strategy.DATA_PARALLEL, Strategy.DEEPPOOL):
-        mapped = {name: _smallest_equivalent(cost, g, counts) for name, g in assignments[strategy].items()}
-        within = all(mapped[name] in options[name] for name in mapped)
-        memory_ok = limits.memory_bytes is None or cost.peak_memory_bytes(mapped) <= limits.memory_bytes
-        if within and memory_ok:
-            feasible.append(mapped)
-    return min(feasible, key=cost.iteration_ms, default=None)
-
-
-def _smallest_equivalent(cost: CostModel, gpus: int, counts: list[int]) -> int:
-    share = cost.per_gpu_batch(gpus)
-    return next((g for g in counts if cost.per_gpu_batch(g) == share), gpus)
+    return Planned(plan=plan, assignments=solved.assignments, cost=cost, search=search)
 
 
 def planner_batches(gpus: int, global_batch: int) -> tuple[int, ...]:
@@ -118,10 +87,20 @@ def planner_batches(gpus: int, global_batch: int) -> tuple[int, ...]:
     return tuple(sorted({-(-global_batch // g) for g in useful_counts(gpus, global_batch)}))
 
 
-def device_setup(device_model: str, global_batch: int, gpus: int, graph: LayerGraph) -> tuple[Profile, NetworkModel]:
-    """An estimated profile and the network preset of a named device model."""
+def device_setup(
+    device_model: str, global_batch: int, gpus: int, graph: LayerGraph, precision: Precision | None = None,
+) -> tuple[Profile, NetworkModel]:
+    """An estimated profile (in ``precision``, the model's own by default) and the network preset of a device model."""
     known = known_device(device_model)
-    return estimated_profile(graph, DEVICES[known], planner_batches(gpus, global_batch)), NETWORKS[known]
+    batches = planner_batches(gpus, global_batch)
+    return estimated_profile(graph, DEVICES[known], batches, precision), NETWORKS[known]
+
+
+def measured_batches(largest: int, needed: int) -> tuple[int, ...]:
+    """The per-GPU batches measured locally: powers of two up to ``largest`` and ``needed``, from 2 when 3 remain."""
+    limit = min(largest, needed)
+    powers = tuple(2**k for k in range(limit.bit_length()))
+    return powers[1:] if len(powers) > 3 else powers
 
 
 def source_profile(source: CostSource, traced: Traced, loaded: LoadedModel, request: PlanRequest) -> Profile:
@@ -129,22 +108,26 @@ def source_profile(source: CostSource, traced: Traced, loaded: LoadedModel, requ
     if source.profile_path is not None:
         return Profile.load(source.profile_path)
     if source.device_model != LOCAL:
-        return device_setup(source.device_model, request.global_batch, request.gpus, traced.graph)[0]
+        return device_setup(
+            source.device_model, request.global_batch, request.gpus, traced.graph, request.precision
+        )[0]
     batches = planner_batches(request.gpus, request.global_batch)
-    measured = tuple(b for b in batches if b <= source.max_measured_batch) or (min(batches),)
     config = ProfilerConfig(
-        device=source.local_device, batches=measured, cache_dir=source.cache_dir,
-        show_progress=source.show_progress,
+        device=source.local_device, batches=measured_batches(source.max_measured_batch, max(batches)),
+        fit_to=batches, cache_dir=source.cache_dir, show_progress=source.show_progress,
+        threads=source.threads(request),
     )
     return measure_profile(traced, loaded, config)
 
 
 def plan_model(spec: ModelSpec, request: PlanRequest, source: CostSource) -> Planned:
     """Trace the model ``spec`` names, get its layer times from ``source``, plan it."""
+    check_precision(request, source)
     loaded = spec.load(meta=not source.measures_locally)
     traced = trace(loaded)
     if source.measures_locally:
-        check_per_sample(traced, loaded, seed=spec.seed)
+        with intra_op_threads(source.threads(request)):
+            check_per_sample(traced, loaded, seed=spec.seed)
     profile = source_profile(source, traced, loaded, request)
     return plan_graph(traced.graph, profile, source.network_model(profile), request, model=spec)
 

@@ -41,9 +41,9 @@ def thinned_counts(gpus: int, global_batch: int, limit: int | None) -> tuple[int
 
     This pruning can cost plan quality (the planner benchmark measures how
     much): it keeps every power of two and the data-parallel width, so the
-    data-parallel and DeepPool-style plans stay representable and the ILP is
-    never predicted slower than them, and fills the gaps with the useful counts
-    nearest to a geometric series from 1 to the largest count.
+    data-parallel and DeepPool plans stay representable, and fills the gaps with
+    the useful counts nearest to a geometric series from 1 to the largest count
+    (then the widest remaining gaps), up to ``limit`` counts.
     """
     counts = useful_counts(gpus, global_batch)
     if limit is None or len(counts) <= limit:
@@ -53,6 +53,8 @@ def thinned_counts(gpus: int, global_batch: int, limit: int | None) -> tuple[int
     for step in range(spread):
         target = counts[-1] ** (step / (spread - 1))
         kept.add(min(counts, key=lambda g: abs(math.log(g / target))))
+    while len(kept) < limit:  # the series hit some counts twice: fill the widest gaps
+        kept.add(max((g for g in counts if g not in kept), key=lambda g: min(abs(math.log(g / k)) for k in kept)))
     return tuple(sorted(kept))
 
 

@@ -3,33 +3,56 @@
 A plan gives every layer ``l`` a GPU count ``g_l``; the layer runs on ranks
 ``0..g_l-1`` and rank ``i`` holds samples ``[⌊i·B/g⌋, ⌊(i+1)·B/g⌋)`` of the
 global batch ``B`` (uneven splits allowed), so the per-GPU batch is
-``s(g) = ⌈B/g⌉``. With per-sample activation bytes ``A_l``, parameter bytes
-``W_l``, per-GPU bandwidth ``BW(g)`` and latency ``α(g)`` (node-local when
-``g`` ranks fit in a node, else cross-node) the predicted iteration time is
+``s(g) = ⌈B/g⌉``. Bytes follow the plan's precision ``p``: per-sample
+activation bytes ``A_l`` and parameter bytes ``W_l`` are the traced ones
+rescaled from the traced dtype's element size to ``p``'s (integer tensors
+keep theirs). ``AR(g, S, k)`` is the network's hierarchical all-reduce of
+``S`` bytes over ranks 0..g-1 paying ``k`` latency rounds
+(:meth:`NetworkModel.allreduce_s`: NVLink ring inside a node, all NICs of
+each node across). The predicted iteration time is
 
-    T = Σ_l [ fwd_l(s(g_l)) + bwd_l(s(g_l)) + AR_l(g_l) + OPT_l ] + Σ_(u→v) 2 · R_uv(g_u, g_v)
+    T = Σ_l [ fwd_l(s) + bwd_l(s) + BN_l(g_l) + AR*_l(g_l) + OPT_l ] + Σ_(u→v) 2 · R_uv(g_u, g_v)
 
-    AR_l(g)        = 0 if g = 1 or W_l = 0, else 2·(g−1)/g · W_l / (η·BW(g)) + 2⌈log₂ g⌉·λ·α(g)
-                     (all-reduce of the layer's gradients inside its group: the ring's
-                      bandwidth term, the tree's latency term, as NCCL picks per size;
-                      η and λ scale the network's figures for all-reduce, 1 for the
-                      presets, measured by ``deeppool profile-network``)
-    R_uv(g_u, g_v) = 0 if g_u = g_v, else max(side(g_u), side(g_v)),
-    side(g)        = α(g) + A_u · s(g) / BW(g)
-                     (activations resharded forward, their gradients backward; the
-                      busiest rank sends or receives at most one shard of either side)
-
-    OPT_l          = (3 + 2·k_opt) · W_l / BW_mem
-                     (the optimizer step reads weights and gradients and writes weights,
-                      plus k_opt state tensors read and written; BW_mem from the profile)
+    AR*_l(g)  gradient all-reduce as the executor does it (``--bucket-mb``, default 25 MiB):
+              gradients join a bucket per rank group; a full bucket is reduced
+              asynchronously while the backward goes on; the last bucket (the
+              first layers, whose gradients come last) waits at the end:
+                = 0                                    if g = 1 or W_l = 0
+                = AR(g, W_l, 1)                        with bucket 0 (one synchronous call per layer)
+                = AR(g, W_l, W_l / b)                  if l is in the last bucket
+                = max(0, AR(g, W_l, W_l / b) − ω·bwd_l)  otherwise (hidden behind the backward;
+                                                      ω the network's overlap: 1 on GPUs, 0 for gloo on CPUs)
+              with b = min(bucket, Σ_l W_l) (a bucket's latency shared by its layers by
+              bytes) and the last bucket the layers whose forward-order prefix of
+              parameter bytes is below ``Σ W mod bucket`` (a whole bucket if 0).
+    BN_l(g)   = AR(g, 8(C+1), 1) + AR(g, 8C, 1)  (forward)  +  AR(g, 16C, 1)  (backward)
+              for an ``nn.BatchNorm`` layer on g > 1 ranks (C channels): the executor's
+              synchronised BatchNorm reduces count and sum, then squared deviations,
+              then Σdy and Σdy·(x−μ), in float64, synchronously; a plan's
+              ``fwd_ms``/``bwd_ms`` include these.
+    R_uv(g_u, g_v) = 0 if g_u = g_v, else α(G) + A_u · s(min(g_u, g_v)) / BW(G),  G = max(g_u, g_v)
+              (activations resharded forward, their gradients backward; the busiest
+              rank moves one shard of the smaller group, over the slowest link the
+              pair crosses: NVLink inside a node, the GPU's NIC share across nodes).
+              The ILP carries it with two ladders: ``max(σ(g_u), σ(g_v))`` over in-node
+              counts, ``max(σ_x(g_u), σ_x(g_v))`` over all, ``σ(g) = α_in + A·s(g)/BW_in``,
+              ``σ_x(g) = α_x + A·s(g)/BW_x``; the cheaper one that applies is the term.
+    OPT_l     = (3 + 2·k_opt) · W_l / BW_mem
+              (the optimizer step reads weights and gradients and writes weights,
+               plus k_opt state tensors read and written; BW_mem from the profile)
 
 Layers run one after another (branches included), each phase on the ranks it
 uses: this is the schedule :func:`schedule` lays out, from which GPU-time,
 amplification and the idle windows lent to background jobs follow. A layer's
 amplification is its GPU-time at ``g`` over its time on one GPU:
-``g · (fwd+bwd+AR+OPT)(g) / (fwd+bwd+OPT)(1)``. Memory on rank 0, which runs every
+``g · (fwd+bwd+BN+AR*+OPT)(g) / (fwd+bwd+OPT)(1)``. Memory on rank 0, which runs every
 layer, is ``Σ_l (2 + k_opt) · W_l + A_l · s(g_l)`` (weights, gradients,
 optimizer state, stored activations) and must fit the device.
+
+Invariants every prediction keeps (:func:`check_invariants` refuses a plan
+that breaks them): every term is finite and ≥ 0, and no layer's GPU-time on
+``g`` GPUs is below its time on one (amplification ≥ 1; below 0.5 the figures
+are refused as measurement noise, not hardware).
 """
 
 from __future__ import annotations
@@ -38,10 +61,18 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
+from deeppool.errors import DeeppoolError
 from deeppool.planner.graph import Layer, LayerGraph
-from deeppool.planner.hardware import NetworkModel
+from deeppool.planner.hardware import NetworkModel, Precision
 from deeppool.planner.profile import Profile
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""The executor's default gradient bucket (``--bucket-mb 25``)."""
+_STATS_BYTES = 8
+"""Synchronised BatchNorm reduces its statistics in float64."""
+
 
 class Optimizer(enum.Enum):
     """The optimizer the plan is for: it sets optimizer state memory and step time."""
@@ -83,39 +114,107 @@ class CostModel:
     network: NetworkModel
     global_batch: int
     optimizer: Optimizer = Optimizer.SGD
+    precision: Precision = Precision.FP32
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes < 0:
+            raise DeeppoolError(f"gradient bucket of {self.bucket_bytes} bytes: must be >= 0")
 
     def per_gpu_batch(self, gpus: int) -> int:
         return math.ceil(self.global_batch / gpus)
+
+    def param_bytes(self, layer: Layer) -> float:
+        """``W_l`` in the plan's precision."""
+        return layer.param_bytes * self.precision.scale(layer.dtype)
+
+    def act_bytes(self, layer: Layer) -> float:
+        """``A_l`` in the plan's precision."""
+        return layer.act_bytes * self.precision.scale(layer.dtype)
+
+    @cached_property
+    def _bucket_share(self) -> float:
+        total = sum(self.param_bytes(layer) for layer in self.graph.layers)
+        return max(min(self.bucket_bytes, total), 1.0)
+
+    @cached_property
+    def _tail(self) -> frozenset[str]:
+        """The layers in the last gradient bucket: the first ones, whose gradients come last."""
+        total = sum(self.param_bytes(layer) for layer in self.graph.layers)
+        if self.bucket_bytes == 0 or total == 0:
+            return frozenset()
+        tail = total % self.bucket_bytes or min(self.bucket_bytes, total)
+        names, prefix = [], 0.0
+        for layer in self.graph.layers:
+            if prefix >= tail:
+                break
+            names.append(layer.name)
+            prefix += self.param_bytes(layer)
+        return frozenset(names)
 
     def compute_ms(self, layer: Layer, gpus: int) -> tuple[float, float]:
         """(fwd_ms, bwd_ms) of ``layer`` on the busiest of ``gpus`` ranks."""
         return self.profile.times(layer.name, self.per_gpu_batch(gpus))
 
     def allreduce_ms(self, layer: Layer, gpus: int) -> float:
-        if gpus == 1 or layer.param_bytes == 0:
+        """``AR*_l(g)``: the gradient all-reduce time the layer does not hide behind the backward."""
+        nbytes = self.param_bytes(layer)
+        if gpus == 1 or nbytes == 0:
             return 0.0
-        seconds = 2 * (gpus - 1) / gpus * layer.param_bytes / self.network.allreduce_bandwidth(gpus)
-        return 1e3 * (seconds + 2 * math.ceil(math.log2(gpus)) * self.network.allreduce_latency_s(gpus))
+        if self.bucket_bytes == 0:
+            return 1e3 * self.network.allreduce_s(gpus, nbytes)
+        full = 1e3 * self.network.allreduce_s(gpus, nbytes, latencies=nbytes / self._bucket_share)
+        if layer.name in self._tail:
+            return full
+        return max(0.0, full - self.network.allreduce_overlap * self.compute_ms(layer, gpus)[1])
+
+    def batchnorm_ms(self, layer: Layer, gpus: int) -> tuple[float, float]:
+        """``BN_l(g)`` split into (forward, backward): synchronised BatchNorm's statistics all-reduces."""
+        if gpus == 1 or "BatchNorm" not in layer.op:
+            return 0.0, 0.0
+        channels = layer.output_shape[0] if layer.output_shape else 1
+        forward = sum(self.network.allreduce_s(gpus, _STATS_BYTES * n) for n in (channels + 1, channels))
+        return 1e3 * forward, 1e3 * self.network.allreduce_s(gpus, _STATS_BYTES * 2 * channels)
+
+    def phases_ms(self, layer: Layer, gpus: int) -> tuple[float, float]:
+        """(forward, backward) ms the layer holds its ranks: compute plus synchronised BatchNorm."""
+        fwd, bwd = self.compute_ms(layer, gpus)
+        bn_fwd, bn_bwd = self.batchnorm_ms(layer, gpus)
+        return fwd + bn_fwd, bwd + bn_bwd
 
     def step_ms(self, layer: Layer) -> float:
         """The optimizer step over the layer's parameters (the same on each of its ranks)."""
-        moved = (3 + 2 * self.optimizer.state_factor) * layer.param_bytes
+        moved = (3 + 2 * self.optimizer.state_factor) * self.param_bytes(layer)
         return 1e3 * moved / self.profile.memory_bandwidth
 
-    def layer_ms(self, layer: Layer, gpus: int) -> float:
-        """Compute, gradient all-reduce and optimizer step: the time ``layer`` holds its GPUs."""
-        fwd, bwd = self.compute_ms(layer, gpus)
-        return fwd + bwd + self.allreduce_ms(layer, gpus) + self.step_ms(layer)
+    @cached_property
+    def _layer_memo(self) -> dict[tuple[str, int], float]:
+        """``layer_ms`` by (layer, GPUs): the ILP, the baselines and the plan ask for the same ones often."""
+        return {}
 
-    def reshard_side_ms(self, producer: Layer, gpus: int) -> float:
-        seconds = producer.act_bytes * self.per_gpu_batch(gpus) / self.network.bandwidth(gpus)
-        return 1e3 * (seconds + self.network.latency_s(gpus))
+    def layer_ms(self, layer: Layer, gpus: int) -> float:
+        """Compute, synchronised BatchNorm, exposed all-reduce and optimizer step: the time ``layer`` holds its GPUs."""
+        key = (layer.name, gpus)
+        if key not in self._layer_memo:
+            fwd, bwd = self.phases_ms(layer, gpus)
+            self._layer_memo[key] = fwd + bwd + self.allreduce_ms(layer, gpus) + self.step_ms(layer)
+        return self._layer_memo[key]
+
+    def reshard_side_ms(self, producer: Layer, gpus: int, *, across: bool = False) -> float:
+        """``σ(g)`` (in-node) or, with ``across``, ``σ_x(g)``: one shard of ``gpus`` ranks over one link."""
+        bandwidth = self.network.inter_bandwidth if across else self.network.intra_bandwidth
+        latency = self.network.inter_latency_s if across else self.network.intra_latency_s
+        return 1e3 * (latency + self.act_bytes(producer) * self.per_gpu_batch(gpus) / bandwidth)
+
+    def crosses(self, src_gpus: int, dst_gpus: int) -> bool:
+        return max(src_gpus, dst_gpus) > self.network.gpus_per_node
 
     def reshard_ms(self, producer: Layer, src_gpus: int, dst_gpus: int) -> float:
-        """One direction of moving ``producer``'s output between GPU counts."""
+        """``R``: one direction of moving ``producer``'s output between GPU counts."""
         if src_gpus == dst_gpus:
             return 0.0
-        return max(self.reshard_side_ms(producer, src_gpus), self.reshard_side_ms(producer, dst_gpus))
+        smaller = min(src_gpus, dst_gpus)
+        return self.reshard_side_ms(producer, smaller, across=self.crosses(src_gpus, dst_gpus))
 
     def amplification(self, layer: Layer, gpus: int) -> float:
         single = self.layer_ms(layer, 1)
@@ -125,8 +224,8 @@ class CostModel:
 
     def memory_bytes(self, layer: Layer, gpus: int) -> int:
         """Bytes ``layer`` needs on each of its ranks (rank 0 runs every layer)."""
-        state = (2 + self.optimizer.state_factor) * layer.param_bytes
-        return state + layer.act_bytes * self.per_gpu_batch(gpus)
+        state = (2 + self.optimizer.state_factor) * self.param_bytes(layer)
+        return int(state + self.act_bytes(layer) * self.per_gpu_batch(gpus))
 
     def iteration_ms(self, assignment: Mapping[str, int]) -> float:
         """The predicted iteration time T of the formula above."""
@@ -136,6 +235,10 @@ class CostModel:
             for src, dst in self.graph.edges()
         )
         return compute + moves
+
+    def gpu_seconds(self, assignment: Mapping[str, int]) -> float:
+        """GPU-seconds of one iteration: every phase's duration times the ranks it holds."""
+        return sum((p.end_ms - p.start_ms) * p.ranks for p in self.schedule(assignment)) / 1e3
 
     def peak_memory_bytes(self, assignment: Mapping[str, int]) -> int:
         return sum(self.memory_bytes(layer, assignment[layer.name]) for layer in self.graph.layers)
@@ -152,21 +255,43 @@ class CostModel:
                 clock += duration
 
         producers = {layer.name: layer for layer in self.graph.layers}
+
+        def reshards(layer: Layer, g: int) -> None:
+            for src in dict.fromkeys(layer.inputs):
+                if src in producers:
+                    move = self.reshard_ms(producers[src], assignment[src], g)
+                    add(PhaseKind.RESHARD, layer.name, move, max(assignment[src], g))
+
         for layer in self.graph.layers:
             g = assignment[layer.name]
-            for src in dict.fromkeys(layer.inputs):
-                if src in producers:
-                    move = self.reshard_ms(producers[src], assignment[src], g)
-                    add(PhaseKind.RESHARD, layer.name, move, max(assignment[src], g))
-            add(PhaseKind.FORWARD, layer.name, self.compute_ms(layer, g)[0], g)
+            reshards(layer, g)
+            add(PhaseKind.FORWARD, layer.name, self.phases_ms(layer, g)[0], g)
         for layer in reversed(self.graph.layers):
             g = assignment[layer.name]
-            add(PhaseKind.BACKWARD, layer.name, self.compute_ms(layer, g)[1], g)
+            add(PhaseKind.BACKWARD, layer.name, self.phases_ms(layer, g)[1], g)
             add(PhaseKind.ALLREDUCE, layer.name, self.allreduce_ms(layer, g), g)
-            for src in dict.fromkeys(layer.inputs):
-                if src in producers:
-                    move = self.reshard_ms(producers[src], assignment[src], g)
-                    add(PhaseKind.RESHARD, layer.name, move, max(assignment[src], g))
+            reshards(layer, g)
         for layer in self.graph.layers:
             add(PhaseKind.OPTIMIZER, layer.name, self.step_ms(layer), assignment[layer.name])
         return phases
+
+
+def check_invariants(cost: CostModel, assignment: Mapping[str, int], *, tolerance: float = 0.5) -> None:
+    """Refuse figures that break the cost model's own invariants, naming the layer.
+
+    Every term must be finite and >= 0, and a layer's GPU-time on g GPUs may
+    not fall below ``tolerance`` times its time on one GPU: a profile that says
+    so was measured through noise (or interpolated from an outlier).
+    """
+    for layer in cost.graph.layers:
+        g = assignment[layer.name]
+        terms = (*cost.compute_ms(layer, g), cost.allreduce_ms(layer, g), cost.step_ms(layer))
+        if not all(math.isfinite(t) and t >= 0 for t in terms):
+            raise DeeppoolError(f"layer '{layer.name}' on {g} GPUs has times {terms}: the profile is corrupt")
+        amplification = cost.amplification(layer, g)
+        if amplification < tolerance:
+            raise DeeppoolError(
+                f"layer '{layer.name}' on {g} GPUs would use {amplification:.2f}x its one-GPU GPU-time, "
+                "which cannot be: its measured times are noise; re-profile with more repeats "
+                "(or an idle machine)"
+            )

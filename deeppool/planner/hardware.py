@@ -2,17 +2,32 @@
 
 A :class:`DeviceModel` estimates a layer's time from its FLOPs and the bytes
 it touches (a roofline with an efficiency factor and a per-kernel launch
-overhead), so a machine without the GPU can plan for it. Figures are vendor
-datasheet numbers: V100 SXM2 (15.7 TFLOP/s FP32, 900 GB/s HBM2, 32 GiB), A100
-SXM4 80GB (156 TFLOP/s TF32, 2,039 GB/s HBM2e, 80 GiB), H100 SXM5 (495 TFLOP/s
-TF32 dense, 3,350 GB/s HBM3, 80 GiB). A :class:`NetworkModel` gives per-GPU
-bandwidth and latency inside a node (NVLink) and across nodes (InfiniBand,
-one NIC per GPU as in DGX systems).
+overhead), so a machine without the GPU can plan for it. Its peak depends on
+the :class:`Precision` the model trains in (dense datasheet figures, TFLOP/s):
+
+    =========  =====  =====  =====  =====
+    GPU        fp32   tf32   bf16   fp16
+    =========  =====  =====  =====  =====
+    V100 SXM2  15.7   15.7   15.7   125
+    A100 SXM4  19.5   156    312    312
+    H100 SXM5  67     495    989    989
+    =========  =====  =====  =====  =====
+
+(V100 has no TF32 or bf16 tensor cores: those run at its fp32 rate). Memory:
+V100 900 GB/s and 32 GiB, A100 80GB 2,039 GB/s, H100 3,350 GB/s, 80 GiB each.
+
+A :class:`NetworkModel` describes nodes: ``gpus_per_node`` GPUs joined by
+NVLink at ``intra_bandwidth`` per GPU, and ``nics_per_node`` NICs of
+``nic_bandwidth`` each to the other nodes (DGX-1 V100: 4 × 100 Gb/s; DGX A100:
+8 × 200 Gb/s; DGX H100: 8 × 400 Gb/s). A group of ``g`` ranks 0..g-1 fills
+nodes in order. Cross-node figures may not beat in-node ones (that would make
+the planner's pruning lossy), so such a network is refused.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,12 +40,54 @@ NETWORK_SCHEMA_VERSION = 1
 """Version of a network file (``deeppool profile-network``): ``artifact: network``."""
 
 
+_FLOAT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class Precision(enum.Enum):
+    """The arithmetic a model trains in: it sets the device's peak and the bytes per element."""
+
+    FP32 = "fp32"
+    TF32 = "tf32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def element_bytes(self) -> int:
+        return 2 if self in (Precision.BF16, Precision.FP16) else 4
+
+    def scale(self, dtype: str) -> float:
+        """Bytes in this precision per byte of a traced ``dtype`` tensor (integer tensors keep theirs)."""
+        size = _FLOAT_BYTES.get(dtype)
+        return 1.0 if size is None else self.element_bytes / size
+
+    @classmethod
+    def of_dtype(cls, dtype: str) -> Precision:
+        """The precision a tensor dtype trains in by default (fp32 matmuls do not use TF32 in PyTorch)."""
+        return {"bfloat16": cls.BF16, "float16": cls.FP16}.get(dtype, cls.FP32)
+
+    @classmethod
+    def of_profile(cls, text: str) -> Precision:
+        """A profile's precision: its name, or (older profiles) the dtype it was measured in."""
+        try:
+            return cls(text)
+        except ValueError:
+            return cls.of_dtype(text)
+
+    @classmethod
+    def parse(cls, text: str) -> Precision:
+        try:
+            return cls(text.lower())
+        except ValueError:
+            names = ", ".join(p.value for p in cls)
+            raise DeeppoolError(f"--precision '{text}' is not one of {names}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceModel:
-    """A GPU's roofline: peak FLOP/s, memory bandwidth and size, kernel overhead."""
+    """A GPU's roofline: peak FLOP/s per precision, memory bandwidth and size, kernel overhead."""
 
     name: str
-    peak_flops: float
+    peak_flops: dict[Precision, float]
     mem_bandwidth: float
     memory_bytes: int
     launch_overhead_s: float = 5e-6
@@ -38,45 +95,93 @@ class DeviceModel:
     bandwidth_efficiency: float = 0.8
 
     def __post_init__(self) -> None:
-        if min(self.peak_flops, self.mem_bandwidth, self.memory_bytes) <= 0:
+        if set(self.peak_flops) != set(Precision):
+            raise DeeppoolError(f"device model '{self.name}': give a peak for every precision")
+        if min(*self.peak_flops.values(), self.mem_bandwidth, self.memory_bytes) <= 0:
             raise DeeppoolError(f"device model '{self.name}': figures must be positive")
+
+    def peak(self, precision: Precision) -> float:
+        return self.peak_flops[precision]
 
 
 @dataclass(frozen=True, kw_only=True)
 class NetworkModel:
-    """Per-GPU bandwidth (bytes/s) and latency (s) inside a node and across nodes."""
+    """Nodes of ``gpus_per_node`` GPUs: NVLink per GPU inside, ``nics_per_node`` NICs across.
+
+    Bandwidths are bytes/s, latencies seconds. ``allreduce_efficiency`` (η) and
+    ``allreduce_latency_factor`` (λ) scale them for all-reduce (1 for the
+    presets; measured by ``deeppool profile-network``). ``allreduce_overlap``
+    (ω) is the share of the backward that an asynchronous all-reduce can hide
+    behind: 1 on GPUs (NCCL runs beside the compute kernels), 0 for gloo on a
+    host's CPU cores, where the reduction competes with the compute for them.
+    """
 
     gpus_per_node: int
     intra_bandwidth: float
-    inter_bandwidth: float
+    nics_per_node: int
+    nic_bandwidth: float
     intra_latency_s: float
     inter_latency_s: float
     allreduce_efficiency: float = 1.0
     allreduce_latency_factor: float = 1.0
+    allreduce_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         if self.allreduce_efficiency <= 0 or self.allreduce_latency_factor < 0:
             raise DeeppoolError("the all-reduce efficiency must be positive and its latency factor >= 0")
-        if self.gpus_per_node < 1:
-            raise DeeppoolError("--gpus-per-node must be at least 1")
-        if min(self.intra_bandwidth, self.inter_bandwidth) <= 0:
+        if not 0 <= self.allreduce_overlap <= 1:
+            raise DeeppoolError(f"the all-reduce overlap {self.allreduce_overlap} must be within 0..1")
+        if self.gpus_per_node < 1 or self.nics_per_node < 1:
+            raise DeeppoolError("--gpus-per-node and the NICs per node must be at least 1")
+        if min(self.intra_bandwidth, self.nic_bandwidth) <= 0:
             raise DeeppoolError("network bandwidths must be positive")
         if min(self.intra_latency_s, self.inter_latency_s) < 0:
             raise DeeppoolError("network latencies must be >= 0")
+        if self.inter_bandwidth > self.intra_bandwidth * (1 + 1e-9) or self.inter_latency_s < self.intra_latency_s:
+            raise DeeppoolError(
+                f"cross-node figures ({self.inter_bandwidth / 1e9:g} GB/s per GPU, {self.inter_latency_s * 1e6:g} us) "
+                f"beat in-node ones ({self.intra_bandwidth / 1e9:g} GB/s, {self.intra_latency_s * 1e6:g} us): "
+                "no real cluster does; check --intra-gbps/--inter-gbps or the network file"
+            )
 
-    def bandwidth(self, gpus: int) -> float:
-        """Bandwidth seen by a group of ``gpus`` ranks 0..gpus-1 (node-local if they fit)."""
-        return self.intra_bandwidth if gpus <= self.gpus_per_node else self.inter_bandwidth
+    @classmethod
+    def flat(cls, *, gpus_per_node: int, bandwidth: float, latency_s: float, **extra: float) -> NetworkModel:
+        """One link speed everywhere (processes on one host: every rank is its own 'NIC')."""
+        return cls(
+            gpus_per_node=gpus_per_node, intra_bandwidth=bandwidth, nics_per_node=gpus_per_node,
+            nic_bandwidth=bandwidth, intra_latency_s=latency_s, inter_latency_s=latency_s, **extra,
+        )
 
-    def latency_s(self, gpus: int) -> float:
-        return self.intra_latency_s if gpus <= self.gpus_per_node else self.inter_latency_s
+    @property
+    def node_bandwidth(self) -> float:
+        """Bytes/s a node sends to the others over all its NICs."""
+        return self.nics_per_node * self.nic_bandwidth
 
-    def allreduce_bandwidth(self, gpus: int) -> float:
-        """The bandwidth an all-reduce attains (a measured gloo all-reduce also sums on the CPU)."""
-        return self.bandwidth(gpus) * self.allreduce_efficiency
+    @property
+    def inter_bandwidth(self) -> float:
+        """Cross-node bandwidth per GPU of a full node (its share of the node's NICs)."""
+        return self.node_bandwidth / self.gpus_per_node
 
-    def allreduce_latency_s(self, gpus: int) -> float:
-        return self.latency_s(gpus) * self.allreduce_latency_factor
+    def nodes(self, gpus: int) -> int:
+        return math.ceil(gpus / self.gpus_per_node)
+
+    def allreduce_s(self, gpus: int, nbytes: float, *, latencies: float = 1.0) -> float:
+        """Hierarchical all-reduce of ``nbytes`` on ranks 0..gpus-1 (NCCL's ring inside, then across nodes).
+
+        With ``k = min(g, gpus_per_node)`` ranks per node and ``n`` nodes:
+        ``2(k−1)/k · S/(η·BW_nvlink) + 2(n−1)/n · S/(η·BW_node) + latencies·λ·(2⌈log₂k⌉·α_in + 2⌈log₂n⌉·α_x)``:
+        reduce-scatter and all-gather inside the node, then each rank's ``S/k``
+        shard across nodes over its own NIC share, all NICs of a node busy.
+        """
+        if gpus <= 1:
+            return 0.0
+        local, nodes = min(gpus, self.gpus_per_node), self.nodes(gpus)
+        eta = self.allreduce_efficiency
+        seconds = 2 * (local - 1) / local * nbytes / (eta * self.intra_bandwidth)
+        seconds += 2 * (nodes - 1) / nodes * nbytes / (eta * self.node_bandwidth)
+        hops = 2 * math.ceil(math.log2(local)) * self.intra_latency_s
+        hops += 2 * math.ceil(math.log2(nodes)) * self.inter_latency_s if nodes > 1 else 0.0
+        return seconds + latencies * self.allreduce_latency_factor * hops
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,8 +197,13 @@ class NetworkModel:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NetworkModel:
+        """A network from JSON; an older file's per-GPU ``inter_bandwidth`` becomes one NIC per GPU."""
+        fields = dict(data)
+        if "inter_bandwidth" in fields and "nic_bandwidth" not in fields:
+            fields["nic_bandwidth"] = fields.pop("inter_bandwidth")
+            fields.setdefault("nics_per_node", fields.get("gpus_per_node"))
         try:
-            return cls(**{key: data[key] for key in cls.__dataclass_fields__ if key in data or key not in _OPTIONAL})
+            return cls(**{key: fields[key] for key in cls.__dataclass_fields__ if key in fields or key not in _OPTIONAL})
         except (KeyError, TypeError) as err:
             raise DeeppoolError(f"network JSON is incomplete ({err}): regenerate it") from None
 
@@ -101,18 +211,19 @@ class NetworkModel:
         self, *, gpus_per_node: int | None = None, intra_gbps: float | None = None,
         inter_gbps: float | None = None,
     ) -> NetworkModel:
-        """This network with some figures replaced (bandwidths in GB/s)."""
+        """This network with some figures replaced (bandwidths in GB/s; ``inter_gbps`` per GPU of a full node)."""
         changes: dict[str, Any] = {}
         if gpus_per_node is not None:
             changes["gpus_per_node"] = gpus_per_node
         if intra_gbps is not None:
             changes["intra_bandwidth"] = intra_gbps * 1e9
         if inter_gbps is not None:
-            changes["inter_bandwidth"] = inter_gbps * 1e9
+            node_gpus = changes.get("gpus_per_node", self.gpus_per_node)
+            changes["nic_bandwidth"] = inter_gbps * 1e9 * node_gpus / self.nics_per_node
         return replace(self, **changes)
 
 
-_OPTIONAL = ("allreduce_efficiency", "allreduce_latency_factor")
+_OPTIONAL = ("allreduce_efficiency", "allreduce_latency_factor", "allreduce_overlap")
 
 
 class KnownDevice(enum.Enum):
@@ -123,36 +234,44 @@ class KnownDevice(enum.Enum):
     H100 = "h100"
 
 
+def _peaks(fp32: float, tf32: float, bf16: float, fp16: float) -> dict[Precision, float]:
+    return {Precision.FP32: fp32, Precision.TF32: tf32, Precision.BF16: bf16, Precision.FP16: fp16}
+
+
 DEVICES: dict[KnownDevice, DeviceModel] = {
     KnownDevice.V100: DeviceModel(
-        name="v100", peak_flops=15.7e12, mem_bandwidth=900e9, memory_bytes=32 * GIB
+        name="v100", peak_flops=_peaks(15.7e12, 15.7e12, 15.7e12, 125e12), mem_bandwidth=900e9,
+        memory_bytes=32 * GIB,
     ),
     KnownDevice.A100: DeviceModel(
-        name="a100", peak_flops=156e12, mem_bandwidth=2039e9, memory_bytes=80 * GIB
+        name="a100", peak_flops=_peaks(19.5e12, 156e12, 312e12, 312e12), mem_bandwidth=2039e9,
+        memory_bytes=80 * GIB,
     ),
     KnownDevice.H100: DeviceModel(
-        name="h100", peak_flops=495e12, mem_bandwidth=3350e9, memory_bytes=80 * GIB
+        name="h100", peak_flops=_peaks(67e12, 495e12, 989e12, 989e12), mem_bandwidth=3350e9,
+        memory_bytes=80 * GIB,
     ),
 }
 
 NETWORKS: dict[KnownDevice, NetworkModel] = {
     KnownDevice.V100: NetworkModel(
-        gpus_per_node=8, intra_bandwidth=150e9, inter_bandwidth=12.5e9,
+        gpus_per_node=8, intra_bandwidth=150e9, nics_per_node=4, nic_bandwidth=12.5e9,
         intra_latency_s=5e-6, inter_latency_s=10e-6,
     ),
     KnownDevice.A100: NetworkModel(
-        gpus_per_node=8, intra_bandwidth=300e9, inter_bandwidth=25e9,
+        gpus_per_node=8, intra_bandwidth=300e9, nics_per_node=8, nic_bandwidth=25e9,
         intra_latency_s=4e-6, inter_latency_s=8e-6,
     ),
     KnownDevice.H100: NetworkModel(
-        gpus_per_node=8, intra_bandwidth=450e9, inter_bandwidth=50e9,
+        gpus_per_node=8, intra_bandwidth=450e9, nics_per_node=8, nic_bandwidth=50e9,
         intra_latency_s=3e-6, inter_latency_s=6e-6,
     ),
 }
+"""DGX-1 V100 (NVLink, 4 × 100 Gb/s), DGX A100 (8 × 200 Gb/s), DGX H100 (8 × 400 Gb/s)."""
 
 LOCAL_NETWORK = NetworkModel(
-    gpus_per_node=64, intra_bandwidth=5e9, inter_bandwidth=1.25e9,
-    intra_latency_s=50e-6, inter_latency_s=100e-6,
+    gpus_per_node=64, intra_bandwidth=5e9, nics_per_node=1, nic_bandwidth=1.25e9 * 64,
+    intra_latency_s=50e-6, inter_latency_s=100e-6, allreduce_overlap=0.0,
 )
 """Processes on one host talking through gloo over shared memory / loopback."""
 

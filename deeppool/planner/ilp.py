@@ -2,8 +2,11 @@
 
 Variables: ``x[l,g] ∈ {0,1}``, layer ``l`` runs on ``g`` GPUs (one count per
 layer). The reshard cost of an edge ``u→v``, ``R(g_u, g_v) = [g_u ≠ g_v] ·
-max(σ(g_u), σ(g_v))`` with ``σ`` the cost model's side time, is carried by a
-small min-cost flow per edge (a *ladder*): the counts sorted by ``σ``
+(max(σ(g_u), σ(g_v)) + [max(g_u, g_v) > node]·max(δ(g_u), δ(g_v)))`` with ``σ``
+the cost model's in-node side time and ``δ`` what crossing nodes adds (together
+``σ_x(min(g_u, g_v))`` when the pair crosses nodes), is carried by small
+min-cost flows per edge (*ladders*: one over the in-node counts with sides
+``σ``, one over every count with sides ``σ_x``): the counts sorted by ``σ``
 descending are levels ``1..K``; one unit of flow goes from ``u``'s count to
 ``v``'s, either straight (``stay_g``, free, only when the counts are equal) or
 into the ladder at level ``i`` (cost ``σ_i``), down the ladder (free) or up it
@@ -11,8 +14,8 @@ into the ladder at level ``i`` (cost ``σ_i``), down the ladder (free) or up it
 costs exactly ``σ_min(i,j) = max(σ_i, σ_j)``. Minimise the cost model's
 iteration time::
 
-    Σ_l Σ_g x[l,g]·(fwd+bwd+AR)_l(g) + Σ_e 2·(Σ_k σ_k·enter_k + Σ_k (σ_k − σ_{k+1})·up_k)
-    s.t.  Σ_g x[l,g] = 1,   stay_g + enter_g = x[u,g],   stay_g + leave_g = x[v,g],
+    Σ_l Σ_g x[l,g]·layer_ms_l(g)·(1 + price·g/1000) + Σ_e Σ_ladders 2·(Σ_k σ_k·enter_k + Σ_k (σ_k − σ_{k+1})·up_k)
+    s.t.  Σ_g x[l,g] = 1,   stay_g + Σ_ladders enter_g = x[u,g],   stay_g + Σ_ladders leave_g = x[v,g],
           flow conservation on every ladder level,
           Σ_l Σ_g x[l,g]·mem_l(g) ≤ device memory           (rank 0 runs every layer)
           x[l,g] = x[m,g]  for layers l, m sharing a parameter (tied embeddings):
@@ -20,7 +23,9 @@ iteration time::
 
 The flow is the exact transport cost between the two layers' choices, so the
 LP relaxation is the local-polytope relaxation (integral on chains) with
-O(K) variables per edge instead of K² pair variables.
+O(K) variables per edge instead of K² pair variables; with the cross-node
+ladder beside the in-node one it was still integral on every example
+(``benchmarks/planner.py``), and branch and bound covers the rest.
 The amplification limit is hard: counts above it are not offered
 (:mod:`deeppool.planner.candidates`). CBC solves by default; HiGHS when
 ``highspy`` is installed.
@@ -52,6 +57,7 @@ class IlpResult:
     assignment: dict[str, int]
     solver: SolverName
     status: str
+    optimal: bool
     seconds: float
     gap: float
 
@@ -63,15 +69,18 @@ def solve(
     memory_bytes: int | None,
     time_limit_s: float,
     solver: SolverName | None = None,
+    price: float = 0.0,
 ) -> IlpResult:
     """Solve the ILP for ``options`` (the allowed counts of each layer).
 
     The LP relaxation is solved first: when its optimum is integral (the ladder
     formulation makes that the rule on these graphs) it is an optimal solution
     of the ILP, with gap 0. Otherwise the ILP is solved by branch and bound.
+    ``price`` > 0 adds ``price · g · layer_ms(g) / 1000`` per layer (DeepPool's
+    trade-off of time against GPU-time).
     """
     chosen = solver or default_solver()
-    problem, x = _formulate(cost, options, memory_bytes)
+    problem, x = _formulate(cost, options, memory_bytes, price)
     started = time.perf_counter()
     problem.solve(_backend(chosen, time_limit_s, mip=False))
     relaxed_ok = problem.status == pulp.LpStatusOptimal and _integral(x)
@@ -91,13 +100,14 @@ def solve(
         assignment=assignment,
         solver=chosen,
         status=_status(problem, relaxed_ok),
+        optimal=relaxed_ok or problem.sol_status == pulp.LpSolutionOptimal,
         seconds=seconds,
         gap=0.0 if relaxed_ok else _gap(problem, chosen),
     )
 
 
 def _formulate(
-    cost: CostModel, options: dict[str, tuple[int, ...]], memory_bytes: int | None
+    cost: CostModel, options: dict[str, tuple[int, ...]], memory_bytes: int | None, price: float
 ) -> tuple[pulp.LpProblem, dict[str, dict[int, pulp.LpVariable]]]:
     problem = pulp.LpProblem("burst_parallel_plan", pulp.LpMinimize)
     x = {
@@ -107,7 +117,7 @@ def _formulate(
     objective: dict[pulp.LpVariable, float] = {}
     for i, layer in enumerate(cost.graph.layers):
         _constrain(problem, {var: 1.0 for var in x[layer.name].values()}, pulp.LpConstraintEQ, 1.0, f"one_{i}")
-        objective.update({var: cost.layer_ms(layer, g) for g, var in x[layer.name].items()})
+        objective.update({var: cost.layer_ms(layer, g) * (1 + price * g / 1e3) for g, var in x[layer.name].items()})
     for index, (src, dst) in enumerate(cost.graph.edges()):
         objective.update(_edge(problem, cost, index, src, x[src], x[dst]))
     for index, group in enumerate(cost.graph.tied()):
@@ -150,41 +160,73 @@ def _edge(
     xu: dict[int, pulp.LpVariable],
     xv: dict[int, pulp.LpVariable],
 ) -> dict[pulp.LpVariable, float]:
-    """Add edge ``index``'s ladder flow; return its objective coefficients (both directions)."""
+    """Add edge ``index``'s ladders; return their objective coefficients (both directions).
+
+    The unit of flow from u's count to v's goes straight (equal counts, free)
+    or through one ladder: the in-node ladder (only the counts within a node,
+    sides ``σ``) or, when some count leaves the node, the cross-node ladder
+    (every count, sides ``σ_x``). Either costs ``max`` of the two sides, so the
+    cheapest route is exactly the cost model's ``R(g_u, g_v)``.
+    """
     if len(xu) == 1 and xu.keys() == xv.keys():
         return {}
     producer = cost.graph.layer(src)
-    levels = sorted(set(xu) | set(xv), key=lambda g: (-cost.reshard_side_ms(producer, g), g))
-    sides = [cost.reshard_side_ms(producer, g) for g in levels]
+    counts = sorted(set(xu) | set(xv))
+    inside = [g for g in counts if g <= cost.network.gpus_per_node]
+    rails = []
+    if len(inside) > 1:
+        rails.append(_ladder(problem, f"{index}", {g: cost.reshard_side_ms(producer, g) for g in inside}))
+    if len(inside) < len(counts):
+        rails.append(_ladder(problem, f"{index}x", {g: cost.reshard_side_ms(producer, g, across=True) for g in counts}))
+    objective: dict[pulp.LpVariable, float] = {}
+    for k, g in enumerate(counts):
+        stay = problem.add_variable(f"s_{index}_{k}", lowBound=0) if g in xu and g in xv else None
+        for end, port, name in ((xu, 0, "from"), (xv, 1, "to")):
+            if g not in end:
+                continue
+            terms = {end[g]: -1.0, **({stay: 1.0} if stay is not None else {})}
+            for rail in rails:
+                if g in rail.ports[port]:
+                    terms[rail.ports[port][g]] = 1.0
+            _constrain(problem, terms, pulp.LpConstraintEQ, 0.0, f"{name}_{index}_{k}")
+    for rail in rails:
+        objective.update(rail.objective)
+    return objective
+
+
+@dataclass(frozen=True)
+class _Rail:
+    """A ladder's entry and exit variables by count, and its objective coefficients."""
+
+    ports: tuple[dict[int, pulp.LpVariable], dict[int, pulp.LpVariable]]
+    objective: dict[pulp.LpVariable, float]
+
+
+def _ladder(problem: pulp.LpProblem, tag: str, side: dict[int, float]) -> _Rail:
+    """Levels sorted by side descending: enter at ``σ_i``, go down free, up at ``σ_k − σ_{k+1}``, leave free."""
+    levels = sorted(side, key=lambda g: (-side[g], g))
+    sides = [side[g] for g in levels]
 
     def flow(name: str, k: int) -> pulp.LpVariable:
-        return problem.add_variable(f"{name}_{index}_{k}", lowBound=0)
+        return problem.add_variable(f"{name}_{tag}_{k}", lowBound=0)
 
     down = [flow("d", k) for k in range(len(levels) - 1)]
     up = [flow("u", k) for k in range(len(levels) - 1)]
     objective = {var: 2 * (sides[k] - sides[k + 1]) for k, var in enumerate(up)}
+    enter: dict[int, pulp.LpVariable] = {}
+    leave: dict[int, pulp.LpVariable] = {}
     for k, g in enumerate(levels):
-        ladder: dict[pulp.LpVariable, float] = {}
-        stay = flow("s", k) if g in xu and g in xv else None
-        if g in xu:
-            enter = flow("e", k)
-            objective[enter] = 2 * sides[k]
-            ladder[enter] = 1.0
-            _constrain(problem, {enter: 1.0, xu[g]: -1.0, **({stay: 1.0} if stay is not None else {})},
-                       pulp.LpConstraintEQ, 0.0, f"from_{index}_{k}")
-        if g in xv:
-            leave = flow("l", k)
-            ladder[leave] = -1.0
-            _constrain(problem, {leave: 1.0, xv[g]: -1.0, **({stay: 1.0} if stay is not None else {})},
-                       pulp.LpConstraintEQ, 0.0, f"to_{index}_{k}")
+        enter[g], leave[g] = flow("e", k), flow("l", k)
+        objective[enter[g]] = 2 * sides[k]
+        ladder = {enter[g]: 1.0, leave[g]: -1.0}
         if k:
             ladder[down[k - 1]] = 1.0
             ladder[up[k - 1]] = -1.0
         if k < len(up):
             ladder[up[k]] = 1.0
             ladder[down[k]] = -1.0
-        _constrain(problem, ladder, pulp.LpConstraintEQ, 0.0, f"ladder_{index}_{k}")
-    return objective
+        _constrain(problem, ladder, pulp.LpConstraintEQ, 0.0, f"ladder_{tag}_{k}")
+    return _Rail(ports=(enter, leave), objective=objective)
 
 
 def _backend(solver: SolverName, time_limit_s: float, *, mip: bool) -> pulp.LpSolver:
@@ -208,10 +250,10 @@ def _has_solution(x: dict[str, dict[int, pulp.LpVariable]]) -> bool:
 
 def _status(problem: pulp.LpProblem, relaxed_ok: bool) -> str:
     if relaxed_ok:
-        return "Optimal (integral LP relaxation)"
+        return "optimal (integral LP relaxation)"
     if problem.sol_status == pulp.LpSolutionOptimal:
-        return "Optimal"
-    return f"{pulp.LpSolution[problem.sol_status]} (time limit)"
+        return "optimal"
+    return f"{pulp.LpSolution[problem.sol_status].lower()} (time limit)"
 
 
 def _gap(problem: pulp.LpProblem, solver: SolverName) -> float:

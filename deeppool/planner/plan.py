@@ -17,7 +17,8 @@ from typing import Any
 
 from deeppool.errors import DeeppoolError
 from deeppool.planner.cost import CostModel, Optimizer, Phase
-from deeppool.planner.hardware import NetworkModel
+from deeppool.planner.baselines import Baselines
+from deeppool.planner.hardware import NetworkModel, Precision
 from deeppool.planner.jsonio import check_version, field, read_json, write_json
 from deeppool.planner.modelspec import ModelSpec
 
@@ -29,6 +30,7 @@ class Strategy(enum.Enum):
 
     ILP = "ilp"
     DATA_PARALLEL = "dp"
+    BEST_DATA_PARALLEL = "best-dp"
     DEEPPOOL = "deeppool"
 
 
@@ -84,6 +86,9 @@ class Prediction:
     idle_gpu_fraction: float
     peak_memory_bytes: int
     idle_windows: tuple[IdleWindow, ...]
+    best_data_parallel_gpus: int = 0
+    best_data_parallel_iteration_ms: float = 0.0
+    speedup_vs_best_data_parallel: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +112,7 @@ class Plan:
     layers: tuple[PlannedLayer, ...]
     predicted: Prediction
     solver: SolverInfo
+    precision: Precision = Precision.FP32
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -131,6 +137,7 @@ class Plan:
             "network": self.network.to_json(),
             "strategy": self.strategy.value,
             "optimizer": self.optimizer.value,
+            "precision": self.precision.value,
             "amplification_limit": self.amplification_limit,
             "layers": [asdict(layer) for layer in self.layers],
             "predicted": asdict(self.predicted),
@@ -152,6 +159,7 @@ class Plan:
                 network=NetworkModel.from_json(field(payload, "network", kind="plan")),
                 strategy=Strategy(field(payload, "strategy", kind="plan")),
                 optimizer=Optimizer(field(payload, "optimizer", kind="plan")),
+                precision=Precision(payload.get("precision", Precision.FP32.value)),
                 amplification_limit=None if limit is None else float(limit),
                 layers=tuple(_planned_layer(item) for item in field(payload, "layers", kind="plan")),
                 predicted=Prediction(**predicted),
@@ -210,7 +218,7 @@ def build_plan(
     strategy: Strategy,
     amplification_limit: float | None,
     solver: SolverInfo,
-    baselines: dict[Strategy, float],
+    baselines: Baselines,
 ) -> Plan:
     """Everything a Plan states, derived from ``assignment`` through ``cost``."""
     layers = tuple(_plan_layer(cost, layer.name, assignment[layer.name]) for layer in cost.graph.layers)
@@ -218,15 +226,18 @@ def build_plan(
     iteration = cost.iteration_ms(assignment)
     busy = sum((p.end_ms - p.start_ms) * p.ranks for p in phases)
     single = sum(cost.layer_ms(layer, 1) for layer in cost.graph.layers)
-    dp = baselines[Strategy.DATA_PARALLEL]
+    dp, best = baselines.data_parallel_ms, baselines.best_data_parallel_ms
     predicted = Prediction(
         iteration_ms=iteration,
         data_parallel_iteration_ms=dp,
-        deeppool_iteration_ms=baselines[Strategy.DEEPPOOL],
+        deeppool_iteration_ms=baselines.deeppool_ms,
         speedup_vs_data_parallel=dp / iteration if iteration > 0 else 1.0,
+        best_data_parallel_gpus=baselines.best_data_parallel_gpus,
+        best_data_parallel_iteration_ms=best,
+        speedup_vs_best_data_parallel=best / iteration if iteration > 0 else 1.0,
         gpu_seconds_per_iteration=busy / 1e3,
         amplification=busy / single if single > 0 else 1.0,
-        idle_gpu_fraction=1.0 - busy / (iteration * gpus) if iteration > 0 else 0.0,
+        idle_gpu_fraction=max(0.0, 1.0 - busy / (iteration * gpus)) if iteration > 0 else 0.0,
         peak_memory_bytes=cost.peak_memory_bytes(assignment),
         idle_windows=tuple(idle_windows(phases, gpus, iteration)),
     )
@@ -238,6 +249,7 @@ def build_plan(
         network=cost.network,
         strategy=strategy,
         optimizer=cost.optimizer,
+        precision=cost.precision,
         amplification_limit=amplification_limit,
         layers=layers,
         predicted=predicted,
@@ -247,7 +259,7 @@ def build_plan(
 
 def _plan_layer(cost: CostModel, name: str, gpus: int) -> PlannedLayer:
     layer = cost.graph.layer(name)
-    fwd, bwd = cost.compute_ms(layer, gpus)
+    fwd, bwd = cost.phases_ms(layer, gpus)
     return PlannedLayer(
         name=name,
         op=layer.op,

@@ -11,13 +11,13 @@ effective memory bandwidth, from which the optimizer step time follows.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from deeppool.errors import DeeppoolError
 from deeppool.planner.graph import Layer, LayerGraph
-from deeppool.planner.hardware import DeviceModel
+from deeppool.planner.hardware import DeviceModel, Precision
 from deeppool.planner.jsonio import field as json_field
 from deeppool.planner.jsonio import read_json, write_json
 
@@ -55,6 +55,32 @@ def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FitQuality:
+    """How well a measured profile's line fits held its points, and how noisy the measuring was."""
+
+    measured_batches: tuple[int, ...]
+    error_p50: float
+    error_p90: float
+    noisy: int
+    measurements: int
+    spread_bound: float
+    compared: int
+
+    def describe(self, bound: float = 0.25) -> str:
+        """One line for people; it warns when the fit or the measurements are loose."""
+        line = f"profile measured at per-GPU batches {list(self.measured_batches)} and fitted (t = a + b·batch): "
+        if self.compared:
+            line += f"fit error median {100 * self.error_p50:.1f}%, p90 {100 * self.error_p90:.1f}% ({self.compared} points)"
+        else:
+            line += "fit error not measured (every layer is below the timer's noise floor)"
+        if self.noisy:
+            line += f"; warning: {self.noisy} of {self.measurements} measurements stayed noisy (spread > {100 * self.spread_bound:.0f}%)"
+        if self.error_p90 > bound:
+            line += "; warning: the fit is loose, the machine may be busy: re-plan on a quieter machine"
+        return line
+
+
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     """Per-layer times on one device, keyed by layer name."""
 
@@ -64,6 +90,7 @@ class Profile:
     memory_bytes: int
     memory_bandwidth: float = 100e9
     layers: dict[str, LayerTimes] = field(default_factory=dict)
+    fit: FitQuality | None = None
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def times(self, layer: str, batch: int) -> tuple[float, float]:
@@ -93,6 +120,7 @@ class Profile:
                 name: {"batches": list(t.batches), "fwd_ms": list(t.fwd_ms), "bwd_ms": list(t.bwd_ms)}
                 for name, t in self.layers.items()
             },
+            "fit": None if self.fit is None else {**asdict(self.fit), "measured_batches": list(self.fit.measured_batches)},
         }
 
     @classmethod
@@ -115,6 +143,7 @@ class Profile:
             memory_bytes=int(json_field(payload, "memory_bytes", kind="profile")),
             memory_bandwidth=float(json_field(payload, "memory_bandwidth", kind="profile")),
             layers=layers,
+            fit=_fit(payload.get("fit")),
         )
 
     def save(self, path: str | Path) -> None:
@@ -125,31 +154,45 @@ class Profile:
         return cls.from_json(read_json(path, kind="profile", schema_version=PROFILE_SCHEMA_VERSION))
 
 
-def estimate_ms(layer: Layer, batch: int, device: DeviceModel) -> tuple[float, float]:
-    """Roofline estimate of (fwd_ms, bwd_ms) for ``layer`` at ``batch`` samples.
+def _fit(entry: dict[str, Any] | None) -> FitQuality | None:
+    if entry is None:
+        return None
+    try:
+        return FitQuality(**{**entry, "measured_batches": tuple(entry["measured_batches"])})
+    except (KeyError, TypeError) as err:
+        raise DeeppoolError(f"profile JSON has a malformed fit entry ({err}): regenerate it") from None
 
-    fwd = max(F_fwd·b / (P·e_c), (2·A·b + W) / (BW·e_b)) + k_fwd·o
-    bwd = max(F_bwd·b / (P·e_c), (4·A·b + 2·W) / (BW·e_b)) + k_bwd·o
 
-    with F the per-sample FLOPs, A the per-sample activation bytes, W the
-    parameter bytes, P the peak FLOP/s, BW the memory bandwidth, e the
-    efficiencies, o the launch overhead and k = 1 (fwd) / 2 (bwd) kernels.
+def estimate_ms(layer: Layer, batch: int, device: DeviceModel, precision: Precision) -> tuple[float, float]:
+    """Roofline estimate of (fwd_ms, bwd_ms) for ``layer`` at ``batch`` samples in ``precision``.
+
+    fwd = max(F_fwd·b / (P_p·e_c), (2·A·b + W) / (BW·e_b)) + k_fwd·o
+    bwd = max(F_bwd·b / (P_p·e_c), (4·A·b + 2·W) / (BW·e_b)) + k_bwd·o
+
+    with F the per-sample FLOPs, A the per-sample activation bytes and W the
+    parameter bytes (both in precision ``p``), P_p the device's peak FLOP/s in
+    ``p``, BW the memory bandwidth, e the efficiencies, o the launch overhead
+    and k = 1 (fwd) / 2 (bwd) kernels.
     """
-    flops_rate = device.peak_flops * device.compute_efficiency
+    flops_rate = device.peak(precision) * device.compute_efficiency
     byte_rate = device.mem_bandwidth * device.bandwidth_efficiency
-    activation = layer.act_bytes * batch
-    fwd = max(layer.fwd_flops * batch / flops_rate, (2 * activation + layer.param_bytes) / byte_rate)
-    bwd = max(layer.bwd_flops * batch / flops_rate, (4 * activation + 2 * layer.param_bytes) / byte_rate)
+    scale = precision.scale(layer.dtype)
+    activation, weights = layer.act_bytes * batch * scale, layer.param_bytes * scale
+    fwd = max(layer.fwd_flops * batch / flops_rate, (2 * activation + weights) / byte_rate)
+    bwd = max(layer.bwd_flops * batch / flops_rate, (4 * activation + 2 * weights) / byte_rate)
     overhead = device.launch_overhead_s
     return 1e3 * (fwd + overhead), 1e3 * (bwd + 2 * overhead)
 
 
-def estimated_profile(graph: LayerGraph, device: DeviceModel, batches: tuple[int, ...]) -> Profile:
-    """A Profile computed from ``device``'s roofline at each of ``batches``."""
+def estimated_profile(
+    graph: LayerGraph, device: DeviceModel, batches: tuple[int, ...], precision: Precision | None = None,
+) -> Profile:
+    """A Profile computed from ``device``'s roofline at each of ``batches`` (precision: the model's by default)."""
+    chosen = precision or Precision.of_dtype(graph.layers[0].dtype if graph.layers else "float32")
     ordered = tuple(sorted(set(batches)))
     layers = {}
     for layer in graph.layers:
-        times = [estimate_ms(layer, batch, device) for batch in ordered]
+        times = [estimate_ms(layer, batch, device, chosen) for batch in ordered]
         layers[layer.name] = LayerTimes(
             batches=ordered,
             fwd_ms=tuple(t[0] for t in times),
@@ -158,7 +201,7 @@ def estimated_profile(graph: LayerGraph, device: DeviceModel, batches: tuple[int
     return Profile(
         device=device.name,
         source=f"device-model:{device.name}",
-        dtype=graph.layers[0].dtype if graph.layers else "float32",
+        dtype=chosen.value,
         memory_bytes=device.memory_bytes,
         memory_bandwidth=device.mem_bandwidth * device.bandwidth_efficiency,
         layers=layers,

@@ -1,21 +1,40 @@
-"""The per-layer profiler: forward and backward time of every layer, measured.
+"""The per-layer profiler: forward and backward time of every layer, measured, then fitted.
 
 Each layer runs alone (:class:`LayerRunner`) on the activations its producers
-computed, at every requested per-GPU batch size: ``warmup`` untimed runs, then
-the median of ``repeats`` timed ones (``time.perf_counter`` on the CPU, CUDA
-events on a GPU). Results are cached on disk by layer signature, input
-shapes, batch, dtype, device and torch version, so re-planning the same model
-(or another model with the same layers) measures nothing again.
+computed, at a few per-GPU batch sizes (``batches``): ``warmup`` untimed runs,
+then timed runs (``time.perf_counter`` on the CPU, CUDA events on a GPU) in
+rounds of ``repeats`` until the spread of the kept runs (outliers beyond
+3 scaled median absolute deviations, MAD, dropped; spread = scaled MAD over
+the median) is within ``spread_bound``, or ``max_repeats`` runs were taken; a
+measurement still wider is counted as noisy and the profile says how many
+there were. On the CPU ``threads`` sets the intra-op threads while measuring
+(a rank of a run on this host gets ``cores / ranks`` of them; a busy machine
+stalls multi-threaded kernels far more than single-threaded ones).
+
+Every layer's times are then fitted by ``t(s) = a + b·s`` (least squares,
+``a, b ≥ 0``), which is what a layer's time does once the batch fills the
+device, and stored at the measured batches and at ``fit_to`` (the planner's
+batches): so a noisy point cannot make a layer on ``g`` GPUs cost less
+GPU-time than on one, and the planner never extrapolates from two noisy
+points. The fit's relative error at the measured points is reported
+(:class:`~deeppool.planner.profile.FitQuality`).
+
+Results are cached on disk by layer signature, input shapes, batch, dtype,
+device and torch version, and the cache is written as it goes (at most once a
+second, and when the run ends or is interrupted), so re-planning the same
+model, or resuming an interrupted run, measures nothing twice.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,49 +46,71 @@ from deeppool.planner.graph import Layer, LayerGraph
 from deeppool.planner.jsonio import write_json
 from deeppool.planner.layer_exec import LayerRunner
 from deeppool.planner.modelspec import LoadedModel
-from deeppool.planner.profile import LayerTimes, Profile
+from deeppool.planner.profile import FitQuality, LayerTimes, Profile
 from deeppool.planner.trace import Traced
 
 
 @dataclass(frozen=True, kw_only=True)
 class ProfilerConfig:
     device: str = "cpu"
-    batches: tuple[int, ...] = (1, 2, 4, 8)
-    warmup: int = 2
-    repeats: int = 5
+    batches: tuple[int, ...] = (2, 4, 8)
+    fit_to: tuple[int, ...] = ()
+    warmup: int = 1
+    repeats: int = 3
+    max_repeats: int = 9
+    spread_bound: float = 0.1
+    threads: int | None = None
     cache_dir: Path | None = None
     show_progress: bool = True
 
     def __post_init__(self) -> None:
-        if not self.batches or min(self.batches) < 1:
+        if not self.batches or min(self.batches) < 1 or min(self.fit_to, default=1) < 1:
             raise DeeppoolError("profile batch sizes must be >= 1")
         if self.repeats < 1 or self.warmup < 0:
             raise DeeppoolError("--repeats must be >= 1 and --warmup >= 0")
+        if self.max_repeats < self.repeats or self.spread_bound <= 0:
+            raise DeeppoolError("the most repeats must be >= --repeats, and the spread bound > 0")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise DeeppoolError(f"--device {self.device}: no CUDA device here; use --device cpu or a device model")
 
 
-class ProfileCache:
-    """A JSON file of measured (fwd_ms, bwd_ms) by measurement key."""
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """One layer at one batch: median forward and backward ms of the kept runs, and their relative spread."""
 
-    def __init__(self, directory: Path) -> None:
+    fwd_ms: float
+    bwd_ms: float
+    spread: float
+
+
+class ProfileCache:
+    """A JSON file of measurements by measurement key, written as it fills (at most once per ``every_s``)."""
+
+    def __init__(self, directory: Path, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = directory / "layer-times.json"
         self.entries: dict[str, list[float]] = {}
+        self._every_s, self._clock = every_s, clock
+        self._saved_at = clock()
         if self.path.is_file():
             try:
                 self.entries = json.loads(self.path.read_text())
             except json.JSONDecodeError:
                 self.entries = {}
 
-    def get(self, key: str) -> tuple[float, float] | None:
+    def get(self, key: str) -> Measured | None:
         found = self.entries.get(key)
-        return (found[0], found[1]) if found else None
+        if not found or len(found) < 3:
+            return None
+        return Measured(fwd_ms=found[0], bwd_ms=found[1], spread=found[2])
 
-    def put(self, key: str, times: tuple[float, float]) -> None:
-        self.entries[key] = list(times)
+    def put(self, key: str, measured: Measured) -> None:
+        self.entries[key] = [measured.fwd_ms, measured.bwd_ms, measured.spread]
+        if self._clock() - self._saved_at >= self._every_s:
+            self.save()
 
     def save(self) -> None:
         write_json(self.path, self.entries)
+        self._saved_at = self._clock()
 
 
 def device_name(device: torch.device) -> str:
@@ -96,38 +137,126 @@ def memory_bandwidth(device: torch.device, megabytes: int = 64, repeats: int = 5
 
 
 def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig) -> Profile:
-    """Measure every layer of ``traced`` at ``config.batches`` on ``config.device``."""
+    """Measure every layer of ``traced`` at ``config.batches`` on ``config.device``; fit the rest."""
     device = torch.device(config.device)
     graph = traced.graph
     traced.module.to(device)
     cache = ProfileCache(config.cache_dir) if config.cache_dir else None
     batches = tuple(sorted(set(config.batches)))
-    times: dict[str, list[tuple[float, float]]] = {layer.name: [] for layer in graph.layers}
+    measured: dict[str, dict[int, Measured]] = {layer.name: {} for layer in graph.layers}
     runners = {layer.name: LayerRunner(traced.module, layer) for layer in graph.layers}
-    with Progress(disable=not config.show_progress, transient=True) as progress:
-        task = progress.add_task(f"profiling on {device_name(device)}", total=len(batches) * len(graph))
-        for batch in batches:
-            for layer, measured in _measure_batch(graph, runners, loaded, batch, device, config, cache):
-                times[layer].append(measured)
-                progress.advance(task)
-    if cache:
-        cache.save()
+    if device.type == "cpu":
+        steady_allocator()
+    try:
+        with intra_op_threads(config.threads), Progress(disable=not config.show_progress, transient=True) as progress:
+            task = progress.add_task(f"profiling on {device_name(device)}", total=len(batches) * len(graph))
+            for batch in reversed(batches):  # the largest first: smaller batches reuse its freed memory
+                for layer, sample in _measure_batch(graph, runners, loaded, batch, device, config, cache):
+                    measured[layer][batch] = sample
+                    progress.advance(task)
+    finally:
+        if cache:
+            cache.save()
     for parameter in traced.module.parameters():
         parameter.grad = None  # timing the backward passes left gradients behind
+    targets = tuple(sorted(set(batches) | set(config.fit_to)))
+    ordered = {name: [samples[b] for b in batches] for name, samples in measured.items()}
+    layers = {name: fit_layer(batches, samples, targets) for name, samples in ordered.items()}
     return Profile(
         device=device_name(device),
         source="measured",
         dtype=graph.layers[0].dtype if graph.layers else "float32",
         memory_bytes=device_memory(device),
         memory_bandwidth=memory_bandwidth(device),
-        layers={
-            name: LayerTimes(
-                batches=batches,
-                fwd_ms=tuple(t[0] for t in measured),
-                bwd_ms=tuple(t[1] for t in measured),
-            )
-            for name, measured in times.items()
-        },
+        layers={name: times for name, (times, _) in layers.items()},
+        fit=_quality(batches, [errors for _, errors in layers.values()], ordered, config.spread_bound),
+    )
+
+
+@contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` intra-op threads (unchanged for None), then restore them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 * 2**20
+
+
+def steady_allocator() -> None:
+    """Keep freed CPU memory for reuse, as a training loop's steady state does (glibc only).
+
+    glibc maps a large tensor afresh on every allocation until its dynamic
+    threshold adapts, and returns freed memory at the top of the heap; each
+    fresh page then faults on first touch, which in a VM made element-wise
+    layers at the first batch measured 10-80x slower than at the next. Fixed
+    thresholds (tensors below 32 MiB from the heap, the heap never trimmed)
+    make the warm-up run absorb the faults.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+    libc.mallopt(_M_TRIM_THRESHOLD, 2**30)
+
+
+def fit_line(xs: tuple[int, ...], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + b·x`` with ``a, b ≥ 0`` (through the origin from a single point)."""
+    if len(xs) == 1:
+        return 0.0, max(ys[0], 0.0) / xs[0]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    intercept = mean_y - slope * mean_x
+    if slope < 0:
+        return max(mean_y, 0.0), 0.0
+    if intercept < 0:
+        return 0.0, max(sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs), 0.0)
+    return intercept, slope
+
+
+def fit_layer(
+    batches: tuple[int, ...], samples: list[Measured], targets: tuple[int, ...]
+) -> tuple[LayerTimes, list[float]]:
+    """A layer's fitted times at ``targets``, and the fit's relative errors at the measured points."""
+    fits = [fit_line(batches, [getattr(s, name) for s in samples]) for name in ("fwd_ms", "bwd_ms")]
+    errors = []
+    for batch, sample in zip(batches, samples, strict=True):
+        total = sample.fwd_ms + sample.bwd_ms
+        predicted = sum(a + b * batch for a, b in fits)
+        if total >= _NOISE_FLOOR_MS:
+            errors.append(abs(predicted - total) / total)
+    times = LayerTimes(
+        batches=targets,
+        fwd_ms=tuple(fits[0][0] + fits[0][1] * t for t in targets),
+        bwd_ms=tuple(fits[1][0] + fits[1][1] * t for t in targets),
+    )
+    return times, errors
+
+
+_NOISE_FLOOR_MS = 0.05
+"""Layers faster than this at a batch are timer noise; the fit's error ignores them."""
+
+
+def _quality(
+    batches: tuple[int, ...], errors: list[list[float]], measured: dict[str, list[Measured]], bound: float
+) -> FitQuality:
+    flat = sorted(e for layer in errors for e in layer)
+    spreads = [sample.spread for samples in measured.values() for sample in samples]
+    return FitQuality(
+        measured_batches=batches,
+        error_p50=flat[len(flat) // 2] if flat else 0.0,
+        error_p90=flat[min(int(0.9 * len(flat)), len(flat) - 1)] if flat else 0.0,
+        noisy=sum(spread > bound for spread in spreads),
+        measurements=len(spreads),
+        spread_bound=bound,
+        compared=len(flat),
     )
 
 
@@ -162,27 +291,61 @@ def _measure_batch(
 
 def _key(layer: Layer, args: list[torch.Tensor], batch: int, device: torch.device, config: ProfilerConfig) -> str:
     shapes = [(tuple(a.shape[1:]), str(a.dtype)) for a in args]
-    text = f"{layer.signature}|{shapes}|{batch}|{device_name(device)}|{torch.__version__}|{config.warmup}|{config.repeats}"
+    text = (
+        f"{layer.signature}|{shapes}|{batch}|{device_name(device)}|{torch.__version__}|{config.warmup}|"
+        f"{config.repeats}|{config.max_repeats}|{config.spread_bound}|{config.threads}"
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _time_layer(
     runner: LayerRunner, args: list[torch.Tensor], device: torch.device, config: ProfilerConfig
-) -> tuple[tuple[float, float], torch.Tensor]:
-    """Median (fwd_ms, bwd_ms) over the timed repeats, and the layer's output (detached)."""
+) -> tuple[Measured, torch.Tensor]:
+    """Timed runs in rounds until their spread is within the bound; the medians of the kept runs."""
     fwd: list[float] = []
     bwd: list[float] = []
-    for repeat in range(config.warmup + config.repeats):
-        inputs = [a.detach().requires_grad_(a.is_floating_point()) for a in args]
-        forward_ms, output = _timed(device, lambda: runner(*inputs))
-        backward_ms = 0.0
-        if output.requires_grad:
-            gradient = torch.ones_like(output)
-            backward_ms, _ = _timed(device, lambda: output.backward(gradient))
-        if repeat >= config.warmup:
+    output = _run_once(runner, args, device)[2]
+    for _ in range(config.warmup - 1):
+        _run_once(runner, args, device)
+    while True:
+        for _ in range(config.repeats):
+            forward_ms, backward_ms, output = _run_once(runner, args, device)
             fwd.append(forward_ms)
             bwd.append(backward_ms)
-    return (statistics.median(fwd), statistics.median(bwd)), output.detach()
+        totals = [f + b for f, b in zip(fwd, bwd, strict=True)]
+        kept = _inliers(totals)
+        spread = _spread([totals[i] for i in kept])
+        if spread <= config.spread_bound or len(totals) + config.repeats > config.max_repeats:
+            break
+    median_fwd = statistics.median(fwd[i] for i in kept)
+    median_bwd = statistics.median(bwd[i] for i in kept)
+    return Measured(fwd_ms=median_fwd, bwd_ms=median_bwd, spread=spread), output.detach()
+
+
+def _run_once(runner: LayerRunner, args: list[torch.Tensor], device: torch.device) -> tuple[float, float, torch.Tensor]:
+    inputs = [a.detach().requires_grad_(a.is_floating_point()) for a in args]
+    forward_ms, output = _timed(device, lambda: runner(*inputs))
+    backward_ms = 0.0
+    if output.requires_grad:
+        gradient = torch.ones_like(output)
+        backward_ms, _ = _timed(device, lambda: output.backward(gradient))
+    return forward_ms, backward_ms, output
+
+
+def _inliers(values: list[float]) -> list[int]:
+    """Indices of the values within 3 scaled median absolute deviations of the median."""
+    median = statistics.median(values)
+    mad = 1.4826 * statistics.median(abs(v - median) for v in values)
+    if mad == 0:
+        return list(range(len(values)))
+    return [i for i, v in enumerate(values) if abs(v - median) <= 3 * mad]
+
+
+def _spread(values: list[float]) -> float:
+    """The scaled median absolute deviation over the median of ``values`` (a robust relative spread)."""
+    median = statistics.median(values)
+    mad = 1.4826 * statistics.median(abs(v - median) for v in values)
+    return mad / median if median > 0 else 0.0
 
 
 def _timed(device: torch.device, work: Callable[[], object]) -> tuple[float, object]:

@@ -6,6 +6,8 @@ under a second; :mod:`deeppool.planner.api` does the work.
 
 from __future__ import annotations
 
+import enum
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,8 +15,8 @@ from typing import TYPE_CHECKING
 from deeppool import checks
 from deeppool.errors import DeeppoolError
 from deeppool.planner.candidates import Limits
-from deeppool.planner.cost import Optimizer
-from deeppool.planner.hardware import LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, known_device
+from deeppool.planner.cost import DEFAULT_BUCKET_BYTES, Optimizer
+from deeppool.planner.hardware import LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, Precision, known_device
 from deeppool.planner.plan import Strategy
 from deeppool.planner.profile import Profile
 
@@ -24,6 +26,21 @@ if TYPE_CHECKING:  # the solver (pulp, highspy) loads when a --solver is named o
 LOCAL = "local"
 DEFAULT_MAX_CANDIDATES = 32
 """Keeps every useful count up to a global batch of about 300; thins larger problems."""
+
+
+class Objective(enum.Enum):
+    """What the ILP minimises: the iteration time, or DeepPool's time + price · GPU-time."""
+
+    TIME = "time"
+    TIME_AND_GPU_TIME = "time+gpu-time"
+
+
+def check_objective(objective: Objective, price: float) -> None:
+    """Refuse a negative price, or the trade-off objective without a price."""
+    if price < 0:
+        raise DeeppoolError(f"--price {price} must be >= 0")
+    if objective is Objective.TIME_AND_GPU_TIME and price == 0:
+        raise DeeppoolError("--objective time+gpu-time needs a --price > 0 (ms of iteration per GPU-second)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +56,10 @@ class PlanRequest:
     time_limit_s: float = 60.0
     solver: SolverName | None = None
     max_candidates: int | None = DEFAULT_MAX_CANDIDATES
+    bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20
+    precision: Precision | None = None
+    objective: Objective = Objective.TIME
+    price: float = 0.0
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -49,7 +70,10 @@ class PlanRequest:
             raise DeeppoolError(f"--time-limit {self.time_limit_s:g} must be positive (seconds)")
         if self.max_candidates is not None and self.max_candidates < 2:
             raise DeeppoolError("--max-candidates must be at least 2 (0 keeps every useful count)")
+        if self.bucket_mb < 0:
+            raise DeeppoolError(f"--bucket-mb {self.bucket_mb} must be >= 0")
         Limits(amplification=self.amplification)
+        check_objective(self.objective, self.price)
 
 
 def check_samples(gpus: int, global_batch: int) -> None:
@@ -66,8 +90,8 @@ class CostSource:
     """Where layer times come from: a device model, a profile file, or measuring here.
 
     ``device_model`` is v100/a100/h100 (estimated) or ``local`` (measured on
-    ``local_device`` at the planner's per-GPU batches up to
-    ``max_measured_batch``, larger ones extrapolated). ``network`` names a
+    ``local_device`` at a few per-GPU batches up to ``max_measured_batch``
+    and fitted to the planner's). ``network`` names a
     preset (a device model or ``local``), ``network_file`` a measured network
     (``deeppool profile-network``) instead; the three overrides replace figures.
     """
@@ -75,7 +99,7 @@ class CostSource:
     device_model: str = LOCAL
     profile_path: Path | None = None
     local_device: str = "cpu"
-    max_measured_batch: int = 32
+    max_measured_batch: int = 8
     cache_dir: Path | None = None
     network: str | None = None
     network_file: Path | None = None
@@ -109,6 +133,10 @@ class CostSource:
     def measures_locally(self) -> bool:
         return self.profile_path is None and self.device_model == LOCAL
 
+    def threads(self, request: PlanRequest) -> int | None:
+        """Intra-op threads while measuring on the CPU: one rank's share of the cores (None on a GPU)."""
+        return rank_threads(request.gpus) if self.local_device == "cpu" else None
+
     def network_model(self, profile: Profile) -> NetworkModel:
         if self.network_file is not None:
             base = NetworkModel.load(self.network_file)
@@ -124,6 +152,20 @@ class CostSource:
             return self.device_model
         named = [known.value for known in KnownDevice if known.value in profile.device.lower()]
         return named[0] if named else LOCAL
+
+
+def check_precision(request: PlanRequest, source: CostSource) -> None:
+    """``--precision`` picks a device model's peak; a measured profile keeps the precision it was measured in."""
+    if request.precision is not None and source.device_model == LOCAL:
+        raise DeeppoolError(
+            f"--precision {request.precision.value} applies to a --device-model (v100, a100, h100); "
+            "a measured profile keeps the precision it was measured in"
+        )
+
+
+def rank_threads(gpus: int) -> int:
+    """The intra-op threads a rank of a ``gpus``-rank run on this host gets: its share of the cores."""
+    return max(1, (os.cpu_count() or 1) // gpus)
 
 
 def _named_device(name: str, flag: str) -> None:

@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
-from deeppool.planner.baselines import tie
+from deeppool.planner.baselines import Baselines, tie
 from deeppool.planner.cost import CostModel
 from deeppool.planner.graph import Layer, LayerGraph
 from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice
@@ -42,7 +42,7 @@ def make_plan_for(path: str | Path, *, global_batch: int, gpus: int, assign: Ass
     return build_plan(
         cost, assignment, model=spec, gpus=gpus, strategy=Strategy.ILP, amplification_limit=None,
         solver=SolverInfo(name="hand", status="Optimal", seconds=0.0, gap=0.0),
-        baselines={Strategy.DATA_PARALLEL: 1.0, Strategy.DEEPPOOL: 1.0},
+        baselines=Baselines(data_parallel_ms=1.0, deeppool_ms=1.0, best_data_parallel_gpus=1, best_data_parallel_ms=1.0),
     )
 
 

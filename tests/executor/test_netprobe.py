@@ -67,11 +67,10 @@ def test_the_network_file_round_trips_and_plans_with_it(tmp_path: Path) -> None:
 
     graph = trace(ModelSpec.parse(model_path("mlp")).load()).graph
     profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2))
-    source = CostSource(device_model="a100", network_file=path, intra_gbps=1.0)
+    source = CostSource(device_model="a100", network_file=path, intra_gbps=1.0, inter_gbps=1.0)
     network = source.network_model(profile)
     assert network.intra_bandwidth == 1e9 and network.intra_latency_s == pytest.approx(ALPHA)  # overrides apply
-    cost = CostModel(graph=graph, profile=profile, network=source.network_model(profile).with_overrides(intra_gbps=BW / 1e9),
-                     global_batch=4)
+    cost = CostModel(graph=graph, profile=profile, network=loaded, global_batch=4, bucket_bytes=0)
     layer = next(layer for layer in graph.layers if layer.param_bytes)
     expected = 2 * 0.5 * layer.param_bytes / BW + 2 * ALPHA
     assert cost.allreduce_ms(layer, 2) == pytest.approx(1e3 * expected)

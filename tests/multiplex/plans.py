@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from deeppool.planner.baselines import Baselines
 from deeppool.planner.cost import CostModel
 from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice
 from deeppool.planner.modelspec import ModelSpec
@@ -26,5 +27,5 @@ def burst_plan(*, global_batch: int = 64, lone: tuple[int, ...] = (2, 3), gpus: 
     return build_plan(
         cost, assignment, model=spec, gpus=gpus, strategy=Strategy.ILP, amplification_limit=None,
         solver=SolverInfo(name="hand", status="Optimal", seconds=0.0, gap=0.0),
-        baselines={Strategy.DATA_PARALLEL: 1.0, Strategy.DEEPPOOL: 1.0},
+        baselines=Baselines(data_parallel_ms=1.0, deeppool_ms=1.0, best_data_parallel_gpus=1, best_data_parallel_ms=1.0),
     )

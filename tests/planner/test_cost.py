@@ -8,12 +8,18 @@ from dataclasses import replace
 import pytest
 
 from deeppool.planner.cost import CostModel, Optimizer
-from deeppool.planner.hardware import NetworkModel
+from deeppool.errors import DeeppoolError
+from deeppool.planner.api import PlanRequest, plan_graph
+from deeppool.planner.hardware import DEVICES, KnownDevice, NetworkModel, Precision
+from deeppool.planner.modelspec import ModelSource, ModelSpec
+from deeppool.planner.plan import Plan
+from deeppool.planner.profile import estimate_ms, estimated_profile
 from tests.planner import synthetic
 
+SPEC = ModelSpec(source=ModelSource.FACTORY, location="tests.models.factories:small_cnn", input_shape=(3, 8, 8))
 GRAPH = synthetic.graph([("a", ("x",), 8_000_000, 40_000), ("b", ("a",), 0, 40_000)])
 NETWORK = NetworkModel(
-    gpus_per_node=4, intra_bandwidth=100e9, inter_bandwidth=10e9, intra_latency_s=1e-5, inter_latency_s=5e-5,
+    gpus_per_node=4, intra_bandwidth=100e9, nics_per_node=4, nic_bandwidth=10e9, intra_latency_s=1e-5, inter_latency_s=5e-5,
     allreduce_efficiency=0.5, allreduce_latency_factor=2.0,
 )
 
@@ -23,20 +29,62 @@ def _cost(**changes) -> CostModel:
     return replace(CostModel(graph=GRAPH, profile=profile, network=NETWORK, global_batch=32), **changes)
 
 
-def test_allreduce_uses_the_measured_efficiency_and_crosses_nodes():
-    cost, a = _cost(), GRAPH.layer("a")
+def test_allreduce_is_hierarchical_across_nodes_with_the_measured_efficiency():
+    cost, a = _cost(bucket_bytes=0), GRAPH.layer("a")
     inside = 2 * 3 / 4 * 8e6 / (0.5 * 100e9) + 2 * 2 * 2.0 * 1e-5
-    across = 2 * 7 / 8 * 8e6 / (0.5 * 10e9) + 2 * 3 * 2.0 * 5e-5
+    nvlink = 2 * 3 / 4 * 8e6 / (0.5 * 100e9)
+    nics = 2 * 1 / 2 * 8e6 / (0.5 * 4 * 10e9)
+    across = nvlink + nics + 2.0 * (2 * 2 * 1e-5 + 2 * 1 * 5e-5)
     assert cost.allreduce_ms(a, 4) == pytest.approx(1e3 * inside)
     assert cost.allreduce_ms(a, 8) == pytest.approx(1e3 * across)
     assert cost.allreduce_ms(a, 1) == 0 and cost.allreduce_ms(GRAPH.layer("b"), 4) == 0
 
 
-def test_reshard_is_the_larger_side_and_free_between_equal_counts():
+def test_bucketed_allreduce_hides_behind_the_backward_except_the_last_bucket():
+    three = synthetic.graph([("a", ("x",), 8_000_000, 40_000), ("b", ("a",), 8_000_000, 40_000),
+                             ("c", ("b",), 8_000_000, 40_000)])
+    profile = synthetic.profile(three, {"a": 0.1, "b": 0.1, "c": 0.1}, 0.05, (1, 2, 4, 8, 16, 32))
+    cost = CostModel(graph=three, profile=profile, network=NETWORK, global_batch=32, bucket_bytes=16_000_000)
+    full = {n: 1e3 * NETWORK.allreduce_s(4, 8e6, latencies=0.5) for n in "abc"}
+    assert cost.allreduce_ms(three.layer("a"), 4) == pytest.approx(full["a"])  # 24 MB mod 16 MB: a is the last bucket
+    hidden = max(0.0, full["b"] - cost.compute_ms(three.layer("b"), 4)[1])
+    assert cost.allreduce_ms(three.layer("b"), 4) == pytest.approx(hidden)
+    on_cpu = replace(cost, network=replace(NETWORK, allreduce_overlap=0.0))  # gloo competes for the cores
+    assert on_cpu.allreduce_ms(three.layer("b"), 4) == pytest.approx(full["b"])
+    one_call = replace(cost, bucket_bytes=0)
+    assert one_call.allreduce_ms(three.layer("b"), 4) == pytest.approx(1e3 * NETWORK.allreduce_s(4, 8e6))
+
+
+def test_synchronised_batchnorm_pays_three_small_allreduces():
+    bn = replace(synthetic.layer("a", ("x",), params=512, act=4096), op="BatchNorm2d", output_shape=(64, 4, 4))
+    graph = replace(GRAPH, layers=(bn, GRAPH.layer("b")))
+    cost = replace(_cost(), graph=graph)
+    forward = sum(NETWORK.allreduce_s(8, 8 * n) for n in (65, 64))
+    assert cost.batchnorm_ms(bn, 8) == pytest.approx((1e3 * forward, 1e3 * NETWORK.allreduce_s(8, 8 * 128)))
+    assert cost.batchnorm_ms(bn, 1) == (0, 0) and cost.batchnorm_ms(GRAPH.layer("b"), 8) == (0, 0)
+    fwd, bwd = cost.compute_ms(bn, 8)
+    assert cost.phases_ms(bn, 8) == pytest.approx((fwd + 1e3 * forward, bwd + 1e3 * NETWORK.allreduce_s(8, 1024)))
+
+
+def test_reshard_is_priced_at_the_slowest_link_it_crosses():
     cost, a = _cost(), GRAPH.layer("a")
-    side = {g: 1e3 * (NETWORK.latency_s(g) + 40_000 * math.ceil(32 / g) / NETWORK.bandwidth(g)) for g in (2, 8)}
-    assert cost.reshard_ms(a, 2, 8) == pytest.approx(max(side.values()))
+    inside = 1e3 * (1e-5 + 40_000 * math.ceil(32 / 2) / 100e9)
+    across = 1e3 * (5e-5 + 40_000 * math.ceil(32 / 2) / NETWORK.inter_bandwidth)
+    assert cost.reshard_ms(a, 2, 4) == pytest.approx(inside)
+    assert cost.reshard_ms(a, 2, 8) == pytest.approx(across) == pytest.approx(cost.reshard_ms(a, 8, 2))
     assert cost.reshard_ms(a, 8, 8) == 0
+
+
+def test_bytes_follow_the_precision():
+    fp32, bf16 = _cost(), _cost(precision=Precision.BF16)
+    a = GRAPH.layer("a")
+    assert bf16.param_bytes(a) == fp32.param_bytes(a) / 2 and bf16.act_bytes(a) == fp32.act_bytes(a) / 2
+    assert bf16.memory_bytes(a, 4) * 2 == pytest.approx(fp32.memory_bytes(a, 4), abs=2)
+
+
+def test_a_network_faster_across_nodes_than_inside_is_refused():
+    with pytest.raises(DeeppoolError, match="cross-node figures"):
+        NETWORK.with_overrides(inter_gbps=200)
 
 
 def test_optimizer_step_and_memory_follow_the_optimizer():
@@ -47,3 +95,15 @@ def test_optimizer_step_and_memory_follow_the_optimizer():
     assert sgd.iteration_ms({"a": 4, "b": 2}) == pytest.approx(
         sgd.layer_ms(a, 4) + sgd.layer_ms(GRAPH.layer("b"), 2) + 2 * sgd.reshard_ms(a, 4, 2)
     )
+
+
+def test_compute_is_priced_at_the_precision_peak_and_the_plan_records_it():
+    heavy = replace(synthetic.layer("a", ("x",), params=4, act=4), fwd_flops=1e12, bwd_flops=2e12)
+    a100 = DEVICES[KnownDevice.A100]
+    fp32, bf16 = (estimate_ms(heavy, 8, a100, p) for p in (Precision.FP32, Precision.BF16))
+    assert fp32[0] / bf16[0] == pytest.approx(312 / 19.5, rel=1e-3)
+    estimated = estimated_profile(GRAPH, a100, (1, 2, 4, 8), Precision.BF16)
+    assert estimated.dtype == "bf16"
+    planned = plan_graph(GRAPH, estimated, NETWORK, PlanRequest(gpus=4, global_batch=8), model=SPEC)
+    assert planned.plan.precision is Precision.BF16 and planned.cost.precision is Precision.BF16
+    assert Plan.from_json(planned.plan.to_json()).precision is Precision.BF16

@@ -14,12 +14,14 @@ from deeppool.planner.cost import CostModel
 from deeppool.planner.hardware import NETWORKS, KnownDevice, NetworkModel
 from deeppool.planner.ilp import SolverName
 from deeppool.planner.modelspec import ModelSource, ModelSpec
+from deeppool.planner.pareto import front, plot
 from deeppool.planner.plan import Strategy
+from deeppool.planner.request import Objective
 from tests.planner import synthetic
 
 SPEC = ModelSpec(source=ModelSource.FACTORY, location="tests.models.factories:small_cnn", input_shape=(3, 8, 8))
 SLOW_NETWORK = NetworkModel(
-    gpus_per_node=2, intra_bandwidth=2e9, inter_bandwidth=0.2e9, intra_latency_s=2e-5, inter_latency_s=1e-4
+    gpus_per_node=2, intra_bandwidth=2e9, nics_per_node=2, nic_bandwidth=0.2e9, intra_latency_s=2e-5, inter_latency_s=1e-4
 )
 
 CHAIN = synthetic.graph([
@@ -64,7 +66,7 @@ def test_ilp_equals_exhaustive_enumeration_over_all_counts(graph, solver):
     gpus, batch = 6, 12
     cost, profile = _problem(graph, gpus, batch)
     planned = plan_graph(graph, profile, SLOW_NETWORK, PlanRequest(gpus=gpus, global_batch=batch, solver=solver), model=SPEC)
-    assert planned.plan.solver.status.startswith("Optimal")
+    assert planned.plan.solver.status.startswith("optimal")
     assert planned.plan.predicted.iteration_ms == pytest.approx(_enumerate(cost, gpus), rel=1e-6)
     assert planned.plan.predicted.iteration_ms == pytest.approx(cost.iteration_ms(planned.plan.assignment))
 
@@ -89,10 +91,13 @@ def test_pruned_counts_are_the_smallest_per_gpu_batch():
 def test_memory_limit_binds_and_infeasible_names_the_layer():
     gpus, batch = 4, 64
     cost, profile = _problem(CHAIN, gpus, batch)
-    free = plan_graph(CHAIN, profile, SLOW_NETWORK, PlanRequest(gpus=gpus, global_batch=batch), model=SPEC).plan
+    synchronous = PlanRequest(gpus=gpus, global_batch=batch, bucket_mb=0)  # all-reduce per layer: fewer GPUs pay
+    slow = NetworkModel.flat(gpus_per_node=2, bandwidth=0.05e9, latency_s=1e-4)
+    free = plan_graph(CHAIN, profile, slow, synchronous, model=SPEC).plan
+    assert free.predicted.peak_memory_bytes > cost.peak_memory_bytes(dict.fromkeys(CHAIN.names, gpus))
     tight = free.predicted.peak_memory_bytes - 2**20
     tight_profile = synthetic.profile(CHAIN, {n: BASES[n] for n in CHAIN.names}, 0.05, profile.layers["a"].batches, tight)
-    bounded = plan_graph(CHAIN, tight_profile, SLOW_NETWORK, PlanRequest(gpus=gpus, global_batch=batch), model=SPEC).plan
+    bounded = plan_graph(CHAIN, tight_profile, slow, synchronous, model=SPEC).plan
     assert bounded.predicted.peak_memory_bytes <= tight
     tiny = synthetic.profile(CHAIN, {n: BASES[n] for n in CHAIN.names}, 0.05, (1, 64), memory_bytes=1_000_000)
     with pytest.raises(DeeppoolError, match="infeasible.*layer 'c'"):
@@ -107,6 +112,12 @@ def test_ilp_never_slower_than_baselines_and_strategy_picks_the_plan():
     predicted = planned.plan.predicted
     assert predicted.iteration_ms <= predicted.data_parallel_iteration_ms + 1e-9
     assert predicted.iteration_ms <= predicted.deeppool_iteration_ms + 1e-9
+    assert predicted.iteration_ms <= predicted.best_data_parallel_iteration_ms + 1e-9
+    cost = planned.cost
+    best = min(range(1, gpus + 1), key=lambda g: cost.iteration_ms(dict.fromkeys(RESIDUAL.names, g)))
+    assert predicted.best_data_parallel_iteration_ms == pytest.approx(cost.iteration_ms(dict.fromkeys(RESIDUAL.names, best)))
+    assert predicted.speedup_vs_best_data_parallel == pytest.approx(
+        predicted.best_data_parallel_iteration_ms / predicted.iteration_ms)
     dp = plan_graph(RESIDUAL, profile, network, PlanRequest(gpus=gpus, global_batch=batch, strategy=Strategy.DATA_PARALLEL), model=SPEC).plan
     assert {layer.gpus for layer in dp.layers} == {8}
     assert dp.predicted.iteration_ms == pytest.approx(predicted.data_parallel_iteration_ms)
@@ -114,5 +125,47 @@ def test_ilp_never_slower_than_baselines_and_strategy_picks_the_plan():
 
 def test_deeppool_baseline_uses_powers_of_two():
     cost, _ = _problem(CHAIN, 6, 12)
-    assignment = baselines.deeppool_dp(cost, 6, amplification=2.0)
+    assignment = baselines.deeppool(cost, 6, amplification=2.0)
     assert set(assignment.values()) <= {1, 2, 4}
+
+
+def test_deeppool_takes_the_slowest_branch_at_a_join_and_is_no_worse_than_its_data_parallel():
+    cost, _ = _problem(RESIDUAL, 8, 16)
+    assignment = baselines.deeppool(cost, 8, amplification=None)
+    uniform = min(cost.iteration_ms(dict.fromkeys(RESIDUAL.names, g)) for g in (1, 2, 4, 8))
+    assert set(assignment) == set(RESIDUAL.names)
+    assert cost.iteration_ms(assignment) <= uniform + 1e-9  # data parallel is in its search space
+
+
+def test_thinned_candidates_say_so_and_a_failed_solve_keeps_the_best_baseline(monkeypatch):
+    cost, profile = _problem(CHAIN, 64, 64)
+    thinned = plan_graph(CHAIN, profile, SLOW_NETWORK, PlanRequest(gpus=64, global_batch=64, max_candidates=4),
+                         model=SPEC).plan
+    assert "candidate counts" in thinned.solver.status and thinned.solver.status.startswith("optimal over")
+
+    def fails(*args, **kwargs):
+        raise DeeppoolError("the ILP found no plan (Not Solved) within 1 s")
+
+    monkeypatch.setattr("deeppool.planner.strategies.solve", fails)
+    kept = plan_graph(CHAIN, profile, SLOW_NETWORK, PlanRequest(gpus=8, global_batch=64), model=SPEC).plan
+    assert "no ILP solution" in kept.solver.status and "kept the best feasible baseline" in kept.solver.status
+    assert kept.predicted.iteration_ms == pytest.approx(min(
+        kept.predicted.best_data_parallel_iteration_ms, kept.predicted.deeppool_iteration_ms))
+
+
+def test_pricing_gpu_time_trades_iteration_time_for_gpu_seconds_and_the_front_is_drawn(tmp_path):
+    gpus, batch = 8, 16
+    _, profile = _problem(RESIDUAL, gpus, batch)
+    fast = plan_graph(RESIDUAL, profile, SLOW_NETWORK, PlanRequest(gpus=gpus, global_batch=batch), model=SPEC)
+    dear = PlanRequest(gpus=gpus, global_batch=batch, objective=Objective.TIME_AND_GPU_TIME, price=1e4)
+    frugal = plan_graph(RESIDUAL, profile, SLOW_NETWORK, dear, model=SPEC).plan.predicted
+    assert frugal.gpu_seconds_per_iteration <= fast.plan.predicted.gpu_seconds_per_iteration + 1e-12
+    assert frugal.iteration_ms >= fast.plan.predicted.iteration_ms - 1e-9
+    drawn = front(fast)
+    times = [p.iteration_ms for p in drawn.ilp]
+    assert times == sorted(times, reverse=True), "along the front, more GPU-time buys less iteration time"
+    assert drawn.ilp[-1].iteration_ms == pytest.approx(fast.plan.predicted.iteration_ms)
+    plot(drawn, tmp_path / "front.png")
+    assert (tmp_path / "front.png").stat().st_size > 10_000
+    with pytest.raises(DeeppoolError, match="needs a --price"):
+        PlanRequest(gpus=gpus, global_batch=batch, objective=Objective.TIME_AND_GPU_TIME)

@@ -1,4 +1,4 @@
-"""Measured profiles: every layer timed at every batch, cached, CUDA-timed on a GPU."""
+"""Measured profiles: a few batches timed until stable, fitted, cached as they go; CUDA-timed on a GPU."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import pytest
 import torch
 
 import deeppool
+from deeppool.errors import DeeppoolError
+from deeppool.planner.cost import CostModel, check_invariants
 from deeppool.planner.graph import TraceMethod
-from deeppool.planner.hardware import DEVICES, KnownDevice
+from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice, Precision
 from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.profile import Profile, estimate_ms
-from deeppool.planner.profiler import ProfileCache, ProfilerConfig, measure_profile
+from deeppool.planner.profile import LayerTimes, Profile, estimate_ms
+from deeppool.planner.profiler import Measured, ProfileCache, ProfilerConfig, fit_layer, fit_line, measure_profile
 from deeppool.planner.trace import trace
+from tests.planner import synthetic
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "tiny_mlp.py"
 
@@ -48,7 +51,7 @@ def test_interpolation_between_and_beyond_measured_batches():
 def test_device_model_estimates_scale_with_the_device():
     graph = trace(ModelSpec.parse(str(TINY)).load()).graph
     fc1 = graph.layer("fc1")
-    v100, h100 = (estimate_ms(fc1, 4096, DEVICES[k]) for k in (KnownDevice.V100, KnownDevice.H100))
+    v100, h100 = (estimate_ms(fc1, 4096, DEVICES[k], Precision.TF32) for k in (KnownDevice.V100, KnownDevice.H100))
     assert h100[0] < v100[0] and h100[1] < v100[1]
     assert graph.method is TraceMethod.FX
 
@@ -68,3 +71,44 @@ def test_cuda_profile_uses_cuda_events(tmp_path):
     measured = measure_profile(trace(loaded), loaded, config)
     assert not measured.device.startswith("cpu")
     assert all(min(t.fwd_ms) > 0 for t in measured.layers.values())
+
+
+def test_the_fit_is_a_nonnegative_line_that_keeps_gpu_time_from_shrinking():
+    assert fit_line((2, 4, 8), [2.0, 3.0, 5.0]) == pytest.approx((1.0, 0.5))
+    assert fit_line((2, 4, 8), [5.0, 1.0, 1.0])[1] == 0.0  # a falling time is noise: flat
+    assert fit_line((2, 4, 8), [0.1, 4.0, 8.0])[0] == 0.0  # no negative intercept
+    assert fit_line((4,), [2.0]) == (0.0, 0.5)
+    samples = [Measured(fwd_ms=t, bwd_ms=2 * t, spread=0.0) for t in (2.0, 40.0, 5.0)]  # an outlier at 4
+    times, errors = fit_layer((2, 4, 8), samples, (1, 2, 4, 8, 64, 128))
+    for g in (2, 4, 8, 64):
+        per_gpu = sum(times.at(128 // g))
+        assert g * per_gpu >= sum(times.at(128)) - 1e-9, "a layer on g GPUs never costs less GPU-time than on one"
+    assert max(errors) > 0.5
+
+
+def test_measurements_repeat_until_stable_and_the_cache_is_written_as_it_goes(tmp_path):
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    ticks = iter(range(10_000))
+    cache = ProfileCache(tmp_path, every_s=1.0, clock=lambda: float(next(ticks)))
+    cache.put("k", Measured(fwd_ms=1.0, bwd_ms=2.0, spread=0.1))
+    assert ProfileCache(tmp_path).get("k") == Measured(fwd_ms=1.0, bwd_ms=2.0, spread=0.1), "saved before the end"
+    config = ProfilerConfig(batches=(1, 2), fit_to=(1, 2, 3, 16), warmup=1, repeats=2, max_repeats=6,
+                            spread_bound=1e-6, show_progress=False)
+    profile = measure_profile(traced, loaded, config)
+    assert profile.fit is not None and profile.fit.measured_batches == (1, 2)
+    assert profile.fit.measurements == 2 * len(traced.graph)
+    assert profile.fit.noisy > 0  # few CPU timings are steady to a millionth
+    assert profile.layers["fc1"].batches == (1, 2, 3, 16)
+    assert "warning" in profile.fit.describe()
+    assert Profile.from_json(profile.to_json()) == profile
+
+
+def test_a_plan_whose_figures_break_the_invariants_is_refused():
+    graph = synthetic.graph([("a", ("x",), 4_000, 4_000), ("b", ("a",), 0, 4_000)])
+    broken = synthetic.profile(graph, {"a": 0.1, "b": 0.1}, 0.0, (1, 2, 4))
+    broken.layers["a"] = LayerTimes(batches=(1, 2, 4), fwd_ms=(1.0, 50.0, 100.0), bwd_ms=(1.0, 1.0, 1.0))
+    cost = CostModel(graph=graph, profile=broken, network=NETWORKS[KnownDevice.A100], global_batch=4)
+    check_invariants(cost, {"a": 1, "b": 1})
+    with pytest.raises(DeeppoolError, match="layer 'a' on 4 GPUs would use .* its one-GPU GPU-time"):
+        check_invariants(cost, {"a": 4, "b": 4})

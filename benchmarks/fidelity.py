@@ -1,0 +1,164 @@
+"""Fidelity: measured over predicted iteration time of burst plans, on this machine.
+
+    python benchmarks/fidelity.py [--nproc 2,4] [--models cnn,branching_cnn,transformer,mlp]
+                                  [--batch 32] [--steps 12] [--warmup 3] [--scatter fidelity.png]
+
+For every model of ``benchmarks/models`` (a CNN, a branching CNN, a
+transformer, an MLP) and every rank count: the network is measured here with
+gloo (``deeppool profile-network``), the model is profiled here (the local
+profiler: a few batches measured, the rest fitted, one rank's share of the
+cores), and a *burst* plan is made, one with at least two distinct GPU counts:
+the ILP's time-optimal plan when it is burst, else the ILP under DeepPool's
+objective ``time + price · GPU-time`` at the cheapest price in a sweep that
+gives a burst plan. The plan runs through the executor (gloo, the default
+25 MiB gradient buckets) and the measured median iteration time is divided by
+the predicted one (goal: within ±15%). A PNG scatters every layer's measured
+against predicted forward+backward time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+MODELS = Path(__file__).resolve().parent / "models"
+PRICE_FACTORS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    model: str
+    nproc: int
+    counts: tuple[int, ...]
+    how: str
+    predicted_ms: float
+    measured_ms: float
+    layers: tuple[tuple[str, float, float], ...]
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_ms / self.predicted_ms
+
+
+def measure_network(nproc: int, path: Path) -> None:
+    from deeppool.executor.netprobe import ProbeConfig, probe_network
+
+    probe_network(ProbeConfig(nproc=nproc)).save(path)
+
+
+def burst_plan(model: Path, nproc: int, batch: int, network: Path, cache: Path, out: Path) -> str:
+    """Write a plan with at least two distinct GPU counts to ``out``; say how it was found."""
+    from deeppool.planner.api import CostSource, PlanRequest, plan_graph, plan_model
+    from deeppool.planner.modelspec import ModelSpec
+    from deeppool.planner.request import Objective
+
+    spec = ModelSpec.parse(str(model))
+    request = PlanRequest(gpus=nproc, global_batch=batch)
+    source = CostSource(device_model="local", network_file=network, cache_dir=cache, show_progress=False)
+    planned = plan_model(spec, request, source)
+    if len(set(planned.plan.assignment.values())) > 1:
+        planned.plan.save(out)
+        return "ILP, time"
+    cost = planned.cost
+    unit = planned.plan.predicted.iteration_ms / planned.plan.predicted.gpu_seconds_per_iteration
+    for factor in PRICE_FACTORS:
+        priced = replace(request, objective=Objective.TIME_AND_GPU_TIME, price=factor * unit)
+        plan = plan_graph(cost.graph, cost.profile, cost.network, priced, model=spec).plan
+        if len(set(plan.assignment.values())) > 1:
+            plan.save(out)
+            return f"ILP, time + {factor:g}x price"
+    planned.plan.save(out)
+    return "no burst plan found: the ILP's"
+
+
+def run_plan(plan: Path, nproc: int, steps: int, warmup: int, out: Path) -> dict:
+    from deeppool.executor.cli import config_args, make_config
+    from deeppool.executor.comm import Backend
+    from deeppool.executor.config import OptimizerKind
+    from deeppool.executor.launch import launch
+
+    config = make_config(steps=steps, warmup=warmup, optimizer=OptimizerKind.SGD, lr=0.01, momentum=0.0,
+                         backend=Backend.AUTO, timeout=300.0, bucket_mb=25.0, check=False, check_bound=1e-5,
+                         out=out)
+    launch(plan, nproc=nproc, config=config, worker_args=config_args(config))
+    return json.loads((out / "summary.json").read_text())
+
+
+def one(model: str, nproc: int, args: argparse.Namespace, work: Path) -> Result:
+    from deeppool.planner.plan import Plan
+
+    network = work / f"network-{nproc}.json"
+    if not network.is_file():
+        measure_network(nproc, network)
+    plan_path = work / f"{model}-{nproc}.json"
+    how = burst_plan(MODELS / f"{model}.py", nproc, args.batch, network, work / "cache", plan_path)
+    summary = run_plan(plan_path, nproc, args.steps, args.warmup, work / f"{model}-{nproc}")
+    layers = tuple((l["name"], l["fwd_predicted"] + l["bwd_predicted"], l["fwd_measured"] + l["bwd_measured"])
+                   for l in summary["layers"])
+    return Result(model=model, nproc=nproc, counts=tuple(sorted(set(Plan.load(plan_path).assignment.values()))),
+                  how=how, predicted_ms=summary["iteration_predicted_ms"],
+                  measured_ms=summary["iteration_measured_ms"], layers=layers)
+
+
+def scatter(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 6))
+    for result in results:
+        points = [(p, m) for _, p, m in result.layers if p > 0 and m > 0]
+        axes.scatter([p for p, _ in points], [m for _, m in points], s=12, alpha=0.7,
+                     label=f"{result.model}, {result.nproc} ranks")
+    low = min(min(p, m) for r in results for _, p, m in r.layers if p > 0 and m > 0)
+    high = max(max(p, m) for r in results for _, p, m in r.layers)
+    axes.plot([low, high], [low, high], "k-", linewidth=1, label="measured = predicted")
+    axes.fill_between([low, high], [0.85 * low, 0.85 * high], [1.15 * low, 1.15 * high], color="grey", alpha=0.2,
+                      label="±15%")
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("predicted forward+backward ms per layer")
+    axes.set_ylabel("measured ms (median, slowest rank)")
+    axes.set_title("per-layer fidelity of the cost model on this machine")
+    axes.legend(fontsize="x-small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", default="2,4")
+    parser.add_argument("--models", default="cnn,branching_cnn,transformer,mlp")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--scatter", type=Path, default=Path("fidelity.png"))
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="deeppool-fidelity-"))
+    print(f"machine: {os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.2f}; global batch {args.batch}, "
+          f"{args.steps} steps ({args.warmup} warm-up); work in {work}")
+    results = []
+    for nproc in (int(n) for n in args.nproc.split(",")):
+        for model in args.models.split(","):
+            result = one(model, nproc, args, work)
+            results.append(result)
+            print(f"{model:<14} {nproc} ranks  counts {list(result.counts)!s:<10} {result.how:<28} "
+                  f"predicted {result.predicted_ms:9.2f} ms  measured {result.measured_ms:9.2f} ms  "
+                  f"measured/predicted {result.ratio:.2f}", flush=True)
+    ratios = [r.ratio for r in results]
+    within = sum(abs(r - 1) <= 0.15 for r in ratios)
+    print(f"median measured/predicted {statistics.median(ratios):.2f}; {within} of {len(ratios)} within ±15%; "
+          f"load at the end {os.getloadavg()[0]:.2f}")
+    scatter(results, args.scatter)
+    print(f"per-layer scatter written to {args.scatter}")
+
+
+if __name__ == "__main__":
+    main()

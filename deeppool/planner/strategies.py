@@ -1,0 +1,139 @@
+"""The ILP and its baselines in one run, with an honest account of what the solver did.
+
+:func:`solve_all` computes data parallel on all GPUs, the best data parallel
+over ``g ≤ G``, DeepPool's planner and the ILP under one cost model. The
+written ILP plan is never predicted worse than a feasible baseline: when the
+solver finds nothing (time-out, failure) or something worse, the best
+feasible baseline is kept and the status says so; when the candidate counts
+were thinned, the status says over how many the optimum holds.
+
+Objectives (``--objective``): ``time`` minimises the iteration time under the
+amplification cap; ``time+gpu-time`` is DeepPool's trade-off, minimising
+``T + price · Σ_l g_l · layer_ms_l(g_l) / 1000`` (``price`` in ms of iteration
+per GPU-second; reshard GPU-time is left out of the price term, so the ILP
+stays exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from deeppool.errors import DeeppoolError
+from deeppool.planner import baselines
+from deeppool.planner.baselines import Baselines
+from deeppool.planner.candidates import Limits, allowed_counts, check_memory, thinned_counts, useful_counts
+from deeppool.planner.cost import CostModel
+from deeppool.planner.ilp import SolverName, default_solver, solve
+from deeppool.planner.plan import SolverInfo, Strategy
+from deeppool.planner.request import Objective, check_objective
+
+
+@dataclass(frozen=True, kw_only=True)
+class Search:
+    """How to search: GPUs, limits, candidate thinning, solver and objective."""
+
+    gpus: int
+    limits: Limits
+    max_candidates: int | None
+    time_limit_s: float
+    solver: SolverName | None = None
+    objective: Objective = Objective.TIME
+    price: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_objective(self.objective, self.price)
+
+    @property
+    def weight(self) -> float:
+        return self.price if self.objective is Objective.TIME_AND_GPU_TIME else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Solved:
+    assignments: dict[Strategy, dict[str, int]]
+    baselines: Baselines
+    solver: SolverInfo
+
+
+def objective_ms(cost: CostModel, assignment: Mapping[str, int], price: float) -> float:
+    """What the ILP minimises: ``T + price · Σ_l g_l · layer_ms_l(g_l) / 1000``."""
+    layers = sum(assignment[layer.name] * cost.layer_ms(layer, assignment[layer.name]) for layer in cost.graph.layers)
+    return cost.iteration_ms(assignment) + price * layers / 1e3
+
+
+def solve_all(cost: CostModel, search: Search) -> Solved:
+    """Every strategy's assignment, the baselines' figures and the solver's honest status."""
+    useful = useful_counts(search.gpus, cost.global_batch)
+    counts = thinned_counts(search.gpus, cost.global_batch, search.max_candidates)
+    options = {layer.name: allowed_counts(cost, layer, counts, search.limits) for layer in cost.graph.layers}
+    check_memory(cost, options, search.limits)
+    best_gpus, best_dp = baselines.best_data_parallel(cost, search.gpus)
+    assignments = {
+        Strategy.DATA_PARALLEL: baselines.data_parallel(cost, search.gpus),
+        Strategy.BEST_DATA_PARALLEL: best_dp,
+        Strategy.DEEPPOOL: baselines.deeppool(cost, search.gpus, search.limits.amplification),
+    }
+    solver = search.solver or default_solver()
+    fallback = _best_feasible(cost, assignments, search)
+    try:
+        result = solve(cost, options, memory_bytes=search.limits.memory_bytes, time_limit_s=search.time_limit_s,
+                       solver=solver, price=search.weight)
+    except DeeppoolError as failure:
+        if fallback is None:
+            raise
+        strategy, kept = fallback
+        assignments[Strategy.ILP] = kept
+        status = f"no ILP solution ({failure}); kept the best feasible baseline, {_name(strategy)}"
+        info = SolverInfo(name=solver.value, status=status, seconds=search.time_limit_s, gap=1.0)
+        return Solved(assignments=assignments, baselines=_figures(cost, assignments, best_gpus), solver=info)
+    status = result.status
+    if len(counts) < len(useful):
+        proven = "optimal" if result.optimal else result.status
+        status = f"{proven} over {len(counts)} candidate counts (of {len(useful)} useful ones; --max-candidates 0 for all)"
+    assignments[Strategy.ILP] = result.assignment
+    if fallback is not None:
+        strategy, kept = fallback
+        if objective_ms(cost, kept, search.weight) < objective_ms(cost, result.assignment, search.weight) * (1 - 1e-9):
+            assignments[Strategy.ILP] = kept
+            status = f"{status}; {_name(strategy)} is better and is kept"
+    info = SolverInfo(name=result.solver.value, status=status, seconds=result.seconds, gap=result.gap)
+    return Solved(assignments=assignments, baselines=_figures(cost, assignments, best_gpus), solver=info)
+
+
+def _figures(cost: CostModel, assignments: dict[Strategy, dict[str, int]], best_gpus: int) -> Baselines:
+    return Baselines(
+        data_parallel_ms=cost.iteration_ms(assignments[Strategy.DATA_PARALLEL]),
+        deeppool_ms=cost.iteration_ms(assignments[Strategy.DEEPPOOL]),
+        best_data_parallel_gpus=best_gpus,
+        best_data_parallel_ms=cost.iteration_ms(assignments[Strategy.BEST_DATA_PARALLEL]),
+    )
+
+
+def _best_feasible(
+    cost: CostModel, assignments: dict[Strategy, dict[str, int]], search: Search
+) -> tuple[Strategy, dict[str, int]] | None:
+    """The baseline with the least objective among those within the amplification and memory limits."""
+    feasible = [(s, a) for s, a in assignments.items() if _within(cost, a, search.limits)]
+    return min(feasible, key=lambda item: objective_ms(cost, item[1], search.weight), default=None)
+
+
+def _within(cost: CostModel, assignment: dict[str, int], limits: Limits) -> bool:
+    bound = None if limits.amplification is None else limits.amplification + 1e-9
+    for layer in cost.graph.layers:
+        g = assignment[layer.name]
+        if bound is not None and g > 1 and cost.amplification(layer, g) > bound:
+            return False
+    for group in cost.graph.tied():
+        if len({assignment[name] for name in group}) > 1:
+            return False
+    return limits.memory_bytes is None or cost.peak_memory_bytes(assignment) <= limits.memory_bytes
+
+
+def _name(strategy: Strategy) -> str:
+    return {
+        Strategy.DATA_PARALLEL: "data parallel on all GPUs",
+        Strategy.BEST_DATA_PARALLEL: "the best data-parallel width",
+        Strategy.DEEPPOOL: "DeepPool's plan",
+        Strategy.ILP: "the ILP plan",
+    }[strategy]
