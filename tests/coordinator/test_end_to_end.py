@@ -24,7 +24,7 @@ def test_a_foreground_burst_job_hosts_a_background_job_and_both_finish(tmp_path:
     token = store.create_token("alice")
     # both queued before the server starts, so its first tick (before it serves) sees them together
     fg, _ = store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model=str(FOREGROUND), gpus=2, batch=64,
-                                             steps=30))
+                                             steps=30, amplification=1.5))
     bg, _ = store.submit("alice", JobRequest(kind=JobKind.BACKGROUND, model=str(BACKGROUND), batch=8))
     store.close()
     server = start(db, port, gpus=2, allow=(REPO,))
