@@ -144,8 +144,8 @@ def burst_plan(nproc: int, batch: int, path: Path, network_file: Path) -> None:
 
 
 def breakdown(summary: dict) -> list[tuple[str, float, float]]:
-    """(part, predicted ms, measured ms): compute, all-reduce (when measured per layer), the rest."""
-    layers = summary["layers"]
+    """(part, predicted ms, measured ms): compute, all-reduce (when measured per stage), the rest."""
+    layers = summary["stages"]
     compute = (sum(l["fwd_predicted"] + l["bwd_predicted"] for l in layers),
                sum(l["fwd_measured"] + l["bwd_measured"] for l in layers))
     total = (summary["iteration_predicted_ms"], summary["iteration_measured_ms"])

@@ -27,7 +27,7 @@ from deeppool.executor.engine import Engine, EngineParts
 from deeppool.executor.gradients import GradientReducer
 from deeppool.executor.idle import IdleListener, NoBackground
 from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
-from deeppool.executor.program import build_program, idle_positions
+from deeppool.executor.program import Program, build_program, idle_positions
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
 from deeppool.executor.syncbn import Reduce
@@ -74,13 +74,15 @@ def train_rank(
     reference_model = builder.load(plan.model) if config.check else None
     module = _training(traced).to(device)
     module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
-    local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks), traced.random)
+    program = build_program(plan, traced.graph, comm.rank)
+    local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks), program.stages,
+                 traced.random)
     reference = None if reference_model is None else LockstepReference(
         reference_model, config.optimizer, params=local.params, buffers=local.buffers, rank=comm.rank,
         bound=config.check_bound, random=traced.random.mode(plan.model.seed),
     )
     recorder = Recorder(clock, _cuda_sync(device))
-    engine = _engine(plan, local, comm, loaded, config, recorder, on_idle, device, reference)
+    engine = _engine(plan, program, local, comm, loaded, config, recorder, on_idle, device, reference)
     losses: list[float] = []
     checks: list[CheckResult] = []
     for step in range(config.steps):
@@ -94,7 +96,7 @@ def train_rank(
     summary = None
     if gathered is not None:
         summary = summarise_run(
-            plan, [g[0] for g in gathered], [g[1] for g in gathered], [g[2] for g in gathered],
+            plan, program.stages, [g[0] for g in gathered], [g[1] for g in gathered], [g[2] for g in gathered],
             steps=config.steps, synchronous_allreduce=config.bucket_mb == 0,
         )
     return RankResult(
@@ -141,10 +143,9 @@ def _cuda_sync(device: torch.device) -> Any:
 
 
 def _engine(
-    plan: Plan, local: LocalModel, comm: Comm, loaded: LoadedModel, config: RunConfig,
+    plan: Plan, program: Program, local: LocalModel, comm: Comm, loaded: LoadedModel, config: RunConfig,
     recorder: Recorder, on_idle: IdleListener | None, device: torch.device, reference: LockstepReference | None,
 ) -> Engine:
-    program = build_program(plan, local.graph, comm.rank)
     return Engine(
         EngineParts(
             plan=plan,

@@ -1,8 +1,8 @@
-"""One rank's training iteration: interpret its :class:`Program` op by op.
+"""One rank's training iteration: run its :class:`Program` op by op, a stage at a time.
 
-Each layer runs on leaf copies of its inputs, so its backward is its own
-``torch.autograd.backward`` call and the gradients of its inputs can be sent
-back to the ranks that produced them. The loss on rank ``r`` of the output
+Each stage runs as one compiled module on leaf copies of the values it reads
+from other stages, so its backward is one ``torch.autograd.backward`` call and
+the gradients of its inputs can be sent back to the ranks that produced them. The loss on rank ``r`` of the output
 layer is scaled by ``n_r / B``, so the per-rank gradients *sum* to the
 gradient of the global mean loss; gradient all-reduces therefore sum.
 """
@@ -19,7 +19,7 @@ from deeppool.executor.data import Batch
 from deeppool.executor.gradients import GradientReducer
 from deeppool.executor.idle import IdleListener, IdleWindowEvent
 from deeppool.executor.local_model import LocalModel
-from deeppool.executor.program import Op, OpKind, Program, Transfer, grad_flows
+from deeppool.executor.program import Op, OpKind, Program, Stage, Transfer, grad_flows
 from deeppool.executor.comm import Comm
 from deeppool.executor.timing import Category, Recorder, Span
 from deeppool.planner.plan import IdleWindow, Plan, PlannedLayer
@@ -36,7 +36,8 @@ class _State:
     batch: Batch
     step: int
     outputs: dict[str, Any] = field(default_factory=dict)
-    leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    leaves: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    """The stage's leaf copy of an outside producer's output, by (stage, producer)."""
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     loss: torch.Tensor | None = None
 
@@ -69,6 +70,7 @@ class Engine:
         graph = parts.model.graph
         self.placeholders = dict(zip(graph.inputs, graph.input_keys, strict=True))
         self.layers = {layer.name: layer for layer in parts.model.graph.layers}
+        self.stages: dict[int, Stage] = {stage.index: stage for stage in parts.program.stages}
         self._open_idle: IdleWindowEvent | None = None
         steps = [op for op in parts.program.ops if op.kind is OpKind.STEP]
         self._last_step: Op | None = steps[-1] if steps else None
@@ -95,8 +97,8 @@ class Engine:
             with recorder.span(step, op.label, category):
                 self._handlers[op.kind](op, state)
             self._close_idle(step)
-            if op.phase is not None:
-                self._fire(op.phase, step, start)
+            for phase in op.phases:
+                self._fire(phase, step, start)
         self._close_idle(step)
         recorder.add(Span(step=step, label="iteration", category=Category.ITERATION, start_s=start, end_s=recorder.clock()))
         return float(state.loss.detach()) if state.loss is not None else 0.0
@@ -106,6 +108,7 @@ class Engine:
         window = self.p.idle.get(position)
         if window is None:
             return
+        self._close_idle(step)
         event = IdleWindowEvent(rank=self.rank, step=step, window=window, opened_at_s=self.p.recorder.clock(),
                                 iteration_start_s=iteration_start)
         self._open_idle = event
@@ -151,56 +154,65 @@ class Engine:
                 if t.src == self.rank:
                     value[t.start - dst_start : t.end - dst_start] = out.detach()[t.start - src_start : t.end - src_start]
         self.p.comm.exchange(sends, recvs)
-        state.leaves[(op.layer, op.producer)] = value.requires_grad_(self.flows[op.producer])
+        state.leaves[(op.stage, op.producer)] = value.requires_grad_(self.flows[op.producer])
 
     def _forward(self, op: Op, state: _State) -> None:
-        start, end = self._rows(op.layer)
-        args = []
-        for name in self.layers[op.layer].inputs:
-            if name in self.placeholders:
-                args.append(state.batch.inputs[self.placeholders[name]][start:end].to(self.p.device))
-            else:
-                args.append(state.leaves[(op.layer, name)])
-        runner = self.p.model.runners[op.layer]
+        stage = self.stages[op.stage]
+        module = self.p.model.stages[op.stage]
+        start, end = self._rows(stage.layers[0])
+        args = [
+            state.batch.inputs[self.placeholders[name]][start:end].to(self.p.device) if name in self.placeholders
+            else state.leaves[(op.stage, name)]
+            for name in module.inputs
+        ]
         random = self.p.model.random
         if random is None:
-            state.outputs[op.layer] = runner(*args)
+            state.outputs.update(module(*args))
             return
         with random.at(step=state.step, offset=start, ordinal=0):
-            state.outputs[op.layer] = runner(*args)
+            state.outputs.update(module(*args))
 
     def _loss(self, op: Op, state: _State) -> None:
-        start, end = self._rows(op.layer)
+        del op
+        output = self.p.model.graph.output
+        start, end = self._rows(output)
         targets = state.batch.targets
         local = None if targets is None else targets[start:end].to(self.p.device)
         share = (end - start) / self.p.plan.global_batch
-        state.loss = self.p.loss(state.outputs[op.layer], local) * share
+        state.loss = self.p.loss(state.outputs[output], local) * share
 
     def _backward(self, op: Op, state: _State) -> None:
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
-        output = state.outputs.pop(op.layer)
-        if state.loss is not None and op.layer == self.p.model.graph.output and state.loss.requires_grad:
-            tensors.append(state.loss)
+        loss = state.loss
+        if loss is not None and self.p.model.graph.output in self.stages[op.stage].layers and loss.requires_grad:
+            tensors.append(loss)
             grads.append(None)
-        grad = state.grads.pop(op.layer, None)
-        if grad is not None and output.requires_grad:
-            tensors.append(output)
-            grads.append(grad)
+        for name in self.p.model.stages[op.stage].outputs:
+            output = state.outputs.pop(name)
+            grad = state.grads.pop(name, None)
+            if grad is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+                tensors.append(output)
+                grads.append(grad)
         if tensors:
             torch.autograd.backward(tensors, grads)
 
     def _allreduce(self, op: Op, state: _State) -> None:
+        """Hand the stage's gradients to the reducer, last layer first (the order of the backward)."""
         del state
-        gpus = self.planned[op.layer].gpus
-        if gpus == 1:
+        stage = self.stages[op.stage]
+        for name in reversed(stage.layers):
+            self._reduce_layer(name, tuple(range(stage.gpus)))
+
+    def _reduce_layer(self, layer: str, ranks: tuple[int, ...]) -> None:
+        if len(ranks) == 1:
             return
-        params = [self.p.model.params[name] for name in self.p.model.reduce_params[op.layer]]
-        self.p.reducer.add(tuple(range(gpus)), [p.grad for p in params if p.grad is not None])
+        params = [self.p.model.params[name] for name in self.p.model.reduce_params[layer]]
+        self.p.reducer.add(ranks, [p.grad for p in params if p.grad is not None])
 
     def _reshard_grad(self, op: Op, state: _State) -> None:
         assert op.producer is not None
-        leaf = state.leaves.pop((op.layer, op.producer), None)
+        leaf = state.leaves.pop((op.stage, op.producer), None)
         sends: list[tuple[int, torch.Tensor]] = []
         if leaf is not None:
             dst_start = self._rows(op.layer)[0]
@@ -228,7 +240,7 @@ class Engine:
         state.grads[producer][t.start - start : t.end - start] += piece
 
     def _layer_step(self, op: Op, state: _State) -> None:
-        """A layer's step phase; the optimizer itself steps once, before the rank's last one."""
+        """A stage's step phases; the optimizer itself steps once, before the rank's last one."""
         del op, state
 
     def _optimizer_step(self, step: int) -> None:
