@@ -1,11 +1,18 @@
-"""Executor benchmark: (a) a data-parallel plan vs torch DDP, (b) a burst plan vs its prediction.
+"""Executor benchmark: (a) data-parallel plans vs torch DDP, (b) a burst plan vs its prediction.
 
-    python benchmarks/executor.py [--nproc 2] [--steps 30] [--batch 64] [--skip-burst] [--network-file net.json]
+    python benchmarks/executor.py [--nproc 2] [--steps 30] [--models mlp,cnn,gpt2] [--repeats 2]
+                                  [--skip-burst] [--network-file net.json]
 
-(a) runs the same model, ranks, global batch and optimizer (SGD) twice in one
-invocation: once as a data-parallel Plan through ``deeppool run``'s launcher,
-once as ``DistributedDataParallel``; it prints the median iteration times and
-their ratio (target: executor / DDP <= 1.10). (b) measures the network here
+(a) runs each model (``mlp``: this file's 7-layer MLP, batch 64; ``cnn``:
+``benchmarks/models/resnet18.py``, a ResNet-18-style CNN, batch 16; ``gpt2``:
+``examples/gpt2.py``, batch 4) with the same ranks, global batch and optimizer
+(SGD) as a data-parallel Plan through ``deeppool run``'s launcher and as
+``DistributedDataParallel``, alternating ``--repeats`` times in one
+invocation; it prints the median iteration times and their ratio (target:
+executor / DDP <= 1.10). The executor's BatchNorm is synchronised over the
+ranks (the global batch's statistics, as single-process training computes);
+DDP's is not (each rank normalises its own samples), so on the CNN DDP does
+less communication than the executor. (b) measures the network here
 (``deeppool profile-network``: gloo all-reduce and point-to-point with
 ``--nproc`` processes, unless ``--network-file`` gives one) and a profile of
 the model (one thread per rank, as the ranks run), plans it with the ILP for
@@ -59,21 +66,35 @@ def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output, targets)
 
 
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {
+    "mlp": (Path(__file__).resolve(), 64),
+    "cnn": (REPO / "benchmarks" / "models" / "resnet18.py", 16),
+    "gpt2": (REPO / "examples" / "gpt2.py", 4),
+}
+"""Benchmark model: (model file, global batch)."""
+
+
 # -- (a) DDP side -------------------------------------------------------------------------------
-def ddp_worker(batch: int, steps: int, warmup: int, out: Path) -> None:
+def ddp_worker(model_file: Path, batch: int, steps: int, warmup: int, out: Path) -> None:
     import torch.distributed as dist
+
+    from deeppool.planner.modelspec import ModelSpec
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    net = nn.parallel.DistributedDataParallel(model())
+    loaded = ModelSpec.parse(str(model_file)).load()
+    net = nn.parallel.DistributedDataParallel(loaded.module.train())
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     start, end = rank * batch // world, (rank + 1) * batch // world
-    x, y = inputs(batch)[0][start:end], targets(batch)[start:end]
+    x = {name: value[start:end] if isinstance(value, torch.Tensor) else value
+         for name, value in loaded.named_inputs(batch).items()}
+    y = loaded.targets(batch)
+    y = None if y is None else y[start:end]
     times = []
     for _ in range(steps):
         began = time.perf_counter()
-        loss(net(x), y).backward()
+        loaded.loss(net(**x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - began)
@@ -84,12 +105,13 @@ def ddp_worker(batch: int, steps: int, warmup: int, out: Path) -> None:
     dist.destroy_process_group()
 
 
-def run_ddp(nproc: int, batch: int, steps: int, warmup: int, out: Path) -> float:
+def run_ddp(model_file: Path, nproc: int, batch: int, steps: int, warmup: int, out: Path) -> float:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0)
-    elastic_launch(config, sys.executable)(__file__, "--ddp-worker", str(batch), str(steps), str(warmup), str(out))
+    elastic_launch(config, sys.executable)(
+        __file__, "--ddp-worker", str(model_file), str(batch), str(steps), str(warmup), str(out))
     return float(json.loads(out.read_text())["iteration_ms"])
 
 
@@ -107,7 +129,7 @@ def run_plan(plan_path: Path, nproc: int, steps: int, warmup: int, out: Path, bu
     return json.loads((out / "summary.json").read_text())
 
 
-def data_parallel_plan(nproc: int, batch: int, path: Path) -> None:
+def data_parallel_plan(model_file: Path, nproc: int, batch: int, path: Path) -> None:
     from deeppool.planner.api import PlanRequest, plan_model
     from deeppool.planner.api import CostSource
     from deeppool.planner.modelspec import ModelSpec
@@ -115,7 +137,7 @@ def data_parallel_plan(nproc: int, batch: int, path: Path) -> None:
 
     request = PlanRequest(gpus=nproc, global_batch=batch, strategy=Strategy.DATA_PARALLEL)
     source = CostSource(device_model="a100", show_progress=False)  # times do not matter for (a)
-    plan_model(ModelSpec.parse(__file__), request, source).plan.save(path)
+    plan_model(ModelSpec.parse(str(model_file)), request, source).plan.save(path)
 
 
 def measure_network(nproc: int, path: Path) -> None:
@@ -160,14 +182,23 @@ def breakdown(summary: dict) -> list[tuple[str, float, float]]:
 
 
 def data_parallel(args: argparse.Namespace, work: Path) -> None:
-    data_parallel_plan(args.nproc, args.batch, work / "dp.json")
-    executor = run_plan(work / "dp.json", args.nproc, args.steps, args.warmup, work / "dp")["iteration_measured_ms"]
-    ddp = run_ddp(args.nproc, args.batch, args.steps, args.warmup, work / "ddp.json")
-    print("\n(a) data parallel: executor vs DistributedDataParallel")
-    print(f"{'run':<28}{'ms/iteration':>14}")
-    print(f"{'deeppool executor (DP plan)':<28}{executor:>14.2f}")
-    print(f"{'torch DDP':<28}{ddp:>14.2f}")
-    print(f"ratio executor/DDP: {executor / ddp:.3f} (target <= 1.10)")
+    rows = []
+    for name in args.models.split(","):
+        model_file, batch = MODELS[name]
+        plan = work / f"dp-{name}.json"
+        data_parallel_plan(model_file, args.nproc, batch, plan)
+        executor, ddp = [], []
+        for repeat in range(args.repeats):
+            out = work / f"dp-{name}-{repeat}"
+            executor.append(run_plan(plan, args.nproc, args.steps, args.warmup, out)["iteration_measured_ms"])
+            ddp.append(run_ddp(model_file, args.nproc, batch, args.steps, args.warmup, work / f"ddp-{name}.json"))
+        ratios = [e / d for e, d in zip(executor, ddp, strict=True)]
+        rows.append((name, batch, statistics.median(executor), statistics.median(ddp), ratios))
+    print("\n(a) data parallel: executor vs DistributedDataParallel (median ms/iteration over the repeats)")
+    print(f"{'model':<8}{'batch':>6}{'executor':>12}{'DDP':>12}{'ratio':>8}  ratio per repeat (target <= 1.10)")
+    for name, batch, executor_ms, ddp_ms, ratios in rows:
+        per_repeat = ", ".join(f"{r:.3f}" for r in ratios)
+        print(f"{name:<8}{batch:>6}{executor_ms:>12.2f}{ddp_ms:>12.2f}{executor_ms / ddp_ms:>8.3f}  {per_repeat}")
 
 
 def main() -> None:
@@ -175,7 +206,9 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="(b)'s global batch (the MLP)")
+    parser.add_argument("--models", default="mlp,cnn,gpt2", help="(a)'s models: " + ", ".join(MODELS))
+    parser.add_argument("--repeats", type=int, default=2, help="(a): executor and DDP runs, alternating")
     parser.add_argument("--skip-burst", action="store_true")
     parser.add_argument("--network-file", type=Path, default=None, help="plan (b) with this measured network")
     parser.add_argument("--bucket-mb", type=float, default=25.0,
@@ -184,8 +217,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     work = Path(tempfile.mkdtemp(prefix="deeppool-bench-"))
-    print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo; "
-          f"{args.nproc} ranks, global batch {args.batch}, {args.steps} steps ({args.warmup} warm-up)")
+    load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
+    print(f"machine: {os.cpu_count()} CPU cores, load average {load}, torch {torch.__version__}, gloo; "
+          f"{args.nproc} ranks, {args.steps} steps ({args.warmup} warm-up)")
 
     if not args.skip_dp:
         data_parallel(args, work)
@@ -212,6 +246,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--ddp-worker":
-        ddp_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
+        ddp_worker(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6]))
     else:
         main()

@@ -160,5 +160,6 @@ def _engine(
             on_idle=on_idle or NoBackground(),
             device=device,
             on_gradients=None if reference is None else reference.gradients_reduced,
+            overlap=config.bucket_bytes > 0,
         )
     )

@@ -19,6 +19,7 @@ from deeppool.executor.data import Batch
 from deeppool.executor.gradients import GradientReducer
 from deeppool.executor.idle import IdleListener, IdleWindowEvent
 from deeppool.executor.local_model import LocalModel
+from deeppool.executor.overlap import StageOverlap, install_hooks
 from deeppool.executor.program import Op, OpKind, Program, Stage, Transfer, grad_flows
 from deeppool.executor.comm import Comm
 from deeppool.executor.timing import Category, Recorder, Span
@@ -59,6 +60,9 @@ class EngineParts:
     device: torch.device
     on_gradients: Callable[[int], None] | None = None
     """Called with the step once gradients are reduced, before the optimizer steps (``--check``)."""
+    overlap: bool = True
+    """Start gradient all-reduces during the backward (:mod:`deeppool.executor.overlap`);
+    off, each stage's gradients are handed over after its backward."""
 
 
 class Engine:
@@ -72,6 +76,7 @@ class Engine:
         self.layers = {layer.name: layer for layer in parts.model.graph.layers}
         self.stages: dict[int, Stage] = {stage.index: stage for stage in parts.program.stages}
         self._open_idle: IdleWindowEvent | None = None
+        self.overlaps = self._overlaps() if parts.overlap else {}
         steps = [op for op in parts.program.ops if op.kind is OpKind.STEP]
         self._last_step: Op | None = steps[-1] if steps else None
         self._handlers: dict[OpKind, Callable[[Op, _State], None]] = {
@@ -102,6 +107,17 @@ class Engine:
         self._close_idle(step)
         recorder.add(Span(step=step, label="iteration", category=Category.ITERATION, start_s=start, end_s=recorder.clock()))
         return float(state.loss.detach()) if state.loss is not None else 0.0
+
+    def _overlaps(self) -> dict[int, StageOverlap]:
+        mine = [stage for stage in self.p.program.stages if self.rank < stage.gpus and stage.gpus > 1]
+        overlaps = {
+            stage.index: StageOverlap(stage, self.p.model.reduce_params, self._hand_over) for stage in mine
+        }
+        install_hooks(self.p.model.params, list(overlaps.values()))
+        return overlaps
+
+    def _hand_over(self, layer: str, ranks: tuple[int, ...]) -> None:
+        self._reduce_layer(layer, ranks)
 
     # -- idle windows ---------------------------------------------------------------------------
     def _fire(self, position: int | None, step: int, iteration_start: float) -> None:
@@ -194,12 +210,19 @@ class Engine:
             if grad is not None and isinstance(output, torch.Tensor) and output.requires_grad:
                 tensors.append(output)
                 grads.append(grad)
+        overlap = self.overlaps.get(op.stage)
+        if overlap is not None:
+            overlap.start()
         if tensors:
             torch.autograd.backward(tensors, grads)
 
     def _allreduce(self, op: Op, state: _State) -> None:
         """Hand the stage's gradients to the reducer, last layer first (the order of the backward)."""
         del state
+        overlap = self.overlaps.get(op.stage)
+        if overlap is not None:
+            overlap.finish()
+            return
         stage = self.stages[op.stage]
         for name in reversed(stage.layers):
             self._reduce_layer(name, tuple(range(stage.gpus)))

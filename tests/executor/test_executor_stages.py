@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from deeppool.executor.config import OptimizerConfig, RunConfig
-from deeppool.executor.program import OpKind, build_program, partition
+from deeppool.executor.engine import Engine
+from deeppool.executor.overlap import StageOverlap
+from deeppool.executor.program import OpKind, Stage, build_program, partition
 from deeppool.executor.stage_module import StageModule
 from deeppool.planner.trace import trace
 from tests.executor.plans import Assign, cycle, make_plan, make_plan_for
@@ -85,3 +87,36 @@ def test_dropout_in_place_ops_and_a_tied_head_in_stages_stay_exact(tmp_path: Pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["check"]["passed"] and summary["check"]["max_relative_difference"] <= 1e-4, summary["check"]
+
+
+def test_layers_are_handed_to_the_reducer_in_backward_order_as_soon_as_they_are_ready() -> None:
+    stage = Stage(index=0, layers=("a", "b", "c"), gpus=2)
+    handed: list[str] = []
+    overlap = StageOverlap(stage, {"a": ("a.w",), "b": ("b.w", "b.b"), "c": ("c.w",)},
+                           lambda layer, ranks: handed.append(f"{layer}@{len(ranks)}"))
+    overlap.start()
+    overlap.ready("b.w")
+    overlap.ready("b.b")
+    assert handed == []  # 'c' (last layer, first in backward) is not ready yet
+    overlap.ready("c.w")
+    assert handed == ["c@2", "b@2"]
+    overlap.finish()  # 'a' got no gradient: handed over at the end, in order
+    assert handed == ["c@2", "b@2", "a@2"] and not overlap.active
+
+
+def test_all_reduce_overlaps_the_backward_and_stays_exact() -> None:
+    plan = make_plan("mlp", global_batch=6, gpus=2, assign=cycle(2))
+    calls: list[tuple[int, str, bool]] = []
+    original = Engine._reduce_layer
+
+    def reduce_layer(engine: Engine, layer: str, ranks: tuple[int, ...]) -> None:
+        calls.append((engine.rank, layer, torch.is_grad_enabled()))
+        original(engine, layer, ranks)
+
+    config = RunConfig(steps=2, check=True, optimizer=OptimizerConfig(lr=0.1), bucket_mb=0.0005)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Engine, "_reduce_layer", reduce_layer)
+        check = train_threads(plan, config)[0].summary.check
+    assert check is not None and check.passed, check
+    inside = [layer for _, layer, grad_mode in calls if not grad_mode]  # called from inside autograd's backward
+    assert inside, calls
