@@ -76,7 +76,7 @@ MODELS = {
 
 
 # -- (a) DDP side -------------------------------------------------------------------------------
-def ddp_worker(model_file: Path, batch: int, steps: int, warmup: int, out: Path) -> None:
+def ddp_worker(model_file: Path, batch: int, steps: int, warmup: int, out: Path, sync_bn: bool) -> None:
     import torch.distributed as dist
 
     from deeppool.planner.modelspec import ModelSpec
@@ -84,7 +84,10 @@ def ddp_worker(model_file: Path, batch: int, steps: int, warmup: int, out: Path)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     loaded = ModelSpec.parse(str(model_file)).load()
-    net = nn.parallel.DistributedDataParallel(loaded.module.train())
+    module = loaded.module.train()
+    if sync_bn:
+        synchronise_batch_norms(module)
+    net = nn.parallel.DistributedDataParallel(module)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     start, end = rank * batch // world, (rank + 1) * batch // world
     x = {name: value[start:end] if isinstance(value, torch.Tensor) else value
@@ -105,13 +108,37 @@ def ddp_worker(model_file: Path, batch: int, steps: int, warmup: int, out: Path)
     dist.destroy_process_group()
 
 
-def run_ddp(model_file: Path, nproc: int, batch: int, steps: int, warmup: int, out: Path) -> float:
+def synchronise_batch_norms(module: nn.Module) -> None:
+    """The executor's synchronised BatchNorm in DDP (torch's SyncBatchNorm needs a GPU)."""
+    import torch.distributed as dist
+
+    from deeppool.executor.syncbn import GroupBatchNorm
+
+    def reduce(tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor)
+
+    for name, child in list(module.named_modules()):
+        if isinstance(child, nn.modules.batchnorm._BatchNorm):
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(parent_name) if parent_name else module, leaf, GroupBatchNorm(child, reduce))
+            child.requires_grad_(True)
+
+
+def has_batch_norm(model_file: Path) -> bool:
+    from deeppool.planner.modelspec import ModelSpec
+
+    module = ModelSpec.parse(str(model_file)).load().module
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+def run_ddp(model_file: Path, nproc: int, batch: int, steps: int, warmup: int, out: Path, sync_bn: bool = False) -> float:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0)
     elastic_launch(config, sys.executable)(
-        __file__, "--ddp-worker", str(model_file), str(batch), str(steps), str(warmup), str(out))
+        __file__, "--ddp-worker", str(model_file), str(batch), str(steps), str(warmup), str(out),
+        str(int(sync_bn)))
     return float(json.loads(out.read_text())["iteration_ms"])
 
 
@@ -187,18 +214,31 @@ def data_parallel(args: argparse.Namespace, work: Path) -> None:
         model_file, batch = MODELS[name]
         plan = work / f"dp-{name}.json"
         data_parallel_plan(model_file, args.nproc, batch, plan)
-        executor, ddp = [], []
+        synced = has_batch_norm(model_file)
+        times: dict[str, list[float]] = {"executor": [], "ddp": [], "ddp_sync": []}
         for repeat in range(args.repeats):
             out = work / f"dp-{name}-{repeat}"
-            executor.append(run_plan(plan, args.nproc, args.steps, args.warmup, out)["iteration_measured_ms"])
-            ddp.append(run_ddp(model_file, args.nproc, batch, args.steps, args.warmup, work / f"ddp-{name}.json"))
-        ratios = [e / d for e, d in zip(executor, ddp, strict=True)]
-        rows.append((name, batch, statistics.median(executor), statistics.median(ddp), ratios))
-    print("\n(a) data parallel: executor vs DistributedDataParallel (median ms/iteration over the repeats)")
-    print(f"{'model':<8}{'batch':>6}{'executor':>12}{'DDP':>12}{'ratio':>8}  ratio per repeat (target <= 1.10)")
-    for name, batch, executor_ms, ddp_ms, ratios in rows:
-        per_repeat = ", ".join(f"{r:.3f}" for r in ratios)
-        print(f"{name:<8}{batch:>6}{executor_ms:>12.2f}{ddp_ms:>12.2f}{executor_ms / ddp_ms:>8.3f}  {per_repeat}")
+            times["executor"].append(run_plan(plan, args.nproc, args.steps, args.warmup, out)["iteration_measured_ms"])
+            times["ddp"].append(run_ddp(model_file, args.nproc, batch, args.steps, args.warmup, work / "ddp.json"))
+            if synced:
+                times["ddp_sync"].append(run_ddp(model_file, args.nproc, batch, args.steps, args.warmup,
+                                                 work / "ddp.json", sync_bn=True))
+        rows.append((name, batch, times))
+    print("\n(a) data parallel: executor vs DistributedDataParallel (median ms/iteration over the repeats;")
+    print("    'DDP+sync BN': DDP with the executor's synchronised BatchNorm, the same arithmetic as the executor)")
+    print(f"{'model':<8}{'batch':>6}{'executor':>10}{'DDP':>10}{'ratio':>7}{'DDP+sync BN':>13}{'ratio':>7}"
+          "  ratios per repeat (target <= 1.10)")
+    for name, batch, times in rows:
+        executor, ddp = statistics.median(times["executor"]), statistics.median(times["ddp"])
+        ratios = [e / d for e, d in zip(times["executor"], times["ddp"], strict=True)]
+        line = f"{name:<8}{batch:>6}{executor:>10.2f}{ddp:>10.2f}{executor / ddp:>7.3f}"
+        if times["ddp_sync"]:
+            synced = statistics.median(times["ddp_sync"])
+            line += f"{synced:>13.2f}{executor / synced:>7.3f}"
+            ratios += [e / d for e, d in zip(times["executor"], times["ddp_sync"], strict=True)]
+        else:
+            line += f"{'-':>13}{'-':>7}"
+        print(line + "  " + ", ".join(f"{r:.3f}" for r in ratios))
 
 
 def main() -> None:
@@ -246,6 +286,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--ddp-worker":
-        ddp_worker(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6]))
+        ddp_worker(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6]),
+                   bool(int(sys.argv[7])))
     else:
         main()

@@ -6,7 +6,10 @@ all-reduce, overlapping the rest of the backward (as DDP does);
 :meth:`GradientReducer.finish` flushes the rest and waits before the optimizer
 step. A group's buckets fill and flush only at that group's layers, which all
 its ranks run in the same order, so every member issues the group's
-collectives (these and synchronised BatchNorm's) in one order. With
+collectives (these and synchronised BatchNorm's) in one order. As in DDP,
+a group's first bucket of an iteration is capped at 1 MiB, so the first
+all-reduce starts early in the backward (:mod:`deeppool.executor.overlap`
+hands gradients over while the backward runs). With
 ``bucket_bytes == 0`` each layer's gradients are reduced synchronously right
 after its backward, so measured all-reduce times line up with the plan's.
 """
@@ -21,10 +24,15 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from deeppool.executor.comm import Comm, Waitable
 
 
+FIRST_BUCKET_BYTES = 2**20
+"""DDP's ``first_bucket_bytes``: the first bucket of an iteration is small, so its all-reduce starts early."""
+
+
 class GradientReducer:
     def __init__(self, comm: Comm, bucket_bytes: int) -> None:
         self._comm = comm
         self._bucket_bytes = bucket_bytes
+        self._flushed: set[tuple[int, ...]] = set()
         self._pending: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
         self._inflight: list[tuple[Waitable, torch.Tensor, list[torch.Tensor]]] = []
 
@@ -34,7 +42,8 @@ class GradientReducer:
             return
         bucket = self._pending[ranks]
         bucket.extend(grads)
-        if sum(g.numel() * g.element_size() for g in bucket) >= self._bucket_bytes:
+        limit = self._bucket_bytes if ranks in self._flushed else min(self._bucket_bytes, FIRST_BUCKET_BYTES)
+        if sum(g.numel() * g.element_size() for g in bucket) >= limit:
             self._flush(ranks)
             if self._bucket_bytes == 0:
                 self._wait()
@@ -44,6 +53,7 @@ class GradientReducer:
         for ranks in sorted(self._pending, key=lambda r: (len(r), r)):
             self._flush(ranks)
         self._wait()
+        self._flushed.clear()
 
     def _wait(self) -> None:
         inflight, self._inflight = self._inflight, []
@@ -58,5 +68,6 @@ class GradientReducer:
         grads = self._pending.pop(ranks, [])
         if not grads:
             return
+        self._flushed.add(ranks)
         flat = grads[0] if len(grads) == 1 else _flatten_dense_tensors(grads)
         self._inflight.append((self._comm.all_reduce(flat, ranks, async_op=True), flat, grads))
