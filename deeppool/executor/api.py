@@ -13,7 +13,7 @@ rank 0's result carries the :class:`RunSummary` of all ranks.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ from deeppool.executor.program import Program, build_program, idle_positions
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
 from deeppool.executor.syncbn import Reduce
-from deeppool.executor.timing import Clock, Recorder, RankTimes, Span, summarise
+from deeppool.executor.timing import Clock, EventClock, Recorder, RankTimes, Span, summarise
 from deeppool.planner.graph import TraceMethod
 from deeppool.planner.modelspec import LoadedModel, ModelSpec
 from deeppool.planner.plan import Plan
@@ -81,7 +81,7 @@ def train_rank(
         reference_model, config.optimizer, params=local.params, buffers=local.buffers, rank=comm.rank,
         bound=config.check_bound, random=traced.random.mode(plan.model.seed),
     )
-    recorder = Recorder(clock, _cuda_sync(device))
+    recorder = Recorder(clock, _cuda_events(device))
     engine = _engine(plan, program, local, comm, loaded, config, recorder, on_idle, device, reference)
     losses: list[float] = []
     checks: list[CheckResult] = []
@@ -136,9 +136,20 @@ def _group_sum(comm: Comm, ranks: tuple[int, ...]) -> Reduce:
     return reduce
 
 
-def _cuda_sync(device: torch.device) -> Any:
+def _cuda_events(device: torch.device) -> EventClock | None:
     if device.type == "cuda":
-        return torch.cuda.synchronize
+        return lambda: torch.cuda.Event(enable_timing=True)
+    return None
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The gradient all-reduce's own stream on a GPU (none on CPU)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def _synchronize(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
     return lambda: None
 
 
@@ -154,12 +165,13 @@ def _engine(
             comm=comm,
             loss=loaded.loss,
             optimizer=config.optimizer.build(local.params.values()) if local.params else None,
-            reducer=GradientReducer(comm, config.bucket_bytes),
+            reducer=GradientReducer(comm, config.bucket_bytes, _side_stream(device)),
             recorder=recorder,
             idle=idle_positions(program, plan.idle_windows(comm.rank)),
             on_idle=on_idle or NoBackground(),
             device=device,
             on_gradients=None if reference is None else reference.gradients_reduced,
             overlap=config.bucket_bytes > 0,
+            synchronize=_synchronize(device),
         )
     )

@@ -60,6 +60,9 @@ class EngineParts:
     device: torch.device
     on_gradients: Callable[[int], None] | None = None
     """Called with the step once gradients are reduced, before the optimizer steps (``--check``)."""
+    synchronize: Callable[[], None] = lambda: None
+    """Waits for the device (``torch.cuda.synchronize`` on a GPU): only where an idle window closes,
+    and once at the end of an iteration."""
     overlap: bool = True
     """Start gradient all-reduces during the backward (:mod:`deeppool.executor.overlap`);
     off, each stage's gradients are handed over after its backward."""
@@ -92,6 +95,7 @@ class Engine:
     def step(self, step: int, batch: Batch) -> float:
         """Run one iteration; returns this rank's share of the global mean loss."""
         recorder = self.p.recorder
+        recorder.begin()
         start = recorder.clock()
         state = _State(batch=batch, step=step)
         self._fire(None, step, start)
@@ -105,6 +109,8 @@ class Engine:
             for phase in op.phases:
                 self._fire(phase, step, start)
         self._close_idle(step)
+        self.p.synchronize()
+        recorder.settle()
         recorder.add(Span(step=step, label="iteration", category=Category.ITERATION, start_s=start, end_s=recorder.clock()))
         return float(state.loss.detach()) if state.loss is not None else 0.0
 
@@ -136,6 +142,7 @@ class Engine:
         if event is None:
             return
         self._open_idle = None
+        self.p.synchronize()  # the window lasts until the device has done the op that waited for the busy ranks
         closed = self.p.recorder.clock()
         self.p.on_idle.closed(event, closed)
         window = event.window

@@ -9,7 +9,11 @@ its ranks run in the same order, so every member issues the group's
 collectives (these and synchronised BatchNorm's) in one order. As in DDP,
 a group's first bucket of an iteration is capped at 1 MiB, so the first
 all-reduce starts early in the backward (:mod:`deeppool.executor.overlap`
-hands gradients over while the backward runs). With
+hands gradients over while the backward runs). On a GPU the reducer is
+given a side stream: a bucket is flattened and its all-reduce launched on
+it (after the compute stream's work so far), so neither the copy nor the
+collective queues behind the rest of the backward; :meth:`finish` makes the
+compute stream wait for it. On CPU (gloo) there is no stream. With
 ``bucket_bytes == 0`` each layer's gradients are reduced synchronously right
 after its backward, so measured all-reduce times line up with the plan's.
 """
@@ -29,8 +33,9 @@ FIRST_BUCKET_BYTES = 2**20
 
 
 class GradientReducer:
-    def __init__(self, comm: Comm, bucket_bytes: int) -> None:
+    def __init__(self, comm: Comm, bucket_bytes: int, stream: torch.cuda.Stream | None = None) -> None:
         self._comm = comm
+        self._stream = stream
         self._bucket_bytes = bucket_bytes
         self._flushed: set[tuple[int, ...]] = set()
         self._pending: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
@@ -59,6 +64,9 @@ class GradientReducer:
         inflight, self._inflight = self._inflight, []
         for handle, flat, grads in inflight:
             handle.wait()
+            if self._stream is not None:
+                torch.cuda.current_stream(flat.device).wait_stream(self._stream)
+                flat.record_stream(torch.cuda.current_stream(flat.device))
             if len(grads) == 1:
                 continue
             for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
@@ -69,5 +77,13 @@ class GradientReducer:
         if not grads:
             return
         self._flushed.add(ranks)
+        if self._stream is None:
+            self._launch(ranks, grads)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        with torch.cuda.stream(self._stream):
+            self._launch(ranks, grads)
+
+    def _launch(self, ranks: tuple[int, ...], grads: list[torch.Tensor]) -> None:
         flat = grads[0] if len(grads) == 1 else _flatten_dense_tensors(grads)
         self._inflight.append((self._comm.all_reduce(flat, ranks, async_op=True), flat, grads))
