@@ -17,7 +17,7 @@ from rich.console import Console
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.comm import Backend
-from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
+from deeppool.executor.config import DEFAULT_TIMEOUT_S, OptimizerConfig, OptimizerKind, RunConfig
 from deeppool.executor.netprobe import DEFAULT_SIZES, ProbeConfig, probe_network
 from deeppool.executor.report import fit_table
 from deeppool.executor.worker import RankEnv, report_failure, run_worker
@@ -84,7 +84,7 @@ def run(
     plan: PlanArg,
     nproc: Annotated[int | None, typer.Option(help="ranks to start here (default: the plan's GPU count)")] = None,
     steps: Steps = 50, warmup: Warmup = 5, optimizer: Optim = None, lr: Lr = 0.01,
-    momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = 300.0,
+    momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"),
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
@@ -143,7 +143,7 @@ def _sizes(text: str) -> tuple[int, ...]:
 @worker_app.command()
 def worker(
     plan: PlanArg, steps: Steps = 50, warmup: Warmup = 5, optimizer: Optim = None, lr: Lr = 0.01,
-    momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = 300.0,
+    momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"),
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,

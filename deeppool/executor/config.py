@@ -18,6 +18,9 @@ class OptimizerKind(enum.Enum):
     ADAM = "adam"
 
 
+DEFAULT_TIMEOUT_S = 60.0
+"""Seconds before a stalled communication fails: a hung rank is named about this long after it stops."""
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     kind: OptimizerKind = OptimizerKind.SGD
@@ -45,7 +48,7 @@ class RunConfig:
     warmup: int = 5
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     backend: Backend = Backend.AUTO
-    timeout_s: float = 300.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     bucket_mb: float = 25.0
     check: bool = False
     check_bound: float = 1e-3
