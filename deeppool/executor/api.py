@@ -79,14 +79,15 @@ def train_rank(
                  traced.random)
     reference = None if reference_model is None else LockstepReference(
         reference_model, config.optimizer, params=local.params, buffers=local.buffers, rank=comm.rank,
-        bound=config.check_bound, random=traced.random.mode(plan.model.seed),
+        bound=config.check_bound, random=traced.random.mode(plan.model.seed), training=config.training,
     )
     recorder = Recorder(clock, _cuda_events(device))
     engine = _engine(plan, program, local, comm, loaded, config, recorder, on_idle, device, reference)
     losses: list[float] = []
     checks: list[CheckResult] = []
+    micros = config.training.accumulate
     for step in range(config.steps):
-        batch = batches(step)
+        batch = [batches(step * micros + micro) for micro in range(micros)]
         losses.append(engine.step(step, batch))
         if reference is not None:
             checks.append(reference.step(step, batch))
@@ -157,6 +158,8 @@ def _engine(
     plan: Plan, program: Program, local: LocalModel, comm: Comm, loaded: LoadedModel, config: RunConfig,
     recorder: Recorder, on_idle: IdleListener | None, device: torch.device, reference: LockstepReference | None,
 ) -> Engine:
+    optimizer = config.optimizer.build(local.params.values()) if local.params else None
+    training = config.training
     return Engine(
         EngineParts(
             plan=plan,
@@ -164,7 +167,9 @@ def _engine(
             model=local,
             comm=comm,
             loss=loaded.loss,
-            optimizer=config.optimizer.build(local.params.values()) if local.params else None,
+            optimizer=optimizer,
+            scheduler=training.schedule.build(optimizer) if optimizer is not None else None,
+            clip_norm=training.clip_norm,
             reducer=GradientReducer(comm, config.bucket_bytes, _side_stream(device)),
             recorder=recorder,
             idle=idle_positions(program, plan.idle_windows(comm.rank)),

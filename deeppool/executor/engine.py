@@ -9,7 +9,7 @@ gradient of the global mean loss; gradient all-reduces therefore sum.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,11 +36,24 @@ class _State:
 
     batch: Batch
     step: int
+    micro: int = 0
+    """The micro-batch within the optimizer step (``--accumulate``)."""
+    micros: int = 1
     outputs: dict[str, Any] = field(default_factory=dict)
     leaves: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     """The stage's leaf copy of an outside producer's output, by (stage, producer)."""
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     loss: torch.Tensor | None = None
+
+    @property
+    def last(self) -> bool:
+        """The optimizer step's last micro-batch: gradients are reduced and the optimizer steps."""
+        return self.micro == self.micros - 1
+
+    @property
+    def draw(self) -> int:
+        """The position of this micro-batch's random draws: one per global batch trained on."""
+        return self.step * self.micros + self.micro
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +73,10 @@ class EngineParts:
     device: torch.device
     on_gradients: Callable[[int], None] | None = None
     """Called with the step once gradients are reduced, before the optimizer steps (``--check``)."""
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    """Stepped after every optimizer step (``--lr-schedule``)."""
+    clip_norm: float | None = None
+    """Clip by the global gradient norm (``--clip-norm``), computed on rank 0, which holds every parameter."""
     synchronize: Callable[[], None] = lambda: None
     """Waits for the device (``torch.cuda.synchronize`` on a GPU): only where an idle window closes,
     and once at the end of an iteration."""
@@ -92,15 +109,29 @@ class Engine:
             OpKind.STEP: self._layer_step,
         }
 
-    def step(self, step: int, batch: Batch) -> float:
-        """Run one iteration; returns this rank's share of the global mean loss."""
+    def step(self, step: int, batches: Sequence[Batch]) -> float:
+        """Run one optimizer step over ``batches`` (micro-batches); returns this rank's share of the mean loss."""
         recorder = self.p.recorder
         recorder.begin()
         start = recorder.clock()
-        state = _State(batch=batch, step=step)
+        loss = 0.0
+        for micro, batch in enumerate(batches):
+            state = _State(batch=batch, step=step, micro=micro, micros=len(batches))
+            self._run(state, start)
+            loss += float(state.loss.detach()) if state.loss is not None else 0.0
+        if self._last_step is None:
+            self._optimizer_step(step)  # a rank with no step op still joins the clipping collective
+        self._close_idle(step)
+        self.p.synchronize()
+        recorder.settle()
+        recorder.add(Span(step=step, label="iteration", category=Category.ITERATION, start_s=start, end_s=recorder.clock()))
+        return loss
+
+    def _run(self, state: _State, start: float) -> None:
+        step, recorder = state.step, self.p.recorder
         self._fire(None, step, start)
         for op in self.p.program.ops:
-            if op is self._last_step:
+            if op is self._last_step and state.last:
                 self._optimizer_step(step)
             category = Category.COMM if op.kind in _COMM else Category.COMPUTE
             with recorder.span(step, op.label, category):
@@ -108,11 +139,6 @@ class Engine:
             self._close_idle(step)
             for phase in op.phases:
                 self._fire(phase, step, start)
-        self._close_idle(step)
-        self.p.synchronize()
-        recorder.settle()
-        recorder.add(Span(step=step, label="iteration", category=Category.ITERATION, start_s=start, end_s=recorder.clock()))
-        return float(state.loss.detach()) if state.loss is not None else 0.0
 
     def _overlaps(self) -> dict[int, StageOverlap]:
         mine = [stage for stage in self.p.program.stages if self.rank < stage.gpus and stage.gpus > 1]
@@ -192,7 +218,7 @@ class Engine:
         if random is None:
             state.outputs.update(module(*args))
             return
-        with random.at(step=state.step, offset=start, ordinal=0):
+        with random.at(step=state.draw, offset=start, ordinal=0):
             state.outputs.update(module(*args))
 
     def _loss(self, op: Op, state: _State) -> None:
@@ -201,7 +227,7 @@ class Engine:
         start, end = self._rows(output)
         targets = state.batch.targets
         local = None if targets is None else targets[start:end].to(self.p.device)
-        share = (end - start) / self.p.plan.global_batch
+        share = (end - start) / self.p.plan.global_batch / state.micros
         state.loss = self.p.loss(state.outputs[output], local) * share
 
     def _backward(self, op: Op, state: _State) -> None:
@@ -218,14 +244,16 @@ class Engine:
                 tensors.append(output)
                 grads.append(grad)
         overlap = self.overlaps.get(op.stage)
-        if overlap is not None:
+        if overlap is not None and state.last:
             overlap.start()
         if tensors:
             torch.autograd.backward(tensors, grads)
 
     def _allreduce(self, op: Op, state: _State) -> None:
-        """Hand the stage's gradients to the reducer, last layer first (the order of the backward)."""
-        del state
+        """Hand the stage's gradients to the reducer, last layer first (the order of the backward);
+        gradients of earlier micro-batches stay local and are summed into the last one's."""
+        if not state.last:
+            return
         overlap = self.overlaps.get(op.stage)
         if overlap is not None:
             overlap.finish()
@@ -280,6 +308,21 @@ class Engine:
         if self.p.on_gradients is not None:
             self.p.on_gradients(step)
         with recorder.span(step, "optimizer", Category.COMPUTE):
+            self._clip()
             if self.p.optimizer is not None:
                 self.p.optimizer.step()
                 self.p.optimizer.zero_grad(set_to_none=True)
+            if self.p.scheduler is not None:
+                self.p.scheduler.step()
+
+    def _clip(self) -> None:
+        """Scale every gradient by ``min(1, clip_norm / (‖g‖ + 1e-6))``, ``‖g‖`` over the whole model."""
+        limit = self.p.clip_norm
+        if limit is None:
+            return
+        unique = {id(p): p for p in self.p.model.params.values()}
+        grads = [p.grad for p in unique.values() if p.grad is not None]
+        local = float(torch.nn.utils.get_total_norm(grads)) if self.rank == 0 and grads else 0.0
+        total = self.p.comm.all_reduce_max(local)
+        if grads:
+            torch.nn.utils.clip_grads_with_norm_(list(unique.values()), limit, torch.tensor(total))
