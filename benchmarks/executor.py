@@ -101,10 +101,10 @@ def ddp_worker(model_file: Path, batch: int, steps: int, warmup: int, out: Path,
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - began)
-    slowest = torch.tensor([statistics.median(times[warmup:])])
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    per_step = torch.tensor(times[warmup:])
+    dist.all_reduce(per_step, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
     if rank == 0:
-        out.write_text(json.dumps({"iteration_ms": 1e3 * float(slowest)}))
+        out.write_text(json.dumps({"step_ms": [1e3 * float(t) for t in per_step]}))
     dist.destroy_process_group()
 
 
@@ -131,7 +131,10 @@ def has_batch_norm(model_file: Path) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
-def run_ddp(model_file: Path, nproc: int, batch: int, steps: int, warmup: int, out: Path, sync_bn: bool = False) -> float:
+def run_ddp(
+    model_file: Path, nproc: int, batch: int, steps: int, warmup: int, out: Path, sync_bn: bool = False
+) -> list[float]:
+    """DDP's measured steps, ms (slowest rank per step)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
@@ -139,7 +142,22 @@ def run_ddp(model_file: Path, nproc: int, batch: int, steps: int, warmup: int, o
     elastic_launch(config, sys.executable)(
         __file__, "--ddp-worker", str(model_file), str(batch), str(steps), str(warmup), str(out),
         str(int(sync_bn)))
-    return float(json.loads(out.read_text())["iteration_ms"])
+    return [float(t) for t in json.loads(out.read_text())["step_ms"]]
+
+
+def executor_steps(out: Path, nproc: int, warmup: int) -> list[float]:
+    """The executor's measured steps, ms (slowest rank per step), from its per-rank traces."""
+    per_rank = []
+    for rank in range(nproc):
+        events = json.loads((out / f"trace-rank{rank}.json").read_text())["traceEvents"]
+        steps = {e["args"]["step"]: e["dur"] / 1e3 for e in events if e.get("cat") == "iteration"}
+        per_rank.append([steps[step] for step in sorted(steps) if step >= warmup])
+    return [max(column) for column in zip(*per_rank, strict=True)]
+
+
+def quartile(values: list[float]) -> float:
+    """The 25th percentile: a step's time with less of the machine's other load in it than the median."""
+    return statistics.quantiles(values, n=4)[0]
 
 
 # -- the executor side --------------------------------------------------------------------------
@@ -218,27 +236,34 @@ def data_parallel(args: argparse.Namespace, work: Path) -> None:
         times: dict[str, list[float]] = {"executor": [], "ddp": [], "ddp_sync": []}
         for repeat in range(args.repeats):
             out = work / f"dp-{name}-{repeat}"
-            times["executor"].append(run_plan(plan, args.nproc, args.steps, args.warmup, out)["iteration_measured_ms"])
-            times["ddp"].append(run_ddp(model_file, args.nproc, batch, args.steps, args.warmup, work / "ddp.json"))
+            run_plan(plan, args.nproc, args.steps, args.warmup, out)
+            times["executor"] += executor_steps(out, args.nproc, args.warmup)
+            times["ddp"] += run_ddp(model_file, args.nproc, batch, args.steps, args.warmup, work / "ddp.json")
             if synced:
-                times["ddp_sync"].append(run_ddp(model_file, args.nproc, batch, args.steps, args.warmup,
-                                                 work / "ddp.json", sync_bn=True))
+                times["ddp_sync"] += run_ddp(model_file, args.nproc, batch, args.steps, args.warmup,
+                                             work / "ddp.json", sync_bn=True)
         rows.append((name, batch, times))
-    print("\n(a) data parallel: executor vs DistributedDataParallel (median ms/iteration over the repeats;")
-    print("    'DDP+sync BN': DDP with the executor's synchronised BatchNorm, the same arithmetic as the executor)")
-    print(f"{'model':<8}{'batch':>6}{'executor':>10}{'DDP':>10}{'ratio':>7}{'DDP+sync BN':>13}{'ratio':>7}"
-          "  ratios per repeat (target <= 1.10)")
+    print("\n(a) data parallel: executor vs DistributedDataParallel, ms per step (slowest rank), over all")
+    print(f"    measured steps of {args.repeats} alternating runs each; p25 (25th percentile) and median.")
+    print("    'DDP+sync BN': DDP with the executor's synchronised BatchNorm (the same arithmetic as the executor)")
+    print(f"{'model':<7}{'batch':>6}{'executor p25/med':>19}{'DDP p25/med':>17}{'ratio p25/med':>15}"
+          f"{'DDP+syncBN p25/med':>21}{'ratio p25/med':>15}")
     for name, batch, times in rows:
-        executor, ddp = statistics.median(times["executor"]), statistics.median(times["ddp"])
-        ratios = [e / d for e, d in zip(times["executor"], times["ddp"], strict=True)]
-        line = f"{name:<8}{batch:>6}{executor:>10.2f}{ddp:>10.2f}{executor / ddp:>7.3f}"
+        line = f"{name:<7}{batch:>6}" + _pair(times["executor"]) + _pair(times["ddp"])
+        line += _ratio(times["executor"], times["ddp"])
         if times["ddp_sync"]:
-            synced = statistics.median(times["ddp_sync"])
-            line += f"{synced:>13.2f}{executor / synced:>7.3f}"
-            ratios += [e / d for e, d in zip(times["executor"], times["ddp_sync"], strict=True)]
-        else:
-            line += f"{'-':>13}{'-':>7}"
-        print(line + "  " + ", ".join(f"{r:.3f}" for r in ratios))
+            line += _pair(times["ddp_sync"], 21) + _ratio(times["executor"], times["ddp_sync"])
+        print(line)
+
+
+def _pair(values: list[float], width: int = 19) -> str:
+    return f"{quartile(values):.1f} / {statistics.median(values):.1f}".rjust(width)
+
+
+def _ratio(executor: list[float], ddp: list[float]) -> str:
+    p25 = quartile(executor) / quartile(ddp)
+    median = statistics.median(executor) / statistics.median(ddp)
+    return f"{p25:.3f} / {median:.3f}".rjust(15)
 
 
 def main() -> None:
