@@ -17,7 +17,9 @@ from rich.console import Console
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.comm import Backend
-from deeppool.executor.config import DEFAULT_TIMEOUT_S, OptimizerConfig, OptimizerKind, RunConfig
+from deeppool.executor.config import (
+    DEFAULT_TIMEOUT_S, OptimizerConfig, OptimizerKind, RunConfig, Schedule, ScheduleKind, Training,
+)
 from deeppool.executor.netprobe import DEFAULT_SIZES, ProbeConfig, probe_network
 from deeppool.executor.report import fit_table
 from deeppool.executor.worker import RankEnv, report_failure, run_worker
@@ -46,6 +48,10 @@ CheckBound = Annotated[float, typer.Option(
     "parameters against their module's scale; fp32 round-off stays under 5e-5)"
 )]
 Out = Annotated[Path, typer.Option("--out", help="directory for traces, summary.json and error records")]
+Accumulate = Annotated[int, typer.Option(help="global batches whose gradients are summed per optimizer step")]
+ClipNorm = Annotated[float | None, typer.Option(help="clip gradients to this global L2 norm (whole model)")]
+LrSchedule = Annotated[ScheduleKind, typer.Option(help="learning rate after warm-up: constant, or decaying to 0")]
+LrWarmup = Annotated[int, typer.Option(help="optimizer steps of linear learning-rate warm-up")]
 
 app = typer.Typer(add_completion=False, help="Run a plan on torch.distributed.")
 worker_app = typer.Typer(add_completion=False, help="One rank of a plan (start it with torchrun).")
@@ -58,12 +64,18 @@ def _group() -> None:
 
 def make_config(
     *, steps: int, warmup: int, optimizer: OptimizerKind, lr: float, momentum: float, backend: Backend,
-    timeout: float, bucket_mb: float, check: bool, check_bound: float, out: Path,
+    timeout: float, bucket_mb: float, check: bool, check_bound: float, out: Path, accumulate: int = 1,
+    clip_norm: float | None = None, lr_schedule: ScheduleKind = ScheduleKind.CONSTANT, lr_warmup: int = 0,
 ) -> RunConfig:
+    training = Training(
+        accumulate=accumulate, clip_norm=clip_norm,
+        schedule=Schedule(kind=lr_schedule, warmup_steps=lr_warmup, total_steps=steps),
+    )
     return RunConfig(
         steps=steps, warmup=min(warmup, max(steps - 1, 0)),
         optimizer=OptimizerConfig(kind=optimizer, lr=lr, momentum=momentum),
         backend=backend, timeout_s=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out_dir=out,
+        training=training,
     )
 
 
@@ -75,8 +87,11 @@ def config_args(config: RunConfig) -> list[str]:
         "--momentum", repr(config.optimizer.momentum), "--backend", config.backend.value,
         "--timeout", repr(config.timeout_s), "--bucket-mb", repr(config.bucket_mb),
         "--check-bound", repr(config.check_bound), "--out", str(config.out_dir),
+        "--accumulate", str(config.training.accumulate), "--lr-schedule", config.training.schedule.kind.value,
+        "--lr-warmup", str(config.training.schedule.warmup_steps),
     ]
-    return args + (["--check"] if config.check else [])
+    clip = config.training.clip_norm
+    return args + (["--clip-norm", repr(clip)] if clip is not None else []) + (["--check"] if config.check else [])
 
 
 @app.command()
@@ -86,7 +101,8 @@ def run(
     steps: Steps = 50, warmup: Warmup = 5, optimizer: Optim = None, lr: Lr = 0.01,
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
-    out: Out = Path("deeppool-run"),
+    out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
+    lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -96,6 +112,7 @@ def run(
     config = make_config(
         steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
         backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
+        accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule, lr_warmup=lr_warmup,
     )
     bg = make_background(
         background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,
@@ -145,7 +162,8 @@ def worker(
     plan: PlanArg, steps: Steps = 50, warmup: Warmup = 5, optimizer: Optim = None, lr: Lr = 0.01,
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
-    out: Out = Path("deeppool-run"),
+    out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
+    lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -156,7 +174,8 @@ def worker(
         config = make_config(
             steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(Plan.load(plan)), lr=lr,
             momentum=momentum, backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check,
-            check_bound=check_bound, out=out,
+            check_bound=check_bound, out=out, accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule,
+            lr_warmup=lr_warmup,
         )
         bg = make_background(
             background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,

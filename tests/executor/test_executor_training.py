@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -12,6 +15,7 @@ from deeppool.executor.reference import CheckResult
 from deeppool.planner.plan import Plan
 from tests.executor.plans import cycle, make_plan
 from tests.executor.test_executor_exact import train_threads
+from tests.executor.test_executor_processes import deeppool_run
 
 
 def loader(plan: Plan, batches: int) -> DataLoader:
@@ -70,3 +74,15 @@ def test_schedule_factors() -> None:
         Training(accumulate=0)
     with pytest.raises(DeeppoolError, match="--clip-norm"):
         Training(clip_norm=0.0)
+
+
+@pytest.mark.slow
+def test_the_command_line_trains_with_every_feature_and_passes_the_check(tmp_path: Path) -> None:
+    plan_path = tmp_path / "plan.json"
+    make_plan("tiny_gpt", global_batch=5, gpus=2, assign=cycle(2, 2, 1)).save(plan_path)
+    proc, _ = deeppool_run(plan_path, "--nproc", "2", "--steps", "3", "--check", "--lr", "0.1", "--accumulate", "2",
+                           "--clip-norm", "0.5", "--lr-schedule", "cosine", "--lr-warmup", "1",
+                           "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["check"]["passed"] and summary["check"]["max_relative_difference"] <= 1e-4, summary["check"]
