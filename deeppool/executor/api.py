@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from deeppool.errors import DeeppoolError
+from deeppool.executor.checkpoint import CheckpointConfig, Shard, latest, load, save
 from deeppool.executor.comm import Comm
 from deeppool.executor.config import RunConfig
 from deeppool.executor.data import BatchSource, LoaderBatches, SyntheticBatches
@@ -86,11 +87,15 @@ def train_rank(
     losses: list[float] = []
     checks: list[CheckResult] = []
     micros = config.training.accumulate
-    for step in range(config.steps):
+    first = _resume(config.checkpoint, engine, local, comm.rank)
+    for index in range(first * micros):  # the data position: the batches the resumed steps trained on
+        batches(index)
+    for step in range(first, config.steps):
         batch = [batches(step * micros + micro) for micro in range(micros)]
         losses.append(engine.step(step, batch))
         if reference is not None:
             checks.append(reference.step(step, batch))
+        _save(config.checkpoint, step + 1, engine, local, comm)
     times = summarise(recorder.spans, rank=comm.rank, warmup=config.warmup)
     check = worst_of(checks)
     gathered = comm.gather((times, tuple(losses), check))
@@ -104,6 +109,41 @@ def train_rank(
         rank=comm.rank, losses=tuple(losses), times=times, spans=tuple(recorder.spans), check=check,
         params={name: p.detach() for name, p in local.params.items()}, buffers=dict(local.buffers), summary=summary,
     )
+
+
+def _resume(checkpoint: CheckpointConfig | None, engine: Engine, local: LocalModel, rank: int) -> int:
+    """Load the latest complete checkpoint into this rank (``--resume``); the steps it had done."""
+    if checkpoint is None or not checkpoint.resume:
+        return 0
+    done = latest(checkpoint.directory)
+    if done is None:
+        return 0
+    shard = load(checkpoint.directory, done, rank)
+    with torch.no_grad():
+        for name, value in shard.params.items():
+            local.params[name].copy_(value)
+        for name, value in shard.buffers.items():
+            local.buffers[name].copy_(value)
+    parts = engine.p
+    if parts.optimizer is not None and shard.optimizer is not None:
+        parts.optimizer.load_state_dict(shard.optimizer)
+    if parts.scheduler is not None and shard.scheduler is not None:
+        parts.scheduler.load_state_dict(shard.scheduler)
+    return done
+
+
+def _save(checkpoint: CheckpointConfig | None, done: int, engine: Engine, local: LocalModel, comm: Comm) -> None:
+    if checkpoint is None or checkpoint.every == 0 or done % checkpoint.every != 0:
+        return
+    parts = engine.p
+    shard = Shard(
+        steps_done=done,
+        params={name: p.detach().cpu().clone() for name, p in local.params.items()},
+        buffers={name: b.detach().cpu().clone() for name, b in local.buffers.items()},
+        optimizer=parts.optimizer.state_dict() if parts.optimizer is not None else None,
+        scheduler=parts.scheduler.state_dict() if parts.scheduler is not None else None,
+    )
+    save(checkpoint.directory, comm.rank, shard, barrier=lambda: comm.all_reduce_max(0.0))
 
 
 class ModelBuilder:

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 
 from deeppool.errors import DeeppoolError
+from deeppool.executor.checkpoint import CheckpointConfig
 from deeppool.executor.comm import Backend
 from deeppool.executor.config import (
     DEFAULT_TIMEOUT_S, OptimizerConfig, OptimizerKind, RunConfig, Schedule, ScheduleKind, Training,
@@ -52,6 +53,9 @@ Accumulate = Annotated[int, typer.Option(help="global batches whose gradients ar
 ClipNorm = Annotated[float | None, typer.Option(help="clip gradients to this global L2 norm (whole model)")]
 LrSchedule = Annotated[ScheduleKind, typer.Option(help="learning rate after warm-up: constant, or decaying to 0")]
 LrWarmup = Annotated[int, typer.Option(help="optimizer steps of linear learning-rate warm-up")]
+CheckpointDir = Annotated[Path | None, typer.Option(help="directory for checkpoints (one shard per rank)")]
+CheckpointEvery = Annotated[int, typer.Option(help="write a checkpoint every N optimizer steps (0: never)")]
+Resume = Annotated[bool, typer.Option("--resume", help="continue from the latest complete checkpoint")]
 
 app = typer.Typer(add_completion=False, help="Run a plan on torch.distributed.")
 worker_app = typer.Typer(add_completion=False, help="One rank of a plan (start it with torchrun).")
@@ -66,6 +70,7 @@ def make_config(
     *, steps: int, warmup: int, optimizer: OptimizerKind, lr: float, momentum: float, backend: Backend,
     timeout: float, bucket_mb: float, check: bool, check_bound: float, out: Path, accumulate: int = 1,
     clip_norm: float | None = None, lr_schedule: ScheduleKind = ScheduleKind.CONSTANT, lr_warmup: int = 0,
+    checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume: bool = False,
 ) -> RunConfig:
     training = Training(
         accumulate=accumulate, clip_norm=clip_norm,
@@ -76,6 +81,8 @@ def make_config(
         optimizer=OptimizerConfig(kind=optimizer, lr=lr, momentum=momentum),
         backend=backend, timeout_s=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out_dir=out,
         training=training,
+        checkpoint=CheckpointConfig(directory=checkpoint_dir, every=checkpoint_every, resume=resume)
+        if checkpoint_dir is not None else None,
     )
 
 
@@ -90,8 +97,13 @@ def config_args(config: RunConfig) -> list[str]:
         "--accumulate", str(config.training.accumulate), "--lr-schedule", config.training.schedule.kind.value,
         "--lr-warmup", str(config.training.schedule.warmup_steps),
     ]
-    clip = config.training.clip_norm
-    return args + (["--clip-norm", repr(clip)] if clip is not None else []) + (["--check"] if config.check else [])
+    clip, checkpoint = config.training.clip_norm, config.checkpoint
+    if clip is not None:
+        args += ["--clip-norm", repr(clip)]
+    if checkpoint is not None:
+        args += ["--checkpoint-dir", str(checkpoint.directory), "--checkpoint-every", str(checkpoint.every)]
+        args += ["--resume"] if checkpoint.resume else []
+    return args + (["--check"] if config.check else [])
 
 
 @app.command()
@@ -102,7 +114,8 @@ def run(
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
-    lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0,
+    lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
+    checkpoint_every: CheckpointEvery = 0, resume: Resume = False,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -113,6 +126,7 @@ def run(
         steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
         backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
         accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule, lr_warmup=lr_warmup,
+        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
     )
     bg = make_background(
         background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,
@@ -163,7 +177,8 @@ def worker(
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
-    lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0,
+    lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
+    checkpoint_every: CheckpointEvery = 0, resume: Resume = False,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -175,7 +190,7 @@ def worker(
             steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(Plan.load(plan)), lr=lr,
             momentum=momentum, backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check,
             check_bound=check_bound, out=out, accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule,
-            lr_warmup=lr_warmup,
+            lr_warmup=lr_warmup, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
         )
         bg = make_background(
             background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from deeppool.errors import DeeppoolError
+from deeppool.executor.checkpoint import CheckpointConfig
 from deeppool.executor.comm import Backend
 
 
@@ -109,6 +110,7 @@ class RunConfig:
     check_bound: float = 1e-3
     out_dir: Path | None = None
     training: Training = field(default_factory=Training)
+    checkpoint: CheckpointConfig | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -121,6 +123,8 @@ class RunConfig:
             raise DeeppoolError(f"--bucket-mb {self.bucket_mb} must be >= 0")
         if self.check_bound <= 0:
             raise DeeppoolError(f"--check-bound {self.check_bound} must be positive")
+        if self.check and self.checkpoint is not None and self.checkpoint.resume:
+            raise DeeppoolError("--check trains its reference from the start: run --resume without --check")
 
     @property
     def bucket_bytes(self) -> int:
