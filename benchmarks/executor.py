@@ -30,6 +30,7 @@ This file is also the benchmark's model file (``model()``, ``inputs()``,
 from __future__ import annotations
 
 import argparse
+import subprocess
 import json
 import math
 import os
@@ -233,11 +234,14 @@ def data_parallel(args: argparse.Namespace, work: Path) -> None:
         plan = work / f"dp-{name}.json"
         data_parallel_plan(model_file, args.nproc, batch, plan)
         synced = has_batch_norm(model_file)
-        times: dict[str, list[float]] = {"executor": [], "ddp": [], "ddp_sync": []}
+        times: dict[str, list[float]] = {"executor": [], "ddp": [], "ddp_sync": [], "baseline": []}
         for repeat in range(args.repeats):
             out = work / f"dp-{name}-{repeat}"
             run_plan(plan, args.nproc, args.steps, args.warmup, out)
             times["executor"] += executor_steps(out, args.nproc, args.warmup)
+            if args.baseline_src is not None:
+                run_other(args.baseline_src, plan, args.steps, args.warmup, out / "baseline")
+                times["baseline"] += executor_steps(out / "baseline", args.nproc, args.warmup)
             times["ddp"] += run_ddp(model_file, args.nproc, batch, args.steps, args.warmup, work / "ddp.json")
             if synced:
                 times["ddp_sync"] += run_ddp(model_file, args.nproc, batch, args.steps, args.warmup,
@@ -254,6 +258,17 @@ def data_parallel(args: argparse.Namespace, work: Path) -> None:
         if times["ddp_sync"]:
             line += _pair(times["ddp_sync"], 21) + _ratio(times["executor"], times["ddp_sync"])
         print(line)
+        if times["baseline"]:
+            print(f"{'':<13}executor from {args.baseline_src}: {_pair(times['baseline']).strip()} ms, "
+                  f"its ratio to DDP p25/med {_ratio(times['baseline'], times['ddp']).strip()}")
+
+
+def run_other(source: Path, plan: Path, steps: int, warmup: int, out: Path) -> None:
+    """``deeppool run`` from another source tree (e.g. a `git archive` of main), same options as :func:`run_plan`."""
+    command = [sys.executable, "-m", "deeppool.executor.cli", "run", str(plan), "--steps", str(steps), "--warmup",
+               str(warmup), "--optimizer", "sgd", "--lr", "0.01", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(source.resolve())}
+    subprocess.run(command, cwd=source, env=env, check=True, capture_output=True)
 
 
 def _pair(values: list[float], width: int = 19) -> str:
@@ -274,6 +289,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="(b)'s global batch (the MLP)")
     parser.add_argument("--models", default="mlp,cnn,gpt2", help="(a)'s models: " + ", ".join(MODELS))
     parser.add_argument("--repeats", type=int, default=2, help="(a): executor and DDP runs, alternating")
+    parser.add_argument("--baseline-src", type=Path, default=None,
+                        help="(a): also run the executor from this source tree (e.g. `git archive main`), alternating")
     parser.add_argument("--skip-burst", action="store_true")
     parser.add_argument("--network-file", type=Path, default=None, help="plan (b) with this measured network")
     parser.add_argument("--bucket-mb", type=float, default=25.0,
