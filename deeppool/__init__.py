@@ -1,8 +1,9 @@
 """deeppool: burst-parallel training and GPU multiplexing.
 
 ``deeppool.plan(module, example_inputs, gpus=...)`` plans a model from Python;
-``deeppool.run(plan, background=...)`` runs one (with a background job in its
-idle windows); the packages are ``planner``, ``executor``, ``multiplex`` and
+``deeppool.run(plan, model=module, background=...)`` runs one (``model`` for a
+plan whose module was built in Python; a background job in its idle
+windows); the packages are ``planner``, ``executor``, ``multiplex`` and
 ``cluster_sim``.
 """
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import sys
+import enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
-from rich.console import Console
 
 from deeppool.errors import DeeppoolError
+
+if TYPE_CHECKING:  # each command imports its work (and torch) only after its options are checked
+    from deeppool.planner.ilp import SolverName
+    from deeppool.planner.modelspec import ModelSpec
+    from deeppool.planner.request import CostSource, PlanRequest
 
 app = typer.Typer(
     help="Plan, run and simulate burst-parallel training (per-layer GPU counts).",
@@ -18,56 +22,61 @@ app = typer.Typer(
     add_completion=False,
 )
 
+EnumT = TypeVar("EnumT", bound=enum.Enum)
 DEFAULT_CACHE = Path.home() / ".cache" / "deeppool"
-
-
-def _ints(text: str | None, flag: str, example: str) -> tuple[int, ...]:
-    """Comma-separated integers from the command line, or a one-line error."""
-    if not text:
-        return ()
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise DeeppoolError(f"{flag} '{text}' is not comma-separated integers, e.g. {example}") from None
+LOCAL = "local"
 
 
 @app.command()
 def plan(
     model: Annotated[str, typer.Argument(help="model file (.py with model() and inputs()) or package.module:factory")],
-    gpus: Annotated[int, typer.Option(help="GPUs the foreground job gets")],
+    gpus: Annotated[int, typer.Option(help="GPUs the foreground job gets (at most --batch: one sample each)")],
     batch: Annotated[int, typer.Option(help="global batch size (fixed: strong scaling)")] = 256,
-    input_shape: Annotated[str | None, typer.Option(help="per-sample input shape for a factory, e.g. 3,224,224")] = None,
+    input_shape: Annotated[str | None, typer.Option(help="a factory's per-sample input shape, e.g. 3,224,224")] = None,
     input_dtype: Annotated[str, typer.Option(help="a factory's input dtype: float32, or int64 for token ids")] = "float32",
     vocab_size: Annotated[int, typer.Option(help="token ids are drawn below this (with an integer --input-dtype)")] = 0,
-    device_model: Annotated[str | None, typer.Option(help="v100, a100, h100 (estimated) or local (measured here)")] = None,
+    device_model: Annotated[str | None, typer.Option(
+        help="v100, a100, h100 (estimated) or local (measured here)", show_default="local")] = None,
     profile: Annotated[Path | None, typer.Option(help="plan from a profile written by `deeppool profile`")] = None,
-    network: Annotated[str | None, typer.Option(help="network preset: v100, a100, h100 or local")] = None,
+    network: Annotated[str | None, typer.Option(
+        help="network preset: v100, a100, h100 or local", show_default="the device model's")] = None,
     network_file: Annotated[Path | None, typer.Option(help="measured network (`deeppool profile-network`)")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(help="override the preset's GPUs per node")] = None,
     intra_gbps: Annotated[float | None, typer.Option(help="override the in-node bandwidth per GPU, GB/s")] = None,
     inter_gbps: Annotated[float | None, typer.Option(help="override the cross-node bandwidth per GPU, GB/s")] = None,
-    amplification: Annotated[float | None, typer.Option(help="hard limit on a layer's GPU-time amplification")] = None,
-    strategy: Annotated[str, typer.Option(help="which plan to write: ilp, dp or deeppool")] = "ilp",
+    amplification: Annotated[float | None, typer.Option(
+        help="hard limit on a layer's GPU-time amplification: its time x GPUs over its time on one GPU (>= 1)",
+        show_default="no limit")] = None,
+    strategy: Annotated[str, typer.Option(
+        help="which plan to write: ilp, dp (data parallel) or deeppool (the paper's dynamic programme)")] = "ilp",
     optimizer: Annotated[str, typer.Option(help="sgd or adam: optimizer state memory and step time")] = "sgd",
     time_limit: Annotated[float, typer.Option(help="ILP time limit, seconds")] = 60.0,
-    solver: Annotated[str | None, typer.Option(help="cbc or highs (default: highs when installed)")] = None,
-    no_memory_limit: Annotated[bool, typer.Option(help="do not constrain per-GPU memory")] = False,
+    solver: Annotated[str | None, typer.Option(help="cbc or highs", show_default="highs when installed")] = None,
+    no_memory_limit: Annotated[bool, typer.Option(
+        "--no-memory-limit", help="do not constrain per-GPU memory (default: plans fit the device's memory)")] = False,
     max_candidates: Annotated[int, typer.Option(help="thin the GPU counts per layer to about this many (0: all)")] = 32,
-    local_device: Annotated[str, typer.Option(help="device to measure on with --device-model local")] = "cpu",
+    local_device: Annotated[str, typer.Option(help="cpu or cuda[:N]: where --device-model local measures")] = "cpu",
     max_measured_batch: Annotated[int, typer.Option(help="largest per-GPU batch measured locally")] = 32,
     cache_dir: Annotated[Path, typer.Option(help="profile cache directory")] = DEFAULT_CACHE,
-    out: Annotated[Path, typer.Option(help="where to write the plan JSON")] = Path("plan.json"),
-    gantt: Annotated[Path | None, typer.Option(help="write a PNG Gantt chart of one iteration")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="where to write the plan JSON", show_default="MODEL-plan.json, e.g. resnet50-plan.json")] = None,
+    gantt: Annotated[Path | None, typer.Option(help="write a Gantt chart of one iteration (.png, .pdf, .svg)")] = None,
     per_layer: Annotated[bool, typer.Option(help="print every layer, not stages")] = False,
 ) -> None:
     """Trace MODEL, profile it (or estimate for a GPU model) and solve its burst-parallel plan."""
-    from deeppool.planner import report
-    from deeppool.planner.api import LOCAL, CostSource, PlanRequest, plan_model
+    from deeppool import checks
     from deeppool.planner.cost import Optimizer
-    from deeppool.planner.ilp import SolverName
     from deeppool.planner.modelspec import ModelSpec
     from deeppool.planner.plan import Strategy
+    from deeppool.planner.request import CostSource, PlanRequest, check_samples
 
+    out = out or default_output(model, "plan.json")
+    checks.new_file(out, "--out")
+    checks.new_file(gantt, "--gantt", checks.IMAGE_SUFFIXES)
+    checks.distinct({"--out": out, "--gantt": gantt, "MODEL": Path(model) if model.endswith(".py") else None,
+                     "--profile": profile})
+    if profile is not None and device_model is not None:
+        raise DeeppoolError("give either --profile or --device-model, not both")
     request = PlanRequest(
         gpus=gpus,
         global_batch=batch,
@@ -76,9 +85,10 @@ def plan(
         amplification=amplification,
         enforce_memory=not no_memory_limit,
         time_limit_s=time_limit,
-        solver=_enum(SolverName, solver, "--solver") if solver else None,
+        solver=_solver(solver) if solver else None,
         max_candidates=max_candidates or None,
     )
+    check_samples(gpus, batch)
     source = CostSource(
         device_model=(device_model or LOCAL).lower(),
         profile_path=profile,
@@ -91,21 +101,38 @@ def plan(
         intra_gbps=intra_gbps,
         inter_gbps=inter_gbps,
     )
-    if profile is not None and device_model is not None:
-        raise DeeppoolError("give either --profile or --device-model, not both")
+    if source.measures_locally:
+        checks.out_folder(cache_dir, "--cache-dir")
     spec = ModelSpec.parse(
-        model, input_shape=_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
+        model, input_shape=checks.positive_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
         vocab_size=vocab_size,
     )
+    _plan_and_report(spec, request, source, out=out, gantt=gantt, per_layer=per_layer)
+
+
+def _plan_and_report(
+    spec: ModelSpec, request: PlanRequest, source: CostSource, *, out: Path, gantt: Path | None, per_layer: bool,
+) -> None:
+    from deeppool.output import console
+    from deeppool.planner import report
+    from deeppool.planner.api import plan_model
+
     planned = plan_model(spec, request, source)
     planned.plan.save(out)
-    console = Console()
-    console.print(report.plan_table(planned.plan, per_layer=per_layer))
-    console.print(report.summary(planned.plan))
-    console.print(f"plan written to {out}")
+    shown = console()
+    shown.print(report.plan_table(planned.plan, per_layer=per_layer))
+    shown.print(report.summary(planned.plan))
+    shown.print(report.AMPLIFICATION_NOTE, style="dim")
+    shown.print(f"plan written to {out}")
     if gantt is not None:
         report.gantt(planned.plan, planned.cost, gantt)
-        console.print(f"Gantt chart written to {gantt}")
+        shown.print(f"Gantt chart written to {gantt}")
+
+
+def default_output(model: str, suffix: str) -> Path:
+    """``resnet50-plan.json`` for ``examples/resnet50.py``, ``small_cnn-plan.json`` for ``pkg.mod:small_cnn``."""
+    name = model.rpartition(":")[2] if ":" in model and not model.endswith(".py") else Path(model).stem
+    return Path(f"{name or 'model'}-{suffix}")
 
 
 @app.command("profile")
@@ -114,7 +141,7 @@ def profile_command(
     out: Annotated[Path, typer.Option(help="where to write the profile JSON")],
     device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
     batches: Annotated[str, typer.Option(help="per-GPU batch sizes to measure")] = "1,2,4,8,16,32",
-    input_shape: Annotated[str | None, typer.Option(help="per-sample input shape for a factory")] = None,
+    input_shape: Annotated[str | None, typer.Option(help="a factory's per-sample input shape, e.g. 3,224,224")] = None,
     input_dtype: Annotated[str, typer.Option(help="a factory's input dtype: float32, or int64 for token ids")] = "float32",
     vocab_size: Annotated[int, typer.Option(help="token ids are drawn below this (with an integer --input-dtype)")] = 0,
     warmup: Annotated[int, typer.Option(help="untimed runs per layer and batch")] = 2,
@@ -122,23 +149,46 @@ def profile_command(
     cache_dir: Annotated[Path, typer.Option(help="profile cache directory")] = DEFAULT_CACHE,
 ) -> None:
     """Measure every layer's forward and backward time on DEVICE and write a profile."""
+    from deeppool import checks
     from deeppool.planner.modelspec import ModelSpec
+
+    checks.new_file(out, "--out")
+    checks.distinct({"--out": out, "MODEL": Path(model) if model.endswith(".py") else None})
+    checks.device(device, "--device")
+    measured_batches = checks.positive_ints(batches, "--batches", "1,2,4,8")
+    if not measured_batches:
+        raise DeeppoolError("--batches is empty: give per-GPU batch sizes, e.g. 1,2,4,8")
+    checks.at_least(warmup, 0, "--warmup")
+    checks.at_least(repeats, 1, "--repeats")
+    checks.out_folder(cache_dir, "--cache-dir")
+    spec = ModelSpec.parse(
+        model, input_shape=checks.positive_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
+        vocab_size=vocab_size,
+    )
+    _measure(spec, out=out, device=device, batches=measured_batches, warmup=warmup, repeats=repeats,
+             cache_dir=cache_dir)
+
+
+def _measure(spec: ModelSpec, *, out: Path, device: str, batches: tuple[int, ...], warmup: int, repeats: int,
+             cache_dir: Path) -> None:
+    from deeppool.output import console
     from deeppool.planner.profiler import ProfilerConfig, measure_profile
     from deeppool.planner.trace import trace
 
-    config = ProfilerConfig(
-        device=device, batches=_ints(batches, "--batches", "1,2,4,8"), warmup=warmup, repeats=repeats, cache_dir=cache_dir
-    )
-    loaded = ModelSpec.parse(
-        model, input_shape=_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
-        vocab_size=vocab_size,
-    ).load()
+    config = ProfilerConfig(device=device, batches=batches, warmup=warmup, repeats=repeats, cache_dir=cache_dir)
+    loaded = spec.load()
     measured = measure_profile(trace(loaded), loaded, config)
     measured.save(out)
-    Console().print(f"profiled {len(measured.layers)} layers on {measured.device} at batches {config.batches}: {out}")
+    console().print(f"profiled {len(measured.layers)} layers on {measured.device} at batches {config.batches}: {out}")
 
 
-def _enum(kind, value: str, flag: str):
+def _solver(name: str) -> SolverName:
+    from deeppool.planner.ilp import SolverName
+
+    return _enum(SolverName, name, "--solver")
+
+
+def _enum(kind: type[EnumT], value: str, flag: str) -> EnumT:
     try:
         return kind(value.lower())
     except ValueError:
@@ -147,8 +197,12 @@ def _enum(kind, value: str, flag: str):
 
 
 def _mount_package_commands() -> None:
-    """The executor's, the multiplexer's and the simulator's commands, each defined in its own package."""
+    """The executor's, the multiplexer's, the simulator's and the coordinator's commands, each in its own package.
+
+    Their modules import only typer and the option types; each command loads torch and its work when it runs.
+    """
     from deeppool.cluster_sim.cli import simulate
+    from deeppool.coordinator import cli as coordinator
     from deeppool.executor.cli import profile_network, run
     from deeppool.multiplex.cli import app as multiplex_app
 
@@ -156,16 +210,20 @@ def _mount_package_commands() -> None:
     app.add_typer(multiplex_app, name="multiplex")
     app.command("profile-network")(profile_network)
     app.command("simulate")(simulate)
+    app.command("serve")(coordinator.serve)
+    app.add_typer(coordinator.token_app, name="token")
+    for command in (coordinator.submit, coordinator.jobs, coordinator.logs, coordinator.cancel):
+        app.command()(command)
 
 
-def main() -> None:
-    """Entry point: user mistakes print one line and exit 2, never a traceback."""
-    _mount_package_commands()
-    try:
-        app()
-    except DeeppoolError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)
+_mount_package_commands()
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point: user mistakes print one line starting ``error:`` and exit 2, never a traceback."""
+    from deeppool.entry import run_app
+
+    run_app(app, args, prog_name="deeppool")
 
 
 if __name__ == "__main__":

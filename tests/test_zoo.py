@@ -1,6 +1,6 @@
 """The zoo end to end: models written the way public zoos write them plan and train unchanged.
 
-Every file under ``tests/models/zoo/`` is planned through the real CLI, then
+Every file under ``tests/models/zoo/`` is planned through the CLI's entry point (in this process), then
 run for real on gloo ranks with a hand-made burst plan (at least two distinct
 GPU counts) and ``--check`` against one process. The files under
 ``tests/models/zoo/refused/`` must be refused up front: exit 2, one line
@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
+from tests.entry import Result, deeppool
 from tests.executor.plans import Assign, cycle, make_plan_for
 
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "tests" / "models" / "zoo"
 REFUSED = ZOO / "refused"
-SCRIPT = Path(sys.executable).parent / "deeppool"
 
 # file stem -> (global batch, ranks, GPU counts cycled over the layers)
 RUNS: dict[str, tuple[int, int, Assign]] = {
@@ -39,13 +36,6 @@ RUNS: dict[str, tuple[int, int, Assign]] = {
     "tv_densenet": (8, 2, cycle(2, 1)),
     "attn_shapes": (8, 4, cycle(4, 2, 1, 3)),
 }
-
-
-def deeppool(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """The installed console script, as in tests/test_cli.py, importing this checkout's package."""
-    command = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from deeppool.cli import main; main()"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([*command, *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=env)
 
 
 def load(path: Path) -> ModuleType:
@@ -81,11 +71,11 @@ def test_zoo_file_runs_eagerly(name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RUNS))
-def test_zoo_model_plans_and_trains_burst_parallel_exactly(tmp_path: Path, name: str) -> None:
+def test_zoo_model_plans_and_trains_burst_parallel_exactly(tmp_path: Path, capfd, name: str) -> None:
     path = ZOO / f"{name}.py"
-    planned = deeppool("plan", str(path), "--gpus", "4", "--batch", "8", "--device-model", "a100",
+    planned = deeppool(capfd, "plan", str(path), "--gpus", "4", "--batch", "8", "--device-model", "a100",
                        "--out", str(tmp_path / "plan.json"))
-    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert planned.code == 0, planned.stderr[-3000:]
     assert len(json.loads((tmp_path / "plan.json").read_text())["layers"]) >= 2
 
     batch, ranks, assign = RUNS[name]
@@ -93,30 +83,30 @@ def test_zoo_model_plans_and_trains_burst_parallel_exactly(tmp_path: Path, name:
     assert len(set(plan.assignment.values())) >= 2  # a burst plan, not data parallel
     plan.save(tmp_path / "burst.json")
     out = tmp_path / "run"
-    ran = deeppool("run", str(tmp_path / "burst.json"), "--nproc", str(ranks), "--steps", "2", "--warmup", "0",
+    ran = deeppool(capfd, "run", str(tmp_path / "burst.json"), "--nproc", str(ranks), "--steps", "2", "--warmup", "0",
                    "--check", "--out", str(out))
-    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.code == 0, ran.stderr[-3000:]
     assert "max relative difference" in ran.stdout, ran.stdout[-3000:]
     assert (out / "summary.json").is_file()
 
 
-def assert_refused(result: subprocess.CompletedProcess[str], module: str) -> None:
-    assert result.returncode == 2, result.stderr[-3000:]
+def assert_refused(result: Result, module: str) -> None:
+    assert result.code == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and f"'{module}'" in lines[0], lines
 
 
 @pytest.mark.slow
-def test_data_dependent_control_flow_is_refused_at_plan_time(tmp_path: Path) -> None:
-    result = deeppool("plan", str(REFUSED / "data_dependent.py"), "--gpus", "4", "--batch", "8",
+def test_data_dependent_control_flow_is_refused_at_plan_time(tmp_path: Path, capfd) -> None:
+    result = deeppool(capfd, "plan", str(REFUSED / "data_dependent.py"), "--gpus", "4", "--batch", "8",
                       "--device-model", "a100", "--out", str(tmp_path / "plan.json"))
     assert_refused(result, "gate")
 
 
 @pytest.mark.slow
-def test_batch_mixing_is_refused_before_training(tmp_path: Path) -> None:
+def test_batch_mixing_is_refused_before_training(tmp_path: Path, capfd) -> None:
     make_plan_for(REFUSED / "batch_mixing.py", global_batch=8, gpus=2, assign=cycle(2, 1)).save(tmp_path / "p.json")
-    result = deeppool("run", str(tmp_path / "p.json"), "--nproc", "2", "--steps", "2", "--warmup", "0",
+    result = deeppool(capfd, "run", str(tmp_path / "p.json"), "--nproc", "2", "--steps", "2", "--warmup", "0",
                       "--out", str(tmp_path / "run"))
     assert_refused(result, "center")

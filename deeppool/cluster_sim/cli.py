@@ -9,25 +9,20 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from deeppool import checks
 from deeppool.cluster_sim.cluster import ClusterSpec
-from deeppool.cluster_sim.engine import SimResult
 from deeppool.cluster_sim.interference import (
     DEFAULT_BG_EFFICIENCY,
     DEFAULT_FG_SLOWDOWN,
     DEFAULT_MIN_LEND_FRACTION,
     InterferenceModel,
 )
-from deeppool.cluster_sim.metrics import compare, table, write_jobs, write_metrics
-from deeppool.cluster_sim.models import default_mapping, load_mapping
-from deeppool.cluster_sim.plans import PlanBook, PlanSettings
+from deeppool.cluster_sim.models import ModelMapping, default_mapping, load_mapping
 from deeppool.cluster_sim.policies import BASELINE, POLICIES, policy_named
-from deeppool.cluster_sim.runner import assign, run_policies, sim_jobs
 from deeppool.cluster_sim.workload import (
     BackgroundRule,
     SyntheticSpec,
@@ -37,12 +32,18 @@ from deeppool.cluster_sim.workload import (
     synthetic,
 )
 from deeppool.errors import DeeppoolError
-from deeppool.planner.hardware import known_device
-from deeppool.planner.plan import Strategy
+from deeppool.planner.hardware import KnownDevice, known_device
+
+if TYPE_CHECKING:  # the planner (and torch) load only once every option has been checked
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from deeppool.cluster_sim.engine import SimResult
+    from deeppool.cluster_sim.plans import PlanSettings
+    from deeppool.planner.plan import Strategy
 
 app = typer.Typer(add_completion=False, help="Simulate a GPU cluster running a job trace.")
 SYNTHETIC = "synthetic"
-TABLE_WIDTH = 120
 ATTRIBUTION = (
     "traces: Pollux OSDI'21 artifact (petuum/adaptdl osdi21-artifact, Apache-2.0); "
     "philly.csv derived from the Microsoft Philly traces (msr-fiddle/philly-traces, CC-BY-4.0)"
@@ -110,9 +111,16 @@ def simulate(
     median_duration: DurationOpt = 3600.0,
 ) -> None:
     """Replay TRACE on --gpus GPUs under each --policy; write metrics, tables and plots to --out."""
-    console = Console(stderr=True)
     try:
-        cluster = ClusterSpec(gpus=gpus, gpus_per_node=gpus_per_node, device=known_device(device))
+        checks.out_folder(out, "--out")
+        if not no_cache:
+            checks.out_folder(cache_dir, "--cache-dir")
+        if trace != SYNTHETIC:
+            checks.existing_file(Path(trace), "trace file")
+        checks.existing_file(mapping, "--mapping")
+        checks.at_least(plan_workers, 1, "--plan-workers")
+        checks.positive(plan_time_limit, "--plan-time-limit")
+        cluster = ClusterSpec(gpus=gpus, gpus_per_node=gpus_per_node, device=_device(device))
         policies = _policies(policy, no_baseline)
         interference = (
             InterferenceModel.measured(interference_file, min_lend_fraction=min_lend_fraction)
@@ -120,27 +128,43 @@ def simulate(
             else InterferenceModel(fg_slowdown=fg_slowdown, bg_efficiency=bg_efficiency,
                                    min_lend_fraction=min_lend_fraction)
         )
-        settings = PlanSettings(burst_strategy=_strategy(burst_strategy), time_limit_s=plan_time_limit)
+        strategy = _strategy(burst_strategy)
         rule = BackgroundRule.parse(background)
         spec = SyntheticSpec(jobs=jobs, arrivals_per_hour=arrival_rate, size_mix=parse_size_mix(size_mix),
                              median_duration_s=median_duration, seed=seed)
         workload = _workload(trace, pollux_traces, spec)
         chosen = load_mapping(mapping) if mapping is not None else default_mapping()
-        assignment = assign(workload, mapping=chosen, rule=rule, cluster=cluster, seed=seed,
-                            drop_oversized=drop_oversized)
-        book = PlanBook(cluster=cluster, settings=settings, cache_dir=None if no_cache else cache_dir)
-        with _progress(console) as progress:
-            planning = progress.add_task("plans (model x GPUs)", total=len(assignment.needs()))
-            book.prepare(assignment.needs(), lambda done: progress.advance(planning, done), workers=plan_workers)
-            sim = sim_jobs(assignment, book)
-            results = run_policies(sim, policies=policies, cluster=cluster, book=book, interference=interference,
-                                   progress=_job_counter(progress, len(sim)))
+        _simulate(workload, chosen, rule=rule, cluster=cluster, policies=policies, interference=interference,
+                  strategy=strategy, plan_time_limit=plan_time_limit, cache_dir=None if no_cache else cache_dir,
+                  plan_workers=plan_workers, seed=seed, drop_oversized=drop_oversized, out=out, plots=not no_plots)
     except DeeppoolError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)  # SystemExit: also leaves a host CLI run with standalone_mode=False
+
+
+def _simulate(
+    workload: Workload, chosen: ModelMapping, *, rule: BackgroundRule, cluster: ClusterSpec, policies: tuple[str, ...],
+    interference: InterferenceModel, strategy: Strategy, plan_time_limit: float, cache_dir: Path | None,
+    plan_workers: int, seed: int, drop_oversized: bool, out: Path, plots: bool,
+) -> None:
+    """Plan what the trace needs, simulate each policy, report: the work, once every option is checked."""
+    from deeppool.cluster_sim.plans import PlanBook, PlanSettings
+    from deeppool.cluster_sim.runner import assign, run_policies, sim_jobs
+    from deeppool.output import console as shown
+
+    console = shown(stderr=True)
+    settings = PlanSettings(burst_strategy=strategy, time_limit_s=plan_time_limit)
+    assignment = assign(workload, mapping=chosen, rule=rule, cluster=cluster, seed=seed, drop_oversized=drop_oversized)
+    book = PlanBook(cluster=cluster, settings=settings, cache_dir=cache_dir)
+    with _progress(console) as progress:
+        planning = progress.add_task("plans (model x GPUs)", total=len(assignment.needs()))
+        book.prepare(assignment.needs(), lambda done: progress.advance(planning, done), workers=plan_workers)
+        sim = sim_jobs(assignment, book)
+        results = run_policies(sim, policies=policies, cluster=cluster, book=book, interference=interference,
+                               progress=_job_counter(progress, len(sim)))
     run = RunInfo(workload=workload, jobs=len(sim), dropped=assignment.dropped, cluster=cluster, rule=rule,
                   interference=interference, settings=settings, seed=seed, solved=book.solved)
-    _report(results, run, out, console, plots=not no_plots)
+    _report(results, run, out, console, plots=plots)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +199,9 @@ class RunInfo:
 
 
 def _report(results: tuple[SimResult, ...], run: RunInfo, out: Path, console: Console, *, plots: bool) -> None:
+    from deeppool.cluster_sim.metrics import compare, table, write_jobs, write_metrics
+    from deeppool.output import console as stdout
+
     metrics = compare(results)
     write_metrics(metrics, out)
     write_jobs(results, out)
@@ -184,7 +211,7 @@ def _report(results: tuple[SimResult, ...], run: RunInfo, out: Path, console: Co
 
         write_plots(results, out)
     title = f"{Path(run.workload.source).name}: {run.jobs:,} jobs on {run.cluster.describe()}"
-    Console(width=None if sys.stdout.isatty() else TABLE_WIDTH).print(table(metrics, title))
+    stdout().print(table(metrics, title))
     if run.dropped:
         console.print(f"dropped {run.dropped} job(s) asking for more than {run.cluster.gpus} GPUs")
     files = "metrics.json, metrics.csv, jobs.csv, run.json" + ("" if not plots else ", utilisation.png, jct_cdf.png")
@@ -199,10 +226,22 @@ def _policies(requested: list[str], no_baseline: bool) -> tuple[str, ...]:
 
 
 def _strategy(text: str) -> Strategy:
+    from deeppool.planner.plan import Strategy
+
     try:
-        return Strategy(text)
+        strategy = Strategy(text)
     except ValueError:
         raise DeeppoolError(f"--burst-strategy '{text}': use ilp or deeppool") from None
+    if strategy is Strategy.DATA_PARALLEL:
+        raise DeeppoolError("--burst-strategy must be ilp or deeppool (dp is the baseline policy)")
+    return strategy
+
+
+def _device(text: str) -> KnownDevice:
+    try:
+        return known_device(text)
+    except DeeppoolError as err:
+        raise DeeppoolError(f"--device: {err}") from None
 
 
 def _workload(trace: str, pollux_traces: Path | None, spec: SyntheticSpec) -> Workload:
@@ -213,6 +252,8 @@ def _workload(trace: str, pollux_traces: Path | None, spec: SyntheticSpec) -> Wo
 
 @contextmanager
 def _progress(console: Console) -> Iterator[Progress]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         yield progress
@@ -227,7 +268,9 @@ def _job_counter(progress: Progress, total: int) -> Callable[[str], Callable[[in
 
 
 def main() -> None:
-    app()
+    from deeppool.entry import run_app
+
+    run_app(app)
 
 
 if __name__ == "__main__":

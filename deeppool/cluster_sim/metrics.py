@@ -116,9 +116,16 @@ def write_jobs(results: Sequence[SimResult], out: Path) -> None:
                                  f"{r.jct_s:.3f}", r.preemptions])
 
 
+THROUGHPUT_NOTE = (
+    "thr: the jobs' recorded GPU-seconds of work completed per second of makespan (fg: foreground, bg: background); "
+    "vs dp: fg + bg thr over the dp policy's"
+)
+
+
 def table(metrics: Sequence[PolicyMetrics], title: str) -> Table:
-    out = Table(title=title)
-    for column in ("policy", "avg JCT (h)", "p99 JCT (h)", "makespan (h)", "GPU util", "fg thr", "bg thr", "vs dp", "events/s"):
+    out = Table(title=title, caption=THROUGHPUT_NOTE)
+    for column in ("policy", "avg JCT (h)", "p99 JCT (h)", "makespan (h)", "GPU util", "fg thr (GPU-s/s)",
+                   "bg thr (GPU-s/s)", "vs dp", "events/s"):
         out.add_column(column, justify="left" if column == "policy" else "right")
     for m in metrics:
         ratio = "—" if m.cluster_throughput_vs_dp is None else f"{m.cluster_throughput_vs_dp:.3f}x"

@@ -16,7 +16,6 @@ Missing plans are solved one model per worker process (tracing dominates).
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 import multiprocessing
@@ -28,6 +27,7 @@ from pathlib import Path
 import deeppool.planner
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.models import ModelChoice
+from deeppool.cluster_sim.policy import PlanMode
 from deeppool.errors import DeeppoolError
 from deeppool.planner.api import PlanRequest, Planned, device_setup, plan_graph
 from deeppool.planner.graph import LayerGraph
@@ -36,13 +36,6 @@ from deeppool.planner.plan import Plan, Strategy, build_plan
 from deeppool.planner.trace import trace
 
 FACTS_VERSION = 2
-
-
-class PlanMode(enum.Enum):
-    """How a job runs on its whole GPUs: every layer on all of them, or its burst-parallel plan."""
-
-    DATA_PARALLEL = "dp"
-    BURST = "burst"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +90,7 @@ class PlanSettings:
 TRACER_SOURCES = ("graph.py", "layer_exec.py", "modelspec.py", "trace.py")
 PLANNER_SOURCES = TRACER_SOURCES + (
     "api.py", "baselines.py", "candidates.py", "cost.py", "hardware.py", "ilp.py", "plan.py", "profile.py",
+    "request.py",
 )
 """The planner modules a Plan depends on (reports and the profiler do not change one)."""
 

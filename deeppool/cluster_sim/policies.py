@@ -21,8 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import islice
 
-from deeppool.cluster_sim.plans import PlanMode
-from deeppool.cluster_sim.policy import NOTHING, Decision, Lend, Policy, Snapshot, Start
+from deeppool.cluster_sim.policy import NOTHING, Decision, Lend, PlanMode, Policy, Snapshot, Start
 from deeppool.errors import DeeppoolError
 
 

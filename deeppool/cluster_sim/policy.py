@@ -13,12 +13,19 @@ policy looks at the head of an 80,000-job queue without paying for the tail.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Collection, Reversible
 from dataclasses import dataclass
 from typing import Protocol
 
 from deeppool.cluster_sim.models import ModelChoice
-from deeppool.cluster_sim.plans import PlanMode
+
+
+class PlanMode(enum.Enum):
+    """How a job runs on its whole GPUs: every layer on all of them, or its burst-parallel plan."""
+
+    DATA_PARALLEL = "dp"
+    BURST = "burst"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -7,13 +7,22 @@ loader, an idle-window listener, injected communication). See
 ``docs/executor.md``.
 """
 
-from deeppool.executor.api import ModelBuilder, RankResult, train_rank
-from deeppool.executor.comm import Backend, Comm, TorchComm
-from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
-from deeppool.executor.idle import IdleListener, IdleWindowEvent
-from deeppool.executor.summary import RunSummary
+import importlib
+from typing import Any
 
-__all__ = [
-    "Backend", "Comm", "IdleListener", "IdleWindowEvent", "ModelBuilder", "OptimizerConfig", "OptimizerKind",
-    "RankResult", "RunConfig", "RunSummary", "TorchComm", "train_rank",
-]
+_HOMES = {
+    "ModelBuilder": "api", "RankResult": "api", "train_rank": "api",
+    "Backend": "config", "OptimizerConfig": "config", "OptimizerKind": "config", "RunConfig": "config",
+    "Comm": "comm", "TorchComm": "comm",
+    "IdleListener": "idle", "IdleWindowEvent": "idle",
+    "RunSummary": "summary",
+}
+"""Where each public name lives: imported on first use, so ``deeppool --help`` never loads torch."""
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'deeppool.executor' has no attribute '{name}'")
+    return getattr(importlib.import_module(f"deeppool.executor.{_HOMES[name]}"), name)

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.checkpoint import CheckpointConfig, Shard, latest, load, save
+from deeppool.executor.checkpoint import Shard, latest, load, save
 from deeppool.executor.comm import Comm
-from deeppool.executor.config import RunConfig
+from deeppool.executor.config import CheckpointConfig, RunConfig
 from deeppool.executor.data import BatchSource, LoaderBatches, SyntheticBatches
 from deeppool.executor.engine import Engine, EngineParts
 from deeppool.executor.gradients import GradientReducer

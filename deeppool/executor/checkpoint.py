@@ -27,19 +27,6 @@ MARKER = "COMPLETE"
 
 
 @dataclass(frozen=True, kw_only=True)
-class CheckpointConfig:
-    directory: Path
-    every: int = 0
-    """Write after every ``every`` optimizer steps (0: never)."""
-    resume: bool = False
-    """Start from the latest complete checkpoint in ``directory``."""
-
-    def __post_init__(self) -> None:
-        if self.every < 0:
-            raise DeeppoolError(f"--checkpoint-every {self.every} must be >= 0")
-
-
-@dataclass(frozen=True, kw_only=True)
 class Shard:
     """One rank's part of a checkpoint."""
 

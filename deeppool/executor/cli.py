@@ -8,39 +8,38 @@ rank under torchrun. Both take the same run options.
 
 from __future__ import annotations
 
-import sys
+import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
+from deeppool import checks
 from deeppool.errors import DeeppoolError
-from deeppool.executor.checkpoint import CheckpointConfig
-from deeppool.executor.comm import Backend
 from deeppool.executor.config import (
-    DEFAULT_TIMEOUT_S, OptimizerConfig, OptimizerKind, RunConfig, Schedule, ScheduleKind, Training,
+    DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Backend, CheckpointConfig, OptimizerConfig, OptimizerKind, ProbeConfig,
+    RunConfig, Schedule, ScheduleKind, Training,
 )
-from deeppool.executor.netprobe import DEFAULT_SIZES, ProbeConfig, probe_network
-from deeppool.executor.report import fit_table
-from deeppool.executor.worker import RankEnv, report_failure, run_worker
-from deeppool.multiplex.api import launch_with_background
-from deeppool.multiplex.config import MuxMode
+from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.options import (
     AbBlock, BackgroundOpt, BgBatch, BgCheckpointDir, BgLr, BgOptim, MpsPercentage, MuxOpt, SlowdownTarget,
     make_background,
 )
-from deeppool.planner.plan import Plan
+
+if TYPE_CHECKING:
+    from deeppool.planner.plan import Plan
 
 PlanArg = Annotated[Path, typer.Argument(help="plan JSON written by `deeppool plan`")]
-Steps = Annotated[int, typer.Option(help="training iterations")]
-Warmup = Annotated[int, typer.Option(help="iterations left out of the timing medians")]
-Optim = Annotated[OptimizerKind | None, typer.Option("--optimizer", help="optimizer (default: the plan's)")]
+Steps = Annotated[int, typer.Option(help="training iterations, warm-up included")]
+Warmup = Annotated[int | None, typer.Option(
+    help="the first iterations, left out of the timing medians (fewer than --steps)",
+    show_default="5, or --steps - 1 when --steps is 5 or less")]
+Optim = Annotated[OptimizerKind | None, typer.Option("--optimizer", help="optimizer", show_default="the plan's")]
 Lr = Annotated[float, typer.Option(help="learning rate")]
 Momentum = Annotated[float, typer.Option(help="SGD momentum")]
 BackendOpt = Annotated[Backend, typer.Option(help="auto: NCCL with CUDA, else gloo")]
 Timeout = Annotated[float, typer.Option("--timeout", help="seconds before a stalled communication fails")]
-BucketMb = Annotated[float, typer.Option(help="gradient bucket size in MiB (0: per layer, synchronous)")]
+BucketMb = Annotated[float, typer.Option(help="gradient bucket size in MiB (0: per stage, synchronous)")]
 Check = Annotated[bool, typer.Option(
     "--check", help="also train one process in lockstep; compare gradients, buffers and parameters every step"
 )]
@@ -49,6 +48,9 @@ CheckBound = Annotated[float, typer.Option(
     "parameters against their module's scale; fp32 round-off stays under 5e-5)"
 )]
 Out = Annotated[Path, typer.Option("--out", help="directory for traces, summary.json and error records")]
+ModelOpt = Annotated[str | None, typer.Option(
+    "--model", help="rebuild the model from this file or package.module:factory instead of the plan's "
+    "(the plan's input shape and seed are kept)", show_default="the plan's, relative to the plan file")]
 Accumulate = Annotated[int, typer.Option(help="global batches whose gradients are summed per optimizer step")]
 ClipNorm = Annotated[float | None, typer.Option(help="clip gradients to this global L2 norm (whole model)")]
 LrSchedule = Annotated[ScheduleKind, typer.Option(help="learning rate after warm-up: constant, or decaying to 0")]
@@ -56,6 +58,9 @@ LrWarmup = Annotated[int, typer.Option(help="optimizer steps of linear learning-
 CheckpointDir = Annotated[Path | None, typer.Option(help="directory for checkpoints (one shard per rank)")]
 CheckpointEvery = Annotated[int, typer.Option(help="write a checkpoint every N optimizer steps (0: never)")]
 Resume = Annotated[bool, typer.Option("--resume", help="continue from the latest complete checkpoint")]
+DEFAULT_WARMUP = 5
+CPU_RANKS_PER_CORE = 4
+"""gloo ranks on CPU share the cores; beyond this many per core a run measures only contention."""
 
 app = typer.Typer(add_completion=False, help="Run a plan on torch.distributed.")
 worker_app = typer.Typer(add_completion=False, help="One rank of a plan (start it with torchrun).")
@@ -67,17 +72,23 @@ def _group() -> None:
 
 
 def make_config(
-    *, steps: int, warmup: int, optimizer: OptimizerKind, lr: float, momentum: float, backend: Backend,
+    *, steps: int, warmup: int | None, optimizer: OptimizerKind, lr: float, momentum: float, backend: Backend,
     timeout: float, bucket_mb: float, check: bool, check_bound: float, out: Path, accumulate: int = 1,
     clip_norm: float | None = None, lr_schedule: ScheduleKind = ScheduleKind.CONSTANT, lr_warmup: int = 0,
     checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume: bool = False,
 ) -> RunConfig:
+    """The run's config; ``warmup=None`` is the default: 5, or one less than ``steps`` when that is fewer."""
+    if warmup is not None and steps >= 1 and warmup >= steps:
+        raise DeeppoolError(
+            f"--warmup {warmup} must be less than --steps {steps}: the warm-up iterations are not timed, "
+            f"so at least one must remain (e.g. --warmup {max(steps - 1, 0)})"
+        )
     training = Training(
         accumulate=accumulate, clip_norm=clip_norm,
-        schedule=Schedule(kind=lr_schedule, warmup_steps=lr_warmup, total_steps=steps),
+        schedule=Schedule(kind=lr_schedule, warmup_steps=lr_warmup, total_steps=max(steps, 1)),
     )
     return RunConfig(
-        steps=steps, warmup=min(warmup, max(steps - 1, 0)),
+        steps=steps, warmup=min(DEFAULT_WARMUP, max(steps - 1, 0)) if warmup is None else warmup,
         optimizer=OptimizerConfig(kind=optimizer, lr=lr, momentum=momentum),
         backend=backend, timeout_s=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out_dir=out,
         training=training,
@@ -109,8 +120,9 @@ def config_args(config: RunConfig) -> list[str]:
 @app.command()
 def run(
     plan: PlanArg,
-    nproc: Annotated[int | None, typer.Option(help="ranks to start here (default: the plan's GPU count)")] = None,
-    steps: Steps = 50, warmup: Warmup = 5, optimizer: Optim = None, lr: Lr = 0.01,
+    nproc: Annotated[int | None, typer.Option(help="ranks to start here", show_default="the plan's GPU count")] = None,
+    model: ModelOpt = None,
+    steps: Steps = 50, warmup: Warmup = None, optimizer: Optim = None, lr: Lr = 0.01,
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
@@ -121,7 +133,16 @@ def run(
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
 ) -> None:
     """Train with PLAN on --nproc local ranks (torchrun underneath) and print the timing summary."""
+    from deeppool.planner.plan import Plan
+
+    checks.existing_file(plan, "plan file")
+    checks.out_folder(out, "--out")
+    checks.existing_file(background, "--background")
+    if bg_checkpoint_dir is not None:
+        checks.out_folder(bg_checkpoint_dir, "--bg-checkpoint-dir")
     loaded = Plan.load(plan)
+    ranks = nproc if nproc is not None else loaded.gpus
+    check_ranks(ranks, loaded, given=nproc is not None)
     config = make_config(
         steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
         backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
@@ -133,8 +154,73 @@ def run(
         slowdown_target=slowdown_target, ab_block=ab_block, bg_checkpoint_dir=bg_checkpoint_dir,
         mps_percentage=mps_percentage, out=out,
     )
-    ranks = nproc if nproc is not None else loaded.gpus
-    launch_with_background(plan, nproc=ranks, config=config, background=bg, worker_args=config_args(config))
+    if model is None:
+        check_model_here(loaded, plan)
+    path = plan if model is None else with_model(loaded, model, out)
+    _launch(path, ranks=ranks, config=config, background=bg)
+
+
+def check_model_here(plan: Plan, path: Path) -> None:
+    """The plan's model can be rebuilt here, or the one line says to give --model."""
+    from deeppool.planner.modelspec import ModelSource
+
+    spec = plan.model
+    if spec.source is ModelSource.PYTHON:
+        raise DeeppoolError(f"plan '{path}' was made from a module built in Python ('{spec.location}'): "
+                            "give --model model.py (or package.module:factory) to rebuild it")
+    if spec.source in (ModelSource.FILE, ModelSource.SAVED) and not Path(spec.location).is_file():
+        raise DeeppoolError(f"plan '{path}' names model '{spec.location}', which is not here: "
+                            "give --model PATH to the model file on this machine")
+
+
+def check_ranks(ranks: int, plan: Plan, *, given: bool) -> None:
+    """The ranks match the plan and fit this machine: one GPU each, or a few per CPU core."""
+    flag = "--nproc" if given else f"the plan's {plan.gpus} GPUs (--nproc's default)"
+    if ranks < 1:
+        raise DeeppoolError(f"--nproc {ranks} must be at least 1")
+    if ranks != plan.gpus:
+        raise DeeppoolError(f"--nproc {ranks} differs from the plan's {plan.gpus} GPUs: use --nproc {plan.gpus} "
+                            "or re-plan for this many")
+    slots, kind = local_slots()
+    if ranks > slots:
+        raise DeeppoolError(
+            f"{flag}: {ranks} ranks is more than this machine runs ({kind}); "
+            f"re-plan for at most {slots} GPUs to run here, or run the plan with torchrun on more machines"
+        )
+
+
+def local_slots() -> tuple[int, str]:
+    """How many ranks this machine runs, and why: its CUDA GPUs, else a few gloo ranks per CPU core."""
+    import torch
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        return count, f"{count} CUDA GPU(s), one rank each"
+    cores = os.cpu_count() or 1
+    return CPU_RANKS_PER_CORE * cores, f"{cores} CPU core(s), at most {CPU_RANKS_PER_CORE} gloo ranks per core"
+
+
+def with_model(plan: Plan, model: str, out: Path) -> Path:
+    """A copy of ``plan`` in ``out`` whose model is rebuilt from ``model`` (the plan's inputs and seed kept)."""
+    import dataclasses
+
+    from deeppool.planner.modelspec import ModelSpec
+
+    if model.endswith(".py") or Path(model).exists():
+        spec = ModelSpec.parse(model, seed=plan.model.seed)  # a model file makes its own inputs
+    else:
+        spec = ModelSpec.parse(model, input_shape=plan.model.input_shape, input_dtype=plan.model.input_dtype,
+                               vocab_size=plan.model.vocab_size, seed=plan.model.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "plan.json"
+    dataclasses.replace(plan, model=spec).save(path)
+    return path
+
+
+def _launch(plan: Path, *, ranks: int, config: RunConfig, background: BackgroundConfig | None) -> None:
+    from deeppool.multiplex.api import launch_with_background
+
+    launch_with_background(plan, nproc=ranks, config=config, background=background, worker_args=config_args(config))
 
 
 def plan_optimizer(plan: Plan) -> OptimizerKind:
@@ -152,28 +238,35 @@ def profile_network(
     warmup: Annotated[int, typer.Option(help="untimed runs per size")] = 3,
 ) -> None:
     """Measure gloo all-reduce and point-to-point here and fit the cost model's latency and bandwidth."""
-    config = ProbeConfig(nproc=nproc, sizes=_sizes(sizes), repeats=repeats, warmup=warmup)
+    checks.new_file(out, "--out")
+    config = ProbeConfig(nproc=nproc, sizes=checks.ints(sizes, "--sizes", "4096,1048576"), repeats=repeats,
+                         warmup=warmup)
+    cores = os.cpu_count() or 1
+    if nproc > CPU_RANKS_PER_CORE * cores:
+        raise DeeppoolError(f"--nproc {nproc} is more than {CPU_RANKS_PER_CORE} processes per CPU core "
+                            f"({cores} here): the probe would measure contention, not the network")
+    _probe(config, out)
+
+
+def _probe(config: ProbeConfig, out: Path) -> None:
+    from deeppool.executor.netprobe import probe_network
+    from deeppool.executor.report import fit_table
+    from deeppool.output import console
+
     fitted = probe_network(config)
     fitted.save(out)
-    console = Console()
-    console.print(fit_table(fitted))
-    console.print(
+    shown = console()
+    shown.print(fit_table(fitted))
+    shown.print(
         f"fitted: latency {fitted.latency_s * 1e6:.1f} us, bandwidth {fitted.bandwidth / 1e9:.3f} GB/s "
-        f"({nproc} gloo processes); network written to {out}",
+        f"({config.nproc} gloo processes); network written to {out}",
         highlight=False,
     )
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise DeeppoolError(f"--sizes '{text}' is not comma-separated integers (bytes), e.g. 4096,1048576") from None
-
-
 @worker_app.command()
 def worker(
-    plan: PlanArg, steps: Steps = 50, warmup: Warmup = 5, optimizer: Optim = None, lr: Lr = 0.01,
+    plan: PlanArg, steps: Steps = 50, warmup: Warmup = None, optimizer: Optim = None, lr: Lr = 0.01,
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
@@ -184,6 +277,9 @@ def worker(
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
 ) -> None:
     """Run this process's rank of PLAN (rank and world from torchrun's environment)."""
+    from deeppool.executor.worker import RankEnv, run_worker
+    from deeppool.planner.plan import Plan
+
     env = RankEnv.from_environ()
     try:
         config = make_config(
@@ -201,19 +297,17 @@ def worker(
     except BaseException as err:  # every failure leaves a record naming this rank
         if isinstance(err, (SystemExit, typer.Exit)):
             raise
+        from deeppool.executor.worker import report_failure
+
         kind = report_failure(err, env, out)
         raise SystemExit(kind.value) from None
 
 
 def main() -> None:
     """Standalone entry (``python -m deeppool.executor.cli run ...``): user errors as one line, exit 2."""
-    try:
-        app(standalone_mode=False)
-    except DeeppoolError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(getattr(err, "exit_code", 2)) from None
-    except typer.Abort:
-        raise SystemExit(130) from None
+    from deeppool.entry import run_app
+
+    run_app(app)
 
 
 if __name__ == "__main__":

@@ -10,24 +10,15 @@ in-process fake with the same protocol.
 from __future__ import annotations
 
 import datetime
-import enum
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from deeppool.executor.config import Backend
 
-class Backend(enum.Enum):
-    AUTO = "auto"
-    GLOO = "gloo"
-    NCCL = "nccl"
-
-    def resolve(self, cuda_available: bool) -> Backend:
-        """AUTO is NCCL when CUDA is available, else gloo."""
-        if self is not Backend.AUTO:
-            return self
-        return Backend.NCCL if cuda_available else Backend.GLOO
+__all__ = ["Backend", "Comm", "Done", "PeerError", "TorchComm", "Waitable"]
 
 
 class Waitable(Protocol):

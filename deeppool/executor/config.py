@@ -3,16 +3,32 @@
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Iterable
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.checkpoint import CheckpointConfig
-from deeppool.executor.comm import Backend
+
+if TYPE_CHECKING:  # torch loads when an optimizer is built: the CLI checks options without it
+    import torch
+
+
+class Backend(enum.Enum):
+    AUTO = "auto"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+    def resolve(self, cuda_available: bool) -> Backend:
+        """AUTO is NCCL when CUDA is available, else gloo."""
+        if self is not Backend.AUTO:
+            return self
+        return Backend.NCCL if cuda_available else Backend.GLOO
+
+
+DEFAULT_TIMEOUT_S = 60.0
+"""Seconds before a stalled communication fails: a hung rank is named about this long after it stops."""
 
 
 class OptimizerKind(enum.Enum):
@@ -20,8 +36,25 @@ class OptimizerKind(enum.Enum):
     ADAM = "adam"
 
 
-DEFAULT_TIMEOUT_S = 60.0
-"""Seconds before a stalled communication fails: a hung rank is named about this long after it stops."""
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    kind: OptimizerKind = OptimizerKind.SGD
+    lr: float = 0.01
+    momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise DeeppoolError(f"--lr {self.lr} must be positive")
+        if not 0 <= self.momentum < 1:
+            raise DeeppoolError(f"--momentum {self.momentum} must be in [0, 1)")
+
+    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        import torch
+
+        params = list(params)
+        if self.kind is OptimizerKind.ADAM:
+            return torch.optim.Adam(params, lr=self.lr)
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
 
 
 class ScheduleKind(enum.Enum):
@@ -58,6 +91,8 @@ class Schedule:
         return 0.5 * (1.0 + math.cos(math.pi * done))
 
     def build(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        import torch
+
         return torch.optim.lr_scheduler.LambdaLR(optimizer, self.factor)
 
 
@@ -77,23 +112,20 @@ class Training:
         if self.clip_norm is not None and self.clip_norm <= 0:
             raise DeeppoolError(f"--clip-norm {self.clip_norm} must be positive")
 
+
 @dataclass(frozen=True, kw_only=True)
-class OptimizerConfig:
-    kind: OptimizerKind = OptimizerKind.SGD
-    lr: float = 0.01
-    momentum: float = 0.0
+class CheckpointConfig:
+    """Where checkpoints go (:mod:`deeppool.executor.checkpoint`), how often, and whether to resume."""
+
+    directory: Path
+    every: int = 0
+    """Write after every ``every`` optimizer steps (0: never)."""
+    resume: bool = False
+    """Start from the latest complete checkpoint in ``directory``."""
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise DeeppoolError(f"--lr {self.lr} must be positive")
-        if not 0 <= self.momentum < 1:
-            raise DeeppoolError(f"--momentum {self.momentum} must be in [0, 1)")
-
-    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        params = list(params)
-        if self.kind is OptimizerKind.ADAM:
-            return torch.optim.Adam(params, lr=self.lr)
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
+        if self.every < 0:
+            raise DeeppoolError(f"--checkpoint-every {self.every} must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,3 +161,29 @@ class RunConfig:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 2**20)
+
+
+DEFAULT_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20)
+"""Message sizes in bytes: 4 KiB to 64 MiB (a reshard of a few samples to a large gradient bucket)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeConfig:
+    """What to measure: ranks, message sizes (bytes), repeats, warm-up runs, timeout."""
+
+    nproc: int = 2
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    repeats: int = 10
+    warmup: int = 3
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.nproc < 2:
+            raise DeeppoolError(f"--nproc {self.nproc}: measuring a network needs at least 2 processes")
+        if not self.sizes or min(self.sizes) < 4:
+            sizes = ",".join(map(str, self.sizes))
+            raise DeeppoolError(f"--sizes {sizes}: every message size must be at least 4 bytes")
+        if self.repeats < 1:
+            raise DeeppoolError(f"--repeats {self.repeats} must be at least 1")
+        if self.warmup < 0:
+            raise DeeppoolError(f"--warmup {self.warmup} must be >= 0")

@@ -46,12 +46,9 @@ import numpy as np
 import torch
 
 from deeppool.errors import DeeppoolError
+from deeppool.executor.config import DEFAULT_SIZES, ProbeConfig
 from deeppool.planner.hardware import LOCAL_NETWORK, NETWORK_SCHEMA_VERSION, NetworkModel
 from deeppool.planner.jsonio import write_json
-
-DEFAULT_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20)
-"""Message sizes in bytes: 4 KiB to 64 MiB (a reshard of a few samples to a large gradient bucket)."""
-
 
 class Pattern(enum.Enum):
     P2P = "p2p"
@@ -76,25 +73,6 @@ class Sample:
 
     def to_json(self) -> dict[str, Any]:
         return {"pattern": self.pattern.value, "ranks": self.ranks, "bytes": self.nbytes, "seconds": self.seconds}
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProbeConfig:
-    """What to measure: ranks, message sizes (bytes), repeats, warm-up runs, timeout."""
-
-    nproc: int = 2
-    sizes: tuple[int, ...] = DEFAULT_SIZES
-    repeats: int = 10
-    warmup: int = 3
-    timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        if self.nproc < 2:
-            raise DeeppoolError(f"--nproc {self.nproc}: measuring a network needs at least 2 processes")
-        if not self.sizes or min(self.sizes) < 4:
-            raise DeeppoolError("--sizes must be message sizes of at least 4 bytes")
-        if self.repeats < 1 or self.warmup < 0:
-            raise DeeppoolError("--repeats must be >= 1 and --warmup >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,13 +14,15 @@ def _ratio(measured: float, predicted: float) -> str:
 
 
 def stage_table(summary: RunSummary, *, limit: int = 40) -> Table:
-    """Measured vs predicted per-stage ms (the ``limit`` stages with the most predicted time)."""
-    table = Table(title="per-stage time, ms (measured = median, slowest rank of the stage)")
+    """Measured vs predicted per-stage ms, in stage order (beyond ``limit`` stages, those with the most time)."""
+    table = Table(title="per-stage time, ms (measured = median, slowest rank of the stage), in stage order")
     for column in ("stage", "layers", "gpus", "fwd pred", "fwd meas", "bwd pred", "bwd meas", "AR pred", "AR meas",
                    "meas/pred"):
         table.add_column(column, justify="left" if column == "stage" else "right")
-    rows = sorted(summary.stages, key=lambda s: s.fwd_predicted + s.bwd_predicted + s.allreduce_predicted, reverse=True)
-    for stage in rows[:limit]:
+    rows = list(summary.stages)
+    heaviest = sorted(rows, key=lambda s: s.fwd_predicted + s.bwd_predicted + s.allreduce_predicted, reverse=True)
+    shown = {id(stage) for stage in heaviest[:limit]}
+    for stage in (stage for stage in rows if id(stage) in shown):
         predicted = stage.fwd_predicted + stage.bwd_predicted
         measured = stage.fwd_measured + stage.bwd_measured
         table.add_row(
@@ -32,7 +34,7 @@ def stage_table(summary: RunSummary, *, limit: int = 40) -> Table:
             _ratio(measured, predicted),
         )
     if len(rows) > limit:
-        table.caption = f"{len(rows) - limit} more stages in summary.json"
+        table.caption = f"the {limit} stages with the most predicted time; {len(rows) - limit} more in summary.json"
     return table
 
 

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.api import RankResult, train_rank
@@ -37,6 +36,7 @@ from deeppool.multiplex.config import BackgroundConfig
 from deeppool.multiplex.hook import Multiplexer
 from deeppool.multiplex.metrics import MultiplexReport
 from deeppool.multiplex.report import print_report
+from deeppool.output import console
 from deeppool.planner.jsonio import write_json
 from deeppool.planner.plan import Plan
 
@@ -92,10 +92,10 @@ def run_worker(plan_path: Path, config: RunConfig, env: RankEnv, background: Bac
     _write_outputs(result, config.out_dir, mux.trace_spans() if mux else [], report)
     dist.destroy_process_group()
     if result.summary is not None:
-        console = Console(width=None if sys.stdout.isatty() else 160)
-        print_summary(result.summary, console)
+        shown = console()
+        print_summary(result.summary, shown)
         if report is not None:
-            print_report(report, console)
+            print_report(report, shown)
         check = result.summary.check
         if check is not None and not check.passed:
             where = f" ({check.worst.describe()})" if check.worst is not None else ""

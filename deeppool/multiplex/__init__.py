@@ -9,8 +9,19 @@ keeps the foreground's slowdown under a target. Modes (:class:`MuxMode`):
 ``mps`` on a GPU. See ``docs/multiplex.md``.
 """
 
-from deeppool.multiplex.api import run
-from deeppool.multiplex.config import ABSchedule, BackgroundConfig, MuxMode
-from deeppool.multiplex.metrics import MultiplexReport
+import importlib
+from typing import Any
 
-__all__ = ["ABSchedule", "BackgroundConfig", "MultiplexReport", "MuxMode", "run"]
+_HOMES = {
+    "run": "api", "ABSchedule": "config", "BackgroundConfig": "config", "MuxMode": "config",
+    "MultiplexReport": "metrics",
+}
+"""Where each public name lives: imported on first use, so ``deeppool --help`` never loads torch."""
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'deeppool.multiplex' has no attribute '{name}'")
+    return getattr(importlib.import_module(f"deeppool.multiplex.{_HOMES[name]}"), name)

@@ -9,17 +9,24 @@ its ``multiplex`` section).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deeppool.executor.config import RunConfig
 from deeppool.executor.launch import launch
 from deeppool.multiplex import preflight
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.options import background_args
+from deeppool.errors import DeeppoolError
+from deeppool.planner.modelspec import ModelSource, ModelSpec
 from deeppool.planner.plan import Plan
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def launch_with_background(
@@ -38,23 +45,51 @@ def launch_with_background(
 
 
 def run(
-    plan: Plan | Path | str, *, background: BackgroundConfig | None = None, config: RunConfig | None = None,
-    nproc: int | None = None,
+    plan: Plan | Path | str, *, model: nn.Module | None = None, background: BackgroundConfig | None = None,
+    config: RunConfig | None = None, nproc: int | None = None,
 ) -> dict[str, Any]:
-    """Train ``plan`` on local ranks (with ``background`` in its idle windows); returns ``summary.json``."""
+    """Train ``plan`` on local ranks (with ``background`` in its idle windows); returns ``summary.json``.
+
+    ``model`` is the module itself, for a plan made from Python (``deeppool.plan(module, ...)``): it is
+    saved next to the run's copy of the plan, and every rank loads it from there.
+    """
     from deeppool.executor.cli import config_args  # the CLI's option spelling, one place
 
     config = config or RunConfig(out_dir=Path(tempfile.mkdtemp(prefix="deeppool-run-")))
     if config.out_dir is None:
-        config = RunConfig(**{**config.__dict__, "out_dir": Path(tempfile.mkdtemp(prefix="deeppool-run-"))})
+        config = dataclasses.replace(config, out_dir=Path(tempfile.mkdtemp(prefix="deeppool-run-")))
     assert config.out_dir is not None
-    if isinstance(plan, Plan):
+    loaded = plan if isinstance(plan, Plan) else Plan.load(plan)
+    if model is not None:
+        loaded = dataclasses.replace(loaded, model=_saved(model, loaded.model, config.out_dir))
+    if loaded.model.source is ModelSource.PYTHON:
+        raise DeeppoolError(f"the plan's model '{loaded.model.location}' was built in Python: "
+                            "pass it as deeppool.run(plan, model=module)")
+    if isinstance(plan, Plan) or model is not None:
         path = config.out_dir / "plan.json"
-        config.out_dir.mkdir(parents=True, exist_ok=True)
-        plan.save(path)
+        loaded.save(path)
     else:
         path = Path(plan)
-    gpus = Plan.load(path).gpus
-    launch_with_background(path, nproc=nproc or gpus, config=config, background=background,
+    launch_with_background(path, nproc=nproc or loaded.gpus, config=config, background=background,
                            worker_args=config_args(config))
     return json.loads((config.out_dir / "summary.json").read_text())
+
+
+def _saved(module: nn.Module, planned: ModelSpec, out: Path) -> ModelSpec:
+    """``module`` pickled into ``out`` for the ranks, with the inputs the plan was made with."""
+    import torch
+
+    cls = type(module)
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        where = "a function" if "<locals>" in cls.__qualname__ else "__main__"
+        raise DeeppoolError(
+            f"model class {cls.__qualname__} is defined in {where}, so the ranks cannot import it: "
+            "define it in a module (a .py file next to your script) or give a model file"
+        )
+    if planned.source is ModelSource.FILE or not planned.input_shape:
+        raise DeeppoolError("model= needs a plan made from Python with one input tensor: "
+                            "for a model file, run `deeppool run PLAN --model model.py`")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "model.pt"
+    torch.save(module, path)
+    return dataclasses.replace(planned, source=ModelSource.SAVED, location=str(path.resolve()), root=os.getcwd())

@@ -6,23 +6,27 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
+from deeppool import checks
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
-from deeppool.multiplex.bench import bench
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
-from deeppool.multiplex.report import mode_table
+
+BENCH_WARMUP = 3
+"""Foreground iterations of each mode left out of the timing."""
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Background jobs on a plan's idle windows.")
 
 
 def _modes(text: str) -> tuple[MuxMode, ...]:
     try:
-        return tuple(MuxMode(part.strip()) for part in text.split(","))
+        chosen = tuple(MuxMode(part.strip()) for part in text.split(","))
     except ValueError:
         names = ", ".join(m.value for m in MuxMode)
         raise DeeppoolError(f"--modes '{text}': each must be one of {names}") from None
+    if len(set(chosen)) != len(chosen):
+        raise DeeppoolError(f"--modes '{text}' names a mode twice")
+    return chosen
 
 
 @app.command("bench")
@@ -38,10 +42,31 @@ def bench_command(
     slowdown_target: Annotated[float, typer.Option(help="foreground slowdown target (fraction)")] = 0.05,
 ) -> None:
     """Run PLAN with the background in each mode and compare the foreground alone vs shared."""
+    from deeppool.planner.plan import Plan
+
+    checks.existing_file(plan, "plan file")
+    checks.existing_file(background, "--background")
+    checks.out_folder(out, "--out")
+    chosen = _modes(modes)
+    checks.positive(bg_lr, "--bg-lr")
+    if steps <= BENCH_WARMUP:
+        raise DeeppoolError(f"--steps {steps} must be more than the {BENCH_WARMUP} warm-up iterations of each mode")
     config = BackgroundConfig(model=background.resolve(), batch=bg_batch, slowdown_target=slowdown_target,
                               optimizer=OptimizerConfig(kind=bg_optimizer, lr=bg_lr))
-    reports = bench(plan, config, _modes(modes), config=RunConfig(steps=steps, warmup=3, out_dir=out), out=out)
-    console = Console()
-    console.print(mode_table(reports, title=f"multiplex bench: {plan.name}, background {background.name}"))
-    console.print(f"wrote {out}/multiplex.json and {out}/interference.json (for `deeppool simulate --interference`)",
+    run_config = RunConfig(steps=steps, warmup=BENCH_WARMUP, out_dir=out)
+    Plan.load(plan)  # a corrupted or old plan is refused before any run starts
+    _bench(plan, config, chosen, run_config, background=background)
+
+
+def _bench(plan: Path, config: BackgroundConfig, modes: tuple[MuxMode, ...], run_config: RunConfig, *,
+           background: Path) -> None:
+    from deeppool.multiplex.bench import bench
+    from deeppool.multiplex.report import mode_table
+    from deeppool.output import console
+
+    out = run_config.out_dir
+    reports = bench(plan, config, modes, config=run_config, out=out)
+    shown = console()
+    shown.print(mode_table(reports, title=f"multiplex bench: {plan.name}, background {background.name}"))
+    shown.print(f"wrote {out}/multiplex.json and {out}/interference.json (for `deeppool simulate --interference`)",
                   highlight=False)

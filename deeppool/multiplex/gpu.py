@@ -109,7 +109,6 @@ class StreamBackground:
         self._result: dict[str, object] = {"steps": 0, "busy_s": 0.0, "tokens": 0, "dropped": 0, "losses": [],
                                            "windows": [], "error": None, "start_step": 0}
         self._thread = threading.Thread(target=self._main, name=f"deeppool-bg-rank{rank}", daemon=True)
-        self._thread.start()
 
     def admit(self, deadline_s: float, window_ms: float) -> None:
         del window_ms
@@ -124,11 +123,19 @@ class StreamBackground:
         del on
 
     def wait_ready(self, timeout_s: float) -> None:
-        del timeout_s  # tokens queue up until the graphs are captured; stale ones are skipped
+        """Start the thread at the first shared block, once the foreground has built and seeded its model.
+
+        The background seeds its data with the process's global RNG, so it must not run while the
+        foreground initialises. Tokens queue up until the graphs are captured; stale ones are skipped.
+        """
+        del timeout_s
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> RankBackground:
         self._tokens.put(None)
-        self._thread.join(timeout_s)
+        if self._thread.ident is not None:
+            self._thread.join(timeout_s)
         r = self._result
         return RankBackground(
             rank=self.rank, pid=os.getpid(), exit_code=0 if r["error"] is None else 1, start_step=int(r["start_step"]),

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from deeppool import checks
 from deeppool.executor.config import OptimizerConfig, OptimizerKind
 from deeppool.multiplex.config import ABSchedule, BackgroundConfig, MuxMode
 
@@ -29,6 +30,7 @@ def make_background(
 ) -> BackgroundConfig | None:
     if background is None:
         return None
+    checks.positive(bg_lr, "--bg-lr")
     return BackgroundConfig(
         model=background.resolve(), batch=bg_batch, optimizer=OptimizerConfig(kind=bg_optimizer, lr=bg_lr),
         mode=mux, slowdown_target=slowdown_target, schedule=ABSchedule(block=ab_block),

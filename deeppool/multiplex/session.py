@@ -29,7 +29,7 @@ from typing import Protocol
 
 from deeppool.executor.idle import IdleWindowEvent
 from deeppool.multiplex.config import BackgroundConfig
-from deeppool.multiplex.controller import ControllerConfig, SlowdownController
+from deeppool.multiplex.controller import ControllerConfig, SlowdownController, relative_noise
 from deeppool.multiplex.metrics import RankBackground
 
 BASELINE_KEEP = 16
@@ -101,7 +101,7 @@ class Session:
             if not schedule.shared(self._step) and self._step >= 1:  # step 0 warms up
                 self.alone_ms = (self.alone_ms + [elapsed_ms])[-BASELINE_KEEP:]
             elif schedule.measured(self._step) and self.alone_ms:
-                self.controller.observe(elapsed_ms, statistics.median(self.alone_ms))
+                self.controller.observe(elapsed_ms, statistics.median(self.alone_ms), relative_noise(self.alone_ms))
         self._step, self._step_start = event.step, event.iteration_start_s
         on = schedule.shared(event.step)
         if on and not self._on:  # a transition step, never measured: the background must be up to share

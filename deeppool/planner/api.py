@@ -8,55 +8,29 @@ Python entry point for an ``nn.Module`` and example inputs.
 
 from __future__ import annotations
 
+import importlib
+import operator
+import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from deeppool.errors import DeeppoolError
 from deeppool.planner import baselines
 from deeppool.planner.batching import check_per_sample
 from deeppool.planner.candidates import Limits, allowed_counts, check_memory, thinned_counts, useful_counts
-from deeppool.planner.cost import CostModel, Optimizer
+from deeppool.planner.cost import CostModel
 from deeppool.planner.graph import LayerGraph
-from deeppool.planner.hardware import DEVICES, LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, known_device
-from deeppool.planner.ilp import SolverName, solve
+from deeppool.planner.hardware import DEVICES, NETWORKS, NetworkModel, known_device
+from deeppool.planner.ilp import solve
 from deeppool.planner.modelspec import LoadedModel, ModelSource, ModelSpec, default_loss
 from deeppool.planner.plan import Plan, SolverInfo, Strategy, build_plan
 from deeppool.planner.profile import Profile, estimated_profile
 from deeppool.planner.profiler import ProfilerConfig, measure_profile
+from deeppool.planner.request import LOCAL, CostSource, PlanRequest, check_samples
 from deeppool.planner.trace import Traced, trace
 
-LOCAL = "local"
-DEFAULT_MAX_CANDIDATES = 32
-"""Keeps every useful count up to a global batch of about 300; thins larger problems."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanRequest:
-    """What to plan for: GPUs, global batch, strategy and limits."""
-
-    gpus: int
-    global_batch: int
-    strategy: Strategy = Strategy.ILP
-    optimizer: Optimizer = Optimizer.SGD
-    amplification: float | None = None
-    enforce_memory: bool = True
-    time_limit_s: float = 60.0
-    solver: SolverName | None = None
-    max_candidates: int | None = DEFAULT_MAX_CANDIDATES
-
-    def __post_init__(self) -> None:
-        if self.gpus < 1:
-            raise DeeppoolError(f"--gpus {self.gpus}: plan for at least 1 GPU")
-        if self.global_batch < 1:
-            raise DeeppoolError(f"--batch {self.global_batch}: the global batch must be at least 1")
-        if self.time_limit_s <= 0:
-            raise DeeppoolError("--time-limit must be positive")
-        if self.max_candidates is not None and self.max_candidates < 2:
-            raise DeeppoolError("--max-candidates must be at least 2 (0 keeps every useful count)")
-        Limits(amplification=self.amplification)
+__all__ = ["LOCAL", "CostSource", "PlanRequest", "Planned", "device_setup", "plan", "plan_graph", "plan_model"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,73 +124,19 @@ def device_setup(device_model: str, global_batch: int, gpus: int, graph: LayerGr
     return estimated_profile(graph, DEVICES[known], planner_batches(gpus, global_batch)), NETWORKS[known]
 
 
-@dataclass(frozen=True, kw_only=True)
-class CostSource:
-    """Where layer times come from: a device model, a profile file, or measuring here.
-
-    ``device_model`` is v100/a100/h100 (estimated) or ``local`` (measured on
-    ``local_device`` at the planner's per-GPU batches up to
-    ``max_measured_batch``, larger ones extrapolated). ``network`` names a
-    preset (a device model or ``local``), ``network_file`` a measured network
-    (``deeppool profile-network``) instead; the three overrides replace figures.
-    """
-
-    device_model: str = LOCAL
-    profile_path: Path | None = None
-    local_device: str = "cpu"
-    max_measured_batch: int = 32
-    cache_dir: Path | None = None
-    network: str | None = None
-    network_file: Path | None = None
-    gpus_per_node: int | None = None
-    intra_gbps: float | None = None
-    inter_gbps: float | None = None
-    show_progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.device_model != LOCAL:
-            known_device(self.device_model)
-        if self.network not in (None, LOCAL):
-            known_device(self.network)
-        if self.network is not None and self.network_file is not None:
-            raise DeeppoolError("give either --network or --network-file, not both")
-        if self.network_file is not None:
-            NetworkModel.load(self.network_file)  # a bad file is refused before any tracing
-        if self.max_measured_batch < 1:
-            raise DeeppoolError("--max-measured-batch must be >= 1")
-
-    @property
-    def measures_locally(self) -> bool:
-        return self.profile_path is None and self.device_model == LOCAL
-
-    def network_model(self, profile: Profile) -> NetworkModel:
-        if self.network_file is not None:
-            base = NetworkModel.load(self.network_file)
-        else:
-            preset = self.network or self._preset_for(profile)
-            base = LOCAL_NETWORK if preset == LOCAL else NETWORKS[known_device(preset)]
-        return base.with_overrides(
-            gpus_per_node=self.gpus_per_node, intra_gbps=self.intra_gbps, inter_gbps=self.inter_gbps
-        )
-
-    def _preset_for(self, profile: Profile) -> str:
-        if self.profile_path is None:
-            return self.device_model
-        named = [known.value for known in KnownDevice if known.value in profile.device.lower()]
-        return named[0] if named else LOCAL
-
-    def profile(self, traced: Traced, loaded: LoadedModel, request: PlanRequest) -> Profile:
-        if self.profile_path is not None:
-            return Profile.load(self.profile_path)
-        if self.device_model != LOCAL:
-            return device_setup(self.device_model, request.global_batch, request.gpus, traced.graph)[0]
-        batches = planner_batches(request.gpus, request.global_batch)
-        measured = tuple(b for b in batches if b <= self.max_measured_batch) or (min(batches),)
-        config = ProfilerConfig(
-            device=self.local_device, batches=measured, cache_dir=self.cache_dir,
-            show_progress=self.show_progress,
-        )
-        return measure_profile(traced, loaded, config)
+def source_profile(source: CostSource, traced: Traced, loaded: LoadedModel, request: PlanRequest) -> Profile:
+    """The layer times ``source`` names: read, estimated for a device model, or measured here."""
+    if source.profile_path is not None:
+        return Profile.load(source.profile_path)
+    if source.device_model != LOCAL:
+        return device_setup(source.device_model, request.global_batch, request.gpus, traced.graph)[0]
+    batches = planner_batches(request.gpus, request.global_batch)
+    measured = tuple(b for b in batches if b <= source.max_measured_batch) or (min(batches),)
+    config = ProfilerConfig(
+        device=source.local_device, batches=measured, cache_dir=source.cache_dir,
+        show_progress=source.show_progress,
+    )
+    return measure_profile(traced, loaded, config)
 
 
 def plan_model(spec: ModelSpec, request: PlanRequest, source: CostSource) -> Planned:
@@ -225,13 +145,13 @@ def plan_model(spec: ModelSpec, request: PlanRequest, source: CostSource) -> Pla
     traced = trace(loaded)
     if source.measures_locally:
         check_per_sample(traced, loaded, seed=spec.seed)
-    profile = source.profile(traced, loaded, request)
+    profile = source_profile(source, traced, loaded, request)
     return plan_graph(traced.graph, profile, source.network_model(profile), request, model=spec)
 
 
 def plan(
     module: nn.Module,
-    example_inputs: tuple[torch.Tensor, ...],
+    example_inputs: tuple[torch.Tensor, ...] | torch.Tensor,
     *,
     gpus: int,
     global_batch: int | None = None,
@@ -242,23 +162,60 @@ def plan(
 ) -> Plan:
     """Plan ``module`` for ``gpus`` GPUs of ``device_model`` from Python.
 
-    ``example_inputs`` carry the batch in dimension 0; the global batch defaults
-    to their batch size. ``model_spec`` says how other processes rebuild the
-    model; by default the module's class is rebuilt with no arguments.
+    ``example_inputs`` (a tensor or a tuple of them) carry the batch in
+    dimension 0; the global batch defaults to their batch size. ``model_spec``
+    says how other processes rebuild the model; without it the plan records
+    the module's class when ``Class()`` rebuilds the same module, and
+    otherwise that it was built in Python: ``deeppool.run(plan, model=module)``
+    runs such a plan.
     """
-    batch = global_batch or int(example_inputs[0].shape[0])
+    example = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    batch = global_batch or int(example[0].shape[0])
     request = PlanRequest(gpus=gpus, global_batch=batch, strategy=strategy, amplification=amplification)
-    loaded = LoadedModel(
-        module=module, inputs=_repeat(example_inputs), targets=lambda b: None, loss=default_loss
-    )
+    check_samples(gpus, batch)
+    loaded = LoadedModel(module=module, inputs=_repeat(example), targets=lambda b: None, loss=default_loss)
     graph = trace(loaded).graph
     profile, network = device_setup(device_model, batch, gpus, graph)
-    spec = model_spec or ModelSpec(
-        source=ModelSource.FACTORY,
-        location=f"{type(module).__module__}:{type(module).__qualname__}",
-        input_shape=tuple(example_inputs[0].shape[1:]),
-    )
+    spec = model_spec or python_spec(module, example)
     return plan_graph(graph, profile, network, request, model=spec).plan
+
+
+def python_spec(module: nn.Module, example: tuple[torch.Tensor, ...]) -> ModelSpec:
+    """How another process rebuilds ``module``: its class with no arguments, else only with the module itself.
+
+    Either way the one input's per-sample shape and dtype are kept, so the module itself can run the plan.
+    """
+    cls = type(module)
+    location = f"{cls.__module__}:{cls.__qualname__}"
+    first = example[0]
+    if len(example) != 1 or first.dim() < 2:
+        return ModelSpec(source=ModelSource.PYTHON, location=location)
+    rebuilds = _class_rebuilds(module)
+    return ModelSpec(
+        source=ModelSource.FACTORY if rebuilds else ModelSource.PYTHON, location=location,
+        input_shape=tuple(first.shape[1:]), input_dtype=str(first.dtype).removeprefix("torch."),
+        vocab_size=0 if first.is_floating_point() else int(first.max()) + 1, root=os.getcwd() if rebuilds else "",
+    )
+
+
+def _class_rebuilds(module: nn.Module) -> bool:
+    """Whether ``type(module)()``, imported by name in another process, has ``module``'s parameters and buffers."""
+    cls = type(module)
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        return False
+    try:
+        imported = importlib.import_module(cls.__module__)
+        if operator.attrgetter(cls.__qualname__)(imported) is not cls:
+            return False
+        with torch.device("meta"):
+            rebuilt = cls()
+    except Exception:  # any failure to import or construct means: not rebuildable by name
+        return False
+    return _shapes(rebuilt) == _shapes(module)
+
+
+def _shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
 
 
 def _repeat(example: tuple[torch.Tensor, ...]):

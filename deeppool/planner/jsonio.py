@@ -14,8 +14,11 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
-    tmp.replace(target)
+    try:
+        tmp.write_text(json.dumps(payload, indent=1) + "\n")
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_json(path: str | Path, *, kind: str, schema_version: int) -> dict[str, Any]:

@@ -19,11 +19,14 @@ tuple, namedtuple, dict or ``ModelOutput``. Without ``loss`` the loss is
 models given ``labels``), else the mean of the squared floating outputs.
 
 A *factory* is ``package.module:callable`` returning an ``nn.Module``,
-importable from the environment or, as with ``python -m``, from the current
-directory; its one input has ``input_shape`` per sample: standard normal, or
-for an integer ``input_dtype`` token ids below ``vocab_size``. The
-:class:`ModelSpec` is stored in every Plan so that other processes can
-rebuild the same model.
+importable from the environment or, as with ``python -m``, from the folder it
+was planned in (``root``); its one input has ``input_shape`` per sample:
+standard normal, or for an integer ``input_dtype`` token ids below
+``vocab_size``. A *saved* model is a module pickled by ``deeppool.run(plan,
+model=module)``, with a factory's inputs; a *python* model was built in a
+Python session and cannot be rebuilt. The :class:`ModelSpec` is stored in
+every Plan so that other processes can rebuild the same model; a Plan file
+stores its paths relative to itself.
 """
 
 from __future__ import annotations
@@ -39,19 +42,32 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
-
-import torch
-from torch import nn
-from torch.utils import _pytree as pytree
+from typing import TYPE_CHECKING, Any
 
 from deeppool.errors import DeeppoolError
 from deeppool.planner.jsonio import field
+
+if TYPE_CHECKING:  # torch loads only when a model is built: the CLI checks options without it
+    import torch
+    from torch import nn
+
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "half", "float", "double"})
+INTEGER_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "long", "int"})
 
 
 class ModelSource(enum.Enum):
     FILE = "file"
     FACTORY = "factory"
+    SAVED = "saved"
+    """A module pickled with ``torch.save`` (``deeppool.run(plan, model=module)`` writes one)."""
+    PYTHON = "python"
+    """A module built in a Python session that no other process can rebuild: run it with its module."""
+
+
+REBUILD_HINT = (
+    "run it with deeppool.run(plan, model=module) or `deeppool run PLAN --model model.py`, "
+    "or plan it with deeppool.plan(..., model_spec=ModelSpec.parse('model.py'))"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,25 +80,28 @@ class ModelSpec:
     input_dtype: str = "float32"
     vocab_size: int = 0
     seed: int = 0
+    root: str = ""
+    """A factory's import folder (the current one when it was planned); '' imports from the current folder."""
 
     def __post_init__(self) -> None:
-        if self.source is ModelSource.FACTORY and not self.input_shape:
+        if self.source in (ModelSource.FACTORY, ModelSource.SAVED) and not self.input_shape:
             raise DeeppoolError(
                 f"model '{self.location}' is a factory: give its per-sample input shape, "
                 "e.g. --input-shape 3,224,224 (or --input-shape 128 --input-dtype int64 --vocab-size 50257)"
             )
         if any(dim < 1 for dim in self.input_shape):
             raise DeeppoolError(f"--input-shape {self.input_shape} has a dimension < 1")
-        dtype = getattr(torch, self.input_dtype, None)
-        if not isinstance(dtype, torch.dtype):
+        if self.input_dtype not in FLOAT_DTYPES | INTEGER_DTYPES:
             raise DeeppoolError(f"--input-dtype '{self.input_dtype}' is not a torch dtype, e.g. float32 or int64")
-        if not dtype.is_floating_point and self.vocab_size < 1:
+        if self.input_dtype in INTEGER_DTYPES and self.vocab_size < 1:
             raise DeeppoolError(
                 f"--input-dtype {self.input_dtype} gives token ids: also give --vocab-size (ids are drawn below it)"
             )
 
     @property
     def dtype(self) -> torch.dtype:
+        import torch
+
         return getattr(torch, self.input_dtype)
 
     @classmethod
@@ -95,6 +114,7 @@ class ModelSpec:
             path = Path(text)
             if not path.is_file():
                 raise DeeppoolError(f"model file '{text}' does not exist: check the path")
+            _no_factory_options(text, input_shape=input_shape, input_dtype=input_dtype, vocab_size=vocab_size)
             return cls(source=ModelSource.FILE, location=str(path.resolve()), seed=seed)
         if ":" not in text:
             raise DeeppoolError(
@@ -102,32 +122,38 @@ class ModelSpec:
             )
         return cls(
             source=ModelSource.FACTORY, location=text, input_shape=input_shape, input_dtype=input_dtype,
-            vocab_size=vocab_size, seed=seed,
+            vocab_size=vocab_size, seed=seed, root=os.getcwd(),
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, *, base: Path | None = None) -> dict[str, Any]:
+        """The JSON form; with ``base`` (the plan file's folder) paths are written relative to it."""
         return {
             "source": self.source.value,
-            "location": self.location,
+            "location": _relative(self.location, base) if self.source in _PATH_SOURCES else self.location,
             "input_shape": list(self.input_shape),
             "input_dtype": self.input_dtype,
             "vocab_size": self.vocab_size,
             "seed": self.seed,
+            "root": _relative(self.root, base) if self.root else "",
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ModelSpec:
+    def from_json(cls, data: dict[str, Any], *, base: Path | None = None) -> ModelSpec:
+        """Read the JSON form; relative paths are resolved against ``base`` (the plan file's folder)."""
         try:
             source = ModelSource(field(data, "source", kind="model"))
         except ValueError:
             raise DeeppoolError(f"model source {data.get('source')!r} is unknown") from None
+        location = str(field(data, "location", kind="model"))
+        root = str(data.get("root", ""))
         return cls(
             source=source,
-            location=str(field(data, "location", kind="model")),
+            location=_absolute(location, base) if source in _PATH_SOURCES else location,
             input_shape=tuple(int(d) for d in data.get("input_shape", [])),
             input_dtype=str(data.get("input_dtype", "float32")),
             vocab_size=int(data.get("vocab_size", 0)),
             seed=int(data.get("seed", 0)),
+            root=_absolute(root, base) if root else "",
         )
 
     def load(self, *, meta: bool = False) -> LoadedModel:
@@ -136,13 +162,41 @@ class ModelSpec:
         ``meta=True`` builds it on the meta device: shapes without storage or
         initialisation, all that tracing for a device model needs.
         """
+        import torch
+
+        if self.source is ModelSource.PYTHON:
+            raise DeeppoolError(f"the plan's model '{self.location}' was built in Python and cannot be rebuilt: "
+                                + REBUILD_HINT)
         with torch.device("meta") if meta else contextlib.nullcontext():
             if self.source is ModelSource.FILE:
                 return _load_file(self)
+            if self.source is ModelSource.SAVED:
+                return _load_saved(self)
             return _load_factory(self)
 
 
-Inputs = tuple[torch.Tensor, ...] | Mapping[str, Any]
+_PATH_SOURCES = (ModelSource.FILE, ModelSource.SAVED)
+
+
+def _relative(path: str, base: Path | None) -> str:
+    return path if base is None else os.path.relpath(path, base)
+
+
+def _absolute(path: str, base: Path | None) -> str:
+    return path if base is None else os.path.normpath(base / path)
+
+
+def _no_factory_options(text: str, *, input_shape: tuple[int, ...], input_dtype: str, vocab_size: int) -> None:
+    given = [flag for flag, used in (("--input-shape", bool(input_shape)), ("--input-dtype", input_dtype != "float32"),
+                                     ("--vocab-size", bool(vocab_size))) if used]
+    if given:
+        raise DeeppoolError(
+            f"{given[0]} is for a factory (package.module:callable): model file '{text}' makes its own "
+            "inputs with inputs(batch_size); drop the flag or change inputs()"
+        )
+
+
+Inputs = "tuple[torch.Tensor, ...] | Mapping[str, Any]"
 """What ``inputs(batch_size)`` returns: ``forward``'s positional or keyword arguments."""
 
 
@@ -162,6 +216,8 @@ class LoadedModel:
 
 def bind_inputs(module: nn.Module, given: Any) -> dict[str, Any]:
     """Name every value of ``given`` (a tensor, tuple or dict) by ``module.forward``'s parameters."""
+    import torch
+
     signature = inspect.signature(module.forward)
     if isinstance(given, torch.Tensor):
         given = (given,)
@@ -197,6 +253,9 @@ def default_loss(output: Any, targets: torch.Tensor | None) -> torch.Tensor:
     item of a tuple when that is a scalar. Otherwise it is the sum over the
     output's floating tensors of their mean square: every head trains.
     """
+    import torch
+    from torch.utils import _pytree as pytree
+
     del targets
     own = _own_loss(output)
     if own is not None:
@@ -211,6 +270,8 @@ def default_loss(output: Any, targets: torch.Tensor | None) -> torch.Tensor:
 
 
 def _own_loss(output: Any) -> torch.Tensor | None:
+    import torch
+
     found = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     if found is None and isinstance(output, (tuple, list)) and output:
         found = output[0]
@@ -229,14 +290,27 @@ def _load_file(spec: ModelSpec) -> LoadedModel:
                 f"model file '{spec.location}' defines no {required}() function: "
                 "a model file must define model() and inputs(batch_size)"
             )
+    import torch
+
     torch.manual_seed(spec.seed)
     model = _build(module.model, spec.location)
     return LoadedModel(
         module=model,
-        inputs=module.inputs,
+        inputs=_tupled(module.inputs),
         targets=getattr(module, "targets", _no_targets),
         loss=getattr(module, "loss", default_loss),
     )
+
+
+def _tupled(inputs: Callable[[int], Any]) -> Callable[[int], Any]:
+    """``inputs`` with a bare tensor returned as the one positional argument it is."""
+    import torch
+
+    def make(batch_size: int) -> Any:
+        given = inputs(batch_size)
+        return (given,) if isinstance(given, torch.Tensor) else given
+
+    return make
 
 
 def _import_file(path: Path) -> ModuleType:
@@ -253,9 +327,9 @@ def _import_file(path: Path) -> ModuleType:
 
 
 @contextlib.contextmanager
-def _importable_from_cwd() -> Iterator[None]:
-    """Resolve ``package.module`` against the current directory too, as ``python -m`` does."""
-    here = os.getcwd()
+def importable_from(root: str) -> Iterator[None]:
+    """Resolve ``package.module`` against ``root`` (default: the current folder) too, as ``python -m`` does."""
+    here = root or os.getcwd()
     added = here not in sys.path
     if added:
         sys.path.insert(0, here)
@@ -269,15 +343,40 @@ def _importable_from_cwd() -> Iterator[None]:
 def _load_factory(spec: ModelSpec) -> LoadedModel:
     module_name, _, attr = spec.location.partition(":")
     try:
-        with _importable_from_cwd():
+        with importable_from(spec.root):
             module = importlib.import_module(module_name)
     except ImportError as err:
         raise DeeppoolError(f"cannot import '{module_name}' for model '{spec.location}': {err}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise DeeppoolError(f"'{module_name}' has no callable '{attr}': check the model path")
+    import torch
+
     torch.manual_seed(spec.seed)
-    model = _build(factory, spec.location)
+    return LoadedModel(module=_build(factory, spec.location), inputs=_shaped_inputs(spec), targets=_no_targets,
+                       loss=default_loss)
+
+
+def _load_saved(spec: ModelSpec) -> LoadedModel:
+    import torch
+
+    path = Path(spec.location)
+    if not path.is_file():
+        raise DeeppoolError(f"saved model '{path}' does not exist: {REBUILD_HINT}")
+    try:
+        with importable_from(spec.root):
+            module = torch.load(path, map_location="cpu", weights_only=False)
+    except (AttributeError, ImportError, RuntimeError) as err:
+        raise DeeppoolError(f"saved model '{path}' cannot be loaded here ({type(err).__name__}: {err}): "
+                            "its class must be importable; or give a model file") from None
+    return LoadedModel(module=_build(lambda: module, spec.location), inputs=_shaped_inputs(spec),
+                       targets=_no_targets, loss=default_loss)
+
+
+def _shaped_inputs(spec: ModelSpec) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    """One input of ``spec.input_shape`` per sample: standard normal, or token ids below ``vocab_size``."""
+    import torch
+
     shape = (*spec.input_shape,)
 
     def make_inputs(batch_size: int) -> tuple[torch.Tensor, ...]:
@@ -286,10 +385,12 @@ def _load_factory(spec: ModelSpec) -> LoadedModel:
             return (torch.randn((batch_size, *shape), generator=generator, dtype=spec.dtype),)
         return (torch.randint(0, spec.vocab_size, (batch_size, *shape), generator=generator, dtype=spec.dtype),)
 
-    return LoadedModel(module=model, inputs=make_inputs, targets=_no_targets, loss=default_loss)
+    return make_inputs
 
 
 def _build(factory: Callable[[], Any], where: str) -> nn.Module:
+    from torch import nn
+
     try:
         model = factory()
     except Exception as err:

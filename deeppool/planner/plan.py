@@ -119,11 +119,12 @@ class Plan:
     def idle_windows(self, rank: int) -> list[IdleWindow]:
         return [w for w in self.predicted.idle_windows if w.rank == rank]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, *, base: Path | None = None) -> dict[str, Any]:
+        """The JSON form; with ``base`` (the plan file's folder) the model's paths are relative to it."""
         return {
             "artifact": "plan",
             "schema_version": self.schema_version,
-            "model": self.model.to_json(),
+            "model": self.model.to_json(base=base),
             "global_batch": self.global_batch,
             "gpus": self.gpus,
             "device": self.device,
@@ -137,14 +138,14 @@ class Plan:
         }
 
     @classmethod
-    def from_json(cls, data: Any, *, where: str = "input") -> Plan:
+    def from_json(cls, data: Any, *, where: str = "input", base: Path | None = None) -> Plan:
         payload = check_version(data, kind="plan", schema_version=PLAN_SCHEMA_VERSION, where=where)
         try:
             predicted = dict(field(payload, "predicted", kind="plan"))
             predicted["idle_windows"] = tuple(IdleWindow(**w) for w in predicted["idle_windows"])
             limit = payload.get("amplification_limit")
             return cls(
-                model=ModelSpec.from_json(field(payload, "model", kind="plan")),
+                model=ModelSpec.from_json(field(payload, "model", kind="plan"), base=base),
                 global_batch=int(field(payload, "global_batch", kind="plan")),
                 gpus=int(field(payload, "gpus", kind="plan")),
                 device=str(field(payload, "device", kind="plan")),
@@ -160,12 +161,13 @@ class Plan:
             raise DeeppoolError(f"plan {where} is malformed ({type(err).__name__}: {err}): regenerate it") from None
 
     def save(self, path: str | Path) -> None:
-        write_json(path, self.to_json())
+        """Write the plan; the model's paths are stored relative to the plan file, so the pair can move."""
+        write_json(path, self.to_json(base=Path(path).resolve().parent))
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         payload = read_json(path, kind="plan", schema_version=PLAN_SCHEMA_VERSION)
-        return cls.from_json(payload, where=f"file '{path}'")
+        return cls.from_json(payload, where=f"file '{path}'", base=Path(path).resolve().parent)
 
 
 def _planned_layer(item: dict[str, Any]) -> PlannedLayer:

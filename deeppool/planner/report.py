@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from deeppool.planner.cost import CostModel, PhaseKind
+from deeppool.planner.cost import CostModel, Phase, PhaseKind
 from deeppool.planner.plan import Plan, PlannedLayer
+
+if TYPE_CHECKING:  # matplotlib loads only when a chart is drawn
+    from matplotlib.axes import Axes
 
 _PHASE_COLOURS = {
     PhaseKind.FORWARD: "#4C72B0",
@@ -17,6 +21,13 @@ _PHASE_COLOURS = {
     PhaseKind.RESHARD: "#8172B3",
     PhaseKind.OPTIMIZER: "#55A868",
 }
+
+
+AMPLIFICATION_NOTE = (
+    "amplification: a layer's GPU-time (its time x its GPUs) over its time on one GPU; 1.00 is perfect "
+    "strong scaling, 2.00 means its GPUs spend twice the GPU-time one GPU would (smaller per-GPU batches, "
+    "communication). Burst parallelism keeps it low by giving poorly scaling layers fewer GPUs."
+)
 
 
 @dataclass(frozen=True)
@@ -72,21 +83,17 @@ def plan_table(plan: Plan, *, per_layer: bool = False) -> Table:
         span = stage.first.name if len(stage.layers) == 1 else f"{stage.first.name} … {stage.last.name}"
         ops = ", ".join(dict.fromkeys(layer.op for layer in stage.layers))
         table.add_row(
-            f"{span} ({len(stage.layers)})", _shorten(ops), str(stage.gpus),
+            f"{span} ({len(stage.layers)})", ops, str(stage.gpus),
             f"{stage.time_ms:.3f}", f"{stage.amplification:.2f}",
         )
     return table
-
-
-def _shorten(text: str, width: int = 40) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def summary(plan: Plan) -> str:
     p = plan.predicted
     return (
         f"iteration {p.iteration_ms:.3f} ms vs data parallel {p.data_parallel_iteration_ms:.3f} ms "
-        f"({p.speedup_vs_data_parallel:.2f}x; DeepPool-style DP {p.deeppool_iteration_ms:.3f} ms), "
+        f"({p.speedup_vs_data_parallel:.2f}x; DeepPool's dynamic programme {p.deeppool_iteration_ms:.3f} ms), "
         f"{p.gpu_seconds_per_iteration:.4f} GPU-s/iteration, amplification {p.amplification:.2f}, "
         f"idle {100 * p.idle_gpu_fraction:.1f}% of {plan.gpus} GPUs; "
         f"solver {plan.solver.name} {plan.solver.status} in {plan.solver.seconds:.2f} s (gap {plan.solver.gap:.2g})"
@@ -94,7 +101,7 @@ def summary(plan: Plan) -> str:
 
 
 def gantt(plan: Plan, cost: CostModel, path: str | Path) -> None:
-    """A PNG of GPUs × time in one iteration: phases coloured, idle windows grey."""
+    """A chart of GPUs x time in one iteration: phases coloured, idle windows grey, stages named on top."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,7 +110,7 @@ def gantt(plan: Plan, cost: CostModel, path: str | Path) -> None:
 
     phases = cost.schedule(plan.assignment)
     iteration = plan.predicted.iteration_ms
-    figure, axes = plt.subplots(figsize=(12, 4 + min(plan.gpus, 64) / 16))
+    figure, axes = plt.subplots(figsize=(13, 4.5 + min(plan.gpus, 64) / 16))
     axes.add_patch(Rectangle((0, 0), iteration, plan.gpus, color="#E5E5E5", linewidth=0))
     for phase in phases:
         axes.add_patch(
@@ -116,14 +123,44 @@ def gantt(plan: Plan, cost: CostModel, path: str | Path) -> None:
     axes.set_ylim(plan.gpus, 0)
     axes.set_xlabel("time in one iteration (ms)")
     axes.set_ylabel("GPU rank")
+    _name_stages(axes, plan, phases)
     axes.set_title(
         f"{plan.strategy.value} plan on {plan.gpus} GPUs: {iteration:.2f} ms/iteration, "
-        f"{100 * plan.predicted.idle_gpu_fraction:.0f}% idle (grey, lent to background jobs)"
+        f"{100 * plan.predicted.idle_gpu_fraction:.0f}% idle (grey, lent to background jobs)",
+        pad=12,
     )
     handles = [Patch(color=colour, label=kind.value) for kind, colour in _PHASE_COLOURS.items()]
     handles.append(Patch(color="#E5E5E5", label="idle"))
-    axes.legend(handles=handles, loc="lower right", fontsize="small")
-    figure.tight_layout()
+    axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
+
+
+def _name_stages(axes: Axes, plan: Plan, phases: list[Phase]) -> None:
+    """Each stage's name on a top axis, over its forward (F) and backward (B) spans."""
+    spans: list[tuple[float, str]] = []
+    for index, stage in enumerate(stages(plan), start=1):
+        names = {layer.name for layer in stage.layers}
+        label = stage.first.name if len(stage.layers) == 1 else f"{stage.first.name}…{stage.last.name}"
+        for kind, mark in ((PhaseKind.FORWARD, "F"), (PhaseKind.BACKWARD, "B")):
+            mine = [phase for phase in phases if phase.kind is kind and phase.layer in names]
+            if mine:
+                middle = (min(p.start_ms for p in mine) + max(p.end_ms for p in mine)) / 2
+                gpus = f"{stage.gpus} GPU" + ("s" if stage.gpus > 1 else "")
+                spans.append((middle, f"{mark}{index} {label} ({gpus})"))
+    spans = _merge_close(sorted(spans), gap=plan.predicted.iteration_ms * 0.03)
+    top = axes.secondary_xaxis("top")
+    top.set_xticks([middle for middle, _ in spans], labels=[text for _, text in spans], rotation=20,
+                   ha="left", fontsize="x-small")
+
+
+def _merge_close(spans: list[tuple[float, str]], *, gap: float) -> list[tuple[float, str]]:
+    """Labels closer than ``gap`` share one tick, so short stages never print over each other."""
+    merged: list[tuple[float, str]] = []
+    for middle, text in spans:
+        if merged and middle - merged[-1][0] < gap:
+            merged[-1] = (merged[-1][0], f"{merged[-1][1]} / {text}")
+        else:
+            merged.append((middle, text))
+    return merged

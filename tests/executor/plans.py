@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
 from deeppool.planner.baselines import tie
 from deeppool.planner.cost import CostModel
-from deeppool.planner.graph import Layer
+from deeppool.planner.graph import Layer, LayerGraph
 from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice
 from deeppool.planner.modelspec import ModelSpec
 from deeppool.planner.plan import Plan, SolverInfo, Strategy, build_plan
@@ -34,7 +35,7 @@ def make_plan_for(path: str | Path, *, global_batch: int, gpus: int, assign: Ass
     Layers that share a parameter take the first one's count, as the planner requires.
     """
     spec = ModelSpec.parse(str(path))
-    graph = trace(spec.load()).graph
+    graph = traced_graph(spec.location)
     profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2, 4, 8, 16, 32, 64))
     cost = CostModel(graph=graph, profile=profile, network=NETWORKS[KnownDevice.A100], global_batch=global_batch)
     assignment = tie(cost, {layer.name: assign(i, layer) for i, layer in enumerate(graph.layers)})
@@ -43,6 +44,12 @@ def make_plan_for(path: str | Path, *, global_batch: int, gpus: int, assign: Ass
         solver=SolverInfo(name="hand", status="Optimal", seconds=0.0, gap=0.0),
         baselines={Strategy.DATA_PARALLEL: 1.0, Strategy.DEEPPOOL: 1.0},
     )
+
+
+@functools.cache
+def traced_graph(location: str) -> LayerGraph:
+    """The model file's layer graph, traced once per test session (a LayerGraph is immutable)."""
+    return trace(ModelSpec.parse(location).load()).graph
 
 
 def cycle(*counts: int) -> Assign:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.checkpoint import MARKER, CheckpointConfig, latest, step_dir
-from deeppool.executor.config import OptimizerConfig, RunConfig, Schedule, ScheduleKind, Training
+from deeppool.executor.checkpoint import MARKER, latest, step_dir
+from deeppool.executor.config import CheckpointConfig, OptimizerConfig, RunConfig, Schedule, ScheduleKind, Training
 from deeppool.executor.api import RankResult
 from tests.executor.plans import cycle, make_plan
 from tests.executor.test_executor_exact import train_threads
@@ -59,14 +59,14 @@ def test_check_and_resume_together_are_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_command_line_resumes_exactly(tmp_path: Path) -> None:
+def test_the_command_line_resumes_exactly(tmp_path: Path, capfd) -> None:
     plan_path = tmp_path / "plan.json"
     make_plan("tiny_gpt", global_batch=5, gpus=2, assign=cycle(2, 2, 1)).save(plan_path)
     common = ["--nproc", "2", "--lr", "0.1", "--momentum", "0.9", "--lr-warmup", "3"]  # independent of --steps
 
     def losses(out: str, *args: str) -> list[float]:
-        proc, _ = deeppool_run(plan_path, *common, "--out", str(tmp_path / out), *args)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        proc, _ = deeppool_run(capfd, plan_path, *common, "--out", str(tmp_path / out), *args)
+        assert proc.code == 0, proc.stderr[-3000:]
         return json.loads((tmp_path / out / "summary.json").read_text())["losses"]
 
     whole = losses("whole", "--steps", "4")

@@ -14,19 +14,18 @@ from pathlib import Path
 import pytest
 
 from deeppool.executor.reference import CheckResult
+from tests.entry import Result, deeppool
 from tests.executor.plans import Assign, cycle, make_plan, model_path
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def deeppool_run(plan_path: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 150):
+def deeppool_run(capture: pytest.CaptureFixture[str], plan_path: Path, *args: str) -> tuple[Result, float]:
+    """``deeppool run PLAN ARGS`` through the entry point in this process (the ranks are processes anyway)."""
     started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "deeppool.executor.cli", "run", str(plan_path), *args],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
-    )
-    return proc, time.monotonic() - started
+    result = deeppool(capture, "run", str(plan_path), *args)
+    return result, time.monotonic() - started
 
 
 CHECKS = [
@@ -38,12 +37,14 @@ CHECKS = [
 
 
 @pytest.mark.parametrize(("name", "batch", "gpus", "assign"), CHECKS, ids=[f"{c[0]}-{c[2]}ranks" for c in CHECKS])
-def test_check_matches_single_process(tmp_path: Path, name: str, batch: int, gpus: int, assign: Assign) -> None:
+def test_check_matches_single_process(tmp_path: Path, capfd, name: str, batch: int, gpus: int,
+                                      assign: Assign) -> None:
     plan_path = tmp_path / "plan.json"
     make_plan(name, global_batch=batch, gpus=gpus, assign=assign).save(plan_path)
     out = tmp_path / "out"
-    proc, _ = deeppool_run(plan_path, "--nproc", str(gpus), "--steps", "3", "--check", "--lr", "0.1", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, _ = deeppool_run(capfd, plan_path, "--nproc", str(gpus), "--steps", "3", "--check", "--lr", "0.1",
+                           "--out", str(out))
+    assert proc.code == 0, proc.stderr[-3000:]
     found = re.search(r"^max relative difference: (\S+) \(", proc.stdout, re.MULTILINE)
     assert found is not None, proc.stdout
     assert float(found.group(1)) <= 1e-4  # a tenth of the default bound
@@ -72,12 +73,12 @@ def faulty_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("stop:2:6", "rank 2 stopped responding"),
     ],
 )
-def test_a_failing_rank_stops_every_rank_and_is_named(faulty_plan: Path, tmp_path: Path, fault: str, message: str) -> None:
-    proc, elapsed = deeppool_run(
-        faulty_plan, "--steps", "50", "--timeout", "5", "--out", str(tmp_path), env={"DEEPPOOL_TEST_FAULT": fault}
-    )
+def test_a_failing_rank_stops_every_rank_and_is_named(faulty_plan: Path, tmp_path: Path, capfd, monkeypatch,
+                                                      fault: str, message: str) -> None:
+    monkeypatch.setenv("DEEPPOOL_TEST_FAULT", fault)  # read by the ranks
+    proc, elapsed = deeppool_run(capfd, faulty_plan, "--steps", "50", "--timeout", "5", "--out", str(tmp_path))
     finished = time.time()
-    assert proc.returncode == 1
+    assert proc.code == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last, proc.stderr[-2000:]
     assert elapsed < 60
@@ -85,9 +86,9 @@ def test_a_failing_rank_stops_every_rank_and_is_named(faulty_plan: Path, tmp_pat
     assert finished - first_record < 10  # named within seconds of the first rank's failure (at --timeout for a hang)
 
 
-def test_nproc_other_than_the_plan_is_refused_in_one_line(faulty_plan: Path) -> None:
-    proc, _ = deeppool_run(faulty_plan, "--nproc", "2")
-    assert proc.returncode == 2
+def test_nproc_other_than_the_plan_is_refused_in_one_line(faulty_plan: Path, capsys) -> None:
+    proc, _ = deeppool_run(capsys, faulty_plan, "--nproc", "2")
+    assert proc.code == 2
     assert proc.stderr.strip() == "error: --nproc 2 differs from the plan's 3 GPUs: use --nproc 3 or re-plan for this many"
 
 
@@ -104,22 +105,17 @@ def test_ctrl_c_stops_all_ranks(faulty_plan: Path, tmp_path: Path) -> None:
     assert leftover == [], stderr[-2000:]
 
 
-def deeppool_main(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-c", "from deeppool.cli import main; main()", *args]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=150)
-
-
-def test_profile_network_then_plan_with_the_measured_network(tmp_path: Path) -> None:
+def test_profile_network_then_plan_with_the_measured_network(tmp_path: Path, capfd) -> None:
     network = tmp_path / "net.json"
-    probed = deeppool_main("profile-network", "--nproc", "2", "--out", str(network), "--sizes", "4096,1048576",
+    probed = deeppool(capfd, "profile-network", "--nproc", "2", "--out", str(network), "--sizes", "4096,1048576",
                            "--repeats", "3", "--warmup", "1")
-    assert probed.returncode == 0, probed.stderr[-2000:]
+    assert probed.code == 0, probed.stderr[-2000:]
     assert "fitted: latency" in probed.stdout
     measured = json.loads(network.read_text())
     plan_path = tmp_path / "plan.json"
-    planned = deeppool_main("plan", model_path("mlp"), "--gpus", "2", "--batch", "6", "--device-model", "a100",
+    planned = deeppool(capfd, "plan", model_path("mlp"), "--gpus", "2", "--batch", "6", "--device-model", "a100",
                             "--network-file", str(network), "--out", str(plan_path))
-    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert planned.code == 0, planned.stderr[-2000:]
     plan = json.loads(plan_path.read_text())
     assert plan["network"]["intra_bandwidth"] == pytest.approx(measured["intra_bandwidth"])
     assert plan["network"]["intra_latency_s"] == pytest.approx(measured["intra_latency_s"])

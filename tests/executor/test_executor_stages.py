@@ -78,13 +78,13 @@ def test_multi_layer_stages_pass_the_check(name: str, batch: int, gpus: int, ass
 
 @pytest.mark.slow
 @pytest.mark.parametrize("assign", [cycle(2), cycle(2, 2, 2, 1, 1, 1)], ids=["data-parallel", "burst"])
-def test_dropout_in_place_ops_and_a_tied_head_in_stages_stay_exact(tmp_path: Path, assign: Assign) -> None:
+def test_dropout_in_place_ops_and_a_tied_head_in_stages_stay_exact(tmp_path: Path, capfd, assign: Assign) -> None:
     # Real processes: thread ranks share the process's default generator, which per-sample draws reseed.
     plan_path = tmp_path / "plan.json"
     make_plan_for(REPO / "tests/models/zoo/attn_shapes.py", global_batch=5, gpus=2, assign=assign).save(plan_path)
-    proc, _ = deeppool_run(plan_path, "--nproc", "2", "--steps", "2", "--check", "--lr", "0.05", "--out",
+    proc, _ = deeppool_run(capfd, plan_path, "--nproc", "2", "--steps", "2", "--check", "--lr", "0.05", "--out",
                            str(tmp_path / "out"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.code == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["check"]["passed"] and summary["check"]["max_relative_difference"] <= 1e-4, summary["check"]
 

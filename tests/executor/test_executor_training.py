@@ -77,12 +77,12 @@ def test_schedule_factors() -> None:
 
 
 @pytest.mark.slow
-def test_the_command_line_trains_with_every_feature_and_passes_the_check(tmp_path: Path) -> None:
+def test_the_command_line_trains_with_every_feature_and_passes_the_check(tmp_path: Path, capfd) -> None:
     plan_path = tmp_path / "plan.json"
     make_plan("tiny_gpt", global_batch=5, gpus=2, assign=cycle(2, 2, 1)).save(plan_path)
-    proc, _ = deeppool_run(plan_path, "--nproc", "2", "--steps", "3", "--check", "--lr", "0.1", "--accumulate", "2",
+    proc, _ = deeppool_run(capfd, plan_path, "--nproc", "2", "--steps", "3", "--check", "--lr", "0.1", "--accumulate", "2",
                            "--clip-norm", "0.5", "--lr-schedule", "cosine", "--lr-warmup", "1",
                            "--out", str(tmp_path / "out"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.code == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["check"]["passed"] and summary["check"]["max_relative_difference"] <= 1e-4, summary["check"]

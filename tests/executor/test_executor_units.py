@@ -184,13 +184,14 @@ def test_run_defaults_to_the_optimizer_the_plan_was_made_for(tmp_path, monkeypat
 
     from deeppool.executor import cli
     from deeppool.executor.config import OptimizerKind
+    from deeppool.multiplex import api
     from deeppool.planner.cost import Optimizer
 
     path = tmp_path / "plan.json"
     dataclasses.replace(make_plan("mlp", global_batch=4, gpus=2, assign=cycle(2, 1)), optimizer=Optimizer.ADAM).save(path)
     launched = []
     monkeypatch.setattr(
-        cli, "launch_with_background",
+        api, "launch_with_background",
         lambda plan, *, nproc, config, background, worker_args: launched.append((config, worker_args)),
     )
     cli.run(path, out=tmp_path)

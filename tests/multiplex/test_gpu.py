@@ -32,6 +32,7 @@ def test_priority_background_trains_on_tokens() -> None:
 
     bg = StreamBackground(BackgroundConfig(model=BACKGROUND, mode=MuxMode.PRIORITY), rank=1,
                           device=torch.device("cuda", 0))
+    bg.wait_ready(60.0)
     time.sleep(5)
     for _ in range(50):
         bg.admit(time.perf_counter() + 0.005, 5.0)

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,8 +10,9 @@ import pytest
 
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.cpu import ProcessBackground, child_spec
+from tests.entry import deeppool
 from tests.executor.plans import cycle, make_plan
-from tests.multiplex.plans import BACKGROUND, MODELS, REPO, burst_plan
+from tests.multiplex.plans import BACKGROUND, MODELS, burst_plan
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +24,6 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return False
     return state != "Z"
-
-
-def deeppool(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deeppool.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +72,11 @@ def test_gated_child_trains_only_inside_windows_and_leaves_nothing(tmp_path: Pat
     assert not alive(result.pid)
 
 
-def test_run_with_a_gated_background(plan_path: Path, tmp_path: Path) -> None:
+def test_run_with_a_gated_background(plan_path: Path, tmp_path: Path, capfd) -> None:
     out = tmp_path / "out"
-    proc = deeppool("run", str(plan_path), "--nproc", "2", "--background", str(BACKGROUND), "--bg-batch", "8",
+    proc = deeppool(capfd, "run", str(plan_path), "--nproc", "2", "--background", str(BACKGROUND), "--bg-batch", "8",
                     "--mux", "gate", "--steps", "20", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.code == 0, proc.stderr[-3000:]
     mux = json.loads((out / "summary.json").read_text())["multiplex"]
     for key in ("fg_slowdown", "recovered_fraction", "bg_samples_per_s", "fg_iteration_ms", "net_gain"):
         assert isinstance(mux[key], float), key
@@ -95,11 +88,12 @@ def test_run_with_a_gated_background(plan_path: Path, tmp_path: Path) -> None:
     assert not any(alive(pid) for pid in mux["bg_pids"])
 
 
-def test_a_crashing_background_is_reported_and_the_foreground_finishes(plan_path: Path, tmp_path: Path) -> None:
+def test_a_crashing_background_is_reported_and_the_foreground_finishes(plan_path: Path, tmp_path: Path,
+                                                                      capfd) -> None:
     out = tmp_path / "out"
-    proc = deeppool("run", str(plan_path), "--nproc", "2", "--background", str(MODELS / "crashing_bg.py"),
+    proc = deeppool(capfd, "run", str(plan_path), "--nproc", "2", "--background", str(MODELS / "crashing_bg.py"),
                     "--mux", "none", "--steps", "16", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.code == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["losses"]) == 16
     assert summary["multiplex"]["bg_errors"] == ["rank 1: background RuntimeError: background model blew up"]
@@ -107,13 +101,14 @@ def test_a_crashing_background_is_reported_and_the_foreground_finishes(plan_path
 
 
 @pytest.mark.parametrize("fault", ["raise:1:20", "kill:1:20"])
-def test_a_foreground_failure_stops_the_background(tmp_path: Path, fault: str) -> None:
+def test_a_foreground_failure_stops_the_background(tmp_path: Path, fault: str, capfd, monkeypatch) -> None:
     plan = tmp_path / "plan.json"
     make_plan("faulty", global_batch=6, gpus=2, assign=cycle(2, 1)).save(plan)
     out = tmp_path / "out"
-    proc = deeppool("run", str(plan), "--nproc", "2", "--background", str(BACKGROUND), "--mux", "none",
-                    "--steps", "200", "--timeout", "5", "--out", str(out), env={"DEEPPOOL_TEST_FAULT": fault})
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    monkeypatch.setenv("DEEPPOOL_TEST_FAULT", fault)  # read by the ranks
+    proc = deeppool(capfd, "run", str(plan), "--nproc", "2", "--background", str(BACKGROUND), "--mux", "none",
+                    "--steps", "200", "--timeout", "5", "--out", str(out))
+    assert proc.code == 1, proc.stderr[-2000:]
     pid = int((out / "background" / "background-rank1.pid").read_text())
     deadline = time.monotonic() + 5
     while alive(pid) and time.monotonic() < deadline:
@@ -131,16 +126,17 @@ def test_a_foreground_failure_stops_the_background(tmp_path: Path, fault: str) -
     ],
     ids=["unloadable", "priority", "mps", "too-big"],
 )
-def test_bad_background_input_is_one_line_and_exit_2(plan_path: Path, tmp_path: Path, args, message: str) -> None:
-    proc = deeppool("run", str(plan_path), "--nproc", "2", *args, "--out", str(tmp_path))
-    assert proc.returncode == 2, proc.stderr
+def test_bad_background_input_is_one_line_and_exit_2(plan_path: Path, tmp_path: Path, args, message: str,
+                                                     capfd) -> None:
+    proc = deeppool(capfd, "run", str(plan_path), "--nproc", "2", *args, "--out", str(tmp_path))
+    assert proc.code == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
 
 
-def test_a_plan_without_idle_windows_is_refused(tmp_path: Path) -> None:
+def test_a_plan_without_idle_windows_is_refused(tmp_path: Path, capfd) -> None:
     plan = tmp_path / "plan.json"
     burst_plan(lone=()).save(plan)
-    proc = deeppool("run", str(plan), "--nproc", "2", "--background", str(BACKGROUND), "--out", str(tmp_path))
-    assert proc.returncode == 2
+    proc = deeppool(capfd, "run", str(plan), "--nproc", "2", "--background", str(BACKGROUND), "--out", str(tmp_path))
+    assert proc.code == 2
     assert proc.stderr.startswith("error: the plan has no idle windows") and "nothing to lend" in proc.stderr

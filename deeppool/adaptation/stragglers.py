@@ -1,0 +1,63 @@
+"""Straggler detection, as in Resource Elasticity (Or et al., MLSys 2020).
+
+Each step, every rank's speed relative to its group is its group's median
+compute time over its own, smoothed by an EWMA (α = 0.1). A rank whose
+smoothed relative speed stays below ``threshold`` (0.8) for ``patience``
+consecutive steps is a straggler; it is reported once, with its figures, and
+again only after it has recovered and fallen behind anew.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from deeppool.errors import DeeppoolError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Straggler:
+    rank: int
+    step: int
+    relative_speed: float
+    compute_ms: float
+    median_ms: float
+
+    def describe(self) -> str:
+        return (f"rank {self.rank} is a straggler since step {self.step}: {self.relative_speed:.2f}x the median "
+                f"speed ({self.compute_ms:.2f} ms against {self.median_ms:.2f} ms of compute per step)")
+
+
+@dataclass(kw_only=True)
+class StragglerDetector:
+    alpha: float = 0.1
+    threshold: float = 0.8
+    patience: int = 10
+    speed: dict[int, float] = field(default_factory=dict)
+    slow_steps: dict[int, int] = field(default_factory=dict)
+    flagged: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha <= 1 or not 0 < self.threshold < 1 or self.patience < 1:
+            raise DeeppoolError(f"straggler detector settings out of range: {self}")
+
+    def observe(self, step: int, compute_ms: Mapping[int, float]) -> list[Straggler]:
+        """One step's compute time per rank (of one group); the ranks newly found to straggle."""
+        times = {r: t for r, t in compute_ms.items() if t > 0}
+        if len(times) < 2:
+            return []
+        median = statistics.median(times.values())
+        found = []
+        for rank, ms in times.items():
+            relative = median / ms
+            smoothed = self.speed.get(rank, 1.0)
+            smoothed = (1 - self.alpha) * smoothed + self.alpha * relative
+            self.speed[rank] = smoothed
+            self.slow_steps[rank] = self.slow_steps.get(rank, 0) + 1 if smoothed < self.threshold else 0
+            if self.slow_steps[rank] >= self.patience and rank not in self.flagged:
+                self.flagged.add(rank)
+                found.append(Straggler(rank=rank, step=step, relative_speed=smoothed, compute_ms=ms, median_ms=median))
+            elif self.slow_steps[rank] == 0:
+                self.flagged.discard(rank)
+        return found

@@ -1,0 +1,138 @@
+"""The coordinator's REST API (FastAPI): submit, list, inspect, cancel and follow jobs.
+
+Every route but ``/healthz`` needs ``Authorization: Bearer TOKEN`` (declared
+in the OpenAPI document): 401 without a valid token, 403 on another user's
+job. A submission is answered only after its row is committed. A model is a
+``package.module:factory`` name or a ``.py`` file under one of the server's
+allowed roots; it is never run through a shell.
+"""
+
+
+# No ``from __future__ import annotations`` here: FastAPI reads the routes' dependency aliases at runtime.
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Response, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+
+from deeppool.coordinator.jobs import Job, JobRequest, JobStatus
+from deeppool.coordinator.store import Store
+
+FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+LOG_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    gpus: int
+    allowed_roots: tuple[Path, ...]
+    log_dir: Path
+    device: str = "cpu"
+
+
+class Allocation(BaseModel):
+    job_id: int
+    kind: str
+    gpus: int
+    state: JobStatus
+
+
+class Cluster(BaseModel):
+    gpus: int
+    device: str
+    allocated: int
+    allocations: list[Allocation]
+
+
+def create_app(store: Store, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="deeppool coordinator", version="1",
+                  description="Submit foreground (burst-parallel) and background training jobs.")
+    bearer = HTTPBearer(auto_error=False, description="a token from `deeppool token create NAME`")
+
+    def user(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
+        name = store.user(credentials.credentials) if credentials is not None else None
+        if name is None:
+            raise HTTPException(status.HTTP_401_UNAUTHORIZED, "a valid bearer token is required",
+                                headers={"WWW-Authenticate": "Bearer"})
+        return name
+
+    User = Annotated[str, Depends(user)]
+
+    def owned(job_id: int, name: str) -> Job:
+        job = store.job(job_id)
+        if job is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} does not exist")
+        if job.owner != name:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, f"job {job_id} belongs to another user")
+        return job
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, bool]:
+        return {"ok": True}
+
+    @app.post("/v1/jobs", status_code=status.HTTP_201_CREATED, responses={200: {"model": Job}})
+    def submit(request: JobRequest, name: User, response: Response) -> Job:
+        check_model(request.model, settings.allowed_roots)
+        if request.gpus > settings.gpus:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                                f"gpus {request.gpus} is more than this cluster's {settings.gpus}")
+        job, new = store.submit(name, request)
+        if not new:
+            response.status_code = status.HTTP_200_OK
+        return job
+
+    @app.get("/v1/jobs")
+    def jobs(name: User) -> list[Job]:
+        return store.jobs(owner=name)
+
+    @app.get("/v1/jobs/{job_id}")
+    def job(job_id: int, name: User) -> Job:
+        return owned(job_id, name)
+
+    @app.post("/v1/jobs/{job_id}/cancel")
+    def cancel(job_id: int, name: User) -> Job:
+        current = owned(job_id, name)
+        if current.state.terminal:
+            raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is already {current.state.value}")
+        if not store.transition(job_id, JobStatus.CANCELLED, f"cancelled by {name}"):
+            raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} finished before it could be cancelled")
+        return owned(job_id, name)
+
+    @app.get("/v1/jobs/{job_id}/logs", response_class=PlainTextResponse)
+    def logs(job_id: int, name: User, offset: Annotated[int, Query(ge=0)] = 0) -> PlainTextResponse:
+        owned(job_id, name)
+        path = settings.log_dir / f"job-{job_id}.log"
+        text = b""
+        if path.exists():
+            with path.open("rb") as log:
+                log.seek(offset)
+                text = log.read(LOG_CHUNK)
+        return PlainTextResponse(text.decode(errors="replace"), headers={"X-Next-Offset": str(offset + len(text))})
+
+    @app.get("/v1/cluster")
+    def cluster(name: User) -> Cluster:
+        del name
+        live = store.jobs(states=(JobStatus.STARTING, JobStatus.RUNNING))
+        allocations = [Allocation(job_id=j.id, kind=j.kind.value, gpus=j.gpus, state=j.state) for j in live]
+        return Cluster(gpus=settings.gpus, device=settings.device, allocated=sum(a.gpus for a in allocations),
+                       allocations=allocations)
+
+    return app
+
+
+def check_model(model: str, roots: tuple[Path, ...]) -> None:
+    """A factory name, or a .py file that exists under an allowed root (after resolving links and '..')."""
+    if FACTORY.match(model):
+        return
+    if not model.endswith(".py"):
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                            f"model '{model}' is neither a .py file nor package.module:factory")
+    path = Path(model).resolve()
+    if not any(path.is_relative_to(root.resolve()) for root in roots):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"model '{model}' is outside the server's allowed roots")
+    if not path.is_file():
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"model file '{model}' does not exist")

@@ -1,0 +1,94 @@
+"""The Python client of the coordinator; the CLI is a thin layer over it.
+
+It finds the server in ``DEEPPOOL_URL`` (default ``http://127.0.0.1:8470``)
+and the token in ``DEEPPOOL_TOKEN``. A refused request raises
+:class:`~deeppool.errors.DeeppoolError` with the server's message.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from deeppool.coordinator.jobs import Job, JobRequest
+from deeppool.errors import DeeppoolError
+
+DEFAULT_URL = "http://127.0.0.1:8470"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogChunk:
+    text: str
+    next_offset: int
+
+
+class Client:
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout_s: float = 30.0,
+                 http: httpx.Client | None = None) -> None:
+        """``http``: an existing client to send through (an in-process test client); else one to ``url``."""
+        self.url = (url or os.environ.get("DEEPPOOL_URL") or DEFAULT_URL).rstrip("/")
+        token = token or os.environ.get("DEEPPOOL_TOKEN")
+        if not token:
+            raise DeeppoolError("no token: set DEEPPOOL_TOKEN to one from `deeppool token create NAME --db DB`")
+        self._auth = {"Authorization": f"Bearer {token}"}
+        self._http = http or httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, headers=self._auth, **kwargs)
+        except httpx.TransportError as err:
+            raise DeeppoolError(f"cannot reach the coordinator at {self.url} ({err}): start it with "
+                                "`deeppool serve`, or set DEEPPOOL_URL") from None
+        if response.is_error:
+            raise DeeppoolError(f"the coordinator refused {method} {path}: {_message(response)}")
+        return response
+
+    def submit(self, request: JobRequest) -> Job:
+        return Job.model_validate(self._call("POST", "/v1/jobs", json=request.model_dump(mode="json")).json())
+
+    def jobs(self) -> list[Job]:
+        return [Job.model_validate(j) for j in self._call("GET", "/v1/jobs").json()]
+
+    def job(self, job_id: int) -> Job:
+        return Job.model_validate(self._call("GET", f"/v1/jobs/{job_id}").json())
+
+    def cancel(self, job_id: int) -> Job:
+        return Job.model_validate(self._call("POST", f"/v1/jobs/{job_id}/cancel").json())
+
+    def logs(self, job_id: int, offset: int = 0) -> LogChunk:
+        response = self._call("GET", f"/v1/jobs/{job_id}/logs", params={"offset": offset})
+        return LogChunk(text=response.text, next_offset=int(response.headers.get("X-Next-Offset", offset)))
+
+    def follow(self, job_id: int, poll_s: float = 1.0) -> Iterator[str]:
+        """Log text as it grows, until the job is in a final state and the log is read to its end."""
+        offset = 0
+        while True:
+            chunk = self.logs(job_id, offset)
+            offset = chunk.next_offset
+            if chunk.text:
+                yield chunk.text
+                continue
+            if self.job(job_id).state.terminal:
+                return
+            time.sleep(poll_s)
+
+    def cluster(self) -> dict[str, Any]:
+        return dict(self._call("GET", "/v1/cluster").json())
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        detail = response.json().get("detail", response.text)
+    except ValueError:
+        return f"HTTP {response.status_code} {response.text.strip()[:200]}"
+    if isinstance(detail, list):  # pydantic's validation errors
+        detail = "; ".join(f"{'.'.join(str(p) for p in d.get('loc', ())[1:])}: {d.get('msg')}" for d in detail)
+    return f"HTTP {response.status_code}: {detail}"

@@ -1,0 +1,106 @@
+"""One coordinator job's work: ``python -m deeppool.coordinator.driver SPEC.json`` (a supervisor's step).
+
+A foreground job is planned for the GPUs it was granted (the device model
+the server names; ``a100`` by default) and run on that many local ranks. When
+background jobs were lent its idle windows, the first trains there through
+the multiplexer (``gate`` on CPU, ``priority`` on a GPU); a plan that leaves
+no idle window runs alone and says so. A background job given whole GPUs is
+planned and run on them as a job of its own. The run's ``summary.json`` lands
+in the job's folder; the coordinator reads the background's progress from it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class DriverSpec:
+    model: str
+    gpus: int
+    batch: int
+    steps: int
+    amplification: float | None
+    out: Path
+    device_model: str = "a100"
+    background_model: str | None = None
+    background_batch: int = 8
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.__dict__, "out": str(self.out)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DriverSpec:
+        return cls(**{**data, "out": Path(data["out"])})
+
+
+def drive(spec: DriverSpec) -> dict[str, Any]:
+    import torch
+
+    from deeppool.executor.config import RunConfig
+    from deeppool.multiplex.api import run
+    from deeppool.multiplex.config import BackgroundConfig, MuxMode
+    from deeppool.planner.api import plan_model
+    from deeppool.planner.modelspec import ModelSpec
+    from deeppool.planner.request import CostSource, PlanRequest
+
+    spec.out.mkdir(parents=True, exist_ok=True)
+    planned = plan_model(ModelSpec.parse(spec.model),
+                         PlanRequest(gpus=spec.gpus, global_batch=spec.batch, amplification=spec.amplification),
+                         CostSource(device_model=spec.device_model))
+    plan = planned.plan
+    plan.save(spec.out / "plan.json")
+    background = None
+    if spec.background_model is not None:
+        if plan.predicted.idle_windows:
+            mode = MuxMode.PRIORITY if torch.cuda.is_available() else MuxMode.GATE
+            background = BackgroundConfig(model=Path(spec.background_model), batch=spec.background_batch, mode=mode,
+                                          checkpoint_dir=spec.out / "background")
+        else:
+            print("the plan leaves no idle window: the background job was not run", flush=True)
+    warmup = min(5, spec.steps - 1)
+    return run(spec.out / "plan.json", background=background,
+               config=RunConfig(steps=spec.steps, warmup=warmup, out_dir=spec.out / "run"))
+
+
+def main() -> None:
+    from deeppool.errors import DeeppoolError
+
+    spec = DriverSpec.from_json(json.loads(Path(sys.argv[1]).read_text()))
+    try:
+        summary = drive(spec)
+    except DeeppoolError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    (spec.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DriverSteps:
+    """The coordinator's :data:`~deeppool.coordinator.runtime.Steps`: one driver step per attempt.
+
+    The attempt's spec goes to ``folder/job-N/driver-A.json``; the job's outputs to ``folder/job-N``.
+    """
+
+    folder: Path
+    device_model: str = "a100"
+
+    def __call__(self, job: Any, attempt: int, guests: Any) -> list[list[str]]:
+        out = self.folder / f"job-{job.id}"
+        out.mkdir(parents=True, exist_ok=True)
+        guest = guests[0] if guests else None
+        spec = DriverSpec(model=job.model, gpus=job.gpus, batch=job.batch, steps=job.steps,
+                          amplification=job.amplification, out=out, device_model=self.device_model,
+                          background_model=guest.model if guest is not None else None,
+                          background_batch=guest.batch if guest is not None else 8)
+        path = out / f"driver-{attempt}.json"
+        path.write_text(json.dumps(spec.to_json()))
+        return [[sys.executable, "-m", "deeppool.coordinator.driver", str(path)]]

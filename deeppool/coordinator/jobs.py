@@ -1,0 +1,94 @@
+"""The coordinator's job model: request and response types, states, and which moves between them are legal.
+
+A job moves PENDING → STARTING → RUNNING → SUCCEEDED | FAILED, may be
+CANCELLED from any live state, and a background job preempted for a
+foreground one goes back to PENDING (requeued, not failed). Terminal states
+are final. The store (:mod:`deeppool.coordinator.store`) applies each move as
+a compare-and-swap against :data:`TRANSITIONS` and records it in an
+append-only event log with its reason.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class JobKind(enum.Enum):
+    FOREGROUND = "fg"  # a burst-parallel plan on the GPUs it is granted
+    BACKGROUND = "bg"  # single-GPU, low priority: idle windows of foreground jobs, or free GPUs
+
+
+class JobStatus(enum.Enum):
+    PENDING = "PENDING"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    JobStatus.PENDING: frozenset({JobStatus.STARTING, JobStatus.CANCELLED, JobStatus.FAILED}),
+    JobStatus.STARTING: frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.PENDING}),
+    JobStatus.RUNNING: frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.PENDING}),
+    JobStatus.SUCCEEDED: frozenset(),
+    JobStatus.FAILED: frozenset(),
+    JobStatus.CANCELLED: frozenset(),
+}
+
+
+def sources(target: JobStatus) -> frozenset[JobStatus]:
+    """The states a job may move to ``target`` from."""
+    return frozenset(state for state, targets in TRANSITIONS.items() if target in targets)
+
+
+class JobRequest(BaseModel):
+    """A submission, as the CLI and ``POST /v1/jobs`` give it. Unknown fields are refused (422)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: JobKind
+    model: str = Field(min_length=1, max_length=4096,
+                       description="a model file path (under the server's allowed roots) or package.module:factory")
+    gpus: int = Field(default=1, ge=1, le=4096, description="GPUs for a foreground job; background jobs use 1")
+    batch: int = Field(ge=1, le=1 << 24, description="global batch size")
+    steps: int = Field(default=100, ge=1, le=10_000_000)
+    amplification: float | None = Field(default=None, ge=1.0, description="the plan's GPU-time amplification cap")
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=200,
+                                        description="a resubmission with the same key returns the same job")
+
+
+class Job(BaseModel):
+    """A job as the API returns it."""
+
+    id: int
+    kind: JobKind
+    state: JobStatus
+    owner: str
+    model: str
+    gpus: int
+    batch: int
+    steps: int
+    amplification: float | None
+    created_at: datetime
+    updated_at: datetime
+    reason: str | None = None
+    exit_code: int | None = None
+    progress: float = Field(default=0.0, description="steps done over steps asked, in [0, 1]")
+    host_id: int | None = Field(default=None, description="the foreground job whose idle windows it runs in")
+
+
+class Event(BaseModel):
+    id: int
+    job_id: int
+    from_state: JobStatus | None
+    to_state: JobStatus
+    reason: str
+    at: datetime

@@ -1,0 +1,109 @@
+"""Starting, watching and stopping jobs on this machine: one supervisor process per job, in its own session.
+
+:class:`LocalLauncher` never waits on a job: it starts
+``python -m deeppool.coordinator.supervisor`` with ``start_new_session=True``
+and reads the job's state from the supervisor's files
+(:class:`~deeppool.coordinator.supervisor.JobFiles`), so a coordinator that
+restarts finds its jobs where they were. Stopping is SIGTERM to the job's
+process group, a grace period, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from deeppool.coordinator.supervisor import JobFiles
+
+SUPERVISOR = "deeppool.coordinator.supervisor"
+
+
+class Phase(enum.Enum):
+    NOT_STARTED = "not started"  # no supervisor ever took the job's lock
+    RUNNING = "running"
+    EXITED = "exited"
+    LOST = "lost"  # its supervisor is gone without an exit code (killed, or the machine restarted)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Observed:
+    phase: Phase
+    exit_code: int | None = None
+
+
+def _alive_supervisor(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) supervisor process, read from /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z" and SUPERVISOR in cmdline
+
+
+class LocalLauncher:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self._children: dict[tuple[int, int], subprocess.Popen] = {}
+
+    def files(self, job_id: int, attempt: int) -> JobFiles:
+        return JobFiles(folder=self.folder, job_id=job_id, attempt=attempt)
+
+    def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None) -> None:
+        files = self.files(job_id, attempt)
+        tmp = files.spec.with_name(files.spec.name + ".tmp")
+        tmp.write_text(json.dumps({"job_id": job_id, "attempt": attempt, "steps": steps}))
+        os.replace(tmp, files.spec)
+        self._children[(job_id, attempt)] = subprocess.Popen(
+            [sys.executable, "-m", SUPERVISOR, str(files.spec)], start_new_session=True, close_fds=True,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+
+    def observe(self, job_id: int, attempt: int) -> Observed:
+        self._reap()
+        files = self.files(job_id, attempt)
+        code = files.exit_code()
+        if code is not None:
+            return Observed(phase=Phase.EXITED, exit_code=code)
+        pid = files.supervisor_pid()
+        if pid is None:
+            return Observed(phase=Phase.NOT_STARTED)
+        if _alive_supervisor(pid):
+            return Observed(phase=Phase.RUNNING)
+        code = files.exit_code()  # it may have finished between the two reads
+        return Observed(phase=Phase.EXITED, exit_code=code) if code is not None else Observed(phase=Phase.LOST)
+
+    def stop(self, job_id: int, attempt: int, grace_s: float = 10.0) -> None:
+        """SIGTERM to the attempt's process group, then SIGKILL after ``grace_s`` if it is still there."""
+        pid = self.files(job_id, attempt).supervisor_pid()
+        if pid is None or not _alive_supervisor(pid):
+            return
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            self._reap()
+            if not _alive_supervisor(pid):
+                return
+            time.sleep(0.05)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._reap()
+
+    def _reap(self) -> None:
+        for key, proc in list(self._children.items()):
+            if proc.poll() is not None:
+                del self._children[key]

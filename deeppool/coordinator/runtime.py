@@ -1,0 +1,110 @@
+"""Keeping the database and the processes in agreement: start, observe, finalise, stop, recover.
+
+:meth:`Runtime.start` moves a job PENDING → STARTING (a committed
+compare-and-swap) and only then launches its supervisor. :meth:`reconcile`,
+run when the server starts (before it serves) and then periodically, looks at
+every live job's current attempt:
+
+* its supervisor wrote an exit code: SUCCEEDED (0) or FAILED (the code);
+* its supervisor runs: a STARTING job becomes RUNNING (after a restart, that
+  is re-adoption; the job never stopped);
+* its supervisor is gone without an exit code: FAILED, "lost";
+* no supervisor ever took the attempt's lock, ``grace_s`` after the job
+  became STARTING: the coordinator died between its commit and the launch, so
+  it launches now. The supervisor's lock file makes a second launch of the
+  same attempt a no-op, so nothing runs twice.
+
+Jobs CANCELLED while running are stopped (SIGTERM, grace, SIGKILL).
+
+A background job lent a foreground job's idle windows (a *guest*) runs
+inside its host's ranks, so it has no process of its own: it becomes RUNNING
+with its host, and when the host ends it SUCCEEDED if it trained (the host's
+``summary.json`` counts its steps), else it goes back to the queue.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from deeppool.coordinator.jobs import Job, JobStatus
+from deeppool.coordinator.launcher import LocalLauncher, Phase
+from deeppool.coordinator.store import Store
+
+Steps = Callable[[Job, int, Sequence[Job]], list[list[str]]]
+"""A job's steps for an attempt, given the guests lent its idle windows."""
+
+
+class Runtime:
+    def __init__(self, store: Store, launcher: LocalLauncher, steps: Steps, *, grace_s: float = 5.0) -> None:
+        self.store, self.launcher, self.steps, self.grace_s = store, launcher, steps, grace_s
+
+    def start(self, job: Job, reason: str, guests: Sequence[Job] = ()) -> bool:
+        """Claim the job (PENDING → STARTING) and its guests, then launch; False if someone else moved it."""
+        if not self.store.transition(job.id, JobStatus.STARTING, reason):
+            return False
+        claimed = [g for g in guests
+                   if self.store.transition(g.id, JobStatus.STARTING, f"lent the idle windows of job {job.id}",
+                                            host_id=job.id)]
+        attempt = self.store.attempts(job.id)
+        self.launcher.launch(job.id, attempt, self.steps(job, attempt, claimed))
+        return True
+
+    def requeue(self, job: Job, reason: str) -> None:
+        """Preempt a running job: stop its attempt and put it back in the queue (not failed)."""
+        if self.store.transition(job.id, JobStatus.PENDING, reason):
+            self.launcher.stop(job.id, self.store.attempts(job.id), self.grace_s)
+
+    def reconcile(self, now: datetime | None = None) -> None:
+        now = now or datetime.now(UTC)
+        for job in self.store.jobs(states=(JobStatus.STARTING, JobStatus.RUNNING)):
+            if job.host_id is None:
+                self._settle(job, now)
+        for guest in self.store.jobs(states=(JobStatus.STARTING, JobStatus.RUNNING)):
+            if guest.host_id is not None:
+                self._settle_guest(guest)
+        for job in self.store.jobs(states=(JobStatus.CANCELLED,)):
+            attempt = self.store.attempts(job.id)
+            if attempt and self.launcher.observe(job.id, attempt).phase is Phase.RUNNING:
+                self.launcher.stop(job.id, attempt, self.grace_s)
+
+    def _settle(self, job: Job, now: datetime) -> None:
+        attempt = self.store.attempts(job.id)
+        seen = self.launcher.observe(job.id, attempt)
+        if seen.phase is Phase.EXITED:
+            ok = seen.exit_code == 0
+            self.store.transition(job.id, JobStatus.SUCCEEDED if ok else JobStatus.FAILED,
+                                  "finished" if ok else f"exited with code {seen.exit_code}", exit_code=seen.exit_code)
+        elif seen.phase is Phase.RUNNING and job.state is JobStatus.STARTING:
+            self.store.transition(job.id, JobStatus.RUNNING, f"attempt {attempt} running")
+        elif seen.phase is Phase.LOST:
+            self.store.transition(job.id, JobStatus.FAILED, f"lost: attempt {attempt}'s supervisor ended without an "
+                                                            "exit code")
+        elif seen.phase is Phase.NOT_STARTED and now - job.updated_at > timedelta(seconds=self.grace_s):
+            guests = self.store.jobs(states=(JobStatus.STARTING,), host_id=job.id)
+            self.launcher.launch(job.id, attempt, self.steps(job, attempt, guests))
+
+    def _settle_guest(self, guest: Job) -> None:
+        host = self.store.job(guest.host_id)
+        assert host is not None
+        if host.state is JobStatus.RUNNING and guest.state is JobStatus.STARTING:
+            self.store.transition(guest.id, JobStatus.RUNNING, f"training in the idle windows of job {host.id}")
+        elif host.state.terminal or host.state is JobStatus.PENDING:
+            steps = guest_steps(self.launcher.files(host.id, self.store.attempts(host.id)).folder, host.id)
+            if host.state is JobStatus.SUCCEEDED and steps > 0:
+                self.store.transition(guest.id, JobStatus.SUCCEEDED, f"trained {steps} steps in job {host.id}'s "
+                                                                     "idle windows", exit_code=0)
+            else:
+                self.store.transition(guest.id, JobStatus.PENDING, f"job {host.id} ended ({host.state.value}) "
+                                                                   f"after {steps} background steps: requeued")
+
+
+def guest_steps(folder: Path, host_id: int) -> int:
+    """Background steps the host's run reports (its ``summary.json``), 0 when there is none."""
+    try:
+        summary = json.loads((folder / f"job-{host_id}" / "summary.json").read_text())
+        return int(summary["multiplex"]["bg_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0

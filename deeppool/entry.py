@@ -1,0 +1,42 @@
+"""Running a typer app as a command: every user mistake is one line starting ``error:``, exit 2, no traceback."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from deeppool.errors import DeeppoolError
+
+try:  # typer >= 0.20 carries its own copy of click
+    from typer._click import exceptions as click_errors
+except ImportError:  # older typer runs on click itself
+    from click import exceptions as click_errors
+
+INTERRUPTED = 130
+
+
+def run_app(app: typer.Typer, args: list[str] | None = None, *, prog_name: str | None = None) -> None:
+    """Run ``app``; a usage mistake or a :class:`DeeppoolError` prints one line on stderr and exits with its code."""
+    try:
+        app(args=args, prog_name=prog_name, standalone_mode=False)
+    except click_errors.NoArgsIsHelpError as shown:
+        help_text = shown.format_message()  # typer's rich help has printed itself already and left this empty
+        if help_text.strip():
+            print(help_text)
+    except click_errors.UsageError as err:
+        print(f"error: {usage_line(err)}", file=sys.stderr)
+        sys.exit(2)
+    except DeeppoolError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED)
+
+
+def usage_line(err: click_errors.UsageError) -> str:
+    """Click's message on one line, and which command's --help to read."""
+    message = " ".join(err.format_message().split())
+    command = err.ctx.command_path if err.ctx is not None else "deeppool"
+    return f"{message} (see `{command} --help`)"

@@ -1,0 +1,133 @@
+"""What to plan for and where layer times come from: checked at construction, before any tracing.
+
+Neither type imports torch, so the command line refuses a bad option in well
+under a second; :mod:`deeppool.planner.api` does the work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from deeppool import checks
+from deeppool.errors import DeeppoolError
+from deeppool.planner.candidates import Limits
+from deeppool.planner.cost import Optimizer
+from deeppool.planner.hardware import LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, known_device
+from deeppool.planner.plan import Strategy
+from deeppool.planner.profile import Profile
+
+if TYPE_CHECKING:  # the solver (pulp, highspy) loads when a --solver is named or a plan is solved
+    from deeppool.planner.ilp import SolverName
+
+LOCAL = "local"
+DEFAULT_MAX_CANDIDATES = 32
+"""Keeps every useful count up to a global batch of about 300; thins larger problems."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """What to plan for: GPUs, global batch, strategy and limits."""
+
+    gpus: int
+    global_batch: int
+    strategy: Strategy = Strategy.ILP
+    optimizer: Optimizer = Optimizer.SGD
+    amplification: float | None = None
+    enforce_memory: bool = True
+    time_limit_s: float = 60.0
+    solver: SolverName | None = None
+    max_candidates: int | None = DEFAULT_MAX_CANDIDATES
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise DeeppoolError(f"--gpus {self.gpus}: plan for at least 1 GPU")
+        if self.global_batch < 1:
+            raise DeeppoolError(f"--batch {self.global_batch}: the global batch must be at least 1")
+        if self.time_limit_s <= 0:
+            raise DeeppoolError(f"--time-limit {self.time_limit_s:g} must be positive (seconds)")
+        if self.max_candidates is not None and self.max_candidates < 2:
+            raise DeeppoolError("--max-candidates must be at least 2 (0 keeps every useful count)")
+        Limits(amplification=self.amplification)
+
+
+def check_samples(gpus: int, global_batch: int) -> None:
+    """A job's GPUs each need at least one sample of the global batch (strong scaling splits it)."""
+    if gpus > global_batch:
+        raise DeeppoolError(
+            f"--gpus {gpus} is more than --batch {global_batch}: every GPU needs at least one sample; "
+            f"plan for at most {global_batch} GPUs or a global batch of at least {gpus}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostSource:
+    """Where layer times come from: a device model, a profile file, or measuring here.
+
+    ``device_model`` is v100/a100/h100 (estimated) or ``local`` (measured on
+    ``local_device`` at the planner's per-GPU batches up to
+    ``max_measured_batch``, larger ones extrapolated). ``network`` names a
+    preset (a device model or ``local``), ``network_file`` a measured network
+    (``deeppool profile-network``) instead; the three overrides replace figures.
+    """
+
+    device_model: str = LOCAL
+    profile_path: Path | None = None
+    local_device: str = "cpu"
+    max_measured_batch: int = 32
+    cache_dir: Path | None = None
+    network: str | None = None
+    network_file: Path | None = None
+    gpus_per_node: int | None = None
+    intra_gbps: float | None = None
+    inter_gbps: float | None = None
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device_model != LOCAL:
+            _named_device(self.device_model, "--device-model")
+        if self.network not in (None, LOCAL):
+            _named_device(self.network, "--network")
+        if self.network is not None and self.network_file is not None:
+            raise DeeppoolError("give either --network or --network-file, not both")
+        checks.existing_file(self.profile_path, "--profile")
+        checks.existing_file(self.network_file, "--network-file")
+        if self.network_file is not None:
+            NetworkModel.load(self.network_file)  # a bad file is refused before any tracing
+        if self.profile_path is not None:
+            Profile.load(self.profile_path)
+        if self.measures_locally:
+            checks.device(self.local_device, "--local-device")
+        if self.max_measured_batch < 1:
+            raise DeeppoolError(f"--max-measured-batch {self.max_measured_batch} must be at least 1")
+        checks.at_least(self.gpus_per_node, 1, "--gpus-per-node")
+        checks.positive(self.intra_gbps, "--intra-gbps")
+        checks.positive(self.inter_gbps, "--inter-gbps")
+
+    @property
+    def measures_locally(self) -> bool:
+        return self.profile_path is None and self.device_model == LOCAL
+
+    def network_model(self, profile: Profile) -> NetworkModel:
+        if self.network_file is not None:
+            base = NetworkModel.load(self.network_file)
+        else:
+            preset = self.network or self._preset_for(profile)
+            base = LOCAL_NETWORK if preset == LOCAL else NETWORKS[known_device(preset)]
+        return base.with_overrides(
+            gpus_per_node=self.gpus_per_node, intra_gbps=self.intra_gbps, inter_gbps=self.inter_gbps
+        )
+
+    def _preset_for(self, profile: Profile) -> str:
+        if self.profile_path is None:
+            return self.device_model
+        named = [known.value for known in KnownDevice if known.value in profile.device.lower()]
+        return named[0] if named else LOCAL
+
+
+def _named_device(name: str, flag: str) -> None:
+    try:
+        known_device(name)
+    except DeeppoolError as err:
+        raise DeeppoolError(f"{flag}: {err}") from None

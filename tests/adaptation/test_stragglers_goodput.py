@@ -1,0 +1,43 @@
+"""Straggler detection (an injected 0.5x rank is found, healthy noisy ranks never are) and goodput."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deeppool.adaptation.goodput import best, goodput_table, statistical_efficiency
+from deeppool.adaptation.stragglers import StragglerDetector
+
+
+def run(slow: dict[int, float], steps: int = 200, ranks: int = 8, seed: int = 0) -> list:
+    rng = random.Random(seed)
+    detector, found = StragglerDetector(), []
+    for step in range(steps):
+        times = {r: 10.0 * rng.uniform(0.85, 1.15) / slow.get(r, 1.0) for r in range(ranks)}
+        found += detector.observe(step, times)
+    return found
+
+
+def test_an_injected_slow_rank_is_flagged_once() -> None:
+    found = run({5: 0.5})
+    assert [s.rank for s in found] == [5]
+    assert found[0].relative_speed < 0.8 and found[0].step < 40
+    assert "rank 5 is a straggler" in found[0].describe()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_healthy_ranks_with_noise_are_never_flagged(seed: int) -> None:
+    assert run({}, steps=1000, seed=seed) == []
+
+
+def test_goodput_prefers_the_batch_where_throughput_and_efficiency_balance() -> None:
+    assert statistical_efficiency(64, base_batch=64, noise_scale=500.0) == 1.0
+    assert statistical_efficiency(1024, base_batch=64, noise_scale=0.0) == pytest.approx(64 / 1024)
+    # iteration time: a fixed 10 ms plus 0.1 ms per sample; throughput grows with the batch, efficiency falls
+    table = goodput_table([64, 128, 256, 512, 1024, 4096], lambda b: 0.010 + 1e-4 * b, base_batch=64,
+                          noise_scale=300.0)
+    choice = best(table)
+    assert [c.batch for c in table] == [64, 128, 256, 512, 1024, 4096]
+    assert choice.batch not in (64, 4096)  # an interior optimum
+    assert choice.goodput == max(c.throughput * c.efficiency for c in table)

@@ -1,0 +1,103 @@
+"""A real server (`deeppool serve`, uvicorn, SQLite on disk) killed with SIGKILL under concurrent submissions."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deeppool.coordinator.store import Store
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(db: Path, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "deeppool.cli", "serve", "--db", str(db), "--port", str(port),
+                             "--gpus", "4", "--allow", str(REPO / "examples")], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"server did not start: {proc.stderr.read().decode()[-2000:]}")
+
+
+def token(db: Path) -> str:
+    out = subprocess.run([sys.executable, "-m", "deeppool.cli", "token", "create", "alice", "--db", str(db)],
+                         cwd=REPO, capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def submitter(port: int, token: str, prefix: str, acked: dict[str, int], stop: threading.Event) -> None:
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"},
+                        timeout=5)
+    for i in range(10_000):
+        if stop.is_set():
+            return
+        key = f"{prefix}-{i}"
+        try:
+            response = http.post("/v1/jobs", json={"kind": "bg", "model": "examples.mlp:model", "batch": 8,
+                                                   "idempotency_key": key})
+        except httpx.TransportError:
+            return  # the server died mid-request: not acknowledged
+        if response.status_code in (200, 201):
+            acked[key] = response.json()["id"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_acknowledged_job_survives_kill_9(tmp_path: Path, seed: int) -> None:
+    db, port = tmp_path / "deeppool.db", free_port()
+    secret = token(db)
+    server = start(db, port)
+    acked: dict[str, int] = {}
+    stop = threading.Event()
+    threads = [threading.Thread(target=submitter, args=(port, secret, f"t{n}", acked, stop)) for n in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(random.Random(seed).uniform(0.5, 2.0))
+    os.kill(server.pid, signal.SIGKILL)
+    server.wait()
+    stop.set()
+    for t in threads:
+        t.join()
+    assert len(acked) > 10
+    store = Store(db)
+    assert store.integrity() == "ok"
+    jobs = {job.id: job for job in store.jobs()}
+    assert all(acked_id in jobs for acked_id in acked.values())  # nothing acknowledged was lost
+    store.close()
+    with sqlite3.connect(db) as raw:
+        keys = [key for (key,) in raw.execute("SELECT idempotency_key FROM jobs")]
+        orphans = raw.execute("SELECT COUNT(*) FROM jobs WHERE id NOT IN (SELECT job_id FROM events)").fetchone()[0]
+    assert len(keys) == len(set(keys)) == len(jobs)  # one job per key: none made twice
+    assert orphans == 0  # every job has its submission event: both were written in one transaction
+    restarted = start(db, port)
+    try:
+        again = httpx.post(f"http://127.0.0.1:{port}/v1/jobs", headers={"Authorization": f"Bearer {secret}"},
+                           json={"kind": "bg", "model": "examples.mlp:model", "batch": 8,
+                                 "idempotency_key": next(iter(acked))})
+        assert again.status_code == 200 and again.json()["id"] == acked[next(iter(acked))]  # the key still holds
+    finally:
+        restarted.terminate()
+        restarted.wait(10)
