@@ -2,8 +2,9 @@
 
 Each stage runs as one compiled module on leaf copies of the values it reads
 from other stages, so its backward is one ``torch.autograd.backward`` call and
-the gradients of its inputs can be sent back to the ranks that produced them. The loss on rank ``r`` of the output
-layer is scaled by ``n_r / B``, so the per-rank gradients *sum* to the
+the gradients of its inputs can be sent back to the ranks that produced them.
+The loss on rank ``r`` of the output layer is scaled by ``n_r / B`` (and by
+``1/K`` for ``K`` micro-batches), so the per-rank gradients *sum* to the
 gradient of the global mean loss; gradient all-reduces therefore sum.
 """
 
