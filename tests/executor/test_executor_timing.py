@@ -11,15 +11,14 @@ from deeppool.executor.timing import Category, Recorder
 class FakeClock:
     def __init__(self) -> None:
         self.now = 100.0
+        self.waits = 0
 
     def __call__(self) -> float:
         return self.now
 
 
 class FakeEvent:
-    """A device event whose device time is the fake host clock at ``record``."""
-
-    waits = 0
+    """A device event whose device time is the fake host clock at ``record``; waits are counted on the clock."""
 
     def __init__(self, clock: FakeClock) -> None:
         self._clock = clock
@@ -33,20 +32,19 @@ class FakeEvent:
         return 1e3 * (end.at - self.at)
 
     def synchronize(self) -> None:
-        FakeEvent.waits += 1
+        self._clock.waits += 1
 
 
 def test_device_spans_wait_once_per_iteration_and_sit_on_the_host_clock() -> None:
     clock = FakeClock()
     recorder = Recorder(clock, events=lambda: FakeEvent(clock))
-    FakeEvent.waits = 0
     recorder.begin()
     for label, length in [("forward:a..b", 0.010), ("backward:a..b", 0.020), ("allreduce:a..b", 0.005)]:
         with recorder.span(0, label, Category.COMPUTE):
             clock.now += length
-    assert recorder.spans == [] and FakeEvent.waits == 0  # nothing is resolved (or waited for) per op
+    assert recorder.spans == [] and clock.waits == 0  # nothing is resolved (or waited for) per op
     recorder.settle()
-    assert FakeEvent.waits == 1
+    assert clock.waits == 1
     assert [s.label for s in recorder.spans] == ["forward:a..b", "backward:a..b", "allreduce:a..b"]
     assert [s.ms for s in recorder.spans] == pytest.approx([10.0, 20.0, 5.0])
     assert recorder.spans[0].start_s == pytest.approx(100.0) and recorder.spans[-1].end_s == pytest.approx(100.035)
