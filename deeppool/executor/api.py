@@ -25,7 +25,7 @@ from deeppool.executor.comm import Comm
 from deeppool.executor.config import CheckpointConfig, RunConfig
 from deeppool.executor.data import BatchSource, LoaderBatches, SyntheticBatches
 from deeppool.executor.engine import Engine, EngineParts
-from deeppool.executor.gradients import GradientReducer
+from deeppool.executor.gradients import FIRST_BUCKET_BYTES, GradientReducer
 from deeppool.executor.idle import IdleListener, NoBackground
 from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
 from deeppool.executor.program import Program, build_program, idle_positions
@@ -210,7 +210,8 @@ def _engine(
             optimizer=optimizer,
             scheduler=training.schedule.build(optimizer) if optimizer is not None else None,
             clip_norm=training.clip_norm,
-            reducer=GradientReducer(comm, config.bucket_bytes, _side_stream(device)),
+            reducer=GradientReducer(comm, config.bucket_bytes, _side_stream(device),
+                                    first_bucket_bytes=FIRST_BUCKET_BYTES if device.type == "cuda" else None),
             recorder=recorder,
             idle=idle_positions(program, plan.idle_windows(comm.rank)),
             on_idle=on_idle or NoBackground(),

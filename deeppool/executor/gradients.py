@@ -6,10 +6,12 @@ all-reduce, overlapping the rest of the backward (as DDP does);
 :meth:`GradientReducer.finish` flushes the rest and waits before the optimizer
 step. A group's buckets fill and flush only at that group's layers, which all
 its ranks run in the same order, so every member issues the group's
-collectives (these and synchronised BatchNorm's) in one order. As in DDP,
-a group's first bucket of an iteration is capped at 1 MiB, so the first
-all-reduce starts early in the backward (:mod:`deeppool.executor.overlap`
-hands gradients over while the backward runs). On a GPU the reducer is
+collectives (these and synchronised BatchNorm's) in one order. Gradients
+are handed over while the backward runs (:mod:`deeppool.executor.overlap`).
+On a GPU, as in DDP, a group's first bucket of an iteration is capped at
+1 MiB (``first_bucket_bytes``), so the first all-reduce starts early; on CPU
+the ranks share the cores with gloo's threads, an early small all-reduce
+only competes with the backward, and it is not capped. On a GPU the reducer is
 given a side stream: a bucket is flattened and its all-reduce launched on
 it (after the compute stream's work so far), so neither the copy nor the
 collective queues behind the rest of the backward; :meth:`finish` makes the
@@ -33,10 +35,14 @@ FIRST_BUCKET_BYTES = 2**20
 
 
 class GradientReducer:
-    def __init__(self, comm: Comm, bucket_bytes: int, stream: torch.cuda.Stream | None = None) -> None:
+    def __init__(
+        self, comm: Comm, bucket_bytes: int, stream: torch.cuda.Stream | None = None,
+        first_bucket_bytes: int | None = None,
+    ) -> None:
         self._comm = comm
         self._stream = stream
         self._bucket_bytes = bucket_bytes
+        self._first_bytes = bucket_bytes if first_bucket_bytes is None else min(bucket_bytes, first_bucket_bytes)
         self._flushed: set[tuple[int, ...]] = set()
         self._pending: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
         self._inflight: list[tuple[Waitable, torch.Tensor, list[torch.Tensor]]] = []
@@ -47,7 +53,7 @@ class GradientReducer:
             return
         bucket = self._pending[ranks]
         bucket.extend(grads)
-        limit = self._bucket_bytes if ranks in self._flushed else min(self._bucket_bytes, FIRST_BUCKET_BYTES)
+        limit = self._bucket_bytes if ranks in self._flushed else self._first_bytes
         if sum(g.numel() * g.element_size() for g in bucket) >= limit:
             self._flush(ranks)
             if self._bucket_bytes == 0:
