@@ -201,7 +201,7 @@ def _mount_package_commands() -> None:
 
     Their modules import only typer and the option types; each command loads torch and its work when it runs.
     """
-    from deeppool.cluster_sim.cli import simulate
+    from deeppool.cluster_sim.cli import simulate, simulate_deeppool
     from deeppool.coordinator import cli as coordinator
     from deeppool.executor.cli import profile_network, run
     from deeppool.multiplex.cli import app as multiplex_app
@@ -210,6 +210,7 @@ def _mount_package_commands() -> None:
     app.add_typer(multiplex_app, name="multiplex")
     app.command("profile-network")(profile_network)
     app.command("simulate")(simulate)
+    app.command("simulate-deeppool")(simulate_deeppool)
     app.command("serve")(coordinator.serve)
     app.add_typer(coordinator.token_app, name="token")
     for command in (coordinator.submit, coordinator.jobs, coordinator.logs, coordinator.cancel):

@@ -9,38 +9,38 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from deeppool import checks
 from deeppool.cluster_sim.cluster import ClusterSpec
+from deeppool.cluster_sim.engine import SimResult
 from deeppool.cluster_sim.interference import (
     DEFAULT_BG_EFFICIENCY,
     DEFAULT_FG_SLOWDOWN,
     DEFAULT_MIN_LEND_FRACTION,
     InterferenceModel,
 )
-from deeppool.cluster_sim.models import ModelMapping, default_mapping, load_mapping
-from deeppool.cluster_sim.policies import BASELINE, POLICIES, policy_named
+from deeppool.cluster_sim.metrics import compare, scenario_table, table, write_jobs, write_metrics
+from deeppool.cluster_sim.models import EXAMPLE_BATCH, default_mapping, example, load_mapping
+from deeppool.cluster_sim.plans import BurstStrategy, PlanBook, PlanSettings
+from deeppool.scheduling.policies import BASELINE, POLICIES, policy_named
+from deeppool.cluster_sim.runner import DEFAULT_RESTART_PENALTY_S, assign, run_policies, sim_jobs
 from deeppool.cluster_sim.workload import (
     BackgroundRule,
     SyntheticSpec,
+    TraceFormat,
     Workload,
     parse_size_mix,
     read_workload,
     synthetic,
 )
 from deeppool.errors import DeeppoolError
+from deeppool.output import console as stdout
 from deeppool.planner.hardware import KnownDevice, known_device
-
-if TYPE_CHECKING:  # the planner (and torch) load only once every option has been checked
-    from rich.console import Console
-    from rich.progress import Progress
-
-    from deeppool.cluster_sim.engine import SimResult
-    from deeppool.cluster_sim.plans import PlanSettings
-    from deeppool.planner.plan import Strategy
 
 app = typer.Typer(add_completion=False, help="Simulate a GPU cluster running a job trace.")
 SYNTHETIC = "synthetic"
@@ -55,7 +55,8 @@ TraceArg = Annotated[str, typer.Argument(help="Philly-derived or Pollux workload
 GpusOpt = Annotated[int, typer.Option("--gpus", help="GPUs in the cluster.")]
 NodeOpt = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="Device model of every GPU: v100, a100, h100.")]
-PolicyOpt = Annotated[list[str], typer.Option("--policy", help=f"Policy to run (repeat): {', '.join(POLICIES)}.")]
+PolicyOpt = Annotated[list[str], typer.Option(
+    "--policy", help=f"Policy to run (repeat): [ORDER:]PLACEMENT or ORDER, one of {', '.join(POLICIES)}.")]
 OutOpt = Annotated[Path, typer.Option("--out", help="Folder for metrics.json/csv, jobs.csv and the plots.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seeds model draws and synthetic workloads.")]
 MappingOpt = Annotated[Path | None, typer.Option("--mapping", help="JSON: workload key -> {model, global_batch}.")]
@@ -66,6 +67,8 @@ InterferenceOpt = Annotated[Path | None, typer.Option(
     "--interference", help="Measured interference.json (`deeppool multiplex bench`): replaces --fg-slowdown and "
     "--bg-efficiency.")]
 LendOpt = Annotated[float, typer.Option(help="Ranks idle for less of an iteration are not lent.")]
+RestartOpt = Annotated[float, typer.Option(
+    "--restart-penalty", help="Seconds lost each time a preempted or evicted job runs again.")]
 StrategyOpt = Annotated[str, typer.Option(help="Burst plans: ilp or deeppool.")]
 TimeLimitOpt = Annotated[float, typer.Option(help="ILP time limit per plan (s).")]
 CacheOpt = Annotated[Path, typer.Option(help="Where traced graphs and plans are cached.")]
@@ -96,6 +99,7 @@ def simulate(
     bg_efficiency: EfficiencyOpt = DEFAULT_BG_EFFICIENCY,
     min_lend_fraction: LendOpt = DEFAULT_MIN_LEND_FRACTION,
     interference_file: InterferenceOpt = None,
+    restart_penalty: RestartOpt = DEFAULT_RESTART_PENALTY_S,
     burst_strategy: StrategyOpt = "ilp",
     plan_time_limit: TimeLimitOpt = 30.0,
     cache_dir: CacheOpt = DEFAULT_CACHE,
@@ -111,6 +115,7 @@ def simulate(
     median_duration: DurationOpt = 3600.0,
 ) -> None:
     """Replay TRACE on --gpus GPUs under each --policy; write metrics, tables and plots to --out."""
+    console = stdout(stderr=True)
     try:
         checks.out_folder(out, "--out")
         if not no_cache:
@@ -122,49 +127,33 @@ def simulate(
         checks.positive(plan_time_limit, "--plan-time-limit")
         cluster = ClusterSpec(gpus=gpus, gpus_per_node=gpus_per_node, device=_device(device))
         policies = _policies(policy, no_baseline)
-        interference = (
-            InterferenceModel.measured(interference_file, min_lend_fraction=min_lend_fraction)
-            if interference_file is not None
-            else InterferenceModel(fg_slowdown=fg_slowdown, bg_efficiency=bg_efficiency,
-                                   min_lend_fraction=min_lend_fraction)
-        )
-        strategy = _strategy(burst_strategy)
+        if not 0 <= restart_penalty < 86400:
+            raise DeeppoolError(f"--restart-penalty {restart_penalty}: give seconds in [0, 86400)")
+        interference = _interference(interference_file, fg_slowdown, bg_efficiency, min_lend_fraction)
+        settings = PlanSettings(burst_strategy=_strategy(burst_strategy), time_limit_s=plan_time_limit)
         rule = BackgroundRule.parse(background)
         spec = SyntheticSpec(jobs=jobs, arrivals_per_hour=arrival_rate, size_mix=parse_size_mix(size_mix),
                              median_duration_s=median_duration, seed=seed)
         workload = _workload(trace, pollux_traces, spec)
-        chosen = load_mapping(mapping) if mapping is not None else default_mapping()
-        _simulate(workload, chosen, rule=rule, cluster=cluster, policies=policies, interference=interference,
-                  strategy=strategy, plan_time_limit=plan_time_limit, cache_dir=None if no_cache else cache_dir,
-                  plan_workers=plan_workers, seed=seed, drop_oversized=drop_oversized, out=out, plots=not no_plots)
+        chosen = (load_mapping(mapping) if mapping is not None
+                  else default_mapping(spread=workload.format is TraceFormat.PHILLY))
+        out.mkdir(parents=True, exist_ok=True)  # every option checked: now the work
+        assignment = assign(workload, mapping=chosen, rule=rule, cluster=cluster, seed=seed,
+                            drop_oversized=drop_oversized)
+        book = PlanBook(cluster=cluster, settings=settings, cache_dir=None if no_cache else cache_dir)
+        with _progress(console) as progress:
+            planning = progress.add_task("plans (model x GPUs)", total=len(assignment.needs()))
+            book.prepare(assignment.needs(), lambda done: progress.advance(planning, done), workers=plan_workers)
+            sim = sim_jobs(assignment, book)
+            results = run_policies(sim, policies=policies, cluster=cluster, book=book, interference=interference,
+                                   restart_penalty_s=restart_penalty, progress=_job_counter(progress, len(sim)))
     except DeeppoolError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)  # SystemExit: also leaves a host CLI run with standalone_mode=False
-
-
-def _simulate(
-    workload: Workload, chosen: ModelMapping, *, rule: BackgroundRule, cluster: ClusterSpec, policies: tuple[str, ...],
-    interference: InterferenceModel, strategy: Strategy, plan_time_limit: float, cache_dir: Path | None,
-    plan_workers: int, seed: int, drop_oversized: bool, out: Path, plots: bool,
-) -> None:
-    """Plan what the trace needs, simulate each policy, report: the work, once every option is checked."""
-    from deeppool.cluster_sim.plans import PlanBook, PlanSettings
-    from deeppool.cluster_sim.runner import assign, run_policies, sim_jobs
-    from deeppool.output import console as shown
-
-    console = shown(stderr=True)
-    settings = PlanSettings(burst_strategy=strategy, time_limit_s=plan_time_limit)
-    assignment = assign(workload, mapping=chosen, rule=rule, cluster=cluster, seed=seed, drop_oversized=drop_oversized)
-    book = PlanBook(cluster=cluster, settings=settings, cache_dir=cache_dir)
-    with _progress(console) as progress:
-        planning = progress.add_task("plans (model x GPUs)", total=len(assignment.needs()))
-        book.prepare(assignment.needs(), lambda done: progress.advance(planning, done), workers=plan_workers)
-        sim = sim_jobs(assignment, book)
-        results = run_policies(sim, policies=policies, cluster=cluster, book=book, interference=interference,
-                               progress=_job_counter(progress, len(sim)))
     run = RunInfo(workload=workload, jobs=len(sim), dropped=assignment.dropped, cluster=cluster, rule=rule,
-                  interference=interference, settings=settings, seed=seed, solved=book.solved)
-    _report(results, run, out, console, plots=plots)
+                  interference=interference, settings=settings, seed=seed, solved=book.solved,
+                  restart_penalty_s=restart_penalty)
+    _report(results, run, out, console, plots=not no_plots)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +169,7 @@ class RunInfo:
     settings: PlanSettings
     seed: int
     solved: int
+    restart_penalty_s: float
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -191,6 +181,7 @@ class RunInfo:
                         "device": self.cluster.device.value},
             "background": self.rule.describe(),
             "interference": asdict(self.interference),
+            "restart_penalty_s": self.restart_penalty_s,
             "burst_strategy": self.settings.burst_strategy.value,
             "seed": self.seed,
             "plans_solved_this_run": self.solved,
@@ -199,9 +190,6 @@ class RunInfo:
 
 
 def _report(results: tuple[SimResult, ...], run: RunInfo, out: Path, console: Console, *, plots: bool) -> None:
-    from deeppool.cluster_sim.metrics import compare, table, write_jobs, write_metrics
-    from deeppool.output import console as stdout
-
     metrics = compare(results)
     write_metrics(metrics, out)
     write_jobs(results, out)
@@ -209,12 +197,12 @@ def _report(results: tuple[SimResult, ...], run: RunInfo, out: Path, console: Co
     if plots:
         from deeppool.cluster_sim.plots import write_plots  # matplotlib only when plotting
 
-        write_plots(results, out)
+        write_plots(results, metrics, out)
     title = f"{Path(run.workload.source).name}: {run.jobs:,} jobs on {run.cluster.describe()}"
     stdout().print(table(metrics, title))
     if run.dropped:
         console.print(f"dropped {run.dropped} job(s) asking for more than {run.cluster.gpus} GPUs")
-    files = "metrics.json, metrics.csv, jobs.csv, run.json" + ("" if not plots else ", utilisation.png, jct_cdf.png")
+    files = "metrics.json, metrics.csv, jobs.csv, run.json" + ("" if not plots else ", utilisation.png, jct_cdf.png, throughput.png")
     console.print(f"wrote {out}/: {files}", soft_wrap=True)
 
 
@@ -225,16 +213,11 @@ def _policies(requested: list[str], no_baseline: bool) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _strategy(text: str) -> Strategy:
-    from deeppool.planner.plan import Strategy
-
+def _strategy(text: str) -> BurstStrategy:
     try:
-        strategy = Strategy(text)
+        return BurstStrategy(text)
     except ValueError:
         raise DeeppoolError(f"--burst-strategy '{text}': use ilp or deeppool") from None
-    if strategy is Strategy.DATA_PARALLEL:
-        raise DeeppoolError("--burst-strategy must be ilp or deeppool (dp is the baseline policy)")
-    return strategy
 
 
 def _device(text: str) -> KnownDevice:
@@ -252,8 +235,6 @@ def _workload(trace: str, pollux_traces: Path | None, spec: SyntheticSpec) -> Wo
 
 @contextmanager
 def _progress(console: Console) -> Iterator[Progress]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         yield progress
@@ -265,6 +246,51 @@ def _job_counter(progress: Progress, total: int) -> Callable[[str], Callable[[in
         return lambda done: progress.update(task, completed=done)
 
     return for_policy
+
+
+ScenarioGpusOpt = Annotated[list[int], typer.Option("--gpus", help="GPU counts (repeat).")]
+ScenarioModelOpt = Annotated[list[str], typer.Option("--model", help="Example models (repeat).")]
+
+
+def simulate_deeppool(
+    gpus: ScenarioGpusOpt = [8, 16, 32, 64, 128, 256],  # noqa: B006  (typer reads the default)
+    model: ScenarioModelOpt = list(EXAMPLE_BATCH),  # noqa: B006
+    gpus_per_node: NodeOpt = 8,
+    device: DeviceOpt = "a100",
+    fg_slowdown: SlowdownOpt = DEFAULT_FG_SLOWDOWN,
+    bg_efficiency: EfficiencyOpt = DEFAULT_BG_EFFICIENCY,
+    min_lend_fraction: LendOpt = DEFAULT_MIN_LEND_FRACTION,
+    interference_file: InterferenceOpt = None,
+    plan_time_limit: TimeLimitOpt = 30.0,
+    cache_dir: CacheOpt = DEFAULT_CACHE,
+    out: OutOpt = Path("sim-results"),
+) -> None:
+    """DeepPool's evaluation: one foreground job plus unlimited background jobs, per example and GPU count."""
+    from deeppool.cluster_sim.scenario import PAPER_RANGE, evaluate
+
+    try:
+        checks.out_folder(out, "--out")
+        checks.out_folder(cache_dir, "--cache-dir")
+        checks.positive(plan_time_limit, "--plan-time-limit")
+        interference = _interference(interference_file, fg_slowdown, bg_efficiency, min_lend_fraction)
+        cluster = ClusterSpec(gpus=gpus_per_node, gpus_per_node=gpus_per_node, device=_device(device))
+        out.mkdir(parents=True, exist_ok=True)
+        book = PlanBook(cluster=cluster, settings=PlanSettings(time_limit_s=plan_time_limit), cache_dir=cache_dir)
+        points = [evaluate(example(name), count, gpus_per_node=gpus_per_node, book=book, interference=interference)
+                  for name in model for count in gpus]
+    except DeeppoolError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    (out / "scenario.json").write_text(json.dumps([asdict(p) for p in points], indent=2) + "\n")
+    low, high = PAPER_RANGE
+    stdout().print(scenario_table(points, f"{low}-{high}x"))
+    print(f"wrote {out}/scenario.json", file=sys.stderr)
+
+
+def _interference(path: Path | None, slowdown: float, efficiency: float, lend: float) -> InterferenceModel:
+    if path is not None:
+        return InterferenceModel.measured(path, min_lend_fraction=lend)
+    return InterferenceModel(fg_slowdown=slowdown, bg_efficiency=efficiency, min_lend_fraction=lend)
 
 
 def main() -> None:

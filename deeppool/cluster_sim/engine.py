@@ -15,25 +15,40 @@ Rates (see :mod:`deeppool.cluster_sim.interference`):
   on those GPUs, times ``fg_slowdown`` while it hosts a background job; it
   keeps ``gpu_seconds_per_iteration`` of GPU time busy per iteration;
 * a background job on lent ranks runs ``min(usable) / T_dp(k)``, each lent rank's idle windows
-  weighted by the efficiency for their length.
+  weighted by the efficiency for their length and cut to whole pieces of the guest's own step
+  granularity (:meth:`InterferenceModel.usable_fraction`).
+
+The engine enforces the contract, whatever the policy: a loan is exactly as
+many free lendable ranks as the background job asks for, on GPUs with memory
+for it; no job is placed before its arrival; busy GPU-time never exceeds the
+cluster. A violation raises :class:`PolicyError` naming the policy. Every
+preemption (a policy's decision) and eviction (a guest losing its host) is
+counted, and the job pays ``restart_penalty_s`` of lost time when it runs
+again.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import heapq
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.models import ModelChoice
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
-from deeppool.cluster_sim.policy import Decision, Lend, Policy, SimJob, Slot, Snapshot, Start
+from deeppool.scheduling.policy import Decision, Lend, Policy, SimJob, Slot, Snapshot, Start
 
 FactsLookup = Callable[[ModelChoice, int, PlanMode], PlanFacts]
 MAX_ROUNDS = 10_000
+BUSY_TOLERANCE = 1e-6
+
+
+def _arrival(job: SimJob) -> tuple[float, int]:
+    return job.arrival_s, job.job_id
 
 
 class EventKind(enum.IntEnum):
@@ -59,6 +74,7 @@ class JobRecord:
     finish_s: float
     work_gpu_s: float
     preemptions: int
+    evictions: int
 
     @property
     def jct_s(self) -> float:
@@ -78,14 +94,20 @@ class SimResult:
     events: int
     decisions: int
     wall_s: float
+    preemptions: int = 0
+    evictions: int = 0
+    restart_penalty_gpu_s: float = 0.0
+    lent_gpu_s: float = 0.0
+    bg_gpu_s_in_windows: float = 0.0
 
 
 class _Active:
     """A running job (engine-private, mutable)."""
 
-    __slots__ = ("job", "remaining", "rate", "since", "version", "facts", "gpus", "guests", "slots", "busy")
+    __slots__ = ("job", "remaining", "rate", "since", "version", "facts", "gpus", "guests", "slots", "busy",
+                 "owed_s", "lent")
 
-    def __init__(self, job: SimJob, remaining: float, now: float) -> None:
+    def __init__(self, job: SimJob, remaining: float, now: float, owed_s: float) -> None:
         self.job = job
         self.remaining = remaining
         self.rate = 0.0
@@ -96,6 +118,35 @@ class _Active:
         self.guests = 0
         self.slots: tuple[Slot, ...] = ()
         self.busy = 0.0
+        self.owed_s = owed_s  # restart penalty still to pay: lost time at the first rate it runs at
+        self.lent = 0.0  # lent ranks this guest holds (0 for a job on whole GPUs)
+
+
+class _AttainedView(Mapping[int, float]):
+    """Read-only GPU-seconds of whole-GPU service of every job that has run, live for running jobs.
+
+    A job that never held whole GPUs is absent (Tiresias' policy reads it as 0 and as never run).
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def __getitem__(self, job_id: int) -> float:
+        engine = self._engine
+        gpus = engine.holding.get(job_id)
+        if gpus is None:
+            return engine.attained[job_id]
+        return engine.attained.get(job_id, 0.0) + gpus * (engine.now - engine.running[job_id].since)
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._engine.attained or job_id in self._engine.holding
+
+    def __iter__(self) -> Iterator[int]:
+        engine = self._engine
+        return iter(dict.fromkeys([*engine.attained, *engine.holding]))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class Engine:
@@ -109,9 +160,11 @@ class Engine:
         policy: Policy,
         facts: FactsLookup,
         interference: InterferenceModel,
+        restart_penalty_s: float,
         on_progress: Callable[[int], None] = lambda done: None,
     ) -> None:
         self.cluster, self.policy, self.facts, self.model = cluster, policy, facts, interference
+        self.restart_penalty_s = restart_penalty_s
         self.on_progress = on_progress
         self.jobs = {job.job_id: job for job in jobs}
         self.heap: list[tuple[float, int, int, int, int]] = [
@@ -124,7 +177,11 @@ class Engine:
         self.waiting: dict[int, SimJob] = {}
         self.waiting_fg: dict[int, SimJob] = {}
         self.waiting_bg: dict[int, SimJob] = {}
+        self.requeued: list[SimJob] = []  # waiting jobs that ran before, by (arrival, id)
         self.running: dict[int, _Active] = {}
+        self.holding: dict[int, int] = {}
+        self.holding_jobs: dict[int, SimJob] = {}
+        self.attained: dict[int, float] = {}
         self.remaining: dict[int, float] = {job.job_id: job.iterations for job in jobs}
         self.whole_bg: dict[int, SimJob] = {}
         self.whole_bg_gpus = 0
@@ -134,13 +191,20 @@ class Engine:
         self.slot_guest: dict[tuple[int, int], int] = {}
         self.first_start: dict[int, float] = {}
         self.preemptions: dict[int, int] = {}
+        self.evictions: dict[int, int] = {}
         self.records: list[JobRecord] = []
         self.busy_rate = 0.0
         self.busy_gpu_s = 0.0
+        self.lent_rate = 0.0
+        self.lent_gpu_s = 0.0
+        self.window_rate = 0.0
+        self.window_gpu_s = 0.0
+        self.penalty_gpu_s = 0.0
         self.timeline: list[tuple[float, float, float]] = []
         self.events = 0
         self.decisions = 0
         self._memo: dict[tuple[int, int, PlanMode], PlanFacts] = {}
+        self._attained_view = _AttainedView(self)
 
     # ---- the loop -------------------------------------------------------
     def run(self) -> SimResult:
@@ -165,10 +229,18 @@ class Engine:
             events=self.events,
             decisions=self.decisions,
             wall_s=time.perf_counter() - started,
+            preemptions=sum(self.preemptions.values()),
+            evictions=sum(self.evictions.values()),
+            restart_penalty_gpu_s=self.penalty_gpu_s,
+            lent_gpu_s=self.lent_gpu_s,
+            bg_gpu_s_in_windows=self.window_gpu_s,
         )
 
     def _advance(self, instant: float) -> None:
-        self.busy_gpu_s += self.busy_rate * (instant - self.now)
+        elapsed = instant - self.now
+        self.busy_gpu_s += self.busy_rate * elapsed
+        self.lent_gpu_s += self.lent_rate * elapsed
+        self.window_gpu_s += self.window_rate * elapsed
         self.now = instant
 
     def _push(self, at: float, kind: EventKind, job_id: int, version: int) -> None:
@@ -191,21 +263,27 @@ class Engine:
         elif kind == EventKind.COMPLETION:
             self._complete(self.running[job_id])
 
+    def _snapshot(self) -> Snapshot:
+        return Snapshot(
+            now_s=self.now,
+            total_gpus=self.cluster.gpus,
+            free_gpus=self.free,
+            waiting=self.waiting.values(),
+            waiting_fg=self.waiting_fg.values(),
+            waiting_bg=self.waiting_bg.values(),
+            free_slots=self.free_slots.values(),
+            preemptible=self.whole_bg.values(),
+            preemptible_gpus=self.whole_bg_gpus,
+            guests=self.guests.values(),
+            holding=self.holding,
+            running=self.holding_jobs.values(),
+            requeued=self.requeued,
+            attained_gpu_s=self._attained_view,
+        )
+
     def _decide(self) -> None:
         for _ in range(MAX_ROUNDS):
-            snapshot = Snapshot(
-                now_s=self.now,
-                total_gpus=self.cluster.gpus,
-                free_gpus=self.free,
-                waiting=self.waiting.values(),
-                waiting_fg=self.waiting_fg.values(),
-                waiting_bg=self.waiting_bg.values(),
-                free_slots=self.free_slots.values(),
-                preemptible=self.whole_bg.values(),
-                preemptible_gpus=self.whole_bg_gpus,
-                guests=self.guests.values(),
-            )
-            decision = self.policy.decide(snapshot)
+            decision = self.policy.decide(self._snapshot())
             self.decisions += 1
             if decision.wake_at_s is not None and decision.wake_at_s > self.now:
                 self._push(decision.wake_at_s, EventKind.WAKE, -1, 0)
@@ -221,30 +299,59 @@ class Engine:
             self._start(start)
         for lend in decision.lend:
             self._lend(lend)
+        if self.busy_rate > self.cluster.gpus * (1 + BUSY_TOLERANCE):
+            raise PolicyError(
+                f"policy '{self.policy.name}' made {self.busy_rate:.2f} of {self.cluster.gpus} GPUs busy "
+                f"({self.busy_rate / self.cluster.gpus:.0%}) at t={self.now:.0f}s"
+            )
+
+    def _fail(self, problem: str) -> PolicyError:
+        return PolicyError(f"policy '{self.policy.name}' {problem} at t={self.now:.0f}s")
 
     # ---- queue ----------------------------------------------------------
     def _enqueue(self, job: SimJob) -> None:
         self.waiting[job.job_id] = job
         (self.waiting_bg if job.background else self.waiting_fg)[job.job_id] = job
 
+    def _requeue(self, job: SimJob) -> None:
+        self._enqueue(job)
+        bisect.insort(self.requeued, job, key=_arrival)
+
+    def _unrequeue(self, job: SimJob) -> None:
+        index = bisect.bisect_left(self.requeued, _arrival(job), key=_arrival)
+        del self.requeued[index]
+
     def _dequeue(self, job_id: int) -> SimJob:
         job = self.waiting.pop(job_id, None)
         if job is None:
-            raise PolicyError(f"policy '{self.policy.name}' placed job {job_id}, which is not waiting")
+            known = self.jobs.get(job_id)
+            if known is not None and known.arrival_s > self.now:
+                raise self._fail(f"placed job {job_id} before its arrival at t={known.arrival_s:.0f}s")
+            raise self._fail(f"placed job {job_id}, which is not waiting")
         (self.waiting_bg if job.background else self.waiting_fg).pop(job_id)
+        if job_id in self.first_start:
+            self._unrequeue(job)
         self.first_start.setdefault(job_id, self.now)
         return job
+
+    def _owed_s(self, job_id: int) -> float:
+        """The restart penalty a job pays when it runs again after a preemption or eviction."""
+        stopped = self.preemptions.get(job_id, 0) + self.evictions.get(job_id, 0)
+        return self.restart_penalty_s if stopped and self.restart_penalty_s > 0 else 0.0
 
     # ---- transitions ----------------------------------------------------
     def _start(self, start: Start) -> None:
         if start.gpus > self.free or start.gpus < 1:
-            raise PolicyError(f"policy '{self.policy.name}' started job {start.job_id} on {start.gpus} GPUs, {self.free} free")
+            raise self._fail(f"started job {start.job_id} on {start.gpus} GPUs, {self.free} free")
         job = self._dequeue(start.job_id)
-        active = _Active(job, self.remaining[job.job_id], self.now)
+        active = _Active(job, self.remaining[job.job_id], self.now, self._owed_s(job.job_id))
         active.facts = self._facts(job.model, start.gpus, start.mode)
         active.gpus = start.gpus
         self.free -= start.gpus
         self.running[job.job_id] = active
+        self.holding[job.job_id] = start.gpus
+        self.holding_jobs[job.job_id] = job
+        self.penalty_gpu_s += active.owed_s * start.gpus
         if job.background:
             self.whole_bg[job.job_id] = job
             self.whole_bg_gpus += start.gpus
@@ -258,8 +365,11 @@ class Engine:
         idle = facts.idle_fractions
         ranks = sorted(range(len(idle)), key=lambda r: -idle[r])
         usable = {r: self.model.usable_fraction(facts.windows_ms(r), facts.iteration_s * 1e3) for r in ranks}
+        capacity = self.cluster.device_model.memory_bytes
         slots = [  # a rank whose windows background work cannot fill is not lent
-            Slot(host=host.job.job_id, rank=r, idle_fraction=idle[r], usable_fraction=usable[r])
+            Slot(host=host.job.job_id, rank=r, idle_fraction=idle[r], usable_fraction=usable[r],
+                 longest_window_ms=self.model.longest_usable_window_ms(facts.windows_ms(r)),
+                 free_memory_bytes=capacity - facts.rank_memory(r))
             for r in ranks
             if idle[r] >= self.model.min_lend_fraction and usable[r] > 0
         ]
@@ -270,12 +380,17 @@ class Engine:
     def _lend(self, lend: Lend) -> None:
         keys = [(slot.host, slot.rank) for slot in lend.slots]
         if not keys or any(key not in self.free_slots for key in keys) or len(set(keys)) != len(keys):
-            raise PolicyError(f"policy '{self.policy.name}' lent job {lend.job_id} slots that are not free")
+            raise self._fail(f"lent job {lend.job_id} ranks that are not free lendable ranks")
+        wanted = self.jobs[lend.job_id].gpus if lend.job_id in self.jobs else None
+        if wanted is not None and len(keys) != wanted:
+            raise self._fail(f"lent job {lend.job_id} {len(keys)} idle rank(s); it runs on exactly {wanted}")
         job = self._dequeue(lend.job_id)
         if not job.background:
-            raise PolicyError(f"policy '{self.policy.name}' lent idle ranks to foreground job {job.job_id}")
-        active = _Active(job, self.remaining[job.job_id], self.now)
+            raise self._fail(f"lent idle ranks to foreground job {job.job_id}")
+        self._check_fit(job, lend.slots)
+        active = _Active(job, self.remaining[job.job_id], self.now, self._owed_s(job.job_id))
         active.slots = tuple(lend.slots)
+        self.penalty_gpu_s += active.owed_s * len(keys)
         self.running[job.job_id] = active
         self.guests[job.job_id] = job
         for key in keys:
@@ -288,13 +403,27 @@ class Engine:
                 self._rate_whole(host)
         self._rate_guest(active)
 
+    def _check_fit(self, job: SimJob, slots: tuple[Slot, ...]) -> None:
+        """Each lent GPU must hold the guest's rank in memory and its step pieces in a window."""
+        for slot in slots:
+            if slot.free_memory_bytes < job.memory_bytes:
+                raise self._fail(
+                    f"lent job {job.job_id} rank {slot.rank} of job {slot.host}: its rank needs "
+                    f"{job.memory_bytes / 2**30:.1f} GiB, the GPU has {slot.free_memory_bytes / 2**30:.1f} GiB free"
+                )
+            if slot.longest_window_ms < job.granularity_ms:
+                raise self._fail(
+                    f"lent job {job.job_id} rank {slot.rank} of job {slot.host}: its longest window "
+                    f"({slot.longest_window_ms:.2f} ms) holds none of the job's {job.granularity_ms:.2f} ms steps"
+                )
+
     def _preempt(self, job_id: int) -> None:
-        job = self.whole_bg.get(job_id) or self.guests.get(job_id)
-        if job is None:
-            raise PolicyError(f"policy '{self.policy.name}' preempted job {job_id}, which is no running background job")
-        self._stop(self.running[job_id])
+        active = self.running.get(job_id)
+        if active is None:
+            raise self._fail(f"preempted job {job_id}, which is not running")
+        self._stop(active)
         self.preemptions[job_id] = self.preemptions.get(job_id, 0) + 1
-        self._enqueue(job)
+        self._requeue(active.job)
 
     def _complete(self, active: _Active) -> None:
         job = self._stop(active)
@@ -310,6 +439,7 @@ class Engine:
                 finish_s=self.now,
                 work_gpu_s=job.work_gpu_s,
                 preemptions=self.preemptions.get(job.job_id, 0),
+                evictions=self.evictions.get(job.job_id, 0),
             )
         )
         if len(self.records) % 256 == 0:
@@ -321,12 +451,17 @@ class Engine:
         self._bank(active)
         self.remaining[job.job_id] = active.remaining
         self.busy_rate -= active.busy
+        self.lent_rate -= active.lent
+        if active.lent:
+            self.window_rate -= active.busy
         del self.running[job.job_id]
         if active.slots:
             del self.guests[job.job_id]
             self._release_slots(active)
         else:
             self.free += active.gpus
+            del self.holding[job.job_id]
+            del self.holding_jobs[job.job_id]
             if job.job_id in self.whole_bg:
                 del self.whole_bg[job.job_id]
                 self.whole_bg_gpus -= active.gpus
@@ -340,7 +475,8 @@ class Engine:
             guest_id = self.slot_guest.get(key)
             if guest_id is not None and guest_id in self.running:
                 self._stop(self.running[guest_id])
-                self._enqueue(self.jobs[guest_id])
+                self.evictions[guest_id] = self.evictions.get(guest_id, 0) + 1
+                self._requeue(self.jobs[guest_id])
             self.slot_guest.pop(key, None)
 
     def _release_slots(self, guest: _Active) -> None:
@@ -366,12 +502,21 @@ class Engine:
         return found
 
     def _bank(self, active: _Active) -> None:
-        active.remaining = max(0.0, active.remaining - active.rate * (self.now - active.since))
+        elapsed = self.now - active.since
+        active.remaining = max(0.0, active.remaining - active.rate * elapsed)
+        if not active.slots:
+            job_id = active.job.job_id
+            self.attained[job_id] = self.attained.get(job_id, 0.0) + active.gpus * elapsed
         active.since = self.now
 
     def _set_rate(self, active: _Active, rate: float, busy: float) -> None:
         self._bank(active)
+        if active.owed_s:
+            active.remaining += rate * active.owed_s
+            active.owed_s = 0.0
         self.busy_rate += busy - active.busy
+        if active.lent:
+            self.window_rate += busy - active.busy
         active.rate, active.busy = rate, busy
         active.version = self.seq + 1  # unique across restarts: a stale completion never matches
         self._push(self.now + active.remaining / rate, EventKind.COMPLETION, active.job.job_id, active.version)
@@ -384,8 +529,17 @@ class Engine:
         self._set_rate(active, rate, facts.gpu_seconds_per_iteration * rate)
 
     def _rate_guest(self, active: _Active) -> None:
+        """Progress only in the lent windows: the least usable lent rank sets the pace (synchronous DP)."""
         job = active.job
         own = self._facts(job.model, job.gpus, PlanMode.DATA_PARALLEL)
-        share = min(slot.usable_fraction for slot in active.slots)
+        share = min(self._usable(slot, job.granularity_ms) for slot in active.slots)
+        active.lent = float(len(active.slots))
+        self.lent_rate += active.lent
         rate = share / own.iteration_s
         self._set_rate(active, rate, own.gpu_seconds_per_iteration * rate)
+
+    def _usable(self, slot: Slot, granularity_ms: float) -> float:
+        host = self.running[slot.host].facts
+        assert host is not None
+        return self.model.usable_fraction(host.windows_ms(slot.rank), host.iteration_s * 1e3,
+                                          piece_ms=granularity_ms)

@@ -67,11 +67,19 @@ class InterferenceModel:
         index = bisect.bisect_right([edge for edge, _ in curve], window_ms) - 1
         return curve[index][1] if index >= 0 else 0.0
 
-    def usable_fraction(self, windows_ms: tuple[float, ...], iteration_ms: float) -> float:
-        """The share of an iteration a lent rank turns into background work: Σ_w e(len_w) · len_w / T."""
+    def usable_fraction(self, windows_ms: tuple[float, ...], iteration_ms: float, *, piece_ms: float = 0.0) -> float:
+        """The share of an iteration a lent rank turns into background work: Σ_w e(len_w) · fit(len_w) / T.
+
+        ``fit(len) = ⌊len / piece⌋ · piece``: a background job whose step comes in indivisible pieces of
+        ``piece_ms`` (its longest kernel) fills only whole pieces of a window; ``piece_ms`` 0 fills all of it.
+        """
         if iteration_ms <= 0:
             return 0.0
-        return min(1.0, sum(self.efficiency(w) * w for w in windows_ms) / iteration_ms)
+        return min(1.0, sum(self.efficiency(w) * _fit(w, piece_ms) for w in windows_ms) / iteration_ms)
+
+    def longest_usable_window_ms(self, windows_ms: tuple[float, ...]) -> float:
+        """The longest window background work is admitted to at all (0 when none is)."""
+        return max((w for w in windows_ms if self.efficiency(w) > 0), default=0.0)
 
     @classmethod
     def measured(cls, path: Path, *, min_lend_fraction: float = DEFAULT_MIN_LEND_FRACTION) -> InterferenceModel:
@@ -88,3 +96,10 @@ class InterferenceModel:
                                 "(needs fg_slowdown and bg_efficiency)") from None
         return cls(fg_slowdown=max(1.0, slowdown), bg_efficiency=min(1.0, max(efficiency, 1e-3)),
                    min_lend_fraction=min_lend_fraction, efficiency_by_window_ms=curve)
+
+
+def _fit(window_ms: float, piece_ms: float) -> float:
+    """The part of a window that whole pieces of ``piece_ms`` fill."""
+    if piece_ms <= 0:
+        return window_ms
+    return (window_ms // piece_ms) * piece_ms

@@ -9,6 +9,12 @@
   "GPUs' worth of data-parallel work"; both are over the makespan.
 * cluster_throughput_vs_dp: (fg + bg throughput) over the ``dp`` policy's in
   the same run (DeepPool's "cluster throughput relative to data parallel").
+* preemptions / evictions: times a policy requeued a running job / a guest
+  lost its host; restart_penalty_gpu_s: the GPU-time they cost on restart.
+* lent_gpu_seconds: GPU-time of idle ranks lent to background jobs (held by a
+  guest); bg_gpu_seconds_in_windows: the background work done in those
+  windows, in GPU-seconds of the guests' own data-parallel plans — the
+  background throughput that idle windows, not queueing, produced.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import numpy as np
 from rich.table import Table
 
 from deeppool.cluster_sim.engine import SimResult
-from deeppool.cluster_sim.policies import BASELINE
+from deeppool.scheduling.policies import BASELINE
+from deeppool.cluster_sim.scenario import ScenarioPoint
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +50,10 @@ class PolicyMetrics:
     cluster_throughput: float
     cluster_throughput_vs_dp: float | None
     preemptions: int
+    evictions: int
+    restart_penalty_gpu_s: float
+    lent_gpu_seconds: float
+    bg_gpu_seconds_in_windows: float
     events: int
     sim_wall_s: float
     events_per_s: float
@@ -75,7 +86,11 @@ def measure(result: SimResult) -> PolicyMetrics:
         bg_throughput=bg,
         cluster_throughput=fg + bg,
         cluster_throughput_vs_dp=None,
-        preemptions=sum(r.preemptions for r in records),
+        preemptions=result.preemptions,
+        evictions=result.evictions,
+        restart_penalty_gpu_s=result.restart_penalty_gpu_s,
+        lent_gpu_seconds=result.lent_gpu_s,
+        bg_gpu_seconds_in_windows=result.bg_gpu_s_in_windows,
         events=result.events,
         sim_wall_s=result.wall_s,
         events_per_s=result.events / result.wall_s if result.wall_s > 0 else 0.0,
@@ -108,12 +123,13 @@ def write_jobs(results: Sequence[SimResult], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with (out / "jobs.csv").open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["policy", "job", "name", "background", "gpus", "arrival_s", "start_s", "finish_s", "jct_s", "preemptions"])
+        writer.writerow(["policy", "job", "name", "background", "gpus", "arrival_s", "start_s", "finish_s", "jct_s",
+                         "preemptions", "evictions"])
         for result in results:
             for r in result.records:
                 writer.writerow([result.policy, r.job_id, r.name, int(r.background), r.gpus,
                                  f"{r.arrival_s:.3f}", f"{r.start_s:.3f}", f"{r.finish_s:.3f}",
-                                 f"{r.jct_s:.3f}", r.preemptions])
+                                 f"{r.jct_s:.3f}", r.preemptions, r.evictions])
 
 
 THROUGHPUT_NOTE = (
@@ -124,14 +140,28 @@ THROUGHPUT_NOTE = (
 
 def table(metrics: Sequence[PolicyMetrics], title: str) -> Table:
     out = Table(title=title, caption=THROUGHPUT_NOTE)
-    for column in ("policy", "avg JCT (h)", "p99 JCT (h)", "makespan (h)", "GPU util", "fg thr (GPU-s/s)",
-                   "bg thr (GPU-s/s)", "vs dp", "events/s"):
+    columns = ("policy", "avg JCT (h)", "p99 JCT (h)", "makespan (h)", "GPU util", "fg thr (GPU-s/s)",
+               "bg thr (GPU-s/s)", "vs dp", "lent GPU-h", "bg GPU-h in windows", "preempted/evicted")
+    for column in columns:
         out.add_column(column, justify="left" if column == "policy" else "right")
     for m in metrics:
         ratio = "—" if m.cluster_throughput_vs_dp is None else f"{m.cluster_throughput_vs_dp:.3f}x"
         out.add_row(
             m.policy, f"{m.avg_jct_s / 3600:.2f}", f"{m.p99_jct_s / 3600:.2f}", f"{m.makespan_s / 3600:.2f}",
             f"{m.gpu_utilization:.1%}", f"{m.fg_throughput:.2f}", f"{m.bg_throughput:.2f}", ratio,
-            f"{m.events_per_s:,.0f}",
+            f"{m.lent_gpu_seconds / 3600:,.1f}", f"{m.bg_gpu_seconds_in_windows / 3600:,.1f}",
+            f"{m.preemptions}/{m.evictions}",
         )
+    return out
+
+
+def scenario_table(points: Sequence[ScenarioPoint], paper: str) -> Table:
+    """DeepPool's scenario: cluster throughput over data parallel per model and GPU count, beside the paper's."""
+    out = Table(title="one foreground job + unlimited background jobs (DeepPool's evaluation)")
+    columns = ("model", "GPUs", "fg batch", "burst speedup", "fg share", "bg share", "lent", "vs dp", "paper")
+    for column in columns:
+        out.add_column(column, justify="left" if column == "model" else "right")
+    for p in points:
+        out.add_row(p.model, str(p.gpus), str(p.fg_batch), f"{p.burst_speedup:.2f}x", f"{p.fg_share:.2f}",
+                    f"{p.bg_share:.2f}", f"{p.lent_fraction:.0%}", f"{p.cluster_throughput_vs_dp:.2f}x", paper)
     return out

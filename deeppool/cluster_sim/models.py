@@ -1,5 +1,20 @@
 """Which model (and global batch) each trace job trains.
 
+**Batch rule** (the batch grows with the GPU count, so every rank of every
+plan has samples): a job's global batch is
+
+1. the trace's own batch (the Pollux workloads' ``batch_size`` column) when
+   the mapping entry says ``"trace_batch": true`` — only then is the model
+   the application whose samples the column counts (an ncf batch of 32,768
+   is not 32,768 gpt2 sequences);
+2. else ``per_gpu_batch × GPUs`` — the examples' per-GPU batch is their
+   reference global batch at 8 GPUs over 8 (vgg16 16, resnet50 32,
+   inception 32, gpt2 8), a mapping entry may give ``per_gpu_batch``;
+3. else the mapping entry's fixed ``global_batch``.
+
+A job whose batch is smaller than its GPU count is refused: some of its GPUs
+would hold no sample, and no policy may be credited for them.
+
 Traces name no models, so every job is mapped to a model file through its
 workload key (the Pollux application, the Philly virtual-cluster id, the
 synthetic job's class). Defaults (docs/simulator.md):
@@ -26,16 +41,20 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import deeppool
 from deeppool.errors import DeeppoolError
-from deeppool.planner.modelspec import ModelSpec
+
+if TYPE_CHECKING:
+    from deeppool.planner.modelspec import ModelSpec
 
 EXAMPLES_DIR = Path(deeppool.__file__).resolve().parent.parent / "examples"
 EXAMPLE_BATCH = {"vgg16": 128, "resnet50": 256, "inception": 256, "gpt2": 64}
+REFERENCE_GPUS = 8
+"""The examples' global batches are for 8 GPUs; their per-GPU batch is that over 8."""
 POLLUX_DEFAULT = {
     "imagenet": "resnet50",
     "cifar10": "inception",
@@ -49,22 +68,46 @@ WILDCARD = "*"
 
 @dataclass(frozen=True, kw_only=True)
 class ModelChoice:
-    """A model file and the global batch its jobs train with (fixed: strong scaling)."""
+    """A model file and the global batch one job trains it with (strong scaling within the job).
+
+    The file is only a path here: torch is imported (by :attr:`spec`) only when a Plan must be solved.
+    """
 
     name: str
-    spec: ModelSpec
+    path: Path
     global_batch: int
+    per_gpu_batch: int | None = None
+    """When set, a job on G GPUs trains at ``per_gpu_batch × G`` (the batch rule above)."""
+    trace_batch: bool = False
+    """Whether the trace's batch column is in this model's samples (the batch rule above)."""
 
     def __post_init__(self) -> None:
-        if self.global_batch < 1:
-            raise DeeppoolError(f"model '{self.name}': global_batch must be >= 1")
+        if self.global_batch < 1 or (self.per_gpu_batch is not None and self.per_gpu_batch < 1):
+            raise DeeppoolError(f"model '{self.name}': global_batch and per_gpu_batch must be >= 1")
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The planner's model spec (imports torch: needed only to trace and solve)."""
+        from deeppool.planner.modelspec import ModelSpec
+
+        return ModelSpec.parse(str(self.path))
+
+    def batch_for(self, gpus: int, trace_batch: int | None) -> int:
+        """The global batch of a job on ``gpus`` GPUs (the batch rule)."""
+        if self.trace_batch and trace_batch is not None:
+            return trace_batch
+        if self.per_gpu_batch is not None:
+            return self.per_gpu_batch * gpus
+        return self.global_batch
 
 
 def example(name: str, global_batch: int | None = None) -> ModelChoice:
     path = EXAMPLES_DIR / f"{name}.py"
     if name not in EXAMPLE_BATCH or not path.is_file():
         raise DeeppoolError(f"'{name}' is not an example model: use one of {', '.join(EXAMPLE_BATCH)} or a .py path")
-    return ModelChoice(name=name, spec=ModelSpec.parse(str(path)), global_batch=global_batch or EXAMPLE_BATCH[name])
+    per_gpu = None if global_batch else EXAMPLE_BATCH[name] // REFERENCE_GPUS
+    return ModelChoice(name=name, path=path.resolve(), global_batch=global_batch or EXAMPLE_BATCH[name],
+                       per_gpu_batch=per_gpu)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,7 +127,7 @@ class ModelMapping:
         if self.spread:
             return rng.choice(self.spread)
         raise DeeppoolError(
-            f"{where}: '{key}' has no model mapping in {self.source}: add it (or \"*\") to the mapping file"
+            f"{where}: '{key}' has no model mapping in {self.source}: add it (or \"*\") to a --mapping file"
         )
 
     def choices(self) -> tuple[ModelChoice, ...]:
@@ -92,10 +135,12 @@ class ModelMapping:
         return tuple({choice.name: choice for choice in listed}.values())
 
 
-def default_mapping() -> ModelMapping:
+def default_mapping(*, spread: bool = True) -> ModelMapping:
+    """The defaults; ``spread`` draws a model for unlisted keys (Philly ids), else they are errors (applications)."""
     examples = {name: example(name) for name in EXAMPLE_BATCH}
     by_key = {**examples, **{app: examples[model] for app, model in POLLUX_DEFAULT.items()}}
-    return ModelMapping(by_key=by_key, spread=tuple(examples.values()), source="the default mapping")
+    source = "the default mapping" + ("" if spread else f" (applications: {', '.join(sorted(by_key))})")
+    return ModelMapping(by_key=by_key, spread=tuple(examples.values()) if spread else (), source=source)
 
 
 def load_mapping(path: str | Path) -> ModelMapping:
@@ -117,14 +162,20 @@ def _entry(source: Path, key: str, value: Any) -> ModelChoice:
     if not isinstance(value, dict) or "model" not in value:
         raise DeeppoolError(f"mapping file '{source}': entry '{key}' needs a \"model\" (example name or .py path)")
     model = str(value["model"])
-    batch = value.get("global_batch")
-    if batch is not None and (not isinstance(batch, int) or batch < 1):
-        raise DeeppoolError(f"mapping file '{source}': entry '{key}': global_batch must be an integer >= 1")
+    batch, per_gpu = value.get("global_batch"), value.get("per_gpu_batch")
+    trace_batch = value.get("trace_batch", False)
+    if not isinstance(trace_batch, bool):
+        raise DeeppoolError(f"mapping file '{source}': entry '{key}': trace_batch must be true or false")
+    for field_name, number in (("global_batch", batch), ("per_gpu_batch", per_gpu)):
+        if number is not None and (not isinstance(number, int) or number < 1):
+            raise DeeppoolError(f"mapping file '{source}': entry '{key}': {field_name} must be an integer >= 1")
     if model in EXAMPLE_BATCH:
-        return example(model, batch)
+        chosen = example(model, batch)
+        return replace(chosen, per_gpu_batch=per_gpu or chosen.per_gpu_batch, trace_batch=trace_batch)
     path = Path(model) if Path(model).is_absolute() else source.resolve().parent / model
     if not path.is_file():
         raise DeeppoolError(f"mapping file '{source}': entry '{key}': model file '{path}' does not exist")
-    if batch is None:
-        raise DeeppoolError(f"mapping file '{source}': entry '{key}': a model file needs a global_batch")
-    return ModelChoice(name=path.stem, spec=ModelSpec.parse(str(path)), global_batch=batch)
+    if batch is None and per_gpu is None:
+        raise DeeppoolError(f"mapping file '{source}': entry '{key}': a model file needs a global_batch or per_gpu_batch")
+    return ModelChoice(name=path.stem, path=path.resolve(), global_batch=batch or per_gpu,
+                       per_gpu_batch=per_gpu, trace_batch=trace_batch)

@@ -12,10 +12,13 @@ file's content, the batch, the GPU count, the strategy, the device and network
 and a fingerprint of the planner's source, so an 82,000-job trace solves a few
 dozen ILPs once, and later runs solve none. Traced graphs are cached the same way.
 Missing plans are solved one model per worker process (tracing dominates).
+The planner's tracing and solving modules (and torch with them) are imported
+only when a Plan or graph is missing from the cache.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import multiprocessing
@@ -23,19 +26,21 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import deeppool.planner
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.models import ModelChoice
-from deeppool.cluster_sim.policy import PlanMode
 from deeppool.errors import DeeppoolError
-from deeppool.planner.api import PlanRequest, Planned, device_setup, plan_graph
 from deeppool.planner.graph import LayerGraph
 from deeppool.planner.jsonio import write_json
-from deeppool.planner.plan import Plan, Strategy, build_plan
-from deeppool.planner.trace import trace
+from deeppool.scheduling.policy import PlanMode
 
-FACTS_VERSION = 2
+if TYPE_CHECKING:  # the planner's solving half imports torch: loaded only when a Plan must be solved
+    from deeppool.planner.api import Planned
+    from deeppool.planner.plan import Plan
+
+FACTS_VERSION = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,21 +52,38 @@ class PlanFacts:
     idle_fractions: tuple[float, ...]
     idle_windows_ms: tuple[tuple[float, ...], ...] = ()
     """Each rank's idle window lengths (ms), for efficiency by window length; empty in hand-made facts."""
+    granularity_ms: float = 0.0
+    """The longest single layer phase (forward or backward) on a rank: the job's indivisible step piece."""
+    rank_memory_bytes: tuple[int, ...] = ()
+    """Each rank's memory (the layers it runs); empty in hand-made facts (no memory used)."""
 
     @classmethod
     def of(cls, plan: Plan) -> PlanFacts:
-        """Idle fraction of rank r = Σ its idle windows / iteration time."""
+        """Idle fraction of rank r = Σ its idle windows / iteration time; rank memory = Σ its layers' memory."""
         iteration_ms = plan.predicted.iteration_ms
         windows: list[list[float]] = [[] for _ in range(plan.gpus)]
         for window in plan.predicted.idle_windows:
             windows[window.rank].append(window.length_ms)
+        memory = [0] * plan.gpus
+        for layer in plan.layers:
+            for rank in layer.ranks:
+                memory[rank] += layer.memory_bytes
         return cls(
             iteration_s=iteration_ms / 1e3,
             gpu_seconds_per_iteration=plan.predicted.gpu_seconds_per_iteration,
             idle_fractions=tuple(min(1.0, max(0.0, sum(w) / iteration_ms)) if iteration_ms > 0 else 0.0
                                  for w in windows),
             idle_windows_ms=tuple(tuple(w) for w in windows),
+            granularity_ms=max((max(layer.fwd_ms, layer.bwd_ms) for layer in plan.layers), default=0.0),
+            rank_memory_bytes=tuple(memory),
         )
+
+    def rank_memory(self, rank: int) -> int:
+        return self.rank_memory_bytes[rank] if self.rank_memory_bytes else 0
+
+    @property
+    def peak_rank_memory_bytes(self) -> int:
+        return max(self.rank_memory_bytes, default=0)
 
     def windows_ms(self, rank: int) -> tuple[float, ...]:
         """Rank ``rank``'s idle windows (one window of the whole idle time when lengths are unknown)."""
@@ -74,17 +96,20 @@ class PlanFacts:
         return len(self.idle_fractions)
 
 
+class BurstStrategy(enum.Enum):
+    """The planner strategies that make burst plans (values as the planner's ``Strategy`` spells them)."""
+
+    ILP = "ilp"
+    DEEPPOOL = "deeppool"
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanSettings:
     """How burst plans are made: strategy (ILP or the DeepPool programme) and solver time limit."""
 
-    burst_strategy: Strategy = Strategy.ILP
+    burst_strategy: BurstStrategy = BurstStrategy.ILP
     time_limit_s: float = 30.0
     amplification: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.burst_strategy is Strategy.DATA_PARALLEL:
-            raise DeeppoolError("--burst-strategy must be ilp or deeppool (dp is the baseline policy)")
 
 
 TRACER_SOURCES = ("graph.py", "layer_exec.py", "modelspec.py", "trace.py")
@@ -190,12 +215,15 @@ class PlanBook:
             self._facts[(model, gpus, mode)] = fact
 
     def _solve(self, model: ModelChoice, gpus: int) -> dict[PlanMode, PlanFacts]:
+        from deeppool.planner.api import PlanRequest, device_setup, plan_graph
+        from deeppool.planner.plan import Strategy
+
         graph = self.graph(model)
         profile, _ = device_setup(self.cluster.device.value, model.global_batch, model.global_batch, graph)
         request = PlanRequest(
             gpus=gpus,
             global_batch=model.global_batch,
-            strategy=self.settings.burst_strategy,
+            strategy=Strategy(self.settings.burst_strategy.value),
             amplification=self.settings.amplification,
             time_limit_s=self.settings.time_limit_s,
         )
@@ -225,15 +253,16 @@ class PlanBook:
                     return LayerGraph.from_json(json.loads(path.read_text()))
                 except (ValueError, KeyError, TypeError, DeeppoolError):
                     pass
+        from deeppool.planner.trace import trace
+
         graph = trace(model.spec.load(meta=True)).graph
         if path is not None:
             write_json(path, graph.to_json())
         return graph
 
     def _model_identity(self, model: ModelChoice) -> dict[str, object]:
-        location = Path(model.spec.location)
-        content = hashlib.sha256(location.read_bytes()).hexdigest() if location.is_file() else model.spec.location
-        return {"model": content, "seed": model.spec.seed, "shape": model.spec.input_shape, "planner": self._fingerprint}
+        content = hashlib.sha256(model.path.read_bytes()).hexdigest() if model.path.is_file() else str(model.path)
+        return {"model": content, "planner": self._fingerprint}
 
     def _cache_path(self, model: ModelChoice, gpus: int) -> Path | None:
         if self.cache_dir is None:
@@ -260,6 +289,8 @@ def _solve_model(
 
 def _data_parallel_plan(planned: Planned, model: ModelChoice, gpus: int) -> Plan:
     """The data-parallel Plan of the same planner run (the same cost model and baselines)."""
+    from deeppool.planner.plan import Strategy, build_plan
+
     if planned.plan.strategy is Strategy.DATA_PARALLEL:
         return planned.plan
     predicted = planned.plan.predicted
@@ -288,6 +319,8 @@ def _read_facts(path: Path) -> dict[PlanMode, PlanFacts]:
             gpu_seconds_per_iteration=float(payload[mode.value]["gpu_seconds_per_iteration"]),
             idle_fractions=tuple(float(f) for f in payload[mode.value]["idle_fractions"]),
             idle_windows_ms=tuple(tuple(float(w) for w in rank) for rank in payload[mode.value]["idle_windows_ms"]),
+            granularity_ms=float(payload[mode.value]["granularity_ms"]),
+            rank_memory_bytes=tuple(int(b) for b in payload[mode.value]["rank_memory_bytes"]),
         )
         for mode in PlanMode
     }

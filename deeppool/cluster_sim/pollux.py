@@ -1,19 +1,32 @@
-"""Run times of Pollux workload jobs, from the applications' measured data.
+"""Run times of Pollux workload jobs, from the applications' measured data, as Pollux's simulator derives them.
 
 A Pollux workload (Qiao et al., OSDI 2021; petuum/adaptdl, branch
-osdi21-artifact, Apache-2.0) states each job's application, GPU count and
-batch size but not its run time. The run time under that recorded allocation
-is derived from the artifact's measurements on AWS g4dn (T4 GPUs, 4 per node):
+osdi21-artifact, folder ``simulator/``, Apache-2.0) states each job's
+application, GPU count and batch size but not its run time. The artifact's
+simulator (``applications.py``, ``simulator.py``: ``Job.update_local_bsz``,
+``Job.step``) turns them into one; this module follows it for a job that keeps
+its batch size and GPUs (Tiresias+TunedJobs):
 
-    duration = iterations_to_target(batch) · step_time(placement, batch / gpus)
+* **Work.** Training ends after the application's ``max_epochs`` epochs.
+  Epoch ``e`` needs progress ``P(e+1) − P(e)``, where ``P(e)`` is the smallest
+  ``progress`` column at epoch ``e`` over the ``validation-<batch>.csv`` files;
+  a step at global batch ``B`` makes progress
+  ``gain = (var + sqr) / (var / s + sqr)``, ``s = B / B_init`` (``B_init`` the
+  smallest validated batch; ``sqr``, ``var`` the gradient statistics of epoch
+  ``e`` interpolated linearly between the validated batches around ``B``).
+  Steps = Σ_e (P(e+1) − P(e)) / gain(B, e).
+* **Step time.** The per-GPU batch ``⌈B / gpus⌉`` is split into ``accum + 1``
+  micro-batches of at most the largest measured per-GPU batch
+  (``max_local_bsz``; a one-GPU job above ``B_init`` accumulates at least once):
+  ``T = step(atomic) + accum · (step(atomic) − sync(atomic))``. ``step`` and
+  ``sync`` are ``placements.csv``'s for the packed placement ("4", "24",
+  "444", ... up to 16 GPUs), linear in the per-GPU batch within the measured
+  range (clamped to it); above 16 GPUs ``scalability.csv``'s, linear in the
+  GPU count and the per-GPU batch, up to its measured maximum (64 replicas),
+  beyond which a job is refused.
 
-* ``iterations_to_target``: the last ``iteration`` of ``validation-<batch>.csv``
-  (the run that reached the target metric); the closest measured batch when
-  that batch has no file.
-* ``step_time``: ``placements.csv`` rows of the packed placement of ``gpus``
-  on 4-GPU nodes ("4", "24", "444"...), interpolated linearly in the per-GPU
-  batch. Placements above 16 GPUs were not measured; they use the 16-GPU
-  ("4444") step time, i.e. weak scaling beyond 16 GPUs is taken as flat.
+``duration = steps · T``. ``max_epochs`` and the yolov3 micro-batch cap are the
+artifact's ``APPLICATIONS`` settings.
 """
 
 from __future__ import annotations
@@ -27,14 +40,129 @@ from pathlib import Path
 from deeppool.errors import DeeppoolError
 
 NODE_GPUS = 4
-MAX_MEASURED_GPUS = 16
+MAX_PLACEMENT_GPUS = 16
+MAX_EPOCHS = {"bert": 2, "cifar10": 100, "ncf": 10, "imagenet": 90, "deepspeech2": 80, "yolov3": 50}
+MAX_LOCAL_BSZ = {"yolov3": 8}
+"""The artifact's ``APPLICATIONS`` (simulator/applications.py): epochs to train, micro-batch caps."""
 
 
 def packed_placement(gpus: int) -> str:
     """``gpus`` on as few 4-GPU nodes as possible, digits ascending (as placements.csv writes them)."""
-    gpus = min(gpus, MAX_MEASURED_GPUS)
     digits = [NODE_GPUS] * (gpus // NODE_GPUS) + ([gpus % NODE_GPUS] if gpus % NODE_GPUS else [])
     return "".join(str(d) for d in sorted(digits))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Curve:
+    """(per-GPU batch → step time, sync time), measured at a few batches."""
+
+    batches: tuple[float, ...]
+    steps: tuple[float, ...]
+    syncs: tuple[float, ...]
+
+    def at(self, local_batch: float) -> tuple[float, float]:
+        """Linear in the per-GPU batch, clamped to the measured range."""
+        xs = self.batches
+        x = min(max(local_batch, xs[0]), xs[-1])
+        index = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1) if len(xs) > 1 else 0
+        if len(xs) == 1:
+            return self.steps[0], self.syncs[0]
+        x0, x1 = xs[index - 1], xs[index]
+        weight = (x - x0) / (x1 - x0)
+        return (self.steps[index - 1] + weight * (self.steps[index] - self.steps[index - 1]),
+                self.syncs[index - 1] + weight * (self.syncs[index] - self.syncs[index - 1]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Epoch:
+    progress: float
+    grad_sqr: float
+    grad_var: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Application:
+    """One application's measurements (``traces/<application>/``)."""
+
+    name: str
+    validation: dict[int, tuple[Epoch, ...]]
+    placements: dict[str, Curve]
+    scalability: dict[int, Curve]
+    max_local_bsz: float
+    max_epochs: int
+
+    @property
+    def init_batch(self) -> int:
+        return min(self.validation)
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.validation)
+
+    @classmethod
+    def read(cls, folder: Path) -> Application:
+        validation = {int(path.stem.split("-", 1)[1]): _epochs(path) for path in folder.glob("validation-*.csv")}
+        if not validation:
+            raise DeeppoolError(f"{folder}: no validation-<batch>.csv files")
+        placements = _curves(folder / "placements.csv", "placement", str)
+        name = folder.name
+        measured_max = max(max(curve.batches) for curve in placements.values())
+        return cls(
+            name=name,
+            validation=validation,
+            placements=placements,
+            scalability=_curves(folder / "scalability.csv", "num_replicas", lambda v: int(float(v))),
+            max_local_bsz=MAX_LOCAL_BSZ.get(name, measured_max),
+            max_epochs=MAX_EPOCHS.get(name, min(len(rows) for rows in validation.values())),
+        )
+
+    def steps_to_finish(self, batch: int) -> float:
+        """Σ over epochs of the progress the epoch needs over the progress one step makes at ``batch``."""
+        steps, previous = 0.0, 0.0
+        for epoch in range(self.max_epochs):
+            target = min(rows[epoch].progress for rows in self.validation.values())
+            steps += (target - previous) / self._gain(batch, epoch)
+            previous = target
+        return steps
+
+    def step_time_s(self, gpus: int, batch: int) -> float:
+        """Seconds per optimizer step on ``gpus`` packed GPUs, with gradient accumulation past the cap."""
+        local = math.ceil(batch / gpus - 1e-8)
+        accum = math.ceil(local / self.max_local_bsz - 1e-8) - 1
+        if gpus == 1 and batch > self.init_batch:
+            accum = max(1, accum)
+        atomic = math.ceil(local / (accum + 1) - 1e-8)
+        atomic = min(atomic, int(self.max_batch / (gpus * (accum + 1))))
+        step, sync = self._throughput(gpus, atomic)
+        return step + accum * (step - sync)
+
+    def _gain(self, batch: int, epoch: int) -> float:
+        sqr, var = self._grad_stats(batch, epoch)
+        scale = batch / self.init_batch
+        return (var + sqr) / (var / scale + sqr)
+
+    def _grad_stats(self, batch: int, epoch: int) -> tuple[float, float]:
+        sizes = sorted(self.validation)
+        lower = max(b for b in sizes if b <= batch)
+        upper = min(b for b in sizes if b >= batch)
+        low, high = self.validation[lower][epoch], self.validation[upper][epoch]
+        if lower == upper:
+            return low.grad_sqr, low.grad_var
+        weight = (batch - lower) / (upper - lower)
+        return (low.grad_sqr + weight * (high.grad_sqr - low.grad_sqr),
+                low.grad_var + weight * (high.grad_var - low.grad_var))
+
+    def _throughput(self, gpus: int, local_batch: float) -> tuple[float, float]:
+        if gpus <= MAX_PLACEMENT_GPUS:
+            return self.placements[packed_placement(gpus)].at(local_batch)
+        counts = sorted(self.scalability)
+        index = bisect.bisect_left(counts, gpus)
+        if counts[index] == gpus:
+            return self.scalability[gpus].at(local_batch)
+        below, above = counts[index - 1], counts[index]
+        (s0, y0), (s1, y1) = self.scalability[below].at(local_batch), self.scalability[above].at(local_batch)
+        weight = (gpus - below) / (above - below)
+        return s0 + weight * (s1 - s0), y0 + weight * (y1 - y0)
 
 
 @dataclass
@@ -42,8 +170,7 @@ class PolluxDurations:
     """Reads (and caches) the measured data under the artifact's ``traces/`` folder."""
 
     root: Path
-    _steps: dict[tuple[str, str], tuple[list[float], list[float]]] = field(default_factory=dict)
-    _iterations: dict[str, dict[int, int]] = field(default_factory=dict)
+    _apps: dict[str, Application] = field(default_factory=dict)
 
     @classmethod
     def locate(cls, workload: Path, traces: Path | None) -> PolluxDurations:
@@ -58,54 +185,44 @@ class PolluxDurations:
     def duration_s(self, application: str, gpus: int, batch: int | None, *, where: str) -> float:
         if batch is None:
             raise DeeppoolError(f"{where}: field 'batch_size': needed to derive the run time")
-        folder = self.root / application
-        if not (folder / "placements.csv").is_file():
-            raise DeeppoolError(f"{where}: field 'application': no measured data for '{application}' in {self.root}")
-        iterations = self._iterations_to_target(folder, application, batch)
-        return iterations * self._step_time(folder, application, gpus, batch / gpus)
+        app = self.application(application, where=where)
+        if not app.init_batch <= batch <= app.max_batch:
+            raise DeeppoolError(f"{where}: field 'batch_size': {batch} is outside {application}'s validated "
+                                f"batches {app.init_batch}..{app.max_batch}")
+        top = max(app.scalability, default=MAX_PLACEMENT_GPUS)
+        if gpus > max(top, MAX_PLACEMENT_GPUS):
+            raise DeeppoolError(f"{where}: field 'num_replicas': {gpus} GPUs is beyond {application}'s measured "
+                                f"maximum of {top}")
+        return app.steps_to_finish(batch) * app.step_time_s(gpus, batch)
 
-    def _iterations_to_target(self, folder: Path, application: str, batch: int) -> int:
-        if application not in self._iterations:
-            self._iterations[application] = {
-                int(path.stem.split("-", 1)[1]): _last_iteration(path)
-                for path in folder.glob("validation-*.csv")
-            }
-        table = self._iterations[application]
-        if not table:
-            raise DeeppoolError(f"{folder}: no validation-<batch>.csv files")
-        closest = min(table, key=lambda b: abs(math.log(b / batch)))
-        return table[closest]
-
-    def _step_time(self, folder: Path, application: str, gpus: int, local_batch: float) -> float:
-        placement = packed_placement(gpus)
-        key = (application, placement)
-        if key not in self._steps:
-            self._steps[key] = _placement_rows(folder / "placements.csv", placement)
-        batches, steps = self._steps[key]
-        return _interpolate(batches, steps, local_batch)
+    def application(self, name: str, *, where: str) -> Application:
+        if name not in self._apps:
+            folder = self.root / name
+            if not (folder / "placements.csv").is_file():
+                raise DeeppoolError(f"{where}: field 'application': no measured data for '{name}' in {self.root}")
+            self._apps[name] = Application.read(folder)
+        return self._apps[name]
 
 
-def _last_iteration(path: Path) -> int:
+def _epochs(path: Path) -> tuple[Epoch, ...]:
     with path.open() as handle:
-        rows = list(csv.DictReader(handle))
+        rows = [Epoch(progress=float(row["progress"]), grad_sqr=float(row["grad_sqr"]), grad_var=float(row["grad_var"]))
+                for row in csv.DictReader(handle)]
     if not rows:
         raise DeeppoolError(f"{path}: has no rows")
-    return max(int(float(row["iteration"])) for row in rows)
+    return tuple(rows)
 
 
-def _placement_rows(path: Path, placement: str) -> tuple[list[float], list[float]]:
+def _curves(path: Path, column: str, key) -> dict:
+    """Rows of ``path`` grouped by ``column`` into step/sync curves over the per-GPU batch."""
+    if not path.is_file():
+        return {}
+    points: dict = {}
     with path.open() as handle:
-        rows = [row for row in csv.DictReader(handle) if row["placement"] == placement]
-    if not rows:
-        raise DeeppoolError(f"{path}: no measurement for placement '{placement}'")
-    points = sorted((float(row["local_bsz"]), float(row["step_time"])) for row in rows)
-    return [p[0] for p in points], [p[1] for p in points]
-
-
-def _interpolate(xs: list[float], ys: list[float], x: float) -> float:
-    """Linear in the per-GPU batch; below the smallest measured batch, the smallest's time."""
-    if len(xs) == 1 or x <= xs[0]:
-        return ys[0]
-    index = min(bisect.bisect_left(xs, x), len(xs) - 1)
-    x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
-    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
+        for row in csv.DictReader(handle):
+            points.setdefault(key(row[column]), []).append(
+                (float(row["local_bsz"]), float(row["step_time"]), float(row["sync_time"])))
+    return {
+        name: Curve(batches=tuple(p[0] for p in rows), steps=tuple(p[1] for p in rows), syncs=tuple(p[2] for p in rows))
+        for name, rows in ((name, sorted(rows)) for name, rows in points.items())
+    }

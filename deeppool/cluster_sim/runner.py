@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.engine import Engine, SimResult
 from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.models import ModelChoice, ModelMapping
 from deeppool.cluster_sim.plans import PlanBook, PlanMode
-from deeppool.cluster_sim.policies import policy_named
-from deeppool.cluster_sim.policy import SimJob
+from deeppool.scheduling.policies import policy_named
+from deeppool.scheduling.policy import SimJob
 from deeppool.cluster_sim.workload import BackgroundRule, TraceJob, Workload
 from deeppool.errors import DeeppoolError
+
+DEFAULT_RESTART_PENALTY_S = 30.0
+"""Time lost each time a preempted or evicted job runs again: the Pollux artifact simulator's restart delay."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +47,7 @@ def assign(
     """Map every job to a model (seeded), classify it, and check that it fits the cluster."""
     rng = random.Random(seed)
     kept, models, background = [], [], []
+    interned: dict[tuple[str, int], ModelChoice] = {}
     dropped = 0
     for job in workload.jobs:
         if job.gpus > cluster.gpus:
@@ -54,12 +58,24 @@ def assign(
                 f"{job.where}: job '{job.name}' asks for {job.gpus} GPUs but the cluster has {cluster.gpus}: "
                 "raise --gpus or pass --drop-oversized"
             )
-        models.append(mapping.resolve(job.key, rng, where=job.where))
+        models.append(_job_model(mapping.resolve(job.key, rng, where=job.where), job, interned))
         background.append(rule.is_background(job))
         kept.append(job)
     if not kept:
         raise DeeppoolError(f"every job of {workload.source} asks for more than the cluster's {cluster.gpus} GPUs")
     return Assignment(jobs=tuple(kept), models=tuple(models), background=tuple(background), dropped=dropped)
+
+
+def _job_model(model: ModelChoice, job: TraceJob, interned: dict[tuple[str, int], ModelChoice]) -> ModelChoice:
+    """``model`` at the job's batch (the batch rule of :mod:`models`), one shared object per (model, batch)."""
+    batch = model.batch_for(job.gpus, job.batch_size)
+    if batch < job.gpus:
+        raise DeeppoolError(f"{job.where}: job '{job.name}' trains at batch {batch} on {job.gpus} GPUs: some GPUs "
+                            "would hold no sample; give a per_gpu_batch in the --mapping file")
+    key = (str(model.path), batch)
+    if key not in interned:
+        interned[key] = replace(model, global_batch=batch)
+    return interned[key]
 
 
 def sim_jobs(assignment: Assignment, book: PlanBook) -> tuple[SimJob, ...]:
@@ -79,6 +95,8 @@ def sim_jobs(assignment: Assignment, book: PlanBook) -> tuple[SimJob, ...]:
                 model=model,
                 iterations=job.duration_s / dp.iteration_s,
                 recorded_duration_s=job.duration_s,
+                granularity_ms=dp.granularity_ms,
+                memory_bytes=dp.peak_rank_memory_bytes,
             )
         )
     return tuple(jobs)
@@ -91,6 +109,7 @@ def run_policies(
     cluster: ClusterSpec,
     book: PlanBook,
     interference: InterferenceModel,
+    restart_penalty_s: float = DEFAULT_RESTART_PENALTY_S,
     progress: Callable[[str], Callable[[int], None]] = lambda name: (lambda done: None),
 ) -> tuple[SimResult, ...]:
     """One engine run per policy, on the same jobs and Plans."""
@@ -102,6 +121,7 @@ def run_policies(
             policy=policy_named(name),
             facts=book.facts,
             interference=interference,
+            restart_penalty_s=restart_penalty_s,
             on_progress=progress(name),
         )
         results.append(engine.run())

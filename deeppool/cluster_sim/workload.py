@@ -6,7 +6,8 @@ Apache-2.0, and ``philly.csv`` is derived from the Microsoft Philly traces,
 msr-fiddle/philly-traces, CC-BY-4.0):
 
 * **Philly-derived** ``timestamp,duration,num_gpus,gpu_time,cluster``: absolute
-  submission dates (seconds from the earliest), the recorded run time under
+  submission dates, read as UTC whatever the machine's time zone (seconds from
+  the earliest), the recorded run time under
   the recorded GPU count. The virtual cluster id is the model-mapping key.
 * **Pollux** ``name,time,application,num_replicas,batch_size``: arrival in
   seconds, the application is the model-mapping key. Pollux workloads record
@@ -15,7 +16,8 @@ msr-fiddle/philly-traces, CC-BY-4.0):
 
 Either file may carry a ``background`` column (true/false) that the
 ``column`` background rule reads. Every malformed row is reported with the
-file, line number and field.
+file, line number and field; so are duplicate job names and run times over
+``MAX_DURATION_S`` (a year: the longest Philly job ran 54 days).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 from deeppool.errors import DeeppoolError
@@ -35,6 +37,7 @@ PHILLY_COLUMNS = ("timestamp", "duration", "num_gpus", "gpu_time", "cluster")
 POLLUX_COLUMNS = ("name", "time", "application", "num_replicas", "batch_size")
 _TRUE = {"1", "true", "yes", "bg", "background"}
 _FALSE = {"0", "false", "no", "fg", "foreground", ""}
+MAX_DURATION_S = 365 * 24 * 3600.0
 
 
 class TraceFormat(enum.Enum):
@@ -66,6 +69,11 @@ class Workload:
     def __post_init__(self) -> None:
         if not self.jobs:
             raise DeeppoolError(f"workload {self.source} has no jobs")
+        seen: dict[str, TraceJob] = {}
+        for job in self.jobs:
+            first = seen.setdefault(job.name, job)
+            if first is not job:
+                raise DeeppoolError(f"{job.where}: job name '{job.name}' is already used at {first.where}: names must be unique")
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,7 @@ class _Row:
             raise self.fail(column, "is empty")
         return value
 
-    def number(self, column: str, *, minimum: float = 0.0) -> float:
+    def number(self, column: str, *, minimum: float = 0.0, maximum: float = math.inf) -> float:
         raw = self.text(column)
         try:
             value = float(raw)
@@ -95,7 +103,12 @@ class _Row:
             raise self.fail(column, f"'{raw}' is not a number") from None
         if not math.isfinite(value) or value < minimum:
             raise self.fail(column, f"{raw} must be a finite number >= {minimum:g}")
+        if value > maximum:
+            raise self.fail(column, f"{raw} s is over {maximum:g} s: not a real job's run time")
         return value
+
+    def duration(self) -> float:
+        return self.number("duration", minimum=1e-9, maximum=MAX_DURATION_S)
 
     def count(self, column: str) -> int:
         raw = self.text(column)
@@ -162,7 +175,7 @@ def _philly(rows: list[_Row]) -> tuple[TraceJob, ...]:
             name=f"philly-{index}",
             arrival_s=stamp - first,
             gpus=row.count("num_gpus"),
-            duration_s=row.number("duration", minimum=1e-9),
+            duration_s=row.duration(),
             key=row.text("cluster"),
             background=row.flag("background"),
             where=row.where,
@@ -175,9 +188,11 @@ def _philly(rows: list[_Row]) -> tuple[TraceJob, ...]:
 def _timestamp(row: _Row) -> float:
     raw = row.text("timestamp")
     try:
-        return datetime.fromisoformat(raw).timestamp()
+        stamp = datetime.fromisoformat(raw)
     except ValueError:
         pass
+    else:  # a date without a zone is UTC, never the machine's local time
+        return (stamp if stamp.tzinfo is not None else stamp.replace(tzinfo=timezone.utc)).timestamp()
     try:
         return float(raw)
     except ValueError:
@@ -194,7 +209,7 @@ def _pollux(rows: list[_Row], source: Path, traces: Path | None) -> tuple[TraceJ
         batch = row.count("batch_size") if "batch_size" in row.values else None
         application = row.text("application")
         if "duration" in row.values:
-            duration = row.number("duration", minimum=1e-9)
+            duration = row.duration()
         else:
             durations = durations or PolluxDurations.locate(source, traces)
             duration = durations.duration_s(application, gpus, batch, where=row.where)

@@ -10,18 +10,28 @@ allowed roots; it is never run through a shell.
 
 # No ``from __future__ import annotations`` here: FastAPI reads the routes' dependency aliases at runtime.
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Response, status
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response, status
+from fastapi import Path as PathParam
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from fastapi.responses import PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel
 
 from deeppool.coordinator.jobs import Job, JobRequest, JobStatus
 from deeppool.coordinator.store import Store
 
+if TYPE_CHECKING:
+    from deeppool.coordinator.service import Service
+
+MAX_ID = 2**63 - 1  # SQLite's INTEGER
+JobId = Annotated[int, PathParam(ge=1, le=MAX_ID, description="a job id")]
 FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 LOG_CHUNK = 1 << 20
 
@@ -32,6 +42,15 @@ class ServerSettings:
     allowed_roots: tuple[Path, ...]
     log_dir: Path
     device: str = "cpu"
+
+
+class Problem(BaseModel):
+    detail: str | list[dict[str, object]]
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, object]]:
+    """The error responses a route declares (every one has a ``detail`` message)."""
+    return {code: {"model": Problem} for code in codes}
 
 
 class Allocation(BaseModel):
@@ -48,9 +67,27 @@ class Cluster(BaseModel):
     allocations: list[Allocation]
 
 
-def create_app(store: Store, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="deeppool coordinator", version="1",
+def create_app(store: Store, settings: ServerSettings, service: "Service | None" = None) -> FastAPI:
+    """The API over ``store``; with a ``service``, its loop runs while the app does (recovering first)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if service is not None:
+            service.start()
+        yield
+        if service is not None:
+            service.stop()
+
+    app = FastAPI(title="deeppool coordinator", version="1", lifespan=lifespan,
                   description="Submit foreground (burst-parallel) and background training jobs.")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """As FastAPI answers, but a 405 lists every method of the path (routes are per method)."""
+        headers = dict(error.headers or {})
+        if error.status_code == status.HTTP_405_METHOD_NOT_ALLOWED:
+            headers["Allow"] = ", ".join(sorted(allowed_methods(app, request.url.path)))
+        return JSONResponse({"detail": error.detail}, status_code=error.status_code, headers=headers)
     bearer = HTTPBearer(auto_error=False, description="a token from `deeppool token create NAME`")
 
     def user(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
@@ -74,7 +111,7 @@ def create_app(store: Store, settings: ServerSettings) -> FastAPI:
     def healthz() -> dict[str, bool]:
         return {"ok": True}
 
-    @app.post("/v1/jobs", status_code=status.HTTP_201_CREATED, responses={200: {"model": Job}})
+    @app.post("/v1/jobs", status_code=status.HTTP_201_CREATED, responses={200: {"model": Job}, **errors(400, 401, 403, 422)})
     def submit(request: JobRequest, name: User, response: Response) -> Job:
         check_model(request.model, settings.allowed_roots)
         if request.gpus > settings.gpus:
@@ -85,16 +122,16 @@ def create_app(store: Store, settings: ServerSettings) -> FastAPI:
             response.status_code = status.HTTP_200_OK
         return job
 
-    @app.get("/v1/jobs")
+    @app.get("/v1/jobs", responses=errors(401))
     def jobs(name: User) -> list[Job]:
         return store.jobs(owner=name)
 
-    @app.get("/v1/jobs/{job_id}")
-    def job(job_id: int, name: User) -> Job:
+    @app.get("/v1/jobs/{job_id}", responses=errors(401, 403, 404, 422))
+    def job(job_id: JobId, name: User) -> Job:
         return owned(job_id, name)
 
-    @app.post("/v1/jobs/{job_id}/cancel")
-    def cancel(job_id: int, name: User) -> Job:
+    @app.post("/v1/jobs/{job_id}/cancel", responses=errors(401, 403, 404, 409, 422))
+    def cancel(job_id: JobId, name: User) -> Job:
         current = owned(job_id, name)
         if current.state.terminal:
             raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} is already {current.state.value}")
@@ -102,8 +139,11 @@ def create_app(store: Store, settings: ServerSettings) -> FastAPI:
             raise HTTPException(status.HTTP_409_CONFLICT, f"job {job_id} finished before it could be cancelled")
         return owned(job_id, name)
 
-    @app.get("/v1/jobs/{job_id}/logs", response_class=PlainTextResponse)
-    def logs(job_id: int, name: User, offset: Annotated[int, Query(ge=0)] = 0) -> PlainTextResponse:
+    @app.get("/v1/jobs/{job_id}/logs", response_class=Response, responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+              "headers": {"X-Next-Offset": {"schema": {"type": "integer"}, "description": "where to read on"}}},
+        **errors(401, 403, 404, 422)})
+    def logs(job_id: JobId, name: User, offset: Annotated[int, Query(ge=0, le=MAX_ID)] = 0) -> PlainTextResponse:
         owned(job_id, name)
         path = settings.log_dir / f"job-{job_id}.log"
         text = b""
@@ -113,7 +153,7 @@ def create_app(store: Store, settings: ServerSettings) -> FastAPI:
                 text = log.read(LOG_CHUNK)
         return PlainTextResponse(text.decode(errors="replace"), headers={"X-Next-Offset": str(offset + len(text))})
 
-    @app.get("/v1/cluster")
+    @app.get("/v1/cluster", responses=errors(401))
     def cluster(name: User) -> Cluster:
         del name
         live = store.jobs(states=(JobStatus.STARTING, JobStatus.RUNNING))
@@ -122,6 +162,14 @@ def create_app(store: Store, settings: ServerSettings) -> FastAPI:
                        allocations=allocations)
 
     return app
+
+
+def allowed_methods(app: FastAPI, path: str) -> set[str]:
+    methods: set[str] = set()
+    for route in app.routes:
+        if isinstance(route, APIRoute) and route.path_regex.match(path):
+            methods |= route.methods
+    return methods
 
 
 def check_model(model: str, roots: tuple[Path, ...]) -> None:

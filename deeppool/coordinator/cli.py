@@ -24,6 +24,9 @@ def serve(
     allow: Annotated[list[Path] | None, typer.Option(help="a folder model files may come from (repeatable)",
                                                      show_default="the current folder")] = None,
     log_dir: Annotated[Path | None, typer.Option(help="where job logs go", show_default="DB's folder/logs")] = None,
+    device_model: Annotated[str, typer.Option(help="device model foreground jobs are planned with")] = "a100",
+    paused: Annotated[bool, typer.Option("--paused", help="accept and queue jobs, start none (drain the cluster)")
+                      ] = False,
 ) -> None:
     """Run the coordinator: a REST API (OpenAPI at /docs) over an embedded database."""
     if not 0 < port < 65536:
@@ -38,14 +41,22 @@ def serve(
     import uvicorn
 
     from deeppool.coordinator.app import ServerSettings, create_app
+    from deeppool.coordinator.driver import DriverSteps
+    from deeppool.coordinator.launcher import LocalLauncher
+    from deeppool.coordinator.runtime import Runtime
+    from deeppool.coordinator.service import Service
     from deeppool.coordinator.store import Store
+    from deeppool.scheduling import Order, Placement, Scheduler
 
     store = Store(db)
     logs = log_dir or db.resolve().parent / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs,
                               device="cuda" if _gpu_count() else "cpu")
-    uvicorn.run(create_app(store, settings), host=host, port=port, workers=1, log_level="warning")
+    runtime = Runtime(store, LocalLauncher(logs), DriverSteps(folder=logs, device_model=device_model))
+    service = Service(runtime, Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), slots,
+                      paused=paused)
+    uvicorn.run(create_app(store, settings, service), host=host, port=port, workers=1, log_level="warning")
 
 
 def _gpu_count() -> int:

@@ -74,6 +74,8 @@ class Runtime:
         attempt = self.store.attempts(job.id)
         seen = self.launcher.observe(job.id, attempt)
         if seen.phase is Phase.EXITED:
+            if job.state is JobStatus.STARTING:  # it ran and ended between two looks
+                self.store.transition(job.id, JobStatus.RUNNING, f"attempt {attempt} ran")
             ok = seen.exit_code == 0
             self.store.transition(job.id, JobStatus.SUCCEEDED if ok else JobStatus.FAILED,
                                   "finished" if ok else f"exited with code {seen.exit_code}", exit_code=seen.exit_code)

@@ -6,11 +6,10 @@ from pathlib import Path
 
 from deeppool.cluster_sim.models import ModelChoice
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
-from deeppool.cluster_sim.policy import SimJob
-from deeppool.planner.modelspec import ModelSpec
+from deeppool.scheduling.policy import SimJob
 
 DATA = Path(__file__).parent / "data"
-FAKE_MODEL = ModelChoice(name="fake", spec=ModelSpec.parse(str(DATA / "tiny_mlp.py")), global_batch=64)
+FAKE_MODEL = ModelChoice(name="fake", path=DATA / "tiny_mlp.py", global_batch=64)
 
 
 def fake_facts(model: ModelChoice, gpus: int, mode: PlanMode) -> PlanFacts:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -38,7 +42,7 @@ def test_compare_policies_on_a_synthetic_workload(tmp_path, data_dir, cache) -> 
         assert REQUIRED <= set(entry) and entry["jobs"] == 40
     assert metrics["dp"]["cluster_throughput_vs_dp"] == 1.0
     assert metrics["burst"]["avg_jct_s"] <= metrics["dp"]["avg_jct_s"] * (1 + 1e-9)
-    for name in ("metrics.csv", "jobs.csv", "run.json", "utilisation.png", "jct_cdf.png"):
+    for name in ("metrics.csv", "jobs.csv", "run.json", "utilisation.png", "jct_cdf.png", "throughput.png"):
         assert (out / name).stat().st_size > 0, name
     assert "burst+bg" in result.output and "vs dp" in result.output
 
@@ -99,3 +103,29 @@ def test_an_oversized_job_in_a_real_pollux_workload_is_named(tmp_path) -> None:
     result = CliRunner().invoke(app, [str(TRACES / "workloads" / "workload-6.csv"), "--gpus", "8", "--no-cache",
                                       "--out", str(tmp_path)])
     assert result.exit_code == 2 and "workload-6.csv:5: job 'cifar10-3' asks for 16 GPUs but the cluster has 8" in result.output
+
+
+def test_an_out_that_is_a_file_is_refused_before_the_run(tmp_path) -> None:
+    taken = tmp_path / "results"
+    taken.write_text("not a folder")
+    result = CliRunner().invoke(app, ["nosuch.csv", "--gpus", "8", "--no-cache", "--out", str(taken)])
+    assert result.exit_code == 2 and f"--out '{taken}' is a file" in result.output  # before the trace is read
+
+
+RUN_AND_REPORT_TORCH = """
+import sys
+from deeppool.cluster_sim.cli import app
+app(sys.argv[1:], standalone_mode=False)
+print("torch imported:", "torch" in sys.modules)
+"""
+
+
+def test_torch_is_not_imported_when_every_plan_is_cached(tmp_path, data_dir) -> None:
+    args = ["synthetic", "--gpus", "8", "--gpus-per-node", "4", "--mapping", str(data_dir / "mapping.json"),
+            "--jobs", "10", "--size-mix", "1:0.5,4:0.5", "--no-plots", "--cache-dir", str(tmp_path / "cache"),
+            "--plan-workers", "1", "--out", str(tmp_path / "out")]
+    runs = [subprocess.run([sys.executable, "-c", RUN_AND_REPORT_TORCH, *args], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+            for _ in range(2)]
+    assert "torch imported: True" in runs[0].stdout  # the first run traces and solves
+    assert "torch imported: False" in runs[1].stdout  # the second reads every plan from the cache

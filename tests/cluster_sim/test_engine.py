@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.engine import Engine, PolicyError
 from deeppool.cluster_sim.interference import InterferenceModel
-from deeppool.cluster_sim.plans import PlanMode
-from deeppool.cluster_sim.policies import POLICIES
-from deeppool.cluster_sim.policy import NOTHING, Decision, Snapshot, Start
+from deeppool.cluster_sim.plans import PlanFacts, PlanMode
+from deeppool.scheduling.policies import POLICIES
+from deeppool.scheduling.policy import NOTHING, Decision, Lend, Snapshot, Start
 
 from .fakes import fake_facts, make_job
 
@@ -19,8 +19,9 @@ CLUSTER = ClusterSpec(gpus=8, gpus_per_node=4)
 NO_INTERFERENCE = InterferenceModel(fg_slowdown=1.0, bg_efficiency=1.0, min_lend_fraction=0.0)
 
 
-def run(jobs, policy, interference=NO_INTERFERENCE, cluster=CLUSTER):
-    return Engine(cluster=cluster, jobs=jobs, policy=policy, facts=fake_facts, interference=interference).run()
+def run(jobs, policy, interference=NO_INTERFERENCE, cluster=CLUSTER, restart_penalty_s=0.0):
+    return Engine(cluster=cluster, jobs=jobs, policy=policy, facts=fake_facts, interference=interference,
+                  restart_penalty_s=restart_penalty_s).run()
 
 
 def test_single_job_runs_at_its_plan_rate() -> None:
@@ -159,3 +160,156 @@ def test_stale_completions_neither_count_nor_stretch_the_makespan() -> None:
     result = run(jobs, POLICIES["burst+bg"], interference=model)
     assert result.makespan_s == pytest.approx(max(r.finish_s for r in result.records))
     assert result.events == 4  # two arrivals, two completions
+
+
+# ---- the contract the engine enforces -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShortLoan:
+    """Lends a two-GPU background job a single idle rank."""
+
+    name: str = "short-loan"
+
+    def decide(self, snapshot: Snapshot) -> Decision:
+        starts = tuple(Start(job_id=j.job_id, gpus=j.gpus, mode=PlanMode.BURST) for j in snapshot.waiting_fg)
+        if starts:
+            return Decision(start=starts)
+        slots = list(snapshot.free_slots)
+        loans = tuple(Lend(job_id=j.job_id, slots=(slots[0],)) for j in snapshot.waiting_bg if slots)
+        return Decision(lend=loans[:1]) if loans else NOTHING
+
+
+def test_a_loan_of_fewer_ranks_than_the_job_asks_for_is_refused() -> None:
+    jobs = [make_job(0, arrival=0, gpus=8, iterations=800), make_job(1, arrival=1, gpus=2, iterations=10, background=True)]
+    with pytest.raises(PolicyError, match=r"policy 'short-loan' lent job 1 1 idle rank\(s\); it runs on exactly 2"):
+        run(jobs, ShortLoan())
+
+
+@dataclass(frozen=True)
+class Clairvoyant:
+    """Starts every job it has heard of, arrived or not."""
+
+    ids: tuple[int, ...]
+    name: str = "clairvoyant"
+
+    def decide(self, snapshot: Snapshot) -> Decision:
+        if snapshot.free_gpus < 1:
+            return NOTHING
+        return Decision(start=tuple(Start(job_id=i, gpus=1, mode=PlanMode.DATA_PARALLEL) for i in self.ids))
+
+
+def test_a_start_before_arrival_is_refused() -> None:
+    jobs = [make_job(0, arrival=0, gpus=1, iterations=10), make_job(1, arrival=50, gpus=1, iterations=10)]
+    with pytest.raises(PolicyError, match=r"policy 'clairvoyant' placed job 1 before its arrival at t=50s"):
+        run(jobs, Clairvoyant(ids=(0, 1)))
+
+
+def overbusy_facts(model, gpus, mode):
+    """A Plan claiming more GPU-time per iteration than its GPUs have."""
+    return PlanFacts(iteration_s=1.0, gpu_seconds_per_iteration=2.0 * gpus, idle_fractions=(0.0,) * gpus)
+
+
+def test_utilisation_above_100_percent_is_refused() -> None:
+    jobs = [make_job(0, arrival=0, gpus=8, iterations=10)]
+    engine = Engine(cluster=CLUSTER, jobs=jobs, policy=POLICIES["dp"], facts=overbusy_facts,
+                    interference=NO_INTERFERENCE, restart_penalty_s=0.0)
+    with pytest.raises(PolicyError, match=r"policy 'dp' made 16.00 of 8 GPUs busy \(200%\)"):
+        engine.run()
+
+
+def test_evictions_are_counted_and_restarts_charged() -> None:
+    jobs = [make_job(0, arrival=0, gpus=8, iterations=80), make_job(1, arrival=1, gpus=1, iterations=100, background=True)]
+    free = run(jobs, POLICIES["burst+bg"])
+    charged = run(jobs, POLICIES["burst+bg"], restart_penalty_s=30.0)
+    guest_free, guest_charged = (next(r for r in result.records if r.job_id == 1) for result in (free, charged))
+    assert guest_free.evictions == guest_charged.evictions == 1 and free.evictions == 1
+    assert guest_charged.finish_s == pytest.approx(guest_free.finish_s + 30.0)
+    assert charged.restart_penalty_gpu_s == pytest.approx(30.0) and free.restart_penalty_gpu_s == 0.0
+
+
+def test_preemptions_are_charged_the_restart_penalty() -> None:
+    jobs = [make_job(0, arrival=0, gpus=1, iterations=100, background=True), make_job(2, arrival=10, gpus=8, iterations=80)]
+    records = {r.job_id: r for r in run(jobs, POLICIES["dp+bg"], restart_penalty_s=30.0).records}
+    assert records[0].preemptions == 1
+    assert records[0].finish_s == pytest.approx(20.0 + 30.0 + 90.0)
+
+
+def test_lent_time_and_work_in_windows_are_measured() -> None:
+    jobs = [make_job(0, arrival=0, gpus=8, iterations=1000), make_job(1, arrival=1, gpus=1, iterations=10, background=True)]
+    result = run(jobs, POLICIES["burst+bg"])
+    guest = next(r for r in result.records if r.job_id == 1)
+    assert result.lent_gpu_s == pytest.approx(guest.jct_s)               # one rank lent while the guest ran
+    assert result.bg_gpu_s_in_windows == pytest.approx(10 * 1.0)        # 10 iterations of 1 GPU-second each
+    plain = run(jobs, POLICIES["burst"])
+    assert plain.lent_gpu_s == 0.0 and plain.bg_gpu_s_in_windows == 0.0
+
+
+def test_a_guest_whose_steps_fit_no_window_is_not_lent() -> None:
+    coarse = replace(make_job(1, arrival=1, gpus=1, iterations=10, background=True), granularity_ms=1e6)
+    jobs = [make_job(0, arrival=0, gpus=8, iterations=800), coarse]
+    records = {r.job_id: r for r in run(jobs, POLICIES["burst+bg"]).records}
+    assert records[1].start_s == pytest.approx(records[0].finish_s)
+
+
+def test_a_guest_needing_more_memory_than_the_lent_gpu_has_is_not_lent() -> None:
+    big = replace(make_job(1, arrival=1, gpus=1, iterations=10, background=True), memory_bytes=2**50)
+    jobs = [make_job(0, arrival=0, gpus=8, iterations=800), big]
+    records = {r.job_id: r for r in run(jobs, POLICIES["burst+bg"]).records}
+    assert records[1].start_s == pytest.approx(records[0].finish_s)
+
+
+# ---- scheduling orders -----------------------------------------------------------------------------
+
+def test_fifo_backfill_starts_a_job_that_fits_behind_a_blocked_head() -> None:
+    jobs = [
+        make_job(0, arrival=0, gpus=6, iterations=600),
+        make_job(1, arrival=1, gpus=4, iterations=400),
+        make_job(2, arrival=2, gpus=2, iterations=200),
+    ]
+    records = {r.job_id: r for r in run(jobs, POLICIES["fifo-backfill"]).records}
+    assert records[2].start_s == 2.0 and records[1].start_s == pytest.approx(100.0)
+
+
+def test_tiresias_demotes_a_long_job_and_preempts_it_for_a_new_one() -> None:
+    threshold_s = 16 * 3600 / 8  # 8 GPUs reach 16 GPU-hours after two hours
+    jobs = [make_job(0, arrival=0, gpus=8, iterations=8 * 3 * threshold_s), make_job(1, arrival=threshold_s + 100, gpus=8, iterations=800)]
+    records = {r.job_id: r for r in run(jobs, POLICIES["tiresias"], restart_penalty_s=30.0).records}
+    assert records[1].start_s == pytest.approx(threshold_s + 100)  # job 0 is in the second queue by then
+    assert records[0].preemptions == 1
+    assert records[0].finish_s == pytest.approx(3 * threshold_s + 100 + 30.0)
+    fifo = {r.job_id: r for r in run(jobs, POLICIES["dp"]).records}
+    assert fifo[1].start_s == pytest.approx(3 * threshold_s)
+
+
+def test_tiresias_keeps_a_young_job_running() -> None:
+    jobs = [make_job(0, arrival=0, gpus=8, iterations=800), make_job(1, arrival=10, gpus=8, iterations=80)]
+    records = {r.job_id: r for r in run(jobs, POLICIES["tiresias"]).records}
+    assert records[0].preemptions == 0 and records[1].start_s == pytest.approx(100.0)
+
+
+def test_order_and_placement_are_separate_axes() -> None:
+    assert {"dp", "burst", "burst+bg", "dp+bg", "fifo-backfill", "tiresias", "tiresias:burst+bg"} <= set(POLICIES)
+    jobs = [make_job(i, arrival=i, gpus=1 + i % 8, iterations=100, background=i % 2 == 0) for i in range(40)]
+    for name in ("tiresias:burst", "tiresias:burst+bg", "fifo-backfill:dp+bg"):
+        assert len(run(jobs, POLICIES[name]).records) == 40, name
+
+
+def test_tiresias_never_lends_the_ranks_of_a_host_it_preempts() -> None:
+    threshold_s = 16 * 3600 / 8
+    jobs = [
+        make_job(0, arrival=0, gpus=8, iterations=8 * 3 * threshold_s),          # demoted after two hours
+        make_job(1, arrival=threshold_s + 100, gpus=8, iterations=800),          # preempts it
+        *(make_job(2 + i, arrival=threshold_s + 100, gpus=1, iterations=1e6, background=True) for i in range(8)),
+    ]
+    result = run(jobs, POLICIES["tiresias:burst+bg"], restart_penalty_s=30.0)
+    assert len(result.records) == 10
+    assert next(r for r in result.records if r.job_id == 0).preemptions == 1
+
+
+def test_burst_prio_is_burst_bg_without_loans() -> None:
+    jobs = [make_job(0, arrival=0, gpus=8, iterations=800), make_job(1, arrival=1, gpus=1, iterations=10, background=True)]
+    lent = run(jobs, POLICIES["burst+bg"])
+    unlent = run(jobs, POLICIES["burst+prio"])
+    assert lent.lent_gpu_s > 0 and unlent.lent_gpu_s == 0.0
+    fg = next(r for r in unlent.records if r.job_id == 0)
+    assert next(r for r in unlent.records if r.job_id == 1).start_s == pytest.approx(fg.finish_s)

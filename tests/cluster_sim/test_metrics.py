@@ -11,8 +11,8 @@ from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.engine import Engine
 from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.metrics import compare, measure, write_metrics
-from deeppool.cluster_sim.plots import utilisation_series, write_plots
-from deeppool.cluster_sim.policies import POLICIES
+from deeppool.cluster_sim.plots import binned, utilisation_series, write_plots
+from deeppool.scheduling.policies import POLICIES
 
 from .fakes import fake_facts, make_job
 
@@ -23,7 +23,7 @@ def results():
     jobs = [make_job(i, arrival=3 * i, gpus=(1, 2, 4, 8)[i % 4], iterations=80 + 10 * i, background=i % 4 == 0)
             for i in range(24)]
     return [Engine(cluster=CLUSTER, jobs=jobs, policy=POLICIES[name], facts=fake_facts,
-                   interference=InterferenceModel()).run() for name in ("dp", "burst", "burst+bg")]
+                   interference=InterferenceModel(), restart_penalty_s=0.0).run() for name in ("dp", "burst", "burst+bg")]
 
 
 def test_metrics_follow_their_definitions() -> None:
@@ -57,7 +57,11 @@ def test_utilisation_series_integrates_to_the_busy_gpu_time(tmp_path) -> None:
         width = run.makespan_s / 50
         assert (busy * width * CLUSTER.gpus).sum() == pytest.approx(run.busy_gpu_s, rel=1e-6)
         assert busy.max() <= 1 + 1e-9
-    paths = write_plots(results(), tmp_path)
+        _, allocated = binned(run, 2, bins=50)
+        assert np.all(allocated >= busy - 1e-9)  # a busy GPU is an allocated one
+    runs = results()
+    paths = write_plots(runs, compare(runs), tmp_path)
+    assert [path.name for path in paths] == ["utilisation.png", "jct_cdf.png", "throughput.png"]
     assert all(path.stat().st_size > 1000 for path in paths)
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
 
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.models import ModelMapping, default_mapping, load_mapping
-from deeppool.cluster_sim.pollux import packed_placement
+from deeppool.cluster_sim.pollux import Application, PolluxDurations, packed_placement
 from deeppool.cluster_sim.runner import assign
 from deeppool.cluster_sim.workload import (
     BackgroundKind,
@@ -84,7 +85,7 @@ def test_pollux_without_measurements_asks_for_them(tmp_path) -> None:
 
 
 def test_packed_placements_match_the_measured_strings() -> None:
-    assert [packed_placement(g) for g in (1, 4, 6, 12, 16, 48)] == ["1", "4", "24", "444", "4444", "4444"]
+    assert [packed_placement(g) for g in (1, 4, 6, 12, 16)] == ["1", "4", "24", "444", "4444"]
 
 
 def test_synthetic_workloads_are_reproducible() -> None:
@@ -143,3 +144,69 @@ def test_impossible_clusters_and_oversized_jobs() -> None:
         assign(workload, mapping=mapping, rule=BackgroundRule(), cluster=small, seed=0, drop_oversized=False)
     kept = assign(workload, mapping=mapping, rule=BackgroundRule(), cluster=small, seed=0, drop_oversized=True)
     assert kept.dropped == sum(job.gpus > 8 for job in workload.jobs) > 0
+
+
+def test_philly_dates_are_utc_whatever_the_local_time_zone(tmp_path, monkeypatch) -> None:
+    path = write(tmp_path, PHILLY + "2017-10-09 07:00:00,60.0,1,60.0,a\n2017-11-05 09:00:00,60.0,1,60.0,b\n")
+    arrivals = []
+    for zone in ("UTC", "America/Los_Angeles"):  # the second pair of dates spans a DST change there
+        monkeypatch.setenv("TZ", zone)
+        time.tzset()
+        arrivals.append([job.arrival_s for job in read_workload(path).jobs])
+    monkeypatch.delenv("TZ")
+    time.tzset()
+    assert arrivals[0] == arrivals[1] == [0.0, 27 * 86400 + 2 * 3600]
+
+
+def test_duplicate_names_and_absurd_durations_are_refused(tmp_path) -> None:
+    header = "name,time,application,num_replicas,batch_size,duration\n"
+    with pytest.raises(DeeppoolError, match=r"trace.csv:3: job name 'a' is already used at .*trace.csv:2"):
+        read_workload(write(tmp_path, header + "a,0,tiny,1,64,10\na,5,tiny,1,64,10\n"))
+    with pytest.raises(DeeppoolError, match=r":2: field 'duration': 1e300 s is over"):
+        read_workload(write(tmp_path, header + "a,0,tiny,1,64,1e300\n"))
+
+
+def test_an_unknown_application_is_not_drawn_at_random() -> None:
+    mapping = default_mapping(spread=False)
+    with pytest.raises(DeeppoolError, match=r"here: 'resnet9000' has no model mapping in the default mapping \(applications: bert"):
+        mapping.resolve("resnet9000", random.Random(0), where="here")
+    assert default_mapping(spread=True).resolve("6214e9", random.Random(0), where="here").name in ("vgg16", "resnet50", "inception", "gpt2")
+
+
+def test_pollux_run_times_accumulate_gradients_and_are_never_near_zero() -> None:
+    bert = Application.read(TRACES / "traces" / "bert")
+    assert bert.max_local_bsz == 12 and bert.init_batch == 12
+    # bert on 6 GPUs at batch 384: 64 per GPU over 6 micro-batches (5 accumulation steps), each of
+    # at most 384 / (6 GPUs x 6) = 10 samples, as the Pollux simulator caps them
+    step, sync = bert.placements["24"].at(10)
+    assert bert.step_time_s(6, 384) == pytest.approx(step + 5 * (step - sync))
+    durations = PolluxDurations(root=TRACES / "traces")
+    shortest = min(
+        job.duration_s for path in sorted(TRACES.glob("workloads*/workload-*.csv"))
+        for job in read_workload(path, pollux_traces=TRACES / "traces").jobs
+    )
+    assert shortest > 30.0  # ncf on one GPU, the shortest application, takes about a minute
+    above = durations.duration_s("imagenet", 48, 6400, where="w")
+    assert 0 < above < durations.duration_s("imagenet", 16, 6400, where="w")  # scalability.csv beyond 16 GPUs
+    with pytest.raises(DeeppoolError, match="beyond imagenet's measured maximum of 64"):
+        durations.duration_s("imagenet", 128, 6400, where="w")
+
+
+def test_the_batch_grows_with_the_gpu_count(tmp_path, data_dir) -> None:
+    cluster = ClusterSpec(gpus=128, gpus_per_node=8)
+    philly = read_workload(write(tmp_path, PHILLY + "2017-10-09 07:00:00,60,128,7680,a\n2017-10-09 07:00:01,60,2,120,a\n"))
+    gpt2 = ModelMapping(fallback=default_mapping().by_key["gpt2"])
+    assignment = assign(philly, mapping=gpt2, rule=BackgroundRule(), cluster=cluster, seed=0, drop_oversized=False)
+    assert [m.global_batch for m in assignment.models] == [8 * 128, 8 * 2]  # gpt2: 64 at 8 GPUs, 8 per GPU
+    pollux = read_workload(write(tmp_path, "name,time,application,num_replicas,batch_size,duration\nx,0,tiny,4,48,60\n"))
+    tiny = load_mapping(data_dir / "mapping.json")
+    (model,) = assign(pollux, mapping=tiny, rule=BackgroundRule(), cluster=cluster, seed=0, drop_oversized=False).models
+    assert model.global_batch == 64  # the entry's fixed batch: the column is not in tiny's samples
+    own = tmp_path / "own.json"
+    own.write_text('{"*": {"model": "%s", "global_batch": 64, "trace_batch": true}}' % (data_dir / "tiny_mlp.py"))
+    (model,) = assign(pollux, mapping=load_mapping(own), rule=BackgroundRule(), cluster=cluster, seed=0,
+                      drop_oversized=False).models
+    assert model.global_batch == 48  # the trace's batch_size column, in the model's own samples
+    starved = read_workload(write(tmp_path, "name,time,application,num_replicas,batch_size,duration\nx,0,tiny,128,32,60\n"))
+    with pytest.raises(DeeppoolError, match="trains at batch 64 on 128 GPUs: some GPUs would hold no sample"):
+        assign(starved, mapping=tiny, rule=BackgroundRule(), cluster=cluster, seed=0, drop_oversized=False)

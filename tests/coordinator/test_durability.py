@@ -20,6 +20,7 @@ from deeppool.coordinator.store import Store
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
+JOB = {"kind": "fg", "gpus": 4, "model": "examples.mlp:model", "batch": 8}
 
 
 def free_port() -> int:
@@ -28,9 +29,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(db: Path, port: int) -> subprocess.Popen:
+def start(db: Path, port: int, *, gpus: int = 4, allow: tuple[Path, ...] = (REPO / "examples",),
+          paused: bool = False) -> subprocess.Popen:
+    roots = [arg for root in allow for arg in ("--allow", str(root))]
     proc = subprocess.Popen([sys.executable, "-m", "deeppool.cli", "serve", "--db", str(db), "--port", str(port),
-                             "--gpus", "4", "--allow", str(REPO / "examples")], cwd=REPO,
+                             "--gpus", str(gpus), *roots, *(["--paused"] if paused else [])], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -57,8 +60,7 @@ def submitter(port: int, token: str, prefix: str, acked: dict[str, int], stop: t
             return
         key = f"{prefix}-{i}"
         try:
-            response = http.post("/v1/jobs", json={"kind": "bg", "model": "examples.mlp:model", "batch": 8,
-                                                   "idempotency_key": key})
+            response = http.post("/v1/jobs", json={**JOB, "idempotency_key": key})
         except httpx.TransportError:
             return  # the server died mid-request: not acknowledged
         if response.status_code in (200, 201):
@@ -69,7 +71,7 @@ def submitter(port: int, token: str, prefix: str, acked: dict[str, int], stop: t
 def test_every_acknowledged_job_survives_kill_9(tmp_path: Path, seed: int) -> None:
     db, port = tmp_path / "deeppool.db", free_port()
     secret = token(db)
-    server = start(db, port)
+    server = start(db, port, paused=True)  # queued, never launched: the database alone is under test
     acked: dict[str, int] = {}
     stop = threading.Event()
     threads = [threading.Thread(target=submitter, args=(port, secret, f"t{n}", acked, stop)) for n in range(4)]
@@ -92,11 +94,10 @@ def test_every_acknowledged_job_survives_kill_9(tmp_path: Path, seed: int) -> No
         orphans = raw.execute("SELECT COUNT(*) FROM jobs WHERE id NOT IN (SELECT job_id FROM events)").fetchone()[0]
     assert len(keys) == len(set(keys)) == len(jobs)  # one job per key: none made twice
     assert orphans == 0  # every job has its submission event: both were written in one transaction
-    restarted = start(db, port)
+    restarted = start(db, port, paused=True)
     try:
         again = httpx.post(f"http://127.0.0.1:{port}/v1/jobs", headers={"Authorization": f"Bearer {secret}"},
-                           json={"kind": "bg", "model": "examples.mlp:model", "batch": 8,
-                                 "idempotency_key": next(iter(acked))})
+                           json={**JOB, "idempotency_key": next(iter(acked))})
         assert again.status_code == 200 and again.json()["id"] == acked[next(iter(acked))]  # the key still holds
     finally:
         restarted.terminate()

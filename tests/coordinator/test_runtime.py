@@ -59,6 +59,17 @@ def test_a_job_runs_its_steps_and_succeeds(tmp_path: Path) -> None:
                                                             JobStatus.RUNNING, JobStatus.SUCCEEDED]
 
 
+def test_a_job_that_ends_before_the_first_look_still_passes_through_running(tmp_path: Path) -> None:
+    rt = runtime(tmp_path, [python("pass")])
+    job = submit(rt)
+    rt.start(job, "granted")
+    while rt.launcher.observe(job.id, 1).phase is not Phase.EXITED:
+        time.sleep(0.01)
+    rt.reconcile()
+    assert rt.store.job(job.id).state is JobStatus.SUCCEEDED
+    assert [e.to_state for e in rt.store.events(job.id)][-2:] == [JobStatus.RUNNING, JobStatus.SUCCEEDED]
+
+
 def test_a_failing_step_fails_the_job_with_its_code(tmp_path: Path) -> None:
     rt = runtime(tmp_path, [python("import sys; sys.exit(3)"), python("print('never')")])
     job = submit(rt)
@@ -119,4 +130,4 @@ def test_cancel_stops_the_processes_and_requeue_runs_the_next_attempt(tmp_path: 
     assert rt.store.transition(job.id, JobStatus.CANCELLED, "cancelled by alice")
     rt.reconcile()
     assert rt.launcher.observe(job.id, 2).phase is not Phase.RUNNING
-    assert rt.launcher.files(job.id, 2).log.read_text().count("up") == 2  # both attempts ran, one after the other
+    assert rt.launcher.files(job.id, 2).log.read_text().splitlines().count("up") == 2  # both attempts ran, in turn

@@ -63,3 +63,13 @@ def test_a_curve_that_fills_no_window_of_the_plans_lends_nothing(tmp_path: Path)
     with_curve = simulate(tmp_path / "curve", tmp_path / "cache", "--interference", str(measured))
     without = simulate(tmp_path / "flat", tmp_path / "cache", "--interference", str(flat))
     assert with_curve["bg_throughput"] < without["bg_throughput"]
+
+
+def test_a_window_holds_only_whole_pieces_of_the_guests_step() -> None:
+    model = InterferenceModel(bg_efficiency=1.0)
+    assert model.usable_fraction((0.9, 3.1, 10.0), 20.0, piece_ms=2.0) == pytest.approx((0 + 2 + 10) / 20)
+    assert model.usable_fraction((0.9, 3.1), 20.0, piece_ms=5.0) == 0.0  # 162 ms VGG steps fit no 3 ms gap
+    assert model.usable_fraction((0.9, 3.1), 20.0) == pytest.approx(4.0 / 20)
+    curve = InterferenceModel(efficiency_by_window_ms=((1.0, 0.5), (8.0, 0.9)))
+    assert curve.longest_usable_window_ms((0.5, 4.0, 2.0)) == 4.0
+    assert curve.longest_usable_window_ms((0.5,)) == 0.0

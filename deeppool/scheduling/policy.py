@@ -4,7 +4,7 @@ A policy is a pure function ``decide(snapshot) -> Decision`` over a typed,
 read-only :class:`Snapshot` of the cluster. The engine applies the decision
 (preemptions, then starts, then loans) and asks again until the policy has
 nothing more to do, so a new policy is a new class in
-:mod:`deeppool.cluster_sim.policies` and never a change to the engine.
+:mod:`deeppool.scheduling.policies` and never a change to the engine.
 
 For speed, a snapshot's collections are read-only *views* of the engine's
 queues (valid for the duration of the ``decide`` call, never copied): a FIFO
@@ -14,7 +14,7 @@ policy looks at the head of an 80,000-job queue without paying for the tail.
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Reversible
+from collections.abc import Collection, Mapping, Reversible, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +40,10 @@ class SimJob:
     model: ModelChoice
     iterations: float
     recorded_duration_s: float
+    granularity_ms: float = 0.0
+    """Its longest layer phase on its own GPUs: a lent window shorter than this holds none of its work."""
+    memory_bytes: int = 0
+    """Memory of one of its data-parallel ranks: a lent GPU must have this much free."""
 
     @property
     def work_gpu_s(self) -> float:
@@ -52,13 +56,21 @@ class Slot:
     """Rank ``rank`` of running foreground job ``host``, idle for ``idle_fraction`` of each iteration.
 
     ``usable_fraction`` is the share of an iteration background work fills on it: its idle windows,
-    each weighted by the interference model's efficiency for a window of its length.
+    each weighted by the interference model's efficiency for a window of its length (before cutting
+    them to a guest's step pieces); ``longest_window_ms`` the longest window background work is
+    admitted to; ``free_memory_bytes`` the GPU memory its host's rank leaves.
     """
 
     host: int
     rank: int
     idle_fraction: float
     usable_fraction: float
+    longest_window_ms: float = float("inf")
+    free_memory_bytes: int = 2**62
+
+    def fits(self, job: SimJob) -> bool:
+        """Whether background ``job`` can run here at all: a window holds its step pieces, memory holds its rank."""
+        return self.longest_window_ms >= job.granularity_ms and self.free_memory_bytes >= job.memory_bytes
 
 
 class ReversibleCollection(Collection, Reversible, Protocol):
@@ -73,7 +85,12 @@ class Snapshot:
     back), split into ``waiting_fg`` and ``waiting_bg``; ``free_slots`` the
     lendable idle ranks of running foreground jobs; ``preemptible`` the
     background jobs holding whole GPUs (``preemptible_gpus`` of them, oldest
-    first); ``guests`` the background jobs running on lent ranks.
+    first); ``guests`` the background jobs running on lent ranks; ``holding``
+    every job on whole GPUs (job id -> GPUs held) and ``running`` those jobs;
+    ``requeued`` the waiting jobs that ran before (preempted or evicted), in
+    (arrival, job id) order, as the other waiting jobs are; ``attained_gpu_s`` the
+    GPU-seconds of whole-GPU service each job that ever held whole GPUs has had
+    so far (Tiresias' attained service; a job never run is absent).
     """
 
     now_s: float
@@ -86,6 +103,10 @@ class Snapshot:
     preemptible: ReversibleCollection
     preemptible_gpus: int
     guests: Collection[SimJob]
+    holding: Mapping[int, int]
+    running: Collection[SimJob]
+    requeued: Sequence[SimJob]
+    attained_gpu_s: Mapping[int, float]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,7 +128,10 @@ class Lend:
 
 @dataclass(frozen=True, kw_only=True)
 class Decision:
-    """What to change now; ``preempt`` names background jobs (on whole GPUs or lent ranks) to requeue."""
+    """What to change now; ``preempt`` names running jobs (on whole GPUs or lent ranks) to requeue.
+
+    A preempted job keeps its progress and pays the engine's restart penalty when it runs again.
+    """
 
     preempt: tuple[int, ...] = ()
     start: tuple[Start, ...] = ()

@@ -1,0 +1,105 @@
+"""The coordinator's loop: reconcile the processes, then ask the scheduling policy what to start or preempt.
+
+Scheduling decisions come from the same policy the simulator runs
+(:class:`deeppool.scheduling.Scheduler`, FIFO with backfilling and background
+jobs in their own low-priority queue by default): each tick builds a
+:class:`~deeppool.scheduling.Snapshot` from the database and applies the
+:class:`~deeppool.scheduling.Decision`:
+
+* ``preempt``: a background job on whole GPUs is stopped (SIGTERM, grace,
+  SIGKILL) and requeued, not failed;
+* ``start``: the job is claimed and launched. A foreground job started while
+  background jobs wait takes the oldest as its guest: it trains in the
+  foreground's idle windows through the multiplexer. Guests join at the
+  start, because the multiplexer runs inside the foreground's ranks; a
+  running foreground job offers no slots to later ones (``free_slots`` is
+  empty), which is where this differs from the simulator.
+
+Attained service (Tiresias' order) is GPUs × seconds in the current run; a
+requeued job starts again from 0.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+
+from deeppool.coordinator.jobs import Job, JobKind, JobStatus
+from deeppool.coordinator.runtime import Runtime
+from deeppool.scheduling import NOTHING, Decision, ModelChoice, Policy, SimJob, Snapshot
+
+LIVE = (JobStatus.STARTING, JobStatus.RUNNING)
+
+
+def as_sim_job(job: Job) -> SimJob:
+    path = Path(job.model) if job.model.endswith(".py") else Path(job.model.replace(".", "/").split(":")[0])
+    return SimJob(job_id=job.id, name=f"job-{job.id}", arrival_s=job.created_at.timestamp(), gpus=job.gpus,
+                  background=job.kind is JobKind.BACKGROUND, iterations=float(job.steps), recorded_duration_s=0.0,
+                  model=ModelChoice(name=path.stem, path=path, global_batch=job.batch))
+
+
+def snapshot(jobs: list[Job], total_gpus: int, now: datetime, requeued: frozenset[int] = frozenset()) -> Snapshot:
+    """The policy's view of the database; ``requeued``: the waiting jobs that ran before (preempted)."""
+    waiting = [as_sim_job(j) for j in jobs if j.state is JobStatus.PENDING]
+    whole = [j for j in jobs if j.state in LIVE and j.host_id is None]
+    running = [as_sim_job(j) for j in whole]
+    holding = {j.id: j.gpus for j in whole}
+    preemptible = [job for job in running if job.background]
+    attained = {j.id: (now - j.updated_at).total_seconds() * j.gpus for j in jobs if j.state is JobStatus.RUNNING}
+    attained.update({job_id: 0.0 for job_id in requeued})
+    return Snapshot(
+        now_s=now.timestamp(), total_gpus=total_gpus, free_gpus=total_gpus - sum(holding.values()),
+        waiting=waiting, waiting_fg=[j for j in waiting if not j.background],
+        waiting_bg=[j for j in waiting if j.background], free_slots=(), preemptible=preemptible,
+        preemptible_gpus=sum(j.gpus for j in preemptible),
+        guests=[as_sim_job(j) for j in jobs if j.state in LIVE and j.host_id is not None],
+        holding=holding, running=running, attained_gpu_s=attained,
+        requeued=sorted((j for j in waiting if j.job_id in requeued), key=lambda j: (j.arrival_s, j.job_id)),
+    )
+
+
+class Service:
+    def __init__(self, runtime: Runtime, policy: Policy, total_gpus: int, *, period_s: float = 0.5,
+                 paused: bool = False) -> None:
+        """``paused``: keep watching running jobs but start none (to drain the cluster, or queue first)."""
+        self.runtime, self.policy, self.total_gpus, self.period_s = runtime, policy, total_gpus, period_s
+        self.paused = paused
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="deeppool-coordinator", daemon=True)
+
+    def tick(self, now: datetime | None = None) -> Decision:
+        now = now or datetime.now(UTC)
+        self.runtime.reconcile(now)
+        if self.paused:
+            return NOTHING
+        store = self.runtime.store
+        jobs = store.jobs()
+        requeued = frozenset(j.id for j in jobs if j.state is JobStatus.PENDING and store.attempts(j.id) > 0)
+        decision = self.policy.decide(snapshot(jobs, self.total_gpus, now, requeued))
+        self.apply(decision, {j.id: j for j in jobs})
+        return decision
+
+    def apply(self, decision: Decision, jobs: dict[int, Job]) -> None:
+        for job_id in decision.preempt:
+            self.runtime.requeue(jobs[job_id], f"preempted by the {self.policy.name} policy for foreground work")
+        started = {start.job_id for start in decision.start}
+        spare = [j for j in jobs.values() if j.state is JobStatus.PENDING and j.kind is JobKind.BACKGROUND
+                 and j.id not in started]
+        for start in decision.start:
+            job = jobs[start.job_id]
+            guests = [spare.pop(0)] if job.kind is JobKind.FOREGROUND and spare else []
+            self.runtime.start(job, f"granted {start.gpus} GPUs by the {self.policy.name} policy", guests)
+
+    def start(self) -> None:
+        self.tick()  # recover before serving: adopt, finalise or relaunch what the last run left
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join(10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.tick()

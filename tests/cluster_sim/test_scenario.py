@@ -1,0 +1,27 @@
+"""DeepPool's evaluation scenario: one foreground job, unlimited background jobs, on the real planner's Plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from deeppool.cluster_sim.interference import InterferenceModel
+from deeppool.cluster_sim.plans import PlanMode
+from deeppool.cluster_sim.scenario import evaluate, scenario_models
+
+
+@pytest.mark.parametrize("gpus", [4, 8])
+def test_cluster_throughput_is_foreground_plus_work_in_lent_windows(book, tiny, gpus) -> None:
+    generous = InterferenceModel(fg_slowdown=1.0, bg_efficiency=1.0, min_lend_fraction=0.0)
+    point = evaluate(tiny, gpus, gpus_per_node=4, book=book, interference=generous)
+    foreground, _ = scenario_models(tiny, gpus)
+    dp, burst = (book.facts(foreground, gpus, mode) for mode in (PlanMode.DATA_PARALLEL, PlanMode.BURST))
+    assert point.fg_share == pytest.approx(dp.iteration_s / burst.iteration_s)  # no slowdown: the burst speed
+    assert point.cluster_throughput_vs_dp == pytest.approx(point.fg_share + point.bg_share)
+    assert 0 <= point.bg_share <= point.lent_fraction <= 1
+    assert point.guests <= gpus
+
+
+def test_no_window_filled_means_no_background_share(book, tiny) -> None:
+    nothing = InterferenceModel(fg_slowdown=1.0, bg_efficiency=1.0, efficiency_by_window_ms=((1e9, 1.0),))
+    point = evaluate(tiny, 8, gpus_per_node=4, book=book, interference=nothing)
+    assert point.bg_share == 0.0 and point.lent_fraction == 0.0 and point.guests == 0

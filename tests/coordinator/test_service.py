@@ -1,0 +1,64 @@
+"""The coordinator schedules with the simulator's policy: one snapshot, one decision, applied to real jobs."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
+from deeppool.coordinator.launcher import LocalLauncher
+from deeppool.coordinator.runtime import Runtime
+from deeppool.coordinator.service import Service, snapshot
+from deeppool.coordinator.store import Store
+from deeppool.scheduling import Order, Placement, Scheduler, policy_named
+
+
+def queue(tmp_path: Path) -> Store:
+    store = Store(tmp_path / "db.sqlite")
+    store.create_token("alice")
+    for kind, gpus in ((JobKind.BACKGROUND, 1), (JobKind.FOREGROUND, 2), (JobKind.FOREGROUND, 4),
+                       (JobKind.BACKGROUND, 1), (JobKind.FOREGROUND, 1)):
+        store.submit("alice", JobRequest(kind=kind, model="examples.mlp:model", gpus=gpus, batch=64))
+    return store
+
+
+def test_one_snapshot_gives_the_same_decision_to_the_simulator_and_the_coordinator(tmp_path: Path) -> None:
+    store = queue(tmp_path)
+    view = snapshot(store.jobs(), 4, datetime.now(UTC))
+    coordinator = Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG)
+    simulator = policy_named("fifo-backfill:burst+bg")  # what `deeppool simulate --policy` runs
+    assert coordinator.decide(view) == simulator.decide(view)
+    decision = coordinator.decide(view)
+    # backfilling: the 4-GPU job waits, the 1-GPU one fits; the background job takes the last free GPU
+    assert [(s.job_id, s.gpus) for s in decision.start] == [(2, 2), (5, 1), (1, 1)]
+
+
+class Recorder(LocalLauncher):
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        self.launched: list[int] = []
+
+    def launch(self, job_id: int, attempt: int, steps, env=None) -> None:
+        self.launched.append(job_id)
+
+
+def test_applying_a_decision_starts_foreground_jobs_with_a_waiting_guest(tmp_path: Path) -> None:
+    store = queue(tmp_path)
+    launcher = Recorder(tmp_path / "jobs")
+    service = Service(Runtime(store, launcher, lambda job, attempt, guests: [["true"]]),
+                      Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), 4)
+    service.tick()
+    states = {job.id: job for job in store.jobs()}
+    assert launcher.launched == [2, 5, 1]
+    assert states[1].state is JobStatus.STARTING and states[1].host_id is None  # on a free GPU of its own
+    assert states[4].state is JobStatus.STARTING and states[4].host_id == 2  # the waiting one: job 2's guest
+    assert states[3].state is JobStatus.PENDING
+
+
+def test_a_paused_service_starts_nothing(tmp_path: Path) -> None:
+    store = queue(tmp_path)
+    launcher = Recorder(tmp_path / "jobs")
+    service = Service(Runtime(store, launcher, lambda job, attempt, guests: [["true"]]),
+                      Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), 4, paused=True)
+    assert service.tick().empty and launcher.launched == []
+    assert all(job.state is JobStatus.PENDING for job in store.jobs())
