@@ -16,7 +16,10 @@ import typer
 
 from deeppool import checks
 from deeppool.errors import DeeppoolError
-from deeppool.executor.config import DEFAULT_SIZES, Backend, OptimizerConfig, OptimizerKind, ProbeConfig, RunConfig
+from deeppool.executor.config import (
+    DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Backend, CheckpointConfig, OptimizerConfig, OptimizerKind, ProbeConfig,
+    RunConfig, Schedule, ScheduleKind, Training,
+)
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.options import (
     AbBlock, BackgroundOpt, BgBatch, BgCheckpointDir, BgLr, BgOptim, MpsPercentage, MuxOpt, SlowdownTarget,
@@ -36,7 +39,7 @@ Lr = Annotated[float, typer.Option(help="learning rate")]
 Momentum = Annotated[float, typer.Option(help="SGD momentum")]
 BackendOpt = Annotated[Backend, typer.Option(help="auto: NCCL with CUDA, else gloo")]
 Timeout = Annotated[float, typer.Option("--timeout", help="seconds before a stalled communication fails")]
-BucketMb = Annotated[float, typer.Option(help="gradient bucket size in MiB (0: per layer, synchronous)")]
+BucketMb = Annotated[float, typer.Option(help="gradient bucket size in MiB (0: per stage, synchronous)")]
 Check = Annotated[bool, typer.Option(
     "--check", help="also train one process in lockstep; compare gradients, buffers and parameters every step"
 )]
@@ -48,6 +51,13 @@ Out = Annotated[Path, typer.Option("--out", help="directory for traces, summary.
 ModelOpt = Annotated[str | None, typer.Option(
     "--model", help="rebuild the model from this file or package.module:factory instead of the plan's "
     "(the plan's input shape and seed are kept)", show_default="the plan's, relative to the plan file")]
+Accumulate = Annotated[int, typer.Option(help="global batches whose gradients are summed per optimizer step")]
+ClipNorm = Annotated[float | None, typer.Option(help="clip gradients to this global L2 norm (whole model)")]
+LrSchedule = Annotated[ScheduleKind, typer.Option(help="learning rate after warm-up: constant, or decaying to 0")]
+LrWarmup = Annotated[int, typer.Option(help="optimizer steps of linear learning-rate warm-up")]
+CheckpointDir = Annotated[Path | None, typer.Option(help="directory for checkpoints (one shard per rank)")]
+CheckpointEvery = Annotated[int, typer.Option(help="write a checkpoint every N optimizer steps (0: never)")]
+Resume = Annotated[bool, typer.Option("--resume", help="continue from the latest complete checkpoint")]
 DEFAULT_WARMUP = 5
 CPU_RANKS_PER_CORE = 4
 """gloo ranks on CPU share the cores; beyond this many per core a run measures only contention."""
@@ -63,7 +73,9 @@ def _group() -> None:
 
 def make_config(
     *, steps: int, warmup: int | None, optimizer: OptimizerKind, lr: float, momentum: float, backend: Backend,
-    timeout: float, bucket_mb: float, check: bool, check_bound: float, out: Path,
+    timeout: float, bucket_mb: float, check: bool, check_bound: float, out: Path, accumulate: int = 1,
+    clip_norm: float | None = None, lr_schedule: ScheduleKind = ScheduleKind.CONSTANT, lr_warmup: int = 0,
+    checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume: bool = False,
 ) -> RunConfig:
     """The run's config; ``warmup=None`` is the default: 5, or one less than ``steps`` when that is fewer."""
     if warmup is not None and steps >= 1 and warmup >= steps:
@@ -71,10 +83,17 @@ def make_config(
             f"--warmup {warmup} must be less than --steps {steps}: the warm-up iterations are not timed, "
             f"so at least one must remain (e.g. --warmup {max(steps - 1, 0)})"
         )
+    training = Training(
+        accumulate=accumulate, clip_norm=clip_norm,
+        schedule=Schedule(kind=lr_schedule, warmup_steps=lr_warmup, total_steps=max(steps, 1)),
+    )
     return RunConfig(
         steps=steps, warmup=min(DEFAULT_WARMUP, max(steps - 1, 0)) if warmup is None else warmup,
         optimizer=OptimizerConfig(kind=optimizer, lr=lr, momentum=momentum),
         backend=backend, timeout_s=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out_dir=out,
+        training=training,
+        checkpoint=CheckpointConfig(directory=checkpoint_dir, every=checkpoint_every, resume=resume)
+        if checkpoint_dir is not None else None,
     )
 
 
@@ -86,7 +105,15 @@ def config_args(config: RunConfig) -> list[str]:
         "--momentum", repr(config.optimizer.momentum), "--backend", config.backend.value,
         "--timeout", repr(config.timeout_s), "--bucket-mb", repr(config.bucket_mb),
         "--check-bound", repr(config.check_bound), "--out", str(config.out_dir),
+        "--accumulate", str(config.training.accumulate), "--lr-schedule", config.training.schedule.kind.value,
+        "--lr-warmup", str(config.training.schedule.warmup_steps),
     ]
+    clip, checkpoint = config.training.clip_norm, config.checkpoint
+    if clip is not None:
+        args += ["--clip-norm", repr(clip)]
+    if checkpoint is not None:
+        args += ["--checkpoint-dir", str(checkpoint.directory), "--checkpoint-every", str(checkpoint.every)]
+        args += ["--resume"] if checkpoint.resume else []
     return args + (["--check"] if config.check else [])
 
 
@@ -96,9 +123,11 @@ def run(
     nproc: Annotated[int | None, typer.Option(help="ranks to start here", show_default="the plan's GPU count")] = None,
     model: ModelOpt = None,
     steps: Steps = 50, warmup: Warmup = None, optimizer: Optim = None, lr: Lr = 0.01,
-    momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = 300.0,
+    momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
-    out: Out = Path("deeppool-run"),
+    out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
+    lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
+    checkpoint_every: CheckpointEvery = 0, resume: Resume = False,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -117,6 +146,8 @@ def run(
     config = make_config(
         steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
         backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
+        accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule, lr_warmup=lr_warmup,
+        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
     )
     bg = make_background(
         background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,
@@ -236,9 +267,11 @@ def _probe(config: ProbeConfig, out: Path) -> None:
 @worker_app.command()
 def worker(
     plan: PlanArg, steps: Steps = 50, warmup: Warmup = None, optimizer: Optim = None, lr: Lr = 0.01,
-    momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = 300.0,
+    momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
-    out: Out = Path("deeppool-run"),
+    out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
+    lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
+    checkpoint_every: CheckpointEvery = 0, resume: Resume = False,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -252,7 +285,8 @@ def worker(
         config = make_config(
             steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(Plan.load(plan)), lr=lr,
             momentum=momentum, backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check,
-            check_bound=check_bound, out=out,
+            check_bound=check_bound, out=out, accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule,
+            lr_warmup=lr_warmup, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
         )
         bg = make_background(
             background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,

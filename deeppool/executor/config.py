@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +25,10 @@ class Backend(enum.Enum):
         if self is not Backend.AUTO:
             return self
         return Backend.NCCL if cuda_available else Backend.GLOO
+
+
+DEFAULT_TIMEOUT_S = 60.0
+"""Seconds before a stalled communication fails: a hung rank is named about this long after it stops."""
 
 
 class OptimizerKind(enum.Enum):
@@ -52,6 +57,77 @@ class OptimizerConfig:
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
 
 
+class ScheduleKind(enum.Enum):
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    COSINE = "cosine"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """The learning rate's factor by optimizer step: linear warm-up over ``warmup_steps``, then
+    constant, or decaying to 0 at ``total_steps`` (linearly or along a half cosine)."""
+
+    kind: ScheduleKind = ScheduleKind.CONSTANT
+    warmup_steps: int = 0
+    total_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise DeeppoolError(f"--lr-warmup {self.warmup_steps} must be >= 0")
+        if self.total_steps < 1:
+            raise DeeppoolError(f"the schedule's total steps {self.total_steps} must be at least 1")
+
+    def factor(self, step: int) -> float:
+        """The multiplier of ``--lr`` at optimizer step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind is ScheduleKind.CONSTANT:
+            return 1.0
+        span = max(1, self.total_steps - self.warmup_steps)
+        done = min(1.0, (step - self.warmup_steps) / span)
+        if self.kind is ScheduleKind.LINEAR:
+            return 1.0 - done
+        return 0.5 * (1.0 + math.cos(math.pi * done))
+
+    def build(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        import torch
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, self.factor)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    """What one optimizer step does beyond the plan: micro-batches, clipping, the LR schedule."""
+
+    accumulate: int = 1
+    """Global batches (of ``plan.global_batch`` samples) whose gradients are summed per optimizer step."""
+    clip_norm: float | None = None
+    """Scale gradients so their global L2 norm (over every parameter of the model) is at most this."""
+    schedule: Schedule = field(default_factory=Schedule)
+
+    def __post_init__(self) -> None:
+        if self.accumulate < 1:
+            raise DeeppoolError(f"--accumulate {self.accumulate} must be at least 1")
+        if self.clip_norm is not None and self.clip_norm <= 0:
+            raise DeeppoolError(f"--clip-norm {self.clip_norm} must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where checkpoints go (:mod:`deeppool.executor.checkpoint`), how often, and whether to resume."""
+
+    directory: Path
+    every: int = 0
+    """Write after every ``every`` optimizer steps (0: never)."""
+    resume: bool = False
+    """Start from the latest complete checkpoint in ``directory``."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise DeeppoolError(f"--checkpoint-every {self.every} must be >= 0")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """How to run a plan: steps, optimizer, backend, timeouts, checking, outputs."""
@@ -60,11 +136,13 @@ class RunConfig:
     warmup: int = 5
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     backend: Backend = Backend.AUTO
-    timeout_s: float = 300.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     bucket_mb: float = 25.0
     check: bool = False
     check_bound: float = 1e-3
     out_dir: Path | None = None
+    training: Training = field(default_factory=Training)
+    checkpoint: CheckpointConfig | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -77,6 +155,8 @@ class RunConfig:
             raise DeeppoolError(f"--bucket-mb {self.bucket_mb} must be >= 0")
         if self.check_bound <= 0:
             raise DeeppoolError(f"--check-bound {self.check_bound} must be positive")
+        if self.check and self.checkpoint is not None and self.checkpoint.resume:
+            raise DeeppoolError("--check trains its reference from the start: run --resume without --check")
 
     @property
     def bucket_bytes(self) -> int:

@@ -1,15 +1,16 @@
-"""One rank's training iteration: interpret its :class:`Program` op by op.
+"""One rank's training iteration: run its :class:`Program` op by op, a stage at a time.
 
-Each layer runs on leaf copies of its inputs, so its backward is its own
-``torch.autograd.backward`` call and the gradients of its inputs can be sent
-back to the ranks that produced them. The loss on rank ``r`` of the output
-layer is scaled by ``n_r / B``, so the per-rank gradients *sum* to the
+Each stage runs as one compiled module on leaf copies of the values it reads
+from other stages, so its backward is one ``torch.autograd.backward`` call and
+the gradients of its inputs can be sent back to the ranks that produced them.
+The loss on rank ``r`` of the output layer is scaled by ``n_r / B`` (and by
+``1/K`` for ``K`` micro-batches), so the per-rank gradients *sum* to the
 gradient of the global mean loss; gradient all-reduces therefore sum.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,8 @@ from deeppool.executor.data import Batch
 from deeppool.executor.gradients import GradientReducer
 from deeppool.executor.idle import IdleListener, IdleWindowEvent
 from deeppool.executor.local_model import LocalModel
-from deeppool.executor.program import Op, OpKind, Program, Transfer, grad_flows
+from deeppool.executor.overlap import StageOverlap, install_hooks
+from deeppool.executor.program import Op, OpKind, Program, Stage, Transfer, grad_flows
 from deeppool.executor.comm import Comm
 from deeppool.executor.timing import Category, Recorder, Span
 from deeppool.planner.plan import IdleWindow, Plan, PlannedLayer
@@ -35,10 +37,24 @@ class _State:
 
     batch: Batch
     step: int
+    micro: int = 0
+    """The micro-batch within the optimizer step (``--accumulate``)."""
+    micros: int = 1
     outputs: dict[str, Any] = field(default_factory=dict)
-    leaves: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    leaves: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    """The stage's leaf copy of an outside producer's output, by (stage, producer)."""
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     loss: torch.Tensor | None = None
+
+    @property
+    def last(self) -> bool:
+        """The optimizer step's last micro-batch: gradients are reduced and the optimizer steps."""
+        return self.micro == self.micros - 1
+
+    @property
+    def draw(self) -> int:
+        """The position of this micro-batch's random draws: one per global batch trained on."""
+        return self.step * self.micros + self.micro
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +74,16 @@ class EngineParts:
     device: torch.device
     on_gradients: Callable[[int], None] | None = None
     """Called with the step once gradients are reduced, before the optimizer steps (``--check``)."""
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    """Stepped after every optimizer step (``--lr-schedule``)."""
+    clip_norm: float | None = None
+    """Clip by the global gradient norm (``--clip-norm``), computed on rank 0, which holds every parameter."""
+    synchronize: Callable[[], None] = lambda: None
+    """Waits for the device (``torch.cuda.synchronize`` on a GPU): only where an idle window closes,
+    and once at the end of an iteration."""
+    overlap: bool = True
+    """Start gradient all-reduces during the backward (:mod:`deeppool.executor.overlap`);
+    off, each stage's gradients are handed over after its backward."""
 
 
 class Engine:
@@ -69,7 +95,9 @@ class Engine:
         graph = parts.model.graph
         self.placeholders = dict(zip(graph.inputs, graph.input_keys, strict=True))
         self.layers = {layer.name: layer for layer in parts.model.graph.layers}
+        self.stages: dict[int, Stage] = {stage.index: stage for stage in parts.program.stages}
         self._open_idle: IdleWindowEvent | None = None
+        self.overlaps = self._overlaps() if parts.overlap else {}
         steps = [op for op in parts.program.ops if op.kind is OpKind.STEP]
         self._last_step: Op | None = steps[-1] if steps else None
         self._handlers: dict[OpKind, Callable[[Op, _State], None]] = {
@@ -82,30 +110,54 @@ class Engine:
             OpKind.STEP: self._layer_step,
         }
 
-    def step(self, step: int, batch: Batch) -> float:
-        """Run one iteration; returns this rank's share of the global mean loss."""
+    def step(self, step: int, batches: Sequence[Batch]) -> float:
+        """Run one optimizer step over ``batches`` (micro-batches); returns this rank's share of the mean loss."""
         recorder = self.p.recorder
+        recorder.begin()
         start = recorder.clock()
-        state = _State(batch=batch, step=step)
+        loss = 0.0
+        for micro, batch in enumerate(batches):
+            state = _State(batch=batch, step=step, micro=micro, micros=len(batches))
+            self._run(state, start)
+            loss += float(state.loss.detach()) if state.loss is not None else 0.0
+        if self._last_step is None:
+            self._optimizer_step(step)  # a rank with no step op still joins the clipping collective
+        self._close_idle(step)
+        self.p.synchronize()
+        recorder.settle()
+        recorder.add(Span(step=step, label="iteration", category=Category.ITERATION, start_s=start, end_s=recorder.clock()))
+        return loss
+
+    def _run(self, state: _State, start: float) -> None:
+        step, recorder = state.step, self.p.recorder
         self._fire(None, step, start)
         for op in self.p.program.ops:
-            if op is self._last_step:
+            if op is self._last_step and state.last:
                 self._optimizer_step(step)
             category = Category.COMM if op.kind in _COMM else Category.COMPUTE
             with recorder.span(step, op.label, category):
                 self._handlers[op.kind](op, state)
             self._close_idle(step)
-            if op.phase is not None:
-                self._fire(op.phase, step, start)
-        self._close_idle(step)
-        recorder.add(Span(step=step, label="iteration", category=Category.ITERATION, start_s=start, end_s=recorder.clock()))
-        return float(state.loss.detach()) if state.loss is not None else 0.0
+            for phase in op.phases:
+                self._fire(phase, step, start)
+
+    def _overlaps(self) -> dict[int, StageOverlap]:
+        mine = [stage for stage in self.p.program.stages if self.rank < stage.gpus and stage.gpus > 1]
+        overlaps = {
+            stage.index: StageOverlap(stage, self.p.model.reduce_params, self._hand_over) for stage in mine
+        }
+        install_hooks(self.p.model.params, list(overlaps.values()))
+        return overlaps
+
+    def _hand_over(self, layer: str, ranks: tuple[int, ...]) -> None:
+        self._reduce_layer(layer, ranks)
 
     # -- idle windows ---------------------------------------------------------------------------
     def _fire(self, position: int | None, step: int, iteration_start: float) -> None:
         window = self.p.idle.get(position)
         if window is None:
             return
+        self._close_idle(step)
         event = IdleWindowEvent(rank=self.rank, step=step, window=window, opened_at_s=self.p.recorder.clock(),
                                 iteration_start_s=iteration_start)
         self._open_idle = event
@@ -117,6 +169,7 @@ class Engine:
         if event is None:
             return
         self._open_idle = None
+        self.p.synchronize()  # the window lasts until the device has done the op that waited for the busy ranks
         closed = self.p.recorder.clock()
         self.p.on_idle.closed(event, closed)
         window = event.window
@@ -151,56 +204,74 @@ class Engine:
                 if t.src == self.rank:
                     value[t.start - dst_start : t.end - dst_start] = out.detach()[t.start - src_start : t.end - src_start]
         self.p.comm.exchange(sends, recvs)
-        state.leaves[(op.layer, op.producer)] = value.requires_grad_(self.flows[op.producer])
+        state.leaves[(op.stage, op.producer)] = value.requires_grad_(self.flows[op.producer])
 
     def _forward(self, op: Op, state: _State) -> None:
-        start, end = self._rows(op.layer)
-        args = []
-        for name in self.layers[op.layer].inputs:
-            if name in self.placeholders:
-                args.append(state.batch.inputs[self.placeholders[name]][start:end].to(self.p.device))
-            else:
-                args.append(state.leaves[(op.layer, name)])
-        runner = self.p.model.runners[op.layer]
+        stage = self.stages[op.stage]
+        module = self.p.model.stages[op.stage]
+        start, end = self._rows(stage.layers[0])
+        args = [
+            state.batch.inputs[self.placeholders[name]][start:end].to(self.p.device) if name in self.placeholders
+            else state.leaves[(op.stage, name)]
+            for name in module.inputs
+        ]
         random = self.p.model.random
         if random is None:
-            state.outputs[op.layer] = runner(*args)
+            state.outputs.update(module(*args))
             return
-        with random.at(step=state.step, offset=start, ordinal=0):
-            state.outputs[op.layer] = runner(*args)
+        with random.at(step=state.draw, offset=start, ordinal=0):
+            state.outputs.update(module(*args))
 
     def _loss(self, op: Op, state: _State) -> None:
-        start, end = self._rows(op.layer)
+        del op
+        output = self.p.model.graph.output
+        start, end = self._rows(output)
         targets = state.batch.targets
         local = None if targets is None else targets[start:end].to(self.p.device)
-        share = (end - start) / self.p.plan.global_batch
-        state.loss = self.p.loss(state.outputs[op.layer], local) * share
+        share = (end - start) / self.p.plan.global_batch / state.micros
+        state.loss = self.p.loss(state.outputs[output], local) * share
 
     def _backward(self, op: Op, state: _State) -> None:
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
-        output = state.outputs.pop(op.layer)
-        if state.loss is not None and op.layer == self.p.model.graph.output and state.loss.requires_grad:
-            tensors.append(state.loss)
+        loss = state.loss
+        if loss is not None and self.p.model.graph.output in self.stages[op.stage].layers and loss.requires_grad:
+            tensors.append(loss)
             grads.append(None)
-        grad = state.grads.pop(op.layer, None)
-        if grad is not None and output.requires_grad:
-            tensors.append(output)
-            grads.append(grad)
+        for name in self.p.model.stages[op.stage].outputs:
+            output = state.outputs.pop(name)
+            grad = state.grads.pop(name, None)
+            if grad is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+                tensors.append(output)
+                grads.append(grad)
+        overlap = self.overlaps.get(op.stage)
+        if overlap is not None and state.last:
+            overlap.start()
         if tensors:
             torch.autograd.backward(tensors, grads)
 
     def _allreduce(self, op: Op, state: _State) -> None:
-        del state
-        gpus = self.planned[op.layer].gpus
-        if gpus == 1:
+        """Hand the stage's gradients to the reducer, last layer first (the order of the backward);
+        gradients of earlier micro-batches stay local and are summed into the last one's."""
+        if not state.last:
             return
-        params = [self.p.model.params[name] for name in self.p.model.reduce_params[op.layer]]
-        self.p.reducer.add(tuple(range(gpus)), [p.grad for p in params if p.grad is not None])
+        overlap = self.overlaps.get(op.stage)
+        if overlap is not None:
+            overlap.finish()
+            return
+        stage = self.stages[op.stage]
+        for name in reversed(stage.layers):
+            self._reduce_layer(name, tuple(range(stage.gpus)))
+
+    def _reduce_layer(self, layer: str, ranks: tuple[int, ...]) -> None:
+        if len(ranks) == 1:
+            return
+        params = [self.p.model.params[name] for name in self.p.model.reduce_params[layer]]
+        self.p.reducer.add(ranks, [p.grad for p in params if p.grad is not None])
 
     def _reshard_grad(self, op: Op, state: _State) -> None:
         assert op.producer is not None
-        leaf = state.leaves.pop((op.layer, op.producer), None)
+        leaf = state.leaves.pop((op.stage, op.producer), None)
         sends: list[tuple[int, torch.Tensor]] = []
         if leaf is not None:
             dst_start = self._rows(op.layer)[0]
@@ -228,7 +299,7 @@ class Engine:
         state.grads[producer][t.start - start : t.end - start] += piece
 
     def _layer_step(self, op: Op, state: _State) -> None:
-        """A layer's step phase; the optimizer itself steps once, before the rank's last one."""
+        """A stage's step phases; the optimizer itself steps once, before the rank's last one."""
         del op, state
 
     def _optimizer_step(self, step: int) -> None:
@@ -238,6 +309,21 @@ class Engine:
         if self.p.on_gradients is not None:
             self.p.on_gradients(step)
         with recorder.span(step, "optimizer", Category.COMPUTE):
+            self._clip()
             if self.p.optimizer is not None:
                 self.p.optimizer.step()
                 self.p.optimizer.zero_grad(set_to_none=True)
+            if self.p.scheduler is not None:
+                self.p.scheduler.step()
+
+    def _clip(self) -> None:
+        """Scale every gradient by ``min(1, clip_norm / (‖g‖ + 1e-6))``, ``‖g‖`` over the whole model."""
+        limit = self.p.clip_norm
+        if limit is None:
+            return
+        unique = {id(p): p for p in self.p.model.params.values()}
+        grads = [p.grad for p in unique.values() if p.grad is not None]
+        local = float(torch.nn.utils.get_total_norm(grads)) if self.rank == 0 and grads else 0.0
+        total = self.p.comm.all_reduce_max(local)
+        if grads:
+            torch.nn.utils.clip_grads_with_norm_(list(unique.values()), limit, torch.tensor(total))

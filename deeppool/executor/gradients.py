@@ -6,7 +6,16 @@ all-reduce, overlapping the rest of the backward (as DDP does);
 :meth:`GradientReducer.finish` flushes the rest and waits before the optimizer
 step. A group's buckets fill and flush only at that group's layers, which all
 its ranks run in the same order, so every member issues the group's
-collectives (these and synchronised BatchNorm's) in one order. With
+collectives (these and synchronised BatchNorm's) in one order. Gradients
+are handed over while the backward runs (:mod:`deeppool.executor.overlap`).
+On a GPU, as in DDP, a group's first bucket of an iteration is capped at
+1 MiB (``first_bucket_bytes``), so the first all-reduce starts early; on CPU
+the ranks share the cores with gloo's threads, an early small all-reduce
+only competes with the backward, and it is not capped. On a GPU the reducer is
+given a side stream: a bucket is flattened and its all-reduce launched on
+it (after the compute stream's work so far), so neither the copy nor the
+collective queues behind the rest of the backward; :meth:`finish` makes the
+compute stream wait for it. On CPU (gloo) there is no stream. With
 ``bucket_bytes == 0`` each layer's gradients are reduced synchronously right
 after its backward, so measured all-reduce times line up with the plan's.
 """
@@ -21,10 +30,20 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from deeppool.executor.comm import Comm, Waitable
 
 
+FIRST_BUCKET_BYTES = 2**20
+"""DDP's ``first_bucket_bytes``: the first bucket of an iteration is small, so its all-reduce starts early."""
+
+
 class GradientReducer:
-    def __init__(self, comm: Comm, bucket_bytes: int) -> None:
+    def __init__(
+        self, comm: Comm, bucket_bytes: int, stream: torch.cuda.Stream | None = None,
+        first_bucket_bytes: int | None = None,
+    ) -> None:
         self._comm = comm
+        self._stream = stream
         self._bucket_bytes = bucket_bytes
+        self._first_bytes = bucket_bytes if first_bucket_bytes is None else min(bucket_bytes, first_bucket_bytes)
+        self._flushed: set[tuple[int, ...]] = set()
         self._pending: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
         self._inflight: list[tuple[Waitable, torch.Tensor, list[torch.Tensor]]] = []
 
@@ -34,7 +53,8 @@ class GradientReducer:
             return
         bucket = self._pending[ranks]
         bucket.extend(grads)
-        if sum(g.numel() * g.element_size() for g in bucket) >= self._bucket_bytes:
+        limit = self._bucket_bytes if ranks in self._flushed else self._first_bytes
+        if sum(g.numel() * g.element_size() for g in bucket) >= limit:
             self._flush(ranks)
             if self._bucket_bytes == 0:
                 self._wait()
@@ -44,11 +64,15 @@ class GradientReducer:
         for ranks in sorted(self._pending, key=lambda r: (len(r), r)):
             self._flush(ranks)
         self._wait()
+        self._flushed.clear()
 
     def _wait(self) -> None:
         inflight, self._inflight = self._inflight, []
         for handle, flat, grads in inflight:
             handle.wait()
+            if self._stream is not None:
+                torch.cuda.current_stream(flat.device).wait_stream(self._stream)
+                flat.record_stream(torch.cuda.current_stream(flat.device))
             if len(grads) == 1:
                 continue
             for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
@@ -58,5 +82,14 @@ class GradientReducer:
         grads = self._pending.pop(ranks, [])
         if not grads:
             return
+        self._flushed.add(ranks)
+        if self._stream is None:
+            self._launch(ranks, grads)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        with torch.cuda.stream(self._stream):
+            self._launch(ranks, grads)
+
+    def _launch(self, ranks: tuple[int, ...], grads: list[torch.Tensor]) -> None:
         flat = grads[0] if len(grads) == 1 else _flatten_dense_tensors(grads)
         self._inflight.append((self._comm.all_reduce(flat, ranks, async_op=True), flat, grads))

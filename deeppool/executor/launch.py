@@ -6,7 +6,8 @@ the samples of a batch: :mod:`deeppool.planner.batching`), then runs ``nproc``
 workers with ``torch.distributed.launcher.elastic_launch`` (what torchrun runs
 underneath; no restarts). If any worker fails, the agent stops the others, and
 the launcher names the rank at fault: the earliest error a rank raised itself,
-else a rank that died by a signal, else the earliest communication failure.
+else a rank that stopped responding (:mod:`deeppool.executor.hangwatch`), else
+a rank that died by a signal, else the earliest communication failure.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import RunConfig
+from deeppool.executor.hangwatch import HangWatch
 from deeppool.executor.local_model import check_plan_matches
 from deeppool.planner.batching import check_per_sample
 from deeppool.planner.plan import Plan
@@ -79,23 +81,30 @@ def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[
     agent_log = logging.getLogger("torch.distributed.elastic")
     level = agent_log.level
     agent_log.setLevel(logging.CRITICAL)  # the launcher names the failed rank itself
+    watch = HangWatch(recorded=lambda: {f.rank: f.kind for f in _recorded(out)}, nproc=nproc)
     try:
-        elastic_launch(launch_config, sys.executable)("-m", "deeppool.executor", str(plan_path), *worker_args)
+        with watch:
+            elastic_launch(launch_config, sys.executable)("-m", "deeppool.executor", str(plan_path), *worker_args)
     except ChildFailedError as err:
-        raise _failure(err, out, nproc) from None
+        raise _failure(err, out, nproc, watch.hung) from None
     except (SignalException, KeyboardInterrupt):
         raise RunFailed("interrupted: all ranks were stopped", exit_code=130) from None
     finally:
         agent_log.setLevel(level)
 
 
-def _failure(err: ChildFailedError, out: Path, nproc: int) -> RunFailed:
+def _failure(err: ChildFailedError, out: Path, nproc: int, hung: set[int]) -> RunFailed:
     recorded = _recorded(out)
     primary = [f for f in recorded if f.kind in _PRIMARY]
     if primary:
         first = min(primary, key=lambda f: f.time)
         code = 3 if first.kind == "check" else 1
         return RunFailed(f"rank {first.rank} failed: {first.message}" if first.kind != "check" else first.message, code)
+    if hung:
+        waiting = ", ".join(str(f.rank) for f in sorted(recorded, key=lambda f: f.rank))
+        return RunFailed(
+            f"rank {min(hung)} stopped responding: ranks {waiting} failed waiting for it; all ranks were stopped"
+        )
     for rank, failure in sorted(err.failures.items()):
         if failure.exitcode < 0 and -failure.exitcode not in _STOP_SIGNALS:
             name = signal.Signals(-failure.exitcode).name

@@ -5,7 +5,8 @@ The model is rebuilt from the plan's :class:`~deeppool.planner.modelspec.ModelSp
 names); the plan is refused if its layers are not this model's. The rank then
 keeps only the parameters of the layers it runs, and a layer on ``g > 1``
 ranks gets its BatchNorm modules replaced by :class:`GroupBatchNorm` over
-ranks ``0..g-1``.
+ranks ``0..g-1``, and each stage it runs is compiled into one
+:class:`~deeppool.executor.stage_module.StageModule`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import torch
 from torch import fx, nn
 
 from deeppool.errors import DeeppoolError
+from deeppool.executor.program import Stage
+from deeppool.executor.stage_module import StageModule
 from deeppool.executor.syncbn import GroupBatchNorm, Reduce
 from deeppool.planner.graph import Layer, LayerGraph
-from deeppool.planner.layer_exec import LayerRunner
 from deeppool.planner.plan import Plan
 from deeppool.planner.randomness import RandomSites, SampleRandomness
 
@@ -34,7 +36,8 @@ class LocalModel:
 
     module: fx.GraphModule
     graph: LayerGraph
-    runners: dict[str, LayerRunner]
+    stages: dict[int, StageModule]
+    """The compiled stages this rank runs, by stage index."""
     params: dict[str, nn.Parameter]
     buffers: dict[str, torch.Tensor]
     reduce_params: dict[str, tuple[str, ...]]
@@ -67,9 +70,9 @@ def check_plan_matches(plan: Plan, graph: LayerGraph) -> None:
 
 def hold(
     plan: Plan, module: fx.GraphModule, graph: LayerGraph, rank: int, reduce: GroupReduce,
-    random: RandomSites | None = None,
+    stages: tuple[Stage, ...], random: RandomSites | None = None,
 ) -> LocalModel:
-    """Keep rank ``rank``'s layers and parameters of ``module``; install synced BatchNorm.
+    """Keep rank ``rank``'s layers and parameters of ``module``; install synced BatchNorm; compile its stages.
 
     With ``random`` sites, the layers draw per sample, seeded by the plan's model seed.
     """
@@ -84,11 +87,22 @@ def hold(
             _sync_batch_norms(module, layer, reduce(tuple(range(gpus))))
     mode = random.mode(plan.model.seed) if random else None
     drawing = (random, mode) if random is not None and mode is not None else None
-    runners = {layer.name: LayerRunner(module, layer, drawing) for layer in mine}
+    compiled = {stage.index: _compile(module, graph, stage, drawing) for stage in stages if rank < stage.gpus}
     return LocalModel(
-        module=module, graph=graph, runners=runners, params=params, buffers=buffers,
+        module=module, graph=graph, stages=compiled, params=params, buffers=buffers,
         reduce_params=_reduce_owners(plan, graph, mine), random=mode,
     )
+
+
+def _compile(
+    module: fx.GraphModule, graph: LayerGraph, stage: Stage, random: tuple[RandomSites, SampleRandomness] | None
+) -> StageModule:
+    """The stage's layers as one module, returning the values read outside it (and the model's output)."""
+    inside = set(stage.layers)
+    read_outside = {src for layer in graph.layers if layer.name not in inside for src in layer.inputs}
+    outputs = [name for name in stage.layers if name in read_outside or name == graph.output]
+    layers = {layer.name: layer for layer in graph.layers}
+    return StageModule(module, [layers[name] for name in stage.layers], outputs, random)
 
 
 def plan_gpus(plan: Plan, layer: str) -> int:

@@ -73,7 +73,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from deeppool.executor.config import OptimizerConfig
+from deeppool.executor.config import OptimizerConfig, Training
 from deeppool.executor.data import Batch, BatchSource
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.randomness import SampleRandomness
@@ -185,7 +185,7 @@ class LockstepReference:
 
     def __init__(
         self, loaded: LoadedModel, optimizer: OptimizerConfig, *, params: Mapping[str, nn.Parameter],
-        buffers: Tensors, rank: int, bound: float, random: SampleRandomness,
+        buffers: Tensors, rank: int, bound: float, random: SampleRandomness, training: Training | None = None,
     ) -> None:
         self._loaded = loaded
         self._model = loaded.module.train()
@@ -193,6 +193,8 @@ class LockstepReference:
         self._ref_params = dict(self._model.named_parameters())
         self._ref_buffers = dict(self._model.named_buffers())
         self._optimizer = optimizer.build(self._model.parameters())
+        self._training = training or Training()
+        self._scheduler = self._training.schedule.build(self._optimizer)
         self._params = params
         self._buffers = {name: b for name, b in buffers.items() if name in self._ref_buffers}  # not fx's constants
         self._rank = rank
@@ -204,15 +206,20 @@ class LockstepReference:
         del step
         self._gradients = {name: _detached(p.grad) for name, p in self._params.items()}
 
-    def step(self, step: int, batch: Batch) -> CheckResult:
-        """Train the reference on ``batch``, compare, then set the rank's parameters and buffers to it."""
-        with self._random.at(step=step, offset=0, ordinal=0):
-            output = batch.run(self._model)
-        loss = self._loaded.loss(output, batch.targets)
-        loss.backward()
+    def step(self, step: int, batches: Sequence[Batch]) -> CheckResult:
+        """Train the reference on ``batches`` (one optimizer step), compare, then set the rank's
+        parameters and buffers to it."""
+        micros = len(batches)
+        for micro, batch in enumerate(batches):
+            with self._random.at(step=step * micros + micro, offset=0, ordinal=0):
+                output = batch.run(self._model)
+            (self._loaded.loss(output, batch.targets) / micros).backward()
         gradients = relative_differences(self._gradients, {n: p.grad for n, p in self._ref_params.items()})
+        if self._training.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._training.clip_norm)
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
+        self._scheduler.step()
         buffers = relative_differences(self._buffers, self._ref_buffers)
         params = parameter_differences(self._params, {n: p.detach() for n, p in self._ref_params.items()})
         self._gradients = {}

@@ -13,27 +13,28 @@ def _ratio(measured: float, predicted: float) -> str:
     return f"{measured / predicted:.2f}" if predicted > 0 else "-"
 
 
-def layer_table(summary: RunSummary, *, limit: int = 40) -> Table:
-    """Measured vs predicted per-layer ms, in layer order (beyond ``limit`` layers, those with the most time)."""
-    table = Table(title="per-layer time, ms (measured = median, slowest rank of the layer), in layer order")
-    for column in ("layer", "gpus", "fwd pred", "fwd meas", "bwd pred", "bwd meas", "AR pred", "AR meas", "meas/pred"):
-        table.add_column(column, justify="left" if column == "layer" else "right")
-    rows = list(summary.layers)
-    heaviest = sorted(rows, key=lambda l: l.fwd_predicted + l.bwd_predicted + l.allreduce_predicted, reverse=True)
-    shown = {id(layer) for layer in heaviest[:limit]}
-    for layer in (layer for layer in rows if id(layer) in shown):
-        predicted = layer.fwd_predicted + layer.bwd_predicted
-        measured = layer.fwd_measured + layer.bwd_measured
+def stage_table(summary: RunSummary, *, limit: int = 40) -> Table:
+    """Measured vs predicted per-stage ms, in stage order (beyond ``limit`` stages, those with the most time)."""
+    table = Table(title="per-stage time, ms (measured = median, slowest rank of the stage), in stage order")
+    for column in ("stage", "layers", "gpus", "fwd pred", "fwd meas", "bwd pred", "bwd meas", "AR pred", "AR meas",
+                   "meas/pred"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    rows = list(summary.stages)
+    heaviest = sorted(rows, key=lambda s: s.fwd_predicted + s.bwd_predicted + s.allreduce_predicted, reverse=True)
+    shown = {id(stage) for stage in heaviest[:limit]}
+    for stage in (stage for stage in rows if id(stage) in shown):
+        predicted = stage.fwd_predicted + stage.bwd_predicted
+        measured = stage.fwd_measured + stage.bwd_measured
         table.add_row(
-            layer.name, str(layer.gpus),
-            f"{layer.fwd_predicted:.3f}", f"{layer.fwd_measured:.3f}",
-            f"{layer.bwd_predicted:.3f}", f"{layer.bwd_measured:.3f}",
-            f"{layer.allreduce_predicted:.3f}",
-            "-" if layer.allreduce_measured is None else f"{layer.allreduce_measured:.3f}",
+            stage.name, str(len(stage.layers)), str(stage.gpus),
+            f"{stage.fwd_predicted:.3f}", f"{stage.fwd_measured:.3f}",
+            f"{stage.bwd_predicted:.3f}", f"{stage.bwd_measured:.3f}",
+            f"{stage.allreduce_predicted:.3f}",
+            "-" if stage.allreduce_measured is None else f"{stage.allreduce_measured:.3f}",
             _ratio(measured, predicted),
         )
     if len(rows) > limit:
-        table.caption = f"the {limit} layers with the most predicted time; {len(rows) - limit} more in summary.json"
+        table.caption = f"the {limit} stages with the most predicted time; {len(rows) - limit} more in summary.json"
     return table
 
 
@@ -58,7 +59,7 @@ def summary_lines(summary: RunSummary) -> list[str]:
 
 
 def print_summary(summary: RunSummary, console: Console) -> None:
-    console.print(layer_table(summary))
+    console.print(stage_table(summary))
     for line in summary_lines(summary):
         console.print(line, highlight=False, markup=False)
 

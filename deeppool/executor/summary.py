@@ -5,16 +5,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from deeppool.executor.program import Stage
 from deeppool.executor.reference import CheckResult, worst_of
 from deeppool.executor.timing import RankTimes
 from deeppool.planner.plan import Plan
 
 
 @dataclass(frozen=True, kw_only=True)
-class LayerTiming:
-    """Per-layer ms: predicted by the plan, measured (slowest rank of the layer's group)."""
+class StageTiming:
+    """Per-stage ms: predicted by the plan (the sum over its layers), measured (slowest rank of the stage)."""
 
     name: str
+    layers: tuple[str, ...]
     gpus: int
     fwd_predicted: float
     fwd_measured: float
@@ -33,7 +35,7 @@ class RunSummary:
     iteration_predicted_ms: float
     iteration_measured_ms: float
     losses: tuple[float, ...]
-    layers: tuple[LayerTiming, ...]
+    stages: tuple[StageTiming, ...]
     check: CheckResult | None
 
     @property
@@ -55,13 +57,14 @@ class RunSummary:
             "iterations_per_s": self.iterations_per_s,
             "samples_per_s": self.samples_per_s,
             "losses": list(self.losses),
-            "layers": [asdict(layer) for layer in self.layers],
+            "stages": [asdict(stage) for stage in self.stages],
             "check": None if self.check is None else self.check.to_json(),
         }
 
 
 def summarise_run(
     plan: Plan,
+    stages: tuple[Stage, ...],
     times: list[RankTimes],
     losses: list[tuple[float, ...]],
     checks: list[CheckResult | None],
@@ -70,22 +73,27 @@ def summarise_run(
     synchronous_allreduce: bool,
 ) -> RunSummary:
     """Merge every rank's medians and loss shares into one summary (on rank 0)."""
+    planned = {layer.name: layer for layer in plan.layers}
 
     def slowest(label: str, gpus: int) -> float:
         return max(t.labels.get(label, 0.0) for t in times if t.rank < gpus)
 
-    layers = tuple(
-        LayerTiming(
-            name=layer.name,
-            gpus=layer.gpus,
-            fwd_predicted=layer.fwd_ms,
-            fwd_measured=slowest(f"forward:{layer.name}", layer.gpus),
-            bwd_predicted=layer.bwd_ms,
-            bwd_measured=slowest(f"backward:{layer.name}", layer.gpus),
-            allreduce_predicted=layer.allreduce_ms,
-            allreduce_measured=slowest(f"allreduce:{layer.name}", layer.gpus) if synchronous_allreduce else None,
+    def predicted(stage: Stage, part: str) -> float:
+        return sum(getattr(planned[name], part) for name in stage.layers)
+
+    timings = tuple(
+        StageTiming(
+            name=stage.name,
+            layers=stage.layers,
+            gpus=stage.gpus,
+            fwd_predicted=predicted(stage, "fwd_ms"),
+            fwd_measured=slowest(f"forward:{stage.name}", stage.gpus),
+            bwd_predicted=predicted(stage, "bwd_ms"),
+            bwd_measured=slowest(f"backward:{stage.name}", stage.gpus),
+            allreduce_predicted=predicted(stage, "allreduce_ms"),
+            allreduce_measured=slowest(f"allreduce:{stage.name}", stage.gpus) if synchronous_allreduce else None,
         )
-        for layer in plan.layers
+        for stage in stages
     )
     check = worst_of([c for c in checks if c is not None])
     return RunSummary(
@@ -96,6 +104,6 @@ def summarise_run(
         iteration_predicted_ms=plan.predicted.iteration_ms,
         iteration_measured_ms=max(t.iteration_ms for t in times),
         losses=tuple(sum(column) for column in zip(*losses, strict=True)),
-        layers=layers,
+        stages=timings,
         check=check,
     )

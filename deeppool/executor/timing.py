@@ -1,9 +1,16 @@
 """Measured times: spans per rank, their medians, and a Chrome/Perfetto trace.
 
 Every op of the program is recorded as a :class:`Span` (compute, communication,
-or an idle window as it happened), with the clock injected. Per-layer figures
+or an idle window as it happened), with the clock injected. Per-stage figures
 are medians over the steps after warm-up of the per-step sum of a label's
 spans (e.g. all ``reshard:L`` moves of a step).
+
+On a GPU the host runs ahead of the device, so a span is timed with a pair of
+device events (:class:`EventClock`, ``torch.cuda.Event(enable_timing=True)``)
+recorded on the current stream: nothing waits for the device per op. At the
+end of an iteration :meth:`Recorder.settle` waits once for the device and
+turns the events into spans on the host clock, placed relative to an event
+recorded at the iteration's start.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 Clock = Callable[[], float]
 """Seconds, monotonic (``time.perf_counter``)."""
@@ -44,21 +51,72 @@ class Span:
         return 1e3 * (self.end_s - self.start_s)
 
 
-class Recorder:
-    """Collects spans; ``sync`` runs at both ends of a span (e.g. CUDA synchronize)."""
+class DeviceEvent(Protocol):
+    def record(self) -> None: ...
 
-    def __init__(self, clock: Clock, sync: Callable[[], None] = lambda: None) -> None:
+    def elapsed_time(self, end: Any) -> float:
+        """Milliseconds from this event to ``end`` (both recorded and completed)."""
+        ...
+
+    def synchronize(self) -> None: ...
+
+
+class EventClock(Protocol):
+    """Makes device events (``torch.cuda.Event(enable_timing=True)`` on a GPU)."""
+
+    def __call__(self) -> DeviceEvent: ...
+
+
+@dataclass(frozen=True)
+class _Pending:
+    step: int
+    label: str
+    category: Category
+    start: DeviceEvent
+    end: DeviceEvent
+
+
+class Recorder:
+    """Collects spans: host-timed, or device-timed with ``events`` and settled once per iteration."""
+
+    def __init__(self, clock: Clock, events: EventClock | None = None) -> None:
         self.clock = clock
-        self._sync = sync
+        self._events = events
+        self._origin: tuple[DeviceEvent, float] | None = None
+        self._pending: list[_Pending] = []
         self.spans: list[Span] = []
+
+    def begin(self) -> None:
+        """The iteration starts: the device events' origin is now."""
+        if self._events is not None:
+            origin = self._events()
+            origin.record()
+            self._origin = (origin, self.clock())
 
     @contextmanager
     def span(self, step: int, label: str, category: Category) -> Iterator[None]:
-        self._sync()
-        start = self.clock()
+        if self._events is None:
+            start = self.clock()
+            yield
+            self.spans.append(Span(step=step, label=label, category=category, start_s=start, end_s=self.clock()))
+            return
+        begin, end = self._events(), self._events()
+        begin.record()
         yield
-        self._sync()
-        self.spans.append(Span(step=step, label=label, category=category, start_s=start, end_s=self.clock()))
+        end.record()
+        self._pending.append(_Pending(step, label, category, begin, end))
+
+    def settle(self) -> None:
+        """Wait for the device once and turn the iteration's device events into spans."""
+        pending, self._pending = self._pending, []
+        if self._origin is None or not pending:
+            return
+        origin, origin_s = self._origin
+        pending[-1].end.synchronize()
+        for item in pending:
+            start_s = origin_s + origin.elapsed_time(item.start) / 1e3
+            end_s = origin_s + origin.elapsed_time(item.end) / 1e3
+            self.spans.append(Span(step=item.step, label=item.label, category=item.category, start_s=start_s, end_s=end_s))
 
     def add(self, span: Span) -> None:
         self.spans.append(span)

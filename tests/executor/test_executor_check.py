@@ -25,6 +25,7 @@ MARGIN = 10.0
 """Correct runs must stay this far under the default bound."""
 
 Handler = Callable[[Engine, Op, _State], None]
+Reduce = Callable[[Engine, str, tuple[int, ...]], None]
 
 
 def check_of(plan: Plan, steps: int = 2) -> CheckResult:
@@ -36,14 +37,14 @@ def check_of(plan: Plan, steps: int = 2) -> CheckResult:
 
 def patch_allreduce(monkeypatch: pytest.MonkeyPatch, layer: str, change: Callable[[Engine], None]) -> None:
     """Apply ``change`` to the rank's gradients just before ``layer``'s gradient all-reduce."""
-    original: Handler = Engine._allreduce
+    original: Reduce = Engine._reduce_layer
 
-    def allreduce(engine: Engine, op: Op, state: _State) -> None:
-        if op.layer == layer:
+    def reduce_layer(engine: Engine, name: str, ranks: tuple[int, ...]) -> None:
+        if name == layer:
             change(engine)
-        original(engine, op, state)
+        original(engine, name, ranks)
 
-    monkeypatch.setattr(Engine, "_allreduce", allreduce)
+    monkeypatch.setattr(Engine, "_reduce_layer", reduce_layer)
 
 
 def scale_gradients(names: tuple[str, ...], factor: float) -> Callable[[Engine], None]:
@@ -82,13 +83,13 @@ def test_correct_runs_pass_with_a_wide_margin(name: str, batch: int, gpus: int, 
 
 def test_a_skipped_gradient_all_reduce_names_the_embedding(monkeypatch: pytest.MonkeyPatch) -> None:
     plan = make_plan("tiny_gpt", global_batch=6, gpus=2, assign=cycle(2, 1))
-    original: Handler = Engine._allreduce
+    original: Reduce = Engine._reduce_layer
 
-    def allreduce(engine: Engine, op: Op, state: _State) -> None:
-        if op.layer != "tok_emb":
-            original(engine, op, state)
+    def reduce_layer(engine: Engine, name: str, ranks: tuple[int, ...]) -> None:
+        if name != "tok_emb":
+            original(engine, name, ranks)
 
-    monkeypatch.setattr(Engine, "_allreduce", allreduce)
+    monkeypatch.setattr(Engine, "_reduce_layer", reduce_layer)
     caught(check_of(plan), Kind.GRADIENT, {"tok_emb.weight"})
 
 
@@ -123,7 +124,7 @@ def test_a_dropped_reshard_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> Non
         if (op.layer, op.producer) == ("_1", "_0") and received:
             row = received[0].start - engine.planned[op.layer].samples[engine.rank][0]
             with torch.no_grad():
-                state.leaves[(op.layer, op.producer)][row].zero_()
+                state.leaves[(op.stage, op.producer)][row].zero_()
 
     monkeypatch.setattr(Engine, "_reshard", reshard)
     caught(check_of(plan), Kind.GRADIENT, {"0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"})

@@ -71,7 +71,7 @@ def test_adam_and_per_layer_synchronous_all_reduce() -> None:
     optimizer = OptimizerConfig(kind=OptimizerKind.ADAM, lr=0.01)
     results = train_threads(plan, RunConfig(steps=STEPS, warmup=1, optimizer=optimizer, bucket_mb=0))
     assert_exact(plan, results, optimizer)
-    assert all(layer.allreduce_measured is not None for layer in results[0].summary.layers)
+    assert all(stage.allreduce_measured is not None for stage in results[0].summary.stages)
 
 
 def test_a_user_data_loader_gives_the_same_training() -> None:
@@ -97,7 +97,7 @@ def test_rank_results_carry_timing_for_every_layer_it_runs() -> None:
     results = train_threads(plan, RunConfig(steps=4, warmup=2))
     summary = results[0].summary
     assert summary.measured_steps == 2 and summary.iteration_measured_ms > 0
-    assert all(layer.fwd_measured > 0 and layer.bwd_measured > 0 for layer in summary.layers)
+    assert all(stage.fwd_measured > 0 and stage.bwd_measured > 0 for stage in summary.stages)
     assert torch.tensor(summary.losses).isfinite().all()
 
 

@@ -70,16 +70,20 @@ def faulty_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("raise:1:6", "rank 1 failed: RuntimeError: injected failure"),
         ("kill:2:6", "rank 2 was killed by SIGKILL"),
         ("hang:1:6", "rank 1 stopped responding"),
+        ("stop:2:6", "rank 2 stopped responding"),
     ],
 )
 def test_a_failing_rank_stops_every_rank_and_is_named(faulty_plan: Path, tmp_path: Path, capfd, monkeypatch,
                                                       fault: str, message: str) -> None:
     monkeypatch.setenv("DEEPPOOL_TEST_FAULT", fault)  # read by the ranks
     proc, elapsed = deeppool_run(capfd, faulty_plan, "--steps", "50", "--timeout", "5", "--out", str(tmp_path))
+    finished = time.time()
     assert proc.code == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last, proc.stderr[-2000:]
     assert elapsed < 60
+    first_record = min(json.loads(path.read_text())["time"] for path in tmp_path.glob("error-rank*.json"))
+    assert finished - first_record < 10  # named within seconds of the first rank's failure (at --timeout for a hang)
 
 
 def test_nproc_other_than_the_plan_is_refused_in_one_line(faulty_plan: Path, capsys) -> None:

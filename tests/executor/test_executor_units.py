@@ -134,6 +134,17 @@ def test_gradient_buckets_are_per_group_and_written_back() -> None:
     assert bool((a == 2).all() and (b == 2).all() and (c == 2).all())
 
 
+def test_the_first_bucket_of_an_iteration_can_be_small() -> None:
+    comm = _RecordingComm()
+    reducer = GradientReducer(comm, bucket_bytes=64, first_bucket_bytes=16)  # type: ignore[arg-type]
+    reducer.add((0, 1), [torch.ones(4)])  # 16 bytes: the first bucket is full
+    reducer.add((0, 1), [torch.ones(8)])  # 32 bytes: later buckets hold 64
+    assert comm.calls == [((0, 1), 4)]
+    reducer.finish()
+    reducer.add((0, 1), [torch.ones(4)])  # the next iteration starts with a small bucket again
+    assert comm.calls == [((0, 1), 4), ((0, 1), 8), ((0, 1), 4)]
+
+
 def test_a_plan_for_another_model_is_refused() -> None:
     plan = make_plan("mlp", global_batch=6, gpus=2, assign=cycle(2, 1))
     other = trace(ModelSpec.parse(model_path("residual")).load()).graph

@@ -1,8 +1,8 @@
 """A chain MLP whose middle layer fails on one rank, to test fault handling.
 
-``DEEPPOOL_TEST_FAULT=<raise|kill|hang>:<rank>:<call>`` makes rank ``<rank>``
-raise, SIGKILL itself, or hang at the ``<call>``-th call of the layer
-(tracing calls it 3 times).
+``DEEPPOOL_TEST_FAULT=<raise|kill|hang|stop>:<rank>:<call>`` makes rank ``<rank>``
+raise, SIGKILL itself, hang (sleep) or SIGSTOP itself at the ``<call>``-th call
+of the layer (tracing calls it 3 times).
 """
 
 import os
@@ -29,6 +29,8 @@ def maybe_fail(x: torch.Tensor) -> torch.Tensor:
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "hang":
                 time.sleep(3600)
+            if kind == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
     return x * 1.0
 
 

@@ -1,0 +1,76 @@
+"""Checkpoints: a resumed run is bit-identical to an uninterrupted one; a torn checkpoint is skipped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from deeppool.errors import DeeppoolError
+from deeppool.executor.checkpoint import MARKER, latest, step_dir
+from deeppool.executor.config import CheckpointConfig, OptimizerConfig, RunConfig, Schedule, ScheduleKind, Training
+from deeppool.executor.api import RankResult
+from tests.executor.plans import cycle, make_plan
+from tests.executor.test_executor_exact import train_threads
+from tests.executor.test_executor_processes import deeppool_run
+from tests.executor.test_executor_training import loader, pairs
+
+PLAN = make_plan("residual", global_batch=7, gpus=2, assign=cycle(2, 2, 1))
+TRAINING = Training(accumulate=2, schedule=Schedule(kind=ScheduleKind.COSINE, warmup_steps=1, total_steps=4))
+
+
+def train(steps: int, checkpoint: CheckpointConfig | None) -> list[RankResult]:
+    config = RunConfig(steps=steps, optimizer=OptimizerConfig(lr=0.1, momentum=0.9), bucket_mb=0.0005,
+                       training=TRAINING, checkpoint=checkpoint)
+    return train_threads(PLAN, config, data=pairs(loader(PLAN, 4 * TRAINING.accumulate)))
+
+
+def assert_same(got: list[RankResult], want: list[RankResult]) -> None:
+    for mine, theirs in zip(got, want, strict=True):
+        assert mine.params.keys() == theirs.params.keys()
+        assert all(torch.equal(mine.params[name], theirs.params[name]) for name in theirs.params)
+        assert all(torch.equal(mine.buffers[name], theirs.buffers[name]) for name in theirs.buffers)
+
+
+def test_a_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path: Path) -> None:
+    whole = train(4, None)
+    train(2, CheckpointConfig(directory=tmp_path, every=2))
+    assert latest(tmp_path) == 2 and sorted(p.name for p in step_dir(tmp_path, 2).iterdir()) == [
+        MARKER, "rank0.pt", "rank1.pt"]
+    resumed = train(4, CheckpointConfig(directory=tmp_path, every=2, resume=True))
+    assert_same(resumed, whole)
+    assert resumed[0].losses == whole[0].losses[2:]
+
+
+def test_a_checkpoint_without_its_marker_is_skipped(tmp_path: Path) -> None:
+    train(4, CheckpointConfig(directory=tmp_path, every=2))
+    (step_dir(tmp_path, 4) / MARKER).unlink()  # as if a rank died while step 4's shards were written
+    (step_dir(tmp_path, 4) / "rank1.pt").unlink()
+    assert latest(tmp_path) == 2
+    resumed = train(4, CheckpointConfig(directory=tmp_path, resume=True))
+    assert_same(resumed, train(4, None))
+
+
+def test_check_and_resume_together_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(DeeppoolError, match="--check"):
+        RunConfig(check=True, checkpoint=CheckpointConfig(directory=tmp_path, resume=True))
+
+
+@pytest.mark.slow
+def test_the_command_line_resumes_exactly(tmp_path: Path, capfd) -> None:
+    plan_path = tmp_path / "plan.json"
+    make_plan("tiny_gpt", global_batch=5, gpus=2, assign=cycle(2, 2, 1)).save(plan_path)
+    common = ["--nproc", "2", "--lr", "0.1", "--momentum", "0.9", "--lr-warmup", "3"]  # independent of --steps
+
+    def losses(out: str, *args: str) -> list[float]:
+        proc, _ = deeppool_run(capfd, plan_path, *common, "--out", str(tmp_path / out), *args)
+        assert proc.code == 0, proc.stderr[-3000:]
+        return json.loads((tmp_path / out / "summary.json").read_text())["losses"]
+
+    whole = losses("whole", "--steps", "4")
+    ckpt = str(tmp_path / "ckpt")
+    first = losses("first", "--steps", "2", "--checkpoint-dir", ckpt, "--checkpoint-every", "2")
+    second = losses("second", "--steps", "4", "--checkpoint-dir", ckpt, "--resume")
+    assert first + second == whole
