@@ -89,16 +89,20 @@ def plan_table(plan: Plan, *, per_layer: bool = False) -> Table:
     return table
 
 
+def _gpus(count: int) -> str:
+    return f"{count} GPU" if count == 1 else f"{count} GPUs"
+
+
 def summary(plan: Plan) -> str:
     """One line, leading with the comparison a user would make: the best data-parallel width."""
     p = plan.predicted
     return (
         f"iteration {p.iteration_ms:.3f} ms, {p.speedup_vs_best_data_parallel:.2f}x vs data parallel at its best "
-        f"width ({p.best_data_parallel_gpus} GPUs, {p.best_data_parallel_iteration_ms:.3f} ms); "
-        f"{p.speedup_vs_data_parallel:.2f}x vs data parallel on all {plan.gpus} GPUs "
+        f"width ({_gpus(p.best_data_parallel_gpus)}, {p.best_data_parallel_iteration_ms:.3f} ms); "
+        f"{p.speedup_vs_data_parallel:.2f}x vs data parallel on all {_gpus(plan.gpus)} "
         f"({p.data_parallel_iteration_ms:.3f} ms), DeepPool's planner {p.deeppool_iteration_ms:.3f} ms; "
         f"{p.gpu_seconds_per_iteration:.4f} GPU-s/iteration, amplification {p.amplification:.2f}, "
-        f"idle {100 * p.idle_gpu_fraction:.1f}% of {plan.gpus} GPUs, {plan.precision.value}; "
+        f"idle {100 * p.idle_gpu_fraction:.1f}% of {_gpus(plan.gpus)}, {plan.precision.value}; "
         f"solver {plan.solver.name} {plan.solver.status} in {plan.solver.seconds:.2f} s (gap {plan.solver.gap:.2g})"
     )
 
