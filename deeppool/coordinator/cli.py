@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from deeppool.errors import DeeppoolError
+
+if TYPE_CHECKING:
+    from deeppool.coordinator.launcher import Launcher
 
 token_app = typer.Typer(help="API tokens for the coordinator.", no_args_is_help=True)
 
@@ -27,6 +30,9 @@ def serve(
     device_model: Annotated[str, typer.Option(help="device model foreground jobs are planned with")] = "a100",
     paused: Annotated[bool, typer.Option("--paused", help="accept and queue jobs, start none (drain the cluster)")
                       ] = False,
+    launcher: Annotated[str, typer.Option(help="local (processes here) or slurm (sbatch; a shared file system)")
+                        ] = "local",
+    partition: Annotated[str | None, typer.Option(help="the Slurm partition jobs go to")] = None,
 ) -> None:
     """Run the coordinator: a REST API (OpenAPI at /docs) over an embedded database."""
     if not 0 < port < 65536:
@@ -38,11 +44,18 @@ def serve(
             raise DeeppoolError(f"--allow '{root}' is not a folder")
     if log_dir is not None and log_dir.exists() and not log_dir.is_dir():
         raise DeeppoolError(f"--log-dir '{log_dir}' is a file: give a folder")
+    if launcher not in ("local", "slurm"):
+        raise DeeppoolError(f"--launcher '{launcher}' must be local or slurm")
+    if partition is not None and launcher != "slurm":
+        raise DeeppoolError("--partition is for --launcher slurm")
+    if launcher == "slurm":
+        from deeppool.coordinator.slurm import check_slurm
+
+        check_slurm()
     import uvicorn
 
     from deeppool.coordinator.app import ServerSettings, create_app
     from deeppool.coordinator.driver import DriverSteps
-    from deeppool.coordinator.launcher import LocalLauncher
     from deeppool.coordinator.runtime import Runtime
     from deeppool.coordinator.service import Service
     from deeppool.coordinator.store import Store
@@ -53,10 +66,21 @@ def serve(
     logs.mkdir(parents=True, exist_ok=True)
     settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs,
                               device="cuda" if _gpu_count() else "cpu")
-    runtime = Runtime(store, LocalLauncher(logs), DriverSteps(folder=logs, device_model=device_model))
+    runtime = Runtime(store, _launcher(launcher, logs, partition), DriverSteps(folder=logs, device_model=device_model))
     service = Service(runtime, Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), slots,
                       paused=paused)
     uvicorn.run(create_app(store, settings, service), host=host, port=port, workers=1, log_level="warning")
+
+
+def _launcher(kind: str, folder: Path, partition: str | None) -> Launcher:
+    """The local launcher, or Slurm's (one node per job)."""
+    if kind == "slurm":
+        from deeppool.coordinator.slurm import SlurmLauncher, SlurmSettings
+
+        return SlurmLauncher(folder, SlurmSettings(partition=partition))
+    from deeppool.coordinator.launcher import LocalLauncher
+
+    return LocalLauncher(folder)
 
 
 def _gpu_count() -> int:

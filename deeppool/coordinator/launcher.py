@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from deeppool.coordinator.supervisor import JobFiles
 
@@ -27,6 +28,7 @@ SUPERVISOR = "deeppool.coordinator.supervisor"
 
 class Phase(enum.Enum):
     NOT_STARTED = "not started"  # no supervisor ever took the job's lock
+    QUEUED = "queued"  # submitted to a batch system that has not started it yet
     RUNNING = "running"
     EXITED = "exited"
     LOST = "lost"  # its supervisor is gone without an exit code (killed, or the machine restarted)
@@ -46,6 +48,20 @@ def _alive_supervisor(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z" and SUPERVISOR in cmdline
+
+
+class Launcher(Protocol):
+    """Where jobs run: this machine's processes, or a batch system."""
+
+    folder: Path
+
+    def files(self, job_id: int, attempt: int) -> JobFiles: ...
+
+    def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None) -> None: ...
+
+    def observe(self, job_id: int, attempt: int) -> Observed: ...
+
+    def stop(self, job_id: int, attempt: int, grace_s: float = 10.0) -> None: ...
 
 
 class LocalLauncher:

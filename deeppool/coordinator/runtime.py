@@ -7,7 +7,8 @@ every live job's current attempt:
 
 * its supervisor wrote an exit code: SUCCEEDED (0) or FAILED (the code);
 * its supervisor runs: a STARTING job becomes RUNNING (after a restart, that
-  is re-adoption; the job never stopped);
+  is re-adoption; the job never stopped); a batch system still queueing it:
+  nothing to do;
 * its supervisor is gone without an exit code: FAILED, "lost";
 * no supervisor ever took the attempt's lock, ``grace_s`` after the job
   became STARTING: the coordinator died between its commit and the launch, so
@@ -30,7 +31,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from deeppool.coordinator.jobs import Job, JobStatus
-from deeppool.coordinator.launcher import LocalLauncher, Phase
+from deeppool.coordinator.launcher import Launcher, Phase
 from deeppool.coordinator.store import Store
 
 Steps = Callable[[Job, int, Sequence[Job]], list[list[str]]]
@@ -38,7 +39,7 @@ Steps = Callable[[Job, int, Sequence[Job]], list[list[str]]]
 
 
 class Runtime:
-    def __init__(self, store: Store, launcher: LocalLauncher, steps: Steps, *, grace_s: float = 5.0) -> None:
+    def __init__(self, store: Store, launcher: Launcher, steps: Steps, *, grace_s: float = 5.0) -> None:
         self.store, self.launcher, self.steps, self.grace_s = store, launcher, steps, grace_s
 
     def start(self, job: Job, reason: str, guests: Sequence[Job] = ()) -> bool:
@@ -67,7 +68,7 @@ class Runtime:
                 self._settle_guest(guest)
         for job in self.store.jobs(states=(JobStatus.CANCELLED,)):
             attempt = self.store.attempts(job.id)
-            if attempt and self.launcher.observe(job.id, attempt).phase is Phase.RUNNING:
+            if attempt and self.launcher.observe(job.id, attempt).phase in (Phase.RUNNING, Phase.QUEUED):
                 self.launcher.stop(job.id, attempt, self.grace_s)
 
     def _settle(self, job: Job, now: datetime) -> None:

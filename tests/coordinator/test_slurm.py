@@ -1,0 +1,160 @@
+"""Jobs through a real single-node Slurm: slurm-wlm and munge from Debian, started by this test's setup.
+
+The fixture installs the packages when they are missing (root and apt-get),
+starts munged, and runs a private slurmctld and slurmd on free ports with
+their state in a temporary folder. Where any of that cannot be done, the
+tests are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
+from deeppool.coordinator.launcher import Phase
+from deeppool.coordinator.runtime import Runtime
+from deeppool.coordinator.slurm import SlurmLauncher
+from deeppool.coordinator.store import Store
+from tests.coordinator.test_runtime import settle
+
+pytestmark = pytest.mark.slow
+
+CONF = """ClusterName=deeppooltest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+ReturnToService=2
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ensure_packages() -> None:
+    if all(shutil.which(tool) for tool in ("slurmctld", "slurmd", "sbatch", "munged")):
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.skip("slurm-wlm and munge are not installed, and apt-get is not available to root here")
+    done = subprocess.run(["apt-get", "install", "-y", "-q", "slurm-wlm", "munge"], capture_output=True, text=True,
+                          env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, timeout=900)
+    if done.returncode != 0:
+        pytest.skip(f"apt-get could not install slurm-wlm and munge: {done.stderr.strip()[-300:]}")
+
+
+def _start_munge() -> None:
+    if subprocess.run(["sh", "-c", "munge -n | unmunge"], capture_output=True).returncode == 0:
+        return
+    Path("/run/munge").mkdir(parents=True, exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    subprocess.run(["runuser", "-u", "munge", "--", "munged"], capture_output=True, timeout=30)
+    if subprocess.run(["sh", "-c", "munge -n | unmunge"], capture_output=True).returncode != 0:
+        pytest.skip("munged does not start here, so Slurm cannot authenticate")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    _ensure_packages()
+    _start_munge()
+    root = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool"):
+        (root / sub).mkdir()
+    conf = root / "slurm.conf"
+    host = socket.gethostname().split(".")[0]
+    conf.write_text(CONF.format(host=host, root=root, ctld_port=free_port(), d_port=free_port(),
+                                cpus=os.cpu_count() or 1))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    daemons = [subprocess.Popen([daemon, "-D", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL) for daemon in ("slurmctld", "slurmd")]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        state = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True).stdout.strip()
+        if state in ("idle", "mix", "alloc"):
+            break
+        time.sleep(0.5)
+    else:
+        for daemon in daemons:
+            daemon.kill()
+        log = (root / "slurmctld.log").read_text()[-300:] if (root / "slurmctld.log").exists() else ""
+        pytest.skip(f"the private Slurm did not come up: {log}")
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(conf)
+    yield env
+    if old is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = old
+    for daemon in daemons:
+        daemon.terminate()
+        daemon.wait(10)
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def runtime(tmp_path: Path, steps: list[list[str]]) -> Runtime:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    store = Store(tmp_path / "db.sqlite")
+    store.create_token("alice")
+    return Runtime(store, SlurmLauncher(tmp_path / "jobs"), lambda job, attempt, guests: steps, grace_s=0.5)
+
+
+def submit(rt: Runtime):
+    job, _ = rt.store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model="x.y:z", batch=8))
+    return job
+
+
+def test_a_job_runs_as_a_slurm_batch_job_and_succeeds(slurm, tmp_path: Path) -> None:
+    rt = runtime(tmp_path, [python("import os; print('on slurm', os.environ['SLURM_JOB_ID'])")])
+    job = submit(rt)
+    rt.start(job, "granted")
+    assert rt.launcher.slurm_id(job.id, 1) is not None
+    done = settle(rt, job.id, lambda j: j.state.terminal, timeout_s=120)
+    assert done.state is JobStatus.SUCCEEDED, rt.launcher.files(job.id, 1).log.read_text()
+    assert "on slurm" in rt.launcher.files(job.id, 1).log.read_text()
+
+
+def test_a_failing_slurm_job_fails_and_a_cancelled_one_is_stopped(slurm, tmp_path: Path) -> None:
+    failing = runtime(tmp_path / "a", [python("import sys; sys.exit(4)")])
+    job = submit(failing)
+    failing.start(job, "granted")
+    done = settle(failing, job.id, lambda j: j.state.terminal, timeout_s=120)
+    assert done.state is JobStatus.FAILED and done.exit_code == 4
+    sleeping = runtime(tmp_path / "b", [python("import time; time.sleep(300)")])
+    job = submit(sleeping)
+    sleeping.start(job, "granted")
+    settle(sleeping, job.id, lambda j: j.state is JobStatus.RUNNING, timeout_s=120)
+    sleeping.store.transition(job.id, JobStatus.CANCELLED, "cancelled by alice")
+    sleeping.reconcile()
+    assert sleeping.launcher.observe(job.id, 1).phase not in (Phase.RUNNING, Phase.QUEUED)
