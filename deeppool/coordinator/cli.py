@@ -66,7 +66,8 @@ def serve(
     logs.mkdir(parents=True, exist_ok=True)
     settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs,
                               device="cuda" if _gpu_count() else "cpu")
-    runtime = Runtime(store, _launcher(launcher, logs, partition), DriverSteps(folder=logs, device_model=device_model))
+    runtime = Runtime(store, _launcher(launcher, logs, partition), DriverSteps(folder=logs, device_model=device_model),
+                      after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None)
     service = Service(runtime, Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), slots,
                       paused=paused)
     uvicorn.run(create_app(store, settings, service), host=host, port=port, workers=1, log_level="warning")
@@ -81,6 +82,16 @@ def _launcher(kind: str, folder: Path, partition: str | None) -> Launcher:
     from deeppool.coordinator.launcher import LocalLauncher
 
     return LocalLauncher(folder)
+
+
+FAULT = "DEEPPOOL_FAULT"
+"""Fault injection for the durability tests: ``crash-after-claim`` kills the server between a job's claim
+(committed) and its launch."""
+
+
+def _crash(job: object) -> None:
+    del job
+    os._exit(137)
 
 
 def _gpu_count() -> int:

@@ -39,8 +39,11 @@ Steps = Callable[[Job, int, Sequence[Job]], list[list[str]]]
 
 
 class Runtime:
-    def __init__(self, store: Store, launcher: Launcher, steps: Steps, *, grace_s: float = 5.0) -> None:
+    def __init__(self, store: Store, launcher: Launcher, steps: Steps, *, grace_s: float = 5.0,
+                 after_claim: Callable[[Job], None] | None = None) -> None:
+        """``after_claim`` runs between the claim's commit and the launch: a fault-injection point for tests."""
         self.store, self.launcher, self.steps, self.grace_s = store, launcher, steps, grace_s
+        self.after_claim = after_claim
 
     def start(self, job: Job, reason: str, guests: Sequence[Job] = ()) -> bool:
         """Claim the job (PENDING → STARTING) and its guests, then launch; False if someone else moved it."""
@@ -49,6 +52,8 @@ class Runtime:
         claimed = [g for g in guests
                    if self.store.transition(g.id, JobStatus.STARTING, f"lent the idle windows of job {job.id}",
                                             host_id=job.id)]
+        if self.after_claim is not None:
+            self.after_claim(job)
         attempt = self.store.attempts(job.id)
         self.launcher.launch(job.id, attempt, self.steps(job, attempt, claimed))
         return True

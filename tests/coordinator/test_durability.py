@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
 from deeppool.coordinator.store import Store
 
 pytestmark = pytest.mark.slow
@@ -30,11 +31,13 @@ def free_port() -> int:
 
 
 def start(db: Path, port: int, *, gpus: int = 4, allow: tuple[Path, ...] = (REPO / "examples",),
-          paused: bool = False) -> subprocess.Popen:
+          paused: bool = False, env: dict[str, str] | None = None, wait: bool = True) -> subprocess.Popen:
     roots = [arg for root in allow for arg in ("--allow", str(root))]
     proc = subprocess.Popen([sys.executable, "-m", "deeppool.cli", "serve", "--db", str(db), "--port", str(port),
                              "--gpus", str(gpus), *roots, *(["--paused"] if paused else [])], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+    if not wait:
+        return proc
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -102,3 +105,33 @@ def test_every_acknowledged_job_survives_kill_9(tmp_path: Path, seed: int) -> No
     finally:
         restarted.terminate()
         restarted.wait(10)
+
+
+def test_a_crash_between_commit_and_launch_runs_the_job_once_after_restart(tmp_path: Path) -> None:
+    db, port = tmp_path / "deeppool.db", free_port()
+    store = Store(db)
+    store.create_token("alice")
+    job, _ = store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model=str(REPO / "examples" / "background_mlp.py"),
+                                              gpus=1, batch=8, steps=3))
+    store.close()
+    crashing = start(db, port, env={"DEEPPOOL_FAULT": "crash-after-claim"}, wait=False)
+    assert crashing.wait(60) == 137  # died right after committing the claim, before launching
+    store = Store(db)
+    assert store.job(job.id).state is JobStatus.STARTING and store.attempts(job.id) == 1
+    store.close()
+    server = start(db, port)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            store = Store(db)
+            state = store.job(job.id).state
+            store.close()
+            if state.terminal:
+                break
+            time.sleep(0.5)
+    finally:
+        server.terminate()
+        server.wait(10)
+    log = (tmp_path / "logs" / f"job-{job.id}.log").read_text()
+    assert state is JobStatus.SUCCEEDED, log[-2000:]
+    assert log.count("coordinator.driver") == 1  # launched once, by the restarted server
