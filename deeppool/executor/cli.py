@@ -17,7 +17,7 @@ import typer
 from deeppool import checks
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import (
-    DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Backend, CheckpointConfig, OptimizerConfig, OptimizerKind, ProbeConfig,
+    DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Backend, CheckpointConfig, Nodes, OptimizerConfig, OptimizerKind, ProbeConfig,
     RunConfig, Schedule, ScheduleKind, Training,
 )
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
@@ -48,6 +48,10 @@ CheckBound = Annotated[float, typer.Option(
     "parameters against their module's scale; fp32 round-off stays under 5e-5)"
 )]
 Out = Annotated[Path, typer.Option("--out", help="directory for traces, summary.json and error records")]
+NNodes = Annotated[int, typer.Option("--nnodes", help="machines the run spans (the same command on each)")]
+RdzvEndpoint = Annotated[str | None, typer.Option(
+    "--rdzv-endpoint", help="HOST:PORT where the machines meet (with --nnodes > 1), as torchrun's")]
+RdzvId = Annotated[str | None, typer.Option("--rdzv-id", help="the run's id, the same on every machine")]
 ModelOpt = Annotated[str | None, typer.Option(
     "--model", help="rebuild the model from this file or package.module:factory instead of the plan's "
     "(the plan's input shape and seed are kept)", show_default="the plan's, relative to the plan file")]
@@ -121,6 +125,7 @@ def config_args(config: RunConfig) -> list[str]:
 def run(
     plan: PlanArg,
     nproc: Annotated[int | None, typer.Option(help="ranks to start here", show_default="the plan's GPU count")] = None,
+    nnodes: NNodes = 1, rdzv_endpoint: RdzvEndpoint = None, rdzv_id: RdzvId = None,
     model: ModelOpt = None,
     steps: Steps = 50, warmup: Warmup = None, optimizer: Optim = None, lr: Lr = 0.01,
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
@@ -135,14 +140,15 @@ def run(
     """Train with PLAN on --nproc local ranks (torchrun underneath) and print the timing summary."""
     from deeppool.planner.plan import Plan
 
+    nodes = Nodes(count=nnodes, endpoint=rdzv_endpoint, run_id=rdzv_id)
     checks.existing_file(plan, "plan file")
     checks.out_folder(out, "--out")
     checks.existing_file(background, "--background")
     if bg_checkpoint_dir is not None:
         checks.out_folder(bg_checkpoint_dir, "--bg-checkpoint-dir")
     loaded = Plan.load(plan)
-    ranks = nproc if nproc is not None else loaded.gpus
-    check_ranks(ranks, loaded, given=nproc is not None)
+    ranks = nproc if nproc is not None else loaded.gpus // nodes.count
+    check_ranks(ranks, loaded, given=nproc is not None, nodes=nodes.count)
     config = make_config(
         steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
         backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
@@ -157,7 +163,7 @@ def run(
     if model is None:
         check_model_here(loaded, plan)
     path = plan if model is None else with_model(loaded, model, out)
-    _launch(path, ranks=ranks, config=config, background=bg)
+    _launch(path, ranks=ranks, config=config, background=bg, nodes=nodes)
 
 
 def check_model_here(plan: Plan, path: Path) -> None:
@@ -173,12 +179,15 @@ def check_model_here(plan: Plan, path: Path) -> None:
                             "give --model PATH to the model file on this machine")
 
 
-def check_ranks(ranks: int, plan: Plan, *, given: bool) -> None:
+def check_ranks(ranks: int, plan: Plan, *, given: bool, nodes: int = 1) -> None:
     """The ranks match the plan and fit this machine: one GPU each, or a few per CPU core."""
     flag = "--nproc" if given else f"the plan's {plan.gpus} GPUs (--nproc's default)"
     if ranks < 1:
         raise DeeppoolError(f"--nproc {ranks} must be at least 1")
-    if ranks != plan.gpus:
+    if nodes > 1 and ranks * nodes != plan.gpus:
+        raise DeeppoolError(f"--nproc {ranks} on each of --nnodes {nodes} machines is {ranks * nodes} ranks, but the "
+                            f"plan is for {plan.gpus} GPUs: give --nproc x --nnodes = {plan.gpus}")
+    if nodes == 1 and ranks != plan.gpus:
         raise DeeppoolError(f"--nproc {ranks} differs from the plan's {plan.gpus} GPUs: use --nproc {plan.gpus} "
                             "or re-plan for this many")
     slots, kind = local_slots()
@@ -217,10 +226,11 @@ def with_model(plan: Plan, model: str, out: Path) -> Path:
     return path
 
 
-def _launch(plan: Path, *, ranks: int, config: RunConfig, background: BackgroundConfig | None) -> None:
+def _launch(plan: Path, *, ranks: int, config: RunConfig, background: BackgroundConfig | None, nodes: Nodes) -> None:
     from deeppool.multiplex.api import launch_with_background
 
-    launch_with_background(plan, nproc=ranks, config=config, background=background, worker_args=config_args(config))
+    launch_with_background(plan, nproc=ranks, config=config, background=background, worker_args=config_args(config),
+                           nodes=nodes)
 
 
 def plan_optimizer(plan: Plan) -> OptimizerKind:

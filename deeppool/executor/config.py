@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -165,6 +165,32 @@ class RunConfig:
 
 DEFAULT_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20)
 """Message sizes in bytes: 4 KiB to 64 MiB (a reshard of a few samples to a large gradient bucket)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Nodes:
+    """Where a run's ranks are: this machine alone, or ``count`` machines meeting at a rendezvous.
+
+    As torchrun's ``--nnodes N --rdzv-endpoint HOST:PORT --rdzv-id ID``: the same command runs on every
+    machine, each starts ``--nproc`` ranks, and the rendezvous gives them their global ranks. The first
+    machine to reach ``HOST:PORT`` (the one whose address it is) hosts the rendezvous store.
+    """
+
+    count: int = 1
+    endpoint: str | None = None
+    run_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise DeeppoolError(f"--nnodes {self.count} must be at least 1")
+        if self.count == 1:
+            return
+        if self.endpoint is None or self.run_id is None:
+            raise DeeppoolError(f"--nnodes {self.count} needs --rdzv-endpoint HOST:PORT and --rdzv-id ID, "
+                                "the same on every machine")
+        host, _, port = self.endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise DeeppoolError(f"--rdzv-endpoint '{self.endpoint}' is not HOST:PORT, e.g. node0:29500")
 
 
 @dataclass(frozen=True, kw_only=True)

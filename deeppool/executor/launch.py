@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.config import RunConfig
+from deeppool.executor.config import Nodes, RunConfig
 from deeppool.executor.hangwatch import HangWatch
 from deeppool.executor.local_model import check_plan_matches
 from deeppool.planner.batching import check_per_sample
@@ -54,10 +54,12 @@ class RankFailure:
     time: float
 
 
-def preflight(plan: Plan, nproc: int) -> None:
+def preflight(plan: Plan, nproc: int, nodes: Nodes = Nodes()) -> None:
     """Everything that can be refused before a rank starts."""
-    if nproc != plan.gpus:
-        raise DeeppoolError(f"--nproc {nproc} differs from the plan's {plan.gpus} GPUs: use --nproc {plan.gpus} "
+    if nproc * nodes.count != plan.gpus:
+        per_node = f" on each of {nodes.count} machines" if nodes.count > 1 else ""
+        raise DeeppoolError(f"--nproc {nproc}{per_node} differs from the plan's {plan.gpus} GPUs: "
+                            f"use --nproc {plan.gpus // nodes.count if plan.gpus % nodes.count == 0 else plan.gpus} "
                             "or re-plan for this many")
     loaded = plan.model.load()
     traced = trace(loaded)
@@ -65,9 +67,10 @@ def preflight(plan: Plan, nproc: int) -> None:
     check_per_sample(traced, loaded, seed=plan.model.seed)
 
 
-def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[str]) -> None:
+def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[str], nodes: Nodes = Nodes()) -> None:
+    """Start ``nproc`` ranks here; with several ``nodes``, this machine's share of the run (see :class:`Nodes`)."""
     plan = Plan.load(plan_path)
-    preflight(plan, nproc)
+    preflight(plan, nproc, nodes)
     out = config.out_dir
     assert out is not None
     out.mkdir(parents=True, exist_ok=True)
@@ -75,13 +78,14 @@ def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[
         stale.unlink()
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     launch_config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+        min_nodes=nodes.count, max_nodes=nodes.count, nproc_per_node=nproc, run_id=nodes.run_id or str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint=nodes.endpoint or "127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+        rdzv_configs={"join_timeout": config.timeout_s},
     )
     agent_log = logging.getLogger("torch.distributed.elastic")
     level = agent_log.level
     agent_log.setLevel(logging.CRITICAL)  # the launcher names the failed rank itself
-    watch = HangWatch(recorded=lambda: {f.rank: f.kind for f in _recorded(out)}, nproc=nproc)
+    watch = HangWatch(recorded=lambda: {f.rank: f.kind for f in _recorded(out)}, nproc=plan.gpus)
     try:
         with watch:
             elastic_launch(launch_config, sys.executable)("-m", "deeppool.executor", str(plan_path), *worker_args)

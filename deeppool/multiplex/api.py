@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deeppool.executor.config import RunConfig
+from deeppool.executor.config import Nodes, RunConfig
 from deeppool.executor.launch import launch
 from deeppool.multiplex import preflight
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 def launch_with_background(
     plan_path: Path, *, nproc: int, config: RunConfig, background: BackgroundConfig | None, worker_args: list[str],
+    nodes: Nodes = Nodes(),
 ) -> None:
     """``deeppool run``'s launch: the background checked first, MPS around the ranks when asked for."""
     if background is not None:
@@ -41,7 +42,8 @@ def launch_with_background(
 
         daemon = MpsDaemon.running()
     with daemon:
-        launch(plan_path, nproc=nproc, config=config, worker_args=worker_args + background_args(background))
+        launch(plan_path, nproc=nproc, config=config, worker_args=worker_args + background_args(background),
+               nodes=nodes)
 
 
 def run(
