@@ -12,10 +12,12 @@ a rank that died by a signal, else the earliest communication failure.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import uuid
 from dataclasses import dataclass
@@ -80,7 +82,7 @@ def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[
     launch_config = LaunchConfig(
         min_nodes=nodes.count, max_nodes=nodes.count, nproc_per_node=nproc, run_id=nodes.run_id or str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint=nodes.endpoint or "127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-        rdzv_configs={"join_timeout": config.timeout_s},
+        rdzv_configs={"join_timeout": config.timeout_s, **_hosting(nodes)}, local_addr=_facing_address(nodes),
     )
     agent_log = logging.getLogger("torch.distributed.elastic")
     level = agent_log.level
@@ -95,6 +97,46 @@ def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[
         raise RunFailed("interrupted: all ranks were stopped", exit_code=130) from None
     finally:
         agent_log.setLevel(level)
+
+
+def _hosting(nodes: Nodes) -> dict[str, bool]:
+    """Whether this machine hosts the rendezvous store: the endpoint's address is one of its own.
+
+    torch guesses this from host names, which fails where the name resolves elsewhere (containers,
+    network namespaces); an address this machine can bind is an address it has. A loopback endpoint
+    (several launchers on one machine) is left to torch, which lets the first launcher host and the
+    others connect.
+    """
+    if nodes.endpoint is None:
+        return {}
+    host = nodes.endpoint.rpartition(":")[0].strip("[]")
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return {}
+    except ValueError:
+        return {}  # a host name: torch's own matching applies
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, 0))
+    except OSError:
+        return {"is_host": False}
+    return {"is_host": True}
+
+
+def _facing_address(nodes: Nodes) -> str | None:
+    """This machine's address on the route to the endpoint: what the other machines can reach it at.
+
+    The agent would otherwise advertise its host name, which may resolve to a loopback address.
+    """
+    if nodes.endpoint is None:
+        return None
+    host, _, port = nodes.endpoint.rpartition(":")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host.strip("[]"), int(port)))  # no packet is sent: this only picks the route
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
 
 
 def _failure(err: ChildFailedError, out: Path, nproc: int, hung: set[int]) -> RunFailed:
