@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import json
-import math
 import os
 import statistics
 import sys

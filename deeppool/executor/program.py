@@ -34,7 +34,7 @@ import enum
 from dataclasses import dataclass
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.graph import Layer, LayerGraph
+from deeppool.planner.graph import LayerGraph
 from deeppool.planner.plan import IdleWindow, Plan, PlannedLayer
 
 
