@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.coordinator.test_durability import REPO, free_port, start
+from tests.coordinator.test_durability import REPO, start
+from tests.net import free_port
 from tests.entry import deeppool
 
 pytestmark = pytest.mark.slow

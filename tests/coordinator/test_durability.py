@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -18,16 +17,12 @@ import pytest
 
 from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
 from deeppool.coordinator.store import Store
+from tests.net import free_port
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 JOB = {"kind": "fg", "gpus": 4, "model": "examples.mlp:model", "batch": 8}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(db: Path, port: int, *, gpus: int = 4, allow: tuple[Path, ...] = (REPO / "examples",),

@@ -10,7 +10,8 @@ import pytest
 from deeppool.coordinator.client import Client
 from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
 from deeppool.coordinator.store import Store
-from tests.coordinator.test_durability import free_port, start
+from tests.coordinator.test_durability import start
+from tests.net import free_port
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

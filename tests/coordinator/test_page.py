@@ -11,7 +11,8 @@ import pytest
 
 from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
 from deeppool.coordinator.store import Store
-from tests.coordinator.test_durability import free_port, start
+from tests.coordinator.test_durability import start
+from tests.net import free_port
 
 pytestmark = pytest.mark.slow
 

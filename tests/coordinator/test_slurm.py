@@ -24,6 +24,7 @@ from deeppool.coordinator.launcher import Phase
 from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.slurm import SlurmLauncher
 from deeppool.coordinator.store import Store
+from tests.net import free_port
 from tests.coordinator.test_runtime import settle
 
 pytestmark = pytest.mark.slow
@@ -54,11 +55,6 @@ NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ensure_packages() -> None:

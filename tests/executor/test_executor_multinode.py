@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,16 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.net import free_port
+
 from tests.executor.plans import cycle, make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def node(plan: Path, out: Path, *, nnodes: int, nproc: int, endpoint: str) -> subprocess.Popen:
