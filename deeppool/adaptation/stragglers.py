@@ -1,7 +1,11 @@
 """Straggler detection, as in Resource Elasticity (Or et al., MLSys 2020).
 
-Each step, every rank's speed relative to its group is its group's median
-compute time over its own, smoothed by an EWMA (α = 0.1). A rank whose
+Each step, every rank's speed relative to its group is the median compute
+time of the group's *other* ranks over its own, ``s_r = median_{j≠r} t_j / t_r``,
+smoothed by an EWMA (α = 0.1). (With the median over the whole group, a group
+of two would compare each rank with the mean of both, and a rank at half speed
+would sit at 0.75, next to the threshold; against the other rank it is 0.5.
+For large groups the two medians agree.) A rank whose
 smoothed relative speed stays below ``threshold`` (0.8) for ``patience``
 consecutive steps is a straggler; it is reported once, with its figures, and
 again only after it has recovered and fallen behind anew.
@@ -11,7 +15,8 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from deeppool.errors import DeeppoolError
 
@@ -27,6 +32,9 @@ class Straggler:
     def describe(self) -> str:
         return (f"rank {self.rank} is a straggler since step {self.step}: {self.relative_speed:.2f}x the median "
                 f"speed ({self.compute_ms:.2f} ms against {self.median_ms:.2f} ms of compute per step)")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(kw_only=True)
@@ -47,9 +55,9 @@ class StragglerDetector:
         times = {r: t for r, t in compute_ms.items() if t > 0}
         if len(times) < 2:
             return []
-        median = statistics.median(times.values())
         found = []
         for rank, ms in times.items():
+            median = statistics.median(t for r, t in times.items() if r != rank)
             relative = median / ms
             smoothed = self.speed.get(rank, 1.0)
             smoothed = (1 - self.alpha) * smoothed + self.alpha * relative

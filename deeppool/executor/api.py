@@ -13,27 +13,33 @@ rank 0's result carries the :class:`RunSummary` of all ranks.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sized
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from deeppool.adaptation.policy import Policy
 from deeppool.errors import DeeppoolError
-from deeppool.executor.checkpoint import Shard, latest, load, save
+from deeppool.executor.adapt import RESIZE, Adapter, EventLog, Progress, Resize
+from deeppool.executor.checkpoint import Shard, latest, load_for, save
 from deeppool.executor.comm import Comm
 from deeppool.executor.config import CheckpointConfig, RunConfig
 from deeppool.executor.data import BatchSource, LoaderBatches, SyntheticBatches
 from deeppool.executor.engine import Engine, EngineParts
+from deeppool.executor.faults import Slowdown
 from deeppool.executor.gradients import FIRST_BUCKET_BYTES, GradientReducer
 from deeppool.executor.idle import IdleListener, NoBackground
 from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
+from deeppool.executor.monitor import StepMonitor
 from deeppool.executor.program import Program, build_program, idle_positions
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
 from deeppool.executor.syncbn import Reduce
 from deeppool.executor.timing import Clock, EventClock, Recorder, RankTimes, Span, summarise
+from deeppool.output import console
 from deeppool.planner.graph import TraceMethod
+from deeppool.planner.jsonio import write_json
 from deeppool.planner.modelspec import LoadedModel, ModelSpec
 from deeppool.planner.plan import Plan
 from deeppool.planner.trace import Traced, trace
@@ -61,8 +67,13 @@ def train_rank(
     clock: Clock = time.perf_counter,
     device: torch.device | None = None,
     builder: ModelBuilder | None = None,
+    policy: Policy | None = None,
+    slowdown: Slowdown | None = None,
 ) -> RankResult:
-    """Train rank ``comm.rank`` of ``plan``; ``data`` yields global ``(inputs, targets)``."""
+    """Train rank ``comm.rank`` of ``plan``; ``data`` yields global ``(inputs, targets)``.
+
+    ``policy`` adapts the run (:mod:`deeppool.adaptation.policy`); ``slowdown`` injects a slow rank (tests).
+    """
     builder = builder or ModelBuilder()
     device = device or torch.device("cpu")
     if comm.world_size != plan.gpus:
@@ -83,19 +94,25 @@ def train_rank(
         bound=config.check_bound, random=traced.random.mode(plan.model.seed), training=config.training,
     )
     recorder = Recorder(clock, _cuda_events(device))
-    engine = _engine(plan, program, local, comm, loaded, config, recorder, on_idle, device, reference)
+    engine = _engine(plan, program, local, comm, loaded, config, recorder, on_idle, device, reference, slowdown)
     losses: list[float] = []
     checks: list[CheckResult] = []
-    micros = config.training.accumulate
-    first = _resume(config.checkpoint, engine, local, comm.rank)
-    for index in range(first * micros):  # the data position: the batches the resumed steps trained on
+    first, progress = _resume(config, engine, local, comm.rank)
+    adapter = _adapter(plan, program, comm, recorder, engine, config, progress, policy)
+    for index in range(progress.position):  # the data position: the batches the resumed steps trained on
         batches(index)
     for step in range(first, config.steps):
-        batch = [batches(step * micros + micro) for micro in range(micros)]
-        losses.append(engine.step(step, batch))
+        adapter.before_step(step)
+        micros, position = adapter.accumulate, adapter.progress.position
+        batch = [batches(position + micro) for micro in range(micros)]
+        losses.append(engine.step(step, batch, position))
         if reference is not None:
             checks.append(reference.step(step, batch))
-        _save(config.checkpoint, step + 1, engine, local, comm)
+        stop = adapter.after_step(step, micros) or _epoch_ends(adapter, data, position, position + micros, step + 1, config.steps)
+        _save(_where(config, stop), step + 1, engine, local, comm, adapter.progress, force=stop)
+        if stop:
+            _resize(adapter, config, step + 1, comm.rank)
+            break
     times = summarise(recorder.spans, rank=comm.rank, warmup=config.warmup)
     check = worst_of(checks)
     gathered = comm.gather((times, tuple(losses), check))
@@ -104,6 +121,7 @@ def train_rank(
         summary = summarise_run(
             plan, program.stages, [g[0] for g in gathered], [g[1] for g in gathered], [g[2] for g in gathered],
             steps=config.steps, synchronous_allreduce=config.bucket_mb == 0,
+            adaptation=adapter.report(),
         )
     return RankResult(
         rank=comm.rank, losses=tuple(losses), times=times, spans=tuple(recorder.spans), check=check,
@@ -111,29 +129,34 @@ def train_rank(
     )
 
 
-def _resume(checkpoint: CheckpointConfig | None, engine: Engine, local: LocalModel, rank: int) -> int:
-    """Load the latest complete checkpoint into this rank (``--resume``); the steps it had done."""
+def _resume(config: RunConfig, engine: Engine, local: LocalModel, rank: int) -> tuple[int, Progress]:
+    """Load the latest complete checkpoint into this rank (``--resume``); the steps it had done, and where."""
+    checkpoint = config.checkpoint
+    fresh = Progress(accumulate=config.training.accumulate, position=0, lr=config.optimizer.lr)
     if checkpoint is None or not checkpoint.resume:
-        return 0
+        return 0, fresh
     done = latest(checkpoint.directory)
     if done is None:
-        return 0
-    shard = load(checkpoint.directory, done, rank)
+        return 0, fresh
+    shard = load_for(checkpoint.directory, done, rank, list(local.params))
     with torch.no_grad():
         for name, value in shard.params.items():
             local.params[name].copy_(value)
-        for name, value in shard.buffers.items():
-            local.buffers[name].copy_(value)
+        for name in local.buffers:
+            local.buffers[name].copy_(shard.buffers[name])
     parts = engine.p
     if parts.optimizer is not None and shard.optimizer is not None:
         parts.optimizer.load_state_dict(shard.optimizer)
     if parts.scheduler is not None and shard.scheduler is not None:
         parts.scheduler.load_state_dict(shard.scheduler)
-    return done
+    if shard.progress is None:  # written before policies: K never changed
+        return done, replace(fresh, position=done * fresh.accumulate)
+    return done, Progress(**shard.progress)
 
 
-def _save(checkpoint: CheckpointConfig | None, done: int, engine: Engine, local: LocalModel, comm: Comm) -> None:
-    if checkpoint is None or checkpoint.every == 0 or done % checkpoint.every != 0:
+def _save(checkpoint: CheckpointConfig | None, done: int, engine: Engine, local: LocalModel, comm: Comm,
+          progress: Progress, *, force: bool = False) -> None:
+    if checkpoint is None or (not force and (checkpoint.every == 0 or done % checkpoint.every != 0)):
         return
     parts = engine.p
     shard = Shard(
@@ -142,8 +165,49 @@ def _save(checkpoint: CheckpointConfig | None, done: int, engine: Engine, local:
         buffers={name: b.detach().cpu().clone() for name, b in local.buffers.items()},
         optimizer=parts.optimizer.state_dict() if parts.optimizer is not None else None,
         scheduler=parts.scheduler.state_dict() if parts.scheduler is not None else None,
+        progress=progress.to_json(),
     )
     save(checkpoint.directory, comm.rank, shard, barrier=lambda: comm.all_reduce_max(0.0))
+
+
+def _where(config: RunConfig, stop: bool) -> CheckpointConfig | None:
+    """The checkpoint settings; a run a policy stops checkpoints to ``--checkpoint-dir`` or ``<out>/checkpoint``."""
+    if config.checkpoint is not None or not stop:
+        return config.checkpoint
+    if config.out_dir is None:
+        raise DeeppoolError("a policy asked for another GPU count, and the run has nowhere to checkpoint: "
+                            "give --checkpoint-dir (or --out)")
+    return CheckpointConfig(directory=config.out_dir / "checkpoint")
+
+
+def _resize(adapter: Adapter, config: RunConfig, done: int, rank: int) -> None:
+    """Rank 0 records the GPU request next to the run's outputs (``<out>/resize.json``) for the CLI."""
+    checkpoint = _where(config, True)
+    request = adapter.requested
+    if rank != 0 or config.out_dir is None or request is None or checkpoint is None:
+        return
+    resize = Resize(gpus=request.gpus, steps_done=done, checkpoint=str(checkpoint.directory), reason=request.reason)
+    write_json(config.out_dir / RESIZE, resize.to_json())
+
+
+def _epoch_ends(adapter: Adapter, data: Iterable[Any] | None, start: int, end: int, done: int, steps: int) -> bool:
+    """Call ``after_epoch`` when the step (global batches ``start..end``) finished a pass over ``data``
+    (synthetic data has no passes: when the run ends)."""
+    length = len(data) if isinstance(data, Sized) else None
+    ended = end // length > start // length if length else done == steps
+    return adapter.after_epoch(done) if ended else False
+
+
+def _adapter(plan: Plan, program: Program, comm: Comm, recorder: Recorder, engine: Engine, config: RunConfig,
+             progress: Progress, policy: Policy | None) -> Adapter:
+    log = EventLog(out_dir=config.out_dir, show=_show) if comm.rank == 0 else None
+    return Adapter(monitor=StepMonitor(plan, program.stages, comm, recorder), policy=policy, progress=progress,
+                   gpus=plan.gpus, global_batch=plan.global_batch, optimizer=engine.p.optimizer,
+                   scheduler=engine.p.scheduler, log=log)
+
+
+def _show(message: str) -> None:
+    console().print(message, highlight=False, markup=False)
 
 
 class ModelBuilder:
@@ -197,6 +261,7 @@ def _synchronize(device: torch.device) -> Callable[[], None]:
 def _engine(
     plan: Plan, program: Program, local: LocalModel, comm: Comm, loaded: LoadedModel, config: RunConfig,
     recorder: Recorder, on_idle: IdleListener | None, device: torch.device, reference: LockstepReference | None,
+    slowdown: Slowdown | None,
 ) -> Engine:
     optimizer = config.optimizer.build(local.params.values()) if local.params else None
     training = config.training
@@ -219,5 +284,6 @@ def _engine(
             on_gradients=None if reference is None else reference.gradients_reduced,
             overlap=config.bucket_bytes > 0,
             synchronize=_synchronize(device),
+            slowdown=slowdown,
         )
     )

@@ -35,10 +35,12 @@ class Shard:
     buffers: dict[str, torch.Tensor]
     optimizer: dict[str, Any] | None
     scheduler: dict[str, Any] | None
+    progress: dict[str, Any] | None = None
+    """The run's data position, accumulation and base LR (:class:`~deeppool.executor.adapt.Progress`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "params": self.params, "buffers": self.buffers,
-                "optimizer": self.optimizer, "scheduler": self.scheduler}
+                "optimizer": self.optimizer, "scheduler": self.scheduler, "progress": self.progress}
 
 
 def step_dir(directory: Path, steps_done: int) -> Path:
@@ -68,6 +70,38 @@ def load(directory: Path, steps_done: int, rank: int) -> Shard:
         raise DeeppoolError(f"checkpoint '{path.parent}' has no shard for rank {rank}: was it written by this plan?")
     data = torch.load(path, map_location="cpu", weights_only=False)
     return Shard(**data)
+
+
+def load_for(directory: Path, steps_done: int, rank: int, params: list[str]) -> Shard:
+    """Rank ``rank``'s part of a checkpoint, for a rank that trains ``params`` (sorted names).
+
+    The rank's own shard when it holds exactly those parameters (the same plan); otherwise (a plan for
+    another GPU count) they are taken by name from rank 0's shard, which holds every parameter and
+    buffer, and its optimizer state is renumbered: the optimizer's ``i``-th parameter is the ``i``-th
+    of the sorted names on both sides.
+    """
+    own = step_dir(directory, steps_done) / f"rank{rank}.pt"
+    if own.is_file():
+        shard = load(directory, steps_done, rank)
+        if list(shard.params) == params:
+            return shard
+    whole = load(directory, steps_done, 0)
+    missing = [name for name in params if name not in whole.params]
+    if missing:
+        raise DeeppoolError(f"checkpoint '{own.parent}' has no parameter '{missing[0]}': was it written for this model?")
+    index = {name: i for i, name in enumerate(whole.params)}
+    return Shard(steps_done=steps_done, params={name: whole.params[name] for name in params}, buffers=whole.buffers,
+                 optimizer=_renumbered(whole.optimizer, [index[name] for name in params]),
+                 scheduler=whole.scheduler, progress=whole.progress)
+
+
+def _renumbered(state: dict[str, Any] | None, kept: list[int]) -> dict[str, Any] | None:
+    """An optimizer state dict (one parameter group) for the parameters ``kept``, numbered 0, 1, …"""
+    if state is None or not kept:
+        return None
+    (group,) = state["param_groups"]
+    return {"state": {new: state["state"][old] for new, old in enumerate(kept) if old in state["state"]},
+            "param_groups": [{**group, "params": list(range(len(kept)))}]}
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:

@@ -8,6 +8,7 @@ rank under torchrun. Both take the same run options.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -16,6 +17,7 @@ import typer
 
 from deeppool import checks
 from deeppool.errors import DeeppoolError
+from deeppool.executor.adapt import RESIZE
 from deeppool.executor.config import (
     DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Backend, CheckpointConfig, Nodes, OptimizerConfig, OptimizerKind, ProbeConfig,
     RunConfig, Schedule, ScheduleKind, Training,
@@ -62,6 +64,9 @@ LrWarmup = Annotated[int, typer.Option(help="optimizer steps of linear learning-
 CheckpointDir = Annotated[Path | None, typer.Option(help="directory for checkpoints (one shard per rank)")]
 CheckpointEvery = Annotated[int, typer.Option(help="write a checkpoint every N optimizer steps (0: never)")]
 Resume = Annotated[bool, typer.Option("--resume", help="continue from the latest complete checkpoint")]
+PolicyOpt = Annotated[str | None, typer.Option(
+    "--policy", help="adapt the run: grow-batch (grow the batch by accumulation while the noise scale says it "
+    "pays; needs --monitor gns), or module:factory / file.py:factory returning a policy")]
 DEFAULT_WARMUP = 5
 CPU_RANKS_PER_CORE = 4
 """gloo ranks on CPU share the cores; beyond this many per core a run measures only contention."""
@@ -79,7 +84,7 @@ def make_config(
     *, steps: int, warmup: int | None, optimizer: OptimizerKind, lr: float, momentum: float, backend: Backend,
     timeout: float, bucket_mb: float, check: bool, check_bound: float, out: Path, accumulate: int = 1,
     clip_norm: float | None = None, lr_schedule: ScheduleKind = ScheduleKind.CONSTANT, lr_warmup: int = 0,
-    checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume: bool = False,
+    checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume: bool = False, policy: str | None = None,
 ) -> RunConfig:
     """The run's config; ``warmup=None`` is the default: 5, or one less than ``steps`` when that is fewer."""
     if warmup is not None and steps >= 1 and warmup >= steps:
@@ -98,6 +103,7 @@ def make_config(
         training=training,
         checkpoint=CheckpointConfig(directory=checkpoint_dir, every=checkpoint_every, resume=resume)
         if checkpoint_dir is not None else None,
+        policy=policy,
     )
 
 
@@ -118,6 +124,7 @@ def config_args(config: RunConfig) -> list[str]:
     if checkpoint is not None:
         args += ["--checkpoint-dir", str(checkpoint.directory), "--checkpoint-every", str(checkpoint.every)]
         args += ["--resume"] if checkpoint.resume else []
+    args += ["--policy", config.policy] if config.policy is not None else []
     return args + (["--check"] if config.check else [])
 
 
@@ -132,7 +139,7 @@ def run(
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
     lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
-    checkpoint_every: CheckpointEvery = 0, resume: Resume = False,
+    checkpoint_every: CheckpointEvery = 0, resume: Resume = False, policy: PolicyOpt = None,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -153,8 +160,12 @@ def run(
         steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
         backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
         accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule, lr_warmup=lr_warmup,
-        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, policy=policy,
     )
+    if policy is not None:
+        from deeppool.adaptation.policy import load_policy
+
+        load_policy(policy)  # a wrong --policy is one line here, not one per rank
     bg = make_background(
         background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,
         slowdown_target=slowdown_target, ab_block=ab_block, bg_checkpoint_dir=bg_checkpoint_dir,
@@ -164,6 +175,36 @@ def run(
         check_model_here(loaded, plan)
     path = plan if model is None else with_model(loaded, model, out)
     _launch(path, ranks=ranks, config=config, background=bg, nodes=nodes)
+    if (out / RESIZE).is_file():
+        resized(Plan.load(path), config, json.loads((out / RESIZE).read_text()), model)
+
+
+def resized(plan: Plan, config: RunConfig, request: dict[str, object], model: str | None) -> Path:
+    """A policy asked for another GPU count: plan for it next to the checkpoint and print how to resume."""
+    import dataclasses
+    import shlex
+
+    from deeppool.output import console
+    from deeppool.planner.api import plan_model
+    from deeppool.planner.hardware import KnownDevice
+    from deeppool.planner.request import LOCAL, CostSource, PlanRequest
+
+    gpus, checkpoint = int(str(request["gpus"])), Path(str(request["checkpoint"]))
+    device = plan.device if plan.device in {known.value for known in KnownDevice} else LOCAL
+    planned = plan_model(plan.model, PlanRequest(gpus=gpus, global_batch=plan.global_batch, strategy=plan.strategy,
+                                                 optimizer=plan.optimizer, amplification=plan.amplification_limit),
+                         CostSource(device_model=device, show_progress=False)).plan
+    path = checkpoint / f"plan-{gpus}gpus.json"
+    planned.save(path)
+    every = config.checkpoint.every if config.checkpoint is not None else 0
+    resumed = dataclasses.replace(config, checkpoint=CheckpointConfig(directory=checkpoint, every=every, resume=True))
+    command = ["deeppool", "run", str(path), "--nproc", str(gpus), *config_args(resumed)]
+    command += ["--model", model] if model is not None else []
+    shown = console()
+    shown.print(f"the policy asked for {gpus} GPUs after step {request['steps_done']}: checkpoint in {checkpoint}, "
+                f"plan for {gpus} GPUs written to {path}; resume with:", highlight=False, markup=False)
+    shown.print(shlex.join(command), highlight=False, markup=False, soft_wrap=True)
+    return path
 
 
 def check_model_here(plan: Plan, path: Path) -> None:
@@ -281,7 +322,7 @@ def worker(
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
     lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
-    checkpoint_every: CheckpointEvery = 0, resume: Resume = False,
+    checkpoint_every: CheckpointEvery = 0, resume: Resume = False, policy: PolicyOpt = None,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -297,6 +338,7 @@ def worker(
             momentum=momentum, backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check,
             check_bound=check_bound, out=out, accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule,
             lr_warmup=lr_warmup, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+            policy=policy,
         )
         bg = make_background(
             background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,

@@ -58,6 +58,10 @@ class Comm(Protocol):
         """Every rank's ``obj`` on rank 0 (in rank order), None elsewhere."""
         ...
 
+    def all_gather(self, values: Sequence[float]) -> list[tuple[float, ...]]:
+        """Every rank's ``values`` (the same length on every rank) on every rank, in rank order."""
+        ...
+
 
 class TorchComm:
     """:class:`Comm` over an initialised ``torch.distributed`` default group."""
@@ -105,6 +109,16 @@ class TorchComm:
         except Exception as err:
             raise PeerError(f"gathering results on rank 0 failed: {_first_line(err)}") from err
         return out
+
+
+    def all_gather(self, values: Sequence[float]) -> list[tuple[float, ...]]:
+        mine = torch.tensor(list(values), dtype=torch.float64, device=_device())
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(rows, mine)
+        except Exception as err:
+            raise PeerError(f"all-gather over all ranks failed: {_first_line(err)}") from err
+        return [tuple(row.tolist()) for row in rows]
 
 
 class _Checked:

@@ -143,6 +143,8 @@ class RunConfig:
     out_dir: Path | None = None
     training: Training = field(default_factory=Training)
     checkpoint: CheckpointConfig | None = None
+    policy: str | None = None
+    """``--policy``: a built-in adaptation policy or ``module:factory`` (:mod:`deeppool.adaptation.policy`)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -157,6 +159,9 @@ class RunConfig:
             raise DeeppoolError(f"--check-bound {self.check_bound} must be positive")
         if self.check and self.checkpoint is not None and self.checkpoint.resume:
             raise DeeppoolError("--check trains its reference from the start: run --resume without --check")
+        if self.check and self.policy is not None:
+            raise DeeppoolError(f"--check trains its reference with fixed settings: run --policy {self.policy} "
+                                "without --check")
 
     @property
     def bucket_bytes(self) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from deeppool.executor.data import Batch
+from deeppool.executor.faults import Slowdown
 from deeppool.executor.gradients import GradientReducer
 from deeppool.executor.idle import IdleListener, IdleWindowEvent
 from deeppool.executor.local_model import LocalModel
@@ -40,6 +41,8 @@ class _State:
     micro: int = 0
     """The micro-batch within the optimizer step (``--accumulate``)."""
     micros: int = 1
+    position: int = 0
+    """The global batch the optimizer step's first micro-batch is (``step × micros`` while K is fixed)."""
     outputs: dict[str, Any] = field(default_factory=dict)
     leaves: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     """The stage's leaf copy of an outside producer's output, by (stage, producer)."""
@@ -54,7 +57,7 @@ class _State:
     @property
     def draw(self) -> int:
         """The position of this micro-batch's random draws: one per global batch trained on."""
-        return self.step * self.micros + self.micro
+        return self.position + self.micro
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +87,8 @@ class EngineParts:
     overlap: bool = True
     """Start gradient all-reduces during the backward (:mod:`deeppool.executor.overlap`);
     off, each stage's gradients are handed over after its backward."""
+    slowdown: Slowdown | None = None
+    """An injected slow rank (``DEEPPOOL_FAULT=slow-rank:R``, :mod:`deeppool.executor.faults`)."""
 
 
 class Engine:
@@ -109,15 +114,21 @@ class Engine:
             OpKind.RESHARD_GRAD: self._reshard_grad,
             OpKind.STEP: self._layer_step,
         }
+        slow = parts.slowdown
+        if slow is not None and slow.rank == self.rank:
+            for kind in (OpKind.FORWARD, OpKind.BACKWARD):
+                self._handlers[kind] = slow.slowed(self._handlers[kind], parts.synchronize)
 
-    def step(self, step: int, batches: Sequence[Batch]) -> float:
-        """Run one optimizer step over ``batches`` (micro-batches); returns this rank's share of the mean loss."""
+    def step(self, step: int, batches: Sequence[Batch], position: int | None = None) -> float:
+        """Run one optimizer step over ``batches`` (micro-batches, the first being global batch ``position``,
+        ``step × len(batches)`` by default); returns this rank's share of the mean loss."""
         recorder = self.p.recorder
         recorder.begin()
         start = recorder.clock()
         loss = 0.0
+        first = step * len(batches) if position is None else position
         for micro, batch in enumerate(batches):
-            state = _State(batch=batch, step=step, micro=micro, micros=len(batches))
+            state = _State(batch=batch, step=step, micro=micro, micros=len(batches), position=first)
             self._run(state, start)
             loss += float(state.loss.detach()) if state.loss is not None else 0.0
         if self._last_step is None:

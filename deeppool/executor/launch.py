@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from deeppool.errors import DeeppoolError
+from deeppool.executor.adapt import EVENTS, RESIZE
 from deeppool.executor.config import Nodes, RunConfig
 from deeppool.executor.hangwatch import HangWatch
 from deeppool.executor.local_model import check_plan_matches
@@ -76,8 +77,8 @@ def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[
     out = config.out_dir
     assert out is not None
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("error-rank*.json"):
-        stale.unlink()
+    for stale in [*out.glob("error-rank*.json"), out / EVENTS, out / RESIZE]:
+        stale.unlink(missing_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     launch_config = LaunchConfig(
         min_nodes=nodes.count, max_nodes=nodes.count, nproc_per_node=nproc, run_id=nodes.run_id or str(uuid.uuid4()),

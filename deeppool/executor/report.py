@@ -48,6 +48,12 @@ def summary_lines(summary: RunSummary) -> list[str]:
     ]
     if summary.losses:
         lines.append(f"loss: first {summary.losses[0]:.6g}, last {summary.losses[-1]:.6g}")
+    adaptation = summary.adaptation
+    if adaptation is not None:
+        lines += [f"straggler: {straggler.describe()}" for straggler in adaptation.stragglers]
+        if adaptation.actions:
+            lines.append(f"policy: {len(adaptation.actions)} action(s); accumulate {adaptation.accumulate}, "
+                         f"learning rate {adaptation.lr:g} at the end")
     if summary.check is not None:
         check = summary.check
         lines.append(check.line())

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from deeppool.executor.adapt import AdaptationReport
 from deeppool.executor.program import Stage
 from deeppool.executor.reference import CheckResult, worst_of
 from deeppool.executor.timing import RankTimes
@@ -37,6 +38,7 @@ class RunSummary:
     losses: tuple[float, ...]
     stages: tuple[StageTiming, ...]
     check: CheckResult | None
+    adaptation: AdaptationReport | None = None
 
     @property
     def iterations_per_s(self) -> float:
@@ -59,6 +61,7 @@ class RunSummary:
             "losses": list(self.losses),
             "stages": [asdict(stage) for stage in self.stages],
             "check": None if self.check is None else self.check.to_json(),
+            **(self.adaptation.to_json() if self.adaptation is not None else {}),
         }
 
 
@@ -71,6 +74,7 @@ def summarise_run(
     *,
     steps: int,
     synchronous_allreduce: bool,
+    adaptation: AdaptationReport | None = None,
 ) -> RunSummary:
     """Merge every rank's medians and loss shares into one summary (on rank 0)."""
     planned = {layer.name: layer for layer in plan.layers}
@@ -106,4 +110,5 @@ def summarise_run(
         losses=tuple(sum(column) for column in zip(*losses, strict=True)),
         stages=timings,
         check=check,
+        adaptation=adaptation,
     )

@@ -24,10 +24,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from deeppool.adaptation.policy import load_policy
 from deeppool.errors import DeeppoolError
 from deeppool.executor.api import RankResult, train_rank
 from deeppool.executor.comm import Backend, PeerError, TorchComm
 from deeppool.executor.config import RunConfig
+from deeppool.executor.faults import Slowdown
 from deeppool.executor.idle import NoBackground
 from deeppool.executor.program import rank_groups
 from deeppool.executor.report import print_summary
@@ -84,7 +86,9 @@ def run_worker(plan_path: Path, config: RunConfig, env: RankEnv, background: Bac
     try:
         with mux.foreground() if mux is not None else contextlib.nullcontext():
             on_idle = mux.listener if mux is not None else NoBackground()
-            result = train_rank(plan, comm=comm, config=config, device=device, on_idle=on_idle)
+            result = train_rank(plan, comm=comm, config=config, device=device, on_idle=on_idle,
+                                policy=load_policy(config.policy) if config.policy is not None else None,
+                                slowdown=Slowdown.from_environ(os.environ))
     finally:
         if mux is not None:
             mux.stop()

@@ -83,6 +83,9 @@ class ThreadComm:
         everyone = self._collective("gather", tuple(range(self.world_size)), obj, list)
         return everyone if self.rank == 0 else None
 
+    def all_gather(self, values: Sequence[float]) -> list[tuple[float, ...]]:
+        return self._collective("all_gather", tuple(range(self.world_size)), tuple(float(v) for v in values), list)
+
 
 def _sum(values: list[torch.Tensor]) -> torch.Tensor:
     total = values[0].clone()

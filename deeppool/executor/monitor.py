@@ -1,0 +1,113 @@
+"""Per-step figures of every rank, on every rank: step and compute times, and stragglers.
+
+After each optimizer step every rank all-gathers one short row (one collective
+of ``8 × (3 + stages)`` bytes per rank): its step time, its compute time (the
+step's compute spans: forward, backward, loss, optimizer; never time spent
+waiting in communication), rank 0's gradient noise scale, and per stage its
+forward and backward time.
+
+Stragglers are found per rank group, as ranks do different work in a burst
+plan: the stages on ranks ``0..g−1`` form the group of size ``g`` (a
+data-parallel plan has one group of every rank). A rank's time in a group is
+the sum over the group's stages of its forward and backward time, scaled to
+an even share of each stage's samples (``t · n̄ / n_r``, so a rank holding
+more rows is not slow for that). Each group has its own
+:class:`~deeppool.adaptation.stragglers.StragglerDetector`; a rank is
+reported once while some group flags it.
+
+Every rank holds the same rows after the all-gather, so every rank builds the
+same figures (and a policy fed them decides the same everywhere).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from deeppool.adaptation.stragglers import Straggler, StragglerDetector
+from deeppool.executor.comm import Comm
+from deeppool.executor.program import Stage
+from deeppool.executor.timing import Category, Recorder
+from deeppool.planner.plan import Plan
+
+PATIENCE = 20
+"""Steps a rank's smoothed relative speed must stay below the threshold: long enough that a rank
+descheduled for a few steps on a shared machine is not reported (see docs/adaptation.md)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepFigures:
+    """One optimizer step, as every rank sees it."""
+
+    step: int
+    step_ms: tuple[float, ...]
+    compute_ms: tuple[float, ...]
+    gns: float | None
+    found: tuple[Straggler, ...]
+    """Ranks newly reported as stragglers at this step."""
+    flagged: tuple[Straggler, ...]
+    """Every rank reported and not recovered."""
+
+
+class StepMonitor:
+    def __init__(self, plan: Plan, stages: tuple[Stage, ...], comm: Comm, recorder: Recorder) -> None:
+        self.comm, self.recorder = comm, recorder
+        self.stages = stages
+        self._cursor = 0
+        self._share = {stage.index: _share(plan, stage) for stage in stages}
+        self._groups: dict[int, list[Stage]] = defaultdict(list)
+        for stage in stages:
+            if stage.gpus > 1:
+                self._groups[stage.gpus].append(stage)
+        self.detectors = {gpus: StragglerDetector(patience=PATIENCE) for gpus in self._groups}
+        self.reported: dict[int, Straggler] = {}
+
+    def observe(self, step: int, gns: float | None = None) -> StepFigures:
+        """Gather the step just run (its spans since the last call) from every rank; feed the detectors."""
+        rows = self.comm.all_gather(self._row(gns))
+        found = self._detect(step, rows)
+        first = rows[0][2]
+        return StepFigures(
+            step=step, step_ms=tuple(row[0] for row in rows), compute_ms=tuple(row[1] for row in rows),
+            gns=None if math.isnan(first) else first, found=found, flagged=tuple(self.reported.values()),
+        )
+
+    def _row(self, gns: float | None) -> list[float]:
+        spans = self.recorder.spans[self._cursor:]
+        self._cursor = len(self.recorder.spans)
+        by_label: dict[str, float] = defaultdict(float)
+        step_ms = compute_ms = 0.0
+        for span in spans:
+            if span.category is Category.ITERATION:
+                step_ms += span.ms
+            elif span.category is Category.COMPUTE:
+                compute_ms += span.ms
+                by_label[span.label] += span.ms
+        stages = [by_label[f"forward:{s.name}"] + by_label[f"backward:{s.name}"] for s in self.stages]
+        return [step_ms, compute_ms, math.nan if gns is None else gns, *stages]
+
+    def _detect(self, step: int, rows: list[tuple[float, ...]]) -> tuple[Straggler, ...]:
+        flagged: set[int] = set()
+        found: dict[int, Straggler] = {}
+        for gpus, stages in self._groups.items():
+            times = {rank: sum(rows[rank][3 + s.index] * self._share[s.index][rank] for s in stages)
+                     for rank in range(gpus)}
+            detector = self.detectors[gpus]
+            for straggler in detector.observe(step, times):
+                found.setdefault(straggler.rank, straggler)
+            flagged |= detector.flagged
+        for rank in list(self.reported):
+            if rank not in flagged:
+                del self.reported[rank]
+        new = tuple(s for rank, s in sorted(found.items()) if rank not in self.reported)
+        self.reported.update((s.rank, s) for s in new)
+        return new
+
+
+def _share(plan: Plan, stage: Stage) -> dict[int, float]:
+    """Per rank of the stage, the even share of its samples over the rank's own: ``n̄ / n_r``."""
+    samples = {layer.name: layer.samples for layer in plan.layers}[stage.layers[0]]
+    rows = {rank: end - start for rank, (start, end) in enumerate(samples[:stage.gpus])}
+    mean = sum(rows.values()) / len(rows)
+    return {rank: mean / n if n > 0 else 0.0 for rank, n in rows.items()}
