@@ -36,7 +36,7 @@ from deeppool.executor.program import Program, build_program, idle_positions
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
 from deeppool.executor.syncbn import Reduce
-from deeppool.executor.timing import Clock, EventClock, Recorder, RankTimes, Span, summarise
+from deeppool.executor.timing import Category, Clock, EventClock, Recorder, RankTimes, Span, summarise
 from deeppool.output import console
 from deeppool.planner.graph import TraceMethod
 from deeppool.planner.jsonio import write_json
@@ -87,13 +87,13 @@ def train_rank(
     module = _training(traced).to(device)
     module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
     program = build_program(plan, traced.graph, comm.rank)
-    local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks), program.stages,
+    recorder = Recorder(clock, _cuda_events(device))
+    local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks, recorder), program.stages,
                  traced.random)
     reference = None if reference_model is None else LockstepReference(
         reference_model, config.optimizer, params=local.params, buffers=local.buffers, rank=comm.rank,
         bound=config.check_bound, random=traced.random.mode(plan.model.seed), training=config.training,
     )
-    recorder = Recorder(clock, _cuda_events(device))
     engine = _engine(plan, program, local, comm, loaded, config, recorder, on_idle, device, reference, slowdown)
     losses: list[float] = []
     checks: list[CheckResult] = []
@@ -234,9 +234,12 @@ def _training(traced: Traced) -> torch.nn.Module:
     return traced.module
 
 
-def _group_sum(comm: Comm, ranks: tuple[int, ...]) -> Reduce:
+def _group_sum(comm: Comm, ranks: tuple[int, ...], recorder: Recorder) -> Reduce:
+    """SyncBatchNorm's sum over ``ranks``, recorded as communication (inside its stage's compute span)."""
+
     def reduce(tensor: torch.Tensor) -> None:
-        comm.all_reduce(tensor, ranks)
+        with recorder.span(recorder.step, f"syncbn:{len(ranks)} ranks", Category.COMM):
+            comm.all_reduce(tensor, ranks)
 
     return reduce
 

@@ -123,7 +123,7 @@ class Engine:
         """Run one optimizer step over ``batches`` (micro-batches, the first being global batch ``position``,
         ``step × len(batches)`` by default); returns this rank's share of the mean loss."""
         recorder = self.p.recorder
-        recorder.begin()
+        recorder.begin(step)
         start = recorder.clock()
         loss = 0.0
         first = step * len(batches) if position is None else position

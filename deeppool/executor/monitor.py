@@ -2,9 +2,10 @@
 
 After each optimizer step every rank all-gathers one short row (one collective
 of ``8 × (3 + stages)`` bytes per rank): its step time, its compute time (the
-step's compute spans: forward, backward, loss, optimizer; never time spent
+step's compute spans: forward, backward, loss, optimizer, less the
+communication spans inside them, SyncBatchNorm's reductions; never time spent
 waiting in communication), rank 0's gradient noise scale, and per stage its
-forward and backward time.
+forward and backward time, measured the same way.
 
 Stragglers are found per rank group, as ranks do different work in a burst
 plan: the stages on ranks ``0..g−1`` form the group of size ``g`` (a
@@ -76,14 +77,16 @@ class StepMonitor:
     def _row(self, gns: float | None) -> list[float]:
         spans = self.recorder.spans[self._cursor:]
         self._cursor = len(self.recorder.spans)
+        comm = [span for span in spans if span.category is Category.COMM]
         by_label: dict[str, float] = defaultdict(float)
         step_ms = compute_ms = 0.0
         for span in spans:
             if span.category is Category.ITERATION:
                 step_ms += span.ms
             elif span.category is Category.COMPUTE:
-                compute_ms += span.ms
-                by_label[span.label] += span.ms
+                inside = sum(c.ms for c in comm if span.start_s <= c.start_s and c.end_s <= span.end_s)
+                compute_ms += span.ms - inside
+                by_label[span.label] += span.ms - inside
         stages = [by_label[f"forward:{s.name}"] + by_label[f"backward:{s.name}"] for s in self.stages]
         return [step_ms, compute_ms, math.nan if gns is None else gns, *stages]
 

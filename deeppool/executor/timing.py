@@ -85,9 +85,12 @@ class Recorder:
         self._origin: tuple[DeviceEvent, float] | None = None
         self._pending: list[_Pending] = []
         self.spans: list[Span] = []
+        self.step = 0
+        """The step being run, for spans recorded by code that does not know it (SyncBatchNorm's reductions)."""
 
-    def begin(self) -> None:
-        """The iteration starts: the device events' origin is now."""
+    def begin(self, step: int = 0) -> None:
+        """Iteration ``step`` starts: the device events' origin is now."""
+        self.step = step
         if self._events is not None:
             origin = self._events()
             origin.record()
