@@ -17,6 +17,11 @@ every live job's current attempt:
 
 Jobs CANCELLED while running are stopped (SIGTERM, grace, SIGKILL).
 
+While a job runs, and once more when it ends, what its run reported in
+``job-N/run/events.jsonl`` (stragglers, an adaptation policy's actions and
+requests for another GPU count) is relayed into its event log, each line once
+(:meth:`~deeppool.coordinator.store.Store.note`).
+
 A background job lent a foreground job's idle windows (a *guest*) runs
 inside its host's ranks, so it has no process of its own: it becomes RUNNING
 with its host, and when the host ends it SUCCEEDED if it trained (the host's
@@ -33,6 +38,7 @@ from pathlib import Path
 from deeppool.coordinator.jobs import Job, JobStatus
 from deeppool.coordinator.launcher import Launcher, Phase
 from deeppool.coordinator.store import Store
+from deeppool.executor.outputs import EVENTS
 
 Steps = Callable[[Job, int, Sequence[Job]], list[list[str]]]
 """A job's steps for an attempt, given the guests lent its idle windows."""
@@ -79,9 +85,12 @@ class Runtime:
     def _settle(self, job: Job, now: datetime) -> None:
         attempt = self.store.attempts(job.id)
         seen = self.launcher.observe(job.id, attempt)
+        if seen.phase in (Phase.RUNNING, Phase.EXITED) and job.state is JobStatus.RUNNING:
+            self._relay(job, attempt)
         if seen.phase is Phase.EXITED:
             if job.state is JobStatus.STARTING:  # it ran and ended between two looks
                 self.store.transition(job.id, JobStatus.RUNNING, f"attempt {attempt} ran")
+                self._relay(job, attempt)
             ok = seen.exit_code == 0
             self.store.transition(job.id, JobStatus.SUCCEEDED if ok else JobStatus.FAILED,
                                   "finished" if ok else f"exited with code {seen.exit_code}", exit_code=seen.exit_code)
@@ -93,6 +102,11 @@ class Runtime:
         elif seen.phase is Phase.NOT_STARTED and now - job.updated_at > timedelta(seconds=self.grace_s):
             guests = self.store.jobs(states=(JobStatus.STARTING,), host_id=job.id)
             self.launcher.launch(job.id, attempt, self.steps(job, attempt, guests))
+
+    def _relay(self, job: Job, attempt: int) -> None:
+        """The run's own events so far (stragglers, a policy's actions) into the job's event log."""
+        folder = self.launcher.files(job.id, attempt).folder
+        self.store.note(job.id, run_events(folder, job.id), prefix=f"attempt {attempt}: ")
 
     def _settle_guest(self, guest: Job) -> None:
         host = self.store.job(guest.host_id)
@@ -107,6 +121,23 @@ class Runtime:
             else:
                 self.store.transition(guest.id, JobStatus.PENDING, f"job {host.id} ended ({host.state.value}) "
                                                                    f"after {steps} background steps: requeued")
+
+
+def run_events(folder: Path, job_id: int) -> list[str]:
+    """The messages of the job's run's ``events.jsonl`` (complete lines only; none when there is no file)."""
+    try:
+        text = (folder / f"job-{job_id}" / "run" / EVENTS).read_text()
+    except OSError:
+        return []
+    messages = []
+    for line in text.splitlines(keepends=True):
+        if not line.endswith("\n"):
+            break  # the run is still writing it
+        try:
+            messages.append(str(json.loads(line)["message"]))
+        except (ValueError, KeyError, TypeError):
+            messages.append(line.strip())
+    return messages
 
 
 def guest_steps(folder: Path, host_id: int) -> int:

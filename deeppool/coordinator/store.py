@@ -5,7 +5,9 @@ after it is on disk, so a job the server has acknowledged survives ``kill -9``.
 Every write is one ``BEGIN IMMEDIATE`` transaction. A state change is a
 compare-and-swap (``UPDATE … WHERE id = ? AND state IN (sources)``) against
 :data:`~deeppool.coordinator.jobs.TRANSITIONS`, written in the same
-transaction as its row in the append-only ``events`` table. A submission with
+transaction as its row in the append-only ``events`` table. What a running
+job reports without changing state (a straggler, a policy's request for
+other GPUs) is an event from and to its current state (:meth:`Store.note`). A submission with
 an idempotency key its owner has used before returns the first job instead of
 a new one (a unique index, so two racing submissions still make one job).
 Tokens are stored only as their SHA-256.
@@ -18,7 +20,7 @@ import hmac
 import secrets
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -191,6 +193,25 @@ class Store:
                            (job_id, row["state"], target.value, reason, now))
         return bool(changed)
 
+    def note(self, job_id: int, reasons: Sequence[str], *, prefix: str) -> int:
+        """Append events that do not move the job (from and to its current state), each reason once.
+
+        ``reasons`` is the whole list so far from one source (a run's ``events.jsonl``); the events whose
+        reason starts with ``prefix`` say how many are in already, and only the rest are appended, in the
+        same transaction. Returns how many were appended.
+        """
+        now = _now()
+        with self._write() as db:
+            row = db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                return 0
+            known = db.execute("SELECT COUNT(*) FROM events WHERE job_id = ? AND substr(reason, 1, ?) = ?",
+                               (job_id, len(prefix), prefix)).fetchone()[0]
+            new = [f"{prefix}{reason}" for reason in reasons[known:]]
+            db.executemany("INSERT INTO events(job_id, from_state, to_state, reason, at) VALUES (?, ?, ?, ?, ?)",
+                           [(job_id, row["state"], row["state"], reason, now) for reason in new])
+        return len(new)
+
     def set_progress(self, job_id: int, progress: float) -> None:
         with self._write() as db:
             db.execute("UPDATE jobs SET progress = ?, updated_at = ? WHERE id = ?",
@@ -223,7 +244,7 @@ class Store:
 
     def attempts(self, job_id: int) -> int:
         """How many times the job has been started (its moves into STARTING): the current attempt's number."""
-        rows = self._read("SELECT COUNT(*) FROM events WHERE job_id = ? AND to_state = ?",
+        rows = self._read("SELECT COUNT(*) FROM events WHERE job_id = ? AND to_state = ? AND from_state IS NOT to_state",
                           (job_id, JobStatus.STARTING.value))
         return int(rows[0][0])
 

@@ -28,9 +28,7 @@ import torch
 from deeppool.adaptation.policy import Action, Policy, RequestGpus, SetAccumulate, SetLr, Snapshot
 from deeppool.adaptation.stragglers import Straggler
 from deeppool.executor.monitor import StepFigures, StepMonitor
-
-EVENTS = "events.jsonl"
-RESIZE = "resize.json"
+from deeppool.executor.outputs import EVENTS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ import torch
 
 from deeppool.adaptation.policy import Policy
 from deeppool.errors import DeeppoolError
-from deeppool.executor.adapt import RESIZE, Adapter, EventLog, Progress, Resize
+from deeppool.executor.adapt import Adapter, EventLog, Progress, Resize
 from deeppool.executor.checkpoint import Shard, latest, load_for, save
 from deeppool.executor.comm import Comm
 from deeppool.executor.config import CheckpointConfig, RunConfig
@@ -32,6 +32,7 @@ from deeppool.executor.gradients import FIRST_BUCKET_BYTES, GradientReducer
 from deeppool.executor.idle import IdleListener, NoBackground
 from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
 from deeppool.executor.monitor import StepMonitor
+from deeppool.executor.outputs import RESIZE
 from deeppool.executor.program import Program, build_program, idle_positions
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run

@@ -17,6 +17,7 @@ import typer
 
 from deeppool import checks
 from deeppool.errors import DeeppoolError
+from deeppool.executor.outputs import RESIZE
 from deeppool.executor.config import (
     DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Backend, CheckpointConfig, Nodes, OptimizerConfig, OptimizerKind, ProbeConfig,
     RunConfig, Schedule, ScheduleKind, Training,
@@ -174,8 +175,6 @@ def run(
         check_model_here(loaded, plan)
     path = plan if model is None else with_model(loaded, model, out)
     _launch(path, ranks=ranks, config=config, background=bg, nodes=nodes)
-    from deeppool.executor.adapt import RESIZE
-
     if (out / RESIZE).is_file():
         resized(Plan.load(path), config, json.loads((out / RESIZE).read_text()), model)
 

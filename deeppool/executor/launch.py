@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.adapt import EVENTS, RESIZE
+from deeppool.executor.outputs import EVENTS, RESIZE
 from deeppool.executor.config import Nodes, RunConfig
 from deeppool.executor.hangwatch import HangWatch
 from deeppool.executor.local_model import check_plan_matches
