@@ -1,0 +1,101 @@
+"""Real processes: stragglers found (an injected slow rank) or not (a healthy run); policies' actions on every rank."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from deeppool.executor.checkpoint import latest, step_dir
+from deeppool.executor.outputs import EVENTS, RESIZE
+from deeppool.planner.plan import Plan
+from tests.entry import deeppool
+from tests.executor.plans import Assign, cycle, make_plan
+from tests.executor.test_executor_processes import deeppool_run
+
+pytestmark = pytest.mark.slow
+POLICIES = Path(__file__).resolve().parents[1] / "adaptation" / "policies.py"
+
+
+def run(capfd: pytest.CaptureFixture[str], plan_path: Path, out: Path, *args: str) -> tuple[dict, str]:
+    proc, _ = deeppool_run(capfd, plan_path, "--out", str(out), *args)
+    assert proc.code == 0, proc.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text()), proc.stdout
+
+
+def saved(tmp_path: Path, name: str, batch: int, gpus: int, assign: Assign) -> Path:
+    path = tmp_path / "plan.json"
+    make_plan(name, global_batch=batch, gpus=gpus, assign=assign).save(path)
+    return path
+
+
+SLOW = [("mlp", 2, cycle(2), 1), ("residual", 4, cycle(1, 4, 2, 3), 2)]
+
+
+@pytest.mark.parametrize(("name", "gpus", "assign", "slow"), SLOW, ids=["data-parallel-2", "burst-4"])
+def test_an_injected_slow_rank_is_flagged(tmp_path: Path, capfd, monkeypatch, name: str, gpus: int,
+                                          assign: Assign, slow: int) -> None:
+    monkeypatch.setenv("DEEPPOOL_FAULT", f"slow-rank:{slow}")
+    summary, stdout = run(capfd, saved(tmp_path, name, 8, gpus, assign), tmp_path / "out", "--steps", "60")
+    assert [s["rank"] for s in summary["stragglers"]] == [slow]
+    assert summary["stragglers"][0]["relative_speed"] < 0.8
+    events = [json.loads(line) for line in (tmp_path / "out" / EVENTS).read_text().splitlines()]
+    assert [(e["kind"], e["rank"]) for e in events] == [("straggler", slow)]
+    assert f"straggler: rank {slow} is a straggler since step" in stdout
+
+
+def test_healthy_ranks_are_never_flagged(tmp_path: Path, capfd) -> None:
+    summary, _ = run(capfd, saved(tmp_path, "residual", 8, 4, cycle(1, 4, 2, 3)), tmp_path / "out", "--steps", "200")
+    assert summary["stragglers"] == []
+    assert not (tmp_path / "out" / EVENTS).exists()
+
+
+def test_a_policy_sets_the_learning_rate_on_every_rank(tmp_path: Path, capfd) -> None:
+    plan_path = saved(tmp_path, "mlp", 8, 2, cycle(2, 1))
+    ckpt = tmp_path / "ckpt"
+    halved, stdout = run(capfd, plan_path, tmp_path / "halved", "--steps", "3", "--lr", "0.2", "--momentum", "0.9",
+                         "--policy", f"{POLICIES}:halve_lr", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3")
+    plain, _ = run(capfd, plan_path, tmp_path / "plain", "--steps", "3", "--lr", "0.1", "--momentum", "0.9")
+    assert halved["losses"] == plain["losses"]  # every rank stepped with 0.1 from the first step, bit for bit
+    assert halved["policy"]["lr"] == 0.1 and halved["policy"]["actions"] == [{"kind": "lr", "step": 0, "lr": 0.1}]
+    assert "policy: learning rate 0.1 from step 0" in stdout
+    for rank in range(2):
+        shard = torch.load(step_dir(ckpt, 3) / f"rank{rank}.pt", weights_only=False)
+        assert [group["lr"] for group in shard["optimizer"]["param_groups"]] == [0.1]
+        assert shard["scheduler"]["base_lrs"] == [0.1] and shard["progress"]["lr"] == 0.1
+
+
+def test_accumulation_changed_mid_run_keeps_the_mean_gradient(tmp_path: Path, capfd) -> None:
+    plan_path = saved(tmp_path, "mlp", 8, 2, cycle(2, 1))
+    grown, _ = run(capfd, plan_path, tmp_path / "grown", "--steps", "5", "--lr", "0.1",
+                   "--policy", f"{POLICIES}:accumulate_two")
+    plain, _ = run(capfd, plan_path, tmp_path / "plain", "--steps", "5", "--lr", "0.1")
+    # the synthetic batch is the same every time: the mean over two copies is the gradient of one, exactly
+    assert grown["losses"] == plain["losses"]
+    assert grown["policy"]["accumulate"] == 2
+    assert grown["policy"]["actions"] == [{"kind": "accumulate", "step": 2, "accumulate": 2, "batch": 16}]
+
+
+def test_a_gpu_request_ends_with_a_checkpoint_and_a_plan_that_resume_continues(tmp_path: Path, capfd) -> None:
+    plan_path = saved(tmp_path, "mlp", 8, 2, cycle(2, 1))
+    common = ["--steps", "5", "--lr", "0.1", "--momentum", "0.9"]
+    whole, _ = run(capfd, plan_path, tmp_path / "whole", *common)
+    first, stdout = run(capfd, plan_path, tmp_path / "first", *common, "--policy", f"{POLICIES}:one_gpu",
+                        "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert json.loads((tmp_path / "first" / RESIZE).read_text())["gpus"] == 1
+    assert latest(tmp_path / "ckpt") == 2 and first["policy"]["requested_gpus"] == 1
+    assert first["losses"] == whole["losses"][:2]
+    new_plan = tmp_path / "ckpt" / "plan-1gpus.json"
+    assert Plan.load(new_plan).gpus == 1
+    lines = stdout.splitlines()
+    command = shlex.split(lines[[i for i, line in enumerate(lines) if line.endswith("resume with:")][0] + 1])
+    assert command[:3] == ["deeppool", "run", str(new_plan)] and "--resume" in command
+    command[command.index("--out") + 1] = str(tmp_path / "second")
+    resumed = deeppool(capfd, *command[1:])
+    assert resumed.code == 0, resumed.stderr[-3000:]
+    second = json.loads((tmp_path / "second" / "summary.json").read_text())
+    assert second["gpus"] == 1 and len(second["losses"]) == 3
+    assert second["losses"] == pytest.approx(whole["losses"][2:], rel=1e-5)
