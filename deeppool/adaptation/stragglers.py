@@ -2,10 +2,22 @@
 
 Each step, every rank's speed relative to its group is the median compute
 time of the group's *other* ranks over its own, ``s_r = median_{j≠r} t_j / t_r``,
-smoothed by an EWMA (α = 0.1). (With the median over the whole group, a group
-of two would compare each rank with the mean of both, and a rank at half speed
-would sit at 0.75, next to the threshold; against the other rank it is 0.5.
-For large groups the two medians agree.) A rank whose
+smoothed by an EWMA (α = 0.1) of its logarithm, ``S_r ← exp((1 − α)·ln S_r +
+α·ln s_r)``, a running geometric mean. Two departures from Resource
+Elasticity's plain EWMA of the ratio, both for shared, noisy machines:
+
+* the others' median: with the median over the whole group, a group of two
+  would compare each rank with the mean of both, and a rank at half speed
+  would sit at 0.75, next to the threshold; against the other rank it is 0.5.
+  For large groups the two medians agree;
+* the logarithm: a ratio is bounded below by 0 and unbounded above, so in a
+  plain EWMA one step in which the *other* ranks were descheduled (``s_r`` = 5,
+  say) lifts a half-speed rank's average from 0.5 to 0.95 and restarts its
+  sustained period. In logarithms a ratio and its inverse weigh the same, so
+  a healthy rank's noise averages to 1 and one outlier moves the mean by a
+  factor ``s_r^α`` (1.17 for 5).
+
+A rank whose
 smoothed relative speed stays below ``threshold`` (0.8) for ``patience``
 consecutive steps is a straggler; it is reported once, with its figures, and
 again only after it has recovered and fallen behind anew.
@@ -13,6 +25,7 @@ again only after it has recovered and fallen behind anew.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -59,8 +72,7 @@ class StragglerDetector:
         for rank, ms in times.items():
             median = statistics.median(t for r, t in times.items() if r != rank)
             relative = median / ms
-            smoothed = self.speed.get(rank, 1.0)
-            smoothed = (1 - self.alpha) * smoothed + self.alpha * relative
+            smoothed = math.exp((1 - self.alpha) * math.log(self.speed.get(rank, 1.0)) + self.alpha * math.log(relative))
             self.speed[rank] = smoothed
             self.slow_steps[rank] = self.slow_steps.get(rank, 0) + 1 if smoothed < self.threshold else 0
             if self.slow_steps[rank] >= self.patience and rank not in self.flagged:

@@ -31,6 +31,20 @@ def test_healthy_ranks_with_noise_are_never_flagged(seed: int) -> None:
     assert run({}, steps=1000, seed=seed) == []
 
 
+def test_in_a_group_of_two_the_slow_rank_is_the_one_flagged() -> None:
+    found = run({1: 0.5}, ranks=2)
+    assert [s.rank for s in found] == [1] and found[0].relative_speed < 0.6
+
+
+def test_outlier_steps_of_the_other_ranks_do_not_hide_a_straggler() -> None:
+    """Every 8th step the other ranks are descheduled (5x slower): the half-speed rank is still found."""
+    detector, found = StragglerDetector(patience=20), []
+    for step in range(100):
+        others = 50.0 if step % 8 == 0 else 10.0
+        found += detector.observe(step, {0: others, 1: others, 2: others, 3: 20.0})
+    assert [s.rank for s in found] == [3]
+
+
 def test_goodput_prefers_the_batch_where_throughput_and_efficiency_balance() -> None:
     assert statistical_efficiency(64, base_batch=64, noise_scale=500.0) == 1.0
     assert statistical_efficiency(1024, base_batch=64, noise_scale=0.0) == pytest.approx(64 / 1024)

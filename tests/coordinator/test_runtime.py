@@ -131,3 +131,24 @@ def test_cancel_stops_the_processes_and_requeue_runs_the_next_attempt(tmp_path: 
     rt.reconcile()
     assert rt.launcher.observe(job.id, 2).phase is not Phase.RUNNING
     assert rt.launcher.files(job.id, 2).log.read_text().splitlines().count("up") == 2  # both attempts ran, in turn
+
+
+def test_a_straggler_the_run_reports_is_an_event_of_the_job(tmp_path: Path, monkeypatch) -> None:
+    from tests.executor.plans import cycle, make_plan
+
+    plan_path = tmp_path / "plan.json"
+    make_plan("mlp", global_batch=8, gpus=2, assign=cycle(2)).save(plan_path)
+    monkeypatch.setenv("DEEPPOOL_FAULT", "slow-rank:1")  # the supervisor, the run and its ranks inherit it
+    out = tmp_path / "jobs" / "job-1" / "run"  # where the coordinator's driver puts a job's run
+    rt = runtime(tmp_path, [[sys.executable, "-m", "deeppool.cli", "run", str(plan_path), "--steps", "60",
+                             "--out", str(out)]])
+    job = submit(rt)
+    assert job.id == 1 and rt.start(job, "granted")
+    done = settle(rt, job.id, lambda j: j.state.terminal, timeout_s=240)
+    assert done.state is JobStatus.SUCCEEDED, rt.launcher.files(job.id, 1).log.read_text()[-3000:]
+    notes = [e for e in rt.store.events(job.id) if e.from_state is e.to_state]
+    assert [e.to_state for e in notes] == [JobStatus.RUNNING]
+    assert notes[0].reason.startswith("attempt 1: straggler: rank 1 is a straggler since step")
+    assert rt.store.attempts(job.id) == 1
+    rt.reconcile()
+    assert len(rt.store.events(job.id)) == 5  # submitted, starting, running, the straggler, succeeded: once each

@@ -39,7 +39,7 @@ SLOW = [("mlp", 2, cycle(2), 1), ("residual", 4, cycle(1, 4, 2, 3), 2)]
 def test_an_injected_slow_rank_is_flagged(tmp_path: Path, capfd, monkeypatch, name: str, gpus: int,
                                           assign: Assign, slow: int) -> None:
     monkeypatch.setenv("DEEPPOOL_FAULT", f"slow-rank:{slow}")
-    summary, stdout = run(capfd, saved(tmp_path, name, 8, gpus, assign), tmp_path / "out", "--steps", "60")
+    summary, stdout = run(capfd, saved(tmp_path, name, 8, gpus, assign), tmp_path / "out", "--steps", "100")
     assert [s["rank"] for s in summary["stragglers"]] == [slow]
     assert summary["stragglers"][0]["relative_speed"] < 0.8
     events = [json.loads(line) for line in (tmp_path / "out" / EVENTS).read_text().splitlines()]
