@@ -88,7 +88,7 @@ def train_rank(
     module = _training(traced).to(device)
     module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
     program = build_program(plan, traced.graph, comm.rank)
-    recorder = Recorder(clock, _cuda_events(device))
+    recorder = Recorder(clock, _cuda_events(device), None if device.type == "cuda" else time.thread_time)
     local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks, recorder), program.stages,
                  traced.random)
     reference = None if reference_model is None else LockstepReference(

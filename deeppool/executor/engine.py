@@ -10,6 +10,7 @@ gradient of the global mean loss; gradient all-reduces therefore sum.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,7 +118,8 @@ class Engine:
         slow = parts.slowdown
         if slow is not None and slow.rank == self.rank:
             for kind in (OpKind.FORWARD, OpKind.BACKWARD):
-                self._handlers[kind] = slow.slowed(self._handlers[kind], parts.synchronize)
+                self._handlers[kind] = slow.slowed(self._handlers[kind], parts.synchronize,
+                                                   time.perf_counter if parts.device.type == "cuda" else time.thread_time)
 
     def step(self, step: int, batches: Sequence[Batch], position: int | None = None) -> float:
         """Run one optimizer step over ``batches`` (micro-batches, the first being global batch ``position``,

@@ -1,15 +1,18 @@
 """Fault injection for tests, from the ``DEEPPOOL_FAULT`` environment variable (as the coordinator's).
 
 ``slow-rank:R`` makes rank ``R`` compute at half speed: after each of its
-forward and backward ops it waits as long again as the op took (``slow-rank:R:F``
-waits ``F − 1`` times as long, so it runs at ``1/F`` speed). The wait is inside
-the op's compute span, so the rank is measured as slow, and the other ranks
-wait for it in communication, as they would for a slow GPU.
+forward and backward ops it keeps working (spinning on ``clock``) as long again
+as the op took (``slow-rank:R:F``: ``F − 1`` times as long, so it runs at
+``1/F`` speed). On CPU the clock is the thread's CPU time, so the extra is real
+work, measured as the rank's compute like the op's own; on a GPU it is the
+wall clock. The extra is inside the op's compute span, so the rank is measured
+as slow, and the other ranks wait for it in communication, as they would for
+a slow GPU. (An op that itself waits inside, SyncBatchNorm's reductions, is
+slowed by its whole duration on a GPU; on CPU, waiting uses no CPU time.)
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -45,13 +48,15 @@ class Slowdown:
         except ValueError:
             raise DeeppoolError(f"{FAULT}={environ[FAULT]}: write {SLOW_RANK}:RANK or {SLOW_RANK}:RANK:FACTOR") from None
 
-    def slowed(self, handler: Handler, synchronize: Callable[[], None]) -> Handler:
-        """``handler`` followed by a wait of ``factor − 1`` times its own duration (device work included)."""
+    def slowed(self, handler: Handler, synchronize: Callable[[], None], clock: Callable[[], float]) -> Handler:
+        """``handler`` followed by ``factor − 1`` times its own time on ``clock`` of spinning."""
 
         def run(*args: object) -> None:
-            start = time.perf_counter()
+            start = clock()
             handler(*args)
             synchronize()
-            time.sleep((self.factor - 1) * (time.perf_counter() - start))
+            until = clock() + (self.factor - 1) * (clock() - start)
+            while clock() < until:
+                pass
 
         return run  # type: ignore[return-value]

@@ -5,7 +5,11 @@ of ``8 × (3 + stages)`` bytes per rank): its step time, its compute time (the
 step's compute spans: forward, backward, loss, optimizer, less the
 communication spans inside them, SyncBatchNorm's reductions; never time spent
 waiting in communication), rank 0's gradient noise scale, and per stage its
-forward and backward time, measured the same way.
+forward and backward time, measured the same way. On a GPU the spans are
+device time; on CPU, the thread's CPU time (``time.thread_time``), since CPU
+ranks that share cores also wait for a core, and that wait is the machine's
+load, not the rank's speed (on a loaded 2-core machine it made a healthy 4th
+rank of 4 look 0.7× as fast, steadily).
 
 Stragglers are found per rank group, as ranks do different work in a burst
 plan: the stages on ranks ``0..g−1`` form the group of size ``g`` (a
@@ -32,9 +36,12 @@ from deeppool.executor.program import Stage
 from deeppool.executor.timing import Category, Recorder
 from deeppool.planner.plan import Plan
 
-PATIENCE = 20
-"""Steps a rank's smoothed relative speed must stay below the threshold: long enough that a rank
-descheduled for a few steps on a shared machine is not reported (see docs/adaptation.md)."""
+ALPHA = 0.05
+"""The smoothing of the relative speed (an effective window of about ``2/α`` = 40 steps)."""
+PATIENCE = 30
+"""Steps a rank's smoothed relative speed must stay below the threshold. With :data:`ALPHA`, long enough
+that the noise of 4 ranks sharing 2 loaded cores is never reported (the lowest smoothed speed seen over 300
+healthy steps was 0.83), short enough that a rank at half speed is reported within about 40 steps."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +68,7 @@ class StepMonitor:
         for stage in stages:
             if stage.gpus > 1:
                 self._groups[stage.gpus].append(stage)
-        self.detectors = {gpus: StragglerDetector(patience=PATIENCE) for gpus in self._groups}
+        self.detectors = {gpus: StragglerDetector(alpha=ALPHA, patience=PATIENCE) for gpus in self._groups}
         self.reported: dict[int, Straggler] = {}
 
     def observe(self, step: int, gns: float | None = None) -> StepFigures:
@@ -84,9 +91,9 @@ class StepMonitor:
             if span.category is Category.ITERATION:
                 step_ms += span.ms
             elif span.category is Category.COMPUTE:
-                inside = sum(c.ms for c in comm if span.start_s <= c.start_s and c.end_s <= span.end_s)
-                compute_ms += span.ms - inside
-                by_label[span.label] += span.ms - inside
+                inside = sum(c.busy_ms for c in comm if span.start_s <= c.start_s and c.end_s <= span.end_s)
+                compute_ms += span.busy_ms - inside
+                by_label[span.label] += span.busy_ms - inside
         stages = [by_label[f"forward:{s.name}"] + by_label[f"backward:{s.name}"] for s in self.stages]
         return [step_ms, compute_ms, math.nan if gns is None else gns, *stages]
 

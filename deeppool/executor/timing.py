@@ -45,10 +45,18 @@ class Span:
     category: Category
     start_s: float
     end_s: float
+    cpu_s: float | None = None
+    """CPU time this thread spent in the span (host-timed spans, when the recorder has a CPU clock)."""
 
     @property
     def ms(self) -> float:
         return 1e3 * (self.end_s - self.start_s)
+
+    @property
+    def busy_ms(self) -> float:
+        """The span's own work: its CPU time where measured (on CPU, waiting for a core is not work), else
+        its duration (a device-timed span is the device's time already)."""
+        return 1e3 * self.cpu_s if self.cpu_s is not None else self.ms
 
 
 class DeviceEvent(Protocol):
@@ -79,9 +87,11 @@ class _Pending:
 class Recorder:
     """Collects spans: host-timed, or device-timed with ``events`` and settled once per iteration."""
 
-    def __init__(self, clock: Clock, events: EventClock | None = None) -> None:
+    def __init__(self, clock: Clock, events: EventClock | None = None, cpu_clock: Clock | None = None) -> None:
+        """``cpu_clock`` (``time.thread_time`` on CPU) also times host-timed spans in CPU seconds."""
         self.clock = clock
         self._events = events
+        self._cpu = cpu_clock
         self._origin: tuple[DeviceEvent, float] | None = None
         self._pending: list[_Pending] = []
         self.spans: list[Span] = []
@@ -99,9 +109,11 @@ class Recorder:
     @contextmanager
     def span(self, step: int, label: str, category: Category) -> Iterator[None]:
         if self._events is None:
-            start = self.clock()
+            start, cpu = self.clock(), self._cpu() if self._cpu is not None else None
             yield
-            self.spans.append(Span(step=step, label=label, category=category, start_s=start, end_s=self.clock()))
+            used = self._cpu() - cpu if self._cpu is not None and cpu is not None else None
+            self.spans.append(Span(step=step, label=label, category=category, start_s=start, end_s=self.clock(),
+                                   cpu_s=used))
             return
         begin, end = self._events(), self._events()
         begin.record()

