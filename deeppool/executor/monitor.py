@@ -73,7 +73,9 @@ class StepMonitor:
 
     def observe(self, step: int, gns: float | None = None) -> StepFigures:
         """Gather the step just run (its spans since the last call) from every rank; feed the detectors."""
-        rows = self.comm.all_gather(self._row(gns))
+        row = self._row(gns)
+        with self.recorder.span(step, "monitor", Category.COMM):  # its cost shows in the trace
+            rows = self.comm.all_gather(row)
         found = self._detect(step, rows)
         first = rows[0][2]
         return StepFigures(
