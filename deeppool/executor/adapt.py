@@ -112,18 +112,27 @@ class Adapter:
         if self.policy is not None:
             self._apply(step, self.policy.before_step(self.snapshot(step)))
 
-    def after_step(self, step: int, batches: int, gns: float | None = None) -> bool:
-        """The step is done (``batches`` micro-batches): monitor it, consult the policy; whether to stop."""
+    def after_step(self, step: int, batches: int, *, last: bool, gns: float | None = None) -> bool:
+        """The step is done (``batches`` micro-batches; ``last``: the run's last step): monitor it, consult
+        the policy; whether to stop."""
         self.progress = replace(self.progress, position=self.progress.position + batches)
-        figures = self.monitor.observe(step, gns)
+        self.monitor.record(step, gns)
+        if last or self.monitor.due:
+            self._found(self.monitor.gather(step))
+        if self.policy is not None:
+            self._apply(step + 1, self.policy.after_step(self.snapshot(step + 1)))
+        if self.requested is not None:  # the run stops here: what is still recorded is gathered now
+            self._found(self.monitor.gather(step))
+        return self.requested is not None
+
+    def _found(self, figures: StepFigures | None) -> None:
+        if figures is None:
+            return
         self._last = figures
         for straggler in figures.found:
             self.stragglers.append(straggler)
             if self.log is not None:
                 self.log.write("straggler", f"straggler: {straggler.describe()}", **straggler.to_json())
-        if self.policy is not None:
-            self._apply(step + 1, self.policy.after_step(self.snapshot(step + 1)))
-        return self.requested is not None
 
     def after_epoch(self, steps_done: int) -> bool:
         if self.policy is not None:

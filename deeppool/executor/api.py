@@ -109,7 +109,7 @@ def train_rank(
         losses.append(engine.step(step, batch, position))
         if reference is not None:
             checks.append(reference.step(step, batch))
-        stop = adapter.after_step(step, micros) or _epoch_ends(adapter, data, position, position + micros, step + 1, config.steps)
+        stop = adapter.after_step(step, micros, last=step + 1 == config.steps) or _epoch_ends(adapter, data, position, position + micros, step + 1, config.steps)
         _save(_where(config, stop), step + 1, engine, local, comm, adapter.progress, force=stop)
         if stop:
             _resize(adapter, config, step + 1, comm.rank)
@@ -202,7 +202,8 @@ def _epoch_ends(adapter: Adapter, data: Iterable[Any] | None, start: int, end: i
 def _adapter(plan: Plan, program: Program, comm: Comm, recorder: Recorder, engine: Engine, config: RunConfig,
              progress: Progress, policy: Policy | None) -> Adapter:
     log = EventLog(out_dir=config.out_dir, show=_show) if comm.rank == 0 else None
-    return Adapter(monitor=StepMonitor(plan, program.stages, comm, recorder), policy=policy, progress=progress,
+    monitor = StepMonitor(plan, program.stages, comm, recorder, every=config.monitor_every)
+    return Adapter(monitor=monitor, policy=policy, progress=progress,
                    gpus=plan.gpus, global_batch=plan.global_batch, optimizer=engine.p.optimizer,
                    scheduler=engine.p.scheduler, log=log)
 

@@ -64,6 +64,8 @@ LrWarmup = Annotated[int, typer.Option(help="optimizer steps of linear learning-
 CheckpointDir = Annotated[Path | None, typer.Option(help="directory for checkpoints (one shard per rank)")]
 CheckpointEvery = Annotated[int, typer.Option(help="write a checkpoint every N optimizer steps (0: never)")]
 Resume = Annotated[bool, typer.Option("--resume", help="continue from the latest complete checkpoint")]
+MonitorEvery = Annotated[int, typer.Option(
+    help="steps per all-gather of the ranks' step and compute times (stragglers, policies' snapshots)")]
 PolicyOpt = Annotated[str | None, typer.Option(
     "--policy", help="adapt the run: grow-batch (grow the batch by accumulation while the noise scale says it "
     "pays; needs --monitor gns), or module:factory / file.py:factory returning a policy")]
@@ -85,6 +87,7 @@ def make_config(
     timeout: float, bucket_mb: float, check: bool, check_bound: float, out: Path, accumulate: int = 1,
     clip_norm: float | None = None, lr_schedule: ScheduleKind = ScheduleKind.CONSTANT, lr_warmup: int = 0,
     checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume: bool = False, policy: str | None = None,
+    monitor_every: int = 10,
 ) -> RunConfig:
     """The run's config; ``warmup=None`` is the default: 5, or one less than ``steps`` when that is fewer."""
     if warmup is not None and steps >= 1 and warmup >= steps:
@@ -103,7 +106,7 @@ def make_config(
         training=training,
         checkpoint=CheckpointConfig(directory=checkpoint_dir, every=checkpoint_every, resume=resume)
         if checkpoint_dir is not None else None,
-        policy=policy,
+        policy=policy, monitor_every=monitor_every,
     )
 
 
@@ -125,6 +128,7 @@ def config_args(config: RunConfig) -> list[str]:
         args += ["--checkpoint-dir", str(checkpoint.directory), "--checkpoint-every", str(checkpoint.every)]
         args += ["--resume"] if checkpoint.resume else []
     args += ["--policy", config.policy] if config.policy is not None else []
+    args += ["--monitor-every", str(config.monitor_every)]
     return args + (["--check"] if config.check else [])
 
 
@@ -140,6 +144,7 @@ def run(
     out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
     lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
     checkpoint_every: CheckpointEvery = 0, resume: Resume = False, policy: PolicyOpt = None,
+    monitor_every: MonitorEvery = 10,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -161,6 +166,7 @@ def run(
         backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
         accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule, lr_warmup=lr_warmup,
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, policy=policy,
+        monitor_every=monitor_every,
     )
     if policy is not None:
         from deeppool.adaptation.policy import load_policy
@@ -323,6 +329,7 @@ def worker(
     out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
     lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
     checkpoint_every: CheckpointEvery = 0, resume: Resume = False, policy: PolicyOpt = None,
+    monitor_every: MonitorEvery = 10,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -338,7 +345,7 @@ def worker(
             momentum=momentum, backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check,
             check_bound=check_bound, out=out, accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule,
             lr_warmup=lr_warmup, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-            policy=policy,
+            policy=policy, monitor_every=monitor_every,
         )
         bg = make_background(
             background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,

@@ -145,6 +145,8 @@ class RunConfig:
     checkpoint: CheckpointConfig | None = None
     policy: str | None = None
     """``--policy``: a built-in adaptation policy or ``module:factory`` (:mod:`deeppool.adaptation.policy`)."""
+    monitor_every: int = 10
+    """Steps per all-gather of the ranks' step and compute times (:mod:`deeppool.executor.monitor`)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -159,6 +161,8 @@ class RunConfig:
             raise DeeppoolError(f"--check-bound {self.check_bound} must be positive")
         if self.check and self.checkpoint is not None and self.checkpoint.resume:
             raise DeeppoolError("--check trains its reference from the start: run --resume without --check")
+        if self.monitor_every < 1:
+            raise DeeppoolError(f"--monitor-every {self.monitor_every} must be at least 1")
         if self.check and self.policy is not None:
             raise DeeppoolError(f"--check trains its reference with fixed settings: run --policy {self.policy} "
                                 "without --check")

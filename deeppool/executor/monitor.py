@@ -1,7 +1,8 @@
 """Per-step figures of every rank, on every rank: step and compute times, and stragglers.
 
-After each optimizer step every rank all-gathers one short row (one collective
-of ``8 × (3 + stages)`` bytes per rank): its step time, its compute time (the
+After every ``every`` optimizer steps (``--monitor-every``, 10 by default) every
+rank all-gathers one short row per step (one collective of ``8 × (3 + stages)``
+bytes per rank and step): its step time, its compute time (the
 step's compute spans: forward, backward, loss, optimizer, less the
 communication spans inside them, SyncBatchNorm's reductions; never time spent
 waiting in communication), rank 0's gradient noise scale, and per stage its
@@ -59,10 +60,13 @@ class StepFigures:
 
 
 class StepMonitor:
-    def __init__(self, plan: Plan, stages: tuple[Stage, ...], comm: Comm, recorder: Recorder) -> None:
+    def __init__(self, plan: Plan, stages: tuple[Stage, ...], comm: Comm, recorder: Recorder, *,
+                 every: int = 10) -> None:
+        """``every``: steps per all-gather (their rows go together; the detectors still see every step)."""
         self.comm, self.recorder = comm, recorder
-        self.stages = stages
+        self.stages, self.every = stages, every
         self._cursor = 0
+        self._pending: list[tuple[int, list[float]]] = []
         self._share = {stage.index: _share(plan, stage) for stage in stages}
         self._groups: dict[int, list[Stage]] = defaultdict(list)
         for stage in stages:
@@ -71,16 +75,33 @@ class StepMonitor:
         self.detectors = {gpus: StragglerDetector(alpha=ALPHA, patience=PATIENCE) for gpus in self._groups}
         self.reported: dict[int, Straggler] = {}
 
-    def observe(self, step: int, gns: float | None = None) -> StepFigures:
-        """Gather the step just run (its spans since the last call) from every rank; feed the detectors."""
-        row = self._row(gns)
+    def record(self, step: int, gns: float | None = None) -> None:
+        """Keep this rank's row of the step just run (its spans since the last call)."""
+        self._pending.append((step, self._row(gns)))
+
+    @property
+    def due(self) -> bool:
+        """``every`` steps are recorded: time to gather."""
+        return len(self._pending) >= self.every
+
+    def gather(self, step: int) -> StepFigures | None:
+        """All ranks' recorded rows (a collective), fed to the detectors step by step; None if none."""
+        if not self._pending:
+            return None
+        steps = [done for done, _ in self._pending]
+        mine = [value for _, row in self._pending for value in row]
+        self._pending = []
         with self.recorder.span(step, "monitor", Category.COMM):  # its cost shows in the trace
-            rows = self.comm.all_gather(row)
-        found = self._detect(step, rows)
+            gathered = self.comm.all_gather(mine)
+        width = len(mine) // len(steps)
+        found: list[Straggler] = []
+        for i, done in enumerate(steps):
+            rows = [theirs[i * width:(i + 1) * width] for theirs in gathered]
+            found += self._detect(done, rows)
         first = rows[0][2]
         return StepFigures(
             step=step, step_ms=tuple(row[0] for row in rows), compute_ms=tuple(row[1] for row in rows),
-            gns=None if math.isnan(first) else first, found=found, flagged=tuple(self.reported.values()),
+            gns=None if math.isnan(first) else first, found=tuple(found), flagged=tuple(self.reported.values()),
         )
 
     def _row(self, gns: float | None) -> list[float]:
@@ -99,7 +120,7 @@ class StepMonitor:
         stages = [by_label[f"forward:{s.name}"] + by_label[f"backward:{s.name}"] for s in self.stages]
         return [step_ms, compute_ms, math.nan if gns is None else gns, *stages]
 
-    def _detect(self, step: int, rows: list[tuple[float, ...]]) -> tuple[Straggler, ...]:
+    def _detect(self, step: int, rows: list[tuple[float, ...]]) -> list[Straggler]:
         flagged: set[int] = set()
         found: dict[int, Straggler] = {}
         for gpus, stages in self._groups.items():
@@ -112,7 +133,7 @@ class StepMonitor:
         for rank in list(self.reported):
             if rank not in flagged:
                 del self.reported[rank]
-        new = tuple(s for rank, s in sorted(found.items()) if rank not in self.reported)
+        new = [s for rank, s in sorted(found.items()) if rank not in self.reported]
         self.reported.update((s.rank, s) for s in new)
         return new
 
