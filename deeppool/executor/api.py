@@ -31,7 +31,7 @@ from deeppool.executor.faults import Slowdown
 from deeppool.executor.gradients import FIRST_BUCKET_BYTES, GradientReducer
 from deeppool.executor.idle import IdleListener, NoBackground
 from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
-from deeppool.executor.monitor import StepMonitor
+from deeppool.executor.steptimes import StepMonitor
 from deeppool.executor.outputs import RESIZE
 from deeppool.executor.program import Program, build_program, idle_positions
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of

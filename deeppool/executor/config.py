@@ -146,7 +146,7 @@ class RunConfig:
     policy: str | None = None
     """``--policy``: a built-in adaptation policy or ``module:factory`` (:mod:`deeppool.adaptation.policy`)."""
     monitor_every: int = 10
-    """Steps per all-gather of the ranks' step and compute times (:mod:`deeppool.executor.monitor`)."""
+    """Steps per all-gather of the ranks' step and compute times (:mod:`deeppool.executor.steptimes`)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deeppool.executor.monitor import StepMonitor
+from deeppool.executor.steptimes import StepMonitor
 from deeppool.executor.program import build_program
 from deeppool.executor.timing import Category, Recorder, Span
 from tests.executor.fakes import ThreadComm, ThreadWorld, run_threads
