@@ -22,18 +22,22 @@ import torch
 from deeppool.errors import DeeppoolError
 from deeppool.executor.checkpoint import Shard, latest, load, save
 from deeppool.executor.comm import Comm
-from deeppool.executor.config import CheckpointConfig, RunConfig
+from deeppool.adaptation.adascale import AdaScale
+from deeppool.executor.config import CheckpointConfig, LrScaling, OptimizerKind, RunConfig
 from deeppool.executor.data import BatchSource, LoaderBatches, SyntheticBatches
 from deeppool.executor.engine import Engine, EngineParts
 from deeppool.executor.gradients import FIRST_BUCKET_BYTES, GradientReducer
 from deeppool.executor.idle import IdleListener, NoBackground
 from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
+from deeppool.executor.monitor import (
+    AdaScaleLr, GnsReading, GradientMonitor, default_base_batch, group_shares, single_groups,
+)
 from deeppool.executor.program import Program, build_program, idle_positions
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
 from deeppool.executor.syncbn import Reduce
-from deeppool.executor.timing import Clock, EventClock, Recorder, RankTimes, Span, summarise
-from deeppool.planner.graph import TraceMethod
+from deeppool.executor.timing import Clock, Counter, EventClock, Recorder, RankTimes, Span, summarise
+from deeppool.planner.graph import LayerGraph, TraceMethod
 from deeppool.planner.modelspec import LoadedModel, ModelSpec
 from deeppool.planner.plan import Plan
 from deeppool.planner.trace import Traced, trace
@@ -49,6 +53,9 @@ class RankResult:
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
     summary: RunSummary | None
+    counters: tuple[Counter, ...] = ()
+    gns: tuple[GnsReading, ...] = ()
+    """Rank 0's noise-scale reading of every step it ran (``--monitor gns``); empty elsewhere."""
 
 
 def train_rank(
@@ -72,6 +79,7 @@ def train_rank(
     batches = _batches(loaded, plan, data)
     traced = builder.trace(loaded)
     check_plan_matches(plan, traced.graph)
+    check_adaptation(plan, traced.graph, config)
     reference_model = builder.load(plan.model) if config.check else None
     module = _training(traced).to(device)
     module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
@@ -90,9 +98,13 @@ def train_rank(
     first = _resume(config.checkpoint, engine, local, comm.rank)
     for index in range(first * micros):  # the data position: the batches the resumed steps trained on
         batches(index)
+    readings: list[GnsReading] = []
     for step in range(first, config.steps):
         batch = [batches(step * micros + micro) for micro in range(micros)]
         losses.append(engine.step(step, batch))
+        monitor = engine.p.monitor
+        if monitor is not None and monitor.latest is not None:
+            readings.append(monitor.latest)
         if reference is not None:
             checks.append(reference.step(step, batch))
         _save(config.checkpoint, step + 1, engine, local, comm)
@@ -104,11 +116,44 @@ def train_rank(
         summary = summarise_run(
             plan, program.stages, [g[0] for g in gathered], [g[1] for g in gathered], [g[2] for g in gathered],
             steps=config.steps, synchronous_allreduce=config.bucket_mb == 0,
+            adaptation=adaptation_report(engine),
         )
     return RankResult(
         rank=comm.rank, losses=tuple(losses), times=times, spans=tuple(recorder.spans), check=check,
         params={name: p.detach() for name, p in local.params.items()}, buffers=dict(local.buffers), summary=summary,
+        counters=tuple(recorder.counters), gns=tuple(readings),
     )
+
+
+def check_adaptation(plan: Plan, graph: LayerGraph, config: RunConfig) -> None:
+    """The adaptation options fit the plan, or one line says what to change."""
+    adaptation = config.adaptation
+    if adaptation.measures and not group_shares(plan, graph, 0):
+        flag = "--lr-scaling adascale" if adaptation.lr_scaling is LrScaling.ADASCALE else "--monitor gns"
+        raise DeeppoolError(f"{flag} measures gradients before and after a layer group's all-reduce, and no layer "
+                            "with parameters runs on two or more GPUs in this plan: re-plan with more GPUs")
+    if adaptation.lr_scaling is not LrScaling.ADASCALE:
+        return
+    batch = plan.global_batch * config.training.accumulate
+    base = adaptation.base_batch or default_base_batch(plan)
+    if base > batch:
+        raise DeeppoolError(f"--base-batch {base} is more than a step's batch of {batch} samples (the plan's global "
+                            f"batch x --accumulate): give at most {batch}")
+
+
+def adaptation_report(engine: Engine) -> dict[str, Any]:
+    """summary.json's adaptation keys: ``gns`` (samples) and its statistics; AdaScale's τ and last gain."""
+    report: dict[str, Any] = {}
+    monitor, scaling = engine.p.monitor, engine.p.lr_scaling
+    if monitor is not None:
+        latest = monitor.latest
+        report["gns"] = None if latest is None else latest.to_json()["noise_scale"]
+        report["gns_stats"] = None if latest is None else latest.to_json()
+    if scaling is not None:
+        scaler = scaling.scaler
+        report["adascale"] = {"tau": scaler.tau, "gain": scaler.gain, "base_batch": scaler.base_batch,
+                              "batch": scaler.batch, "scale": scaler.batch / scaler.base_batch}
+    return report
 
 
 def _resume(checkpoint: CheckpointConfig | None, engine: Engine, local: LocalModel, rank: int) -> int:
@@ -129,6 +174,11 @@ def _resume(checkpoint: CheckpointConfig | None, engine: Engine, local: LocalMod
         parts.optimizer.load_state_dict(shard.optimizer)
     if parts.scheduler is not None and shard.scheduler is not None:
         parts.scheduler.load_state_dict(shard.scheduler)
+    state = shard.adaptation or {}
+    if parts.monitor is not None and "gns" in state:
+        parts.monitor.load_state_dict(state["gns"])
+    if parts.lr_scaling is not None and "adascale" in state:
+        parts.lr_scaling.load_state_dict(state["adascale"])
     return done
 
 
@@ -142,8 +192,19 @@ def _save(checkpoint: CheckpointConfig | None, done: int, engine: Engine, local:
         buffers={name: b.detach().cpu().clone() for name, b in local.buffers.items()},
         optimizer=parts.optimizer.state_dict() if parts.optimizer is not None else None,
         scheduler=parts.scheduler.state_dict() if parts.scheduler is not None else None,
+        adaptation=_adaptation_state(parts),
     )
     save(checkpoint.directory, comm.rank, shard, barrier=lambda: comm.all_reduce_max(0.0))
+
+
+def _adaptation_state(parts: EngineParts) -> dict[str, Any] | None:
+    """The noise scale's moving averages and AdaScale's τ and gain, for a resume to continue them."""
+    state: dict[str, Any] = {}
+    if parts.monitor is not None:
+        state["gns"] = parts.monitor.state_dict()
+    if parts.lr_scaling is not None:
+        state["adascale"] = parts.lr_scaling.state_dict()
+    return state or None
 
 
 class ModelBuilder:
@@ -200,6 +261,9 @@ def _engine(
 ) -> Engine:
     optimizer = config.optimizer.build(local.params.values()) if local.params else None
     training = config.training
+    monitor = _monitor(plan, local, comm, config, device)
+    scaling = _lr_scaling(plan, config, monitor)
+    shares = group_shares(plan, local.graph, comm.rank, training.accumulate)
     return Engine(
         EngineParts(
             plan=plan,
@@ -208,10 +272,13 @@ def _engine(
             comm=comm,
             loss=loaded.loss,
             optimizer=optimizer,
-            scheduler=training.schedule.build(optimizer) if optimizer is not None else None,
+            scheduler=training.schedule.build(optimizer) if optimizer is not None and scaling is None else None,
             clip_norm=training.clip_norm,
             reducer=GradientReducer(comm, config.bucket_bytes, _side_stream(device),
-                                    first_bucket_bytes=FIRST_BUCKET_BYTES if device.type == "cuda" else None),
+                                    first_bucket_bytes=FIRST_BUCKET_BYTES if device.type == "cuda" else None,
+                                    meter=None if monitor is None else monitor.meter,
+                                    combine=config.adaptation.combine or plan.combine,
+                                    scales={share.ranks: share.scale for share in shares}),
             recorder=recorder,
             idle=idle_positions(program, plan.idle_windows(comm.rank)),
             on_idle=on_idle or NoBackground(),
@@ -219,5 +286,25 @@ def _engine(
             on_gradients=None if reference is None else reference.gradients_reduced,
             overlap=config.bucket_bytes > 0,
             synchronize=_synchronize(device),
+            monitor=monitor,
+            lr_scaling=scaling,
         )
     )
+
+
+def _monitor(plan: Plan, local: LocalModel, comm: Comm, config: RunConfig,
+             device: torch.device) -> GradientMonitor | None:
+    if not config.adaptation.measures:
+        return None
+    shares = group_shares(plan, local.graph, comm.rank, config.training.accumulate)
+    return GradientMonitor(comm, shares, skipped=single_groups(plan, local.graph), device=device)
+
+
+def _lr_scaling(plan: Plan, config: RunConfig, monitor: GradientMonitor | None) -> AdaScaleLr | None:
+    adaptation = config.adaptation
+    if adaptation.lr_scaling is not LrScaling.ADASCALE or monitor is None:
+        return None
+    scaler = AdaScale(base_batch=adaptation.base_batch or default_base_batch(plan),
+                      batch=plan.global_batch * config.training.accumulate,
+                      adam=config.optimizer.kind is OptimizerKind.ADAM)
+    return AdaScaleLr(scaler, lr=config.optimizer.lr, schedule=config.training.schedule, monitor=monitor)

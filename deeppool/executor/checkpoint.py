@@ -2,7 +2,7 @@
 
 ``<dir>/step-<N>/rank<r>.pt`` holds what rank ``r`` trains: the parameters and
 buffers of its layers (by their names in the model), its optimizer's and LR
-schedule's state, and ``N``, the number of optimizer steps done. Data
+schedule's state, the noise scale's and AdaScale's state, and ``N``, the number of optimizer steps done. Data
 position and randomness follow from ``N`` (batches are drawn in order and
 per-sample random draws are seeded by the step), so a resumed run continues
 exactly where the interrupted one was. A shard is written to a temporary
@@ -35,10 +35,12 @@ class Shard:
     buffers: dict[str, torch.Tensor]
     optimizer: dict[str, Any] | None
     scheduler: dict[str, Any] | None
+    adaptation: dict[str, Any] | None = None
+    """The noise scale's moving averages and AdaScale's τ (``--monitor gns``, ``--lr-scaling adascale``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "params": self.params, "buffers": self.buffers,
-                "optimizer": self.optimizer, "scheduler": self.scheduler}
+                "optimizer": self.optimizer, "scheduler": self.scheduler, "adaptation": self.adaptation}
 
 
 def step_dir(directory: Path, steps_done: int) -> Path:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deeppool.errors import DeeppoolError
+from deeppool.planner.combine import Combine
 
 if TYPE_CHECKING:  # torch loads when an optimizer is built: the CLI checks options without it
     import torch
@@ -113,6 +114,51 @@ class Training:
             raise DeeppoolError(f"--clip-norm {self.clip_norm} must be positive")
 
 
+class Monitor(enum.Enum):
+    """What the run measures beyond its times (``--monitor``)."""
+
+    NONE = "none"
+    GNS = "gns"
+    """The gradient noise scale (:mod:`deeppool.executor.monitor`)."""
+
+
+class LrScaling(enum.Enum):
+    """How the learning rate follows the batch (``--lr-scaling``)."""
+
+    NONE = "none"
+    ADASCALE = "adascale"
+    """AdaScale's gain ratio, with the schedule indexed by scale-invariant progress τ."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Adaptation:
+    """Adapting training to its batch: the noise-scale monitor, AdaScale and the combine override.
+
+    ``base_batch`` is AdaScale's ``B₀`` (``--base-batch``; None: the plan's global batch over its widest
+    layer's GPU count, the batch one rank of plain data parallelism would see). ``combine`` overrides the
+    plan's choice of how a layer group combines its gradients (None: the plan's).
+    """
+
+    monitor: Monitor = Monitor.NONE
+    lr_scaling: LrScaling = LrScaling.NONE
+    base_batch: int | None = None
+    combine: Combine | None = None
+
+    def __post_init__(self) -> None:
+        if self.base_batch is not None and self.base_batch < 1:
+            raise DeeppoolError(f"--base-batch {self.base_batch} must be at least 1")
+        if self.base_batch is not None and self.lr_scaling is LrScaling.NONE:
+            raise DeeppoolError("--base-batch sets AdaScale's base batch: give it with --lr-scaling adascale")
+        if self.combine is Combine.ADASUM and self.measures:
+            raise DeeppoolError("--combine adasum does not give the mean gradient the noise scale is measured on: "
+                                "drop --monitor gns and --lr-scaling adascale, or use --combine sum")
+
+    @property
+    def measures(self) -> bool:
+        """Gradient norms are measured: the monitor is on, or AdaScale needs its statistics."""
+        return self.monitor is Monitor.GNS or self.lr_scaling is LrScaling.ADASCALE
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Where checkpoints go (:mod:`deeppool.executor.checkpoint`), how often, and whether to resume."""
@@ -143,6 +189,7 @@ class RunConfig:
     out_dir: Path | None = None
     training: Training = field(default_factory=Training)
     checkpoint: CheckpointConfig | None = None
+    adaptation: Adaptation = field(default_factory=Adaptation)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -157,6 +204,10 @@ class RunConfig:
             raise DeeppoolError(f"--check-bound {self.check_bound} must be positive")
         if self.check and self.checkpoint is not None and self.checkpoint.resume:
             raise DeeppoolError("--check trains its reference from the start: run --resume without --check")
+        if self.check and self.adaptation.lr_scaling is LrScaling.ADASCALE:
+            raise DeeppoolError("--check compares with plain training at --lr: run --lr-scaling adascale without --check")
+        if self.check and self.adaptation.combine is Combine.ADASUM:
+            raise DeeppoolError("--check compares with the mean gradient: run --combine adasum without --check")
 
     @property
     def bucket_bytes(self) -> int:

@@ -20,6 +20,7 @@ from deeppool.executor.data import Batch
 from deeppool.executor.gradients import GradientReducer
 from deeppool.executor.idle import IdleListener, IdleWindowEvent
 from deeppool.executor.local_model import LocalModel
+from deeppool.executor.monitor import AdaScaleLr, GradientMonitor
 from deeppool.executor.overlap import StageOverlap, install_hooks
 from deeppool.executor.program import Op, OpKind, Program, Stage, Transfer, grad_flows
 from deeppool.executor.comm import Comm
@@ -84,6 +85,11 @@ class EngineParts:
     overlap: bool = True
     """Start gradient all-reduces during the backward (:mod:`deeppool.executor.overlap`);
     off, each stage's gradients are handed over after its backward."""
+    monitor: GradientMonitor | None = None
+    """Measures the gradient noise scale once gradients are reduced (``--monitor gns``); its meter is the
+    reducer's."""
+    lr_scaling: AdaScaleLr | None = None
+    """Sets the learning rate before the optimizer steps (``--lr-scaling adascale``; then no ``scheduler``)."""
 
 
 class Engine:
@@ -306,15 +312,30 @@ class Engine:
         recorder = self.p.recorder
         with recorder.span(step, "allreduce:wait", Category.COMM):
             self.p.reducer.finish()
+        self._monitor(step)
         if self.p.on_gradients is not None:
             self.p.on_gradients(step)
         with recorder.span(step, "optimizer", Category.COMPUTE):
             self._clip()
+            if self.p.lr_scaling is not None:
+                lr = self.p.lr_scaling.apply(self.p.optimizer)
+                scaler = self.p.lr_scaling.scaler
+                recorder.count(step, "adascale", {"gain": scaler.gain, "tau": scaler.tau, "lr": lr})
             if self.p.optimizer is not None:
                 self.p.optimizer.step()
                 self.p.optimizer.zero_grad(set_to_none=True)
             if self.p.scheduler is not None:
                 self.p.scheduler.step()
+
+    def _monitor(self, step: int) -> None:
+        """The noise scale's statistics of this step (collectives in every group), a trace counter on rank 0."""
+        if self.p.monitor is None:
+            return
+        with self.p.recorder.span(step, "monitor:gns", Category.COMM):
+            reading = self.p.monitor.observe(step)
+        if reading is not None:
+            self.p.recorder.count(step, "gns", {"noise_scale": reading.noise_scale, "grad_sq": reading.grad_sq_ema,
+                                                "trace": reading.trace_ema})
 
     def _clip(self) -> None:
         """Scale every gradient by ``min(1, clip_norm / (‖g‖ + 1e-6))``, ``‖g‖`` over the whole model."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deeppool.executor.program import Stage
@@ -37,6 +37,8 @@ class RunSummary:
     losses: tuple[float, ...]
     stages: tuple[StageTiming, ...]
     check: CheckResult | None
+    adaptation: dict[str, Any] = field(default_factory=dict)
+    """``gns`` (samples), ``gns_stats`` and ``adascale`` (τ, last gain) when measured."""
 
     @property
     def iterations_per_s(self) -> float:
@@ -59,6 +61,7 @@ class RunSummary:
             "losses": list(self.losses),
             "stages": [asdict(stage) for stage in self.stages],
             "check": None if self.check is None else self.check.to_json(),
+            **self.adaptation,
         }
 
 
@@ -71,6 +74,7 @@ def summarise_run(
     *,
     steps: int,
     synchronous_allreduce: bool,
+    adaptation: dict[str, Any] | None = None,
 ) -> RunSummary:
     """Merge every rank's medians and loss shares into one summary (on rank 0)."""
     planned = {layer.name: layer for layer in plan.layers}
@@ -106,4 +110,5 @@ def summarise_run(
         losses=tuple(sum(column) for column in zip(*losses, strict=True)),
         stages=timings,
         check=check,
+        adaptation=adaptation or {},
     )

@@ -1,0 +1,48 @@
+"""A quadratic whose per-sample gradient is known: ``g_i = w + ξ_i`` (the optimum ``w* = 0``).
+
+Three parameter blocks, each a vector added to its slice of the input; the
+loss of sample ``i`` is ``½|x_i + w|²``, so its gradient with respect to ``w``
+is ``w + x_i``. Feeding ``x_i = ξ_i ~ N(0, σ²I)`` gives the gradient noise
+scale ``B_noise = dσ² / |w|²`` (``d = 3·WIDTH`` coordinates), and every block
+alone has ``WIDTH·σ² / |w_k|²``.
+"""
+
+import torch
+from torch import nn
+
+WIDTH = 64
+START = 0.25
+"""Every coordinate of ``w`` starts here: ``|w|² = 3·64/16 = 12``."""
+
+
+class Shift(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((WIDTH,), START))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.weight
+
+
+class Quadratic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = Shift(), Shift(), Shift()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b, c = torch.split(x, WIDTH, dim=1)
+        return torch.cat([self.a(a), self.b(b), self.c(c)], dim=1)
+
+
+def model() -> nn.Module:
+    return Quadratic()
+
+
+def inputs(batch_size: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(batch_size, 3 * WIDTH, generator=g),)
+
+
+def loss(output: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    del targets
+    return 0.5 * output.pow(2).sum(dim=1).mean()
