@@ -23,21 +23,23 @@ from deeppool.errors import DeeppoolError
 from deeppool.executor.checkpoint import Shard, latest, load, save
 from deeppool.executor.comm import Comm
 from deeppool.adaptation.adascale import AdaScale
-from deeppool.executor.config import CheckpointConfig, LrScaling, OptimizerKind, RunConfig
+from deeppool.executor.config import (
+    CheckpointConfig, LrScaling, OptimizerKind, RunConfig, check_adaptation, default_base_batch,
+)
 from deeppool.executor.data import BatchSource, LoaderBatches, SyntheticBatches
 from deeppool.executor.engine import Engine, EngineParts
 from deeppool.executor.gradients import FIRST_BUCKET_BYTES, GradientReducer
 from deeppool.executor.idle import IdleListener, NoBackground
 from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
 from deeppool.executor.monitor import (
-    AdaScaleLr, GnsReading, GradientMonitor, default_base_batch, group_shares, single_groups,
+    AdaScaleLr, GnsReading, GradientMonitor, group_shares, single_groups,
 )
 from deeppool.executor.program import Program, build_program, idle_positions
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
 from deeppool.executor.syncbn import Reduce
 from deeppool.executor.timing import Clock, Counter, EventClock, Recorder, RankTimes, Span, summarise
-from deeppool.planner.graph import LayerGraph, TraceMethod
+from deeppool.planner.graph import TraceMethod
 from deeppool.planner.modelspec import LoadedModel, ModelSpec
 from deeppool.planner.plan import Plan
 from deeppool.planner.trace import Traced, trace
@@ -79,7 +81,7 @@ def train_rank(
     batches = _batches(loaded, plan, data)
     traced = builder.trace(loaded)
     check_plan_matches(plan, traced.graph)
-    check_adaptation(plan, traced.graph, config)
+    check_adaptation(plan, config, grouped=bool(group_shares(plan, traced.graph, 0)))
     reference_model = builder.load(plan.model) if config.check else None
     module = _training(traced).to(device)
     module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
@@ -123,22 +125,6 @@ def train_rank(
         params={name: p.detach() for name, p in local.params.items()}, buffers=dict(local.buffers), summary=summary,
         counters=tuple(recorder.counters), gns=tuple(readings),
     )
-
-
-def check_adaptation(plan: Plan, graph: LayerGraph, config: RunConfig) -> None:
-    """The adaptation options fit the plan, or one line says what to change."""
-    adaptation = config.adaptation
-    if adaptation.measures and not group_shares(plan, graph, 0):
-        flag = "--lr-scaling adascale" if adaptation.lr_scaling is LrScaling.ADASCALE else "--monitor gns"
-        raise DeeppoolError(f"{flag} measures gradients before and after a layer group's all-reduce, and no layer "
-                            "with parameters runs on two or more GPUs in this plan: re-plan with more GPUs")
-    if adaptation.lr_scaling is not LrScaling.ADASCALE:
-        return
-    batch = plan.global_batch * config.training.accumulate
-    base = adaptation.base_batch or default_base_batch(plan)
-    if base > batch:
-        raise DeeppoolError(f"--base-batch {base} is more than a step's batch of {batch} samples (the plan's global "
-                            f"batch x --accumulate): give at most {batch}")
 
 
 def adaptation_report(engine: Engine) -> dict[str, Any]:

@@ -17,9 +17,10 @@ import typer
 from deeppool import checks
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import (
-    DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Backend, CheckpointConfig, Nodes, OptimizerConfig, OptimizerKind, ProbeConfig,
-    RunConfig, Schedule, ScheduleKind, Training,
+    DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Adaptation, Backend, CheckpointConfig, LrScaling, Monitor, Nodes,
+    OptimizerConfig, OptimizerKind, ProbeConfig, RunConfig, Schedule, ScheduleKind, Training, check_adaptation,
 )
+from deeppool.planner.combine import Combine
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.options import (
     AbBlock, BackgroundOpt, BgBatch, BgCheckpointDir, BgLr, BgOptim, MpsPercentage, MuxOpt, SlowdownTarget,
@@ -62,6 +63,16 @@ LrWarmup = Annotated[int, typer.Option(help="optimizer steps of linear learning-
 CheckpointDir = Annotated[Path | None, typer.Option(help="directory for checkpoints (one shard per rank)")]
 CheckpointEvery = Annotated[int, typer.Option(help="write a checkpoint every N optimizer steps (0: never)")]
 Resume = Annotated[bool, typer.Option("--resume", help="continue from the latest complete checkpoint")]
+MonitorOpt = Annotated[Monitor, typer.Option(
+    "--monitor", help="gns: measure the gradient noise scale per layer group (summary.json 'gns', a trace counter)")]
+LrScalingFlag = Annotated[LrScaling, typer.Option(
+    "--lr-scaling", help="adascale: scale the LR by AdaScale's gain (measures the noise scale), schedule by τ")]
+BaseBatch = Annotated[int | None, typer.Option(
+    "--base-batch", help="AdaScale's base batch, the batch --lr is tuned for",
+    show_default="global batch / the widest layer's GPUs")]
+CombineOpt = Annotated[Combine | None, typer.Option(
+    "--combine", help="how a layer group combines gradients: sum (the mean gradient) or adasum",
+    show_default="the plan's")]
 DEFAULT_WARMUP = 5
 CPU_RANKS_PER_CORE = 4
 """gloo ranks on CPU share the cores; beyond this many per core a run measures only contention."""
@@ -80,6 +91,8 @@ def make_config(
     timeout: float, bucket_mb: float, check: bool, check_bound: float, out: Path, accumulate: int = 1,
     clip_norm: float | None = None, lr_schedule: ScheduleKind = ScheduleKind.CONSTANT, lr_warmup: int = 0,
     checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume: bool = False,
+    monitor: Monitor = Monitor.NONE, lr_scaling: LrScaling = LrScaling.NONE, base_batch: int | None = None,
+    combine: Combine | None = None,
 ) -> RunConfig:
     """The run's config; ``warmup=None`` is the default: 5, or one less than ``steps`` when that is fewer."""
     if warmup is not None and steps >= 1 and warmup >= steps:
@@ -98,6 +111,7 @@ def make_config(
         training=training,
         checkpoint=CheckpointConfig(directory=checkpoint_dir, every=checkpoint_every, resume=resume)
         if checkpoint_dir is not None else None,
+        adaptation=Adaptation(monitor=monitor, lr_scaling=lr_scaling, base_batch=base_batch, combine=combine),
     )
 
 
@@ -118,7 +132,14 @@ def config_args(config: RunConfig) -> list[str]:
     if checkpoint is not None:
         args += ["--checkpoint-dir", str(checkpoint.directory), "--checkpoint-every", str(checkpoint.every)]
         args += ["--resume"] if checkpoint.resume else []
-    return args + (["--check"] if config.check else [])
+    return args + adaptation_args(config.adaptation) + (["--check"] if config.check else [])
+
+
+def adaptation_args(adaptation: Adaptation) -> list[str]:
+    args = ["--monitor", adaptation.monitor.value, "--lr-scaling", adaptation.lr_scaling.value]
+    if adaptation.base_batch is not None:
+        args += ["--base-batch", str(adaptation.base_batch)]
+    return args + (["--combine", adaptation.combine.value] if adaptation.combine is not None else [])
 
 
 @app.command()
@@ -132,7 +153,8 @@ def run(
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
     lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
-    checkpoint_every: CheckpointEvery = 0, resume: Resume = False,
+    checkpoint_every: CheckpointEvery = 0, resume: Resume = False, monitor: MonitorOpt = Monitor.NONE,
+    lr_scaling: LrScalingFlag = LrScaling.NONE, base_batch: BaseBatch = None, combine: CombineOpt = None,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -153,8 +175,10 @@ def run(
         steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
         backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
         accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule, lr_warmup=lr_warmup,
-        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, monitor=monitor,
+        lr_scaling=lr_scaling, base_batch=base_batch, combine=combine,
     )
+    check_adaptation(loaded, config, grouped=any(layer.gpus > 1 for layer in loaded.layers))
     bg = make_background(
         background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,
         slowdown_target=slowdown_target, ab_block=ab_block, bg_checkpoint_dir=bg_checkpoint_dir,
@@ -281,7 +305,8 @@ def worker(
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
     lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
-    checkpoint_every: CheckpointEvery = 0, resume: Resume = False,
+    checkpoint_every: CheckpointEvery = 0, resume: Resume = False, monitor: MonitorOpt = Monitor.NONE,
+    lr_scaling: LrScalingFlag = LrScaling.NONE, base_batch: BaseBatch = None, combine: CombineOpt = None,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -297,6 +322,7 @@ def worker(
             momentum=momentum, backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check,
             check_bound=check_bound, out=out, accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule,
             lr_warmup=lr_warmup, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+            monitor=monitor, lr_scaling=lr_scaling, base_batch=base_batch, combine=combine,
         )
         bg = make_background(
             background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,

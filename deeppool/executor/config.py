@@ -15,6 +15,8 @@ from deeppool.planner.combine import Combine
 if TYPE_CHECKING:  # torch loads when an optimizer is built: the CLI checks options without it
     import torch
 
+    from deeppool.planner.plan import Plan
+
 
 class Backend(enum.Enum):
     AUTO = "auto"
@@ -212,6 +214,35 @@ class RunConfig:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 2**20)
+
+
+def default_base_batch(plan: Plan) -> int:
+    """AdaScale's ``B₀`` when ``--base-batch`` is not given: the global batch over the widest layer's GPU count."""
+    return max(1, plan.global_batch // max(layer.gpus for layer in plan.layers))
+
+
+def check_adaptation(plan: Plan, config: RunConfig, *, grouped: bool) -> None:
+    """The adaptation options fit the plan, or one line says what to change.
+
+    ``grouped``: some layer with parameters runs on two or more GPUs (the launcher, which has not traced
+    the model, passes whether any layer does).
+    """
+    adaptation = config.adaptation
+    combine = adaptation.combine or plan.combine
+    if combine is Combine.ADASUM and (adaptation.measures or config.check):
+        raise DeeppoolError("the plan combines gradients with Adasum, not the mean gradient that --check, "
+                            "--monitor gns and --lr-scaling adascale need: drop them, or run with --combine sum")
+    if adaptation.measures and not grouped:
+        flag = "--lr-scaling adascale" if adaptation.lr_scaling is LrScaling.ADASCALE else "--monitor gns"
+        raise DeeppoolError(f"{flag} compares gradients before and after a layer group's all-reduce, and no layer "
+                            "with parameters runs on two or more GPUs in this plan: re-plan with more GPUs")
+    if adaptation.lr_scaling is not LrScaling.ADASCALE:
+        return
+    batch = plan.global_batch * config.training.accumulate
+    base = adaptation.base_batch or default_base_batch(plan)
+    if base > batch:
+        raise DeeppoolError(f"--base-batch {base} is more than a step's batch of {batch} samples (the plan's global "
+                            f"batch x --accumulate): give at most {batch}")
 
 
 DEFAULT_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20)

@@ -118,9 +118,12 @@ class GnsReading:
     """``EMA(tr Σ) / EMA(|G|²)``, in samples."""
     groups: int
     skipped: int
+    per_group: tuple[tuple[int, float, float], ...] = ()
+    """``(group size, |G|², tr Σ)`` of this step, per group: the parts that add up to ``grad_sq`` and ``trace``."""
 
     def to_json(self) -> dict[str, Any]:
-        return {key: _finite(value) for key, value in self.__dict__.items()}
+        scalars = ("step", "grad_sq", "trace", "grad_sq_ema", "trace_ema", "noise_scale", "groups", "skipped")
+        return {key: _finite(getattr(self, key)) for key in scalars}
 
 
 class GradientMonitor:
@@ -152,6 +155,7 @@ class GradientMonitor:
             step=step, grad_sq=estimate.grad_sq, trace=estimate.trace, grad_sq_ema=self.noise_scale.grad_sq,
             trace_ema=self.noise_scale.trace, noise_scale=self.noise_scale.value, groups=estimate.groups,
             skipped=estimate.skipped,
+            per_group=tuple((len(share.ranks), sq, trace) for share, (sq, trace) in zip(self.shares, sums, strict=True)),
         )
         return self.latest
 
@@ -200,11 +204,6 @@ class AdaScaleLr:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.scaler.load_state_dict(state)
-
-
-def default_base_batch(plan: Plan) -> int:
-    """AdaScale's ``B₀`` when not given: the global batch over the widest layer's GPU count."""
-    return max(1, plan.global_batch // max(layer.gpus for layer in plan.layers))
 
 
 def _finite(value: float | int) -> float | int | None:

@@ -1,10 +1,12 @@
-"""A quadratic whose per-sample gradient is known: ``g_i = w + ξ_i`` (the optimum ``w* = 0``).
+"""A quadratic whose per-sample gradient is known: ``g_i = w + x_i``.
 
-Three parameter blocks, each a vector added to its slice of the input; the
-loss of sample ``i`` is ``½|x_i + w|²``, so its gradient with respect to ``w``
-is ``w + x_i``. Feeding ``x_i = ξ_i ~ N(0, σ²I)`` gives the gradient noise
-scale ``B_noise = dσ² / |w|²`` (``d = 3·WIDTH`` coordinates), and every block
-alone has ``WIDTH·σ² / |w_k|²``.
+Three parameter blocks, each a vector added to its slice of the input. The
+loss of sample ``i`` is ``½|x_i + w|² − ½|x_i|² = ½|w|² + x_i·w`` (the targets
+are the inputs), so its gradient with respect to ``w`` is ``w + x_i`` and the
+loss tracks ``½|w|²``. Feeding ``x_i = c + ξ_i`` with ``ξ_i ~ N(0, σ²I)`` gives
+``g_i = (w − w*) + ξ_i`` with ``w* = −c``, and the gradient noise scale
+``B_noise = dσ² / |w − w*|²`` (``d = 3·WIDTH`` coordinates); every block
+alone has ``WIDTH·σ² / |w_k − w*_k|²``.
 """
 
 import torch
@@ -43,6 +45,9 @@ def inputs(batch_size: int) -> tuple[torch.Tensor, ...]:
     return (torch.randn(batch_size, 3 * WIDTH, generator=g),)
 
 
-def loss(output: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
-    del targets
-    return 0.5 * output.pow(2).sum(dim=1).mean()
+def targets(batch_size: int) -> torch.Tensor:
+    return inputs(batch_size)[0]
+
+
+def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (output.pow(2) - targets.pow(2)).sum(dim=1).mean()

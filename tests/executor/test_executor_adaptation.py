@@ -1,0 +1,150 @@
+"""The gradient noise scale, AdaScale and Adasum in the executor, on real gloo processes.
+
+The model is ``tests/executor/models/noisy_quadratic.py``: per-sample gradients
+``g_i = (w − w*) + ξ_i`` with ``ξ_i ~ N(0, σ²I)`` drawn fresh every step, so the
+true ``|G|² = |w − w*|²``, ``tr(Σ) = dσ²`` and noise scale ``dσ²/|w − w*|²``
+are known. Its three parameter blocks run on layer groups of 2, 4 and 8 ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import statistics
+
+import numpy as np
+import pytest
+import torch
+
+from deeppool.adaptation.adasum import adasum
+from deeppool.executor.config import Adaptation, Monitor, OptimizerConfig, RunConfig
+from deeppool.planner.combine import Combine
+from deeppool.planner.plan import Plan, sample_ranges
+from tests.executor.gloo import Job, Outcome, train_gloo
+from tests.executor.models.noisy_quadratic import START, WIDTH
+from tests.executor.plans import make_plan
+
+pytestmark = pytest.mark.slow
+
+BATCH, SIGMA, STEPS = 16, 1.0, 60
+BLOCKS = {"add": ("a.weight", 0), "add_1": ("b.weight", 1), "add_2": ("c.weight", 2)}
+"""The quadratic's parameter layers: their parameter and block index (its columns of the input)."""
+Z_BOUND = 4.0
+"""Standard errors an estimate may be off the truth."""
+
+
+def noise(seed: int, steps: int, batch: int, sigma: float, shift: float = 0.0) -> list:
+    """``steps`` global batches of ``x_i = shift + σ·ξ_i`` (inputs and targets alike)."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        x = shift + sigma * torch.randn(batch, 3 * WIDTH, generator=g)
+        batches.append(((x,), x))
+    return batches
+
+
+def quadratic_plan(sizes: tuple[int, int, int], *, gpus: int, batch: int = BATCH) -> Plan:
+    """Blocks a, b, c on ``sizes`` GPUs; the glue layers on one."""
+    layers = {name: sizes[index] for name, (_, index) in BLOCKS.items()}
+    return make_plan("noisy_quadratic", global_batch=batch, gpus=gpus, assign=lambda i, layer: layers.get(layer.name, 1))
+
+
+BURST = quadratic_plan((2, 4, 8), gpus=8)
+ODD = quadratic_plan((3, 5, 6), gpus=8)
+GNS = Adaptation(monitor=Monitor.GNS)
+STILL = OptimizerConfig(lr=1e-9)
+"""A step too small to move ``w``: every step samples the same true gradient."""
+
+
+@pytest.fixture(scope="module")
+def eight_ranks() -> list[list[Outcome]]:
+    """One set of 8 gloo processes: the noise scale at σ and at 0, and Adasum on two plans."""
+    one_step = functools.partial(noise, 3, 1, BATCH, SIGMA)
+    jobs = [
+        Job(plan=BURST, config=RunConfig(steps=STEPS, optimizer=STILL, adaptation=GNS, bucket_mb=0.0005),
+            data=functools.partial(noise, 1, STEPS, BATCH, SIGMA)),
+        Job(plan=BURST, config=RunConfig(steps=5, optimizer=STILL, adaptation=GNS),
+            data=functools.partial(noise, 2, 5, BATCH, 0.0)),
+        Job(plan=BURST, config=RunConfig(steps=1, optimizer=OptimizerConfig(lr=1.0),
+                                         adaptation=Adaptation(combine=Combine.ADASUM)), data=one_step),
+        Job(plan=dataclasses.replace(ODD, combine=Combine.ADASUM), config=RunConfig(steps=1, optimizer=OptimizerConfig(lr=1.0)),
+            data=one_step),
+    ]
+    return train_gloo(jobs)
+
+
+def mean_and_error(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
+
+
+def ratio_and_error(traces: list[float], squares: list[float], shrink: float = 1.0) -> tuple[float, float]:
+    """``mean(tr Σ) / mean(|G|²)`` and its standard error by the delta method.
+
+    ``se² = (var t + R² var g − 2R cov(t, g)) / (n ḡ²)``, over the ``n`` independent steps; ``shrink``
+    scales the variance for an average other than the plain mean (an EMA: ``α/(2−α)·n``).
+    """
+    t, g = np.array(traces), np.array(squares)
+    ratio = t.mean() / g.mean()
+    cov = np.cov(t, g)
+    var = (cov[0, 0] + ratio**2 * cov[1, 1] - 2 * ratio * cov[0, 1]) / (len(t) * g.mean() ** 2)
+    return float(ratio), float(math.sqrt(var * shrink))
+
+
+def test_each_group_estimates_its_blocks_squared_gradient_and_trace(eight_ranks) -> None:
+    readings = eight_ranks[0][0].gns
+    assert len(readings) == STEPS and all(r.groups == 3 and r.skipped == 0 for r in readings)
+    params = eight_ranks[0][0].params
+    for size, (name, index) in zip((2, 4, 8), BLOCKS.values(), strict=True):
+        true_sq, true_trace = float(np.sum(params[name].astype(np.float64) ** 2)), WIDTH * SIGMA**2
+        assert readings[0].per_group[index][0] == size
+        sq, sq_error = mean_and_error([r.per_group[index][1] for r in readings])
+        trace, trace_error = mean_and_error([r.per_group[index][2] for r in readings])
+        assert abs(sq - true_sq) <= Z_BOUND * sq_error, (size, sq, sq_error, true_sq)
+        assert abs(trace - true_trace) <= Z_BOUND * trace_error, (size, trace, trace_error, true_trace)
+        assert trace_error < 0.1 * true_trace  # the interval is narrow enough to mean something
+
+
+def test_the_noise_scale_matches_d_sigma_squared_over_the_squared_gradient(eight_ranks) -> None:
+    rank0 = eight_ranks[0][0]
+    truth = 3 * WIDTH * SIGMA**2 / (3 * WIDTH * START**2)  # 16 samples
+    traces, squares = [r.trace for r in rank0.gns], [r.grad_sq for r in rank0.gns]
+    ratio, error = ratio_and_error(traces, squares)
+    assert abs(ratio - truth) <= Z_BOUND * error and error < 0.15 * truth, (ratio, error)
+    alpha = 0.1  # the EMA of the summary: its variance is about α/(2−α) of one step's, i.e. n·α/(2−α) of the mean's
+    reported = rank0.summary["gns"]
+    _, ema_error = ratio_and_error(traces, squares, shrink=len(traces) * alpha / (2 - alpha))
+    assert abs(reported - truth) <= Z_BOUND * ema_error, (reported, ema_error)
+    assert rank0.summary["gns_stats"]["noise_scale"] == reported
+    counters = rank0.counted("gns")
+    assert [c.step for c in counters] == list(range(STEPS))
+    assert counters[-1].values["noise_scale"] == pytest.approx(reported)
+    assert all(not outcome.gns and not outcome.counted("gns") for outcome in eight_ranks[0][1:])
+
+
+def test_without_noise_the_noise_scale_is_zero(eight_ranks) -> None:
+    rank0 = eight_ranks[1][0]
+    assert rank0.summary["gns"] == pytest.approx(0.0, abs=1e-9)
+    assert rank0.summary["gns_stats"]["grad_sq_ema"] == pytest.approx(3 * WIDTH * START**2, rel=1e-6)
+
+
+def per_rank_gradients(plan: Plan, x: torch.Tensor, w: np.ndarray, size: int, index: int) -> list[torch.Tensor]:
+    """Each rank's own mean gradient of block ``index`` on ``size`` ranks: ``w + mean x_i`` over its rows."""
+    columns = x[:, index * WIDTH:(index + 1) * WIDTH].double()
+    return [torch.from_numpy(w).double() + columns[a:b].mean(0) for a, b in sample_ranges(plan.global_batch, size)]
+
+
+@pytest.mark.parametrize(("job", "plan", "sizes"), [(2, BURST, (2, 4, 8)), (3, ODD, (3, 5, 6))],
+                         ids=["2-4-8-ranks", "3-5-6-ranks"])
+def test_adasum_combines_each_layer_as_the_single_process_reference(eight_ranks, job: int, plan: Plan,
+                                                                    sizes: tuple[int, ...]) -> None:
+    """One SGD step at lr 1 from ``w = START``: ``START − w`` is the combined gradient."""
+    (x,), _ = noise(3, 1, BATCH, SIGMA)[0]
+    start = np.full(WIDTH, START, dtype=np.float32)
+    for (name, index), size in zip(BLOCKS.values(), sizes, strict=True):
+        want = adasum(per_rank_gradients(plan, x, start, size, index))
+        mean = torch.from_numpy(start).double() + x[:, index * WIDTH:(index + 1) * WIDTH].double().mean(0)
+        assert not torch.allclose(want, mean, rtol=1e-3)  # Adasum is not the mean here
+        for rank in range(size):
+            got = torch.from_numpy(start - eight_ranks[job][rank].params[name]).double()
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (name, rank, (got - want).abs().max())
