@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from deeppool.adaptation.adasum import adasum
-from deeppool.executor.config import Adaptation, Monitor, OptimizerConfig, RunConfig
+from deeppool.executor.config import (
+    Adaptation, CheckpointConfig, LrScaling, Monitor, OptimizerConfig, OptimizerKind, RunConfig,
+)
 from deeppool.planner.combine import Combine
 from deeppool.planner.plan import Plan, sample_ranges
 from tests.executor.gloo import Job, Outcome, train_gloo
@@ -27,7 +29,7 @@ from tests.executor.plans import make_plan
 
 pytestmark = pytest.mark.slow
 
-BATCH, SIGMA, STEPS = 16, 1.0, 60
+BATCH, SIGMA, STEPS = 16, 1.0, 40
 BLOCKS = {"add": ("a.weight", 0), "add_1": ("b.weight", 1), "add_2": ("c.weight", 2)}
 """The quadratic's parameter layers: their parameter and block index (its columns of the input)."""
 Z_BOUND = 4.0
@@ -148,3 +150,80 @@ def test_adasum_combines_each_layer_as_the_single_process_reference(eight_ranks,
         for rank in range(size):
             got = torch.from_numpy(start - eight_ranks[job][rank].params[name]).double()
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (name, rank, (got - want).abs().max())
+
+
+SMALL, LARGE = quadratic_plan((2, 2, 2), gpus=2, batch=2), quadratic_plan((2, 2, 2), gpus=2, batch=BATCH)
+"""Two ranks at AdaScale's base batch of 2 (S = 1) and at 16 (S = 8)."""
+LR, BASE_STEPS, SCALED_STEPS = 0.02, 250, 40
+ADASCALE = Adaptation(lr_scaling=LrScaling.ADASCALE, base_batch=2)
+
+
+def adascale(steps: int, *, optimizer: OptimizerConfig = OptimizerConfig(lr=LR),
+             checkpoint: CheckpointConfig | None = None) -> RunConfig:
+    return RunConfig(steps=steps, optimizer=optimizer, adaptation=ADASCALE, checkpoint=checkpoint)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[list[Outcome]]:
+    """One set of 2 gloo processes: AdaScale at S = 1 and 8, without noise, without a gradient, resumed."""
+    folder = tmp_path_factory.mktemp("adascale")
+    resumable = functools.partial(noise, 6, 6, BATCH, SIGMA)
+    jobs = [
+        Job(plan=SMALL, config=adascale(BASE_STEPS), data=functools.partial(noise, 1, BASE_STEPS, 2, SIGMA)),
+        Job(plan=LARGE, config=adascale(SCALED_STEPS), data=functools.partial(noise, 2, SCALED_STEPS, BATCH, SIGMA)),
+        Job(plan=LARGE, config=adascale(3), data=functools.partial(noise, 3, 3, BATCH, 0.0)),
+        Job(plan=LARGE, config=adascale(20, optimizer=STILL), data=functools.partial(noise, 4, 20, BATCH, SIGMA, -START)),
+        Job(plan=LARGE, config=adascale(2, optimizer=OptimizerConfig(kind=OptimizerKind.ADAM, lr=LR)),
+            data=functools.partial(noise, 5, 2, BATCH, SIGMA, -START)),
+        Job(plan=LARGE, config=adascale(6), data=resumable),
+        Job(plan=LARGE, config=adascale(3, checkpoint=CheckpointConfig(directory=folder, every=3)), data=resumable),
+        Job(plan=LARGE, config=adascale(6, checkpoint=CheckpointConfig(directory=folder, every=3, resume=True)),
+            data=resumable),
+    ]
+    return train_gloo(jobs)
+
+
+def progress(outcome: Outcome) -> tuple[np.ndarray, np.ndarray]:
+    """Each step's gain and its τ before the step (the τ its loss was measured at)."""
+    counted = outcome.counted("adascale")
+    gains = np.array([c.values["gain"] for c in counted])
+    return gains, np.array([c.values["tau"] for c in counted]) - gains
+
+
+def test_loss_against_tau_overlaps_at_scale_1_and_8(two_ranks) -> None:
+    """On the quadratic, AdaScale at S = 8 follows the S = 1 curve against τ in about 6x fewer steps."""
+    base_loss = np.sum([o.losses for o in two_ranks[0]], axis=0)
+    base_gains, base_tau = progress(two_ranks[0][0])
+    assert np.all(base_gains == 1.0) and np.array_equal(base_tau, np.arange(BASE_STEPS))
+    loss = np.sum([o.losses for o in two_ranks[1]], axis=0)
+    gains, tau = progress(two_ranks[1][0])
+    assert np.all((gains >= 1) & (gains <= 8)) and tau[-1] > 200  # > 5 base steps per step
+    descent = tau <= 100
+    gap = np.abs(np.log(loss[descent] / np.interp(tau[descent], base_tau, base_loss)))
+    assert gap.max() < 0.3, gap  # within 35% while the loss falls fourfold
+    floor, base_floor = loss[(tau >= 150) & (tau <= 250)].mean(), base_loss[150:250].mean()
+    assert abs(floor / base_floor - 1) < 0.2, (floor, base_floor)
+    assert two_ranks[1][0].summary["adascale"]["tau"] == pytest.approx(tau[-1] + gains[-1])
+
+
+def test_without_noise_the_gain_is_1_and_without_a_gradient_it_is_the_scale(two_ranks) -> None:
+    for outcome in two_ranks[2]:
+        gains, tau = progress(outcome)
+        assert gains == pytest.approx([1.0] * 3, abs=1e-9) and tau == pytest.approx([0.0, 1.0, 2.0], abs=1e-8)
+    gains, _ = progress(two_ranks[3][1])
+    assert gains.min() > 7.5 and gains.max() == pytest.approx(8.0)
+    summary = two_ranks[3][0].summary["adascale"]
+    assert summary["scale"] == 8.0 and summary["base_batch"] == 2 and summary["gain"] == gains[-1]
+    adam = two_ranks[4][0].counted("adascale")
+    assert [c.values["lr"] for c in adam] == pytest.approx([math.sqrt(c.values["gain"]) * LR for c in adam])
+    assert min(c.values["gain"] for c in adam) > 7
+
+
+def test_tau_and_the_noise_scale_survive_checkpoint_and_resume(two_ranks) -> None:
+    whole, first, resumed = two_ranks[5], two_ranks[6], two_ranks[7]
+    for mine, theirs in zip(resumed, whole, strict=True):
+        assert all(np.array_equal(mine.params[name], theirs.params[name]) for name in theirs.params)
+        assert mine.losses == theirs.losses[3:]
+    assert resumed[0].summary["adascale"] == whole[0].summary["adascale"]
+    assert resumed[0].summary["gns_stats"] == {**whole[0].summary["gns_stats"]}
+    assert first[0].summary["adascale"]["tau"] < whole[0].summary["adascale"]["tau"]

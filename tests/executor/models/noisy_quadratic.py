@@ -1,9 +1,9 @@
 """A quadratic whose per-sample gradient is known: ``g_i = w + x_i``.
 
-Three parameter blocks, each a vector added to its slice of the input. The
-loss of sample ``i`` is ``½|x_i + w|² − ½|x_i|² = ½|w|² + x_i·w`` (the targets
-are the inputs), so its gradient with respect to ``w`` is ``w + x_i`` and the
-loss tracks ``½|w|²``. Feeding ``x_i = c + ξ_i`` with ``ξ_i ~ N(0, σ²I)`` gives
+Three parameter blocks, each a vector added to its slice of the input
+(``out_i = x_i + w``; the targets are the inputs). The loss of sample ``i`` is
+``½|w|² + x_i·(w − sg(w))`` with ``sg`` stopping the gradient: its value is
+``½|w|²`` and its gradient with respect to ``w`` is ``w + x_i``. Feeding ``x_i = c + ξ_i`` with ``ξ_i ~ N(0, σ²I)`` gives
 ``g_i = (w − w*) + ξ_i`` with ``w* = −c``, and the gradient noise scale
 ``B_noise = dσ² / |w − w*|²`` (``d = 3·WIDTH`` coordinates); every block
 alone has ``WIDTH·σ² / |w_k − w*_k|²``.
@@ -12,9 +12,9 @@ alone has ``WIDTH·σ² / |w_k − w*_k|²``.
 import torch
 from torch import nn
 
-WIDTH = 64
+WIDTH = 256
 START = 0.25
-"""Every coordinate of ``w`` starts here: ``|w|² = 3·64/16 = 12``."""
+"""Every coordinate of ``w`` starts here: ``|w|² = 3·256/16 = 48``."""
 
 
 class Shift(nn.Module):
@@ -50,4 +50,6 @@ def targets(batch_size: int) -> torch.Tensor:
 
 
 def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (output.pow(2) - targets.pow(2)).sum(dim=1).mean()
+    w = output - targets
+    noise = (targets * w).sum(dim=1)
+    return (0.5 * w.pow(2).sum(dim=1) + noise - noise.detach()).mean()
