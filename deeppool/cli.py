@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 
 from deeppool.errors import DeeppoolError
+from deeppool.planner.combine import Combine
 
 if TYPE_CHECKING:  # each command imports its work (and torch) only after its options are checked
     from deeppool.planner.ilp import SolverName
@@ -68,6 +69,9 @@ def plan(
         help="where to write the plan JSON", show_default="MODEL-plan.json, e.g. resnet50-plan.json")] = None,
     gantt: Annotated[Path | None, typer.Option(help="write a Gantt chart of one iteration (.png, .pdf, .svg)")] = None,
     per_layer: Annotated[bool, typer.Option(help="print every layer, not stages")] = False,
+    combine: Annotated[str, typer.Option(
+        help="how each layer group combines gradients when run: sum (the mean gradient) or adasum "
+             "(any group size; recorded in the plan)")] = "sum",
 ) -> None:
     """Trace MODEL, profile it (or estimate for a GPU model) and solve its burst-parallel plan."""
     from deeppool import checks
@@ -120,18 +124,22 @@ def plan(
         model, input_shape=checks.positive_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
         vocab_size=vocab_size,
     )
-    _plan_and_report(spec, request, source, out=out, gantt=gantt, pareto=pareto, per_layer=per_layer)
+    _plan_and_report(spec, request, source, out=out, gantt=gantt, pareto=pareto, per_layer=per_layer,
+                     combine=_enum(Combine, combine, "--combine"))
 
 
 def _plan_and_report(
     spec: ModelSpec, request: PlanRequest, source: CostSource, *, out: Path, gantt: Path | None,
-    pareto: Path | None, per_layer: bool,
+    pareto: Path | None, per_layer: bool, combine: Combine = Combine.SUM,
 ) -> None:
+    import dataclasses
+
     from deeppool.output import console
     from deeppool.planner import report
     from deeppool.planner.api import plan_model
 
     planned = plan_model(spec, request, source)
+    planned = dataclasses.replace(planned, plan=dataclasses.replace(planned.plan, combine=combine))
     planned.plan.save(out)
     shown = console()
     if planned.cost.profile.fit is not None:

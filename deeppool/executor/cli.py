@@ -178,7 +178,7 @@ def run(
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, monitor=monitor,
         lr_scaling=lr_scaling, base_batch=base_batch, combine=combine,
     )
-    check_adaptation(loaded, config, grouped=any(layer.gpus > 1 for layer in loaded.layers))
+    check_adaptation(loaded, config, grouped=any(layer.gpus > 1 and layer.allreduce_ms > 0 for layer in loaded.layers))
     bg = make_background(
         background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,
         slowdown_target=slowdown_target, ab_block=ab_block, bg_checkpoint_dir=bg_checkpoint_dir,

@@ -225,7 +225,7 @@ def check_adaptation(plan: Plan, config: RunConfig, *, grouped: bool) -> None:
     """The adaptation options fit the plan, or one line says what to change.
 
     ``grouped``: some layer with parameters runs on two or more GPUs (the launcher, which has not traced
-    the model, passes whether any layer does).
+    the model, passes whether any layer's plan has an all-reduce time).
     """
     adaptation = config.adaptation
     combine = adaptation.combine or plan.combine

@@ -48,6 +48,7 @@ def summary_lines(summary: RunSummary) -> list[str]:
     ]
     if summary.losses:
         lines.append(f"loss: first {summary.losses[0]:.6g}, last {summary.losses[-1]:.6g}")
+    lines += adaptation_lines(summary)
     if summary.check is not None:
         check = summary.check
         lines.append(check.line())
@@ -56,6 +57,25 @@ def summary_lines(summary: RunSummary) -> list[str]:
             f"parameter {check.parameter:.3e}"
         )
     return lines
+
+
+def adaptation_lines(summary: RunSummary) -> list[str]:
+    """The noise scale (``--monitor gns``) and AdaScale's progress, when measured."""
+    lines = []
+    stats = summary.adaptation.get("gns_stats")
+    if stats is not None:
+        lines.append(f"gradient noise scale: {_figure(stats['noise_scale'])} samples (moving averages: "
+                     f"|G|^2 {_figure(stats['grad_sq_ema'])}, tr(Sigma) {_figure(stats['trace_ema'])}; "
+                     f"{stats['groups']} layer group(s), {stats['skipped']} one-GPU layer(s) left out)")
+    ada = summary.adaptation.get("adascale")
+    if ada is not None:
+        lines.append(f"AdaScale: tau {ada['tau']:.4g} scale-invariant steps at scale {ada['scale']:.3g} "
+                     f"(base batch {ada['base_batch']}), last gain {ada['gain']:.3g}")
+    return lines
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
 
 
 def print_summary(summary: RunSummary, console: Console) -> None:
