@@ -8,6 +8,8 @@ tensors: a tensor sent through a queue dies with its process.
 from __future__ import annotations
 
 import datetime
+import queue as queue_module
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,8 +66,15 @@ def train_gloo(jobs: list[Job]) -> list[list[Outcome]]:
     processes = mp.start_processes(_rank, args=(world, free_port(), jobs, queue), nprocs=world, join=False,
                                    start_method="spawn")
     got: dict[tuple[int, int], Outcome] = {}
-    for _ in range(world * len(jobs)):  # read while they run: a full pipe would block their puts
-        item = queue.get(timeout=TIMEOUT_S)
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(got) < world * len(jobs):  # read while they run: a full pipe would block their puts
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{world} gloo ranks returned {len(got)} of {world * len(jobs)} results in {TIMEOUT_S} s")
+        try:
+            item = queue.get(timeout=1.0)
+        except queue_module.Empty:
+            processes.join(timeout=0)  # raises when a rank died
+            continue
         if isinstance(item, str):
             raise RuntimeError(item)
         index, outcome = item
