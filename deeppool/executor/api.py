@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from deeppool.adaptation.adascale import AdaScale
 from deeppool.errors import DeeppoolError
 from deeppool.executor.checkpoint import Shard, latest, load, save
 from deeppool.executor.comm import Comm
-from deeppool.adaptation.adascale import AdaScale
 from deeppool.executor.config import (
     CheckpointConfig, LrScaling, OptimizerKind, RunConfig, check_adaptation, default_base_batch,
 )
@@ -31,9 +31,7 @@ from deeppool.executor.engine import Engine, EngineParts
 from deeppool.executor.gradients import FIRST_BUCKET_BYTES, GradientReducer
 from deeppool.executor.idle import IdleListener, NoBackground
 from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
-from deeppool.executor.monitor import (
-    AdaScaleLr, GnsReading, GradientMonitor, group_shares, single_groups,
-)
+from deeppool.executor.monitor import AdaScaleLr, GnsReading, GradientMonitor, group_shares, single_groups
 from deeppool.executor.program import Program, build_program, idle_positions
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
@@ -132,9 +130,9 @@ def adaptation_report(engine: Engine) -> dict[str, Any]:
     report: dict[str, Any] = {}
     monitor, scaling = engine.p.monitor, engine.p.lr_scaling
     if monitor is not None:
-        latest = monitor.latest
-        report["gns"] = None if latest is None else latest.to_json()["noise_scale"]
-        report["gns_stats"] = None if latest is None else latest.to_json()
+        stats = None if monitor.latest is None else monitor.latest.to_json()
+        report["gns"] = None if stats is None else stats["noise_scale"]
+        report["gns_stats"] = stats
     if scaling is not None:
         scaler = scaling.scaler
         report["adascale"] = {"tau": scaler.tau, "gain": scaler.gain, "base_batch": scaler.base_batch,
