@@ -19,7 +19,7 @@ import torch
 
 from deeppool.adaptation.adasum import adasum
 from deeppool.executor.config import (
-    Adaptation, CheckpointConfig, LrScaling, Monitor, OptimizerConfig, OptimizerKind, RunConfig,
+    Adaptation, CheckpointConfig, LrScaling, Monitor, OptimizerConfig, OptimizerKind, RunConfig, Training,
 )
 from deeppool.planner.combine import Combine
 from deeppool.planner.plan import Plan, sample_ranges
@@ -154,7 +154,7 @@ def test_adasum_combines_each_layer_as_the_single_process_reference(eight_ranks,
 
 SMALL, LARGE = quadratic_plan((2, 2, 2), gpus=2, batch=2), quadratic_plan((2, 2, 2), gpus=2, batch=BATCH)
 """Two ranks at AdaScale's base batch of 2 (S = 1) and at 16 (S = 8)."""
-LR, BASE_STEPS, SCALED_STEPS = 0.02, 250, 40
+LR, BASE_STEPS, SCALED_STEPS, ACCUMULATED_STEPS = 0.02, 250, 40, 30
 ADASCALE = Adaptation(lr_scaling=LrScaling.ADASCALE, base_batch=2)
 
 
@@ -179,6 +179,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[list[Outcome]]:
         Job(plan=LARGE, config=adascale(3, checkpoint=CheckpointConfig(directory=folder, every=3)), data=resumable),
         Job(plan=LARGE, config=adascale(6, checkpoint=CheckpointConfig(directory=folder, every=3, resume=True)),
             data=resumable),
+        Job(plan=LARGE, config=RunConfig(steps=ACCUMULATED_STEPS, optimizer=STILL, adaptation=GNS,
+                                         training=Training(accumulate=2)),
+            data=functools.partial(noise, 7, 2 * ACCUMULATED_STEPS, BATCH, SIGMA)),
     ]
     return train_gloo(jobs)
 
@@ -227,3 +230,12 @@ def test_tau_and_the_noise_scale_survive_checkpoint_and_resume(two_ranks) -> Non
     assert resumed[0].summary["adascale"] == whole[0].summary["adascale"]
     assert resumed[0].summary["gns_stats"] == {**whole[0].summary["gns_stats"]}
     assert first[0].summary["adascale"]["tau"] < whole[0].summary["adascale"]["tau"]
+
+
+def test_with_accumulation_the_noise_scale_is_measured_on_the_steps_samples(two_ranks) -> None:
+    """Two micro-batches of 16 per step: small batches of 16 per rank, large of 32; the truth is unchanged."""
+    readings = two_ranks[8][0].gns
+    assert len(readings) == ACCUMULATED_STEPS
+    ratio, error = ratio_and_error([r.trace for r in readings], [r.grad_sq for r in readings])
+    truth = 3 * WIDTH * SIGMA**2 / (3 * WIDTH * START**2)
+    assert abs(ratio - truth) <= Z_BOUND * error and error < 0.15 * truth, (ratio, error)
