@@ -70,6 +70,9 @@ LrScalingFlag = Annotated[LrScaling, typer.Option(
 BaseBatch = Annotated[int | None, typer.Option(
     "--base-batch", help="AdaScale's base batch, the batch --lr is tuned for",
     show_default="global batch / the widest layer's GPUs")]
+StepBatch = Annotated[int | None, typer.Option(
+    "--batch", help="samples per optimizer step: a multiple of the plan's global batch, trained as that many "
+    "micro-batches (--accumulate)", show_default="the plan's global batch x --accumulate")]
 CombineOpt = Annotated[Combine | None, typer.Option(
     "--combine", help="how a layer group combines gradients: sum (the mean gradient) or adasum",
     show_default="the plan's")]
@@ -155,6 +158,7 @@ def run(
     lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
     checkpoint_every: CheckpointEvery = 0, resume: Resume = False, monitor: MonitorOpt = Monitor.NONE,
     lr_scaling: LrScalingFlag = LrScaling.NONE, base_batch: BaseBatch = None, combine: CombineOpt = None,
+    batch: StepBatch = None,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -174,9 +178,9 @@ def run(
     config = make_config(
         steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
         backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
-        accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule, lr_warmup=lr_warmup,
-        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, monitor=monitor,
-        lr_scaling=lr_scaling, base_batch=base_batch, combine=combine,
+        accumulate=micro_batches(loaded, batch, accumulate), clip_norm=clip_norm, lr_schedule=lr_schedule,
+        lr_warmup=lr_warmup, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+        monitor=monitor, lr_scaling=lr_scaling, base_batch=base_batch, combine=combine,
     )
     check_adaptation(loaded, config, grouped=any(layer.gpus > 1 and layer.allreduce_ms > 0 for layer in loaded.layers))
     bg = make_background(
@@ -188,6 +192,19 @@ def run(
         check_model_here(loaded, plan)
     path = plan if model is None else with_model(loaded, model, out)
     _launch(path, ranks=ranks, config=config, background=bg, nodes=nodes)
+
+
+def micro_batches(plan: Plan, batch: int | None, accumulate: int) -> int:
+    """``--accumulate``, or the micro-batches that make ``--batch`` samples per step out of the plan's batch."""
+    if batch is None:
+        return accumulate
+    if accumulate != 1:
+        raise DeeppoolError(f"--batch {batch} sets the micro-batches per step: drop --accumulate {accumulate}")
+    if batch < 1 or batch % plan.global_batch != 0:
+        multiple = max(1, round(batch / plan.global_batch)) * plan.global_batch
+        raise DeeppoolError(f"--batch {batch} is not a multiple of the plan's global batch {plan.global_batch}: "
+                            f"give a multiple (e.g. --batch {multiple}), or re-plan with --batch {batch}")
+    return batch // plan.global_batch
 
 
 def check_model_here(plan: Plan, path: Path) -> None:

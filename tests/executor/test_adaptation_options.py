@@ -53,8 +53,11 @@ def test_deeppool_plan_writes_combine(tmp_path: Path, capsys) -> None:
     (GROUPED, ("--lr-scaling", "adascale", "--check"), "--check compares with plain training"),
     (dataclasses.replace(GROUPED, combine=Combine.ADASUM), ("--check",), "the plan combines gradients with Adasum"),
     (dataclasses.replace(GROUPED, combine=Combine.ADASUM), ("--monitor", "gns"), "the plan combines gradients with"),
+    (GROUPED, ("--batch", "40"), "--batch 40 is not a multiple of the plan's global batch 16: give a multiple "
+                                 "(e.g. --batch 32), or re-plan with --batch 40"),
+    (GROUPED, ("--batch", "32", "--accumulate", "2"), "--batch 32 sets the micro-batches per step: drop --accumulate 2"),
 ], ids=["gns-alone", "adascale-alone", "adasum-gns", "base-without-adascale", "base-0", "base-too-large",
-        "adascale-check", "plan-adasum-check", "plan-adasum-gns"])
+        "adascale-check", "plan-adasum-check", "plan-adasum-gns", "batch-not-multiple", "batch-and-accumulate"])
 def test_bad_combinations_are_refused_in_one_line(tmp_path: Path, capsys, plan: Plan, args: tuple[str, ...],
                                                   message: str) -> None:
     path = tmp_path / "plan.json"
@@ -77,11 +80,12 @@ def test_a_run_reports_the_noise_scale_and_tau_in_its_summary_output_and_trace(t
     path, out = tmp_path / "plan.json", tmp_path / "out"
     GROUPED.save(path)
     proc, _ = deeppool_run(capfd, path, "--nproc", "2", "--steps", "4", "--monitor", "gns", "--lr-scaling", "adascale",
-                           "--base-batch", "2", "--out", str(out))
+                           "--batch", "32", "--base-batch", "2", "--out", str(out))
     assert proc.code == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["gns"] > 0 and summary["gns_stats"]["groups"] == 1 and summary["gns_stats"]["skipped"] == 0
-    assert summary["adascale"]["scale"] == 8 and summary["adascale"]["tau"] >= 4
+    assert summary["adascale"]["batch"] == 32 and summary["adascale"]["scale"] == 16  # --batch: 2 micro-batches
+    assert summary["adascale"]["tau"] >= 4
     assert "gradient noise scale: " in proc.stdout and "AdaScale: tau " in proc.stdout
     counters = [e for e in json.loads((out / "trace-rank0.json").read_text())["traceEvents"] if e["ph"] == "C"]
     assert [e["name"] for e in counters] == ["gns", "adascale"] * 4
