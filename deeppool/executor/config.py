@@ -81,8 +81,9 @@ class Schedule:
         if self.total_steps < 1:
             raise DeeppoolError(f"the schedule's total steps {self.total_steps} must be at least 1")
 
-    def factor(self, step: int) -> float:
-        """The multiplier of ``--lr`` at optimizer step ``step`` (0-based)."""
+    def factor(self, step: float) -> float:
+        """The multiplier of ``--lr`` at optimizer step ``step`` (0-based; AdaScale's τ, a float, with
+        ``--lr-scaling adascale``)."""
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         if self.kind is ScheduleKind.CONSTANT:
