@@ -226,12 +226,13 @@ def _mount_package_commands() -> None:
     """
     from deeppool.cluster_sim.cli import simulate, simulate_deeppool
     from deeppool.coordinator import cli as coordinator
-    from deeppool.executor.cli import profile_network, run
+    from deeppool.executor.cli import export, profile_network, run
     from deeppool.multiplex.cli import app as multiplex_app
 
     app.command("run")(run)
     app.add_typer(multiplex_app, name="multiplex")
     app.command("profile-network")(profile_network)
+    app.command("export")(export)
     app.command("simulate")(simulate)
     app.command("simulate-deeppool")(simulate_deeppool)
     app.command("serve")(coordinator.serve)

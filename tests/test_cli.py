@@ -274,6 +274,11 @@ MISTAKES: list[tuple[str, list[str], str]] = [
                          "--bg-lr", "0"], "--bg-lr"),
     ("bench --slowdown-target 0", ["multiplex", "bench", "{ws}/plan.json", "--background", TINY, "--out", "b",
                                    "--slowdown-target", "0"], "--slowdown-target"),
+    # export
+    ("export a missing folder", ["export", "{tmp}/nowhere", "--out", "m.pt"], "does not exist"),
+    ("export a folder with no checkpoint", ["export", "{tmp}", "--out", "m.pt"], "no complete checkpoint"),
+    ("export --out is a folder", ["export", "{tmp}", "--out", "{tmp}"], "--out"),
+    ("export --plan missing", ["export", "{tmp}", "--out", "m.pt", "--plan", "{tmp}/none.json"], "--plan"),
     # profile-network
     ("profile-network --nproc 1", ["profile-network", "--out", "n.json", "--nproc", "1"], "--nproc"),
     ("profile-network --nproc far too many", ["profile-network", "--out", "n.json", "--nproc", "100000"], "--nproc"),

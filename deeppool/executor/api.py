@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.checkpoint import Shard, latest, load, save
+from deeppool.executor.checkpoint import (
+    GroupShard, RunState, latest, load_group, load_run, model_keys, save, writer,
+)
 from deeppool.executor.comm import Comm
 from deeppool.executor.config import CheckpointConfig, RunConfig
 from deeppool.executor.data import BatchSource, LoaderBatches, SyntheticBatches
@@ -69,6 +71,7 @@ def train_rank(
         raise DeeppoolError(f"the plan is for {plan.gpus} GPUs but {comm.world_size} ranks were started: "
                             f"start {plan.gpus} (--nproc {plan.gpus})")
     loaded = builder.load(plan.model)
+    keys = model_keys(loaded.module)
     batches = _batches(loaded, plan, data)
     traced = builder.trace(loaded)
     check_plan_matches(plan, traced.graph)
@@ -95,7 +98,7 @@ def train_rank(
         losses.append(engine.step(step, batch))
         if reference is not None:
             checks.append(reference.step(step, batch))
-        _save(config.checkpoint, step + 1, engine, local, comm)
+        _save(config.checkpoint, step + 1, engine, local, comm, keys)
     times = summarise(recorder.spans, rank=comm.rank, warmup=config.warmup)
     check = worst_of(checks)
     gathered = comm.gather((times, tuple(losses), check))
@@ -112,38 +115,79 @@ def train_rank(
 
 
 def _resume(checkpoint: CheckpointConfig | None, engine: Engine, local: LocalModel, rank: int) -> int:
-    """Load the latest complete checkpoint into this rank (``--resume``); the steps it had done."""
+    """Load the latest complete checkpoint into this rank (``--resume``); the steps it had done.
+
+    The rank reads the shard of every layer group it belongs to (``g > rank``)."""
     if checkpoint is None or not checkpoint.resume:
         return 0
     done = latest(checkpoint.directory)
     if done is None:
         return 0
-    shard = load(checkpoint.directory, done, rank)
+    run = load_run(checkpoint.directory, done)
+    shards = [load_group(checkpoint.directory, done, g) for g in sorted(set(local.groups.values())) if rank < g]
     with torch.no_grad():
-        for name, value in shard.params.items():
-            local.params[name].copy_(value)
-        for name, value in shard.buffers.items():
-            local.buffers[name].copy_(value)
+        for shard in shards:
+            for name, value in shard.params.items():
+                local.params[name].copy_(value)
+            for name, value in shard.buffers.items():
+                local.buffers[name].copy_(value)
     parts = engine.p
-    if parts.optimizer is not None and shard.optimizer is not None:
-        parts.optimizer.load_state_dict(shard.optimizer)
-    if parts.scheduler is not None and shard.scheduler is not None:
-        parts.scheduler.load_state_dict(shard.scheduler)
+    if parts.optimizer is not None and run.optimizer_groups is not None:
+        states = {name: state for shard in shards for name, state in shard.optimizer.items()}
+        parts.optimizer.load_state_dict(_optimizer_state(parts.optimizer, local, states, run.optimizer_groups))
+    if parts.scheduler is not None and run.scheduler is not None:
+        parts.scheduler.load_state_dict(run.scheduler)
     return done
 
 
-def _save(checkpoint: CheckpointConfig | None, done: int, engine: Engine, local: LocalModel, comm: Comm) -> None:
+def _optimizer_state(
+    optimizer: torch.optim.Optimizer, local: LocalModel, states: dict[str, dict[str, Any]],
+    groups: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The rank's optimizer ``state_dict`` in torch's form (parameters by index) from states by name."""
+    index = {id(param): i for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    by_index = {index[id(local.params[name])]: state for name, state in states.items() if name in local.params}
+    param_groups = [{**hyper, "params": [index[id(p)] for p in group["params"]]}
+                    for hyper, group in zip(groups, optimizer.param_groups, strict=True)]
+    return {"state": by_index, "param_groups": param_groups}
+
+
+def _save(
+    checkpoint: CheckpointConfig | None, done: int, engine: Engine, local: LocalModel, comm: Comm, keys: dict[str, str],
+) -> None:
     if checkpoint is None or checkpoint.every == 0 or done % checkpoint.every != 0:
         return
     parts = engine.p
-    shard = Shard(
+    optimizer = parts.optimizer
+    run = RunState(
         steps_done=done,
-        params={name: p.detach().cpu().clone() for name, p in local.params.items()},
-        buffers={name: b.detach().cpu().clone() for name, b in local.buffers.items()},
-        optimizer=parts.optimizer.state_dict() if parts.optimizer is not None else None,
+        optimizer_groups=None if optimizer is None else [
+            {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
         scheduler=parts.scheduler.state_dict() if parts.scheduler is not None else None,
+        model_keys=keys,
     )
-    save(checkpoint.directory, comm.rank, shard, barrier=lambda: comm.all_reduce_max(0.0))
+    groups = tuple(sorted({layer.gpus for layer in parts.plan.layers}))
+    mine = next((g for g in groups if writer(g) == comm.rank), None)
+    shard = None if mine is None else _group_shard(mine, local, optimizer)
+    save(checkpoint.directory, comm.rank, run, shard, groups, barrier=lambda: comm.all_reduce_max(0.0))
+
+
+def _group_shard(gpus: int, local: LocalModel, optimizer: torch.optim.Optimizer | None) -> GroupShard:
+    """Layer group ``gpus``'s parameters, buffers and optimizer state, as this rank (its writer) holds them."""
+    def copy(value: Any) -> Any:
+        return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+    params = {name: p for name, p in local.params.items() if local.groups[name] == gpus}
+    state = {} if optimizer is None else {
+        name: {key: copy(value) for key, value in optimizer.state[p].items()}
+        for name, p in params.items() if p in optimizer.state
+    }
+    return GroupShard(
+        gpus=gpus,
+        params={name: copy(p) for name, p in params.items()},
+        buffers={name: copy(b) for name, b in local.buffers.items() if local.groups[name] == gpus},
+        optimizer=state,
+    )
 
 
 class ModelBuilder:

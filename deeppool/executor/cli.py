@@ -59,7 +59,7 @@ Accumulate = Annotated[int, typer.Option(help="global batches whose gradients ar
 ClipNorm = Annotated[float | None, typer.Option(help="clip gradients to this global L2 norm (whole model)")]
 LrSchedule = Annotated[ScheduleKind, typer.Option(help="learning rate after warm-up: constant, or decaying to 0")]
 LrWarmup = Annotated[int, typer.Option(help="optimizer steps of linear learning-rate warm-up")]
-CheckpointDir = Annotated[Path | None, typer.Option(help="directory for checkpoints (one shard per rank)")]
+CheckpointDir = Annotated[Path | None, typer.Option(help="directory for checkpoints (one shard per layer group)")]
 CheckpointEvery = Annotated[int, typer.Option(help="write a checkpoint every N optimizer steps (0: never)")]
 Resume = Annotated[bool, typer.Option("--resume", help="continue from the latest complete checkpoint")]
 DEFAULT_WARMUP = 5
@@ -272,6 +272,40 @@ def _probe(config: ProbeConfig, out: Path) -> None:
         f"({config.nproc} gloo processes); network written to {out}",
         highlight=False,
     )
+
+
+def export(
+    checkpoint_dir: Annotated[Path, typer.Argument(help="a run's --checkpoint-dir")],
+    out: Annotated[Path, typer.Option("--out", help="where to write the state_dict (torch.save)")],
+    step: Annotated[int | None, typer.Option(help="the checkpoint after this many optimizer steps",
+                                             show_default="the newest complete one")] = None,
+    plan: Annotated[Path | None, typer.Option(help="check that the state_dict loads into this plan's model")] = None,
+) -> None:
+    """Join a checkpoint's layer-group shards into one state_dict of the original, unsplit model."""
+    checks.new_file(out, "--out")
+    checks.existing_file(plan, "--plan")
+    import torch
+
+    from deeppool.executor.checkpoint import export as joined
+    from deeppool.output import console
+
+    done, state = joined(checkpoint_dir, step)
+    if plan is not None:
+        _loads_into(plan, state)
+    torch.save(state, out)
+    console().print(f"{len(state)} tensors after {done} steps written to {out}"
+                    + (f"; they load into {plan}'s model" if plan is not None else ""), highlight=False)
+
+
+def _loads_into(path: Path, state: dict[str, object]) -> None:
+    from deeppool.planner.plan import Plan
+
+    model = Plan.load(path).model.load().module
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        name, what = (missing[0], "has no") if missing else (unexpected[0], "has an unknown")
+        raise DeeppoolError(f"the checkpoint {what} tensor '{name}' for the model of plan '{path}': "
+                            "export the checkpoint of a run of that plan")
 
 
 @worker_app.command()
