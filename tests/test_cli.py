@@ -252,6 +252,8 @@ MISTAKES: list[tuple[str, list[str], str]] = [
     ("simulate --gpus 0", ["simulate", "synthetic", "--gpus", "0"], "--gpus"),
     ("simulate --gpus-per-node 0", ["simulate", "synthetic", "--gpus", "8", "--gpus-per-node", "0"],
      "--gpus-per-node"),
+    ("simulate --policy pollux on a synthetic trace", ["simulate", "synthetic", "--gpus", "8", "--policy", "pollux"],
+     "--policy pollux"),
     ("simulate --policy magic", ["simulate", "synthetic", "--gpus", "8", "--policy", "magic"], "--policy"),
     ("simulate --device tpu", ["simulate", "synthetic", "--gpus", "8", "--device", "tpu"], "--device"),
     ("simulate --burst-strategy dp", ["simulate", "synthetic", "--gpus", "8", "--burst-strategy", "dp"],

@@ -59,7 +59,8 @@ GpusOpt = Annotated[int, typer.Option("--gpus", help="GPUs in the cluster.")]
 NodeOpt = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="Device model of every GPU: v100, a100, h100.")]
 PolicyOpt = Annotated[list[str], typer.Option(
-    "--policy", help=f"Policy to run (repeat): [ORDER:]PLACEMENT or ORDER, one of {', '.join(POLICIES)}.")]
+    "--policy", help=f"Policy to run (repeat): [ORDER:]PLACEMENT or ORDER, one of {', '.join(POLICIES)} "
+         "(pollux: GPUs and batch sizes for goodput; Pollux workloads only).")]
 OutOpt = Annotated[Path, typer.Option("--out", help="Folder for metrics.json/csv, jobs.csv and the plots.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seeds model draws and synthetic workloads.")]
 MappingOpt = Annotated[Path | None, typer.Option("--mapping", help="JSON: workload key -> {model, global_batch}.")]

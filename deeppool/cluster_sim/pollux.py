@@ -101,7 +101,7 @@ class Epoch:
     grad_var: float
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class Application:
     """One application's measurements (``traces/<application>/``)."""
 
