@@ -81,6 +81,11 @@ class PolluxPolicy:
     restart_delay_s: float = 30.0
     epsilon: float = 1e-3
 
+    def __post_init__(self) -> None:
+        if not (self.interval_s > 0 and self.restart_delay_s >= 0 and self.epsilon > 0):
+            raise ValueError(f"pollux policy: interval {self.interval_s} s must be > 0, restart delay "
+                             f"{self.restart_delay_s} s >= 0, epsilon {self.epsilon} > 0")
+
     def decide(self, snapshot: Snapshot) -> Decision:
         jobs = [job for job in (*snapshot.running, *snapshot.waiting) if job.speed is not None]
         if not jobs:
@@ -104,7 +109,8 @@ class PolluxPolicy:
         fair = min(math.ceil(snapshot.total_gpus / count), speed.max_gpus)
         base = speed.best_batch(fair, epoch)[1] or 1.0
         age = snapshot.now_s - job.arrival_s
-        factor = max(age - restarts * self.restart_delay_s, 0.0) / (age + self.restart_delay_s)
+        spent = age + self.restart_delay_s
+        factor = max(age - restarts * self.restart_delay_s, 0.0) / spent if spent > 0 else 1.0
         speedups = {}
         for gpus in _counts(cap, current):
             value = speed.best_batch(gpus, epoch)[1] / base
