@@ -186,7 +186,8 @@ def _search_and_report(spec: ModelSpec, request: PlanRequest, source: CostSource
         task = progress.add_task("planning candidate batches", total=len(search.candidates()))
         solve = batch_planner(spec, request, source)
         planned, result = batch_search.search_batches(
-            solve, search, on_solved=lambda b: progress.update(task, advance=1, description=f"planned batch {b}"))
+            solve, search, on_solved=lambda b: progress.update(task, advance=1, description=f"planned batch {b}"),
+            on_stopped=lambda b, why: shown.print(f"batch {b} and above not planned: {why}", style="yellow"))
     shown.print(batch_search.table(result))
     batch_search.plot(result, plot_path)
     chosen = result.chosen

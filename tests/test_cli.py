@@ -254,6 +254,8 @@ MISTAKES: list[tuple[str, list[str], str]] = [
      "--gpus-per-node"),
     ("simulate --policy pollux on a synthetic trace", ["simulate", "synthetic", "--gpus", "8", "--policy", "pollux"],
      "--policy pollux"),
+    ("simulate --policy pollux without measurements", ["simulate", "{ws}/trace.csv", "--gpus", "8", "--policy",
+                                                        "pollux"], "--pollux-traces"),
     ("simulate --policy magic", ["simulate", "synthetic", "--gpus", "8", "--policy", "magic"], "--policy"),
     ("simulate --device tpu", ["simulate", "synthetic", "--gpus", "8", "--device", "tpu"], "--device"),
     ("simulate --burst-strategy dp", ["simulate", "synthetic", "--gpus", "8", "--burst-strategy", "dp"],

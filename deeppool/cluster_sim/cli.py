@@ -228,7 +228,11 @@ def _speeds(workload: Workload, trace: str, traces: Path | None,
         raise DeeppoolError(f"--policy {adaptive[0]} chooses batch sizes from measured gradient statistics: give a "
                             f"Pollux workload (name,time,application,num_replicas,batch_size), not a "
                             f"{workload.format.value} trace")
-    durations = PolluxDurations.locate(Path(trace), traces)
+    root = traces if traces is not None else Path(trace).resolve().parent.parent / "traces"
+    if not root.is_dir():
+        raise DeeppoolError(f"--policy {adaptive[0]} runs jobs by the Pollux artifact's measurements, and '{root}' "
+                            "is not its traces/ folder: pass --pollux-traces DIR")
+    durations = PolluxDurations(root=root)
     return lambda job: durations.application(job.key, where=job.where)
 
 

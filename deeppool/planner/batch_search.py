@@ -66,18 +66,21 @@ class BatchSearchRequest:
 
 def search_batches(
     solve: Callable[[int], Planned], search: BatchSearchRequest, *, on_solved: Callable[[int], None] = lambda b: None,
+    on_stopped: Callable[[int, str], None] = lambda b, why: None,
 ) -> tuple[Planned, GoodputSearch]:
     """Solve every candidate (``solve(batch)``), return the goodput-optimal plan with the search recorded.
 
-    A candidate the planner cannot place (memory) ends the search upwards when a smaller one was planned.
+    A candidate the planner cannot place (memory) ends the search upwards when a smaller one was planned
+    (``on_stopped(batch, reason)``).
     """
     planned: dict[int, Planned] = {}
     for batch in search.candidates():
         try:
             planned[batch] = solve(batch)
-        except DeeppoolError:
+        except DeeppoolError as err:
             if not planned:
                 raise
+            on_stopped(batch, str(err))
             break
         on_solved(batch)
     base = search.base()

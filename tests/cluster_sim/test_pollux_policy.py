@@ -19,7 +19,7 @@ from deeppool.cluster_sim.pollux import PolluxDurations
 from deeppool.cluster_sim.workload import read_workload
 from deeppool.scheduling.pollux import PolluxPolicy
 from deeppool.scheduling.policies import POLICIES
-from deeppool.scheduling.policy import Adaptive, Decision, Snapshot, Start
+from deeppool.scheduling.policy import NOTHING, Adaptive, Decision, Rebatch, Snapshot, Start
 
 from .conftest import TRACES
 from .fakes import fake_facts, make_job
@@ -127,3 +127,54 @@ def test_the_engine_refuses_a_batch_for_a_job_without_a_speed_model() -> None:
                     policy=StartWithBatch(), facts=fake_facts, interference=InterferenceModel(), restart_penalty_s=30)
     with pytest.raises(PolicyError, match="no speed model"):
         engine.run()
+
+
+class StartThenRebatch:
+    """Start job 0 on 4 GPUs at ``first``; at t=60 change its batch to ``second`` (no restart)."""
+
+    name = "start-then-rebatch"
+
+    def __init__(self, first: int, second: int | None) -> None:
+        self.first, self.second = first, second
+
+    def decide(self, snap: Snapshot) -> Decision:
+        if snap.waiting:
+            return Decision(start=(Start(job_id=0, gpus=4, mode=PlanMode.DATA_PARALLEL, batch=self.first),),
+                            wake_at_s=60.0)
+        state = snap.adaptive.get(0)
+        if self.second is not None and snap.now_s == 60.0 and state is not None and state.batch != self.second:
+            return Decision(rebatch=(Rebatch(job_id=0, batch=self.second),))
+        return NOTHING
+
+
+def progress_after(speed, gpus: int, batch: int, seconds: float) -> float:
+    """Progress from 0 after ``seconds`` at a fixed batch, epoch by epoch (the speed model, by hand)."""
+    done = 0.0
+    for epoch in range(speed.epoch_at(speed.total_progress) + 1):
+        rate = speed.goodput(gpus, batch, epoch)
+        span = speed.progress_at(epoch + 1) - done
+        if span / rate >= seconds:
+            return done + rate * seconds
+        done, seconds = done + span, seconds - span / rate
+    return done
+
+
+def seconds_between(speed, gpus: int, batch: int, start: float) -> float:
+    """Seconds from progress ``start`` to the end at a fixed batch."""
+    total = 0.0
+    for epoch in range(speed.epoch_at(start), speed.epoch_at(speed.total_progress) + 1):
+        begin = max(start, speed.progress_at(epoch))
+        total += (speed.progress_at(epoch + 1) - begin) / speed.goodput(gpus, batch, epoch)
+    return total
+
+
+def test_a_batch_change_takes_effect_without_a_restart(apps) -> None:
+    engine = Engine(cluster=ClusterSpec(gpus=4, gpus_per_node=4), jobs=[speed_job(apps, 0, "cifar10")],
+                    policy=StartThenRebatch(128, 1024), facts=fake_facts, interference=InterferenceModel(),
+                    restart_penalty_s=30.0)
+    result = engine.run()
+    speed = apps.application("cifar10", where="test")
+    expected = 60.0 + seconds_between(speed, 4, 1024, progress_after(speed, 4, 128, 60.0))
+    assert result.preemptions == 0 and result.restart_penalty_gpu_s == 0.0
+    assert result.records[0].finish_s == pytest.approx(expected, rel=1e-9)
+    assert result.records[0].finish_s < seconds_between(speed, 4, 1024, 0.0)  # small early, large later pays
