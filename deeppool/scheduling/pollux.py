@@ -44,7 +44,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from deeppool.scheduling.policy import NOTHING, Decision, PlanMode, Rebatch, SimJob, Snapshot, SpeedModel, Start
+from deeppool.scheduling.policy import NOTHING, Decision, PlanMode, Rebatch, SimJob, Snapshot, Start
 
 NODE_GPUS = 4
 TICK_TOLERANCE_S = 1e-6
@@ -124,22 +124,20 @@ class PolluxPolicy:
         held = {c.job.job_id: 0 for c in candidates}
         free = gpus
         while free > 0:
-            best: tuple[float, tuple[float, float, int], _Candidate, int] | None = None
-            for candidate in candidates:
-                now = held[candidate.job.job_id]
-                for target in candidate.steps(now, free):
-                    if target - now > free:
-                        continue
-                    gain = (candidate.cost(now, self.epsilon) - candidate.cost(target, self.epsilon)) / (target - now)
-                    key = (-gain, candidate.order)
-                    if gain > 1e-12 and (best is None or key < (best[0], best[1])):
-                        best = (-gain, candidate.order, candidate, target)
-            if best is None:
+            steps = [(self._gain(c, held[c.job.job_id], target), c.order, c, target)
+                     for c in candidates for target in c.steps(held[c.job.job_id], free)
+                     if target - held[c.job.job_id] <= free]
+            useful = [step for step in steps if step[0] > 1e-12]
+            if not useful:
                 break
-            chosen, target = best[2], best[3]
+            _, _, chosen, target = min(useful, key=lambda step: (-step[0], step[1]))
             free -= target - held[chosen.job.job_id]
             held[chosen.job.job_id] = target
         return held
+
+    def _gain(self, candidate: _Candidate, held: int, target: int) -> float:
+        """How much ``Σ 1/(s + ε)`` falls per GPU when ``candidate`` goes from ``held`` to ``target`` GPUs."""
+        return (candidate.cost(held, self.epsilon) - candidate.cost(target, self.epsilon)) / (target - held)
 
     def _changes(self, snapshot: Snapshot, candidates: list[_Candidate], allocation: dict[int, int],
                  wake: float) -> Decision:
@@ -147,8 +145,8 @@ class PolluxPolicy:
         preempt, start, rebatch = [], [], []
         for candidate in candidates:
             job, gpus = candidate.job, allocation[candidate.job.job_id]
-            speed: SpeedModel = job.speed  # type: ignore[assignment]
-            batch = speed.best_batch(gpus, candidate.epoch)[0] if gpus else 0
+            assert job.speed is not None
+            batch = job.speed.best_batch(gpus, candidate.epoch)[0] if gpus else 0
             if gpus != candidate.current:
                 if candidate.current:
                     preempt.append(job.job_id)
