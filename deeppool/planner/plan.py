@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from deeppool.adaptation.goodput import GoodputSearch
 from deeppool.errors import DeeppoolError
 from deeppool.planner.cost import CostModel, Optimizer, Phase
 from deeppool.planner.baselines import Baselines
@@ -113,6 +114,8 @@ class Plan:
     predicted: Prediction
     solver: SolverInfo
     precision: Precision = Precision.FP32
+    goodput: GoodputSearch | None = None
+    """With ``--batch auto``: every candidate batch's figures; ``global_batch`` is the goodput-optimal one."""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -142,6 +145,7 @@ class Plan:
             "layers": [asdict(layer) for layer in self.layers],
             "predicted": asdict(self.predicted),
             "solver": asdict(self.solver),
+            **({"goodput": self.goodput.to_json()} if self.goodput is not None else {}),
         }
 
     @classmethod
@@ -164,6 +168,7 @@ class Plan:
                 layers=tuple(_planned_layer(item) for item in field(payload, "layers", kind="plan")),
                 predicted=Prediction(**predicted),
                 solver=SolverInfo(**field(payload, "solver", kind="plan")),
+                goodput=GoodputSearch.from_json(payload["goodput"]) if "goodput" in payload else None,
             )
         except (KeyError, TypeError, ValueError) as err:
             raise DeeppoolError(f"plan {where} is malformed ({type(err).__name__}: {err}): regenerate it") from None
