@@ -2,10 +2,12 @@
 
 ``<dir>/step-<N>/rank<r>.pt`` holds what rank ``r`` trains: the parameters and
 buffers of its layers (by their names in the model), its optimizer's and LR
-schedule's state, and ``N``, the number of optimizer steps done. Data
-position and randomness follow from ``N`` (batches are drawn in order and
-per-sample random draws are seeded by the step), so a resumed run continues
-exactly where the interrupted one was. A shard is written to a temporary
+schedule's state, the fp16 loss scale and its growth count (``--precision
+fp16``), ``N``, the number of optimizer steps done, and the data position: the
+global batches consumed (with ``--data``, epoch ``⌊n / N_e⌋``, batch ``n mod
+N_e`` of :class:`~deeppool.executor.data.EpochOrder`). Per-sample random
+draws are seeded by the step, so a resumed run continues exactly where the
+interrupted one was. A shard is written to a temporary
 file and renamed into place; after every rank has written (a barrier), rank 0
 writes ``COMPLETE``. A rank killed mid-write leaves no ``COMPLETE`` in that
 step's directory, so :func:`latest` still finds the previous checkpoint.
@@ -35,10 +37,15 @@ class Shard:
     buffers: dict[str, torch.Tensor]
     optimizer: dict[str, Any] | None
     scheduler: dict[str, Any] | None
+    data_position: int | None = None
+    """Global batches consumed (None in checkpoints written before it was recorded: ``steps_done × K``)."""
+    scaler: dict[str, Any] | None = None
+    """The fp16 loss scaler's state (:class:`~deeppool.executor.precision.AgreedScaler`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "params": self.params, "buffers": self.buffers,
-                "optimizer": self.optimizer, "scheduler": self.scheduler}
+                "optimizer": self.optimizer, "scheduler": self.scheduler, "data_position": self.data_position,
+                "scaler": self.scaler}
 
 
 def step_dir(directory: Path, steps_done: int) -> Path:
