@@ -110,14 +110,19 @@ def make_config(
         checkpoint=CheckpointConfig(directory=checkpoint_dir, every=checkpoint_every, resume=resume)
         if checkpoint_dir is not None else None,
         precision=precision, loss_scaling=LossScaling(initial=loss_scale),
-        data=DataConfig(factory=_located(data), seed=data_seed, workers=data_workers) if data is not None else None,
+        data=DataConfig(factory=_located(DataConfig(factory=data).factory), seed=data_seed, workers=data_workers)
+        if data is not None else None,
     )
 
 
 def _located(factory: str) -> str:
     """A ``file.py:factory`` made absolute, so ranks started elsewhere find it."""
     location, _, attr = factory.rpartition(":")
-    return f"{Path(location).resolve()}:{attr}" if location.endswith(".py") else factory
+    if not location.endswith(".py"):
+        return factory
+    if not Path(location).is_file():
+        raise DeeppoolError(f"--data '{factory}': no file '{location}' (give path/to/data.py:factory)")
+    return f"{Path(location).resolve()}:{attr}"
 
 
 def config_args(config: RunConfig) -> list[str]:
