@@ -116,10 +116,11 @@ class AgreedScaler:
         """Multiply ``grads`` by ``1/s`` in place and update the scale; True when the step must be skipped:
         some rank's gradients hold an inf or NaN (every rank calls this once per optimizer step)."""
         inverse = self._scale.double().reciprocal().float()
-        local = False
+        flags = []
         for grad in grads:
             grad.mul_(inverse.to(grad.device))
-            local = local or not bool(torch.isfinite(grad).all())
+            flags.append(torch.logical_not(torch.isfinite(grad).all()))
+        local = bool(torch.stack(flags).any()) if flags else False  # one wait for the device, not one per tensor
         found = self._comm.all_reduce_max(1.0 if local else 0.0) > 0
         self._update(found)
         return found

@@ -53,6 +53,15 @@ leave a margin of 2.
 A parameter that got no gradient counts as zeros (``None`` on one side only
 is a dropped gradient).
 
+**Mixed precision** (``--precision bf16|fp16``): the reference runs under the
+same autocast (on the CPU), with ``torch.amp.GradScaler`` for fp16, so a step
+skipped for an overflow must be skipped by both (its gradients, inf or NaN,
+are not compared; its parameters are). Partial products rounded to bf16/fp16
+on each rank and then summed differ from the whole-batch product rounded once
+by about one low-precision rounding, so bound and floor grow with the
+precision's epsilon (:attr:`~deeppool.executor.config.Precision.check_bound`,
+:attr:`~deeppool.executor.config.Precision.check_floor`).
+
 **Parameters** after the step are measured as ``max|p − p_ref|`` over the
 largest magnitude among the parameters of the tensor's module
 (:func:`module_scales`: ``bn.bias``, which starts at zero, is measured
