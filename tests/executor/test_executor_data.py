@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import CheckpointConfig, DataConfig, OptimizerConfig, RunConfig, Training
-from deeppool.executor.data import EpochOrder, load_dataset, needed_rows
+from deeppool.executor.data import DatasetBatches, EpochOrder, load_dataset, needed_rows
 from deeppool.executor.checkpoint import load
 from deeppool.planner.plan import Plan
 from tests.executor.plans import cycle, make_plan, traced_graph
@@ -126,3 +126,17 @@ def test_the_command_line_loads_only_each_ranks_rows_and_passes_the_check(tmp_pa
     assert proc.code == 0, proc.stderr[-3000:]
     check = json.loads((tmp_path / "check" / "summary.json").read_text())["check"]
     assert check["passed"] and check["max_relative_difference"] <= 1e-4, check
+
+
+def test_data_loader_workers_load_the_same_rows() -> None:
+    plan = make_plan("mlp", global_batch=6, gpus=3, assign=input_and_output_on(3, 2))
+    loaded = plan.model.load()
+    order = EpochOrder(length=20, global_batch=6, seed=1)
+    spans = ((2, 6),)
+    inline = DatasetBatches(dataset(plan, 20), order, spans, loaded)
+    workers = DatasetBatches(dataset(plan, 20), order, spans, loaded, workers=2)
+    for index in (0, 1, 2, 3, 5):  # across an epoch, and a jump (a resumed run)
+        got, want = workers(index), inline(index)
+        assert torch.equal(got.rows("input", 3, 6), want.rows("input", 3, 6))
+        assert torch.equal(got.target_rows(2, 6), want.target_rows(2, 6))
+        assert got.spans == spans and len(want.targets) == 4
