@@ -13,12 +13,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deeppool.errors import DeeppoolError
+from deeppool.executor.checkpoint import load
 from deeppool.executor.comm import TorchComm
-from deeppool.executor.config import LossScaling, OptimizerConfig, Precision, RunConfig
+from deeppool.executor.config import CheckpointConfig, LossScaling, OptimizerConfig, Precision, RunConfig
 from deeppool.executor.precision import AgreedScaler, grad_scaler, output_dtypes
 from deeppool.planner.modelspec import ModelSpec
 from deeppool.planner.trace import trace
 from tests.executor.plans import Assign, cycle, make_plan, model_path
+from tests.executor.test_executor_checkpoint import assert_same
 from tests.executor.test_executor_exact import train_threads
 from tests.executor.test_executor_processes import deeppool_run
 from tests.executor.test_executor_training import loader, pairs
@@ -141,3 +143,18 @@ def test_the_command_line_trains_in_mixed_precision_and_passes_the_check(
     check = summary["check"]
     assert check["passed"] and check["max_relative_difference"] * MARGIN <= check["bound"], check
     assert os.path.isfile(tmp_path / "out" / "trace-rank0.json")
+
+
+def test_a_resumed_fp16_run_keeps_its_loss_scale(tmp_path: Path) -> None:
+    plan = make_plan("mlp", global_batch=6, gpus=3, assign=cycle(3, 1, 2))
+    overflow = LossScaling(initial=2.0**40, backoff=2.0**-30)  # a fresh scale would skip step 2 of a resumed run
+
+    def train(steps: int, checkpoint: CheckpointConfig | None):
+        config = RunConfig(steps=steps, optimizer=OptimizerConfig(lr=0.1, momentum=0.9), bucket_mb=0.0005,
+                           precision=Precision.FP16, loss_scaling=overflow, checkpoint=checkpoint)
+        return train_threads(plan, config, data=pairs(loader(plan, 4)))
+
+    whole = train(4, None)
+    train(2, CheckpointConfig(directory=tmp_path, every=2))
+    assert load(tmp_path, 2, 0).scaler == {"scale": 2.0**10, "growth_tracker": 1}
+    assert_same(train(4, CheckpointConfig(directory=tmp_path, every=2, resume=True)), whole)
