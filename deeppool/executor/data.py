@@ -20,7 +20,6 @@ the layers that read the model's inputs and, for the loss, in the output layer.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -143,18 +142,16 @@ class EpochOrder:
         """(epoch, batch within the epoch) of global batch ``index``."""
         return divmod(index, self.per_epoch)
 
-    def samples(self, index: int, spans: Spans) -> list[int]:
-        """The dataset indices of global batch ``index``'s rows in ``spans``."""
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """Epoch ``epoch``'s order of the samples."""
+        return torch.randperm(self.length, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    def samples(self, index: int, spans: Spans, permutation: torch.Tensor | None = None) -> list[int]:
+        """The dataset indices of global batch ``index``'s rows in ``spans`` (``permutation``: its epoch's, if known)."""
         epoch, batch = self.position(index)
-        order = _permutation(self.length, self.seed + epoch)
+        order = self.permutation(epoch) if permutation is None else permutation
         first = batch * self.global_batch
         return [int(order[first + row]) for low, high in spans for row in range(low, high)]
-
-
-@functools.lru_cache(maxsize=2)
-def _permutation(length: int, seed: int) -> torch.Tensor:
-    """One epoch's order (kept for the batches that follow: an epoch is drawn once, not per batch)."""
-    return torch.randperm(length, generator=torch.Generator().manual_seed(seed))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,9 +216,12 @@ class _Positions:
         self._order, self._spans, self._start = order, spans, start
 
     def __iter__(self) -> Iterator[list[int]]:
-        index = self._start
+        index, epoch, permutation = self._start, -1, None
         while True:
-            yield self._order.samples(index, self._spans)
+            if self._order.position(index)[0] != epoch:  # an epoch's order is drawn once, not per batch
+                epoch = self._order.position(index)[0]
+                permutation = self._order.permutation(epoch)
+            yield self._order.samples(index, self._spans, permutation)
             index += 1
 
 
