@@ -248,6 +248,12 @@ MISTAKES: list[tuple[str, list[str], str]] = [
     ("run --bg-checkpoint-dir is a file", ["run", "{ws}/plan.json", "--background", TINY, "--bg-checkpoint-dir",
                                            "{ws}/existing.txt"], "--bg-checkpoint-dir"),
     ("run --model missing", ["run", "{ws}/plan.json", "--model", "nope.py"], "model file 'nope.py'"),
+    ("run --precision fp8", ["run", "{ws}/plan.json", "--precision", "fp8"], "--precision"),
+    ("run --loss-scale 0", ["run", "{ws}/plan.json", "--loss-scale", "0"], "--loss-scale"),
+    ("run --data without a factory", ["run", "{ws}/plan.json", "--data", "mydata"], "--data 'mydata'"),
+    ("run --data file missing", ["run", "{ws}/plan.json", "--data", "nope.py:train"], "no file 'nope.py'"),
+    ("run --data-workers negative", ["run", "{ws}/plan.json", "--data", "m:f", "--data-workers", "-1"],
+     "--data-workers"),
     # simulate
     ("simulate --gpus 0", ["simulate", "synthetic", "--gpus", "0"], "--gpus"),
     ("simulate --gpus-per-node 0", ["simulate", "synthetic", "--gpus", "8", "--gpus-per-node", "0"],

@@ -10,12 +10,14 @@ BatchNorm statistics. So a checkpoint stores each group once:
   name), written by rank ``g-1``: each group has its own writer, and the
   groups are written at once;
 * ``<dir>/step-<N>/run.pt`` — what every rank has alike: ``N`` (optimizer
-  steps done), the optimizer's hyperparameters and the LR schedule's state,
-  written by rank 0.
+  steps done), the optimizer's hyperparameters, the LR schedule's state, the
+  fp16 loss scale and its growth count (``--precision fp16``; every rank
+  agrees on it), and the data position: the global batches consumed (with
+  ``--data``, epoch ``⌊n / N_e⌋``, batch ``n mod N_e`` of
+  :class:`~deeppool.executor.data.EpochOrder`); written by rank 0.
 
-Data position and randomness follow from ``N`` (batches are drawn in order
-and per-sample random draws are seeded by the step), so a resumed run
-continues exactly where the interrupted one was. Every file is written to a
+Per-sample random draws are seeded by the step, so a resumed run continues
+exactly where the interrupted one was. Every file is written to a
 temporary file, synced and renamed into place; after every rank has written
 (a barrier), rank 0 writes ``COMPLETE`` naming the groups. A rank killed
 mid-write leaves no ``COMPLETE`` in that step's directory, so :func:`latest`
@@ -65,10 +67,14 @@ class RunState:
     model_keys: dict[str, str]
     """Each key of the user's model's ``state_dict`` and the name its tensor is stored under
     (tied weights are stored once; tensors tracing made up are stored but not exported)."""
+    data_position: int
+    """Global batches consumed."""
+    scaler: dict[str, Any] | None = None
+    """The fp16 loss scaler's state (:class:`~deeppool.executor.precision.AgreedScaler`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "optimizer_groups": self.optimizer_groups, "scheduler": self.scheduler,
-                "model_keys": self.model_keys}
+                "model_keys": self.model_keys, "data_position": self.data_position, "scaler": self.scaler}
 
 
 def model_keys(model: torch.nn.Module) -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from deeppool.executor.data import DataReport
 from deeppool.executor.program import Stage
 from deeppool.executor.reference import CheckResult, worst_of
 from deeppool.executor.timing import RankTimes
@@ -37,6 +38,9 @@ class RunSummary:
     losses: tuple[float, ...]
     stages: tuple[StageTiming, ...]
     check: CheckResult | None
+    precision: str = "fp32"
+    data: DataReport | None = None
+    """``--data``: the dataset's size, epochs and position (None for the synthetic batch or a loader)."""
 
     @property
     def iterations_per_s(self) -> float:
@@ -59,6 +63,8 @@ class RunSummary:
             "losses": list(self.losses),
             "stages": [asdict(stage) for stage in self.stages],
             "check": None if self.check is None else self.check.to_json(),
+            "precision": self.precision,
+            "data": None if self.data is None else self.data.to_json(),
         }
 
 
