@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -27,10 +28,14 @@ import pytest
 
 from deeppool.coordinator.driver import DriverSteps
 from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
+from deeppool.coordinator.launcher import Phase
 from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.slurm import SlurmLauncher
+from deeppool.coordinator.client import Client
 from deeppool.coordinator.store import Store
+from deeppool.errors import DeeppoolError
 from deeppool.planner.plan import Plan
+from tests.coordinator.test_durability import start, token
 from tests.coordinator.test_runtime import settle
 from tests.coordinator.test_slurm import _ensure_packages, _start_munge
 from tests.net import free_port
@@ -71,10 +76,11 @@ PartitionName=multi Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubs
 
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
-    """The running Slurm: its config, and each node's name and address."""
+    """The running Slurm: its config, each node's name and address, and the nodes' network namespaces."""
 
     conf: Path
     nodes: tuple[tuple[str, str], ...]
+    namespaces: tuple[str, ...]
 
 
 def _ip(*args: str, netns: str | None = None) -> None:
@@ -165,7 +171,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                                       str(conf)], **quiet) for ns, (name, _) in zip(namespaces, nodes)]
         _wait_idle(env, daemons, len(nodes), root)
         os.environ["SLURM_CONF"] = str(conf)
-        yield Cluster(conf=conf, nodes=nodes)
+        yield Cluster(conf=conf, nodes=nodes, namespaces=tuple(namespaces))
     finally:
         if old is None:
             os.environ.pop("SLURM_CONF", None)
@@ -174,25 +180,70 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         _teardown(tag, daemons)
 
 
-def test_a_foreground_job_spans_two_slurm_nodes_and_trains_exactly(
-        cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", INTERFACE)  # sbatch and srun pass the environment on
-    store = Store(tmp_path / "db.sqlite")
-    store.create_token("alice")
-    folder = tmp_path / "jobs"
-    rt = Runtime(store, SlurmLauncher(folder), DriverSteps(folder=folder, check=True), grace_s=0.5, nodes=2)
-    job, _ = store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model=str(MODEL), gpus=2, batch=16, steps=3))
-    rt.start(job, "granted")
-    done = settle(rt, job.id, lambda j: j.state.terminal, timeout_s=300)
-    log = rt.launcher.files(job.id, 1).log.read_text()
-    assert done.state is JobStatus.SUCCEEDED, log[-3000:]
+def test_the_coordinator_runs_a_job_over_two_slurm_nodes(cluster: Cluster, tmp_path: Path) -> None:
+    """``deeppool serve --launcher slurm --nodes 2``: the job's state, log and result come back through the API."""
+    db, port, folder = tmp_path / "db.sqlite", free_port(), tmp_path / "jobs"
+    server = start(db, port, gpus=2, allow=(MODEL.parent,), env={"GLOO_SOCKET_IFNAME": INTERFACE},
+                   options=("--launcher", "slurm", "--nodes", "2", "--check", "--log-dir", str(folder)))
+    try:
+        client = Client(f"http://127.0.0.1:{port}", token(db))
+        with pytest.raises(DeeppoolError, match="do not split evenly over the 2 nodes"):
+            client.submit(JobRequest(kind=JobKind.FOREGROUND, model=str(MODEL), gpus=1, batch=16, steps=3))
+        job = client.submit(JobRequest(kind=JobKind.FOREGROUND, model=str(MODEL), gpus=2, batch=16, steps=3))
+        deadline = time.monotonic() + 300
+        while not (job := client.job(job.id)).state.terminal and time.monotonic() < deadline:
+            time.sleep(0.5)
+        log = client.logs(job.id).text
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert job.state is JobStatus.SUCCEEDED and job.exit_code == 0, log[-3000:]
     assert "#SBATCH --nodes=2" in (folder / f"job-{job.id}.1.sbatch").read_text()
     assert f"nodes: node0 ({SUBNET}.1), node1 ({SUBNET}.2); rendezvous at {SUBNET}.1:" in log
-    for task, address in enumerate(address for _, address in cluster.nodes):  # srun labels lines by task
-        assert f"{task}: machine" in log and f"({address}): 1 of the 2 ranks" in log, log[-3000:]
+    for task, (_, address) in enumerate(cluster.nodes):  # srun labels each line with its task: one per node
+        assert re.search(rf"^{task}: machine \S+ \({re.escape(address)}\): 1 of the 2 ranks", log, re.M), log[-3000:]
     plan = Plan.load(folder / f"job-{job.id}" / "plan.json")
     assert {layer.gpus for layer in plan.layers} == {1, 2}  # a burst plan: some layers on both nodes, some on one
     run = folder / f"job-{job.id}" / "run"
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["gpus"] == 2 and summary["check"]["passed"]
+    assert summary["gpus"] == 2 and summary["check"]["passed"]  # every step as single-process training
     assert sorted(p.name for p in run.glob("trace-rank*.json")) == ["trace-rank0.json", "trace-rank1.json"]
+
+
+def _deeppool_processes(namespace: str) -> list[str]:
+    """The command lines of deeppool's processes in ``namespace`` (its slurmd's job steps)."""
+    found = []
+    for pid in subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if " -m deeppool." in cmdline:
+            found.append(cmdline)
+    return found
+
+
+def test_a_cancelled_two_node_job_stops_on_both_nodes(cluster: Cluster, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", INTERFACE)  # sbatch and srun pass the environment on
+    store = Store(tmp_path / "db.sqlite")
+    store.create_token("alice")
+    folder = tmp_path / "jobs"
+    rt = Runtime(store, SlurmLauncher(folder), DriverSteps(folder=folder), grace_s=2.0, nodes=2)
+    job, _ = store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model=str(MODEL), gpus=2, batch=16,
+                                              steps=100000))
+    rt.start(job, "granted")
+    log = rt.launcher.files(job.id, 1).log
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not all(_deeppool_processes(ns) for ns in cluster.namespaces):
+        time.sleep(0.5)
+    assert all(_deeppool_processes(ns) for ns in cluster.namespaces), log.read_text()[-3000:]
+    settle(rt, job.id, lambda j: j.state is JobStatus.RUNNING, timeout_s=60)
+    rt.store.transition(job.id, JobStatus.CANCELLED, "cancelled by alice")
+    rt.reconcile()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(_deeppool_processes(ns) for ns in cluster.namespaces):
+        time.sleep(0.5)
+    assert not any(_deeppool_processes(ns) for ns in cluster.namespaces)
+    assert rt.launcher.observe(job.id, 1).phase not in (Phase.RUNNING, Phase.QUEUED)
+    assert rt.store.job(job.id).state is JobStatus.CANCELLED
