@@ -160,13 +160,15 @@ class SlurmLauncher:
         tmp.write_text(json.dumps({"job_id": job_id, "attempt": attempt, "steps": steps}))
         os.replace(tmp, files.spec)
         script = self.folder / f"job-{job_id}.{attempt}.sbatch"
-        script.write_text(self._script(job_id, attempt, files, env or {}, resources))
+        script.write_text(self.script(job_id, attempt, env or {}, resources))
         done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
             raise DeeppoolError(f"sbatch refused job {job_id}: {done.stderr.strip()[:300]}")
         self._id_file(job_id, attempt).write_text(done.stdout.strip().split(";")[0] + "\n")
 
-    def _script(self, job_id: int, attempt: int, files: JobFiles, env: dict[str, str], resources: Resources) -> str:
+    def script(self, job_id: int, attempt: int, env: dict[str, str], resources: Resources) -> str:
+        """The attempt's batch script: its allocation, then the supervisor (no user text is a shell string)."""
+        files = self.files(job_id, attempt)
         slots = f"--gres=gpu:{resources.per_node}" if self.settings.gres else f"--cpus-per-task={resources.per_node}"
         lines = ["#!/bin/sh", f"#SBATCH --job-name=deeppool-{job_id}.{attempt}", f"#SBATCH --nodes={resources.nodes}",
                  "#SBATCH --ntasks-per-node=1", f"#SBATCH {slots}",
