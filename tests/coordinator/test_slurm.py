@@ -68,14 +68,16 @@ def _ensure_packages() -> None:
         pytest.skip(f"apt-get could not install slurm-wlm and munge: {done.stderr.strip()[-300:]}")
 
 
-def _start_munge() -> None:
+def _start_munge() -> bool:
+    """Make sure munged runs; True if this call started it."""
     if subprocess.run(["sh", "-c", "munge -n | unmunge"], capture_output=True).returncode == 0:
-        return
+        return False
     Path("/run/munge").mkdir(parents=True, exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
     subprocess.run(["runuser", "-u", "munge", "--", "munged"], capture_output=True, timeout=30)
     if subprocess.run(["sh", "-c", "munge -n | unmunge"], capture_output=True).returncode != 0:
         pytest.skip("munged does not start here, so Slurm cannot authenticate")
+    return True
 
 
 @pytest.fixture(scope="module")

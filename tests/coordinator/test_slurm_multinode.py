@@ -1,13 +1,17 @@
-"""A coordinator job over two Slurm nodes: a real multi-node Slurm made of network namespaces on this machine.
+"""Coordinator jobs over two Slurm nodes: a real multi-node Slurm made of network namespaces on this machine.
 
 Each node is a network namespace with its own address (10.77.0.1, 10.77.0.2)
 on a bridge in the root namespace (10.77.0.254), where slurmctld runs; one
 slurmd per namespace (``slurmd -N nodeX``), with its spool, pid and log files
 named after the node (``%n``). munged's socket is a file, so every namespace
-shares it. Host names do not tell the namespaces apart, so the job's gloo uses
-the interface each namespace names ``dpnet0`` (``GLOO_SOCKET_IFNAME``). Where
-namespaces or Slurm cannot start, the test is skipped with the reason;
-everything it started is stopped and deleted afterwards.
+shares it. slurmd enters its namespace with ``nsenter --net``: ``ip netns
+exec`` would also mount a fresh /sys, without /sys/fs/cgroup, and slurmd
+stops with "Unable to initialize cgroup plugin". Host names do not tell the
+namespaces apart, so the jobs' gloo uses the interface each namespace names
+``dpnet0`` (``GLOO_SOCKET_IFNAME``). Where namespaces or Slurm cannot start,
+the tests are skipped with the reason; the daemons (munged too, if the
+fixture started it), whatever still runs in the namespaces, the namespaces
+and the bridge are removed afterwards.
 """
 
 from __future__ import annotations
@@ -26,12 +30,12 @@ from pathlib import Path
 
 import pytest
 
+from deeppool.coordinator.client import Client
 from deeppool.coordinator.driver import DriverSteps
 from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
 from deeppool.coordinator.launcher import Phase
 from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.slurm import SlurmLauncher
-from deeppool.coordinator.client import Client
 from deeppool.coordinator.store import Store
 from deeppool.errors import DeeppoolError
 from deeppool.planner.plan import Plan
@@ -76,9 +80,8 @@ PartitionName=multi Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubs
 
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
-    """The running Slurm: its config, each node's name and address, and the nodes' network namespaces."""
+    """The running Slurm: each node's name and address, and the nodes' network namespaces."""
 
-    conf: Path
     nodes: tuple[tuple[str, str], ...]
     namespaces: tuple[str, ...]
 
@@ -134,6 +137,14 @@ def _teardown(tag: str, daemons: list[subprocess.Popen]) -> None:
     subprocess.run(["ip", "link", "delete", f"{tag}br"], capture_output=True)
 
 
+def _stop_munge() -> None:
+    """Stop the munged this fixture started (its pid file names it)."""
+    try:
+        os.kill(int(Path("/run/munge/munged.pid").read_text().strip()), signal.SIGTERM)
+    except (OSError, ValueError):
+        pass
+
+
 def _wait_idle(env: dict[str, str], daemons: list[subprocess.Popen], count: int, root: Path) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and all(d.poll() is None for d in daemons):
@@ -151,7 +162,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2's `ip`")
     _ensure_packages()
-    _start_munge()
+    started_munge = _start_munge()
     tag, daemons = f"dps{os.getpid() % 100000}", []
     old = os.environ.get("SLURM_CONF")
     try:
@@ -171,13 +182,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                                       str(conf)], **quiet) for ns, (name, _) in zip(namespaces, nodes)]
         _wait_idle(env, daemons, len(nodes), root)
         os.environ["SLURM_CONF"] = str(conf)
-        yield Cluster(conf=conf, nodes=nodes, namespaces=tuple(namespaces))
+        yield Cluster(nodes=nodes, namespaces=tuple(namespaces))
     finally:
         if old is None:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = old
         _teardown(tag, daemons)
+        if started_munge:
+            _stop_munge()
 
 
 def test_the_coordinator_runs_a_job_over_two_slurm_nodes(cluster: Cluster, tmp_path: Path) -> None:
