@@ -39,7 +39,7 @@ from deeppool.coordinator.slurm import SlurmLauncher
 from deeppool.coordinator.store import Store
 from deeppool.errors import DeeppoolError
 from deeppool.planner.plan import Plan
-from tests.coordinator.test_durability import start, token
+from tests.coordinator.test_durability import start
 from tests.coordinator.test_runtime import settle
 from tests.coordinator.test_slurm import _ensure_packages, _start_munge
 from tests.net import free_port
@@ -50,6 +50,7 @@ SUBNET = "10.77.0"
 CONTROLLER = f"{SUBNET}.254"
 INTERFACE = "dpnet0"
 MODEL = Path(__file__).resolve().parent / "models" / "burst_cnn.py"
+BACKGROUND = Path(__file__).resolve().parents[2] / "examples" / "background_mlp.py"
 
 CONF = """ClusterName=deeppoolmulti
 SlurmctldHost={host}({controller})
@@ -194,23 +195,35 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def test_the_coordinator_runs_a_job_over_two_slurm_nodes(cluster: Cluster, tmp_path: Path) -> None:
-    """``deeppool serve --launcher slurm --nodes 2``: the job's state, log and result come back through the API."""
+    """``deeppool serve --launcher slurm --nodes 2``: the job's state, log and result come back through the API.
+
+    A background job waits too, so the foreground job takes it as its guest: it trains in the idle windows of
+    both nodes' ranks.
+    """
     db, port, folder = tmp_path / "db.sqlite", free_port(), tmp_path / "jobs"
-    server = start(db, port, gpus=2, allow=(MODEL.parent,), env={"GLOO_SOCKET_IFNAME": INTERFACE},
+    store = Store(db)
+    secret = store.create_token("alice")
+    # both queued before the server starts, so its first tick (before it serves) sees them together
+    job, _ = store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model=str(MODEL), gpus=2, batch=16, steps=10))
+    guest, _ = store.submit("alice", JobRequest(kind=JobKind.BACKGROUND, model=str(BACKGROUND), batch=8))
+    store.close()
+    server = start(db, port, gpus=2, allow=(MODEL.parent, BACKGROUND.parent), env={"GLOO_SOCKET_IFNAME": INTERFACE},
                    options=("--launcher", "slurm", "--nodes", "2", "--check", "--log-dir", str(folder)))
     try:
-        client = Client(f"http://127.0.0.1:{port}", token(db))
+        client = Client(f"http://127.0.0.1:{port}", secret)
         with pytest.raises(DeeppoolError, match="do not split evenly over the 2 nodes"):
             client.submit(JobRequest(kind=JobKind.FOREGROUND, model=str(MODEL), gpus=1, batch=16, steps=3))
-        job = client.submit(JobRequest(kind=JobKind.FOREGROUND, model=str(MODEL), gpus=2, batch=16, steps=3))
         deadline = time.monotonic() + 300
         while not (job := client.job(job.id)).state.terminal and time.monotonic() < deadline:
             time.sleep(0.5)
         log = client.logs(job.id).text
+        guest = client.job(guest.id)
     finally:
         server.terminate()
         server.wait(30)
     assert job.state is JobStatus.SUCCEEDED and job.exit_code == 0, log[-3000:]
+    assert guest.state is JobStatus.SUCCEEDED and guest.host_id == job.id, guest
+    assert "trained" in guest.reason and " 0 steps" not in guest.reason
     assert "#SBATCH --nodes=2" in (folder / f"job-{job.id}.1.sbatch").read_text()
     assert f"nodes: node0 ({SUBNET}.1), node1 ({SUBNET}.2); rendezvous at {SUBNET}.1:" in log
     for task, (_, address) in enumerate(cluster.nodes):  # srun labels each line with its task: one per node
