@@ -73,7 +73,7 @@ def serve(
                               device="cuda" if _gpu_count() else "cpu", nodes=nodes)
     slurm = SlurmSettings(partition=partition, gres=_gpu_count() > 0 if gres is None else gres)
     runtime = Runtime(store, _launcher(launcher, logs, slurm),
-                      DriverSteps(folder=logs, device_model=device_model, check=check),
+                      DriverSteps(folder=logs, device_model=device_model, check=check, nodes=nodes),
                       after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None, nodes=nodes)
     service = Service(runtime, Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), slots,
                       paused=paused)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from deeppool.coordinator.jobs import Job, JobKind
 from deeppool.coordinator.supervisor import JobFiles
 from deeppool.errors import DeeppoolError
 
@@ -52,6 +53,11 @@ class Resources:
     @property
     def per_node(self) -> int:
         return self.gpus // self.nodes
+
+
+def resources_for(job: Job, nodes: int) -> Resources:
+    """A foreground job's GPUs over ``nodes`` machines (``serve --nodes``); a background job's on one."""
+    return Resources(gpus=job.gpus, nodes=nodes if job.kind is JobKind.FOREGROUND else 1)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,8 +33,8 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from deeppool.coordinator.jobs import Job, JobKind, JobStatus
-from deeppool.coordinator.launcher import Launcher, Phase, Resources
+from deeppool.coordinator.jobs import Job, JobStatus
+from deeppool.coordinator.launcher import Launcher, Phase, Resources, resources_for
 from deeppool.coordinator.store import Store
 from deeppool.errors import DeeppoolError
 
@@ -54,7 +54,7 @@ class Runtime:
 
     def resources(self, job: Job) -> Resources:
         """A foreground job's GPUs over ``nodes`` machines; a background job's on one."""
-        return Resources(gpus=job.gpus, nodes=self.nodes if job.kind is JobKind.FOREGROUND else 1)
+        return resources_for(job, self.nodes)
 
     def start(self, job: Job, reason: str, guests: Sequence[Job] = ()) -> bool:
         """Claim the job (PENDING → STARTING) and its guests, then launch; False if someone else moved it.

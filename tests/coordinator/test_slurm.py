@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -80,10 +81,18 @@ def _start_munge() -> bool:
     return True
 
 
+def _stop_munge() -> None:
+    """Stop the munged a fixture started (its pid file names it)."""
+    try:
+        os.kill(int(Path("/run/munge/munged.pid").read_text().strip()), signal.SIGTERM)
+    except (OSError, ValueError):
+        pass
+
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     _ensure_packages()
-    _start_munge()
+    started_munge = _start_munge()
     root = tmp_path_factory.mktemp("slurm")
     for sub in ("state", "spool"):
         (root / sub).mkdir()
@@ -115,6 +124,8 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     for daemon in daemons:
         daemon.terminate()
         daemon.wait(10)
+    if started_munge:
+        _stop_munge()
 
 
 def python(code: str) -> list[str]:

@@ -41,7 +41,7 @@ from deeppool.errors import DeeppoolError
 from deeppool.planner.plan import Plan
 from tests.coordinator.test_durability import start
 from tests.coordinator.test_runtime import settle
-from tests.coordinator.test_slurm import _ensure_packages, _start_munge
+from tests.coordinator.test_slurm import _ensure_packages, _start_munge, _stop_munge
 from tests.net import free_port
 
 pytestmark = pytest.mark.slow
@@ -136,14 +136,6 @@ def _teardown(tag: str, daemons: list[subprocess.Popen]) -> None:
                 pass
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
     subprocess.run(["ip", "link", "delete", f"{tag}br"], capture_output=True)
-
-
-def _stop_munge() -> None:
-    """Stop the munged this fixture started (its pid file names it)."""
-    try:
-        os.kill(int(Path("/run/munge/munged.pid").read_text().strip()), signal.SIGTERM)
-    except (OSError, ValueError):
-        pass
 
 
 def _wait_idle(env: dict[str, str], daemons: list[subprocess.Popen], count: int, root: Path) -> None:
@@ -255,7 +247,7 @@ def test_a_cancelled_two_node_job_stops_on_both_nodes(cluster: Cluster, tmp_path
     store = Store(tmp_path / "db.sqlite")
     store.create_token("alice")
     folder = tmp_path / "jobs"
-    rt = Runtime(store, SlurmLauncher(folder), DriverSteps(folder=folder), grace_s=2.0, nodes=2)
+    rt = Runtime(store, SlurmLauncher(folder), DriverSteps(folder=folder, nodes=2), grace_s=2.0, nodes=2)
     job, _ = store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model=str(MODEL), gpus=2, batch=16,
                                               steps=100000))
     rt.start(job, "granted")

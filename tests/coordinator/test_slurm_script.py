@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from deeppool.coordinator.driver import DriverSpec, DriverSteps, slurm_allocation
 from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
 from deeppool.coordinator.launcher import LocalLauncher, Resources
 from deeppool.coordinator.runtime import Runtime
@@ -65,3 +67,19 @@ def test_a_job_whose_gpus_do_not_split_fails_with_the_reason(tmp_path: Path) -> 
     failed = rt.store.job(job.id)
     assert failed.state is JobStatus.FAILED and "ask for a multiple of 2" in failed.reason
     assert rt.launcher.files(job.id, 1).supervisor_pid() is None  # nothing was launched
+
+
+def test_the_driver_is_told_the_nodes_a_job_spans(tmp_path: Path) -> None:
+    rt = _runtime(tmp_path)
+    fg, _ = rt.store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model="x.y:z", gpus=4, batch=8))
+    bg, _ = rt.store.submit("alice", JobRequest(kind=JobKind.BACKGROUND, model="x.y:z", batch=8))
+    steps = DriverSteps(folder=tmp_path / "jobs", nodes=2)
+    specs = [DriverSpec.from_json(json.loads(Path(steps(job, 1, [])[0][-1]).read_text())) for job in (fg, bg)]
+    assert [spec.nodes for spec in specs] == [2, 1]
+
+
+def test_a_job_for_several_nodes_outside_a_slurm_allocation_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert slurm_allocation(1) is None
+    with pytest.raises(DeeppoolError, match="spans 2 nodes but runs in no Slurm allocation"):
+        slurm_allocation(2)
