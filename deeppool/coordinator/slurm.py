@@ -55,6 +55,8 @@ class SlurmAllocation:
     job_id: str
     nodes: tuple[str, ...]
     addresses: tuple[str, ...]
+    cpus_per_task: int | None = None
+    """the batch job's ``--cpus-per-task``: srun passes it on explicitly (Slurm 22.05's srun does not)"""
 
     @classmethod
     def here(cls) -> SlurmAllocation | None:
@@ -63,7 +65,9 @@ class SlurmAllocation:
         if not job_id or not nodelist:
             return None
         nodes = tuple(_scontrol("show", "hostnames", nodelist).split())
-        return cls(job_id=job_id, nodes=nodes, addresses=tuple(node_address(node) for node in nodes))
+        cpus = os.environ.get("SLURM_CPUS_PER_TASK", "")
+        return cls(job_id=job_id, nodes=nodes, addresses=tuple(node_address(node) for node in nodes),
+                   cpus_per_task=int(cpus) if cpus.isdigit() else None)
 
     def describe(self) -> str:
         return ", ".join(f"{node} ({address})" for node, address in zip(self.nodes, self.addresses))
@@ -101,7 +105,8 @@ def across_argv(allocation: SlurmAllocation, plan: Path, gpus: int, run_args: li
         raise DeeppoolError(f"the plan's {gpus} GPUs do not split evenly over the job's {count} nodes: "
                             f"submit with --gpus a multiple of {count}")
     endpoint = f"{allocation.addresses[0]}:{_free_port()}"
-    return ["srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+    cpus = [f"--cpus-per-task={allocation.cpus_per_task}"] if allocation.cpus_per_task else []
+    return ["srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", *cpus, "--kill-on-bad-exit=1",
             "--label", sys.executable, "-m", "deeppool.cli", "run", str(plan), "--nnodes", str(count),
             "--nproc", str(gpus // count), "--rdzv-endpoint", endpoint, "--rdzv-id", f"slurm-{allocation.job_id}",
             *run_args]

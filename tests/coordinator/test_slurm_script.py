@@ -40,6 +40,8 @@ def test_srun_starts_deeppool_run_once_per_node_meeting_at_the_first_nodes_addre
     assert option["--rdzv-endpoint"].startswith("10.1.0.7:") and run[-2:] == ["--steps", "3"]
     with pytest.raises(DeeppoolError, match="plan's 3 GPUs do not split evenly over the job's 2 nodes"):
         across_argv(allocation, Path("plan.json"), 3, [])
+    on_cpus = SlurmAllocation(job_id="41", nodes=("a", "b"), addresses=("a", "b"), cpus_per_task=4)
+    assert "--cpus-per-task=4" in across_argv(on_cpus, Path("plan.json"), 8, [])[:6]
 
 
 def test_outside_slurm_there_is_no_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
