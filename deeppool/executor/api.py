@@ -12,6 +12,7 @@ rank 0's result carries the :class:`RunSummary` of all ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -21,17 +22,22 @@ import torch
 
 from deeppool.adaptation.adascale import AdaScale
 from deeppool.errors import DeeppoolError
-from deeppool.executor.checkpoint import Shard, latest, load, save
+from deeppool.executor.checkpoint import (
+    GroupShard, RunState, latest, load_group, load_run, model_keys, save, writer,
+)
 from deeppool.executor.comm import Comm
 from deeppool.executor.config import (
-    CheckpointConfig, LrScaling, OptimizerKind, RunConfig, check_adaptation, default_base_batch,
+    CheckpointConfig, LrScaling, OptimizerKind, Precision, RunConfig, check_adaptation, default_base_batch,
 )
-from deeppool.executor.data import BatchSource, LoaderBatches, SyntheticBatches
+from deeppool.executor.data import (
+    BatchSource, DataReport, DatasetBatches, EpochOrder, LoaderBatches, SyntheticBatches, load_dataset, needed_rows,
+)
 from deeppool.executor.engine import Engine, EngineParts
 from deeppool.executor.gradients import FIRST_BUCKET_BYTES, GradientReducer
 from deeppool.executor.idle import IdleListener, NoBackground
 from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
 from deeppool.executor.monitor import AdaScaleLr, GnsReading, GradientMonitor, group_shares, single_groups
+from deeppool.executor.precision import AgreedScaler, MixedPrecision, output_dtypes
 from deeppool.executor.program import Program, build_program, idle_positions
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
@@ -69,45 +75,55 @@ def train_rank(
     device: torch.device | None = None,
     builder: ModelBuilder | None = None,
 ) -> RankResult:
-    """Train rank ``comm.rank`` of ``plan``; ``data`` yields global ``(inputs, targets)``."""
+    """Train rank ``comm.rank`` of ``plan``.
+
+    ``data``: an iterable of global ``(inputs, targets)`` batches (every rank reads them all), or a
+    map-style ``torch.utils.data.Dataset`` of ``(input, target)`` samples, of which the rank loads
+    only its rows (:class:`~deeppool.executor.data.DatasetBatches`, ``config.data``'s seed and
+    workers); None: ``config.data``'s dataset, else the model's synthetic batch.
+    """
     builder = builder or ModelBuilder()
     device = device or torch.device("cpu")
     if comm.world_size != plan.gpus:
         raise DeeppoolError(f"the plan is for {plan.gpus} GPUs but {comm.world_size} ranks were started: "
                             f"start {plan.gpus} (--nproc {plan.gpus})")
     loaded = builder.load(plan.model)
-    batches = _batches(loaded, plan, data)
+    keys = model_keys(loaded.module)
     traced = builder.trace(loaded)
     check_plan_matches(plan, traced.graph)
     check_adaptation(plan, config, grouped=bool(group_shares(plan, traced.graph, 0)))
+    feed = _feed(loaded, plan, traced, comm.rank, data, config)
     reference_model = builder.load(plan.model) if config.check else None
     module = _training(traced).to(device)
     module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
+    precision = _precision(config, module, traced, loaded, device, comm)
     program = build_program(plan, traced.graph, comm.rank)
     local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks), program.stages,
                  traced.random)
     reference = None if reference_model is None else LockstepReference(
         reference_model, config.optimizer, params=local.params, buffers=local.buffers, rank=comm.rank,
-        bound=config.check_bound, random=traced.random.mode(plan.model.seed), training=config.training,
+        bound=config.bound, random=traced.random.mode(plan.model.seed), training=config.training,
+        precision=config.precision, scaling=config.loss_scaling,
     )
     recorder = Recorder(clock, _cuda_events(device))
-    engine = _engine(plan, program, local, comm, loaded, config, recorder, on_idle, device, reference)
+    engine = _engine(plan, program, local, comm, loaded, config, recorder, on_idle, device, reference, precision)
     losses: list[float] = []
     checks: list[CheckResult] = []
     micros = config.training.accumulate
-    first = _resume(config.checkpoint, engine, local, comm.rank)
-    for index in range(first * micros):  # the data position: the batches the resumed steps trained on
-        batches(index)
+    first, position = _resume(config.checkpoint, engine, local, comm.rank)
     readings: list[GnsReading] = []
     for step in range(first, config.steps):
-        batch = [batches(step * micros + micro) for micro in range(micros)]
+        indices = range(position, position + micros)
+        batch = [feed.batches(index) for index in indices]
         losses.append(engine.step(step, batch))
         monitor = engine.p.monitor
         if monitor is not None and monitor.latest is not None:
             readings.append(monitor.latest)
         if reference is not None:
-            checks.append(reference.step(step, batch))
-        _save(config.checkpoint, step + 1, engine, local, comm)
+            whole = batch if feed.whole is None else [feed.whole(index) for index in indices]
+            checks.append(reference.step(step, whole))
+        position += micros
+        _save(config.checkpoint, step + 1, position, engine, local, comm, keys)
     times = summarise(recorder.spans, rank=comm.rank, warmup=config.warmup)
     check = worst_of(checks)
     gathered = comm.gather((times, tuple(losses), check))
@@ -118,6 +134,7 @@ def train_rank(
             steps=config.steps, synchronous_allreduce=config.bucket_mb == 0,
             adaptation=adaptation_report(engine),
         )
+        summary = dataclasses.replace(summary, precision=config.precision.value, data=feed.report(position))
     return RankResult(
         rank=comm.rank, losses=tuple(losses), times=times, spans=tuple(recorder.spans), check=check,
         params={name: p.detach() for name, p in local.params.items()}, buffers=dict(local.buffers), summary=summary,
@@ -140,49 +157,102 @@ def adaptation_report(engine: Engine) -> dict[str, Any]:
     return report
 
 
-def _resume(checkpoint: CheckpointConfig | None, engine: Engine, local: LocalModel, rank: int) -> int:
-    """Load the latest complete checkpoint into this rank (``--resume``); the steps it had done."""
+def _resume(
+    checkpoint: CheckpointConfig | None, engine: Engine, local: LocalModel, rank: int,
+) -> tuple[int, int]:
+    """Load the latest complete checkpoint into this rank (``--resume``); the steps it had done and the
+    data position (global batches consumed). The rank reads the shard of every layer group it belongs to."""
     if checkpoint is None or not checkpoint.resume:
-        return 0
+        return 0, 0
     done = latest(checkpoint.directory)
     if done is None:
-        return 0
-    shard = load(checkpoint.directory, done, rank)
+        return 0, 0
+    run = load_run(checkpoint.directory, done)
+    shards = [load_group(checkpoint.directory, done, g) for g in sorted(set(local.groups.values())) if rank < g]
     with torch.no_grad():
-        for name, value in shard.params.items():
-            local.params[name].copy_(value)
-        for name, value in shard.buffers.items():
-            local.buffers[name].copy_(value)
+        for shard in shards:
+            for name, value in shard.params.items():
+                local.params[name].copy_(value)
+            for name, value in shard.buffers.items():
+                local.buffers[name].copy_(value)
     parts = engine.p
-    if parts.optimizer is not None and shard.optimizer is not None:
-        parts.optimizer.load_state_dict(shard.optimizer)
-    if parts.scheduler is not None and shard.scheduler is not None:
-        parts.scheduler.load_state_dict(shard.scheduler)
-    state = shard.adaptation or {}
+    if parts.optimizer is not None and run.optimizer_groups is not None:
+        states = {name: state for shard in shards for name, state in shard.optimizer.items()}
+        parts.optimizer.load_state_dict(_optimizer_state(parts.optimizer, local, states, run.optimizer_groups))
+    if parts.scheduler is not None and run.scheduler is not None:
+        parts.scheduler.load_state_dict(run.scheduler)
+    scaler = parts.precision.scaler
+    if scaler is not None and run.scaler is not None:
+        scaler.load_state_dict(run.scaler)
+    _load_adaptation(parts, run.adaptation or {})
+    return done, run.data_position
+
+
+def _load_adaptation(parts: EngineParts, state: dict[str, Any]) -> None:
+    """The noise scale's moving averages (rank 0's) and AdaScale's τ and gain, from the run state."""
     if parts.monitor is not None and "gns" in state:
         parts.monitor.load_state_dict(state["gns"])
     if parts.lr_scaling is not None and "adascale" in state:
         parts.lr_scaling.load_state_dict(state["adascale"])
-    return done
 
 
-def _save(checkpoint: CheckpointConfig | None, done: int, engine: Engine, local: LocalModel, comm: Comm) -> None:
+def _optimizer_state(
+    optimizer: torch.optim.Optimizer, local: LocalModel, states: dict[str, dict[str, Any]],
+    groups: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The rank's optimizer ``state_dict`` in torch's form (parameters by index) from states by name."""
+    index = {id(param): i for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    by_index = {index[id(local.params[name])]: state for name, state in states.items() if name in local.params}
+    param_groups = [{**hyper, "params": [index[id(p)] for p in group["params"]]}
+                    for hyper, group in zip(groups, optimizer.param_groups, strict=True)]
+    return {"state": by_index, "param_groups": param_groups}
+
+
+def _save(
+    checkpoint: CheckpointConfig | None, done: int, position: int, engine: Engine, local: LocalModel, comm: Comm,
+    keys: dict[str, str],
+) -> None:
     if checkpoint is None or checkpoint.every == 0 or done % checkpoint.every != 0:
         return
     parts = engine.p
-    shard = Shard(
+    optimizer = parts.optimizer
+    run = RunState(
         steps_done=done,
-        params={name: p.detach().cpu().clone() for name, p in local.params.items()},
-        buffers={name: b.detach().cpu().clone() for name, b in local.buffers.items()},
-        optimizer=parts.optimizer.state_dict() if parts.optimizer is not None else None,
+        optimizer_groups=None if optimizer is None else [
+            {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
         scheduler=parts.scheduler.state_dict() if parts.scheduler is not None else None,
+        model_keys=keys,
+        data_position=position,
+        scaler=parts.precision.scaler.state_dict() if parts.precision.scaler is not None else None,
         adaptation=_adaptation_state(parts),
     )
-    save(checkpoint.directory, comm.rank, shard, barrier=lambda: comm.all_reduce_max(0.0))
+    groups = tuple(sorted({layer.gpus for layer in parts.plan.layers}))
+    mine = next((g for g in groups if writer(g) == comm.rank), None)
+    shard = None if mine is None else _group_shard(mine, local, optimizer)
+    save(checkpoint.directory, comm.rank, run, shard, groups, barrier=lambda: comm.all_reduce_max(0.0))
+
+
+def _group_shard(gpus: int, local: LocalModel, optimizer: torch.optim.Optimizer | None) -> GroupShard:
+    """Layer group ``gpus``'s parameters, buffers and optimizer state, as this rank (its writer) holds them."""
+    def copy(value: Any) -> Any:
+        return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+    params = {name: p for name, p in local.params.items() if local.groups[name] == gpus}
+    state = {} if optimizer is None else {
+        name: {key: copy(value) for key, value in optimizer.state[p].items()}
+        for name, p in params.items() if p in optimizer.state
+    }
+    return GroupShard(
+        gpus=gpus,
+        params={name: copy(p) for name, p in params.items()},
+        buffers={name: copy(b) for name, b in local.buffers.items() if local.groups[name] == gpus},
+        optimizer=state,
+    )
 
 
 def _adaptation_state(parts: EngineParts) -> dict[str, Any] | None:
-    """The noise scale's moving averages and AdaScale's τ and gain, for a resume to continue them."""
+    """The noise scale's moving averages and AdaScale's τ and gain, for a resume to continue them (rank 0
+    writes the run state, and rank 0 holds the averages; τ is the same on every rank)."""
     state: dict[str, Any] = {}
     if parts.monitor is not None:
         state["gns"] = parts.monitor.state_dict()
@@ -202,10 +272,49 @@ class ModelBuilder:
         return trace(loaded)
 
 
-def _batches(loaded: LoadedModel, plan: Plan, data: Iterable[Any] | None) -> BatchSource:
+@dataclass(frozen=True)
+class Feed:
+    """Where a rank's batches come from: ``batches`` (its rows), ``whole`` (all rows, for ``--check``;
+    None when ``batches`` already are whole global batches) and the epoch order of a dataset."""
+
+    batches: BatchSource
+    whole: BatchSource | None = None
+    order: EpochOrder | None = None
+    factory: str = ""
+
+    def report(self, position: int) -> DataReport | None:
+        order = self.order
+        if order is None:
+            return None
+        return DataReport(factory=self.factory, samples=order.length, seed=order.seed,
+                          batches_per_epoch=order.per_epoch, batches_trained=position)
+
+
+def _feed(loaded: LoadedModel, plan: Plan, traced: Traced, rank: int, data: Iterable[Any] | torch.utils.data.Dataset
+          | None, config: RunConfig) -> Feed:
+    spec = config.data
+    if data is None and spec is not None:
+        data = load_dataset(spec.factory)
     if data is None:
-        return SyntheticBatches(loaded, plan.global_batch)
-    return LoaderBatches(data, plan.global_batch, loaded)
+        return Feed(SyntheticBatches(loaded, plan.global_batch))
+    if not isinstance(data, torch.utils.data.Dataset):
+        return Feed(LoaderBatches(data, plan.global_batch, loaded))
+    seed, workers = (spec.seed, spec.workers) if spec is not None else (0, 0)
+    order = EpochOrder(length=len(data), global_batch=plan.global_batch, seed=seed)  # type: ignore[arg-type]
+    spans = needed_rows(plan, traced.graph, rank)
+    whole = ((0, plan.global_batch),)
+    return Feed(DatasetBatches(data, order, spans, loaded, workers), DatasetBatches(data, order, whole, loaded),
+                order, spec.factory if spec is not None else type(data).__name__)
+
+
+def _precision(config: RunConfig, module: torch.nn.Module, traced: Traced, loaded: LoadedModel, device: torch.device,
+               comm: Comm) -> MixedPrecision:
+    """Autocast, the dtypes it gives each layer's output (for reshard buffers) and the fp16 scaler."""
+    if config.precision is Precision.FP32:
+        return MixedPrecision.fp32()
+    dtypes = output_dtypes(module, traced.graph, loaded.named_inputs(2), config.precision, device)
+    scaler = AgreedScaler(config.loss_scaling, comm) if config.precision.scaled else None
+    return MixedPrecision(config.precision, device, dtypes, scaler)
 
 
 def _training(traced: Traced) -> torch.nn.Module:
@@ -242,6 +351,7 @@ def _synchronize(device: torch.device) -> Callable[[], None]:
 def _engine(
     plan: Plan, program: Program, local: LocalModel, comm: Comm, loaded: LoadedModel, config: RunConfig,
     recorder: Recorder, on_idle: IdleListener | None, device: torch.device, reference: LockstepReference | None,
+    precision: MixedPrecision,
 ) -> Engine:
     optimizer = config.optimizer.build(local.params.values()) if local.params else None
     training = config.training
@@ -272,6 +382,7 @@ def _engine(
             synchronize=_synchronize(device),
             monitor=monitor,
             lr_scaling=scaling,
+            precision=precision,
         )
     )
 

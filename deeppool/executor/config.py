@@ -160,6 +160,68 @@ class Adaptation:
     def measures(self) -> bool:
         """Gradient norms are measured: the monitor is on, or AdaScale needs its statistics."""
         return self.monitor is Monitor.GNS or self.lr_scaling is LrScaling.ADASCALE
+class Precision(enum.Enum):
+    """The arithmetic of the forward: fp32, or autocast to bf16 / fp16 (parameters and optimizer stay fp32)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def scaled(self) -> bool:
+        """fp16 needs its loss scaled, so small gradients do not flush to zero."""
+        return self is Precision.FP16
+
+    @property
+    def check_bound(self) -> float:
+        """``--check``'s default bound: round-off of this precision's products, with a margin
+        (measured figures in docs/executor.md, "Mixed precision")."""
+        return {Precision.FP32: 1e-3, Precision.FP16: 1e-2, Precision.BF16: 5e-2}[self]
+
+    @property
+    def check_floor(self) -> float:
+        """``--check``'s floor for a tensor's norm, as a fraction of the largest of its kind: a gradient that
+        cancels exactly (a bias right before BatchNorm) comes out as this precision's round-off of the
+        large terms, so the floor grows with the precision's epsilon (docs/executor.md, "Mixed precision")."""
+        return {Precision.FP32: 1e-3, Precision.FP16: 2e-2, Precision.BF16: 1e-1}[self]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScaling:
+    """Dynamic loss scaling for fp16, as ``torch.amp.GradScaler``: the scale is multiplied by
+    ``backoff`` after a step with an inf/NaN gradient (the step is skipped) and by ``growth`` after
+    ``interval`` steps without one."""
+
+    initial: float = 2.0**16
+    growth: float = 2.0
+    backoff: float = 0.5
+    interval: int = 2000
+
+    def __post_init__(self) -> None:
+        if not self.initial > 0:
+            raise DeeppoolError(f"--loss-scale {self.initial} must be positive")
+        if self.growth <= 1 or not 0 < self.backoff < 1 or self.interval < 1:
+            raise DeeppoolError("loss scaling needs growth > 1, 0 < backoff < 1 and interval >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Training data: a map-style ``Dataset`` from ``factory`` (``package.module:callable`` or
+    ``path/file.py:callable``), sampled in a seeded order per epoch."""
+
+    factory: str
+    seed: int = 0
+    """Epoch ``e`` visits the samples in the order ``torch.randperm(len, Generator().manual_seed(seed + e))``."""
+    workers: int = 0
+    """DataLoader worker processes per rank (0: load in the training process)."""
+
+    def __post_init__(self) -> None:
+        module, _, attr = self.factory.rpartition(":")
+        if not module or not attr.isidentifier():
+            raise DeeppoolError(f"--data '{self.factory}' is not module:factory, e.g. mydata:train_set "
+                                "(or path/to/data.py:train_set)")
+        if self.workers < 0:
+            raise DeeppoolError(f"--data-workers {self.workers} must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,11 +250,17 @@ class RunConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     bucket_mb: float = 25.0
     check: bool = False
-    check_bound: float = 1e-3
+    check_bound: float | None = None
+    """None: the precision's default (:attr:`Precision.check_bound`)."""
     out_dir: Path | None = None
     training: Training = field(default_factory=Training)
     checkpoint: CheckpointConfig | None = None
     adaptation: Adaptation = field(default_factory=Adaptation)
+    precision: Precision = Precision.FP32
+    loss_scaling: LossScaling = field(default_factory=LossScaling)
+    """Used with ``precision=Precision.FP16`` only."""
+    data: DataConfig | None = None
+    """A dataset that each rank samples only its rows of (``--data``); None: the model's synthetic batch."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -203,7 +271,7 @@ class RunConfig:
             raise DeeppoolError(f"--timeout {self.timeout_s} must be positive")
         if self.bucket_mb < 0:
             raise DeeppoolError(f"--bucket-mb {self.bucket_mb} must be >= 0")
-        if self.check_bound <= 0:
+        if self.check_bound is not None and self.check_bound <= 0:
             raise DeeppoolError(f"--check-bound {self.check_bound} must be positive")
         if self.check and self.checkpoint is not None and self.checkpoint.resume:
             raise DeeppoolError("--check trains its reference from the start: run --resume without --check")
@@ -211,6 +279,14 @@ class RunConfig:
             raise DeeppoolError("--check compares with plain training at --lr: run --lr-scaling adascale without --check")
         if self.check and self.adaptation.combine is Combine.ADASUM:
             raise DeeppoolError("--check compares with the mean gradient: run --combine adasum without --check")
+        if self.precision.scaled and self.adaptation.measures:
+            raise DeeppoolError("--monitor gns and --lr-scaling adascale measure unscaled gradients: "
+                                "use --precision bf16 or fp32 with them, not fp16's scaled loss")
+
+    @property
+    def bound(self) -> float:
+        """The largest relative difference ``--check`` accepts."""
+        return self.precision.check_bound if self.check_bound is None else self.check_bound
 
     @property
     def bucket_bytes(self) -> int:

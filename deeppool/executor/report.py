@@ -49,6 +49,13 @@ def summary_lines(summary: RunSummary) -> list[str]:
     if summary.losses:
         lines.append(f"loss: first {summary.losses[0]:.6g}, last {summary.losses[-1]:.6g}")
     lines += adaptation_lines(summary)
+    if summary.precision != "fp32":
+        lines.append(f"precision: {summary.precision} (autocast; weights and optimizer fp32)")
+    if summary.data is not None:
+        data = summary.data
+        epoch, batch = divmod(data.batches_trained, data.batches_per_epoch)
+        lines.append(f"data: {data.batches_trained} global batches of {data.samples} samples "
+                     f"({data.epochs:.2f} epochs; next: epoch {epoch}, batch {batch})")
     if summary.check is not None:
         check = summary.check
         lines.append(check.line())

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from deeppool.executor.data import DataReport
 from deeppool.executor.program import Stage
 from deeppool.executor.reference import CheckResult, worst_of
 from deeppool.executor.timing import RankTimes
@@ -39,6 +40,9 @@ class RunSummary:
     check: CheckResult | None
     adaptation: dict[str, Any] = field(default_factory=dict)
     """``gns`` (samples), ``gns_stats`` and ``adascale`` (τ, last gain) when measured."""
+    precision: str = "fp32"
+    data: DataReport | None = None
+    """``--data``: the dataset's size, epochs and position (None for the synthetic batch or a loader)."""
 
     @property
     def iterations_per_s(self) -> float:
@@ -62,6 +66,8 @@ class RunSummary:
             "stages": [asdict(stage) for stage in self.stages],
             "check": None if self.check is None else self.check.to_json(),
             **self.adaptation,
+            "precision": self.precision,
+            "data": None if self.data is None else self.data.to_json(),
         }
 
 

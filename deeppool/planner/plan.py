@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from deeppool.adaptation.goodput import GoodputSearch
 from deeppool.errors import DeeppoolError
 from deeppool.planner.cost import CostModel, Optimizer, Phase
 from deeppool.planner.baselines import Baselines
@@ -116,6 +117,8 @@ class Plan:
     precision: Precision = Precision.FP32
     combine: Combine = Combine.SUM
     """How each layer group combines its gradients (``deeppool plan --combine``); absent in older plans: sum."""
+    goodput: GoodputSearch | None = None
+    """With ``--batch auto``: every candidate batch's figures; ``global_batch`` is the goodput-optimal one."""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -146,6 +149,7 @@ class Plan:
             "layers": [asdict(layer) for layer in self.layers],
             "predicted": asdict(self.predicted),
             "solver": asdict(self.solver),
+            **({"goodput": self.goodput.to_json()} if self.goodput is not None else {}),
         }
 
     @classmethod
@@ -169,6 +173,7 @@ class Plan:
                 layers=tuple(_planned_layer(item) for item in field(payload, "layers", kind="plan")),
                 predicted=Prediction(**predicted),
                 solver=SolverInfo(**field(payload, "solver", kind="plan")),
+                goodput=GoodputSearch.from_json(payload["goodput"]) if "goodput" in payload else None,
             )
         except (KeyError, TypeError, ValueError) as err:
             raise DeeppoolError(f"plan {where} is malformed ({type(err).__name__}: {err}): regenerate it") from None
