@@ -9,9 +9,12 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 
 from deeppool.errors import DeeppoolError
+from deeppool.planner.combine import Combine
 
 if TYPE_CHECKING:  # each command imports its work (and torch) only after its options are checked
     from deeppool.planner.ilp import SolverName
+    from deeppool.planner.api import Planned
+    from deeppool.planner.batch_search import BatchSearchRequest
     from deeppool.planner.modelspec import ModelSpec
     from deeppool.planner.request import CostSource, PlanRequest
 
@@ -31,7 +34,17 @@ LOCAL = "local"
 def plan(
     model: Annotated[str, typer.Argument(help="model file (.py with model() and inputs()) or package.module:factory")],
     gpus: Annotated[int, typer.Option(help="GPUs the foreground job gets (at most --batch: one sample each)")],
-    batch: Annotated[int, typer.Option(help="global batch size (fixed: strong scaling)")] = 256,
+    batch: Annotated[str, typer.Option(
+        help="global batch size (fixed: strong scaling), or auto: the batch with the best goodput (needs --gns)")] = "256",
+    gns: Annotated[float | None, typer.Option(help="with --batch auto: the gradient noise scale φ, in samples")] = None,
+    base_batch: Annotated[int | None, typer.Option(
+        help="with --batch auto: the base batch B₀ of E(B) = (φ + B₀)/(φ + B)", show_default="the smallest candidate")] = None,
+    batches: Annotated[str | None, typer.Option(
+        help="with --batch auto: candidate global batches, e.g. 64,128,256",
+        show_default="powers of two from the base batch or --gpus, 8 at most")] = None,
+    goodput_plot: Annotated[Path | None, typer.Option(
+        help="with --batch auto: PNG of goodput and throughput against the batch",
+        show_default="MODEL-goodput.png")] = None,
     input_shape: Annotated[str | None, typer.Option(help="a factory's per-sample input shape, e.g. 3,224,224")] = None,
     input_dtype: Annotated[str, typer.Option(help="a factory's input dtype: float32, or int64 for token ids")] = "float32",
     vocab_size: Annotated[int, typer.Option(help="token ids are drawn below this (with an integer --input-dtype)")] = 0,
@@ -68,8 +81,13 @@ def plan(
         help="where to write the plan JSON", show_default="MODEL-plan.json, e.g. resnet50-plan.json")] = None,
     gantt: Annotated[Path | None, typer.Option(help="write a Gantt chart of one iteration (.png, .pdf, .svg)")] = None,
     per_layer: Annotated[bool, typer.Option(help="print every layer, not stages")] = False,
+    combine: Annotated[str, typer.Option(
+        help="how each layer group combines gradients when run: sum (the mean gradient) or adasum "
+             "(any group size; recorded in the plan)")] = "sum",
 ) -> None:
     """Trace MODEL, profile it (or estimate for a GPU model) and solve its burst-parallel plan."""
+    import dataclasses
+
     from deeppool import checks
     from deeppool.planner.cost import Optimizer
     from deeppool.planner.hardware import Precision
@@ -78,16 +96,22 @@ def plan(
     from deeppool.planner.request import CostSource, Objective, PlanRequest, check_precision, check_samples
 
     out = out or default_output(model, "plan.json")
+    choice = _enum(Combine, combine, "--combine")
+    search = _batch_search(batch, gpus, gns=gns, base_batch=base_batch, batches=batches, plot=goodput_plot)
+    if search is not None:
+        goodput_plot = goodput_plot or default_output(model, "goodput.png")
     checks.new_file(out, "--out")
     checks.new_file(gantt, "--gantt", checks.IMAGE_SUFFIXES)
     checks.new_file(pareto, "--pareto", checks.IMAGE_SUFFIXES)
-    checks.distinct({"--out": out, "--gantt": gantt, "--pareto": pareto,
+    checks.new_file(goodput_plot, "--goodput-plot", (".png",))
+    checks.distinct({"--out": out, "--gantt": gantt, "--pareto": pareto, "--goodput-plot": goodput_plot,
                      "MODEL": Path(model) if model.endswith(".py") else None, "--profile": profile})
     if profile is not None and device_model is not None:
         raise DeeppoolError("give either --profile or --device-model, not both")
+    global_batch = search.candidates()[0] if search is not None else int(batch)
     request = PlanRequest(
         gpus=gpus,
-        global_batch=batch,
+        global_batch=global_batch,
         strategy=_enum(Strategy, strategy, "--strategy"),
         optimizer=_enum(Optimizer, optimizer, "--optimizer"),
         amplification=amplification,
@@ -100,7 +124,7 @@ def plan(
         objective=_enum(Objective, objective, "--objective"),
         price=price,
     )
-    check_samples(gpus, batch)
+    check_samples(gpus, global_batch)
     source = CostSource(
         device_model=(device_model or LOCAL).lower(),
         profile_path=profile,
@@ -120,18 +144,70 @@ def plan(
         model, input_shape=checks.positive_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
         vocab_size=vocab_size,
     )
-    _plan_and_report(spec, request, source, out=out, gantt=gantt, pareto=pareto, per_layer=per_layer)
+    if search is not None:
+        assert goodput_plot is not None
+        planned = _search_and_report(spec, request, source, search, goodput_plot)
+    else:
+        from deeppool.planner.api import plan_model
+
+        planned = plan_model(spec, request, source)
+    planned = dataclasses.replace(planned, plan=dataclasses.replace(planned.plan, combine=choice))
+    _report_plan(planned, out=out, gantt=gantt, pareto=pareto, per_layer=per_layer)
 
 
-def _plan_and_report(
-    spec: ModelSpec, request: PlanRequest, source: CostSource, *, out: Path, gantt: Path | None,
-    pareto: Path | None, per_layer: bool,
-) -> None:
+def _batch_search(batch: str, gpus: int, *, gns: float | None, base_batch: int | None, batches: str | None,
+                  plot: Path | None) -> BatchSearchRequest | None:
+    """``--batch auto`` and its options as a search request; a fixed ``--batch`` refuses them."""
+    from deeppool import checks
+    from deeppool.planner.batch_search import BatchSearchRequest
+
+    auto_only = {"--gns": gns, "--base-batch": base_batch, "--batches": batches, "--goodput-plot": plot}
+    if batch.strip().lower() != "auto":
+        given = [flag for flag, value in auto_only.items() if value is not None]
+        if given:
+            raise DeeppoolError(f"{given[0]} needs --batch auto (the batch search); drop it or pass --batch auto")
+        try:
+            int(batch)
+        except ValueError:
+            raise DeeppoolError(f"--batch '{batch}' is neither a number nor auto: give e.g. --batch 256") from None
+        return None
+    if gns is None:
+        raise DeeppoolError("--batch auto needs --gns: give the gradient noise scale in samples, e.g. --gns 2000")
+    candidates = checks.positive_ints(batches, "--batches", "64,128,256") if batches is not None else ()
+    if batches is not None and not candidates:
+        raise DeeppoolError("--batches is empty: give global batch sizes, e.g. 64,128,256")
+    return BatchSearchRequest(gpus=max(gpus, 1), noise_scale=gns, base_batch=base_batch, batches=candidates)
+
+
+def _search_and_report(spec: ModelSpec, request: PlanRequest, source: CostSource, search: BatchSearchRequest,
+                       plot_path: Path) -> Planned:
+    """Plan every candidate batch with a progress bar; print the goodput table; plot it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from deeppool.output import console
+    from deeppool.planner import batch_search
+    from deeppool.planner.api import batch_planner
+
+    shown = console()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=shown, transient=True) as progress:
+        task = progress.add_task("planning candidate batches", total=len(search.candidates()))
+        solve = batch_planner(spec, request, source)
+        planned, result = batch_search.search_batches(
+            solve, search, on_solved=lambda b: progress.update(task, advance=1, description=f"planned batch {b}"),
+            on_stopped=lambda b, why: shown.print(f"batch {b} and above not planned: {why}", style="yellow"))
+    shown.print(batch_search.table(result))
+    batch_search.plot(result, plot_path)
+    chosen = result.chosen
+    shown.print(f"best goodput at global batch {chosen.batch} ({chosen.goodput:,.0f} base-batch samples/s, "
+                f"E = {chosen.efficiency:.3f}, {chosen.gpus} GPUs used); goodput plot written to {plot_path}")
+    return planned
+
+
+def _report_plan(planned: Planned, *, out: Path, gantt: Path | None, pareto: Path | None, per_layer: bool) -> None:
     from deeppool.output import console
     from deeppool.planner import report
-    from deeppool.planner.api import plan_model
 
-    planned = plan_model(spec, request, source)
     planned.plan.save(out)
     shown = console()
     if planned.cost.profile.fit is not None:
@@ -226,12 +302,13 @@ def _mount_package_commands() -> None:
     """
     from deeppool.cluster_sim.cli import simulate, simulate_deeppool
     from deeppool.coordinator import cli as coordinator
-    from deeppool.executor.cli import profile_network, run
+    from deeppool.executor.cli import export, profile_network, run
     from deeppool.multiplex.cli import app as multiplex_app
 
     app.command("run")(run)
     app.add_typer(multiplex_app, name="multiplex")
     app.command("profile-network")(profile_network)
+    app.command("export")(export)
     app.command("simulate")(simulate)
     app.command("simulate-deeppool")(simulate_deeppool)
     app.command("serve")(coordinator.serve)

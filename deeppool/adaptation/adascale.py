@@ -51,10 +51,19 @@ class AdaScale:
 
     def step(self, trace: float, grad_sq: float, schedule: Schedule) -> float:
         """The learning rate for this step, ``gain · schedule(tau)``; then ``tau`` advances by the gain."""
-        self.gain = gain_ratio(trace, grad_sq, base_batch=self.base_batch, batch=self.batch)
-        factor = math.sqrt(self.gain) if self.adam else self.gain
+        return self.advance(self.gain_for(trace, grad_sq), schedule)
+
+    def gain_for(self, trace: float, grad_sq: float) -> float:
+        """The gain ratio at this scale for these statistics (the state is not changed)."""
+        return gain_ratio(trace, grad_sq, base_batch=self.base_batch, batch=self.batch)
+
+    def advance(self, gain: float, schedule: Schedule) -> float:
+        """Take a step with ``gain`` (computed elsewhere): the learning rate ``gain^p · schedule(tau)``,
+        ``p`` 1, or ½ for Adam; then ``tau`` advances by the gain."""
+        self.gain = gain
+        factor = math.sqrt(gain) if self.adam else gain
         lr = factor * schedule(self.tau)
-        self.tau += self.gain
+        self.tau += gain
         return lr
 
     def state_dict(self) -> dict[str, float]:

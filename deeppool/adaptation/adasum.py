@@ -18,7 +18,7 @@ result equals the single-process reference. The combination is per tensor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,31 +55,44 @@ def adasum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return values[0]
 
 
-def adasum_all_reduce(tensor: torch.Tensor, ranks: Sequence[int], group: dist.ProcessGroup | None = None) -> None:
-    """In place on every rank of ``ranks`` (global ranks, in order): the Adasum of their tensors."""
-    me = list(ranks).index(dist.get_rank())
-    n = len(ranks)
+Exchange = Callable[[Sequence[tuple[int, torch.Tensor]], Sequence[tuple[int, torch.Tensor]]], None]
+"""Sends and receives ``(peer, tensor)`` pairs and waits for all (:meth:`deeppool.executor.comm.Comm.exchange`)."""
+
+
+def adasum_exchange(tensor: torch.Tensor, ranks: Sequence[int], rank: int, exchange: Exchange) -> None:
+    """In place on every rank of ``ranks`` (global ranks, in order): the Adasum of their tensors.
+
+    ``rank`` is this process's global rank. Partners swap their tensors and both compute the pair
+    with the lower position's operand first, so every rank holds exactly :func:`adasum`'s result.
+    """
+    me, n = list(ranks).index(rank), len(ranks)
     p = _largest_power_of_two(n)
-    if me >= p:  # fold: send to the partner, receive the final result from it
-        dist.send(tensor, ranks[me - p], group=group)
-        dist.recv(tensor, ranks[me - p], group=group)
+    if me >= p:  # fold: hand the tensor to the partner, receive the final result from it
+        exchange([(ranks[me - p], tensor)], [])
+        exchange([], [(ranks[me - p], tensor)])
         return
     if me + p < n:
         other = torch.empty_like(tensor)
-        dist.recv(other, ranks[me + p], group=group)
+        exchange([], [(ranks[me + p], other)])
         tensor.copy_(adasum_pair(tensor, other))
     distance = 1
     while distance < p:
-        partner = ranks[me ^ distance]
-        other = torch.empty_like(tensor)
-        if me & distance:
-            dist.send(tensor, partner, group=group)
-            dist.recv(other, partner, group=group)
-            tensor.copy_(adasum_pair(other, tensor))
-        else:
-            dist.recv(other, partner, group=group)
-            dist.send(tensor, partner, group=group)
-            tensor.copy_(adasum_pair(tensor, other))
+        partner, other = ranks[me ^ distance], torch.empty_like(tensor)
+        exchange([(partner, tensor)], [(partner, other)])
+        low, high = (other, tensor) if me & distance else (tensor, other)
+        tensor.copy_(adasum_pair(low, high))
         distance *= 2
     if me + p < n:
-        dist.send(tensor, ranks[me + p], group=group)
+        exchange([(ranks[me + p], tensor)], [])
+
+
+def adasum_all_reduce(tensor: torch.Tensor, ranks: Sequence[int], group: dist.ProcessGroup | None = None) -> None:
+    """:func:`adasum_exchange` over an initialised ``torch.distributed`` (point-to-point, in ``group``)."""
+
+    def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]) -> None:
+        ops = [dist.P2POp(dist.isend, t, peer, group=group) for peer, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=group) for peer, t in recvs]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    adasum_exchange(tensor, ranks, dist.get_rank(), exchange)

@@ -32,6 +32,8 @@ class BatchChoice:
     batch: int
     iteration_s: float
     efficiency: float
+    gpus: int = 0
+    """GPUs the plan for this batch uses (0: not recorded)."""
 
     @property
     def throughput(self) -> float:
@@ -50,6 +52,32 @@ def goodput_table(batches: Iterable[int], iteration_s: Callable[[int], float], *
     return [BatchChoice(batch=b, iteration_s=iteration_s(b),
                         efficiency=statistical_efficiency(b, base_batch=base_batch, noise_scale=noise_scale))
             for b in sorted(set(batches))]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GoodputSearch:
+    """A search over global batches: each candidate's planned figures, and which one has the best goodput."""
+
+    noise_scale: float
+    base_batch: int
+    choices: tuple[BatchChoice, ...]
+
+    @property
+    def chosen(self) -> BatchChoice:
+        return best(self.choices)
+
+    def to_json(self) -> dict[str, object]:
+        return {"noise_scale": self.noise_scale, "base_batch": self.base_batch, "chosen_batch": self.chosen.batch,
+                "choices": [{"batch": c.batch, "iteration_s": c.iteration_s, "efficiency": c.efficiency,
+                             "gpus": c.gpus, "throughput": c.throughput, "goodput": c.goodput}
+                            for c in self.choices]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> GoodputSearch:
+        return cls(noise_scale=float(data["noise_scale"]), base_batch=int(data["base_batch"]),
+                   choices=tuple(BatchChoice(batch=int(c["batch"]), iteration_s=float(c["iteration_s"]),
+                                             efficiency=float(c["efficiency"]), gpus=int(c["gpus"]))
+                                 for c in data["choices"]))
 
 
 def best(choices: Iterable[BatchChoice]) -> BatchChoice:

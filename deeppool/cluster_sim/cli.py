@@ -27,11 +27,14 @@ from deeppool.cluster_sim.interference import (
 from deeppool.cluster_sim.metrics import compare, scenario_table, table, write_jobs, write_metrics
 from deeppool.cluster_sim.models import EXAMPLE_BATCH, default_mapping, example, load_mapping
 from deeppool.cluster_sim.plans import BurstStrategy, PlanBook, PlanSettings
-from deeppool.scheduling.policies import BASELINE, POLICIES, policy_named
+from deeppool.cluster_sim.pollux import PolluxDurations
+from deeppool.scheduling.policies import ADAPTIVE, BASELINE, POLICIES, policy_named
+from deeppool.scheduling.policy import SpeedModel
 from deeppool.cluster_sim.runner import DEFAULT_RESTART_PENALTY_S, assign, run_policies, sim_jobs
 from deeppool.cluster_sim.workload import (
     BackgroundRule,
     SyntheticSpec,
+    TraceJob,
     TraceFormat,
     Workload,
     parse_size_mix,
@@ -56,7 +59,8 @@ GpusOpt = Annotated[int, typer.Option("--gpus", help="GPUs in the cluster.")]
 NodeOpt = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="Device model of every GPU: v100, a100, h100.")]
 PolicyOpt = Annotated[list[str], typer.Option(
-    "--policy", help=f"Policy to run (repeat): [ORDER:]PLACEMENT or ORDER, one of {', '.join(POLICIES)}.")]
+    "--policy", help=f"Policy to run (repeat): [ORDER:]PLACEMENT or ORDER, one of {', '.join(POLICIES)} "
+         "(pollux: GPUs and batch sizes for goodput; Pollux workloads only).")]
 OutOpt = Annotated[Path, typer.Option("--out", help="Folder for metrics.json/csv, jobs.csv and the plots.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seeds model draws and synthetic workloads.")]
 MappingOpt = Annotated[Path | None, typer.Option("--mapping", help="JSON: workload key -> {model, global_batch}.")]
@@ -135,6 +139,7 @@ def simulate(
         spec = SyntheticSpec(jobs=jobs, arrivals_per_hour=arrival_rate, size_mix=parse_size_mix(size_mix),
                              median_duration_s=median_duration, seed=seed)
         workload = _workload(trace, pollux_traces, spec)
+        speeds = _speeds(workload, trace, pollux_traces, policies)
         chosen = (load_mapping(mapping) if mapping is not None
                   else default_mapping(spread=workload.format is TraceFormat.PHILLY))
         out.mkdir(parents=True, exist_ok=True)  # every option checked: now the work
@@ -144,7 +149,7 @@ def simulate(
         with _progress(console) as progress:
             planning = progress.add_task("plans (model x GPUs)", total=len(assignment.needs()))
             book.prepare(assignment.needs(), lambda done: progress.advance(planning, done), workers=plan_workers)
-            sim = sim_jobs(assignment, book)
+            sim = sim_jobs(assignment, book, speeds)
             results = run_policies(sim, policies=policies, cluster=cluster, book=book, interference=interference,
                                    restart_penalty_s=restart_penalty, progress=_job_counter(progress, len(sim)))
     except DeeppoolError as err:
@@ -211,6 +216,24 @@ def _policies(requested: list[str], no_baseline: bool) -> tuple[str, ...]:
     if not no_baseline and BASELINE not in names:
         names.insert(0, BASELINE)
     return tuple(dict.fromkeys(names))
+
+
+def _speeds(workload: Workload, trace: str, traces: Path | None,
+            policies: tuple[str, ...]) -> Callable[[TraceJob], SpeedModel] | None:
+    """Each job's speed model, from the Pollux artifact's measurements, when a co-adaptive policy runs."""
+    adaptive = sorted(ADAPTIVE & set(policies))
+    if not adaptive:
+        return None
+    if workload.format is not TraceFormat.POLLUX:
+        raise DeeppoolError(f"--policy {adaptive[0]} chooses batch sizes from measured gradient statistics: give a "
+                            f"Pollux workload (name,time,application,num_replicas,batch_size), not a "
+                            f"{workload.format.value} trace")
+    root = traces if traces is not None else Path(trace).resolve().parent.parent / "traces"
+    if not root.is_dir():
+        raise DeeppoolError(f"--policy {adaptive[0]} runs jobs by the Pollux artifact's measurements, and '{root}' "
+                            "is not its traces/ folder: pass --pollux-traces DIR")
+    durations = PolluxDurations(root=root)
+    return lambda job: durations.application(job.key, where=job.where)
 
 
 def _strategy(text: str) -> BurstStrategy:

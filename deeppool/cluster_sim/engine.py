@@ -16,7 +16,12 @@ Rates (see :mod:`deeppool.cluster_sim.interference`):
   keeps ``gpu_seconds_per_iteration`` of GPU time busy per iteration;
 * a background job on lent ranks runs ``min(usable) / T_dp(k)``, each lent rank's idle windows
   weighted by the efficiency for their length and cut to whole pieces of the guest's own step
-  granularity (:meth:`InterferenceModel.usable_fraction`).
+  granularity (:meth:`InterferenceModel.usable_fraction`);
+* a job started with a batch (a co-adaptive policy's :class:`Start`) runs by its
+  :class:`~deeppool.scheduling.policy.SpeedModel` instead: ``goodput(gpus, batch, epoch)``
+  progress per second, all its GPUs busy. Its rate changes at each epoch's end (an event) and
+  when the policy changes its batch (:class:`Rebatch`, no restart) or its GPUs (a preemption
+  and a start: a restart, which pays the penalty).
 
 The engine enforces the contract, whatever the policy: a loan is exactly as
 many free lendable ranks as the background job asks for, on GPUs with memory
@@ -40,7 +45,7 @@ from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.models import ModelChoice
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
-from deeppool.scheduling.policy import Decision, Lend, Policy, SimJob, Slot, Snapshot, Start
+from deeppool.scheduling.policy import Adaptive, Decision, Lend, Policy, Rebatch, SimJob, Slot, Snapshot, Start
 
 FactsLookup = Callable[[ModelChoice, int, PlanMode], PlanFacts]
 MAX_ROUNDS = 10_000
@@ -105,7 +110,7 @@ class _Active:
     """A running job (engine-private, mutable)."""
 
     __slots__ = ("job", "remaining", "rate", "since", "version", "facts", "gpus", "guests", "slots", "busy",
-                 "owed_s", "lent")
+                 "owed_s", "lent", "batch")
 
     def __init__(self, job: SimJob, remaining: float, now: float, owed_s: float) -> None:
         self.job = job
@@ -120,6 +125,7 @@ class _Active:
         self.busy = 0.0
         self.owed_s = owed_s  # restart penalty still to pay: lost time at the first rate it runs at
         self.lent = 0.0  # lent ranks this guest holds (0 for a job on whole GPUs)
+        self.batch: int | None = None  # the global batch of a job run by its speed model
 
 
 class _AttainedView(Mapping[int, float]):
@@ -147,6 +153,33 @@ class _AttainedView(Mapping[int, float]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+class _AdaptiveView(Mapping[int, Adaptive]):
+    """Read-only state of every job that has run by its speed model, live for running jobs."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def __getitem__(self, job_id: int) -> Adaptive:
+        engine = self._engine
+        left = engine.adaptive_left[job_id]
+        active = engine.running.get(job_id)
+        if active is not None:
+            left = max(0.0, active.remaining - active.rate * (engine.now - active.since))
+        speed = engine.jobs[job_id].speed
+        assert speed is not None
+        return Adaptive(progress=speed.total_progress - left, batch=active.batch if active is not None else None,
+                        restarts=engine.preemptions.get(job_id, 0), peak_gpus=engine.peak_gpus.get(job_id, 0))
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._engine.adaptive_left
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._engine.adaptive_left)
+
+    def __len__(self) -> int:
+        return len(self._engine.adaptive_left)
 
 
 class Engine:
@@ -205,6 +238,9 @@ class Engine:
         self.decisions = 0
         self._memo: dict[tuple[int, int, PlanMode], PlanFacts] = {}
         self._attained_view = _AttainedView(self)
+        self.adaptive_left: dict[int, float] = {}  # progress still to make, of jobs run by their speed model
+        self.peak_gpus: dict[int, int] = {}
+        self._adaptive_view = _AdaptiveView(self)
 
     # ---- the loop -------------------------------------------------------
     def run(self) -> SimResult:
@@ -261,9 +297,19 @@ class Engine:
         if kind == EventKind.ARRIVAL:
             self._enqueue(self.jobs[job_id])
         elif kind == EventKind.COMPLETION:
-            self._complete(self.running[job_id])
+            active = self.running[job_id]
+            if active.batch is not None and not self._finished(active):
+                self._rate_adaptive(active)  # an epoch ended: its gain changes
+            else:
+                self._complete(active)
 
-    def _snapshot(self) -> Snapshot:
+    def _finished(self, active: _Active) -> bool:
+        self._bank(active)
+        speed = active.job.speed
+        assert speed is not None
+        return active.remaining <= speed.total_progress * 1e-9
+
+    def _snapshot(self, round_: int) -> Snapshot:
         return Snapshot(
             now_s=self.now,
             total_gpus=self.cluster.gpus,
@@ -279,11 +325,13 @@ class Engine:
             running=self.holding_jobs.values(),
             requeued=self.requeued,
             attained_gpu_s=self._attained_view,
+            adaptive=self._adaptive_view,
+            round=round_,
         )
 
     def _decide(self) -> None:
-        for _ in range(MAX_ROUNDS):
-            decision = self.policy.decide(self._snapshot())
+        for round_ in range(MAX_ROUNDS):
+            decision = self.policy.decide(self._snapshot(round_))
             self.decisions += 1
             if decision.wake_at_s is not None and decision.wake_at_s > self.now:
                 self._push(decision.wake_at_s, EventKind.WAKE, -1, 0)
@@ -299,6 +347,8 @@ class Engine:
             self._start(start)
         for lend in decision.lend:
             self._lend(lend)
+        for rebatch in decision.rebatch:
+            self._rebatch(rebatch)
         if self.busy_rate > self.cluster.gpus * (1 + BUSY_TOLERANCE):
             raise PolicyError(
                 f"policy '{self.policy.name}' made {self.busy_rate:.2f} of {self.cluster.gpus} GPUs busy "
@@ -344,20 +394,58 @@ class Engine:
         if start.gpus > self.free or start.gpus < 1:
             raise self._fail(f"started job {start.job_id} on {start.gpus} GPUs, {self.free} free")
         job = self._dequeue(start.job_id)
-        active = _Active(job, self.remaining[job.job_id], self.now, self._owed_s(job.job_id))
-        active.facts = self._facts(job.model, start.gpus, start.mode)
+        active = _Active(job, self._left(job, start), self.now, self._owed_s(job.job_id))
         active.gpus = start.gpus
+        if start.batch is None:
+            active.facts = self._facts(job.model, start.gpus, start.mode)
+        else:
+            active.batch = start.batch
+            self.peak_gpus[job.job_id] = max(start.gpus, self.peak_gpus.get(job.job_id, 0))
         self.free -= start.gpus
         self.running[job.job_id] = active
         self.holding[job.job_id] = start.gpus
         self.holding_jobs[job.job_id] = job
         self.penalty_gpu_s += active.owed_s * start.gpus
-        if job.background:
+        if job.background and active.batch is None:
             self.whole_bg[job.job_id] = job
             self.whole_bg_gpus += start.gpus
-        else:
+        elif active.batch is None:
             self._open_slots(active)
-        self._rate_whole(active)
+        if active.batch is None:
+            self._rate_whole(active)
+        else:
+            self._rate_adaptive(active)
+
+    def _left(self, job: SimJob, start: Start) -> float:
+        """Work left: plan iterations, or, started with a batch, progress of its speed model (never both)."""
+        adaptive = job.job_id in self.adaptive_left
+        if start.batch is None:
+            if adaptive:
+                raise self._fail(f"started job {job.job_id} without a batch; it has run by its speed model")
+            return self.remaining[job.job_id]
+        if job.speed is None:
+            raise self._fail(f"started job {job.job_id} with a batch; it has no speed model (a Pollux workload job)")
+        if not adaptive and job.job_id in self.first_start and self.first_start[job.job_id] < self.now:
+            raise self._fail(f"started job {job.job_id} with a batch; it has run by its Plans")
+        self._check_batch(job, start.gpus, start.batch)
+        return self.adaptive_left.setdefault(job.job_id, job.speed.total_progress)
+
+    def _check_batch(self, job: SimJob, gpus: int, batch: int) -> None:
+        speed = job.speed
+        assert speed is not None
+        epoch = speed.epoch_at(speed.total_progress - self.adaptive_left.get(job.job_id, speed.total_progress))
+        if gpus > speed.max_gpus or not speed.goodput(gpus, batch, epoch) > 0:
+            raise self._fail(f"ran job {job.job_id} at batch {batch} on {gpus} GPUs, which its speed model cannot")
+
+    def _rebatch(self, rebatch: Rebatch) -> None:
+        active = self.running.get(rebatch.job_id)
+        if active is None or active.batch is None:
+            raise self._fail(f"changed the batch of job {rebatch.job_id}, which is not running by its speed model")
+        self._bank(active)
+        self.adaptive_left[rebatch.job_id] = active.remaining
+        self._check_batch(active.job, active.gpus, rebatch.batch)
+        active.batch = rebatch.batch
+        self._rate_adaptive(active)
 
     def _open_slots(self, host: _Active) -> None:
         assert host.facts is not None
@@ -449,7 +537,10 @@ class Engine:
         """Take ``active`` off the cluster, banking its progress; evict its guests."""
         job = active.job
         self._bank(active)
-        self.remaining[job.job_id] = active.remaining
+        if active.batch is None:
+            self.remaining[job.job_id] = active.remaining
+        else:
+            self.adaptive_left[job.job_id] = active.remaining
         self.busy_rate -= active.busy
         self.lent_rate -= active.lent
         if active.lent:
@@ -509,7 +600,8 @@ class Engine:
             self.attained[job_id] = self.attained.get(job_id, 0.0) + active.gpus * elapsed
         active.since = self.now
 
-    def _set_rate(self, active: _Active, rate: float, busy: float) -> None:
+    def _set_rate(self, active: _Active, rate: float, busy: float, until: float = 0.0) -> None:
+        """Run ``active`` at ``rate``; its next event when ``until`` work is left (0: its completion)."""
         self._bank(active)
         if active.owed_s:
             active.remaining += rate * active.owed_s
@@ -519,7 +611,18 @@ class Engine:
             self.window_rate += busy - active.busy
         active.rate, active.busy = rate, busy
         active.version = self.seq + 1  # unique across restarts: a stale completion never matches
-        self._push(self.now + active.remaining / rate, EventKind.COMPLETION, active.job.job_id, active.version)
+        self._push(self.now + max(0.0, active.remaining - until) / rate, EventKind.COMPLETION, active.job.job_id,
+                   active.version)
+
+    def _rate_adaptive(self, active: _Active) -> None:
+        """goodput(gpus, batch, epoch) progress per second, all its GPUs busy, until its epoch ends."""
+        speed = active.job.speed
+        assert speed is not None and active.batch is not None
+        self._bank(active)
+        total = speed.total_progress
+        epoch = speed.epoch_at(total - active.remaining)
+        rate = speed.goodput(active.gpus, active.batch, epoch)
+        self._set_rate(active, rate, float(active.gpus), until=max(0.0, total - speed.progress_at(epoch + 1)))
 
     def _rate_whole(self, active: _Active) -> None:
         facts = active.facts

@@ -27,6 +27,19 @@ its batch size and GPUs (Tiresias+TunedJobs):
 
 ``duration = steps · T``. ``max_epochs`` and the yolov3 micro-batch cap are the
 artifact's ``APPLICATIONS`` settings.
+
+For a co-adaptive policy (:mod:`deeppool.scheduling.pollux`) an application is
+also a *speed model*: progress is counted as the artifact counts it
+(``P``, summed gains), a job at progress ``p`` is in epoch ``e(p)``, the first
+with ``P(e+1) > p``, and on ``g`` GPUs at global batch ``B`` it progresses at
+
+    goodput(g, B, e) = gain(B, e) / T(g, B)        (progress per second)
+
+``best_batch(g, e)`` maximises it over a grid of global batches from
+``max(B_init, g · min_local_bsz)`` to the largest validated batch (the
+artifact's ``GoodputFunction.optimize`` searches the same range, with
+accumulation past ``max_local_bsz``). ncf keeps its batch (32,768) and one GPU,
+as the artifact's Pollux runs it.
 """
 
 from __future__ import annotations
@@ -44,6 +57,14 @@ MAX_PLACEMENT_GPUS = 16
 MAX_EPOCHS = {"bert": 2, "cifar10": 100, "ncf": 10, "imagenet": 90, "deepspeech2": 80, "yolov3": 50}
 MAX_LOCAL_BSZ = {"yolov3": 8}
 """The artifact's ``APPLICATIONS`` (simulator/applications.py): epochs to train, micro-batch caps."""
+FIXED = {"ncf": (32768, 1)}
+"""Applications the artifact's Pollux runs at a fixed (batch, GPUs): simulator.py sets ncf's."""
+MAX_GPUS = 64
+"""The artifact's cap on one job's GPUs under Pollux ("simulator can't handle more")."""
+BATCH_GRID = 24
+"""Global batches tried per GPU count by ``best_batch`` (log-spaced, both ends included)."""
+PROGRESS_TOLERANCE = 1e-9
+"""Relative to the total: progress this close to an epoch's end counts as past it (rounding)."""
 
 
 def packed_placement(gpus: int) -> str:
@@ -68,7 +89,7 @@ class Curve:
         if len(xs) == 1:
             return self.steps[0], self.syncs[0]
         x0, x1 = xs[index - 1], xs[index]
-        weight = (x - x0) / (x1 - x0)
+        weight = (x - x0) / (x1 - x0) if x1 > x0 else 1.0  # a batch measured twice: the later row
         return (self.steps[index - 1] + weight * (self.steps[index] - self.steps[index - 1]),
                 self.syncs[index - 1] + weight * (self.syncs[index] - self.syncs[index - 1]))
 
@@ -80,7 +101,7 @@ class Epoch:
     grad_var: float
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class Application:
     """One application's measurements (``traces/<application>/``)."""
 
@@ -90,6 +111,7 @@ class Application:
     scalability: dict[int, Curve]
     max_local_bsz: float
     max_epochs: int
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def init_batch(self) -> int:
@@ -115,6 +137,53 @@ class Application:
             max_local_bsz=MAX_LOCAL_BSZ.get(name, measured_max),
             max_epochs=MAX_EPOCHS.get(name, min(len(rows) for rows in validation.values())),
         )
+
+    @property
+    def min_local_bsz(self) -> float:
+        return min(min(curve.batches) for curve in self.placements.values())
+
+    @property
+    def total_progress(self) -> float:
+        return self.progress_at(self.max_epochs)
+
+    @property
+    def max_gpus(self) -> int:
+        """The most GPUs a job may hold: one per ``min_local_bsz`` samples of the largest batch, at most 64."""
+        if self.name in FIXED:
+            return FIXED[self.name][1]
+        return max(1, min(MAX_GPUS, int(self.max_batch // self.min_local_bsz)))
+
+    def progress_at(self, epoch: int) -> float:
+        """``P(e)``: the progress training has made when epoch ``e`` begins (the least over validated batches)."""
+        if epoch <= 0:
+            return 0.0
+        return min(rows[epoch - 1].progress for rows in self.validation.values())
+
+    def epoch_at(self, progress: float) -> int:
+        """The epoch a job at ``progress`` is in: the first ``e`` with ``P(e+1) > progress`` (within rounding)."""
+        past = progress + PROGRESS_TOLERANCE * self.total_progress
+        return next((e for e in range(self.max_epochs) if self.progress_at(e + 1) > past), self.max_epochs - 1)
+
+    def goodput(self, gpus: int, batch: int, epoch: int) -> float:
+        """Progress per second on ``gpus`` packed GPUs at global ``batch`` in ``epoch``: gain / step time."""
+        return self._gain(batch, epoch) / self.step_time_s(gpus, batch)
+
+    def best_batch(self, gpus: int, epoch: int) -> tuple[int, float]:
+        """The global batch with the best goodput on ``gpus`` GPUs in ``epoch``, and that goodput (0: infeasible)."""
+        key = (gpus, epoch)
+        if key not in self._memo:
+            self._memo[key] = self._best_batch(gpus, epoch)
+        return self._memo[key]
+
+    def _best_batch(self, gpus: int, epoch: int) -> tuple[int, float]:
+        if self.name in FIXED:
+            batch, most = FIXED[self.name]
+            return (batch, self.goodput(gpus, batch, epoch)) if gpus <= most else (batch, 0.0)
+        low, high = max(self.init_batch, math.ceil(gpus * self.min_local_bsz)), self.max_batch
+        if gpus > self.max_gpus or low > high:
+            return low, 0.0
+        grid = {low, high} | {round(low * (high / low) ** (k / (BATCH_GRID - 1))) for k in range(BATCH_GRID)}
+        return max(((b, self.goodput(gpus, b, epoch)) for b in sorted(grid)), key=lambda pair: pair[1])
 
     def steps_to_finish(self, batch: int) -> float:
         """Σ over epochs of the progress the epoch needs over the progress one step makes at ``batch``."""

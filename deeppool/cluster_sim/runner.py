@@ -12,7 +12,7 @@ from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.models import ModelChoice, ModelMapping
 from deeppool.cluster_sim.plans import PlanBook, PlanMode
 from deeppool.scheduling.policies import policy_named
-from deeppool.scheduling.policy import SimJob
+from deeppool.scheduling.policy import SimJob, SpeedModel
 from deeppool.cluster_sim.workload import BackgroundRule, TraceJob, Workload
 from deeppool.errors import DeeppoolError
 
@@ -78,8 +78,12 @@ def _job_model(model: ModelChoice, job: TraceJob, interned: dict[tuple[str, int]
     return interned[key]
 
 
-def sim_jobs(assignment: Assignment, book: PlanBook) -> tuple[SimJob, ...]:
-    """Each job's work: its recorded duration over its recorded allocation's data-parallel iteration time."""
+def sim_jobs(assignment: Assignment, book: PlanBook,
+             speeds: Callable[[TraceJob], SpeedModel] | None = None) -> tuple[SimJob, ...]:
+    """Each job's work: its recorded duration over its recorded allocation's data-parallel iteration time.
+
+    With ``speeds`` each job also gets its speed model, which co-adaptive policies run it by.
+    """
     jobs = []
     for index, (job, model, background) in enumerate(
         zip(assignment.jobs, assignment.models, assignment.background, strict=True)
@@ -97,6 +101,7 @@ def sim_jobs(assignment: Assignment, book: PlanBook) -> tuple[SimJob, ...]:
                 recorded_duration_s=job.duration_s,
                 granularity_ms=dp.granularity_ms,
                 memory_bytes=dp.peak_rank_memory_bytes,
+                speed=speeds(job) if speeds is not None else None,
             )
         )
     return tuple(jobs)

@@ -24,7 +24,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel
 
-from deeppool.coordinator.jobs import Job, JobRequest, JobStatus
+from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobStatus
 from deeppool.coordinator.page import render
 from deeppool.coordinator.store import Store
 
@@ -43,6 +43,8 @@ class ServerSettings:
     allowed_roots: tuple[Path, ...]
     log_dir: Path
     device: str = "cpu"
+    nodes: int = 1
+    """the machines a foreground job spans (``serve --nodes``): its GPUs must split evenly over them"""
 
 
 class Problem(BaseModel):
@@ -124,6 +126,10 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
         if request.gpus > settings.gpus:
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                                 f"gpus {request.gpus} is more than this cluster's {settings.gpus}")
+        if request.kind is JobKind.FOREGROUND and request.gpus % settings.nodes:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                                f"gpus {request.gpus} do not split evenly over the {settings.nodes} nodes a foreground "
+                                f"job spans: ask for a multiple of {settings.nodes}")
         job, new = store.submit(name, request)
         if not new:
             response.status_code = status.HTTP_200_OK

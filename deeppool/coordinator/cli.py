@@ -15,6 +15,7 @@ from deeppool.errors import DeeppoolError
 
 if TYPE_CHECKING:
     from deeppool.coordinator.launcher import Launcher
+    from deeppool.coordinator.slurm import SlurmSettings
 
 token_app = typer.Typer(help="API tokens for the coordinator.", no_args_is_help=True)
 
@@ -33,6 +34,12 @@ def serve(
     launcher: Annotated[str, typer.Option(help="local (processes here) or slurm (sbatch; a shared file system)")
                         ] = "local",
     partition: Annotated[str | None, typer.Option(help="the Slurm partition jobs go to")] = None,
+    nodes: Annotated[int, typer.Option(help="Slurm nodes each foreground job spans (its GPUs split evenly)")] = 1,
+    gres: Annotated[bool | None, typer.Option("--gres/--no-gres", help="ask Slurm for GPUs (--gres=gpu:K per node), "
+                                              "else CPU slots", show_default="whether this machine has GPUs")
+                    ] = None,
+    check: Annotated[bool, typer.Option("--check", help="compare every run with single-process training, step by "
+                                        "step (slow: to validate a cluster)")] = False,
 ) -> None:
     """Run the coordinator: a REST API (OpenAPI at /docs) over an embedded database."""
     if not 0 < port < 65536:
@@ -44,10 +51,7 @@ def serve(
             raise DeeppoolError(f"--allow '{root}' is not a folder")
     if log_dir is not None and log_dir.exists() and not log_dir.is_dir():
         raise DeeppoolError(f"--log-dir '{log_dir}' is a file: give a folder")
-    if launcher not in ("local", "slurm"):
-        raise DeeppoolError(f"--launcher '{launcher}' must be local or slurm")
-    if partition is not None and launcher != "slurm":
-        raise DeeppoolError("--partition is for --launcher slurm")
+    _check_slurm_options(launcher, partition=partition, nodes=nodes, gres=gres)
     if launcher == "slurm":
         from deeppool.coordinator.slurm import check_slurm
 
@@ -58,6 +62,7 @@ def serve(
     from deeppool.coordinator.driver import DriverSteps
     from deeppool.coordinator.runtime import Runtime
     from deeppool.coordinator.service import Service
+    from deeppool.coordinator.slurm import SlurmSettings
     from deeppool.coordinator.store import Store
     from deeppool.scheduling import Order, Placement, Scheduler
 
@@ -65,20 +70,32 @@ def serve(
     logs = log_dir or db.resolve().parent / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs,
-                              device="cuda" if _gpu_count() else "cpu")
-    runtime = Runtime(store, _launcher(launcher, logs, partition), DriverSteps(folder=logs, device_model=device_model),
-                      after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None)
+                              device="cuda" if _gpu_count() else "cpu", nodes=nodes)
+    slurm = SlurmSettings(partition=partition, gres=_gpu_count() > 0 if gres is None else gres)
+    runtime = Runtime(store, _launcher(launcher, logs, slurm),
+                      DriverSteps(folder=logs, device_model=device_model, check=check, nodes=nodes),
+                      after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None, nodes=nodes)
     service = Service(runtime, Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), slots,
                       paused=paused)
     uvicorn.run(create_app(store, settings, service), host=host, port=port, workers=1, log_level="warning")
 
 
-def _launcher(kind: str, folder: Path, partition: str | None) -> Launcher:
-    """The local launcher, or Slurm's (one node per job)."""
-    if kind == "slurm":
-        from deeppool.coordinator.slurm import SlurmLauncher, SlurmSettings
+def _check_slurm_options(launcher: str, *, partition: str | None, nodes: int, gres: bool | None) -> None:
+    if launcher not in ("local", "slurm"):
+        raise DeeppoolError(f"--launcher '{launcher}' must be local or slurm")
+    for flag, given in (("--partition", partition is not None), ("--nodes", nodes != 1), ("--gres", gres is not None)):
+        if given and launcher != "slurm":
+            raise DeeppoolError(f"{flag} is for --launcher slurm: add --launcher slurm or leave {flag} out")
+    if nodes < 1:
+        raise DeeppoolError(f"--nodes {nodes} must be at least 1")
 
-        return SlurmLauncher(folder, SlurmSettings(partition=partition))
+
+def _launcher(kind: str, folder: Path, slurm: SlurmSettings) -> Launcher:
+    """The local launcher, or Slurm's."""
+    if kind == "slurm":
+        from deeppool.coordinator.slurm import SlurmLauncher
+
+        return SlurmLauncher(folder, slurm)
     from deeppool.coordinator.launcher import LocalLauncher
 
     return LocalLauncher(folder)

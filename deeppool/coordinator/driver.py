@@ -5,7 +5,10 @@ the server names; ``a100`` by default) and run on that many local ranks. When
 background jobs were lent its idle windows, the first trains there through
 the multiplexer (``gate`` on CPU, ``priority`` on a GPU); a plan that leaves
 no idle window runs alone and says so. A background job given whole GPUs is
-planned and run on them as a job of its own. The run's ``summary.json`` lands
+planned and run on them as a job of its own. A job for several ``nodes``
+runs in a Slurm allocation of that many, over all of them
+(:func:`deeppool.coordinator.slurm.run_across`). With ``check``, every step
+is compared with single-process training (``deeppool run --check``). The run's ``summary.json`` lands
 in the job's folder; the coordinator reads the background's progress from it.
 """
 
@@ -15,7 +18,12 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from deeppool.coordinator.launcher import resources_for
+
+if TYPE_CHECKING:
+    from deeppool.coordinator.slurm import SlurmAllocation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +37,8 @@ class DriverSpec:
     device_model: str = "a100"
     background_model: str | None = None
     background_batch: int = 8
+    check: bool = False
+    nodes: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "out": str(self.out)}
@@ -41,13 +51,17 @@ class DriverSpec:
 def drive(spec: DriverSpec) -> dict[str, Any]:
     import torch
 
+    from deeppool.coordinator.slurm import run_across
+    from deeppool.executor.cli import config_args
     from deeppool.executor.config import RunConfig
     from deeppool.multiplex.api import run
     from deeppool.multiplex.config import BackgroundConfig, MuxMode
+    from deeppool.multiplex.options import background_args
     from deeppool.planner.api import plan_model
     from deeppool.planner.modelspec import ModelSpec
     from deeppool.planner.request import CostSource, PlanRequest
 
+    allocation = slurm_allocation(spec.nodes)
     spec.out.mkdir(parents=True, exist_ok=True)
     planned = plan_model(ModelSpec.parse(spec.model),
                          PlanRequest(gpus=spec.gpus, global_batch=spec.batch, amplification=spec.amplification),
@@ -62,9 +76,25 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
                                           checkpoint_dir=spec.out / "background")
         else:
             print("the plan leaves no idle window: the background job was not run", flush=True)
-    warmup = min(5, spec.steps - 1)
-    return run(spec.out / "plan.json", background=background,
-               config=RunConfig(steps=spec.steps, warmup=warmup, out_dir=spec.out / "run"))
+    config = RunConfig(steps=spec.steps, warmup=min(5, spec.steps - 1), out_dir=spec.out / "run", check=spec.check)
+    if allocation is None:
+        return run(spec.out / "plan.json", background=background, config=config)
+    run_across(allocation, spec.out / "plan.json", plan.gpus, config_args(config) + background_args(background))
+    return json.loads((spec.out / "run" / "summary.json").read_text())
+
+
+def slurm_allocation(nodes: int) -> SlurmAllocation | None:
+    """None for a job on one node; else the Slurm allocation of ``nodes`` nodes this runs in, or the refusal."""
+    from deeppool.coordinator.slurm import SlurmAllocation
+    from deeppool.errors import DeeppoolError
+
+    if nodes == 1:
+        return None
+    allocation = SlurmAllocation.here()
+    if allocation is None or len(allocation.nodes) != nodes:
+        given = "no Slurm allocation" if allocation is None else f"an allocation of {len(allocation.nodes)}"
+        raise DeeppoolError(f"the job spans {nodes} nodes but runs in {given}: serve with --launcher slurm")
+    return allocation
 
 
 def main() -> None:
@@ -88,10 +118,14 @@ class DriverSteps:
     """The coordinator's :data:`~deeppool.coordinator.runtime.Steps`: one driver step per attempt.
 
     The attempt's spec goes to ``folder/job-N/driver-A.json``; the job's outputs to ``folder/job-N``.
+    ``check``: every run is compared with single-process training, step by step (to validate a cluster).
+    ``nodes``: the machines a foreground job spans (as the runtime's).
     """
 
     folder: Path
     device_model: str = "a100"
+    check: bool = False
+    nodes: int = 1
 
     def __call__(self, job: Any, attempt: int, guests: Any) -> list[list[str]]:
         out = self.folder / f"job-{job.id}"
@@ -100,7 +134,8 @@ class DriverSteps:
         spec = DriverSpec(model=job.model, gpus=job.gpus, batch=job.batch, steps=job.steps,
                           amplification=job.amplification, out=out, device_model=self.device_model,
                           background_model=guest.model if guest is not None else None,
-                          background_batch=guest.batch if guest is not None else 8)
+                          background_batch=guest.batch if guest is not None else 8, check=self.check,
+                          nodes=resources_for(job, self.nodes).nodes)
         path = out / f"driver-{attempt}.json"
         path.write_text(json.dumps(spec.to_json()))
         return [[sys.executable, "-m", "deeppool.coordinator.driver", str(path)]]

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from deeppool.coordinator.jobs import Job, JobKind
 from deeppool.coordinator.supervisor import JobFiles
+from deeppool.errors import DeeppoolError
 
 SUPERVISOR = "deeppool.coordinator.supervisor"
 
@@ -32,6 +34,30 @@ class Phase(enum.Enum):
     RUNNING = "running"
     EXITED = "exited"
     LOST = "lost"  # its supervisor is gone without an exit code (killed, or the machine restarted)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resources:
+    """What one attempt runs on: ``gpus`` in all, spread over ``nodes`` machines, ``gpus / nodes`` on each."""
+
+    gpus: int = 1
+    nodes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus < 1:
+            raise DeeppoolError(f"a job needs at least 1 GPU and 1 node, not {self.gpus} GPUs on {self.nodes} nodes")
+        if self.gpus % self.nodes:
+            raise DeeppoolError(f"gpus {self.gpus} do not split evenly over {self.nodes} nodes: "
+                                f"ask for a multiple of {self.nodes}")
+
+    @property
+    def per_node(self) -> int:
+        return self.gpus // self.nodes
+
+
+def resources_for(job: Job, nodes: int) -> Resources:
+    """A foreground job's GPUs over ``nodes`` machines (``serve --nodes``); a background job's on one."""
+    return Resources(gpus=job.gpus, nodes=nodes if job.kind is JobKind.FOREGROUND else 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +83,8 @@ class Launcher(Protocol):
 
     def files(self, job_id: int, attempt: int) -> JobFiles: ...
 
-    def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None) -> None: ...
+    def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None,
+               resources: Resources = Resources()) -> None: ...
 
     def observe(self, job_id: int, attempt: int) -> Observed: ...
 
@@ -73,7 +100,10 @@ class LocalLauncher:
     def files(self, job_id: int, attempt: int) -> JobFiles:
         return JobFiles(folder=self.folder, job_id=job_id, attempt=attempt)
 
-    def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None) -> None:
+    def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None,
+               resources: Resources = Resources()) -> None:
+        """Start the attempt's supervisor here; ``resources`` are the scheduler's to respect on one machine."""
+        del resources
         files = self.files(job_id, attempt)
         tmp = files.spec.with_name(files.spec.name + ".tmp")
         tmp.write_text(json.dumps({"job_id": job_id, "attempt": attempt, "steps": steps}))

@@ -21,6 +21,8 @@ While a job runs, and once more when it ends, what its run reported in
 ``job-N/run/events.jsonl`` (stragglers, an adaptation policy's actions and
 requests for another GPU count) is relayed into its event log, each line once
 (:meth:`~deeppool.coordinator.store.Store.note`).
+A foreground job spans ``nodes`` machines (a Slurm launcher's allocation:
+``gpus / nodes`` on each); a background job on whole GPUs runs on one.
 
 A background job lent a foreground job's idle windows (a *guest*) runs
 inside its host's ranks, so it has no process of its own: it becomes RUNNING
@@ -36,9 +38,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from deeppool.coordinator.jobs import Job, JobStatus
-from deeppool.coordinator.launcher import Launcher, Phase
+from deeppool.coordinator.launcher import Launcher, Phase, Resources, resources_for
 from deeppool.coordinator.store import Store
 from deeppool.executor.outputs import EVENTS
+from deeppool.errors import DeeppoolError
 
 Steps = Callable[[Job, int, Sequence[Job]], list[list[str]]]
 """A job's steps for an attempt, given the guests lent its idle windows."""
@@ -46,13 +49,29 @@ Steps = Callable[[Job, int, Sequence[Job]], list[list[str]]]
 
 class Runtime:
     def __init__(self, store: Store, launcher: Launcher, steps: Steps, *, grace_s: float = 5.0,
-                 after_claim: Callable[[Job], None] | None = None) -> None:
-        """``after_claim`` runs between the claim's commit and the launch: a fault-injection point for tests."""
+                 after_claim: Callable[[Job], None] | None = None, nodes: int = 1) -> None:
+        """``after_claim`` runs between the claim's commit and the launch: a fault-injection point for tests.
+
+        ``nodes``: the machines each foreground job spans.
+        """
         self.store, self.launcher, self.steps, self.grace_s = store, launcher, steps, grace_s
-        self.after_claim = after_claim
+        self.after_claim, self.nodes = after_claim, nodes
+
+    def resources(self, job: Job) -> Resources:
+        """A foreground job's GPUs over ``nodes`` machines; a background job's on one."""
+        return resources_for(job, self.nodes)
 
     def start(self, job: Job, reason: str, guests: Sequence[Job] = ()) -> bool:
-        """Claim the job (PENDING → STARTING) and its guests, then launch; False if someone else moved it."""
+        """Claim the job (PENDING → STARTING) and its guests, then launch; False if someone else moved it.
+
+        A job whose GPUs do not split over the nodes (submitted before a restart with another ``--nodes``)
+        fails with the reason instead.
+        """
+        try:
+            resources = self.resources(job)
+        except DeeppoolError as err:
+            self.store.transition(job.id, JobStatus.FAILED, str(err))
+            return False
         if not self.store.transition(job.id, JobStatus.STARTING, reason):
             return False
         claimed = [g for g in guests
@@ -61,7 +80,7 @@ class Runtime:
         if self.after_claim is not None:
             self.after_claim(job)
         attempt = self.store.attempts(job.id)
-        self.launcher.launch(job.id, attempt, self.steps(job, attempt, claimed))
+        self.launcher.launch(job.id, attempt, self.steps(job, attempt, claimed), resources=resources)
         return True
 
     def requeue(self, job: Job, reason: str) -> None:
@@ -101,7 +120,7 @@ class Runtime:
                                                             "exit code")
         elif seen.phase is Phase.NOT_STARTED and now - job.updated_at > timedelta(seconds=self.grace_s):
             guests = self.store.jobs(states=(JobStatus.STARTING,), host_id=job.id)
-            self.launcher.launch(job.id, attempt, self.steps(job, attempt, guests))
+            self.launcher.launch(job.id, attempt, self.steps(job, attempt, guests), resources=self.resources(job))
 
     def _relay(self, job: Job, attempt: int) -> None:
         """The run's own events so far (stragglers, a policy's actions) into the job's event log."""

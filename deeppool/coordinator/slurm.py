@@ -10,23 +10,30 @@ Slurm job id, kept beside the attempt's files; ``squeue`` says whether it is
 still queued or running, and the supervisor's exit file how it ended. Stopping
 is ``scancel --signal=TERM``, a grace period, then ``scancel``.
 
-A job gets one node (``--nodes=1``): the executor launches its ranks on one
-host, and asking ``--gres=gpu:N`` per job is still to come. Spreading a plan's ranks
-over several nodes with a torchrun rendezvous needs the executor's multi-node
-launch, which does not exist yet.
+A job's :class:`~deeppool.coordinator.launcher.Resources` become the batch
+script's allocation: ``--nodes N --ntasks-per-node 1`` and, per node,
+``--gres=gpu:K`` (GPUs) or ``--cpus-per-task=K`` (CPU slots), K = gpus / N.
+The supervisor runs on the first node. With several nodes, the driver plans
+there and then, through :func:`run_across`, starts ``deeppool run`` once per
+node with ``srun``: ``--nnodes N --nproc K`` and a torchrun rendezvous at the
+first node's address as Slurm knows it (``NodeAddr``) on a port free there,
+with the Slurm job id as the rendezvous id. Every node writes into the job's
+shared run folder (the summary comes from rank 0's node), and srun's output,
+each line labelled with its node's task number, goes to the job's log.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from deeppool.coordinator.launcher import SUPERVISOR, Observed, Phase
+from deeppool.coordinator.launcher import SUPERVISOR, Observed, Phase, Resources
 from deeppool.coordinator.supervisor import JobFiles
 from deeppool.errors import DeeppoolError
 
@@ -35,7 +42,91 @@ LIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUE
 
 @dataclass(frozen=True, kw_only=True)
 class SlurmSettings:
+    """``partition``: where jobs go (Slurm's default if None); ``gres``: ask for GPUs, else CPU slots."""
+
     partition: str | None = None
+    gres: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmAllocation:
+    """The nodes a running batch job was given, in Slurm's order, with their addresses (``NodeAddr``)."""
+
+    job_id: str
+    nodes: tuple[str, ...]
+    addresses: tuple[str, ...]
+    cpus_per_task: int | None = None
+    """the batch job's ``--cpus-per-task``: srun passes it on explicitly (Slurm 22.05's srun does not)"""
+
+    @classmethod
+    def here(cls) -> SlurmAllocation | None:
+        """The allocation this process runs in (from ``SLURM_JOB_ID`` and ``SLURM_JOB_NODELIST``), else None."""
+        job_id, nodelist = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_JOB_NODELIST")
+        if not job_id or not nodelist:
+            return None
+        nodes = tuple(_scontrol("show", "hostnames", nodelist).split())
+        cpus = os.environ.get("SLURM_CPUS_PER_TASK", "")
+        return cls(job_id=job_id, nodes=nodes, addresses=tuple(node_address(node) for node in nodes),
+                   cpus_per_task=int(cpus) if cpus.isdigit() else None)
+
+    def describe(self) -> str:
+        return ", ".join(f"{node} ({address})" for node, address in zip(self.nodes, self.addresses))
+
+
+def _scontrol(*args: str) -> str:
+    done = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise DeeppoolError(f"scontrol {' '.join(args)} failed: {done.stderr.strip()[:200]}")
+    return done.stdout
+
+
+def node_address(node: str) -> str:
+    """The address Slurm reaches ``node`` at: its ``NodeAddr`` (the node name when none is set)."""
+    for field in _scontrol("show", "node", node, "--oneliner").split():
+        if field.startswith("NodeAddr="):
+            return field.removeprefix("NodeAddr=")
+    return node
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine: the first node, where the rendezvous is hosted."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
+def across_argv(allocation: SlurmAllocation, plan: Path, gpus: int, run_args: list[str]) -> list[str]:
+    """``srun`` starting ``deeppool run PLAN`` once per node: ``gpus / nodes`` ranks each, one rendezvous.
+
+    The rendezvous is at the first node's ``NodeAddr`` on a port free there (this runs on the first node).
+    """
+    count = len(allocation.nodes)
+    if gpus % count:
+        raise DeeppoolError(f"the plan's {gpus} GPUs do not split evenly over the job's {count} nodes: "
+                            f"submit with --gpus a multiple of {count}")
+    endpoint = f"{allocation.addresses[0]}:{_free_port()}"
+    cpus = [f"--cpus-per-task={allocation.cpus_per_task}"] if allocation.cpus_per_task else []
+    return ["srun", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", *cpus, "--kill-on-bad-exit=1",
+            "--label", sys.executable, "-m", "deeppool.cli", "run", str(plan), "--nnodes", str(count),
+            "--nproc", str(gpus // count), "--rdzv-endpoint", endpoint, "--rdzv-id", f"slurm-{allocation.job_id}",
+            *run_args]
+
+
+class RunAcrossFailed(DeeppoolError):
+    """``srun`` ended with ``exit_code``: a node's ``deeppool run`` failed (its error line is in the log)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def run_across(allocation: SlurmAllocation, plan: Path, gpus: int, run_args: list[str]) -> None:
+    """Run the plan over the allocation's nodes; its output goes to this process's (the job log)."""
+    argv = across_argv(allocation, plan, gpus, run_args)
+    print(f"nodes: {allocation.describe()}; rendezvous at {argv[argv.index('--rdzv-endpoint') + 1]}", flush=True)
+    code = subprocess.run(argv, stdin=subprocess.DEVNULL).returncode
+    if code != 0:
+        raise RunAcrossFailed(f"srun over {allocation.describe()} exited with code {code}", exit_code=code)
 
 
 def check_slurm() -> None:
@@ -65,7 +156,8 @@ class SlurmLauncher:
         except OSError:
             return None
 
-    def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None) -> None:
+    def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None,
+               resources: Resources = Resources()) -> None:
         import json
 
         files = self.files(job_id, attempt)
@@ -73,14 +165,18 @@ class SlurmLauncher:
         tmp.write_text(json.dumps({"job_id": job_id, "attempt": attempt, "steps": steps}))
         os.replace(tmp, files.spec)
         script = self.folder / f"job-{job_id}.{attempt}.sbatch"
-        script.write_text(self._script(job_id, attempt, files, env or {}))
+        script.write_text(self.script(job_id, attempt, env or {}, resources))
         done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
             raise DeeppoolError(f"sbatch refused job {job_id}: {done.stderr.strip()[:300]}")
         self._id_file(job_id, attempt).write_text(done.stdout.strip().split(";")[0] + "\n")
 
-    def _script(self, job_id: int, attempt: int, files: JobFiles, env: dict[str, str]) -> str:
-        lines = ["#!/bin/sh", f"#SBATCH --job-name=deeppool-{job_id}.{attempt}", "#SBATCH --nodes=1",
+    def script(self, job_id: int, attempt: int, env: dict[str, str], resources: Resources) -> str:
+        """The attempt's batch script: its allocation, then the supervisor (no user text is a shell string)."""
+        files = self.files(job_id, attempt)
+        slots = f"--gres=gpu:{resources.per_node}" if self.settings.gres else f"--cpus-per-task={resources.per_node}"
+        lines = ["#!/bin/sh", f"#SBATCH --job-name=deeppool-{job_id}.{attempt}", f"#SBATCH --nodes={resources.nodes}",
+                 "#SBATCH --ntasks-per-node=1", f"#SBATCH {slots}",
                  f"#SBATCH --output={shlex.quote(str(self.folder / f'job-{job_id}.{attempt}.slurm.log'))}"]
         if self.settings.partition:
             lines.append(f"#SBATCH --partition={shlex.quote(self.settings.partition)}")

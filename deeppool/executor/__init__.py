@@ -13,6 +13,8 @@ from typing import Any
 _HOMES = {
     "ModelBuilder": "api", "RankResult": "api", "train_rank": "api",
     "Backend": "config", "OptimizerConfig": "config", "OptimizerKind": "config", "RunConfig": "config",
+    "Adaptation": "config", "LrScaling": "config", "Monitor": "config",
+    "GnsReading": "monitor", "GradientMonitor": "monitor",
     "Comm": "comm", "TorchComm": "comm",
     "IdleListener": "idle", "IdleWindowEvent": "idle",
     "RunSummary": "summary",

@@ -12,32 +12,43 @@ rank 0's result carries the :class:`RunSummary` of all ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from deeppool.adaptation.adascale import AdaScale
 from deeppool.adaptation.policy import Policy
 from deeppool.errors import DeeppoolError
 from deeppool.executor.adapt import Adapter, EventLog, Progress, Resize
-from deeppool.executor.checkpoint import Shard, latest, load_for, save
+from deeppool.executor.checkpoint import (
+    GroupShard, RunState, latest, load_group, load_run, model_keys, save, writer,
+)
+from deeppool.executor.checkpoint import groups as checkpoint_groups
 from deeppool.executor.comm import Comm
-from deeppool.executor.config import CheckpointConfig, RunConfig
-from deeppool.executor.data import BatchSource, LoaderBatches, SyntheticBatches
+from deeppool.executor.config import (
+    CheckpointConfig, LrScaling, OptimizerKind, Precision, RunConfig, check_adaptation, default_base_batch,
+)
+from deeppool.executor.data import (
+    BatchSource, DataReport, DatasetBatches, EpochOrder, LoaderBatches, SyntheticBatches, load_dataset, needed_rows,
+)
 from deeppool.executor.engine import Engine, EngineParts
 from deeppool.executor.faults import Slowdown
 from deeppool.executor.gradients import FIRST_BUCKET_BYTES, GradientReducer
 from deeppool.executor.idle import IdleListener, NoBackground
 from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
-from deeppool.executor.steptimes import StepMonitor
+from deeppool.executor.monitor import AdaScaleLr, GnsReading, GradientMonitor, group_shares, single_groups
 from deeppool.executor.outputs import RESIZE
+from deeppool.executor.precision import AgreedScaler, MixedPrecision, output_dtypes
 from deeppool.executor.program import Program, build_program, idle_positions
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
+from deeppool.executor.steptimes import StepMonitor
 from deeppool.executor.syncbn import Reduce
-from deeppool.executor.timing import Category, Clock, EventClock, Recorder, RankTimes, Span, summarise
+from deeppool.executor.timing import Category, Clock, Counter, EventClock, Recorder, RankTimes, Span, summarise
 from deeppool.output import console
 from deeppool.planner.graph import TraceMethod
 from deeppool.planner.jsonio import write_json
@@ -56,6 +67,9 @@ class RankResult:
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
     summary: RunSummary | None
+    counters: tuple[Counter, ...] = ()
+    gns: tuple[GnsReading, ...] = ()
+    """Rank 0's noise-scale reading of every step it ran (``--monitor gns``); empty elsewhere."""
 
 
 def train_rank(
@@ -71,9 +85,13 @@ def train_rank(
     policy: Policy | None = None,
     slowdown: Slowdown | None = None,
 ) -> RankResult:
-    """Train rank ``comm.rank`` of ``plan``; ``data`` yields global ``(inputs, targets)``.
+    """Train rank ``comm.rank`` of ``plan``.
 
-    ``policy`` adapts the run (:mod:`deeppool.adaptation.policy`); ``slowdown`` injects a slow rank (tests).
+    ``data``: an iterable of global ``(inputs, targets)`` batches (every rank reads them all), or a
+    map-style ``torch.utils.data.Dataset`` of ``(input, target)`` samples, of which the rank loads
+    only its rows (:class:`~deeppool.executor.data.DatasetBatches`, ``config.data``'s seed and
+    workers); None: ``config.data``'s dataset, else the model's synthetic batch. ``policy`` adapts the
+    run (:mod:`deeppool.adaptation.policy`); ``slowdown`` injects a slow rank (tests).
     """
     builder = builder or ModelBuilder()
     device = device or torch.device("cpu")
@@ -81,39 +99,51 @@ def train_rank(
         raise DeeppoolError(f"the plan is for {plan.gpus} GPUs but {comm.world_size} ranks were started: "
                             f"start {plan.gpus} (--nproc {plan.gpus})")
     loaded = builder.load(plan.model)
-    batches = _batches(loaded, plan, data)
+    keys = model_keys(loaded.module)
     traced = builder.trace(loaded)
     check_plan_matches(plan, traced.graph)
+    check_adaptation(plan, config, grouped=bool(group_shares(plan, traced.graph, 0)))
+    feed = _feed(loaded, plan, traced, comm.rank, data, config)
     reference_model = builder.load(plan.model) if config.check else None
     module = _training(traced).to(device)
     module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
+    precision = _precision(config, module, traced, loaded, device, comm)
     program = build_program(plan, traced.graph, comm.rank)
     recorder = Recorder(clock, _cuda_events(device), None if device.type == "cuda" else time.thread_time)
-    local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks, recorder), program.stages,
-                 traced.random)
+    local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks, recorder),
+                 program.stages, traced.random)
     reference = None if reference_model is None else LockstepReference(
         reference_model, config.optimizer, params=local.params, buffers=local.buffers, rank=comm.rank,
-        bound=config.check_bound, random=traced.random.mode(plan.model.seed), training=config.training,
+        bound=config.bound, random=traced.random.mode(plan.model.seed), training=config.training,
+        precision=config.precision, scaling=config.loss_scaling,
     )
-    engine = _engine(plan, program, local, comm, loaded, config, recorder, on_idle, device, reference, slowdown)
+    engine = _engine(plan, program, local, comm, loaded, config, recorder, on_idle, device, reference, precision,
+                     slowdown)
     losses: list[float] = []
     checks: list[CheckResult] = []
     first, progress = _resume(config, engine, local, comm.rank)
     adapter = _adapter(plan, program, comm, recorder, engine, config, progress, policy)
-    for index in range(progress.position):  # the data position: the batches the resumed steps trained on
-        batches(index)
+    readings: list[GnsReading] = []
     for step in range(first, config.steps):
         adapter.before_step(step)
         micros, position = adapter.accumulate, adapter.progress.position
-        batch = [batches(position + micro) for micro in range(micros)]
+        indices = range(position, position + micros)
+        batch = [feed.batches(index) for index in indices]
         losses.append(engine.step(step, batch, position))
+        monitor = engine.p.monitor
+        if monitor is not None and monitor.latest is not None:
+            readings.append(monitor.latest)
         if reference is not None:
-            checks.append(reference.step(step, batch))
-        stop = adapter.after_step(step, micros, last=step + 1 == config.steps) or _epoch_ends(adapter, data, position, position + micros, step + 1, config.steps)
-        _save(_where(config, stop), step + 1, engine, local, comm, adapter.progress, force=stop)
+            whole = batch if feed.whole is None else [feed.whole(index) for index in indices]
+            checks.append(reference.step(step, whole))
+        gns = readings[-1].noise_scale if readings and comm.rank == 0 else None
+        stop = adapter.after_step(step, micros, last=step + 1 == config.steps, gns=gns)
+        stop = stop or _epoch_ends(adapter, feed, position, position + micros, step + 1, config.steps)
+        _save(_where(config, stop), step + 1, engine, local, comm, keys, adapter.progress, force=stop)
         if stop:
             _resize(adapter, config, step + 1, comm.rank)
             break
+    position = adapter.progress.position
     times = summarise(recorder.spans, rank=comm.rank, warmup=config.warmup)
     check = worst_of(checks)
     gathered = comm.gather((times, tuple(losses), check))
@@ -122,16 +152,36 @@ def train_rank(
         summary = summarise_run(
             plan, program.stages, [g[0] for g in gathered], [g[1] for g in gathered], [g[2] for g in gathered],
             steps=config.steps, synchronous_allreduce=config.bucket_mb == 0,
-            adaptation=adapter.report(),
+            adaptation=adaptation_report(engine), adapted=adapter.report(),
         )
+        summary = dataclasses.replace(summary, precision=config.precision.value, data=feed.report(position))
     return RankResult(
         rank=comm.rank, losses=tuple(losses), times=times, spans=tuple(recorder.spans), check=check,
         params={name: p.detach() for name, p in local.params.items()}, buffers=dict(local.buffers), summary=summary,
+        counters=tuple(recorder.counters), gns=tuple(readings),
     )
 
 
+def adaptation_report(engine: Engine) -> dict[str, Any]:
+    """summary.json's adaptation keys: ``gns`` (samples) and its statistics; AdaScale's τ and last gain."""
+    report: dict[str, Any] = {}
+    monitor, scaling = engine.p.monitor, engine.p.lr_scaling
+    if monitor is not None:
+        stats = None if monitor.latest is None else monitor.latest.to_json()
+        report["gns"] = None if stats is None else stats["noise_scale"]
+        report["gns_stats"] = stats
+    if scaling is not None:
+        scaler = scaling.scaler
+        report["adascale"] = {"tau": scaler.tau, "gain": scaler.gain, "base_batch": scaler.base_batch,
+                              "batch": scaler.batch, "scale": scaler.batch / scaler.base_batch}
+    return report
+
+
 def _resume(config: RunConfig, engine: Engine, local: LocalModel, rank: int) -> tuple[int, Progress]:
-    """Load the latest complete checkpoint into this rank (``--resume``); the steps it had done, and where."""
+    """Load the latest complete checkpoint into this rank (``--resume``); the steps it had done and the
+    progress (data position in global batches, accumulation, base LR). The rank reads the shard of every
+    layer group it belongs to; under a plan for another GPU count (a policy's request) the checkpoint's
+    groups differ, and it takes its tensors by name from every group's shard."""
     checkpoint = config.checkpoint
     fresh = Progress(accumulate=config.training.accumulate, position=0, lr=config.optimizer.lr)
     if checkpoint is None or not checkpoint.resume:
@@ -139,36 +189,105 @@ def _resume(config: RunConfig, engine: Engine, local: LocalModel, rank: int) -> 
     done = latest(checkpoint.directory)
     if done is None:
         return 0, fresh
-    shard = load_for(checkpoint.directory, done, rank, list(local.params))
+    run = load_run(checkpoint.directory, done)
+    stored = checkpoint_groups(checkpoint.directory, done)
+    mine = sorted(g for g in set(local.groups.values()) if rank < g)
+    shards = [load_group(checkpoint.directory, done, g) for g in (mine if set(mine) <= set(stored) else stored)]
     with torch.no_grad():
-        for name, value in shard.params.items():
-            local.params[name].copy_(value)
-        for name in local.buffers:
-            local.buffers[name].copy_(shard.buffers[name])
+        for shard in shards:
+            for name, value in shard.params.items():
+                if name in local.params:
+                    local.params[name].copy_(value)
+            for name, value in shard.buffers.items():
+                if name in local.buffers:
+                    local.buffers[name].copy_(value)
     parts = engine.p
-    if parts.optimizer is not None and shard.optimizer is not None:
-        parts.optimizer.load_state_dict(shard.optimizer)
-    if parts.scheduler is not None and shard.scheduler is not None:
-        parts.scheduler.load_state_dict(shard.scheduler)
-    if shard.progress is None:  # written before policies: K never changed
-        return done, replace(fresh, position=done * fresh.accumulate)
-    return done, Progress(**shard.progress)
+    if parts.optimizer is not None and run.optimizer_groups is not None:
+        states = {name: state for shard in shards for name, state in shard.optimizer.items()}
+        parts.optimizer.load_state_dict(_optimizer_state(parts.optimizer, local, states, run.optimizer_groups))
+    if parts.scheduler is not None and run.scheduler is not None:
+        parts.scheduler.load_state_dict(run.scheduler)
+    scaler = parts.precision.scaler
+    if scaler is not None and run.scaler is not None:
+        scaler.load_state_dict(run.scaler)
+    _load_adaptation(parts, run.adaptation or {})
+    if run.progress is None:  # written without a policy: K never changed
+        return done, replace(fresh, position=run.data_position)
+    return done, Progress(**run.progress)
 
 
-def _save(checkpoint: CheckpointConfig | None, done: int, engine: Engine, local: LocalModel, comm: Comm,
-          progress: Progress, *, force: bool = False) -> None:
+def _load_adaptation(parts: EngineParts, state: dict[str, Any]) -> None:
+    """The noise scale's moving averages (rank 0's) and AdaScale's τ and gain, from the run state."""
+    if parts.monitor is not None and "gns" in state:
+        parts.monitor.load_state_dict(state["gns"])
+    if parts.lr_scaling is not None and "adascale" in state:
+        parts.lr_scaling.load_state_dict(state["adascale"])
+
+
+def _optimizer_state(
+    optimizer: torch.optim.Optimizer, local: LocalModel, states: dict[str, dict[str, Any]],
+    groups: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The rank's optimizer ``state_dict`` in torch's form (parameters by index) from states by name."""
+    index = {id(param): i for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    by_index = {index[id(local.params[name])]: state for name, state in states.items() if name in local.params}
+    param_groups = [{**hyper, "params": [index[id(p)] for p in group["params"]]}
+                    for hyper, group in zip(groups, optimizer.param_groups, strict=True)]
+    return {"state": by_index, "param_groups": param_groups}
+
+
+def _save(
+    checkpoint: CheckpointConfig | None, done: int, engine: Engine, local: LocalModel, comm: Comm,
+    keys: dict[str, str], progress: Progress, *, force: bool = False,
+) -> None:
     if checkpoint is None or (not force and (checkpoint.every == 0 or done % checkpoint.every != 0)):
         return
     parts = engine.p
-    shard = Shard(
+    optimizer = parts.optimizer
+    run = RunState(
         steps_done=done,
-        params={name: p.detach().cpu().clone() for name, p in local.params.items()},
-        buffers={name: b.detach().cpu().clone() for name, b in local.buffers.items()},
-        optimizer=parts.optimizer.state_dict() if parts.optimizer is not None else None,
+        optimizer_groups=None if optimizer is None else [
+            {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
         scheduler=parts.scheduler.state_dict() if parts.scheduler is not None else None,
+        model_keys=keys,
+        data_position=progress.position,
+        scaler=parts.precision.scaler.state_dict() if parts.precision.scaler is not None else None,
+        adaptation=_adaptation_state(parts),
         progress=progress.to_json(),
     )
-    save(checkpoint.directory, comm.rank, shard, barrier=lambda: comm.all_reduce_max(0.0))
+    groups = tuple(sorted({layer.gpus for layer in parts.plan.layers}))
+    mine = next((g for g in groups if writer(g) == comm.rank), None)
+    shard = None if mine is None else _group_shard(mine, local, optimizer)
+    save(checkpoint.directory, comm.rank, run, shard, groups, barrier=lambda: comm.all_reduce_max(0.0))
+
+
+def _group_shard(gpus: int, local: LocalModel, optimizer: torch.optim.Optimizer | None) -> GroupShard:
+    """Layer group ``gpus``'s parameters, buffers and optimizer state, as this rank (its writer) holds them."""
+    def copy(value: Any) -> Any:
+        return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+    params = {name: p for name, p in local.params.items() if local.groups[name] == gpus}
+    state = {} if optimizer is None else {
+        name: {key: copy(value) for key, value in optimizer.state[p].items()}
+        for name, p in params.items() if p in optimizer.state
+    }
+    return GroupShard(
+        gpus=gpus,
+        params={name: copy(p) for name, p in params.items()},
+        buffers={name: copy(b) for name, b in local.buffers.items() if local.groups[name] == gpus},
+        optimizer=state,
+    )
+
+
+def _adaptation_state(parts: EngineParts) -> dict[str, Any] | None:
+    """The noise scale's moving averages and AdaScale's τ and gain, for a resume to continue them (rank 0
+    writes the run state, and rank 0 holds the averages; τ is the same on every rank)."""
+    state: dict[str, Any] = {}
+    if parts.monitor is not None:
+        state["gns"] = parts.monitor.state_dict()
+    if parts.lr_scaling is not None:
+        state["adascale"] = parts.lr_scaling.state_dict()
+    return state or None
 
 
 def _where(config: RunConfig, stop: bool) -> CheckpointConfig | None:
@@ -191,10 +310,10 @@ def _resize(adapter: Adapter, config: RunConfig, done: int, rank: int) -> None:
     write_json(config.out_dir / RESIZE, resize.to_json())
 
 
-def _epoch_ends(adapter: Adapter, data: Iterable[Any] | None, start: int, end: int, done: int, steps: int) -> bool:
-    """Call ``after_epoch`` when the step (global batches ``start..end``) finished a pass over ``data``
-    (synthetic data has no passes: when the run ends)."""
-    length = len(data) if isinstance(data, Sized) else None
+def _epoch_ends(adapter: Adapter, feed: Feed, start: int, end: int, done: int, steps: int) -> bool:
+    """Call ``after_epoch`` when the step (global batches ``start..end``) finished a pass over the dataset
+    (synthetic data and loaders have no epochs here: when the run ends)."""
+    length = feed.order.per_epoch if feed.order is not None else None
     ended = end // length > start // length if length else done == steps
     return adapter.after_epoch(done) if ended else False
 
@@ -223,10 +342,49 @@ class ModelBuilder:
         return trace(loaded)
 
 
-def _batches(loaded: LoadedModel, plan: Plan, data: Iterable[Any] | None) -> BatchSource:
+@dataclass(frozen=True)
+class Feed:
+    """Where a rank's batches come from: ``batches`` (its rows), ``whole`` (all rows, for ``--check``;
+    None when ``batches`` already are whole global batches) and the epoch order of a dataset."""
+
+    batches: BatchSource
+    whole: BatchSource | None = None
+    order: EpochOrder | None = None
+    factory: str = ""
+
+    def report(self, position: int) -> DataReport | None:
+        order = self.order
+        if order is None:
+            return None
+        return DataReport(factory=self.factory, samples=order.length, seed=order.seed,
+                          batches_per_epoch=order.per_epoch, batches_trained=position)
+
+
+def _feed(loaded: LoadedModel, plan: Plan, traced: Traced, rank: int, data: Iterable[Any] | torch.utils.data.Dataset
+          | None, config: RunConfig) -> Feed:
+    spec = config.data
+    if data is None and spec is not None:
+        data = load_dataset(spec.factory)
     if data is None:
-        return SyntheticBatches(loaded, plan.global_batch)
-    return LoaderBatches(data, plan.global_batch, loaded)
+        return Feed(SyntheticBatches(loaded, plan.global_batch))
+    if not isinstance(data, torch.utils.data.Dataset):
+        return Feed(LoaderBatches(data, plan.global_batch, loaded))
+    seed, workers = (spec.seed, spec.workers) if spec is not None else (0, 0)
+    order = EpochOrder(length=len(data), global_batch=plan.global_batch, seed=seed)  # type: ignore[arg-type]
+    spans = needed_rows(plan, traced.graph, rank)
+    whole = ((0, plan.global_batch),)
+    return Feed(DatasetBatches(data, order, spans, loaded, workers), DatasetBatches(data, order, whole, loaded),
+                order, spec.factory if spec is not None else type(data).__name__)
+
+
+def _precision(config: RunConfig, module: torch.nn.Module, traced: Traced, loaded: LoadedModel, device: torch.device,
+               comm: Comm) -> MixedPrecision:
+    """Autocast, the dtypes it gives each layer's output (for reshard buffers) and the fp16 scaler."""
+    if config.precision is Precision.FP32:
+        return MixedPrecision.fp32()
+    dtypes = output_dtypes(module, traced.graph, loaded.named_inputs(2), config.precision, device)
+    scaler = AgreedScaler(config.loss_scaling, comm) if config.precision.scaled else None
+    return MixedPrecision(config.precision, device, dtypes, scaler)
 
 
 def _training(traced: Traced) -> torch.nn.Module:
@@ -266,10 +424,13 @@ def _synchronize(device: torch.device) -> Callable[[], None]:
 def _engine(
     plan: Plan, program: Program, local: LocalModel, comm: Comm, loaded: LoadedModel, config: RunConfig,
     recorder: Recorder, on_idle: IdleListener | None, device: torch.device, reference: LockstepReference | None,
-    slowdown: Slowdown | None,
+    precision: MixedPrecision, slowdown: Slowdown | None,
 ) -> Engine:
     optimizer = config.optimizer.build(local.params.values()) if local.params else None
     training = config.training
+    monitor = _monitor(plan, local, comm, config, device)
+    scaling = _lr_scaling(plan, config, monitor)
+    shares = group_shares(plan, local.graph, comm.rank, training.accumulate)
     return Engine(
         EngineParts(
             plan=plan,
@@ -278,10 +439,13 @@ def _engine(
             comm=comm,
             loss=loaded.loss,
             optimizer=optimizer,
-            scheduler=training.schedule.build(optimizer) if optimizer is not None else None,
+            scheduler=training.schedule.build(optimizer) if optimizer is not None and scaling is None else None,
             clip_norm=training.clip_norm,
             reducer=GradientReducer(comm, config.bucket_bytes, _side_stream(device),
-                                    first_bucket_bytes=FIRST_BUCKET_BYTES if device.type == "cuda" else None),
+                                    first_bucket_bytes=FIRST_BUCKET_BYTES if device.type == "cuda" else None,
+                                    meter=None if monitor is None else monitor.meter,
+                                    combine=config.adaptation.combine or plan.combine,
+                                    scales={share.ranks: share.scale for share in shares}),
             recorder=recorder,
             idle=idle_positions(program, plan.idle_windows(comm.rank)),
             on_idle=on_idle or NoBackground(),
@@ -289,6 +453,27 @@ def _engine(
             on_gradients=None if reference is None else reference.gradients_reduced,
             overlap=config.bucket_bytes > 0,
             synchronize=_synchronize(device),
+            monitor=monitor,
+            lr_scaling=scaling,
+            precision=precision,
             slowdown=slowdown,
         )
     )
+
+
+def _monitor(plan: Plan, local: LocalModel, comm: Comm, config: RunConfig,
+             device: torch.device) -> GradientMonitor | None:
+    if not config.adaptation.measures:
+        return None
+    shares = group_shares(plan, local.graph, comm.rank, config.training.accumulate)
+    return GradientMonitor(comm, shares, skipped=single_groups(plan, local.graph), device=device)
+
+
+def _lr_scaling(plan: Plan, config: RunConfig, monitor: GradientMonitor | None) -> AdaScaleLr | None:
+    adaptation = config.adaptation
+    if adaptation.lr_scaling is not LrScaling.ADASCALE or monitor is None:
+        return None
+    scaler = AdaScale(base_batch=adaptation.base_batch or default_base_batch(plan),
+                      batch=plan.global_batch * config.training.accumulate,
+                      adam=config.optimizer.kind is OptimizerKind.ADAM)
+    return AdaScaleLr(scaler, lr=config.optimizer.lr, schedule=config.training.schedule, monitor=monitor)

@@ -1,18 +1,34 @@
-"""Checkpoints: every rank writes its own shard; a checkpoint counts once every shard is written.
+"""Checkpoints: each layer group writes its own shard; a checkpoint counts once every file is written.
 
-``<dir>/step-<N>/rank<r>.pt`` holds what rank ``r`` trains: the parameters and
-buffers of its layers (by their names in the model), its optimizer's and LR
-schedule's state, and ``N``, the number of optimizer steps done. Data
-position and randomness follow from ``N`` (batches are drawn in order and
-per-sample random draws are seeded by the step), so a resumed run continues
-exactly where the interrupted one was. A shard is written to a temporary
-file and renamed into place; after every rank has written (a barrier), rank 0
-writes ``COMPLETE``. A rank killed mid-write leaves no ``COMPLETE`` in that
-step's directory, so :func:`latest` still finds the previous checkpoint.
+A plan's *layer group* ``g`` is its layers on ``g`` GPUs. Ranks ``0..g-1`` run
+them and hold them alike: the same parameters, the same gradients after the
+group's all-reduce, so the same optimizer state, and the same synchronised
+BatchNorm statistics. So a checkpoint stores each group once:
+
+* ``<dir>/step-<N>/group<g>.pt`` — the group's parameters and buffers (by
+  their names in the user's model) and their optimizer state (by parameter
+  name), written by rank ``g-1``: each group has its own writer, and the
+  groups are written at once;
+* ``<dir>/step-<N>/run.pt`` — what every rank has alike: ``N`` (optimizer
+  steps done), the optimizer's hyperparameters, the LR schedule's state, the
+  fp16 loss scale and its growth count (``--precision fp16``; every rank
+  agrees on it), the noise scale's moving averages and AdaScale's τ, and
+  the data position: the global batches consumed (with ``--data``, epoch
+  ``⌊n / N_e⌋``, batch ``n mod N_e`` of
+  :class:`~deeppool.executor.data.EpochOrder`); written by rank 0.
+
+Per-sample random draws are seeded by the step, so a resumed run continues
+exactly where the interrupted one was. Every file is written to a
+temporary file, synced and renamed into place; after every rank has written
+(a barrier), rank 0 writes ``COMPLETE`` naming the groups. A rank killed
+mid-write leaves no ``COMPLETE`` in that step's directory, so :func:`latest`
+still finds the previous checkpoint. :func:`export` joins the groups into one
+``state_dict`` of the user's unsplit model.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,37 +40,86 @@ import torch
 from deeppool.errors import DeeppoolError
 
 MARKER = "COMPLETE"
+RUN_FILE = "run.pt"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Shard:
-    """One rank's part of a checkpoint."""
+class GroupShard:
+    """One layer group's part of a checkpoint: what its ranks hold alike."""
 
-    steps_done: int
+    gpus: int
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
-    optimizer: dict[str, Any] | None
-    scheduler: dict[str, Any] | None
-    progress: dict[str, Any] | None = None
-    """The run's data position, accumulation and base LR (:class:`~deeppool.executor.adapt.Progress`)."""
+    optimizer: dict[str, dict[str, Any]]
+    """Each parameter's optimizer state (momentum, Adam's moments and step), by parameter name."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"steps_done": self.steps_done, "params": self.params, "buffers": self.buffers,
-                "optimizer": self.optimizer, "scheduler": self.scheduler, "progress": self.progress}
+        return {"gpus": self.gpus, "params": self.params, "buffers": self.buffers, "optimizer": self.optimizer}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunState:
+    """What every rank has alike: the steps done, the optimizer's hyperparameters, the schedule."""
+
+    steps_done: int
+    optimizer_groups: list[dict[str, Any]] | None
+    """The optimizer's ``param_groups`` without their parameters (learning rate, momentum...)."""
+    scheduler: dict[str, Any] | None
+    model_keys: dict[str, str]
+    """Each key of the user's model's ``state_dict`` and the name its tensor is stored under
+    (tied weights are stored once; tensors tracing made up are stored but not exported)."""
+    data_position: int
+    """Global batches consumed."""
+    scaler: dict[str, Any] | None = None
+    """The fp16 loss scaler's state (:class:`~deeppool.executor.precision.AgreedScaler`)."""
+    adaptation: dict[str, Any] | None = None
+    """The noise scale's moving averages (rank 0's, which writes this file) and AdaScale's τ and gain
+    (``--monitor gns``, ``--lr-scaling adascale``)."""
+    progress: dict[str, Any] | None = None
+    """What a policy may have changed: accumulation and base LR (:class:`~deeppool.executor.adapt.Progress`)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps_done": self.steps_done, "optimizer_groups": self.optimizer_groups, "scheduler": self.scheduler,
+                "model_keys": self.model_keys, "data_position": self.data_position, "scaler": self.scaler,
+                "adaptation": self.adaptation, "progress": self.progress}
+
+
+def model_keys(model: torch.nn.Module) -> dict[str, str]:
+    """For each key of ``model.state_dict()``, the first name of its tensor (the name a rank holds it by)."""
+    first: dict[int, str] = {}
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        first.setdefault(id(tensor), name)
+    return {key: first.get(id(tensor), key) for key, tensor in model.state_dict(keep_vars=True).items()}
 
 
 def step_dir(directory: Path, steps_done: int) -> Path:
     return directory / f"step-{steps_done:08d}"
 
 
-def save(directory: Path, rank: int, shard: Shard, barrier: Callable[[], None]) -> Path:
-    """Write ``shard`` atomically; after ``barrier`` (every rank has written) rank 0 marks it complete."""
-    target = step_dir(directory, shard.steps_done)
+def group_file(gpus: int) -> str:
+    return f"group{gpus}.pt"
+
+
+def writer(gpus: int) -> int:
+    """The rank that writes group ``gpus``: its last, so every group has its own."""
+    return gpus - 1
+
+
+def save(
+    directory: Path, rank: int, run: RunState, shard: GroupShard | None, groups: tuple[int, ...],
+    barrier: Callable[[], None],
+) -> Path:
+    """Write this rank's files atomically; after ``barrier`` (every rank has written) rank 0 marks the step complete."""
+    target = step_dir(directory, run.steps_done)
     target.mkdir(parents=True, exist_ok=True)
-    _atomic(target / f"rank{rank}.pt", lambda path: torch.save(shard.to_dict(), path))
+    if shard is not None:
+        _atomic(target / group_file(shard.gpus), lambda path: torch.save(shard.to_dict(), path))
+    if rank == 0:
+        _atomic(target / RUN_FILE, lambda path: torch.save(run.to_dict(), path))
     barrier()
     if rank == 0:
-        _atomic(target / MARKER, lambda path: path.write_text(f"{shard.steps_done}\n"))
+        marker = json.dumps({"steps_done": run.steps_done, "groups": sorted(groups)})
+        _atomic(target / MARKER, lambda path: path.write_text(marker + "\n"))
     return target
 
 
@@ -64,44 +129,50 @@ def latest(directory: Path) -> int | None:
     return max(done, default=None)
 
 
-def load(directory: Path, steps_done: int, rank: int) -> Shard:
-    path = step_dir(directory, steps_done) / f"rank{rank}.pt"
+def load_run(directory: Path, steps_done: int) -> RunState:
+    return RunState(**_load(step_dir(directory, steps_done) / RUN_FILE))
+
+
+def load_group(directory: Path, steps_done: int, gpus: int) -> GroupShard:
+    return GroupShard(**_load(step_dir(directory, steps_done) / group_file(gpus)))
+
+
+def groups(directory: Path, steps_done: int) -> tuple[int, ...]:
+    """The layer groups a complete checkpoint holds, from its ``COMPLETE`` marker."""
+    marker = step_dir(directory, steps_done) / MARKER
+    try:
+        return tuple(int(g) for g in json.loads(marker.read_text())["groups"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DeeppoolError(f"checkpoint marker '{marker}' is unreadable ({err}): use another checkpoint") from None
+
+
+def export(directory: Path, steps_done: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+    """One ``state_dict`` of the whole model from a complete checkpoint (the newest, or ``steps_done``'s)."""
+    if not directory.is_dir():
+        raise DeeppoolError(f"checkpoint directory '{directory}' does not exist: pass the run's --checkpoint-dir")
+    done = latest(directory) if steps_done is None else steps_done
+    if done is None:
+        raise DeeppoolError(f"'{directory}' holds no complete checkpoint: train with --checkpoint-every N first")
+    if not (step_dir(directory, done) / MARKER).is_file():
+        raise DeeppoolError(f"'{directory}' has no complete checkpoint after {done} steps: "
+                            f"the newest is after {latest(directory)}")
+    stored: dict[str, torch.Tensor] = {}
+    for gpus in groups(directory, done):
+        shard = load_group(directory, done, gpus)
+        stored.update(shard.params)
+        stored.update(shard.buffers)
+    keys = load_run(directory, done).model_keys
+    lost = [key for key, name in keys.items() if name not in stored]
+    if lost:
+        raise DeeppoolError(f"checkpoint '{step_dir(directory, done)}' has no tensor for '{lost[0]}': "
+                            "a layer group's shard is missing; use another checkpoint")
+    return done, {key: stored[name] for key, name in keys.items()}
+
+
+def _load(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise DeeppoolError(f"checkpoint '{path.parent}' has no shard for rank {rank}: was it written by this plan?")
-    data = torch.load(path, map_location="cpu", weights_only=False)
-    return Shard(**data)
-
-
-def load_for(directory: Path, steps_done: int, rank: int, params: list[str]) -> Shard:
-    """Rank ``rank``'s part of a checkpoint, for a rank that trains ``params`` (sorted names).
-
-    The rank's own shard when it holds exactly those parameters (the same plan); otherwise (a plan for
-    another GPU count) they are taken by name from rank 0's shard, which holds every parameter and
-    buffer, and its optimizer state is renumbered: the optimizer's ``i``-th parameter is the ``i``-th
-    of the sorted names on both sides.
-    """
-    own = step_dir(directory, steps_done) / f"rank{rank}.pt"
-    if own.is_file():
-        shard = load(directory, steps_done, rank)
-        if list(shard.params) == params:
-            return shard
-    whole = load(directory, steps_done, 0)
-    missing = [name for name in params if name not in whole.params]
-    if missing:
-        raise DeeppoolError(f"checkpoint '{own.parent}' has no parameter '{missing[0]}': was it written for this model?")
-    index = {name: i for i, name in enumerate(whole.params)}
-    return Shard(steps_done=steps_done, params={name: whole.params[name] for name in params}, buffers=whole.buffers,
-                 optimizer=_renumbered(whole.optimizer, [index[name] for name in params]),
-                 scheduler=whole.scheduler, progress=whole.progress)
-
-
-def _renumbered(state: dict[str, Any] | None, kept: list[int]) -> dict[str, Any] | None:
-    """An optimizer state dict (one parameter group) for the parameters ``kept``, numbered 0, 1, …"""
-    if state is None or not kept:
-        return None
-    (group,) = state["param_groups"]
-    return {"state": {new: state["state"][old] for new, old in enumerate(kept) if old in state["state"]},
-            "param_groups": [{**group, "params": list(range(len(kept)))}]}
+        raise DeeppoolError(f"checkpoint '{path.parent}' has no '{path.name}': was it written by this plan?")
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:

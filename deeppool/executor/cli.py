@@ -19,9 +19,11 @@ from deeppool import checks
 from deeppool.errors import DeeppoolError
 from deeppool.executor.outputs import RESIZE
 from deeppool.executor.config import (
-    DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Backend, CheckpointConfig, Nodes, OptimizerConfig, OptimizerKind, ProbeConfig,
-    RunConfig, Schedule, ScheduleKind, Training,
+    DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Adaptation, Backend, CheckpointConfig, DataConfig, LossScaling, LrScaling,
+    Monitor, Nodes, OptimizerConfig, OptimizerKind, Precision, ProbeConfig, RunConfig, Schedule, ScheduleKind,
+    Training, check_adaptation,
 )
+from deeppool.planner.combine import Combine
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.options import (
     AbBlock, BackgroundOpt, BgBatch, BgCheckpointDir, BgLr, BgOptim, MpsPercentage, MuxOpt, SlowdownTarget,
@@ -45,9 +47,10 @@ BucketMb = Annotated[float, typer.Option(help="gradient bucket size in MiB (0: p
 Check = Annotated[bool, typer.Option(
     "--check", help="also train one process in lockstep; compare gradients, buffers and parameters every step"
 )]
-CheckBound = Annotated[float, typer.Option(
+CheckBound = Annotated[float | None, typer.Option(
     help="largest relative difference --check accepts (per tensor: gradients and buffers against their own norm, "
-    "parameters against their module's scale; fp32 round-off stays under 5e-5)"
+    "parameters against their module's scale; fp32 round-off stays under 5e-5)",
+    show_default="1e-3 (fp32), 1e-2 (fp16), 5e-2 (bf16)",
 )]
 Out = Annotated[Path, typer.Option("--out", help="directory for traces, summary.json and error records")]
 NNodes = Annotated[int, typer.Option("--nnodes", help="machines the run spans (the same command on each)")]
@@ -61,7 +64,7 @@ Accumulate = Annotated[int, typer.Option(help="global batches whose gradients ar
 ClipNorm = Annotated[float | None, typer.Option(help="clip gradients to this global L2 norm (whole model)")]
 LrSchedule = Annotated[ScheduleKind, typer.Option(help="learning rate after warm-up: constant, or decaying to 0")]
 LrWarmup = Annotated[int, typer.Option(help="optimizer steps of linear learning-rate warm-up")]
-CheckpointDir = Annotated[Path | None, typer.Option(help="directory for checkpoints (one shard per rank)")]
+CheckpointDir = Annotated[Path | None, typer.Option(help="directory for checkpoints (one shard per layer group)")]
 CheckpointEvery = Annotated[int, typer.Option(help="write a checkpoint every N optimizer steps (0: never)")]
 Resume = Annotated[bool, typer.Option("--resume", help="continue from the latest complete checkpoint")]
 MonitorEvery = Annotated[int, typer.Option(
@@ -69,6 +72,27 @@ MonitorEvery = Annotated[int, typer.Option(
 PolicyOpt = Annotated[str | None, typer.Option(
     "--policy", help="adapt the run: grow-batch (grow the batch by accumulation while the noise scale says it "
     "pays; needs --monitor gns), or module:factory / file.py:factory returning a policy")]
+MonitorOpt = Annotated[Monitor, typer.Option(
+    "--monitor", help="gns: measure the gradient noise scale per layer group (summary.json 'gns', a trace counter)")]
+LrScalingFlag = Annotated[LrScaling, typer.Option(
+    "--lr-scaling", help="adascale: scale the LR by AdaScale's gain (measures the noise scale), schedule by τ")]
+BaseBatch = Annotated[int | None, typer.Option(
+    "--base-batch", help="AdaScale's base batch, the batch --lr is tuned for",
+    show_default="global batch / the widest layer's GPUs")]
+StepBatch = Annotated[int | None, typer.Option(
+    "--batch", help="samples per optimizer step: a multiple of the plan's global batch, trained as that many "
+    "micro-batches (--accumulate)", show_default="the plan's global batch x --accumulate")]
+CombineOpt = Annotated[Combine | None, typer.Option(
+    "--combine", help="how a layer group combines gradients: sum (the mean gradient) or adasum",
+    show_default="the plan's")]
+PrecisionOpt = Annotated[Precision, typer.Option(
+    "--precision", help="forward under autocast to bf16 or fp16 (fp16 with loss scaling); weights stay fp32")]
+LossScale = Annotated[float, typer.Option("--loss-scale", help="fp16: the initial loss scale")]
+DataOpt = Annotated[str | None, typer.Option(
+    "--data", help="train on the map-style Dataset this returns (package.module:factory or file.py:factory); "
+    "each rank loads only its rows", show_default="the model's synthetic batch")]
+DataSeed = Annotated[int, typer.Option("--data-seed", help="seed of the per-epoch sample order (seed + epoch)")]
+DataWorkers = Annotated[int, typer.Option("--data-workers", help="DataLoader worker processes per rank")]
 DEFAULT_WARMUP = 5
 CPU_RANKS_PER_CORE = 4
 """gloo ranks on CPU share the cores; beyond this many per core a run measures only contention."""
@@ -84,10 +108,14 @@ def _group() -> None:
 
 def make_config(
     *, steps: int, warmup: int | None, optimizer: OptimizerKind, lr: float, momentum: float, backend: Backend,
-    timeout: float, bucket_mb: float, check: bool, check_bound: float, out: Path, accumulate: int = 1,
+    timeout: float, bucket_mb: float, check: bool, check_bound: float | None, out: Path, accumulate: int = 1,
     clip_norm: float | None = None, lr_schedule: ScheduleKind = ScheduleKind.CONSTANT, lr_warmup: int = 0,
-    checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume: bool = False, policy: str | None = None,
-    monitor_every: int = 10,
+    checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume: bool = False,
+    monitor: Monitor = Monitor.NONE, lr_scaling: LrScaling = LrScaling.NONE, base_batch: int | None = None,
+    combine: Combine | None = None,
+    precision: Precision = Precision.FP32, loss_scale: float = LossScaling().initial, data: str | None = None,
+    data_seed: int = 0, data_workers: int = 0,
+    policy: str | None = None, monitor_every: int = 10,
 ) -> RunConfig:
     """The run's config; ``warmup=None`` is the default: 5, or one less than ``steps`` when that is fewer."""
     if warmup is not None and steps >= 1 and warmup >= steps:
@@ -106,8 +134,22 @@ def make_config(
         training=training,
         checkpoint=CheckpointConfig(directory=checkpoint_dir, every=checkpoint_every, resume=resume)
         if checkpoint_dir is not None else None,
+        adaptation=Adaptation(monitor=monitor, lr_scaling=lr_scaling, base_batch=base_batch, combine=combine),
+        precision=precision, loss_scaling=LossScaling(initial=loss_scale),
+        data=DataConfig(factory=_located(DataConfig(factory=data).factory), seed=data_seed, workers=data_workers)
+        if data is not None else None,
         policy=policy, monitor_every=monitor_every,
     )
+
+
+def _located(factory: str) -> str:
+    """A ``file.py:factory`` made absolute, so ranks started elsewhere find it."""
+    location, _, attr = factory.rpartition(":")
+    if not location.endswith(".py"):
+        return factory
+    if not Path(location).is_file():
+        raise DeeppoolError(f"--data '{factory}': no file '{location}' (give path/to/data.py:factory)")
+    return f"{Path(location).resolve()}:{attr}"
 
 
 def config_args(config: RunConfig) -> list[str]:
@@ -117,10 +159,15 @@ def config_args(config: RunConfig) -> list[str]:
         "--optimizer", config.optimizer.kind.value, "--lr", repr(config.optimizer.lr),
         "--momentum", repr(config.optimizer.momentum), "--backend", config.backend.value,
         "--timeout", repr(config.timeout_s), "--bucket-mb", repr(config.bucket_mb),
-        "--check-bound", repr(config.check_bound), "--out", str(config.out_dir),
+        "--out", str(config.out_dir),
         "--accumulate", str(config.training.accumulate), "--lr-schedule", config.training.schedule.kind.value,
-        "--lr-warmup", str(config.training.schedule.warmup_steps),
+        "--lr-warmup", str(config.training.schedule.warmup_steps), "--precision", config.precision.value,
+        "--loss-scale", repr(config.loss_scaling.initial),
     ]
+    args += ["--check-bound", repr(config.check_bound)] if config.check_bound is not None else []
+    if config.data is not None:
+        args += ["--data", config.data.factory, "--data-seed", str(config.data.seed),
+                 "--data-workers", str(config.data.workers)]
     clip, checkpoint = config.training.clip_norm, config.checkpoint
     if clip is not None:
         args += ["--clip-norm", repr(clip)]
@@ -129,7 +176,14 @@ def config_args(config: RunConfig) -> list[str]:
         args += ["--resume"] if checkpoint.resume else []
     args += ["--policy", config.policy] if config.policy is not None else []
     args += ["--monitor-every", str(config.monitor_every)]
-    return args + (["--check"] if config.check else [])
+    return args + adaptation_args(config.adaptation) + (["--check"] if config.check else [])
+
+
+def adaptation_args(adaptation: Adaptation) -> list[str]:
+    args = ["--monitor", adaptation.monitor.value, "--lr-scaling", adaptation.lr_scaling.value]
+    if adaptation.base_batch is not None:
+        args += ["--base-batch", str(adaptation.base_batch)]
+    return args + (["--combine", adaptation.combine.value] if adaptation.combine is not None else [])
 
 
 @app.command()
@@ -140,11 +194,15 @@ def run(
     model: ModelOpt = None,
     steps: Steps = 50, warmup: Warmup = None, optimizer: Optim = None, lr: Lr = 0.01,
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
-    bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
+    bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = None,
     out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
     lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
-    checkpoint_every: CheckpointEvery = 0, resume: Resume = False, policy: PolicyOpt = None,
-    monitor_every: MonitorEvery = 10,
+    checkpoint_every: CheckpointEvery = 0, resume: Resume = False, monitor: MonitorOpt = Monitor.NONE,
+    lr_scaling: LrScalingFlag = LrScaling.NONE, base_batch: BaseBatch = None, combine: CombineOpt = None,
+    batch: StepBatch = None, precision: PrecisionOpt = Precision.FP32,
+    loss_scale: LossScale = LossScaling().initial, data: DataOpt = None, data_seed: DataSeed = 0,
+    data_workers: DataWorkers = 0,
+    policy: PolicyOpt = None, monitor_every: MonitorEvery = 10,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -164,10 +222,13 @@ def run(
     config = make_config(
         steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
         backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
-        accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule, lr_warmup=lr_warmup,
-        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, policy=policy,
+        accumulate=micro_batches(loaded, batch, accumulate), clip_norm=clip_norm, lr_schedule=lr_schedule,
+        lr_warmup=lr_warmup, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+        monitor=monitor, lr_scaling=lr_scaling, base_batch=base_batch, combine=combine, precision=precision,
+        loss_scale=loss_scale, data=data, data_seed=data_seed, data_workers=data_workers, policy=policy,
         monitor_every=monitor_every,
     )
+    check_adaptation(loaded, config, grouped=any(layer.gpus > 1 and layer.allreduce_ms > 0 for layer in loaded.layers))
     if policy is not None:
         from deeppool.adaptation.policy import load_policy
 
@@ -211,6 +272,19 @@ def resized(plan: Plan, config: RunConfig, request: dict[str, object], model: st
                 f"plan for {gpus} GPUs written to {path}; resume with:", highlight=False, markup=False)
     shown.print(shlex.join(command), highlight=False, markup=False, soft_wrap=True)
     return path
+
+
+def micro_batches(plan: Plan, batch: int | None, accumulate: int) -> int:
+    """``--accumulate``, or the micro-batches that make ``--batch`` samples per step out of the plan's batch."""
+    if batch is None:
+        return accumulate
+    if accumulate != 1:
+        raise DeeppoolError(f"--batch {batch} sets the micro-batches per step: drop --accumulate {accumulate}")
+    if batch < 1 or batch % plan.global_batch != 0:
+        multiple = max(1, round(batch / plan.global_batch)) * plan.global_batch
+        raise DeeppoolError(f"--batch {batch} is not a multiple of the plan's global batch {plan.global_batch}: "
+                            f"give a multiple (e.g. --batch {multiple}), or re-plan with --batch {batch}")
+    return batch // plan.global_batch
 
 
 def check_model_here(plan: Plan, path: Path) -> None:
@@ -321,15 +395,53 @@ def _probe(config: ProbeConfig, out: Path) -> None:
     )
 
 
+def export(
+    checkpoint_dir: Annotated[Path, typer.Argument(help="a run's --checkpoint-dir")],
+    out: Annotated[Path, typer.Option("--out", help="where to write the state_dict (torch.save)")],
+    step: Annotated[int | None, typer.Option(help="the checkpoint after this many optimizer steps",
+                                             show_default="the newest complete one")] = None,
+    plan: Annotated[Path | None, typer.Option(help="check that the state_dict loads into this plan's model")] = None,
+) -> None:
+    """Join a checkpoint's layer-group shards into one state_dict of the original, unsplit model."""
+    checks.new_file(out, "--out")
+    checks.existing_file(plan, "--plan")
+    import torch
+
+    from deeppool.executor.checkpoint import export as joined
+    from deeppool.output import console
+
+    done, state = joined(checkpoint_dir, step)
+    if plan is not None:
+        _loads_into(plan, state)
+    torch.save(state, out)
+    console().print(f"{len(state)} tensors after {done} steps written to {out}"
+                    + (f"; they load into {plan}'s model" if plan is not None else ""), highlight=False)
+
+
+def _loads_into(path: Path, state: dict[str, object]) -> None:
+    from deeppool.planner.plan import Plan
+
+    model = Plan.load(path).model.load().module
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        name, what = (missing[0], "has no") if missing else (unexpected[0], "has an unknown")
+        raise DeeppoolError(f"the checkpoint {what} tensor '{name}' for the model of plan '{path}': "
+                            "export the checkpoint of a run of that plan")
+
+
 @worker_app.command()
 def worker(
     plan: PlanArg, steps: Steps = 50, warmup: Warmup = None, optimizer: Optim = None, lr: Lr = 0.01,
     momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
-    bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
+    bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = None,
     out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
     lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
-    checkpoint_every: CheckpointEvery = 0, resume: Resume = False, policy: PolicyOpt = None,
-    monitor_every: MonitorEvery = 10,
+    checkpoint_every: CheckpointEvery = 0, resume: Resume = False, monitor: MonitorOpt = Monitor.NONE,
+    lr_scaling: LrScalingFlag = LrScaling.NONE, base_batch: BaseBatch = None, combine: CombineOpt = None,
+    precision: PrecisionOpt = Precision.FP32,
+    loss_scale: LossScale = LossScaling().initial, data: DataOpt = None, data_seed: DataSeed = 0,
+    data_workers: DataWorkers = 0,
+    policy: PolicyOpt = None, monitor_every: MonitorEvery = 10,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -345,6 +457,8 @@ def worker(
             momentum=momentum, backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check,
             check_bound=check_bound, out=out, accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule,
             lr_warmup=lr_warmup, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+            monitor=monitor, lr_scaling=lr_scaling, base_batch=base_batch, combine=combine,
+            precision=precision, loss_scale=loss_scale, data=data, data_seed=data_seed, data_workers=data_workers,
             policy=policy, monitor_every=monitor_every,
         )
         bg = make_background(

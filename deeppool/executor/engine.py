@@ -22,7 +22,9 @@ from deeppool.executor.faults import Slowdown
 from deeppool.executor.gradients import GradientReducer
 from deeppool.executor.idle import IdleListener, IdleWindowEvent
 from deeppool.executor.local_model import LocalModel
+from deeppool.executor.monitor import AdaScaleLr, GradientMonitor
 from deeppool.executor.overlap import StageOverlap, install_hooks
+from deeppool.executor.precision import MixedPrecision
 from deeppool.executor.program import Op, OpKind, Program, Stage, Transfer, grad_flows
 from deeppool.executor.comm import Comm
 from deeppool.executor.timing import Category, Recorder, Span
@@ -90,6 +92,13 @@ class EngineParts:
     off, each stage's gradients are handed over after its backward."""
     slowdown: Slowdown | None = None
     """An injected slow rank (``DEEPPOOL_FAULT=slow-rank:R``, :mod:`deeppool.executor.faults`)."""
+    monitor: GradientMonitor | None = None
+    """Measures the gradient noise scale once gradients are reduced (``--monitor gns``); its meter is the
+    reducer's."""
+    lr_scaling: AdaScaleLr | None = None
+    """Sets the learning rate before the optimizer steps (``--lr-scaling adascale``; then no ``scheduler``)."""
+    precision: MixedPrecision = field(default_factory=MixedPrecision.fp32)
+    """Autocast, the reshard dtypes it gives and fp16 loss scaling (:mod:`deeppool.executor.precision`)."""
 
 
 class Engine:
@@ -195,7 +204,7 @@ class Engine:
 
     def _buffer(self, producer: str, rows: int) -> torch.Tensor:
         layer = self.layers[producer]
-        dtype = getattr(torch, layer.dtype)
+        dtype = self.p.precision.dtype(producer, getattr(torch, layer.dtype))
         return torch.empty((rows, *layer.output_shape), dtype=dtype, device=self.p.device)
 
     def _reshard(self, op: Op, state: _State) -> None:
@@ -224,32 +233,34 @@ class Engine:
         module = self.p.model.stages[op.stage]
         start, end = self._rows(stage.layers[0])
         args = [
-            state.batch.inputs[self.placeholders[name]][start:end].to(self.p.device) if name in self.placeholders
+            state.batch.rows(self.placeholders[name], start, end).to(self.p.device) if name in self.placeholders
             else state.leaves[(op.stage, name)]
             for name in module.inputs
         ]
         random = self.p.model.random
-        if random is None:
-            state.outputs.update(module(*args))
-            return
-        with random.at(step=state.draw, offset=start, ordinal=0):
-            state.outputs.update(module(*args))
+        with self.p.precision.autocast():
+            if random is None:
+                state.outputs.update(module(*args))
+                return
+            with random.at(step=state.draw, offset=start, ordinal=0):
+                state.outputs.update(module(*args))
 
     def _loss(self, op: Op, state: _State) -> None:
         del op
         output = self.p.model.graph.output
         start, end = self._rows(output)
-        targets = state.batch.targets
-        local = None if targets is None else targets[start:end].to(self.p.device)
+        targets = state.batch.target_rows(start, end)
+        local = None if targets is None else targets.to(self.p.device)
         share = (end - start) / self.p.plan.global_batch / state.micros
-        state.loss = self.p.loss(state.outputs[output], local) * share
+        with self.p.precision.autocast():
+            state.loss = self.p.loss(state.outputs[output], local) * share
 
     def _backward(self, op: Op, state: _State) -> None:
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         loss = state.loss
         if loss is not None and self.p.model.graph.output in self.stages[op.stage].layers and loss.requires_grad:
-            tensors.append(loss)
+            tensors.append(self.p.precision.scaled(loss))
             grads.append(None)
         for name in self.p.model.stages[op.stage].outputs:
             output = state.outputs.pop(name)
@@ -319,15 +330,37 @@ class Engine:
         recorder = self.p.recorder
         with recorder.span(step, "allreduce:wait", Category.COMM):
             self.p.reducer.finish()
+        skip = self.p.precision.unscale(self._grads())
+        self._monitor(step)
         if self.p.on_gradients is not None:
             self.p.on_gradients(step)
         with recorder.span(step, "optimizer", Category.COMPUTE):
             self._clip()
+            if self.p.lr_scaling is not None:
+                lr = self.p.lr_scaling.apply(self.p.optimizer)
+                scaler = self.p.lr_scaling.scaler
+                recorder.count(step, "adascale", {"gain": scaler.gain, "tau": scaler.tau, "lr": lr})
             if self.p.optimizer is not None:
-                self.p.optimizer.step()
+                if not skip:  # an fp16 overflow on some rank: every rank skips (deeppool.executor.precision)
+                    self.p.optimizer.step()
                 self.p.optimizer.zero_grad(set_to_none=True)
             if self.p.scheduler is not None:
                 self.p.scheduler.step()
+
+    def _monitor(self, step: int) -> None:
+        """The noise scale's statistics of this step (collectives in every group), a trace counter on rank 0."""
+        if self.p.monitor is None:
+            return
+        with self.p.recorder.span(step, "monitor:gns", Category.COMM):
+            reading = self.p.monitor.observe(step)
+        if reading is not None:
+            self.p.recorder.count(step, "gns", {"noise_scale": reading.noise_scale, "grad_sq": reading.grad_sq_ema,
+                                                "trace": reading.trace_ema})
+
+    def _grads(self) -> list[torch.Tensor]:
+        """The gradients of the parameters this rank holds, tied ones once."""
+        unique = {id(p): p for p in self.p.model.params.values()}
+        return [p.grad for p in unique.values() if p.grad is not None]
 
     def _clip(self) -> None:
         """Scale every gradient by ``min(1, clip_norm / (‖g‖ + 1e-6))``, ``‖g‖`` over the whole model."""

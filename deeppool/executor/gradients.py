@@ -18,6 +18,19 @@ collective queues behind the rest of the backward; :meth:`finish` makes the
 compute stream wait for it. On CPU (gloo) there is no stream. With
 ``bucket_bytes == 0`` each layer's gradients are reduced synchronously right
 after its backward, so measured all-reduce times line up with the plan's.
+
+With a :class:`~deeppool.executor.monitor.NormMeter` (``--monitor gns``), each
+bucket's squared norm is taken before its all-reduce is launched and after it
+has been waited for. With :attr:`Combine.ADASUM <deeppool.planner.combine.Combine>`
+the layer's gradients are not bucketed: :meth:`GradientReducer.add` combines
+them at once, one layer per call (Adasum is defined per layer, so no call
+mixes layers): each rank's pre-scaled gradient ``(n_r/B)·ḡ_r`` is multiplied
+by ``B/n_r`` (its ``scales`` entry), the ranks' own mean gradients ``ḡ_r``
+over the layer's parameters, flattened together, are combined by
+:func:`~deeppool.adaptation.adasum.adasum_exchange` (point-to-point in the
+group; a group that is not a power of two folds its extra ranks in first), and
+every rank gets the result. Gradients of parallel ranks average, orthogonal
+ones add.
 """
 
 from __future__ import annotations
@@ -27,7 +40,10 @@ from collections import defaultdict
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from deeppool.adaptation.adasum import adasum_exchange
 from deeppool.executor.comm import Comm, Waitable
+from deeppool.executor.monitor import NormMeter
+from deeppool.planner.combine import Combine
 
 
 FIRST_BUCKET_BYTES = 2**20
@@ -37,19 +53,26 @@ FIRST_BUCKET_BYTES = 2**20
 class GradientReducer:
     def __init__(
         self, comm: Comm, bucket_bytes: int, stream: torch.cuda.Stream | None = None,
-        first_bucket_bytes: int | None = None,
+        first_bucket_bytes: int | None = None, meter: NormMeter | None = None, combine: Combine = Combine.SUM,
+        scales: dict[tuple[int, ...], float] | None = None,
     ) -> None:
         self._comm = comm
+        self._meter = meter
+        self._combine = combine
+        self._scales = scales or {}
         self._stream = stream
         self._bucket_bytes = bucket_bytes
         self._first_bytes = bucket_bytes if first_bucket_bytes is None else min(bucket_bytes, first_bucket_bytes)
         self._flushed: set[tuple[int, ...]] = set()
         self._pending: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
-        self._inflight: list[tuple[Waitable, torch.Tensor, list[torch.Tensor]]] = []
+        self._inflight: list[tuple[Waitable, tuple[int, ...], torch.Tensor, list[torch.Tensor]]] = []
 
     def add(self, ranks: tuple[int, ...], grads: list[torch.Tensor]) -> None:
         """Queue a layer's gradients for summing over ``ranks``."""
         if not grads:
+            return
+        if self._combine is Combine.ADASUM:
+            self._adasum(ranks, grads)
             return
         bucket = self._pending[ranks]
         bucket.extend(grads)
@@ -68,11 +91,13 @@ class GradientReducer:
 
     def _wait(self) -> None:
         inflight, self._inflight = self._inflight, []
-        for handle, flat, grads in inflight:
+        for handle, ranks, flat, grads in inflight:
             handle.wait()
             if self._stream is not None:
                 torch.cuda.current_stream(flat.device).wait_stream(self._stream)
                 flat.record_stream(torch.cuda.current_stream(flat.device))
+            if self._meter is not None:
+                self._meter.after(ranks, flat)
             if len(grads) == 1:
                 continue
             for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
@@ -92,4 +117,13 @@ class GradientReducer:
 
     def _launch(self, ranks: tuple[int, ...], grads: list[torch.Tensor]) -> None:
         flat = grads[0] if len(grads) == 1 else _flatten_dense_tensors(grads)
-        self._inflight.append((self._comm.all_reduce(flat, ranks, async_op=True), flat, grads))
+        if self._meter is not None:
+            self._meter.before(ranks, flat)
+        self._inflight.append((self._comm.all_reduce(flat, ranks, async_op=True), ranks, flat, grads))
+
+    def _adasum(self, ranks: tuple[int, ...], grads: list[torch.Tensor]) -> None:
+        """One layer's gradients, in place: the Adasum of the ranks' own mean gradients."""
+        flat = _flatten_dense_tensors(grads) * self._scales[ranks]
+        adasum_exchange(flat, ranks, self._comm.rank, self._comm.exchange)
+        for grad, combined in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(combined)

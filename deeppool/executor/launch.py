@@ -80,6 +80,9 @@ def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[
     for stale in [*out.glob("error-rank*.json"), out / EVENTS, out / RESIZE]:
         stale.unlink(missing_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if nodes.count > 1:
+        print(f"machine {socket.gethostname()} ({_facing_address(nodes)}): {nproc} of the {plan.gpus} ranks, "
+              f"meeting {nodes.count - 1} other machine(s) at {nodes.endpoint}", flush=True)
     launch_config = LaunchConfig(
         min_nodes=nodes.count, max_nodes=nodes.count, nproc_per_node=nproc, run_id=nodes.run_id or str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint=nodes.endpoint or "127.0.0.1:0", max_restarts=0, monitor_interval=0.1,

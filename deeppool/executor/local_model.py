@@ -41,6 +41,8 @@ class LocalModel:
     params: dict[str, nn.Parameter]
     buffers: dict[str, torch.Tensor]
     reduce_params: dict[str, tuple[str, ...]]
+    groups: dict[str, int]
+    """The layer group (its GPU count) of each parameter and buffer this rank holds, by name."""
     random: SampleRandomness | None = None
     """The per-sample randomness mode the layers draw under (None: the model draws no random numbers)."""
 
@@ -80,6 +82,7 @@ def hold(
     names = {name for layer in mine for name in layer.params}
     params = {name: _attr(module, name) for name in sorted(names)}
     buffers = _buffers(module, mine)
+    groups = _groups(plan, module, mine)
     _drop_others(module, names)
     for layer in mine:
         gpus = plan_gpus(plan, layer.name)
@@ -90,7 +93,7 @@ def hold(
     compiled = {stage.index: _compile(module, graph, stage, drawing) for stage in stages if rank < stage.gpus}
     return LocalModel(
         module=module, graph=graph, stages=compiled, params=params, buffers=buffers,
-        reduce_params=_reduce_owners(plan, graph, mine), random=mode,
+        reduce_params=_reduce_owners(plan, graph, mine), groups=groups, random=mode,
     )
 
 
@@ -124,6 +127,16 @@ def _reduce_owners(plan: Plan, graph: LayerGraph, mine: list[Layer]) -> dict[str
                     "GPU counts: give them the same count"
                 )
     return {layer.name: tuple(n for n in layer.params if first[n] is layer) for layer in mine}
+
+
+def _groups(plan: Plan, module: fx.GraphModule, layers: list[Layer]) -> dict[str, int]:
+    """Each parameter's and buffer's layer group: the GPU count of the first layer that uses it."""
+    found: dict[str, int] = {}
+    for layer in layers:
+        gpus = plan_gpus(plan, layer.name)
+        for name in (*layer.params, *_buffers(module, [layer])):
+            found.setdefault(name, gpus)
+    return found
 
 
 def _buffers(module: fx.GraphModule, layers: list[Layer]) -> dict[str, torch.Tensor]:

@@ -53,6 +53,15 @@ leave a margin of 2.
 A parameter that got no gradient counts as zeros (``None`` on one side only
 is a dropped gradient).
 
+**Mixed precision** (``--precision bf16|fp16``): the reference runs under the
+same autocast (on the CPU), with ``torch.amp.GradScaler`` for fp16, so a step
+skipped for an overflow must be skipped by both (its gradients, inf or NaN,
+are not compared; its parameters are). Partial products rounded to bf16/fp16
+on each rank and then summed differ from the whole-batch product rounded once
+by about one low-precision rounding, so bound and floor grow with the
+precision's epsilon (:attr:`~deeppool.executor.config.Precision.check_bound`,
+:attr:`~deeppool.executor.config.Precision.check_floor`).
+
 **Parameters** after the step are measured as ``max|p − p_ref|`` over the
 largest magnitude among the parameters of the tensor's module
 (:func:`module_scales`: ``bn.bias``, which starts at zero, is measured
@@ -73,8 +82,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from deeppool.executor.config import OptimizerConfig, Training
+from deeppool.executor.config import LossScaling, OptimizerConfig, Precision, Training
 from deeppool.executor.data import Batch, BatchSource
+from deeppool.executor.precision import autocast, grad_scaler
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.randomness import SampleRandomness
 
@@ -186,6 +196,7 @@ class LockstepReference:
     def __init__(
         self, loaded: LoadedModel, optimizer: OptimizerConfig, *, params: Mapping[str, nn.Parameter],
         buffers: Tensors, rank: int, bound: float, random: SampleRandomness, training: Training | None = None,
+        precision: Precision = Precision.FP32, scaling: LossScaling | None = None,
     ) -> None:
         self._loaded = loaded
         self._model = loaded.module.train()
@@ -200,6 +211,9 @@ class LockstepReference:
         self._rank = rank
         self._bound = bound
         self._gradients: dict[str, torch.Tensor | None] = {}
+        self._precision = precision
+        device = torch.device("cpu")  # the reference model stays on the CPU
+        self._scaler = grad_scaler(scaling or LossScaling(), device) if precision.scaled else None
 
     def gradients_reduced(self, step: int) -> None:
         """Keep a copy of the rank's reduced gradients (the engine's ``on_gradients``)."""
@@ -211,21 +225,38 @@ class LockstepReference:
         parameters and buffers to it."""
         micros = len(batches)
         for micro, batch in enumerate(batches):
-            with self._random.at(step=step * micros + micro, offset=0, ordinal=0):
+            with self._random.at(step=step * micros + micro, offset=0, ordinal=0), autocast(
+                    self._precision, torch.device("cpu")):
                 output = batch.run(self._model)
-            (self._loaded.loss(output, batch.targets) / micros).backward()
-        gradients = relative_differences(self._gradients, {n: p.grad for n, p in self._ref_params.items()})
+                loss = self._loaded.loss(output, batch.targets) / micros
+            (loss if self._scaler is None else self._scaler.scale(loss)).backward()
+        if self._scaler is not None:
+            self._scaler.unscale_(self._optimizer)
+        reduced = {n: p.grad for n, p in self._ref_params.items()}
+        finite = all(bool(torch.isfinite(g).all()) for g in reduced.values() if g is not None)
+        # a step with an fp16 overflow is skipped (its gradients are inf/NaN on both sides): its parameters compare
+        floor = self._precision.check_floor
+        gradients = relative_differences(self._gradients, reduced, floor=floor) if finite else {}
         if self._training.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._training.clip_norm)
-        self._optimizer.step()
+        if self._scaler is None:
+            self._optimizer.step()
+        else:
+            self._scaler.step(self._optimizer)
+            self._scaler.update()
         self._optimizer.zero_grad(set_to_none=True)
         self._scheduler.step()
-        buffers = relative_differences(self._buffers, self._ref_buffers)
+        buffers = relative_differences(self._buffers, self._ref_buffers, floor=floor)
         params = parameter_differences(self._params, {n: p.detach() for n, p in self._ref_params.items()})
         self._gradients = {}
         self._realign()
         found = {Kind.GRADIENT: gradients, Kind.BUFFER: buffers, Kind.PARAMETER: params}
         return self._result(step, found)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The reference GradScaler's scale now (fp16), for tests."""
+        return None if self._scaler is None else float(self._scaler.get_scale())
 
     def _realign(self) -> None:
         with torch.no_grad():

@@ -48,12 +48,20 @@ def summary_lines(summary: RunSummary) -> list[str]:
     ]
     if summary.losses:
         lines.append(f"loss: first {summary.losses[0]:.6g}, last {summary.losses[-1]:.6g}")
-    adaptation = summary.adaptation
+    adaptation = summary.adapted
     if adaptation is not None:
         lines += [f"straggler: {straggler.describe()}" for straggler in adaptation.stragglers]
         if adaptation.actions:
             lines.append(f"policy: {len(adaptation.actions)} action(s); accumulate {adaptation.accumulate}, "
                          f"learning rate {adaptation.lr:g} at the end")
+    lines += adaptation_lines(summary)
+    if summary.precision != "fp32":
+        lines.append(f"precision: {summary.precision} (autocast; weights and optimizer fp32)")
+    if summary.data is not None:
+        data = summary.data
+        epoch, batch = divmod(data.batches_trained, data.batches_per_epoch)
+        lines.append(f"data: {data.batches_trained} global batches of {data.samples} samples "
+                     f"({data.epochs:.2f} epochs; next: epoch {epoch}, batch {batch})")
     if summary.check is not None:
         check = summary.check
         lines.append(check.line())
@@ -62,6 +70,25 @@ def summary_lines(summary: RunSummary) -> list[str]:
             f"parameter {check.parameter:.3e}"
         )
     return lines
+
+
+def adaptation_lines(summary: RunSummary) -> list[str]:
+    """The noise scale (``--monitor gns``) and AdaScale's progress, when measured."""
+    lines = []
+    stats = summary.adaptation.get("gns_stats")
+    if stats is not None:
+        lines.append(f"gradient noise scale: {_figure(stats['noise_scale'])} samples (moving averages: "
+                     f"|G|^2 {_figure(stats['grad_sq_ema'])}, tr(Sigma) {_figure(stats['trace_ema'])}; "
+                     f"{stats['groups']} layer group(s), {stats['skipped']} one-GPU layer(s) left out)")
+    ada = summary.adaptation.get("adascale")
+    if ada is not None:
+        lines.append(f"AdaScale: tau {ada['tau']:.4g} scale-invariant steps at scale {ada['scale']:.3g} "
+                     f"(base batch {ada['base_batch']}), last gain {ada['gain']:.3g}")
+    return lines
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
 
 
 def print_summary(summary: RunSummary, console: Console) -> None:

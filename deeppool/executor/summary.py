@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deeppool.executor.adapt import AdaptationReport
+from deeppool.executor.data import DataReport
 from deeppool.executor.program import Stage
 from deeppool.executor.reference import CheckResult, worst_of
 from deeppool.executor.timing import RankTimes
@@ -38,7 +39,13 @@ class RunSummary:
     losses: tuple[float, ...]
     stages: tuple[StageTiming, ...]
     check: CheckResult | None
-    adaptation: AdaptationReport | None = None
+    adaptation: dict[str, Any] = field(default_factory=dict)
+    """``gns`` (samples), ``gns_stats`` and ``adascale`` (τ, last gain) when measured."""
+    precision: str = "fp32"
+    data: DataReport | None = None
+    """``--data``: the dataset's size, epochs and position (None for the synthetic batch or a loader)."""
+    adapted: AdaptationReport | None = None
+    """Stragglers and a policy's actions (:mod:`deeppool.executor.adapt`)."""
 
     @property
     def iterations_per_s(self) -> float:
@@ -61,7 +68,10 @@ class RunSummary:
             "losses": list(self.losses),
             "stages": [asdict(stage) for stage in self.stages],
             "check": None if self.check is None else self.check.to_json(),
-            **(self.adaptation.to_json() if self.adaptation is not None else {}),
+            **self.adaptation,
+            **(self.adapted.to_json() if self.adapted is not None else {}),
+            "precision": self.precision,
+            "data": None if self.data is None else self.data.to_json(),
         }
 
 
@@ -74,7 +84,8 @@ def summarise_run(
     *,
     steps: int,
     synchronous_allreduce: bool,
-    adaptation: AdaptationReport | None = None,
+    adaptation: dict[str, Any] | None = None,
+    adapted: AdaptationReport | None = None,
 ) -> RunSummary:
     """Merge every rank's medians and loss shares into one summary (on rank 0)."""
     planned = {layer.name: layer for layer in plan.layers}
@@ -110,5 +121,6 @@ def summarise_run(
         losses=tuple(sum(column) for column in zip(*losses, strict=True)),
         stages=timings,
         check=check,
-        adaptation=adaptation,
+        adaptation=adaptation or {},
+        adapted=adapted,
     )

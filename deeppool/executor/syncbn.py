@@ -127,10 +127,12 @@ class GroupBatchNorm(nn.Module):
         if not bn.training:
             return bn(x)
         stats: list[Any] = []
-        out = _GroupBatchNormFn.apply(x.contiguous(), bn.weight, bn.bias, bn.eps, self._reduce, stats)
+        # bf16/fp16 (autocast): computed in fp32 and rounded once, as PyTorch's kernel does with its opmath type
+        wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        out = _GroupBatchNormFn.apply(wide.contiguous(), bn.weight, bn.bias, bn.eps, self._reduce, stats)
         if bn.track_running_stats and bn.running_mean is not None and bn.running_var is not None:
             self._update_running(bn, *stats)
-        return out
+        return out.to(x.dtype)
 
     @staticmethod
     def _update_running(bn: nn.modules.batchnorm._BatchNorm, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:

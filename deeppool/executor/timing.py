@@ -16,9 +16,10 @@ recorded at the iteration's start.
 from __future__ import annotations
 
 import enum
+import math
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -59,6 +60,16 @@ class Span:
         return 1e3 * self.cpu_s if self.cpu_s is not None else self.ms
 
 
+@dataclass(frozen=True, kw_only=True)
+class Counter:
+    """Values sampled at one moment (the gradient noise scale after a step...): a counter track in the trace."""
+
+    step: int
+    name: str
+    at_s: float
+    values: dict[str, float]
+
+
 class DeviceEvent(Protocol):
     def record(self) -> None: ...
 
@@ -97,6 +108,7 @@ class Recorder:
         self.spans: list[Span] = []
         self.step = 0
         """The step being run, for spans recorded by code that does not know it (SyncBatchNorm's reductions)."""
+        self.counters: list[Counter] = []
 
     def begin(self, step: int = 0) -> None:
         """Iteration ``step`` starts: the device events' origin is now."""
@@ -136,6 +148,10 @@ class Recorder:
     def add(self, span: Span) -> None:
         self.spans.append(span)
 
+    def count(self, step: int, name: str, values: dict[str, float]) -> None:
+        """Sample counter ``name`` now (host clock)."""
+        self.counters.append(Counter(step=step, name=name, at_s=self.clock(), values=values))
+
 
 @dataclass(frozen=True, kw_only=True)
 class RankTimes:
@@ -169,8 +185,9 @@ def summarise(spans: list[Span], *, rank: int, warmup: int) -> RankTimes:
     return RankTimes(rank=rank, steps=len(measured), iteration_ms=iteration, labels=labels)
 
 
-def chrome_trace(spans: list[Span], *, rank: int) -> dict[str, Any]:
-    """Trace Event Format (chrome://tracing, ui.perfetto.dev): one process per rank."""
+def chrome_trace(spans: list[Span], *, rank: int, counters: Sequence[Counter] = ()) -> dict[str, Any]:
+    """Trace Event Format (chrome://tracing, ui.perfetto.dev): one process per rank; counters as ``"C"``
+    events (a value that is not finite is left out)."""
     origin = min((s.start_s for s in spans), default=0.0)
     events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
@@ -190,4 +207,8 @@ def chrome_trace(spans: list[Span], *, rank: int) -> dict[str, Any]:
                 "args": {"step": span.step},
             }
         )
+    for counter in counters:
+        values = {key: value for key, value in counter.values.items() if math.isfinite(value)}
+        events.append({"name": counter.name, "ph": "C", "ts": 1e6 * (counter.at_s - origin), "pid": rank,
+                       "args": values})
     return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -139,7 +139,8 @@ def _write_outputs(
     if out_dir is None:
         return
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / f"trace-rank{result.rank}.json", chrome_trace([*result.spans, *extra], rank=result.rank))
+    write_json(out_dir / f"trace-rank{result.rank}.json", chrome_trace([*result.spans, *extra], rank=result.rank,
+                                                                             counters=result.counters))
     if result.summary is not None:
         extras = {"multiplex": report.to_json()} if report is not None else {}
         write_json(out_dir / "summary.json", {**result.summary.to_json(), **extras})

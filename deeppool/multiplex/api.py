@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deeppool.executor.config import Nodes, RunConfig
+from deeppool.executor.config import DataConfig, Nodes, RunConfig
 from deeppool.executor.launch import launch
 from deeppool.multiplex import preflight
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
@@ -48,16 +48,20 @@ def launch_with_background(
 
 def run(
     plan: Plan | Path | str, *, model: nn.Module | None = None, background: BackgroundConfig | None = None,
-    config: RunConfig | None = None, nproc: int | None = None,
+    config: RunConfig | None = None, nproc: int | None = None, data: str | None = None,
 ) -> dict[str, Any]:
     """Train ``plan`` on local ranks (with ``background`` in its idle windows); returns ``summary.json``.
 
     ``model`` is the module itself, for a plan made from Python (``deeppool.plan(module, ...)``): it is
-    saved next to the run's copy of the plan, and every rank loads it from there.
+    saved next to the run's copy of the plan, and every rank loads it from there. ``data`` is a
+    ``package.module:factory`` (or ``file.py:factory``) returning a map-style ``Dataset``, as ``--data``:
+    every rank builds it and loads only its rows (``config.data`` for its seed and workers).
     """
     from deeppool.executor.cli import config_args  # the CLI's option spelling, one place
 
     config = config or RunConfig(out_dir=Path(tempfile.mkdtemp(prefix="deeppool-run-")))
+    if data is not None:
+        config = dataclasses.replace(config, data=DataConfig(factory=data))
     if config.out_dir is None:
         config = dataclasses.replace(config, out_dir=Path(tempfile.mkdtemp(prefix="deeppool-run-")))
     assert config.out_dir is not None

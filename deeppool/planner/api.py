@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib
 import operator
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ from deeppool.planner.request import LOCAL, CostSource, PlanRequest, check_preci
 from deeppool.planner.strategies import Search, solve_all
 from deeppool.planner.trace import Traced, trace
 
-__all__ = ["LOCAL", "CostSource", "PlanRequest", "Planned", "device_setup", "plan", "plan_graph", "plan_model"]
+__all__ = ["LOCAL", "CostSource", "PlanRequest", "Planned", "batch_planner", "device_setup", "plan", "plan_graph", "plan_model"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,14 +123,25 @@ def source_profile(source: CostSource, traced: Traced, loaded: LoadedModel, requ
 
 def plan_model(spec: ModelSpec, request: PlanRequest, source: CostSource) -> Planned:
     """Trace the model ``spec`` names, get its layer times from ``source``, plan it."""
+    return batch_planner(spec, request, source)(request.global_batch)
+
+
+def batch_planner(spec: ModelSpec, request: PlanRequest, source: CostSource) -> Callable[[int], Planned]:
+    """Trace the model once; the function plans ``request`` at any global batch, each with its own profile."""
     check_precision(request, source)
     loaded = spec.load(meta=not source.measures_locally)
     traced = trace(loaded)
     if source.measures_locally:
         with intra_op_threads(source.threads(request)):
             check_per_sample(traced, loaded, seed=spec.seed)
-    profile = source_profile(source, traced, loaded, request)
-    return plan_graph(traced.graph, profile, source.network_model(profile), request, model=spec)
+
+    def solve(batch: int) -> Planned:
+        check_samples(request.gpus, batch)
+        at = replace(request, global_batch=batch)
+        profile = source_profile(source, traced, loaded, at)
+        return plan_graph(traced.graph, profile, source.network_model(profile), at, model=spec)
+
+    return solve
 
 
 def plan(

@@ -153,8 +153,14 @@ class CostModel:
         return frozenset(names)
 
     def compute_ms(self, layer: Layer, gpus: int) -> tuple[float, float]:
-        """(fwd_ms, bwd_ms) of ``layer`` on the busiest of ``gpus`` ranks."""
-        return self.profile.times(layer.name, self.per_gpu_batch(gpus))
+        """(fwd_ms, bwd_ms) of ``layer`` on the busiest of ``gpus`` ranks.
+
+        The profile's time at the per-GPU batch ``⌈B/g⌉``, times ``profile.sharing(g)`` where ranks
+        share a host's cores (a CPU run with more ranks than cores: the layer's ``g`` ranks compute at
+        once while the others wait for it)."""
+        fwd, bwd = self.profile.times(layer.name, self.per_gpu_batch(gpus))
+        share = self.profile.sharing(gpus)
+        return fwd * share, bwd * share
 
     def allreduce_ms(self, layer: Layer, gpus: int) -> float:
         """``AR*_l(g)``: the gradient all-reduce time the layer does not hide behind the backward."""

@@ -15,9 +15,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from deeppool.adaptation.goodput import GoodputSearch
 from deeppool.errors import DeeppoolError
 from deeppool.planner.cost import CostModel, Optimizer, Phase
 from deeppool.planner.baselines import Baselines
+from deeppool.planner.combine import Combine
 from deeppool.planner.hardware import NetworkModel, Precision
 from deeppool.planner.jsonio import check_version, field, read_json, write_json
 from deeppool.planner.modelspec import ModelSpec
@@ -113,6 +115,10 @@ class Plan:
     predicted: Prediction
     solver: SolverInfo
     precision: Precision = Precision.FP32
+    combine: Combine = Combine.SUM
+    """How each layer group combines its gradients (``deeppool plan --combine``); absent in older plans: sum."""
+    goodput: GoodputSearch | None = None
+    """With ``--batch auto``: every candidate batch's figures; ``global_batch`` is the goodput-optimal one."""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -138,10 +144,12 @@ class Plan:
             "strategy": self.strategy.value,
             "optimizer": self.optimizer.value,
             "precision": self.precision.value,
+            "combine": self.combine.value,
             "amplification_limit": self.amplification_limit,
             "layers": [asdict(layer) for layer in self.layers],
             "predicted": asdict(self.predicted),
             "solver": asdict(self.solver),
+            **({"goodput": self.goodput.to_json()} if self.goodput is not None else {}),
         }
 
     @classmethod
@@ -160,10 +168,12 @@ class Plan:
                 strategy=Strategy(field(payload, "strategy", kind="plan")),
                 optimizer=Optimizer(field(payload, "optimizer", kind="plan")),
                 precision=Precision(payload.get("precision", Precision.FP32.value)),
+                combine=Combine(payload.get("combine", Combine.SUM.value)),
                 amplification_limit=None if limit is None else float(limit),
                 layers=tuple(_planned_layer(item) for item in field(payload, "layers", kind="plan")),
                 predicted=Prediction(**predicted),
                 solver=SolverInfo(**field(payload, "solver", kind="plan")),
+                goodput=GoodputSearch.from_json(payload["goodput"]) if "goodput" in payload else None,
             )
         except (KeyError, TypeError, ValueError) as err:
             raise DeeppoolError(f"plan {where} is malformed ({type(err).__name__}: {err}): regenerate it") from None

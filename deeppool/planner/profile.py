@@ -91,6 +91,9 @@ class Profile:
     memory_bandwidth: float = 100e9
     layers: dict[str, LayerTimes] = field(default_factory=dict)
     fit: FitQuality | None = None
+    concurrent_ranks: int | None = None
+    """Ranks that compute at once at the measured speed: on a CPU, the host's cores over the
+    intra-op threads a rank was measured with; None where each rank has its own device (a GPU)."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def times(self, layer: str, batch: int) -> tuple[float, float]:
@@ -98,6 +101,13 @@ class Profile:
         if batch <= 0:
             return 0.0, 0.0
         return self.layers[layer].at(batch)
+
+    def sharing(self, ranks: int) -> float:
+        """How much slower each of ``ranks`` ranks computing at once runs than one measured alone:
+        ``max(1, ranks / concurrent_ranks)`` (ranks beyond the cores share them); 1 on GPUs."""
+        if self.concurrent_ranks is None:
+            return 1.0
+        return max(1.0, ranks / self.concurrent_ranks)
 
     def check_covers(self, graph: LayerGraph) -> None:
         missing = [name for name in graph.names if name not in self.layers]
@@ -121,6 +131,7 @@ class Profile:
                 for name, t in self.layers.items()
             },
             "fit": None if self.fit is None else {**asdict(self.fit), "measured_batches": list(self.fit.measured_batches)},
+            "concurrent_ranks": self.concurrent_ranks,
         }
 
     @classmethod
@@ -144,6 +155,7 @@ class Profile:
             memory_bandwidth=float(json_field(payload, "memory_bandwidth", kind="profile")),
             layers=layers,
             fit=_fit(payload.get("fit")),
+            concurrent_ranks=_concurrent(payload.get("concurrent_ranks")),
         )
 
     def save(self, path: str | Path) -> None:
@@ -152,6 +164,14 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         return cls.from_json(read_json(path, kind="profile", schema_version=PROFILE_SCHEMA_VERSION))
+
+
+def _concurrent(value: Any) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise DeeppoolError(f"profile JSON has concurrent_ranks {value!r}: it must be a positive integer or null")
+    return value
 
 
 def _fit(entry: dict[str, Any] | None) -> FitQuality | None:

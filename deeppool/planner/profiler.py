@@ -170,7 +170,15 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
         memory_bandwidth=memory_bandwidth(device),
         layers={name: times for name, (times, _) in layers.items()},
         fit=_quality(batches, [errors for _, errors in layers.values()], ordered, config.spread_bound),
+        concurrent_ranks=_concurrent_ranks(device, config.threads),
     )
+
+
+def _concurrent_ranks(device: torch.device, threads: int | None) -> int | None:
+    """On a CPU, the ranks that fit the host's cores with the intra-op threads measured with."""
+    if device.type != "cpu":
+        return None
+    return max(1, (os.cpu_count() or 1) // (threads or torch.get_num_threads()))
 
 
 @contextmanager

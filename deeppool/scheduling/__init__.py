@@ -4,7 +4,9 @@ A policy is a pure function ``decide(snapshot) -> Decision`` over a typed,
 read-only :class:`Snapshot` (:mod:`~deeppool.scheduling.policy`, the
 contract). The policies themselves, an order (FIFO, FIFO with backfilling,
 Tiresias) crossed with a placement (data parallel, burst, with or without
-background jobs), are in :mod:`~deeppool.scheduling.policies`. The simulator's
+background jobs), are in :mod:`~deeppool.scheduling.policies`; Pollux's
+co-adaptive policy (GPUs and batch sizes for goodput) in
+:mod:`~deeppool.scheduling.pollux`. The simulator's
 engine (:mod:`deeppool.cluster_sim.engine`) and the coordinator's service
 (:mod:`deeppool.coordinator.service`) both build snapshots and apply
 decisions, so the same code decides in both.
@@ -12,9 +14,13 @@ decisions, so the same code decides in both.
 
 from deeppool.cluster_sim.models import ModelChoice
 from deeppool.scheduling.policies import BASELINE, POLICIES, Order, Placement, Scheduler, policy_named
-from deeppool.scheduling.policy import NOTHING, Decision, Lend, PlanMode, Policy, SimJob, Slot, Snapshot, Start
+from deeppool.scheduling.pollux import PolluxPolicy
+from deeppool.scheduling.policy import (
+    NOTHING, Adaptive, Decision, Lend, PlanMode, Policy, Rebatch, SimJob, Slot, Snapshot, SpeedModel, Start,
+)
 
 __all__ = [
-    "BASELINE", "NOTHING", "POLICIES", "Decision", "Lend", "ModelChoice", "Order", "Placement", "PlanMode", "Policy",
-    "Scheduler", "SimJob", "Slot", "Snapshot", "Start", "policy_named",
+    "BASELINE", "NOTHING", "POLICIES", "Adaptive", "Decision", "Lend", "ModelChoice", "Order", "Placement",
+    "PlanMode", "Policy", "PolluxPolicy", "Rebatch", "Scheduler", "SimJob", "Slot", "Snapshot", "SpeedModel", "Start",
+    "policy_named",
 ]

@@ -29,6 +29,8 @@ Names: a placement alone is FIFO order (``dp``, ``burst``, ``burst+bg``,
 placement (``fifo-backfill``, ``tiresias``); ``ORDER:PLACEMENT`` combines
 them (``tiresias:burst+bg``).
 
+``pollux`` is the co-adaptive policy of :mod:`deeppool.scheduling.pollux`.
+
 To add a policy, write a class with ``name`` and ``decide`` and list it in
 :data:`POLICIES`; the engine needs no change.
 """
@@ -42,6 +44,7 @@ from collections.abc import Iterable, Iterator
 from itertools import chain
 from dataclasses import dataclass
 
+from deeppool.scheduling.pollux import PolluxPolicy
 from deeppool.scheduling.policy import NOTHING, Decision, Lend, PlanMode, Policy, SimJob, Slot, Snapshot, Start
 from deeppool.errors import DeeppoolError
 
@@ -236,7 +239,9 @@ def _promote(snapshot: Snapshot, free: int) -> list[int]:
 POLICIES: dict[str, Policy] = {
     policy.name: policy
     for policy in (Scheduler(order=order, placement=placement) for order in Order for placement in Placement)
-}
+} | {"pollux": PolluxPolicy()}
+ADAPTIVE = frozenset({"pollux"})
+"""Policies that run jobs by their speed models (batch and GPUs chosen together): they need Pollux workloads."""
 BASELINE = "dp"
 
 

@@ -15,10 +15,33 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Mapping, Reversible, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from deeppool.cluster_sim.models import ModelChoice
+
+
+class SpeedModel(Protocol):
+    """How fast a job whose batch and GPUs may change trains (a co-adaptive policy's view of it).
+
+    Progress is counted in the model's own units (``total_progress`` to finish); at progress ``p`` the
+    job is in epoch ``epoch_at(p)``, and on ``gpus`` GPUs at global ``batch`` it makes
+    ``goodput(gpus, batch, epoch)`` progress per second.
+    """
+
+    @property
+    def total_progress(self) -> float: ...
+
+    @property
+    def max_gpus(self) -> int: ...
+
+    def progress_at(self, epoch: int) -> float: ...
+
+    def epoch_at(self, progress: float) -> int: ...
+
+    def goodput(self, gpus: int, batch: int, epoch: int) -> float: ...
+
+    def best_batch(self, gpus: int, epoch: int) -> tuple[int, float]: ...
 
 
 class PlanMode(enum.Enum):
@@ -44,6 +67,8 @@ class SimJob:
     """Its longest layer phase on its own GPUs: a lent window shorter than this holds none of its work."""
     memory_bytes: int = 0
     """Memory of one of its data-parallel ranks: a lent GPU must have this much free."""
+    speed: SpeedModel | None = None
+    """How fast it trains at any batch and GPU count (Pollux workloads): started with a batch, it runs by this."""
 
     @property
     def work_gpu_s(self) -> float:
@@ -73,6 +98,16 @@ class Slot:
         return self.longest_window_ms >= job.granularity_ms and self.free_memory_bytes >= job.memory_bytes
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Adaptive:
+    """A job run by its speed model: progress made, its batch while running, restarts, the most GPUs it has held."""
+
+    progress: float
+    batch: int | None
+    restarts: int
+    peak_gpus: int
+
+
 class ReversibleCollection(Collection, Reversible, Protocol):
     """A sized, iterable, reversible read-only view (a dict's ``values()``)."""
 
@@ -90,7 +125,9 @@ class Snapshot:
     ``requeued`` the waiting jobs that ran before (preempted or evicted), in
     (arrival, job id) order, as the other waiting jobs are; ``attained_gpu_s`` the
     GPU-seconds of whole-GPU service each job that ever held whole GPUs has had
-    so far (Tiresias' attained service; a job never run is absent).
+    so far (Tiresias' attained service; a job never run is absent); ``adaptive`` the state of every job
+    that has run by its speed model (a job never run so is absent); ``round`` counts the decisions
+    already taken at this instant (0: the first).
     """
 
     now_s: float
@@ -107,15 +144,26 @@ class Snapshot:
     running: Collection[SimJob]
     requeued: Sequence[SimJob]
     attained_gpu_s: Mapping[int, float]
+    adaptive: Mapping[int, Adaptive] = field(default_factory=dict)
+    round: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Start:
-    """Run ``job_id`` on ``gpus`` whole GPUs with the plan of ``mode``."""
+    """Run ``job_id`` on ``gpus`` whole GPUs with the plan of ``mode``, or, with a ``batch``, by its speed model."""
 
     job_id: int
     gpus: int
     mode: PlanMode
+    batch: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rebatch:
+    """Change the global batch of ``job_id``, running by its speed model, without restarting it."""
+
+    job_id: int
+    batch: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,11 +184,12 @@ class Decision:
     preempt: tuple[int, ...] = ()
     start: tuple[Start, ...] = ()
     lend: tuple[Lend, ...] = ()
+    rebatch: tuple[Rebatch, ...] = ()
     wake_at_s: float | None = None
 
     @property
     def empty(self) -> bool:
-        return not (self.preempt or self.start or self.lend)
+        return not (self.preempt or self.start or self.lend or self.rebatch)
 
 
 NOTHING = Decision()

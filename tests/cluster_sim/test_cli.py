@@ -69,6 +69,21 @@ def test_pollux_workload_file_with_a_mapping(tmp_path, data_dir, cache) -> None:
     assert metrics["burst+bg"]["bg_jobs"] == 3 and metrics["burst+bg"]["fg_jobs"] == 3
 
 
+@pytest.mark.slow
+def test_pollux_policy_on_a_slice_of_workload_6(tmp_path, data_dir, cache) -> None:
+    rows = (TRACES / "workloads" / "workload-6.csv").read_text().splitlines()[:21]
+    trace = tmp_path / "slice.csv"
+    trace.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out"
+    result = simulate(str(trace), "--gpus", "32", "--gpus-per-node", "4", "--mapping", str(data_dir / "mapping.json"),
+                      "--pollux-traces", str(TRACES / "traces"), "--policy", "pollux", "--policy", "tiresias",
+                      "--out", str(out), "--cache-dir", str(cache), "--no-plots")
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["pollux"]["jobs"] == 20 and metrics["pollux"]["preemptions"] > 0
+    assert metrics["pollux"]["avg_jct_s"] < metrics["tiresias"]["avg_jct_s"] < metrics["dp"]["avg_jct_s"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

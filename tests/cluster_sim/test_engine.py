@@ -10,7 +10,7 @@ from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.engine import Engine, PolicyError
 from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
-from deeppool.scheduling.policies import POLICIES
+from deeppool.scheduling.policies import ADAPTIVE, POLICIES
 from deeppool.scheduling.policy import NOTHING, Decision, Lend, Snapshot, Start
 
 from .fakes import fake_facts, make_job
@@ -102,8 +102,9 @@ def test_runs_are_deterministic() -> None:
 
 
 def test_every_policy_completes_every_job() -> None:
+    """Co-adaptive policies run jobs by speed models, which these jobs lack: test_pollux_policy covers them."""
     jobs = [make_job(i, arrival=i, gpus=1 + i % 8, iterations=100, background=i % 2 == 0) for i in range(40)]
-    for policy in POLICIES.values():
+    for policy in (policy for name, policy in POLICIES.items() if name not in ADAPTIVE):
         result = run(jobs, policy)
         assert len(result.records) == 40, policy.name
         assert 0 < result.busy_gpu_s <= CLUSTER.gpus * result.makespan_s + 1e-6

@@ -46,3 +46,27 @@ def test_tiresias_on_workload_6_reproduces_the_published_average_jct() -> None:
 def test_backfilling_and_las_beat_strict_fifo_on_workload_6() -> None:
     fifo, backfill, tiresias = (average_jct_h(name) for name in ("dp", "fifo-backfill", "tiresias"))
     assert tiresias < backfill < fifo
+
+
+PUBLISHED_POLLUX_JCT_H = 0.68
+"""Pollux, workload-6, 64 GPUs: Pollux OSDI'21 artifact, results-jobload/pollux-1.0/summary.json."""
+
+
+@pytest.mark.slow
+def test_pollux_on_workload_6_reproduces_the_published_average_jct() -> None:
+    from dataclasses import replace
+
+    from deeppool.cluster_sim.pollux import PolluxDurations
+
+    apps = PolluxDurations(root=TRACES / "traces")
+    workload = read_workload(TRACES / "workloads" / "workload-6.csv")
+    jobs = [replace(make_job(index, arrival=job.arrival_s, gpus=job.gpus, iterations=1.0),
+                    speed=apps.application(job.key, where=job.where))
+            for index, job in enumerate(workload.jobs)]
+    result = Engine(cluster=ClusterSpec(gpus=64, gpus_per_node=4), jobs=jobs, policy=POLICIES["pollux"],
+                    facts=fake_facts, interference=InterferenceModel(),
+                    restart_penalty_s=DEFAULT_RESTART_PENALTY_S).run()
+    assert len(result.records) == 160
+    pollux = float(np.mean([r.jct_s for r in result.records])) / 3600
+    assert pollux == pytest.approx(PUBLISHED_POLLUX_JCT_H, rel=0.25)
+    assert pollux < average_jct_h("tiresias")

@@ -26,10 +26,12 @@ JOB = {"kind": "fg", "gpus": 4, "model": "examples.mlp:model", "batch": 8}
 
 
 def start(db: Path, port: int, *, gpus: int = 4, allow: tuple[Path, ...] = (REPO / "examples",),
-          paused: bool = False, env: dict[str, str] | None = None, wait: bool = True) -> subprocess.Popen:
+          paused: bool = False, env: dict[str, str] | None = None, wait: bool = True,
+          options: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``deeppool serve`` on ``port``; ``options``: more of its flags."""
     roots = [arg for root in allow for arg in ("--allow", str(root))]
     proc = subprocess.Popen([sys.executable, "-m", "deeppool.cli", "serve", "--db", str(db), "--port", str(port),
-                             "--gpus", str(gpus), *roots, *(["--paused"] if paused else [])], cwd=REPO,
+                             "--gpus", str(gpus), *roots, *(["--paused"] if paused else []), *options], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
     if not wait:
         return proc

@@ -46,6 +46,12 @@ def settle(rt: Runtime, job_id: int, done: Callable[[Job], bool], timeout_s: flo
     raise AssertionError(f"job {job_id} stayed {rt.store.job(job_id).state}")
 
 
+def says_up(rt: Runtime, job_id: int, attempt: int, *, times: int) -> bool:
+    """The job's log has its step's ``up`` line ``times`` times: the process really started."""
+    log = rt.launcher.files(job_id, attempt).log
+    return log.is_file() and log.read_text().splitlines().count("up") >= times
+
+
 def test_a_job_runs_its_steps_and_succeeds(tmp_path: Path) -> None:
     rt = runtime(tmp_path, [python("print('first')"), python("print('second')")])
     job = submit(rt)
@@ -120,13 +126,13 @@ def test_cancel_stops_the_processes_and_requeue_runs_the_next_attempt(tmp_path: 
     rt = runtime(tmp_path, [python("import time; print('up', flush=True); time.sleep(60)")])
     job = submit(rt)
     rt.start(job, "granted")
-    settle(rt, job.id, lambda j: j.state is JobStatus.RUNNING)
+    settle(rt, job.id, lambda j: j.state is JobStatus.RUNNING and says_up(rt, j.id, 1, times=1))
     rt.requeue(rt.store.job(job.id), "preempted by a foreground job")
     assert rt.store.job(job.id).state is JobStatus.PENDING
     assert rt.launcher.observe(job.id, 1).phase is not Phase.RUNNING
     assert rt.start(rt.store.job(job.id), "granted again")
     assert rt.store.attempts(job.id) == 2
-    settle(rt, job.id, lambda j: j.state is JobStatus.RUNNING)
+    settle(rt, job.id, lambda j: j.state is JobStatus.RUNNING and says_up(rt, j.id, 2, times=2))
     assert rt.store.transition(job.id, JobStatus.CANCELLED, "cancelled by alice")
     rt.reconcile()
     assert rt.launcher.observe(job.id, 2).phase is not Phase.RUNNING

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -68,20 +69,30 @@ def _ensure_packages() -> None:
         pytest.skip(f"apt-get could not install slurm-wlm and munge: {done.stderr.strip()[-300:]}")
 
 
-def _start_munge() -> None:
+def _start_munge() -> bool:
+    """Make sure munged runs; True if this call started it."""
     if subprocess.run(["sh", "-c", "munge -n | unmunge"], capture_output=True).returncode == 0:
-        return
+        return False
     Path("/run/munge").mkdir(parents=True, exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
     subprocess.run(["runuser", "-u", "munge", "--", "munged"], capture_output=True, timeout=30)
     if subprocess.run(["sh", "-c", "munge -n | unmunge"], capture_output=True).returncode != 0:
         pytest.skip("munged does not start here, so Slurm cannot authenticate")
+    return True
+
+
+def _stop_munge() -> None:
+    """Stop the munged a fixture started (its pid file names it)."""
+    try:
+        os.kill(int(Path("/run/munge/munged.pid").read_text().strip()), signal.SIGTERM)
+    except (OSError, ValueError):
+        pass
 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     _ensure_packages()
-    _start_munge()
+    started_munge = _start_munge()
     root = tmp_path_factory.mktemp("slurm")
     for sub in ("state", "spool"):
         (root / sub).mkdir()
@@ -113,6 +124,8 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     for daemon in daemons:
         daemon.terminate()
         daemon.wait(10)
+    if started_munge:
+        _stop_munge()
 
 
 def python(code: str) -> list[str]:

@@ -54,7 +54,11 @@ class ThreadComm:
             for peer, tensor in recvs:
                 box = w.mail[(peer, self.rank)]
                 w.wait_for(lambda box=box: bool(box), f"rank {self.rank} recv from {peer}")
-                tensor.copy_(box.popleft())
+                sent = box.popleft()
+                if (sent.dtype, sent.shape) != (tensor.dtype, tensor.shape):  # gloo would fail or garble
+                    raise PeerError(f"rank {self.rank} received {sent.dtype}{list(sent.shape)} from {peer} "
+                                    f"into {tensor.dtype}{list(tensor.shape)}")
+                tensor.copy_(sent)
 
     def _collective(self, key: Any, ranks: tuple[int, ...], value: Any, combine: Callable[[list[Any]], Any]) -> Any:
         w = self.world

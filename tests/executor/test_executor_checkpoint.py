@@ -9,9 +9,18 @@ import pytest
 import torch
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.checkpoint import MARKER, latest, step_dir
-from deeppool.executor.config import CheckpointConfig, OptimizerConfig, RunConfig, Schedule, ScheduleKind, Training
 from deeppool.executor.api import RankResult
+from deeppool.executor.checkpoint import MARKER, export, latest, step_dir
+from deeppool.executor.config import (
+    CheckpointConfig,
+    OptimizerConfig,
+    RunConfig,
+    Schedule,
+    ScheduleKind,
+    Training,
+)
+from deeppool.planner.plan import Plan
+from tests.entry import deeppool
 from tests.executor.plans import cycle, make_plan
 from tests.executor.test_executor_exact import train_threads
 from tests.executor.test_executor_processes import deeppool_run
@@ -38,7 +47,7 @@ def test_a_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path: Path) 
     whole = train(4, None)
     train(2, CheckpointConfig(directory=tmp_path, every=2))
     assert latest(tmp_path) == 2 and sorted(p.name for p in step_dir(tmp_path, 2).iterdir()) == [
-        MARKER, "rank0.pt", "rank1.pt"]
+        MARKER, "group1.pt", "group2.pt", "run.pt"]
     resumed = train(4, CheckpointConfig(directory=tmp_path, every=2, resume=True))
     assert_same(resumed, whole)
     assert resumed[0].losses == whole[0].losses[2:]
@@ -47,10 +56,23 @@ def test_a_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path: Path) 
 def test_a_checkpoint_without_its_marker_is_skipped(tmp_path: Path) -> None:
     train(4, CheckpointConfig(directory=tmp_path, every=2))
     (step_dir(tmp_path, 4) / MARKER).unlink()  # as if a rank died while step 4's shards were written
-    (step_dir(tmp_path, 4) / "rank1.pt").unlink()
+    (step_dir(tmp_path, 4) / "group2.pt").unlink()
     assert latest(tmp_path) == 2
     resumed = train(4, CheckpointConfig(directory=tmp_path, resume=True))
     assert_same(resumed, train(4, None))
+
+
+def test_export_joins_the_group_shards_into_the_original_models_state_dict(tmp_path: Path) -> None:
+    results = train(2, CheckpointConfig(directory=tmp_path, every=2))
+    done, state = export(tmp_path)
+    assert done == 2
+    model = PLAN.model.load().module
+    model.load_state_dict(state, strict=True)
+    held = {**results[0].params, **results[0].buffers}  # rank 0 is in every layer group
+    assert state.keys() == held.keys()
+    assert all(torch.equal(state[name], held[name]) for name in held)
+    with pytest.raises(DeeppoolError, match="no complete checkpoint after 3 steps"):
+        export(tmp_path, 3)
 
 
 def test_check_and_resume_together_are_refused(tmp_path: Path) -> None:
@@ -74,3 +96,7 @@ def test_the_command_line_resumes_exactly(tmp_path: Path, capfd) -> None:
     first = losses("first", "--steps", "2", "--checkpoint-dir", ckpt, "--checkpoint-every", "2")
     second = losses("second", "--steps", "4", "--checkpoint-dir", ckpt, "--resume")
     assert first + second == whole
+    exported = tmp_path / "model.pt"
+    result = deeppool(capfd, "export", ckpt, "--out", str(exported), "--plan", str(plan_path))
+    assert result.code == 0 and "after 2 steps" in result.stdout, result.stderr
+    Plan.load(plan_path).model.load().module.load_state_dict(torch.load(exported), strict=True)

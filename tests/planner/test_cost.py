@@ -29,6 +29,14 @@ def _cost(**changes) -> CostModel:
     return replace(CostModel(graph=GRAPH, profile=profile, network=NETWORK, global_batch=32), **changes)
 
 
+def test_ranks_beyond_the_cores_share_them():
+    shared = _cost(profile=replace(_cost().profile, concurrent_ranks=2))
+    a, alone = GRAPH.layer("a"), _cost()
+    assert shared.compute_ms(a, 2) == alone.compute_ms(a, 2)
+    assert shared.compute_ms(a, 8) == pytest.approx(tuple(4 * t for t in alone.compute_ms(a, 8)))
+    assert alone.profile.sharing(64) == 1.0, "a GPU profile: each rank has its own device"
+
+
 def test_allreduce_is_hierarchical_across_nodes_with_the_measured_efficiency():
     cost, a = _cost(bucket_bytes=0), GRAPH.layer("a")
     inside = 2 * 3 / 4 * 8e6 / (0.5 * 100e9) + 2 * 2 * 2.0 * 1e-5

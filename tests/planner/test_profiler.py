@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -33,9 +34,19 @@ def test_measure_then_cache_round_trip(tmp_path):
     again = measure_profile(traced, loaded, config)
     assert again.layers == first.layers, "a second profile of the same layers comes from the cache"
     assert first.memory_bandwidth > 1e8
+    assert first.concurrent_ranks == max(1, (os.cpu_count() or 1) // torch.get_num_threads())
     path = tmp_path / "profile.json"
     first.save(path)
     assert Profile.load(path) == first
+
+
+def test_a_cpu_profile_knows_how_many_ranks_its_cores_hold(tmp_path):
+    loaded = ModelSpec.parse(str(TINY)).load()
+    config = ProfilerConfig(batches=(2,), warmup=0, repeats=1, threads=1, show_progress=False)
+    profile = measure_profile(trace(loaded), loaded, config)
+    cores = os.cpu_count() or 1
+    assert profile.concurrent_ranks == cores
+    assert profile.sharing(cores) == 1.0 and profile.sharing(2 * cores) == 2.0
 
 
 def test_interpolation_between_and_beyond_measured_batches():
