@@ -47,7 +47,8 @@ class Snapshot:
     compute_ms: tuple[float, ...] = ()
     """The last optimizer step's compute time per rank (forward, backward, optimizer; no waiting)."""
     gns: float | None = None
-    """The gradient noise scale in samples, when monitored (``--monitor gns``)."""
+    """The gradient noise scale in samples, when monitored (``--monitor gns``; rank 0's smoothed estimate,
+    ``inf`` while the smoothed ``|G|²`` is not positive: the noise dominates)."""
     stragglers: tuple[Straggler, ...] = ()
     """The ranks flagged as stragglers and not recovered."""
 

@@ -93,9 +93,12 @@ class EventLog:
 class Adapter:
     def __init__(self, *, monitor: StepMonitor, policy: Policy | None, progress: Progress, gpus: int,
                  global_batch: int, optimizer: torch.optim.Optimizer | None,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler | None, log: EventLog | None) -> None:
-        """``log`` is rank 0's (None elsewhere)."""
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None, log: EventLog | None,
+                 on_accumulate: Callable[[int], None] = lambda k: None) -> None:
+        """``log`` is rank 0's (None elsewhere); ``on_accumulate`` hears of a new ``K`` (the noise-scale
+        monitor's batch sizes follow it)."""
         self.monitor, self.policy, self.progress = monitor, policy, progress
+        self.on_accumulate = on_accumulate
         self.gpus, self.global_batch = gpus, global_batch
         self.optimizer, self.scheduler, self.log = optimizer, scheduler, log
         self.requested: RequestGpus | None = None
@@ -161,6 +164,7 @@ class Adapter:
                              lr=action.lr)
             elif isinstance(action, SetAccumulate):
                 self.progress = replace(self.progress, accumulate=action.accumulate)
+                self.on_accumulate(action.accumulate)
                 batch = action.accumulate * self.global_batch
                 self._report(steps_done, "accumulate", f"policy: accumulate {action.accumulate} micro-batches "
                              f"(batch {batch}) from step {steps_done}", accumulate=action.accumulate, batch=batch)

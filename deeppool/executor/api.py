@@ -16,6 +16,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -190,9 +191,7 @@ def _resume(config: RunConfig, engine: Engine, local: LocalModel, rank: int) -> 
     if done is None:
         return 0, fresh
     run = load_run(checkpoint.directory, done)
-    stored = checkpoint_groups(checkpoint.directory, done)
-    mine = sorted(g for g in set(local.groups.values()) if rank < g)
-    shards = [load_group(checkpoint.directory, done, g) for g in (mine if set(mine) <= set(stored) else stored)]
+    shards = _shards(checkpoint.directory, done, local, rank)
     with torch.no_grad():
         for shard in shards:
             for name, value in shard.params.items():
@@ -214,6 +213,16 @@ def _resume(config: RunConfig, engine: Engine, local: LocalModel, rank: int) -> 
     if run.progress is None:  # written without a policy: K never changed
         return done, replace(fresh, position=run.data_position)
     return done, Progress(**run.progress)
+
+
+def _shards(directory: Path, done: int, local: LocalModel, rank: int) -> list[GroupShard]:
+    """The shards holding this rank's tensors: those of the groups it belongs to, or, when they miss some
+    (a checkpoint of a plan for another GPU count, after a policy's request), every group's, read by name."""
+    mine = [load_group(directory, done, g) for g in sorted(set(local.groups.values())) if rank < g]
+    held = {name for shard in mine for name in (*shard.params, *shard.buffers)}
+    if held >= {*local.params, *local.buffers}:
+        return mine
+    return [load_group(directory, done, g) for g in checkpoint_groups(directory, done)]
 
 
 def _load_adaptation(parts: EngineParts, state: dict[str, Any]) -> None:
@@ -322,9 +331,22 @@ def _adapter(plan: Plan, program: Program, comm: Comm, recorder: Recorder, engin
              progress: Progress, policy: Policy | None) -> Adapter:
     log = EventLog(out_dir=config.out_dir, show=_show) if comm.rank == 0 else None
     monitor = StepMonitor(plan, program.stages, comm, recorder, every=config.monitor_every)
-    return Adapter(monitor=monitor, policy=policy, progress=progress,
-                   gpus=plan.gpus, global_batch=plan.global_batch, optimizer=engine.p.optimizer,
-                   scheduler=engine.p.scheduler, log=log)
+    adapter = Adapter(monitor=monitor, policy=policy, progress=progress,
+                      gpus=plan.gpus, global_batch=plan.global_batch, optimizer=engine.p.optimizer,
+                      scheduler=engine.p.scheduler, log=log,
+                      on_accumulate=lambda k: _accumulating(engine, plan, program, comm.rank, k))
+    if progress.accumulate != config.training.accumulate:
+        _accumulating(engine, plan, program, comm.rank, progress.accumulate)  # resumed after a policy changed K
+    return adapter
+
+
+def _accumulating(engine: Engine, plan: Plan, program: Program, rank: int, micros: int) -> None:
+    """``K`` is now ``micros``: the noise-scale monitor measures on ``K·n_r`` and ``K·B`` samples."""
+    if engine.p.lr_scaling is not None:
+        raise DeeppoolError("a policy changed the accumulation under --lr-scaling adascale, whose scale is fixed "
+                            "at the start: run the policy without --lr-scaling adascale")
+    if engine.p.monitor is not None:
+        engine.p.monitor.shares = group_shares(plan, engine.p.model.graph, rank, micros)
 
 
 def _show(message: str) -> None:

@@ -104,3 +104,20 @@ def test_a_gpu_request_ends_with_a_checkpoint_and_a_plan_that_resume_continues(t
     second = json.loads((tmp_path / "second" / "summary.json").read_text())
     assert second["gpus"] == 1 and len(second["losses"]) == 3
     assert second["losses"] == pytest.approx(whole["losses"][2:], rel=1e-5)
+
+
+def test_grow_batch_doubles_accumulation_while_the_measured_noise_scale_is_large(tmp_path: Path, capfd) -> None:
+    """The noisy quadratic (``g_i = w + x_i``, σ = 1 in 768 dimensions): as ``w`` nears the batch's optimum,
+    ``B_noise = tr(Σ)/|G|²`` grows past 4 × the batch (then ∞ once the smoothed ``|G|²`` is not positive), and
+    grow-batch doubles K at its 10-step checks."""
+    plan_path = saved(tmp_path, "noisy_quadratic", 8, 2, cycle(2))
+    summary, stdout = run(capfd, plan_path, tmp_path / "out", "--steps", "21", "--lr", "0.1", "--monitor", "gns",
+                          "--policy", "grow-batch")
+    actions = summary["policy"]["actions"]
+    assert [a["step"] for a in actions] == [10, 20] and [a["accumulate"] for a in actions] == [2, 4]
+    assert summary["policy"]["accumulate"] == 4
+    assert "policy: accumulate 2 micro-batches (batch 16) from step 10" in stdout
+    trace = json.loads((tmp_path / "out" / "trace-rank0.json").read_text())["traceEvents"]
+    gns = [e["args"]["noise_scale"] for e in trace if e.get("ph") == "C" and e.get("name") == "gns"]
+    assert gns[0] < 4 * 8 <= gns[4]  # the measured noise scale grows past 4 B ...
+    assert all(g is None or g >= 4 * 16 for g in (gns[9], gns[19]))  # ... and stays there (None: ∞ in JSON)
