@@ -94,11 +94,12 @@ class Adapter:
     def __init__(self, *, monitor: StepMonitor, policy: Policy | None, progress: Progress, gpus: int,
                  global_batch: int, optimizer: torch.optim.Optimizer | None,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, log: EventLog | None,
-                 on_accumulate: Callable[[int], None] = lambda k: None) -> None:
+                 on_accumulate: Callable[[int], None] = lambda k: None,
+                 on_lr: Callable[[float], None] = lambda lr: None) -> None:
         """``log`` is rank 0's (None elsewhere); ``on_accumulate`` hears of a new ``K`` (the noise-scale
-        monitor's batch sizes follow it)."""
+        monitor's batch sizes follow it), ``on_lr`` of a new base LR (AdaScale's, which sets the LR itself)."""
         self.monitor, self.policy, self.progress = monitor, policy, progress
-        self.on_accumulate = on_accumulate
+        self.on_accumulate, self.on_lr = on_accumulate, on_lr
         self.gpus, self.global_batch = gpus, global_batch
         self.optimizer, self.scheduler, self.log = optimizer, scheduler, log
         self.requested: RequestGpus | None = None
@@ -160,6 +161,7 @@ class Adapter:
         for action in actions:
             if isinstance(action, SetLr):
                 self._set_lr(action.lr)
+                self.on_lr(action.lr)
                 self._report(steps_done, "lr", f"policy: learning rate {action.lr:g} from step {steps_done}",
                              lr=action.lr)
             elif isinstance(action, SetAccumulate):

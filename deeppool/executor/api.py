@@ -334,13 +334,21 @@ def _adapter(plan: Plan, program: Program, comm: Comm, recorder: Recorder, engin
     adapter = Adapter(monitor=monitor, policy=policy, progress=progress,
                       gpus=plan.gpus, global_batch=plan.global_batch, optimizer=engine.p.optimizer,
                       scheduler=engine.p.scheduler, log=log,
-                      on_accumulate=lambda k: _accumulating(engine, plan, program, comm.rank, k))
+                      on_accumulate=lambda k: _accumulating(engine, plan, comm.rank, k),
+                      on_lr=lambda lr: _base_lr(engine, lr))
     if progress.accumulate != config.training.accumulate:
-        _accumulating(engine, plan, program, comm.rank, progress.accumulate)  # resumed after a policy changed K
+        _accumulating(engine, plan, comm.rank, progress.accumulate)  # resumed after a policy changed K
+    _base_lr(engine, progress.lr)
     return adapter
 
 
-def _accumulating(engine: Engine, plan: Plan, program: Program, rank: int, micros: int) -> None:
+def _base_lr(engine: Engine, lr: float) -> None:
+    """AdaScale sets the LR itself each step from its base LR: a policy's LR becomes that base."""
+    if engine.p.lr_scaling is not None:
+        engine.p.lr_scaling.lr = lr
+
+
+def _accumulating(engine: Engine, plan: Plan, rank: int, micros: int) -> None:
     """``K`` is now ``micros``: the noise-scale monitor measures on ``K·n_r`` and ``K·B`` samples."""
     if engine.p.lr_scaling is not None:
         raise DeeppoolError("a policy changed the accumulation under --lr-scaling adascale, whose scale is fixed "
