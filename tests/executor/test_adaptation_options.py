@@ -56,8 +56,10 @@ def test_deeppool_plan_writes_combine(tmp_path: Path, capsys) -> None:
     (GROUPED, ("--batch", "40"), "--batch 40 is not a multiple of the plan's global batch 16: give a multiple "
                                  "(e.g. --batch 32), or re-plan with --batch 40"),
     (GROUPED, ("--batch", "32", "--accumulate", "2"), "--batch 32 sets the micro-batches per step: drop --accumulate 2"),
+    (GROUPED, ("--monitor", "gns", "--precision", "fp16"), "--monitor gns and --lr-scaling adascale measure unscaled"),
 ], ids=["gns-alone", "adascale-alone", "adasum-gns", "base-without-adascale", "base-0", "base-too-large",
-        "adascale-check", "plan-adasum-check", "plan-adasum-gns", "batch-not-multiple", "batch-and-accumulate"])
+        "adascale-check", "plan-adasum-check", "plan-adasum-gns", "batch-not-multiple", "batch-and-accumulate",
+        "gns-fp16"])
 def test_bad_combinations_are_refused_in_one_line(tmp_path: Path, capsys, plan: Plan, args: tuple[str, ...],
                                                   message: str) -> None:
     path = tmp_path / "plan.json"
