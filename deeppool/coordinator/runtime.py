@@ -20,7 +20,8 @@ Jobs CANCELLED while running are stopped (SIGTERM, grace, SIGKILL).
 While a job runs, and once more when it ends, what its run reported in
 ``job-N/run/events.jsonl`` (stragglers, an adaptation policy's actions and
 requests for another GPU count) is relayed into its event log, each line once
-(:meth:`~deeppool.coordinator.store.Store.note`).
+(:meth:`~deeppool.coordinator.store.Store.note`), and its progress (steps done
+over steps asked, from rank 0's ``job-N/run/progress.json``) is recorded.
 A foreground job spans ``nodes`` machines (a Slurm launcher's allocation:
 ``gpus / nodes`` on each); a background job on whole GPUs runs on one.
 
@@ -40,7 +41,7 @@ from pathlib import Path
 from deeppool.coordinator.jobs import Job, JobStatus
 from deeppool.coordinator.launcher import Launcher, Phase, Resources, resources_for
 from deeppool.coordinator.store import Store
-from deeppool.executor.outputs import EVENTS
+from deeppool.executor.outputs import EVENTS, PROGRESS
 from deeppool.errors import DeeppoolError
 
 Steps = Callable[[Job, int, Sequence[Job]], list[list[str]]]
@@ -126,6 +127,9 @@ class Runtime:
         """The run's own events so far (stragglers, a policy's actions) into the job's event log."""
         folder = self.launcher.files(job.id, attempt).folder
         self.store.note(job.id, run_events(folder, job.id), prefix=f"attempt {attempt}: ")
+        progress = run_progress(folder, job.id)
+        if progress is not None and progress != job.progress:
+            self.store.set_progress(job.id, progress)
 
     def _settle_guest(self, guest: Job) -> None:
         host = self.store.job(guest.host_id)
@@ -135,11 +139,21 @@ class Runtime:
         elif host.state.terminal or host.state is JobStatus.PENDING:
             steps = guest_steps(self.launcher.files(host.id, self.store.attempts(host.id)).folder, host.id)
             if host.state is JobStatus.SUCCEEDED and steps > 0:
+                self.store.set_progress(guest.id, steps / max(1, guest.steps))
                 self.store.transition(guest.id, JobStatus.SUCCEEDED, f"trained {steps} steps in job {host.id}'s "
                                                                      "idle windows", exit_code=0)
             else:
                 self.store.transition(guest.id, JobStatus.PENDING, f"job {host.id} ended ({host.state.value}) "
                                                                    f"after {steps} background steps: requeued")
+
+
+def run_progress(folder: Path, job_id: int) -> float | None:
+    """Steps done over steps asked, from the job's run's ``progress.json`` (None before the first step)."""
+    try:
+        data = json.loads((folder / f"job-{job_id}" / "run" / PROGRESS).read_text())
+        return min(1.0, int(data["steps_done"]) / max(1, int(data["steps"])))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def run_events(folder: Path, job_id: int) -> list[str]:

@@ -45,6 +45,7 @@ from deeppool.executor.monitor import AdaScaleLr, GnsReading, GradientMonitor, g
 from deeppool.executor.outputs import RESIZE
 from deeppool.executor.precision import AgreedScaler, MixedPrecision, output_dtypes
 from deeppool.executor.program import Program, build_program, idle_positions
+from deeppool.executor.progress import ProgressFile
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
 from deeppool.executor.steptimes import StepMonitor
@@ -125,6 +126,7 @@ def train_rank(
     first, progress = _resume(config, engine, local, comm.rank)
     adapter = _adapter(plan, program, comm, recorder, engine, config, progress, policy)
     readings: list[GnsReading] = []
+    shown = ProgressFile(out_dir=config.out_dir, steps=config.steps) if comm.rank == 0 and config.out_dir else None
     for step in range(first, config.steps):
         adapter.before_step(step)
         micros, position = adapter.accumulate, adapter.progress.position
@@ -141,6 +143,8 @@ def train_rank(
         stop = adapter.after_step(step, micros, last=step + 1 == config.steps, gns=gns)
         stop = stop or _epoch_ends(adapter, feed, position, position + micros, step + 1, config.steps)
         _save(_where(config, stop), step + 1, engine, local, comm, keys, adapter.progress, force=stop)
+        if shown is not None:
+            shown.update(step + 1)
         if stop:
             _resize(adapter, config, step + 1, comm.rank)
             break

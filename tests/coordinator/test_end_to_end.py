@@ -41,6 +41,7 @@ def test_a_foreground_burst_job_hosts_a_background_job_and_both_finish(tmp_path:
         assert jobs[fg.id].state is JobStatus.SUCCEEDED, log[-3000:]
         assert jobs[bg.id].state is JobStatus.SUCCEEDED and jobs[bg.id].host_id == fg.id, jobs[bg.id]
         assert "trained" in jobs[bg.id].reason and " 0 steps" not in jobs[bg.id].reason
+        assert jobs[fg.id].progress == 1.0 and jobs[bg.id].progress > 0
         assert client.cluster()["allocated"] == 0
     finally:
         server.terminate()

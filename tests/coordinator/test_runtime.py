@@ -139,6 +139,18 @@ def test_cancel_stops_the_processes_and_requeue_runs_the_next_attempt(tmp_path: 
     assert rt.launcher.files(job.id, 2).log.read_text().splitlines().count("up") == 2  # both attempts ran, in turn
 
 
+def test_a_running_jobs_progress_comes_from_its_runs_progress_file(tmp_path: Path) -> None:
+    run = tmp_path / "jobs" / "job-1" / "run"  # where the coordinator's driver puts a job's run
+    write = ("import json, pathlib, time; run = pathlib.Path({run!r}); run.mkdir(parents=True, exist_ok=True); "
+             "(run / 'progress.json').write_text(json.dumps({{'steps_done': 3, 'steps': 10}})); time.sleep(60)")
+    rt = runtime(tmp_path, [python(write.format(run=str(run)))])
+    job = submit(rt)
+    assert job.id == 1 and rt.start(job, "granted")
+    assert settle(rt, job.id, lambda j: j.progress > 0).progress == pytest.approx(0.3)
+    assert rt.store.transition(job.id, JobStatus.CANCELLED, "cancelled by alice")
+    rt.reconcile()
+
+
 def test_a_straggler_the_run_reports_is_an_event_of_the_job(tmp_path: Path, monkeypatch) -> None:
     from tests.executor.plans import cycle, make_plan
 
@@ -158,3 +170,4 @@ def test_a_straggler_the_run_reports_is_an_event_of_the_job(tmp_path: Path, monk
     assert rt.store.attempts(job.id) == 1
     rt.reconcile()
     assert len(rt.store.events(job.id)) == 5  # submitted, starting, running, the straggler, succeeded: once each
+    assert rt.store.job(job.id).progress == 1.0, "rank 0's progress file after the last step"

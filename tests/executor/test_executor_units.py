@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from deeppool.executor.config import OptimizerConfig, RunConfig
 from deeppool.executor.gradients import GradientReducer
 from deeppool.executor.launch import preflight
 from deeppool.executor.local_model import check_plan_matches
+from deeppool.executor.outputs import PROGRESS
+from deeppool.executor.progress import ProgressFile
 from deeppool.executor.syncbn import GroupBatchNorm
 from deeppool.executor.timing import Category, Span, chrome_trace, summarise
 from deeppool.planner.modelspec import ModelSpec
@@ -210,3 +214,21 @@ def test_run_defaults_to_the_optimizer_the_plan_was_made_for(tmp_path, monkeypat
     (adam, args), (sgd, _) = launched
     assert adam.optimizer.kind is OptimizerKind.ADAM and args[args.index("--optimizer") + 1] == "adam"
     assert sgd.optimizer.kind is OptimizerKind.SGD
+
+
+def test_the_progress_file_is_written_at_most_once_a_second_and_after_the_last_step(tmp_path: Path) -> None:
+    def read() -> int:
+        return json.loads((tmp_path / PROGRESS).read_text())["steps_done"]
+
+    now = [0.0]
+    shown = ProgressFile(out_dir=tmp_path, steps=5, clock=lambda: now[0])
+    shown.update(1)
+    now[0] = 0.5
+    shown.update(2)
+    assert read() == 1
+    now[0] = 1.2
+    shown.update(3)
+    assert read() == 3
+    now[0] = 1.3
+    shown.update(5)
+    assert read() == 5
