@@ -77,7 +77,7 @@ def train_rank(
     module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
     program = build_program(plan, traced.graph, comm.rank)
     local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks), program.stages,
-                 traced.random)
+                 traced.random, config.batchnorm)
     reference = None if reference_model is None else LockstepReference(
         reference_model, config.optimizer, params=local.params, buffers=local.buffers, rank=comm.rank,
         bound=config.check_bound, random=traced.random.mode(plan.model.seed), training=config.training,

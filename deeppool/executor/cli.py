@@ -17,7 +17,7 @@ import typer
 from deeppool import checks
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import (
-    DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Backend, CheckpointConfig, Nodes, OptimizerConfig, OptimizerKind, ProbeConfig,
+    DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Backend, BatchNormMode, CheckpointConfig, Nodes, OptimizerConfig, OptimizerKind, ProbeConfig,
     RunConfig, Schedule, ScheduleKind, Training,
 )
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
@@ -62,6 +62,9 @@ LrWarmup = Annotated[int, typer.Option(help="optimizer steps of linear learning-
 CheckpointDir = Annotated[Path | None, typer.Option(help="directory for checkpoints (one shard per rank)")]
 CheckpointEvery = Annotated[int, typer.Option(help="write a checkpoint every N optimizer steps (0: never)")]
 Resume = Annotated[bool, typer.Option("--resume", help="continue from the latest complete checkpoint")]
+BatchNormOpt = Annotated[BatchNormMode, typer.Option(
+    "--batchnorm", help="BatchNorm statistics of a layer on several ranks: sync (the whole batch's, exact to one "
+    "process) or local (each rank's own samples, as DDP with nn.BatchNorm; not exact, refused with --check)")]
 DEFAULT_WARMUP = 5
 CPU_RANKS_PER_CORE = 4
 """gloo ranks on CPU share the cores; beyond this many per core a run measures only contention."""
@@ -80,6 +83,7 @@ def make_config(
     timeout: float, bucket_mb: float, check: bool, check_bound: float, out: Path, accumulate: int = 1,
     clip_norm: float | None = None, lr_schedule: ScheduleKind = ScheduleKind.CONSTANT, lr_warmup: int = 0,
     checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume: bool = False,
+    batchnorm: BatchNormMode = BatchNormMode.SYNC,
 ) -> RunConfig:
     """The run's config; ``warmup=None`` is the default: 5, or one less than ``steps`` when that is fewer."""
     if warmup is not None and steps >= 1 and warmup >= steps:
@@ -98,6 +102,7 @@ def make_config(
         training=training,
         checkpoint=CheckpointConfig(directory=checkpoint_dir, every=checkpoint_every, resume=resume)
         if checkpoint_dir is not None else None,
+        batchnorm=batchnorm,
     )
 
 
@@ -110,7 +115,7 @@ def config_args(config: RunConfig) -> list[str]:
         "--timeout", repr(config.timeout_s), "--bucket-mb", repr(config.bucket_mb),
         "--check-bound", repr(config.check_bound), "--out", str(config.out_dir),
         "--accumulate", str(config.training.accumulate), "--lr-schedule", config.training.schedule.kind.value,
-        "--lr-warmup", str(config.training.schedule.warmup_steps),
+        "--lr-warmup", str(config.training.schedule.warmup_steps), "--batchnorm", config.batchnorm.value,
     ]
     clip, checkpoint = config.training.clip_norm, config.checkpoint
     if clip is not None:
@@ -132,7 +137,7 @@ def run(
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
     lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
-    checkpoint_every: CheckpointEvery = 0, resume: Resume = False,
+    checkpoint_every: CheckpointEvery = 0, resume: Resume = False, batchnorm: BatchNormOpt = BatchNormMode.SYNC,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -153,7 +158,7 @@ def run(
         steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
         backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
         accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule, lr_warmup=lr_warmup,
-        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, batchnorm=batchnorm,
     )
     bg = make_background(
         background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,
@@ -281,7 +286,7 @@ def worker(
     bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = 1e-3,
     out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
     lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
-    checkpoint_every: CheckpointEvery = 0, resume: Resume = False,
+    checkpoint_every: CheckpointEvery = 0, resume: Resume = False, batchnorm: BatchNormOpt = BatchNormMode.SYNC,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -297,6 +302,7 @@ def worker(
             momentum=momentum, backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check,
             check_bound=check_bound, out=out, accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule,
             lr_warmup=lr_warmup, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+            batchnorm=batchnorm,
         )
         bg = make_background(
             background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,

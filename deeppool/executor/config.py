@@ -57,6 +57,17 @@ class OptimizerConfig:
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
 
 
+class BatchNormMode(enum.Enum):
+    """Whose statistics a BatchNorm layer on several ranks normalises with."""
+
+    SYNC = "sync"
+    """The layer's whole batch, summed over its ranks (:mod:`deeppool.executor.syncbn`): exact to
+    single-process training, at three small blocking all-reduces per BatchNorm per iteration."""
+    LOCAL = "local"
+    """Each rank's own samples, as ``DistributedDataParallel`` with ``nn.BatchNorm`` computes: no
+    communication, but not single-process training (the statistics depend on the split)."""
+
+
 class ScheduleKind(enum.Enum):
     CONSTANT = "constant"
     LINEAR = "linear"
@@ -143,6 +154,7 @@ class RunConfig:
     out_dir: Path | None = None
     training: Training = field(default_factory=Training)
     checkpoint: CheckpointConfig | None = None
+    batchnorm: BatchNormMode = BatchNormMode.SYNC
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -157,6 +169,9 @@ class RunConfig:
             raise DeeppoolError(f"--check-bound {self.check_bound} must be positive")
         if self.check and self.checkpoint is not None and self.checkpoint.resume:
             raise DeeppoolError("--check trains its reference from the start: run --resume without --check")
+        if self.check and self.batchnorm is BatchNormMode.LOCAL:
+            raise DeeppoolError("--check compares with single-process training, whose BatchNorm uses the whole "
+                                "batch's statistics: run --check with --batchnorm sync")
 
     @property
     def bucket_bytes(self) -> int:
