@@ -6,13 +6,19 @@
 (a) runs each model (``mlp``: this file's 7-layer MLP, batch 64; ``cnn``:
 ``benchmarks/models/resnet18.py``, a ResNet-18-style CNN, batch 16; ``gpt2``:
 ``examples/gpt2.py``, batch 4) with the same ranks, global batch and optimizer
-(SGD) as a data-parallel Plan through ``deeppool run``'s launcher and as
-``DistributedDataParallel``, alternating ``--repeats`` times in one
-invocation; it prints the median iteration times and their ratio (target:
-executor / DDP <= 1.10). The executor's BatchNorm is synchronised over the
-ranks (the global batch's statistics, as single-process training computes);
-DDP's is not (each rank normalises its own samples), so on the CNN DDP does
-less communication than the executor. (b) measures the network here
+(SGD) as a data-parallel Plan through the executor (``train_rank`` over
+``TorchComm``, what ``deeppool run``'s worker runs) and as
+``DistributedDataParallel``, both started by torchrun's agent and timed the
+same way (wall and process CPU time per step, marked as each step fetches
+its batch), interleaved ``--repeats`` times in one invocation; it prints
+p25 and median wall time per step (slowest rank), their ratio (target:
+executor / DDP <= 1.10) and the ratio of CPU time per step, which the other
+load on a shared machine disturbs less. A model with BatchNorm gets two
+rows, like for like: ``sync``, the executor's synchronised BatchNorm
+(``--batchnorm sync``, global-batch statistics) against DDP with the same
+``GroupBatchNorm`` on a process group of its own (torch's ``SyncBatchNorm``
+refuses CPU tensors); ``local``, ``--batchnorm local`` against DDP with plain
+``nn.BatchNorm`` (each rank's own statistics). (b) measures the network here
 (``deeppool profile-network``: gloo all-reduce and point-to-point with
 ``--nproc`` processes, unless ``--network-file`` gives one) and a profile of
 the model (one thread per rank, as the ranks run), plans it with the ILP for

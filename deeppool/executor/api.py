@@ -21,7 +21,7 @@ import torch
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.checkpoint import Shard, latest, load, save
-from deeppool.executor.comm import Comm
+from deeppool.executor.comm import Comm, Lane
 from deeppool.executor.config import CheckpointConfig, RunConfig
 from deeppool.executor.data import BatchSource, LoaderBatches, SyntheticBatches
 from deeppool.executor.engine import Engine, EngineParts
@@ -171,8 +171,10 @@ def _training(traced: Traced) -> torch.nn.Module:
 
 
 def _group_sum(comm: Comm, ranks: tuple[int, ...]) -> Reduce:
+    """Synchronised BatchNorm's sum over ``ranks``, on its own lane (never behind a gradient bucket)."""
+
     def reduce(tensor: torch.Tensor) -> None:
-        comm.all_reduce(tensor, ranks)
+        comm.all_reduce(tensor, ranks, lane=Lane.STATISTICS)
 
     return reduce
 
