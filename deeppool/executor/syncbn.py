@@ -89,15 +89,30 @@ class _GroupBatchNormFn(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x, mean, invstd, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        # one fused pass over the local samples (PyTorch's kernel, float64 sums): dγ = σ⁻¹·Σ dy·(x − μ), dβ = Σ dy
-        _, dweight, dbias = torch.ops.aten.native_batch_norm_backward(
-            dy, x, torch.ones_like(mean) if weight is None else weight, None, None, mean, invstd, True, 0.0,
-            [False, True, True])
+        dweight, dbias = _local_grads(dy, x, mean, invstd, weight)
         sums = torch.cat([dbias.double(), dweight.double() / invstd.double()])
         ctx.reduce(sums)
         dx = _input_grad(dy, x, mean, invstd, weight, sums, ctx.count)
         return (dx, dweight if weight is not None and ctx.needs_input_grad[1] else None,
                 dbias if ctx.needs_input_grad[2] else None, None, None, None)
+
+
+def _local_grads(
+    dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``dγ = σ⁻¹·Σ dy·(x − μ)`` and ``dβ = Σ dy`` (float64 sums), in the parameters' dtype.
+
+    PyTorch's fused kernel takes one pass when input and parameters share a dtype; otherwise (e.g. bf16
+    activations with fp32 parameters) two reductions in float64.
+    """
+    if weight is None or weight.dtype == x.dtype:
+        ones = torch.ones_like(mean) if weight is None else weight
+        _, dweight, dbias = torch.ops.aten.native_batch_norm_backward(
+            dy, x, ones, None, None, mean, invstd, True, 0.0, [False, True, True])
+        return dweight, dbias
+    dims, view = _dims(x), _channel_view(x)
+    dotp = (torch.sub(x, mean.view(view)) * dy).sum(dims, dtype=torch.float64)
+    return (dotp * invstd.double()).to(weight.dtype), dy.sum(dims, dtype=torch.float64).to(weight.dtype)
 
 
 def _input_grad(
@@ -111,7 +126,7 @@ def _input_grad(
     k = (sums[channels:] / count).to(x.dtype) * invstd * invstd
     shift = -(sums[:channels] / count).to(x.dtype) * scale
     dx = torch.addcmul(shift.view(view), torch.sub(x, mean.view(view)), (-scale * k).view(view))
-    return dx.addcmul_(dy, scale.view(view))
+    return dx.addcmul_(dy, scale.view(view)).to(x.dtype)
 
 
 class GroupBatchNorm(nn.Module):

@@ -7,6 +7,7 @@ running buffers, and the loss is the slices' losses weighted by their share of t
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch.func import functional_call
 
 from deeppool.executor.api import RankResult, train_rank
 from deeppool.executor.config import BatchNormMode, OptimizerConfig, RunConfig
+from deeppool.executor.syncbn import GroupBatchNorm
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.plan import Plan
 from tests.entry import deeppool
@@ -95,3 +97,20 @@ def test_run_with_local_batch_norm_trains_per_rank_statistics_in_processes(tmp_p
     assert done.code == 0, done.stderr[-3000:]
     losses = json.loads((out / "summary.json").read_text())["losses"]
     assert losses == pytest.approx(_slice_reference(plan).losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_synchronised_batch_norm_takes_reduced_precision_activations(dtype: torch.dtype) -> None:
+    # as under autocast: bf16/fp16 activations, fp32 parameters (PyTorch's fused kernel refuses the mix)
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(4)
+    reference = copy.deepcopy(bn)
+    x = (torch.randn(6, 4, 5, 5) * 3 + 1).to(dtype)
+    grad = torch.randn(6, 4, 5, 5).to(dtype)
+    mine, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    GroupBatchNorm(bn, lambda t: None)(mine).backward(grad)
+    reference(theirs).backward(grad)
+    assert mine.grad is not None and mine.grad.dtype == dtype and bn.weight.grad is not None
+    torch.testing.assert_close(mine.grad.float(), theirs.grad.float(), rtol=0.05, atol=0.02)
+    torch.testing.assert_close(bn.weight.grad, reference.weight.grad, rtol=0.01, atol=0.1)
+    torch.testing.assert_close(bn.bias.grad, reference.bias.grad, rtol=0.01, atol=0.1)
