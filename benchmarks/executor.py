@@ -6,13 +6,19 @@
 (a) runs each model (``mlp``: this file's 7-layer MLP, batch 64; ``cnn``:
 ``benchmarks/models/resnet18.py``, a ResNet-18-style CNN, batch 16; ``gpt2``:
 ``examples/gpt2.py``, batch 4) with the same ranks, global batch and optimizer
-(SGD) as a data-parallel Plan through ``deeppool run``'s launcher and as
-``DistributedDataParallel``, alternating ``--repeats`` times in one
-invocation; it prints the median iteration times and their ratio (target:
-executor / DDP <= 1.10). The executor's BatchNorm is synchronised over the
-ranks (the global batch's statistics, as single-process training computes);
-DDP's is not (each rank normalises its own samples), so on the CNN DDP does
-less communication than the executor. (b) measures the network here
+(SGD) as a data-parallel Plan through the executor (``train_rank`` over
+``TorchComm``, what ``deeppool run``'s worker runs) and as
+``DistributedDataParallel``, both started by torchrun's agent and timed the
+same way (wall and process CPU time per step, marked as each step fetches
+its batch), interleaved ``--repeats`` times in one invocation; it prints
+p25 and median wall time per step (slowest rank), their ratio (target:
+executor / DDP <= 1.10) and the ratio of CPU time per step, which the other
+load on a shared machine disturbs less. A model with BatchNorm gets two
+rows, like for like: ``sync``, the executor's synchronised BatchNorm
+(``--batchnorm sync``, global-batch statistics) against DDP with the same
+``GroupBatchNorm`` on a process group of its own (torch's ``SyncBatchNorm``
+refuses CPU tensors); ``local``, ``--batchnorm local`` against DDP with plain
+``nn.BatchNorm`` (each rank's own statistics). (b) measures the network here
 (``deeppool profile-network``: gloo all-reduce and point-to-point with
 ``--nproc`` processes, unless ``--network-file`` gives one) and a profile of
 the model (one thread per rank, as the ranks run), plans it with the ILP for
@@ -38,6 +44,7 @@ import sys
 import tempfile
 import time
 import uuid
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -75,8 +82,34 @@ MODELS = {
 """Benchmark model: (model file, global batch)."""
 
 
-# -- (a) DDP side -------------------------------------------------------------------------------
-def ddp_worker(model_file: Path, batch: int, steps: int, warmup: int, out: Path, sync_bn: bool) -> None:
+# -- (a) both sides, launched and timed the same way --------------------------------------------
+class StepClock:
+    """Wall and CPU time of each step, read as a step fetches its batch (CPU: the whole process, gloo's
+    threads included; less sensitive than wall time to the other load on a shared machine)."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[float, float]] = []
+
+    def mark(self) -> None:
+        self.marks.append((time.perf_counter(), time.process_time()))
+
+    def steps(self, warmup: int) -> dict[str, list[float]]:
+        """ms per step after ``warmup`` (each step ends where the next one fetches; the last marks the end)."""
+        pairs = list(zip(self.marks, self.marks[1:]))[warmup:]
+        return {"wall": [1e3 * (b[0] - a[0]) for a, b in pairs], "cpu": [1e3 * (b[1] - a[1]) for a, b in pairs]}
+
+
+def timed_batches(loaded, batch: int, clock: StepClock):  # noqa: ANN001, ANN201 - a generator of batches
+    """The model's synthetic global batch, every step, marking the clock at each fetch."""
+    x, y = loaded.inputs(batch), loaded.targets(batch)
+    while True:
+        clock.mark()
+        yield x, y
+
+
+def ddp_worker(model_file: Path, batch: int, steps: int, warmup: int, out: Path, batchnorm: str) -> None:
+    """DDP on the model: plain (``local``: each rank's BatchNorm statistics) or with BatchNorm synchronised
+    by the executor's :class:`GroupBatchNorm` on a group of its own (``sync``)."""
     import torch.distributed as dist
 
     from deeppool.planner.modelspec import ModelSpec
@@ -85,43 +118,64 @@ def ddp_worker(model_file: Path, batch: int, steps: int, warmup: int, out: Path,
     rank, world = dist.get_rank(), dist.get_world_size()
     loaded = ModelSpec.parse(str(model_file)).load()
     module = loaded.module.train()
-    if sync_bn:
-        synchronise_batch_norms(module)
-    net = nn.parallel.DistributedDataParallel(module)
+    if batchnorm == "sync":
+        synchronise_batch_norms(module, dist.new_group(list(range(world))))
+    # synchronised statistics leave every rank the same buffers: no per-forward broadcast of rank 0's
+    net = nn.parallel.DistributedDataParallel(module, forward_sync_buffers=batchnorm != "sync")
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     start, end = rank * batch // world, (rank + 1) * batch // world
-    x = {name: value[start:end] if isinstance(value, torch.Tensor) else value
-         for name, value in loaded.named_inputs(batch).items()}
-    y = loaded.targets(batch)
-    y = None if y is None else y[start:end]
-    times = []
-    for _ in range(steps):
-        began = time.perf_counter()
-        loaded.loss(net(**x), y).backward()
+    clock = StepClock()
+    for x, y in timed_batches(loaded, batch, clock):
+        if len(clock.marks) > steps:
+            break
+        loaded.loss(net(*(v[start:end] for v in x)), None if y is None else y[start:end]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - began)
-    per_step = torch.tensor(times[warmup:])
-    dist.all_reduce(per_step, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
-    if rank == 0:
-        out.write_text(json.dumps({"step_ms": [1e3 * float(t) for t in per_step]}))
-    dist.destroy_process_group()
+    _write_steps(out, rank, clock.steps(warmup))
+    dist.barrier()
 
 
-def synchronise_batch_norms(module: nn.Module) -> None:
-    """The executor's synchronised BatchNorm in DDP (torch's SyncBatchNorm needs a GPU)."""
+def executor_worker(plan_path: Path, steps: int, warmup: int, out: Path, batchnorm: str) -> None:
+    """The executor's rank through its Python API (``train_rank`` over ``TorchComm``, as ``deeppool run``'s
+    worker calls it), on the same synthetic batch every step."""
+    import torch.distributed as dist
+
+    from deeppool.executor.api import train_rank
+    from deeppool.executor.comm import TorchComm
+    from deeppool.executor.config import BatchNormMode, OptimizerConfig, RunConfig
+    from deeppool.executor.program import rank_groups
+    from deeppool.planner.plan import Plan
+
+    dist.init_process_group("gloo")
+    plan = Plan.load(plan_path)
+    comm = TorchComm(rank_groups(plan), timeout_s=120.0)
+    config = RunConfig(steps=steps, warmup=warmup, optimizer=OptimizerConfig(lr=0.01),
+                       batchnorm=BatchNormMode(batchnorm))
+    clock = StepClock()
+    train_rank(plan, comm=comm, config=config, data=timed_batches(plan.model.load(), plan.global_batch, clock))
+    clock.mark()
+    _write_steps(out, comm.rank, clock.steps(warmup))
+    dist.barrier()
+
+
+def _write_steps(out: Path, rank: int, steps: dict[str, list[float]]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"steps-rank{rank}.json").write_text(json.dumps(steps))
+
+
+def synchronise_batch_norms(module: nn.Module, group: object) -> None:
+    """The executor's synchronised BatchNorm in DDP (torch's ``SyncBatchNorm`` refuses CPU tensors)."""
     import torch.distributed as dist
 
     from deeppool.executor.syncbn import GroupBatchNorm
 
     def reduce(tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=group)
 
     for name, child in list(module.named_modules()):
         if isinstance(child, nn.modules.batchnorm._BatchNorm):
             parent_name, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(parent_name) if parent_name else module, leaf, GroupBatchNorm(child, reduce))
-            child.requires_grad_(True)
 
 
 def has_batch_norm(model_file: Path) -> bool:
@@ -131,18 +185,23 @@ def has_batch_norm(model_file: Path) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
-def run_ddp(
-    model_file: Path, nproc: int, batch: int, steps: int, warmup: int, out: Path, sync_bn: bool = False
-) -> list[float]:
-    """DDP's measured steps, ms (slowest rank per step)."""
+class Measured(NamedTuple):
+    """One side's measured steps, pooled over repeats: wall ms of the slowest rank, and CPU ms per rank."""
+
+    wall: list[float]
+    cpu: list[list[float]]
+
+
+def launch_worker(nproc: int, out: Path, *args: str) -> Measured:
+    """Start ``nproc`` ranks of this file with ``args`` (torchrun's agent, as ``deeppool run``) and read their steps."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0)
-    elastic_launch(config, sys.executable)(
-        __file__, "--ddp-worker", str(model_file), str(batch), str(steps), str(warmup), str(out),
-        str(int(sync_bn)))
-    return [float(t) for t in json.loads(out.read_text())["step_ms"]]
+    elastic_launch(config, sys.executable)(__file__, *args, str(out))
+    ranks = [json.loads((out / f"steps-rank{rank}.json").read_text()) for rank in range(nproc)]
+    return Measured(wall=[max(column) for column in zip(*(r["wall"] for r in ranks), strict=True)],
+                    cpu=[r["cpu"] for r in ranks])
 
 
 def executor_steps(out: Path, nproc: int, warmup: int) -> list[float]:
@@ -226,40 +285,68 @@ def breakdown(summary: dict) -> list[tuple[str, float, float]]:
     return parts + [("iteration", *total)]
 
 
+class Row(NamedTuple):
+    """A model in one BatchNorm mode, the executor's and DDP's measured steps."""
+
+    model: str
+    batch: int
+    batchnorm: str
+    executor: Measured
+    ddp: Measured
+    baseline: list[float]
+
+
 def data_parallel(args: argparse.Namespace, work: Path) -> None:
-    rows = []
-    for name in args.models.split(","):
-        model_file, batch = MODELS[name]
-        plan = work / f"dp-{name}.json"
-        data_parallel_plan(model_file, args.nproc, batch, plan)
-        synced = has_batch_norm(model_file)
-        times: dict[str, list[float]] = {"executor": [], "ddp": [], "ddp_sync": [], "baseline": []}
-        for repeat in range(args.repeats):
-            out = work / f"dp-{name}-{repeat}"
-            run_plan(plan, args.nproc, args.steps, args.warmup, out)
-            times["executor"] += executor_steps(out, args.nproc, args.warmup)
-            if args.baseline_src is not None:
-                run_other(args.baseline_src, plan, args.steps, args.warmup, out / "baseline")
-                times["baseline"] += executor_steps(out / "baseline", args.nproc, args.warmup)
-            times["ddp"] += run_ddp(model_file, args.nproc, batch, args.steps, args.warmup, work / "ddp.json")
-            if synced:
-                times["ddp_sync"] += run_ddp(model_file, args.nproc, batch, args.steps, args.warmup,
-                                             work / "ddp.json", sync_bn=True)
-        rows.append((name, batch, times))
-    print("\n(a) data parallel: executor vs DistributedDataParallel, ms per step (slowest rank), over all")
-    print(f"    measured steps of {args.repeats} alternating runs each; p25 (25th percentile) and median.")
-    print("    'DDP+sync BN': DDP with the executor's synchronised BatchNorm (the same arithmetic as the executor)")
-    print(f"{'model':<7}{'batch':>6}{'executor p25/med':>19}{'DDP p25/med':>17}{'ratio p25/med':>15}"
-          f"{'DDP+syncBN p25/med':>21}{'ratio p25/med':>15}")
-    for name, batch, times in rows:
-        line = f"{name:<7}{batch:>6}" + _pair(times["executor"]) + _pair(times["ddp"])
-        line += _ratio(times["executor"], times["ddp"])
-        if times["ddp_sync"]:
-            line += _pair(times["ddp_sync"], 21) + _ratio(times["executor"], times["ddp_sync"])
-        print(line)
-        if times["baseline"]:
-            print(f"{'':<13}executor from {args.baseline_src}: {_pair(times['baseline']).strip()} ms, "
-                  f"its ratio to DDP p25/med {_ratio(times['baseline'], times['ddp']).strip()}")
+    pooled: dict[tuple[str, str], dict[str, list[Measured]]] = {}
+    for repeat in range(args.repeats):
+        for name in args.models.split(","):
+            model_file, batch = MODELS[name]
+            plan = work / f"dp-{name}.json"
+            if repeat == 0:
+                data_parallel_plan(model_file, args.nproc, batch, plan)
+            for batchnorm in ("sync", "local") if has_batch_norm(model_file) else ("sync",):
+                runs = pooled.setdefault((name, batchnorm), {"executor": [], "ddp": [], "baseline": []})
+                out = work / f"dp-{name}-{batchnorm}-{repeat}"
+                common = (str(args.steps), str(args.warmup))
+                runs["executor"].append(launch_worker(args.nproc, out / "executor", "--executor-worker", str(plan),
+                                                      *common, batchnorm))
+                if args.baseline_src is not None and batchnorm == "sync":
+                    run_other(args.baseline_src, plan, args.steps, args.warmup, out / "baseline")
+                    runs["baseline"].append(Measured(executor_steps(out / "baseline", args.nproc, args.warmup), []))
+                runs["ddp"].append(launch_worker(args.nproc, out / "ddp", "--ddp-worker", str(model_file), str(batch),
+                                                 *common, batchnorm))
+    rows = [Row(model=name, batch=MODELS[name][1], batchnorm=batchnorm, executor=_pool(runs["executor"]),
+                ddp=_pool(runs["ddp"]), baseline=_pool(runs["baseline"]).wall)
+            for (name, batchnorm), runs in pooled.items()]
+    print_rows(rows, args)
+
+
+def _pool(runs: list[Measured]) -> Measured:
+    return Measured(wall=[t for run in runs for t in run.wall],
+                    cpu=[[t for run in runs for t in run.cpu[rank]] for rank in range(len(runs[0].cpu))] if runs else [])
+
+
+def print_rows(rows: list[Row], args: argparse.Namespace) -> None:
+    print("\n(a) data parallel: executor vs DistributedDataParallel, same ranks, batch and SGD, launched alike;")
+    print(f"    ms per step over the measured steps of {args.repeats} interleaved runs each: wall (slowest rank)")
+    print("    at p25 and median, and CPU time per step (whole process, median per rank, then mean of ranks).")
+    print("    BN sync: the executor's synchronised BatchNorm (global-batch statistics) on both sides, DDP's on a")
+    print("    group of its own (torch's SyncBatchNorm refuses CPU tensors); BN local: nn.BatchNorm on both sides.")
+    print(f"{'model':<7}{'batch':>6}{'BN':>6}{'executor p25/med':>19}{'DDP p25/med':>17}{'ratio p25/med':>15}"
+          f"{'CPU exec/DDP ms':>17}{'CPU ratio':>11}")
+    for row in rows:
+        bn = row.batchnorm if has_batch_norm(MODELS[row.model][0]) else "-"
+        cpu_exec, cpu_ddp = _cpu(row.executor), _cpu(row.ddp)
+        print(f"{row.model:<7}{row.batch:>6}{bn:>6}" + _pair(row.executor.wall) + _pair(row.ddp.wall, 17)
+              + _ratio(row.executor.wall, row.ddp.wall) + f"{cpu_exec:.1f} / {cpu_ddp:.1f}".rjust(17)
+              + f"{cpu_exec / cpu_ddp:.3f}".rjust(11))
+        if row.baseline:
+            print(f"{'':<13}executor from {args.baseline_src}: {_pair(row.baseline).strip()} ms, "
+                  f"its ratio to DDP p25/med {_ratio(row.baseline, row.ddp.wall).strip()}")
+
+
+def _cpu(measured: Measured) -> float:
+    return statistics.mean(statistics.median(rank) for rank in measured.cpu)
 
 
 def run_other(source: Path, plan: Path, steps: int, warmup: int, out: Path) -> None:
@@ -327,7 +414,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--ddp-worker":
-        ddp_worker(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6]),
-                   bool(int(sys.argv[7])))
+        ddp_worker(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[7]),
+                   sys.argv[6])
+    elif len(sys.argv) > 1 and sys.argv[1] == "--executor-worker":
+        executor_worker(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[6]), sys.argv[5])
     else:
         main()

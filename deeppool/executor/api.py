@@ -29,7 +29,7 @@ from deeppool.executor.checkpoint import (
     GroupShard, RunState, latest, load_group, load_run, model_keys, save, writer,
 )
 from deeppool.executor.checkpoint import groups as checkpoint_groups
-from deeppool.executor.comm import Comm
+from deeppool.executor.comm import Comm, Lane
 from deeppool.executor.config import (
     CheckpointConfig, LrScaling, OptimizerKind, Precision, RunConfig, check_adaptation, default_base_batch,
 )
@@ -113,7 +113,7 @@ def train_rank(
     program = build_program(plan, traced.graph, comm.rank)
     recorder = Recorder(clock, _cuda_events(device), None if device.type == "cuda" else time.thread_time)
     local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks, recorder),
-                 program.stages, traced.random)
+                 program.stages, traced.random, config.batchnorm)
     reference = None if reference_model is None else LockstepReference(
         reference_model, config.optimizer, params=local.params, buffers=local.buffers, rank=comm.rank,
         bound=config.bound, random=traced.random.mode(plan.model.seed), training=config.training,
@@ -429,11 +429,12 @@ def _training(traced: Traced) -> torch.nn.Module:
 
 
 def _group_sum(comm: Comm, ranks: tuple[int, ...], recorder: Recorder) -> Reduce:
-    """SyncBatchNorm's sum over ``ranks``, recorded as communication (inside its stage's compute span)."""
+    """Synchronised BatchNorm's sum over ``ranks``, on its own lane (never behind a gradient bucket),
+    recorded as communication (inside its stage's compute span)."""
 
     def reduce(tensor: torch.Tensor) -> None:
         with recorder.span(recorder.step, f"syncbn:{len(ranks)} ranks", Category.COMM):
-            comm.all_reduce(tensor, ranks)
+            comm.all_reduce(tensor, ranks, lane=Lane.STATISTICS)
 
     return reduce
 

@@ -19,7 +19,7 @@ from deeppool import checks
 from deeppool.errors import DeeppoolError
 from deeppool.executor.outputs import RESIZE
 from deeppool.executor.config import (
-    DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Adaptation, Backend, CheckpointConfig, DataConfig, LossScaling, LrScaling,
+    DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Adaptation, Backend, BatchNormMode, CheckpointConfig, DataConfig, LossScaling, LrScaling,
     Monitor, Nodes, OptimizerConfig, OptimizerKind, Precision, ProbeConfig, RunConfig, Schedule, ScheduleKind,
     Training, check_adaptation,
 )
@@ -93,6 +93,9 @@ DataOpt = Annotated[str | None, typer.Option(
     "each rank loads only its rows", show_default="the model's synthetic batch")]
 DataSeed = Annotated[int, typer.Option("--data-seed", help="seed of the per-epoch sample order (seed + epoch)")]
 DataWorkers = Annotated[int, typer.Option("--data-workers", help="DataLoader worker processes per rank")]
+BatchNormOpt = Annotated[BatchNormMode, typer.Option(
+    "--batchnorm", help="BatchNorm statistics of a layer on several ranks: sync (the whole batch's, exact to one "
+    "process) or local (each rank's own samples, as DDP with nn.BatchNorm; not exact, refused with --check)")]
 DEFAULT_WARMUP = 5
 CPU_RANKS_PER_CORE = 4
 """gloo ranks on CPU share the cores; beyond this many per core a run measures only contention."""
@@ -116,6 +119,7 @@ def make_config(
     precision: Precision = Precision.FP32, loss_scale: float = LossScaling().initial, data: str | None = None,
     data_seed: int = 0, data_workers: int = 0,
     policy: str | None = None, monitor_every: int = 10,
+    batchnorm: BatchNormMode = BatchNormMode.SYNC,
 ) -> RunConfig:
     """The run's config; ``warmup=None`` is the default: 5, or one less than ``steps`` when that is fewer."""
     if warmup is not None and steps >= 1 and warmup >= steps:
@@ -139,6 +143,7 @@ def make_config(
         data=DataConfig(factory=_located(DataConfig(factory=data).factory), seed=data_seed, workers=data_workers)
         if data is not None else None,
         policy=policy, monitor_every=monitor_every,
+        batchnorm=batchnorm,
     )
 
 
@@ -162,7 +167,7 @@ def config_args(config: RunConfig) -> list[str]:
         "--out", str(config.out_dir),
         "--accumulate", str(config.training.accumulate), "--lr-schedule", config.training.schedule.kind.value,
         "--lr-warmup", str(config.training.schedule.warmup_steps), "--precision", config.precision.value,
-        "--loss-scale", repr(config.loss_scaling.initial),
+        "--loss-scale", repr(config.loss_scaling.initial), "--batchnorm", config.batchnorm.value,
     ]
     args += ["--check-bound", repr(config.check_bound)] if config.check_bound is not None else []
     if config.data is not None:
@@ -203,6 +208,7 @@ def run(
     loss_scale: LossScale = LossScaling().initial, data: DataOpt = None, data_seed: DataSeed = 0,
     data_workers: DataWorkers = 0,
     policy: PolicyOpt = None, monitor_every: MonitorEvery = 10,
+    batchnorm: BatchNormOpt = BatchNormMode.SYNC,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -226,7 +232,7 @@ def run(
         lr_warmup=lr_warmup, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
         monitor=monitor, lr_scaling=lr_scaling, base_batch=base_batch, combine=combine, precision=precision,
         loss_scale=loss_scale, data=data, data_seed=data_seed, data_workers=data_workers, policy=policy,
-        monitor_every=monitor_every,
+        monitor_every=monitor_every, batchnorm=batchnorm,
     )
     check_adaptation(loaded, config, grouped=any(layer.gpus > 1 and layer.allreduce_ms > 0 for layer in loaded.layers))
     if policy is not None:
@@ -442,6 +448,7 @@ def worker(
     loss_scale: LossScale = LossScaling().initial, data: DataOpt = None, data_seed: DataSeed = 0,
     data_workers: DataWorkers = 0,
     policy: PolicyOpt = None, monitor_every: MonitorEvery = 10,
+    batchnorm: BatchNormOpt = BatchNormMode.SYNC,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
@@ -459,7 +466,7 @@ def worker(
             lr_warmup=lr_warmup, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
             monitor=monitor, lr_scaling=lr_scaling, base_batch=base_batch, combine=combine,
             precision=precision, loss_scale=loss_scale, data=data, data_seed=data_seed, data_workers=data_workers,
-            policy=policy, monitor_every=monitor_every,
+            policy=policy, monitor_every=monitor_every, batchnorm=batchnorm,
         )
         bg = make_background(
             background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,

@@ -2,14 +2,15 @@
 
 :class:`TorchComm` is the real one over ``torch.distributed`` (gloo on CPU,
 NCCL on GPU): point-to-point moves go through ``batch_isend_irecv``, and one
-process group is created per distinct rank set, all up front and in the same
-order on every rank (``new_group`` is collective). Tests substitute an
-in-process fake with the same protocol.
+process group is created per distinct rank set and :class:`Lane`, all up front
+and in the same order on every rank (``new_group`` is collective). Tests
+substitute an in-process fake with the same protocol.
 """
 
 from __future__ import annotations
 
 import datetime
+import enum
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -18,7 +19,21 @@ import torch.distributed as dist
 
 from deeppool.executor.config import Backend
 
-__all__ = ["Backend", "Comm", "Done", "PeerError", "TorchComm", "Waitable"]
+__all__ = ["Backend", "Comm", "Done", "Lane", "PeerError", "TorchComm", "Waitable"]
+
+
+class Lane(enum.Enum):
+    """Which of a rank set's process groups a collective goes through.
+
+    A process group runs its collectives in the order they were issued, so a small blocking
+    all-reduce issued while a large gradient bucket is in flight on the same group waits for the
+    bucket. Synchronised BatchNorm's statistics take a lane of their own.
+    """
+
+    GRADIENTS = "gradients"
+    """Bucketed gradient all-reduces (asynchronous, up to a bucket each)."""
+    STATISTICS = "statistics"
+    """Synchronised BatchNorm's small blocking all-reduces."""
 
 
 class Waitable(Protocol):
@@ -46,8 +61,10 @@ class Comm(Protocol):
         """Send and receive these tensors (in this order per peer) and wait for all."""
         ...
 
-    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, async_op: bool = False) -> Waitable:
-        """Sum ``tensor`` in place over ``ranks`` (a group made at construction)."""
+    def all_reduce(
+        self, tensor: torch.Tensor, ranks: tuple[int, ...], *, async_op: bool = False, lane: Lane = Lane.GRADIENTS,
+    ) -> Waitable:
+        """Sum ``tensor`` in place over ``ranks`` (a group made at construction) on ``lane``."""
         ...
 
     def all_reduce_max(self, value: float) -> float:
@@ -64,15 +81,19 @@ class Comm(Protocol):
 
 
 class TorchComm:
-    """:class:`Comm` over an initialised ``torch.distributed`` default group."""
+    """:class:`Comm` over an initialised ``torch.distributed`` default group: a process group per rank set
+    in ``groups`` and lane in ``lanes``."""
 
-    def __init__(self, groups: Sequence[tuple[int, ...]], *, timeout_s: float) -> None:
+    def __init__(
+        self, groups: Sequence[tuple[int, ...]], *, timeout_s: float, lanes: tuple[Lane, ...] = tuple(Lane),
+    ) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         timeout = datetime.timedelta(seconds=timeout_s)
-        self._groups: dict[tuple[int, ...], Any] = {}
+        self._groups: dict[tuple[tuple[int, ...], Lane], Any] = {}
         for ranks in sorted(set(groups), key=lambda r: (len(r), r)):
-            self._groups[ranks] = dist.new_group(list(ranks), timeout=timeout)
+            for lane in lanes:
+                self._groups[(ranks, lane)] = dist.new_group(list(ranks), timeout=timeout)
 
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]) -> None:
         ops = [dist.P2POp(dist.isend, tensor, peer) for peer, tensor in sends]
@@ -86,8 +107,10 @@ class TorchComm:
         except Exception as err:
             raise PeerError(f"exchange with ranks {peers} failed: {_first_line(err)}") from err
 
-    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, async_op: bool = False) -> Waitable:
-        group = self._groups[ranks]
+    def all_reduce(
+        self, tensor: torch.Tensor, ranks: tuple[int, ...], *, async_op: bool = False, lane: Lane = Lane.GRADIENTS,
+    ) -> Waitable:
+        group = self._groups[(ranks, lane)]
         try:
             work = dist.all_reduce(tensor, group=group, async_op=async_op)
         except Exception as err:

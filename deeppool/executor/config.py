@@ -60,6 +60,17 @@ class OptimizerConfig:
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
 
 
+class BatchNormMode(enum.Enum):
+    """Whose statistics a BatchNorm layer on several ranks normalises with."""
+
+    SYNC = "sync"
+    """The layer's whole batch, summed over its ranks (:mod:`deeppool.executor.syncbn`): exact to
+    single-process training, at three small blocking all-reduces per BatchNorm per iteration."""
+    LOCAL = "local"
+    """Each rank's own samples, as ``DistributedDataParallel`` with ``nn.BatchNorm`` computes: no
+    communication, but not single-process training (the statistics depend on the split)."""
+
+
 class ScheduleKind(enum.Enum):
     CONSTANT = "constant"
     LINEAR = "linear"
@@ -265,6 +276,7 @@ class RunConfig:
     """Used with ``precision=Precision.FP16`` only."""
     data: DataConfig | None = None
     """A dataset that each rank samples only its rows of (``--data``); None: the model's synthetic batch."""
+    batchnorm: BatchNormMode = BatchNormMode.SYNC
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -291,6 +303,10 @@ class RunConfig:
         if self.precision.scaled and self.adaptation.measures:
             raise DeeppoolError("--monitor gns and --lr-scaling adascale measure unscaled gradients: "
                                 "use --precision bf16 or fp32 with them, not fp16's scaled loss")
+
+        if self.check and self.batchnorm is BatchNormMode.LOCAL:
+            raise DeeppoolError("--check compares with single-process training, whose BatchNorm uses the whole "
+                                "batch's statistics: run --check with --batchnorm sync")
 
     @property
     def bound(self) -> float:

@@ -19,6 +19,7 @@ import torch
 from torch import fx, nn
 
 from deeppool.errors import DeeppoolError
+from deeppool.executor.config import BatchNormMode
 from deeppool.executor.program import Stage
 from deeppool.executor.stage_module import StageModule
 from deeppool.executor.syncbn import GroupBatchNorm, Reduce
@@ -72,11 +73,12 @@ def check_plan_matches(plan: Plan, graph: LayerGraph) -> None:
 
 def hold(
     plan: Plan, module: fx.GraphModule, graph: LayerGraph, rank: int, reduce: GroupReduce,
-    stages: tuple[Stage, ...], random: RandomSites | None = None,
+    stages: tuple[Stage, ...], random: RandomSites | None = None, batchnorm: BatchNormMode = BatchNormMode.SYNC,
 ) -> LocalModel:
     """Keep rank ``rank``'s layers and parameters of ``module``; install synced BatchNorm; compile its stages.
 
-    With ``random`` sites, the layers draw per sample, seeded by the plan's model seed.
+    With ``random`` sites, the layers draw per sample, seeded by the plan's model seed. With
+    ``BatchNormMode.LOCAL`` the BatchNorm modules stay as they are: each rank normalises its own samples.
     """
     mine = [layer for layer in graph.layers if rank < plan_gpus(plan, layer.name)]
     names = {name for layer in mine for name in layer.params}
@@ -86,7 +88,7 @@ def hold(
     _drop_others(module, names)
     for layer in mine:
         gpus = plan_gpus(plan, layer.name)
-        if gpus > 1:
+        if gpus > 1 and batchnorm is BatchNormMode.SYNC:
             _sync_batch_norms(module, layer, reduce(tuple(range(gpus))))
     mode = random.mode(plan.model.seed) if random else None
     drawing = (random, mode) if random is not None and mode is not None else None

@@ -180,7 +180,7 @@ def spawn_probe(config: ProbeConfig) -> list[Sample]:
 def _rank_main(rank: int, config: ProbeConfig, port: int, results: Any) -> None:
     import torch.distributed as dist
 
-    from deeppool.executor.comm import TorchComm
+    from deeppool.executor.comm import Lane, TorchComm
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -188,7 +188,7 @@ def _rank_main(rank: int, config: ProbeConfig, port: int, results: Any) -> None:
         timeout=datetime.timedelta(seconds=config.timeout_s),
     )
     groups = [tuple(range(g)) for g in range(2, config.nproc + 1)]
-    comm = TorchComm(groups, timeout_s=config.timeout_s)
+    comm = TorchComm(groups, timeout_s=config.timeout_s, lanes=(Lane.GRADIENTS,))
     samples = []
     for nbytes in config.sizes:
         tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)

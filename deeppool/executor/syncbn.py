@@ -63,8 +63,7 @@ def group_moments(x: torch.Tensor, reduce: Reduce) -> tuple[torch.Tensor, torch.
     reduce(first)
     count = int(first[0])
     mean = (first[1:] / count).to(x.dtype)
-    centred = x - mean.view(view)
-    var_sum = (centred * centred).sum(dims, dtype=torch.float64)
+    var_sum = torch.sub(x, mean.view(view)).square_().sum(dims, dtype=torch.float64)
     reduce(var_sum)
     return mean, var_sum.to(x.dtype) / count, count
 
@@ -89,21 +88,45 @@ class _GroupBatchNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x, mean, invstd, weight = ctx.saved_tensors
-        dims, view = _dims(x), _channel_view(x)
-        centred = x - mean.view(view)
-        local = torch.cat([dy.sum(dims, dtype=torch.float64), (centred * dy).sum(dims, dtype=torch.float64)])
-        both = local.clone()
-        ctx.reduce(both)
-        channels = mean.numel()
-        # the CPU kernel's order of operations, so that round-off follows the reference's
-        grad_mean = (both[:channels] / ctx.count).to(x.dtype)
-        k = both[channels:].to(x.dtype) * invstd * invstd / ctx.count
-        dx = (dy - grad_mean.view(view) - centred * k.view(view)) * invstd.view(view)
-        if weight is not None:
-            dx = dx * weight.view(view)
-        dweight = (local[channels:] * invstd.double()).to(x.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        dbias = local[:channels].to(x.dtype) if ctx.needs_input_grad[2] else None
-        return dx, dweight, dbias, None, None, None
+        dy = dy.contiguous()
+        dweight, dbias = _local_grads(dy, x, mean, invstd, weight)
+        sums = torch.cat([dbias.double(), dweight.double() / invstd.double()])
+        ctx.reduce(sums)
+        dx = _input_grad(dy, x, mean, invstd, weight, sums, ctx.count)
+        return (dx, dweight if weight is not None and ctx.needs_input_grad[1] else None,
+                dbias if ctx.needs_input_grad[2] else None, None, None, None)
+
+
+def _local_grads(
+    dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``dγ = σ⁻¹·Σ dy·(x − μ)`` and ``dβ = Σ dy`` (float64 sums), in the parameters' dtype.
+
+    PyTorch's fused kernel takes one pass when input and parameters share a dtype; otherwise (e.g. bf16
+    activations with fp32 parameters) two reductions in float64.
+    """
+    if weight is None or weight.dtype == x.dtype:
+        ones = torch.ones_like(mean) if weight is None else weight
+        _, dweight, dbias = torch.ops.aten.native_batch_norm_backward(
+            dy, x, ones, None, None, mean, invstd, True, 0.0, [False, True, True])
+        return dweight, dbias
+    dims, view = _dims(x), _channel_view(x)
+    dotp = (torch.sub(x, mean.view(view)) * dy).sum(dims, dtype=torch.float64)
+    return (dotp * invstd.double()).to(weight.dtype), dy.sum(dims, dtype=torch.float64).to(weight.dtype)
+
+
+def _input_grad(
+    dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor | None,
+    sums: torch.Tensor, count: int,
+) -> torch.Tensor:
+    """``dx = a·dy − a·k·(x − μ) − a·Σdy/N`` with ``a = γσ⁻¹``, ``k = σ⁻²·Σ dy·(x − μ)/N`` (global sums):
+    three passes (``x − μ``, then two fused multiply-adds)."""
+    channels, view = mean.numel(), _channel_view(x)
+    scale = invstd if weight is None else invstd * weight
+    k = (sums[channels:] / count).to(x.dtype) * invstd * invstd
+    shift = -(sums[:channels] / count).to(x.dtype) * scale
+    dx = torch.addcmul(shift.view(view), torch.sub(x, mean.view(view)), (-scale * k).view(view))
+    return dx.addcmul_(dy, scale.view(view)).to(x.dtype)
 
 
 class GroupBatchNorm(nn.Module):

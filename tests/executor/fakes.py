@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from deeppool.executor.comm import Done, PeerError
+from deeppool.executor.comm import Done, Lane, PeerError
 from deeppool.executor.api import ModelBuilder
 from deeppool.planner.modelspec import LoadedModel, ModelSpec
 from deeppool.planner.trace import Traced, trace
@@ -75,8 +75,10 @@ class ThreadComm:
                 del w.slots[slot], w.taken[slot]
         return result
 
-    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, async_op: bool = False) -> Done:
-        summed = self._collective(ranks, ranks, tensor.detach().clone(), _sum)
+    def all_reduce(
+        self, tensor: torch.Tensor, ranks: tuple[int, ...], *, async_op: bool = False, lane: Lane = Lane.GRADIENTS,
+    ) -> Done:
+        summed = self._collective((ranks, lane), ranks, tensor.detach().clone(), _sum)
         tensor.copy_(summed)
         return Done()
 

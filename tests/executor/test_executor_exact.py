@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from deeppool.executor.api import RankResult, train_rank
+from deeppool.executor.comm import Lane
 from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
 from deeppool.executor.data import SyntheticBatches
 from deeppool.executor.reference import compare, train_reference
@@ -115,8 +116,9 @@ def test_check_is_exact_step_by_step_on_a_chaotic_batch_norm_relu_net() -> None:
 class _SkewedComm(ThreadComm):
     """Sums of more than one rank come out 1% too large (a bug the check must catch)."""
 
-    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, async_op: bool = False):
-        done = super().all_reduce(tensor, ranks, async_op=async_op)
+    def all_reduce(self, tensor: torch.Tensor, ranks: tuple[int, ...], *, async_op: bool = False,
+                   lane: Lane = Lane.GRADIENTS):
+        done = super().all_reduce(tensor, ranks, async_op=async_op, lane=lane)
         tensor.mul_(1.01)
         return done
 
