@@ -26,12 +26,13 @@ from deeppool.adaptation.policy import Policy
 from deeppool.errors import DeeppoolError
 from deeppool.executor.adapt import Adapter, EventLog, Progress, Resize
 from deeppool.executor.checkpoint import (
-    GroupShard, RunState, latest, load_group, load_run, model_keys, save, writer,
+    GroupShard, RunState, latest, load_group, load_own, load_run, model_keys, save, writer,
 )
 from deeppool.executor.checkpoint import groups as checkpoint_groups
 from deeppool.executor.comm import Comm, Lane
 from deeppool.executor.config import (
-    CheckpointConfig, LrScaling, OptimizerKind, Precision, RunConfig, check_adaptation, default_base_batch,
+    BatchNormMode, CheckpointConfig, LrScaling, OptimizerKind, Precision, RunConfig, check_adaptation,
+    default_base_batch,
 )
 from deeppool.executor.data import (
     BatchSource, DataReport, DatasetBatches, EpochOrder, LoaderBatches, SyntheticBatches, load_dataset, needed_rows,
@@ -142,7 +143,8 @@ def train_rank(
         gns = readings[-1].noise_scale if readings and comm.rank == 0 else None
         stop = adapter.after_step(step, micros, last=step + 1 == config.steps, gns=gns)
         stop = stop or _epoch_ends(adapter, feed, position, position + micros, step + 1, config.steps)
-        _save(_where(config, stop), step + 1, engine, local, comm, keys, adapter.progress, force=stop)
+        _save(_where(config, stop), step + 1, engine, local, comm, keys, adapter.progress, config.batchnorm,
+              force=stop)
         if shown is not None:
             shown.update(step + 1)
         if stop:
@@ -204,6 +206,9 @@ def _resume(config: RunConfig, engine: Engine, local: LocalModel, rank: int) -> 
             for name, value in shard.buffers.items():
                 if name in local.buffers:
                     local.buffers[name].copy_(value)
+        for name, value in load_own(checkpoint.directory, done, rank).items():
+            if name in local.buffers:
+                local.buffers[name].copy_(value)
     parts = engine.p
     if parts.optimizer is not None and run.optimizer_groups is not None:
         states = {name: state for shard in shards for name, state in shard.optimizer.items()}
@@ -251,7 +256,7 @@ def _optimizer_state(
 
 def _save(
     checkpoint: CheckpointConfig | None, done: int, engine: Engine, local: LocalModel, comm: Comm,
-    keys: dict[str, str], progress: Progress, *, force: bool = False,
+    keys: dict[str, str], progress: Progress, batchnorm: BatchNormMode, *, force: bool = False,
 ) -> None:
     if checkpoint is None or (not force and (checkpoint.every == 0 or done % checkpoint.every != 0)):
         return
@@ -271,7 +276,9 @@ def _save(
     groups = tuple(sorted({layer.gpus for layer in parts.plan.layers}))
     mine = next((g for g in groups if writer(g) == comm.rank), None)
     shard = None if mine is None else _group_shard(mine, local, optimizer)
-    save(checkpoint.directory, comm.rank, run, shard, groups, barrier=lambda: comm.all_reduce_max(0.0))
+    own = None if batchnorm is BatchNormMode.SYNC else {
+        name: b.detach().cpu().clone() for name, b in local.buffers.items() if local.groups[name] > 1}
+    save(checkpoint.directory, comm.rank, run, shard, groups, barrier=lambda: comm.all_reduce_max(0.0), own=own)
 
 
 def _group_shard(gpus: int, local: LocalModel, optimizer: torch.optim.Optimizer | None) -> GroupShard:

@@ -9,6 +9,10 @@ BatchNorm statistics. So a checkpoint stores each group once:
   their names in the user's model) and their optimizer state (by parameter
   name), written by rank ``g-1``: each group has its own writer, and the
   groups are written at once;
+* ``<dir>/step-<N>/rank<r>.pt`` — with ``--batchnorm local`` only: rank
+  ``r``'s BatchNorm running statistics, which differ between the ranks of a
+  group (each normalises by its own samples); :func:`export` takes rank 0's,
+  as DDP keeps rank 0's buffers;
 * ``<dir>/step-<N>/run.pt`` — what every rank has alike: ``N`` (optimizer
   steps done), the optimizer's hyperparameters, the LR schedule's state, the
   fp16 loss scale and its growth count (``--precision fp16``; every rank
@@ -100,6 +104,16 @@ def group_file(gpus: int) -> str:
     return f"group{gpus}.pt"
 
 
+def own_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+def load_own(directory: Path, steps_done: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s own buffers (``--batchnorm local``), empty when the checkpoint has none."""
+    path = step_dir(directory, steps_done) / own_file(rank)
+    return torch.load(path, map_location="cpu") if path.is_file() else {}
+
+
 def writer(gpus: int) -> int:
     """The rank that writes group ``gpus``: its last, so every group has its own."""
     return gpus - 1
@@ -107,13 +121,18 @@ def writer(gpus: int) -> int:
 
 def save(
     directory: Path, rank: int, run: RunState, shard: GroupShard | None, groups: tuple[int, ...],
-    barrier: Callable[[], None],
+    barrier: Callable[[], None], own: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write this rank's files atomically; after ``barrier`` (every rank has written) rank 0 marks the step complete."""
+    """Write this rank's files atomically; after ``barrier`` (every rank has written) rank 0 marks the step complete.
+
+    ``own``: buffers that differ between the ranks of a group (``--batchnorm local``'s running
+    statistics), written by every rank to ``rank<r>.pt``."""
     target = step_dir(directory, run.steps_done)
     target.mkdir(parents=True, exist_ok=True)
     if shard is not None:
         _atomic(target / group_file(shard.gpus), lambda path: torch.save(shard.to_dict(), path))
+    if own:
+        _atomic(target / own_file(rank), lambda path: torch.save(own, path))
     if rank == 0:
         _atomic(target / RUN_FILE, lambda path: torch.save(run.to_dict(), path))
     barrier()
@@ -161,6 +180,7 @@ def export(directory: Path, steps_done: int | None = None) -> tuple[int, dict[st
         shard = load_group(directory, done, gpus)
         stored.update(shard.params)
         stored.update(shard.buffers)
+    stored.update(load_own(directory, done, 0))  # per-rank statistics: rank 0's, as DDP keeps
     keys = load_run(directory, done).model_keys
     lost = [key for key, name in keys.items() if name not in stored]
     if lost:

@@ -17,13 +17,15 @@ import torch
 from torch.func import functional_call
 
 from deeppool.executor.api import RankResult, train_rank
-from deeppool.executor.config import BatchNormMode, OptimizerConfig, RunConfig
+from deeppool.executor.checkpoint import export, step_dir
+from deeppool.executor.config import BatchNormMode, CheckpointConfig, OptimizerConfig, RunConfig
 from deeppool.executor.syncbn import GroupBatchNorm
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.plan import Plan
 from tests.entry import deeppool
 from tests.executor.fakes import SerialBuilder, ThreadWorld, run_threads
 from tests.executor.plans import cycle, make_plan
+from tests.executor.test_executor_checkpoint import assert_same
 
 STEPS, LR = 2, 0.05
 
@@ -60,8 +62,10 @@ def _slice_reference(plan: Plan) -> SliceReference:
     return SliceReference({name: p.detach() for name, p in params.items()}, buffers, losses)
 
 
-def _train(plan: Plan, batchnorm: BatchNormMode) -> list[RankResult]:
-    config = RunConfig(steps=STEPS, optimizer=OptimizerConfig(lr=LR), batchnorm=batchnorm)
+def _train(plan: Plan, batchnorm: BatchNormMode, steps: int = STEPS,
+           checkpoint: CheckpointConfig | None = None) -> list[RankResult]:
+    config = RunConfig(steps=steps, optimizer=OptimizerConfig(lr=LR), batchnorm=batchnorm,
+                       checkpoint=checkpoint)
     builder = SerialBuilder(plan.gpus)
     return run_threads(ThreadWorld(plan.gpus),
                        lambda comm: train_rank(plan, comm=comm, config=config, builder=builder))
@@ -80,6 +84,18 @@ def test_local_batch_norm_is_per_rank_statistics_training() -> None:
             torch.testing.assert_close(value, buffers[result.rank][name], msg=f"rank {result.rank} {name}")
     mean = "stem.bn.running_mean"  # the ranks' statistics differ, so synchronised ones would not match
     assert not torch.allclose(buffers[0][mean], buffers[1][mean])
+
+
+def test_local_batch_norm_resumes_each_ranks_own_statistics(tmp_path: Path) -> None:
+    plan = make_plan("deep_bn", global_batch=7, gpus=2, assign=cycle(2))
+    whole = _train(plan, BatchNormMode.LOCAL, steps=4)
+    _train(plan, BatchNormMode.LOCAL, steps=2, checkpoint=CheckpointConfig(directory=tmp_path, every=2))
+    resumed = _train(plan, BatchNormMode.LOCAL, steps=4,
+                     checkpoint=CheckpointConfig(directory=tmp_path, every=2, resume=True))
+    assert_same(resumed, whole)
+    _, state = export(tmp_path, 2)
+    mean = "stem.bn.running_mean"
+    assert torch.equal(state[mean], torch.load(step_dir(tmp_path, 2) / "rank0.pt")[mean]), "rank 0's, as DDP"
 
 
 @pytest.mark.slow
