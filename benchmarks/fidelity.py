@@ -12,7 +12,7 @@ the ILP's time-optimal plan when it is burst, else the ILP under DeepPool's
 objective ``time + price · GPU-time`` at the cheapest price in a sweep that
 gives a burst plan. The plan runs through the executor (gloo, the default
 25 MiB gradient buckets) and the measured median iteration time is divided by
-the predicted one (goal: within ±15%). A PNG scatters every layer's measured
+the predicted one (goal: within ±15%). A PNG scatters every stage's measured
 against predicted forward+backward time.
 """
 
@@ -38,11 +38,24 @@ class Result:
     how: str
     predicted_ms: float
     measured_ms: float
-    layers: tuple[tuple[str, float, float], ...]
+    stages: tuple[tuple[str, float, float], ...]
+    """(stage, predicted, measured forward+backward ms) for each stage of the run."""
 
     @property
     def ratio(self) -> float:
         return self.measured_ms / self.predicted_ms
+
+    @property
+    def compute(self) -> tuple[float, float]:
+        """(predicted, measured) forward+backward ms summed over the stages."""
+        return sum(p for _, p, _ in self.stages), sum(m for _, _, m in self.stages)
+
+    @property
+    def rest(self) -> tuple[float, float]:
+        """(predicted, measured) ms outside the stages' forward and backward: reshards, loss,
+        gradient all-reduce, optimizer step and the executor's own work."""
+        predicted, measured = self.compute
+        return self.predicted_ms - predicted, self.measured_ms - measured
 
 
 def measure_network(nproc: int, path: Path) -> None:
@@ -98,11 +111,11 @@ def one(model: str, nproc: int, args: argparse.Namespace, work: Path) -> Result:
     plan_path = work / f"{model}-{nproc}.json"
     how = burst_plan(MODELS / f"{model}.py", nproc, args.batch, network, work / "cache", plan_path)
     summary = run_plan(plan_path, nproc, args.steps, args.warmup, work / f"{model}-{nproc}")
-    layers = tuple((l["name"], l["fwd_predicted"] + l["bwd_predicted"], l["fwd_measured"] + l["bwd_measured"])
-                   for l in summary["layers"])
+    stages = tuple((s["name"], s["fwd_predicted"] + s["bwd_predicted"], s["fwd_measured"] + s["bwd_measured"])
+                   for s in summary["stages"])
     return Result(model=model, nproc=nproc, counts=tuple(sorted(set(Plan.load(plan_path).assignment.values()))),
                   how=how, predicted_ms=summary["iteration_predicted_ms"],
-                  measured_ms=summary["iteration_measured_ms"], layers=layers)
+                  measured_ms=summary["iteration_measured_ms"], stages=stages)
 
 
 def scatter(results: list[Result], path: Path) -> None:
@@ -113,19 +126,19 @@ def scatter(results: list[Result], path: Path) -> None:
 
     figure, axes = plt.subplots(figsize=(7, 6))
     for result in results:
-        points = [(p, m) for _, p, m in result.layers if p > 0 and m > 0]
+        points = [(p, m) for _, p, m in result.stages if p > 0 and m > 0]
         axes.scatter([p for p, _ in points], [m for _, m in points], s=12, alpha=0.7,
                      label=f"{result.model}, {result.nproc} ranks")
-    low = min(min(p, m) for r in results for _, p, m in r.layers if p > 0 and m > 0)
-    high = max(max(p, m) for r in results for _, p, m in r.layers)
+    low = min(min(p, m) for r in results for _, p, m in r.stages if p > 0 and m > 0)
+    high = max(max(p, m) for r in results for _, p, m in r.stages)
     axes.plot([low, high], [low, high], "k-", linewidth=1, label="measured = predicted")
     axes.fill_between([low, high], [0.85 * low, 0.85 * high], [1.15 * low, 1.15 * high], color="grey", alpha=0.2,
                       label="±15%")
     axes.set_xscale("log")
     axes.set_yscale("log")
-    axes.set_xlabel("predicted forward+backward ms per layer")
+    axes.set_xlabel("predicted forward+backward ms per stage")
     axes.set_ylabel("measured ms (median, slowest rank)")
-    axes.set_title("per-layer fidelity of the cost model on this machine")
+    axes.set_title("per-stage fidelity of the cost model on this machine")
     axes.legend(fontsize="x-small")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -152,12 +165,16 @@ def main() -> None:
             print(f"{model:<14} {nproc} ranks  counts {list(result.counts)!s:<10} {result.how:<28} "
                   f"predicted {result.predicted_ms:9.2f} ms  measured {result.measured_ms:9.2f} ms  "
                   f"measured/predicted {result.ratio:.2f}", flush=True)
+            (compute_p, compute_m), (rest_p, rest_m) = result.compute, result.rest
+            print(f"{'':<14} stages' forward+backward {compute_p:8.2f} / {compute_m:8.2f} ms; "
+                  f"the rest {rest_p:8.2f} / {rest_m:8.2f} ms (predicted / measured); load {os.getloadavg()[0]:.2f}",
+                  flush=True)
     ratios = [r.ratio for r in results]
     within = sum(abs(r - 1) <= 0.15 for r in ratios)
     print(f"median measured/predicted {statistics.median(ratios):.2f}; {within} of {len(ratios)} within ±15%; "
           f"load at the end {os.getloadavg()[0]:.2f}")
     scatter(results, args.scatter)
-    print(f"per-layer scatter written to {args.scatter}")
+    print(f"per-stage scatter written to {args.scatter}")
 
 
 if __name__ == "__main__":

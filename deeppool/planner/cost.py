@@ -14,17 +14,21 @@ each node across). The predicted iteration time is
     T = Σ_l [ fwd_l(s) + bwd_l(s) + BN_l(g_l) + AR*_l(g_l) + OPT_l ] + Σ_(u→v) 2 · R_uv(g_u, g_v)
 
     AR*_l(g)  gradient all-reduce as the executor does it (``--bucket-mb``, default 25 MiB):
-              gradients join a bucket per rank group; a full bucket is reduced
-              asynchronously while the backward goes on; the last bucket (the
-              first layers, whose gradients come last) waits at the end:
-                = 0                                    if g = 1 or W_l = 0
-                = AR(g, W_l, 1)                        with bucket 0 (one synchronous call per layer)
-                = AR(g, W_l, W_l / b)                  if l is in the last bucket
-                = max(0, AR(g, W_l, W_l / b) − ω·bwd_l)  otherwise (hidden behind the backward;
-                                                      ω the network's overlap: 1 on GPUs, 0 for gloo on CPUs)
+              gradients are copied into a flat bucket per rank group and the sums
+              copied back; a full bucket is reduced asynchronously while the
+              backward goes on; the last bucket (the first layers, whose gradients
+              come last) waits at the end:
+                = 0                                           if g = 1 or W_l = 0
+                = AR(g, W_l, 1) + CP_l                        with bucket 0 (one synchronous call per layer)
+                = AR(g, W_l, W_l / b) + CP_l                  if l is in the last bucket
+                = max(0, AR(g, W_l, W_l / b) + CP_l − ω·bwd_l)  otherwise (hidden behind the backward;
+                                                             ω the network's overlap: 1 on GPUs, 0 for gloo on CPUs)
               with b = min(bucket, Σ_l W_l) (a bucket's latency shared by its layers by
               bytes) and the last bucket the layers whose forward-order prefix of
               parameter bytes is below ``Σ W mod bucket`` (a whole bucket if 0).
+    CP_l      = 4 · W_l / BW_mem   (the reducer flattens the gradients into the bucket, reading and
+              writing W_l, and copies the sums back, reading and writing W_l again; 0 for a layer
+              with one parameter tensor under bucket 0, reduced in place; BW_mem from the profile)
     BN_l(g)   = AR(g, 8(C+1), 1) + AR(g, 8C, 1)  (forward)  +  AR(g, 16C, 1)  (backward)
               for an ``nn.BatchNorm`` layer on g > 1 ranks (C channels): the executor's
               synchronised BatchNorm reduces count and sum, then squared deviations,
@@ -168,11 +172,18 @@ class CostModel:
         if gpus == 1 or nbytes == 0:
             return 0.0
         if self.bucket_bytes == 0:
-            return 1e3 * self.network.allreduce_s(gpus, nbytes)
+            return 1e3 * self.network.allreduce_s(gpus, nbytes) + self.bucket_copy_ms(layer)
         full = 1e3 * self.network.allreduce_s(gpus, nbytes, latencies=nbytes / self._bucket_share)
+        full += self.bucket_copy_ms(layer)
         if layer.name in self._tail:
             return full
         return max(0.0, full - self.network.allreduce_overlap * self.compute_ms(layer, gpus)[1])
+
+    def bucket_copy_ms(self, layer: Layer) -> float:
+        """``CP_l = 4·W_l/BW_mem``: the layer's gradients copied into the flat bucket and the sums back."""
+        if self.bucket_bytes == 0 and len(layer.params) <= 1:
+            return 0.0
+        return 1e3 * 4 * self.param_bytes(layer) / self.profile.memory_bandwidth
 
     def batchnorm_ms(self, layer: Layer, gpus: int) -> tuple[float, float]:
         """``BN_l(g)`` split into (forward, backward): synchronised BatchNorm's statistics all-reduces."""
