@@ -40,6 +40,18 @@ def test_measure_then_cache_round_trip(tmp_path):
     assert Profile.load(path) == first
 
 
+def test_every_timed_backward_writes_fresh_gradients_as_the_executor_does():
+    """The executor steps with ``zero_grad(set_to_none=True)``: no backward accumulates into an old gradient."""
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    weight = traced.module.get_parameter(traced.graph.layer("fc1").params[0])
+    found: list[bool] = []
+    weight.register_hook(lambda grad: found.append(weight.grad is None))
+    config = ProfilerConfig(batches=(2,), warmup=2, repeats=3, show_progress=False)
+    measure_profile(traced, loaded, config)
+    assert len(found) >= 5 and all(found), "a run found the previous run's gradient in place"
+
+
 def test_a_cpu_profile_knows_how_many_ranks_its_cores_hold(tmp_path):
     loaded = ModelSpec.parse(str(TINY)).load()
     config = ProfilerConfig(batches=(2,), warmup=0, repeats=1, threads=1, show_progress=False)
