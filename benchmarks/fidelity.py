@@ -28,6 +28,9 @@ from pathlib import Path
 
 MODELS = Path(__file__).resolve().parent / "models"
 PRICE_FACTORS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
+TERMS = ("compute", "reshard", "allreduce", "step", "loss")
+"""The terms an iteration is split into: span labels ``term:...`` (``forward``/``backward`` are compute,
+``optimizer`` is the step); rank 0, which runs every layer, is the one split."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +43,8 @@ class Result:
     measured_ms: float
     stages: tuple[tuple[str, float, float], ...]
     """(stage, predicted, measured forward+backward ms) for each stage of the run."""
+    terms: dict[str, tuple[float, float]]
+    """(predicted, measured) ms per term of :data:`TERMS` on rank 0."""
 
     @property
     def ratio(self) -> float:
@@ -102,6 +107,39 @@ def run_plan(plan: Path, nproc: int, steps: int, warmup: int, out: Path) -> dict
     return json.loads((out / "summary.json").read_text())
 
 
+def terms(plan: Path, run: Path, warmup: int) -> dict[str, tuple[float, float]]:
+    predicted, measured = predicted_terms(plan), measured_terms(run, warmup)
+    return {term: (predicted.get(term, 0.0), measured.get(term, 0.0)) for term in dict.fromkeys((*TERMS, *measured))}
+
+
+def term_of(label: str) -> str:
+    kind = label.split(":", 1)[0]
+    return {"forward": "compute", "backward": "compute", "optimizer": "step"}.get(kind, kind)
+
+
+def measured_terms(run: Path, warmup: int) -> dict[str, float]:
+    """Rank 0's median per-step ms of each term, from its trace (idle windows left out)."""
+    events = json.loads((run / "trace-rank0.json").read_text())["traceEvents"]
+    per_step: dict[str, dict[int, float]] = {term: {} for term in TERMS}
+    for event in events:
+        if event.get("ph") != "X" or event["args"]["step"] < warmup or event["cat"] not in ("compute", "comm"):
+            continue
+        by_step = per_step.setdefault(term_of(event["name"]), {})
+        by_step[event["args"]["step"]] = by_step.get(event["args"]["step"], 0.0) + event["dur"] / 1e3
+    return {term: statistics.median(by_step.values()) if by_step else 0.0 for term, by_step in per_step.items()}
+
+
+def predicted_terms(plan: Path) -> dict[str, float]:
+    """The plan's figures by term; reshards are what the iteration has beyond its layers' terms."""
+    payload = json.loads(plan.read_text())
+    layers = payload["layers"]
+    terms = {"compute": sum(l["fwd_ms"] + l["bwd_ms"] for l in layers),
+             "allreduce": sum(l["allreduce_ms"] for l in layers), "step": sum(l["step_ms"] for l in layers),
+             "loss": 0.0}
+    terms["reshard"] = payload["predicted"]["iteration_ms"] - sum(terms.values())
+    return terms
+
+
 def one(model: str, nproc: int, args: argparse.Namespace, work: Path) -> Result:
     from deeppool.planner.plan import Plan
 
@@ -115,7 +153,8 @@ def one(model: str, nproc: int, args: argparse.Namespace, work: Path) -> Result:
                    for s in summary["stages"])
     return Result(model=model, nproc=nproc, counts=tuple(sorted(set(Plan.load(plan_path).assignment.values()))),
                   how=how, predicted_ms=summary["iteration_predicted_ms"],
-                  measured_ms=summary["iteration_measured_ms"], stages=stages)
+                  measured_ms=summary["iteration_measured_ms"], stages=stages,
+                  terms=terms(plan_path, work / f"{model}-{nproc}", args.warmup))
 
 
 def scatter(results: list[Result], path: Path) -> None:
@@ -169,6 +208,8 @@ def main() -> None:
             print(f"{'':<14} stages' forward+backward {compute_p:8.2f} / {compute_m:8.2f} ms; "
                   f"the rest {rest_p:8.2f} / {rest_m:8.2f} ms (predicted / measured); load {os.getloadavg()[0]:.2f}",
                   flush=True)
+            print(f"{'':<14} rank 0 by term (predicted / measured ms): "
+                  + ", ".join(f"{term} {p:.2f} / {m:.2f}" for term, (p, m) in result.terms.items()), flush=True)
     ratios = [r.ratio for r in results]
     within = sum(abs(r - 1) <= 0.15 for r in ratios)
     print(f"median measured/predicted {statistics.median(ratios):.2f}; {within} of {len(ratios)} within ±15%; "
