@@ -25,6 +25,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 MODELS = Path(__file__).resolve().parent / "models"
 PRICE_FACTORS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
@@ -45,6 +46,8 @@ class Result:
     """(stage, predicted, measured forward+backward ms) for each stage of the run."""
     terms: dict[str, tuple[float, float]]
     """(predicted, measured) ms per term of :data:`TERMS` on rank 0."""
+    contention: float
+    """:func:`contention` at ``nproc`` just before the run."""
 
     @property
     def ratio(self) -> float:
@@ -61,6 +64,43 @@ class Result:
         gradient all-reduce, optimizer step and the executor's own work."""
         predicted, measured = self.compute
         return self.predicted_ms - predicted, self.measured_ms - measured
+
+
+def _timed_work(start: Any, results: Any) -> None:
+    """One single-thread process: a fixed number of 256×256 matmuls, timed after every process is ready."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(1)
+    matrix = torch.randn(256, 256)
+    start.wait()
+    began = time.perf_counter()
+    for _ in range(400):
+        matrix @ matrix
+    results.put(time.perf_counter() - began)
+
+
+def contention(nproc: int) -> float:
+    """How much slower ``nproc`` single-thread processes computing at once run than one alone, now:
+    the slowest one's time for the same work over the lone one's. On an idle host with a core per rank
+    it is about 1; what it exceeds that by is what other work on the host (or shared cores) stretches
+    a run that the profile, measured one process at a time, does not see."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+
+    def run(count: int) -> float:
+        start, results = context.Barrier(count), context.SimpleQueue()
+        processes = [context.Process(target=_timed_work, args=(start, results)) for _ in range(count)]
+        for process in processes:
+            process.start()
+        times = [results.get() for _ in processes]
+        for process in processes:
+            process.join()
+        return max(times)
+
+    return run(nproc) / run(1)
 
 
 def measure_network(nproc: int, path: Path) -> None:
@@ -148,13 +188,14 @@ def one(model: str, nproc: int, args: argparse.Namespace, work: Path) -> Result:
         measure_network(nproc, network)
     plan_path = work / f"{model}-{nproc}.json"
     how = burst_plan(MODELS / f"{model}.py", nproc, args.batch, network, work / "cache", plan_path)
+    slowdown = contention(nproc)
     summary = run_plan(plan_path, nproc, args.steps, args.warmup, work / f"{model}-{nproc}")
     stages = tuple((s["name"], s["fwd_predicted"] + s["bwd_predicted"], s["fwd_measured"] + s["bwd_measured"])
                    for s in summary["stages"])
     return Result(model=model, nproc=nproc, counts=tuple(sorted(set(Plan.load(plan_path).assignment.values()))),
                   how=how, predicted_ms=summary["iteration_predicted_ms"],
                   measured_ms=summary["iteration_measured_ms"], stages=stages,
-                  terms=terms(plan_path, work / f"{model}-{nproc}", args.warmup))
+                  terms=terms(plan_path, work / f"{model}-{nproc}", args.warmup), contention=slowdown)
 
 
 def scatter(results: list[Result], path: Path) -> None:
@@ -206,7 +247,8 @@ def main() -> None:
                   f"measured/predicted {result.ratio:.2f}", flush=True)
             (compute_p, compute_m), (rest_p, rest_m) = result.compute, result.rest
             print(f"{'':<14} stages' forward+backward {compute_p:8.2f} / {compute_m:8.2f} ms; "
-                  f"the rest {rest_p:8.2f} / {rest_m:8.2f} ms (predicted / measured); load {os.getloadavg()[0]:.2f}",
+                  f"the rest {rest_p:8.2f} / {rest_m:8.2f} ms (predicted / measured); load {os.getloadavg()[0]:.2f}; "
+                  f"{nproc} processes computing at once ran {result.contention:.2f}x slower than one just before",
                   flush=True)
             print(f"{'':<14} rank 0 by term (predicted / measured ms): "
                   + ", ".join(f"{term} {p:.2f} / {m:.2f}" for term, (p, m) in result.terms.items()), flush=True)
