@@ -160,8 +160,8 @@ class CostModel:
         """(fwd_ms, bwd_ms) of ``layer`` on the busiest of ``gpus`` ranks.
 
         The profile's time at the per-GPU batch ``⌈B/g⌉``, times ``profile.sharing(g)`` where ranks
-        share a host's cores (a CPU run with more ranks than cores: the layer's ``g`` ranks compute at
-        once while the others wait for it)."""
+        share a host's cores (measured by the profiler, or ``g / concurrent_ranks`` with more ranks than
+        cores: the layer's ``g`` ranks compute at once while the others wait for it)."""
         fwd, bwd = self.profile.times(layer.name, self.per_gpu_batch(gpus))
         share = self.profile.sharing(gpus)
         return fwd * share, bwd * share

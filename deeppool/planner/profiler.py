@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,6 +61,8 @@ class ProfilerConfig:
     max_repeats: int = 9
     spread_bound: float = 0.1
     threads: int | None = None
+    ranks: int | None = None
+    """The ranks a run will start on this host: on a CPU the profiler measures how they share its cores."""
     cache_dir: Path | None = None
     show_progress: bool = True
 
@@ -172,7 +175,56 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
         layers={name: times for name, (times, _) in layers.items()},
         fit=_quality(batches, [errors for _, errors in layers.values()], ordered, config.spread_bound),
         concurrent_ranks=_concurrent_ranks(device, config.threads),
+        measured_sharing=measure_sharing(sharing_counts(config.ranks), config.threads or 1)
+        if device.type == "cpu" and config.ranks else {},
     )
+
+
+def sharing_counts(ranks: int | None) -> tuple[int, ...]:
+    """The rank counts whose core sharing is measured: powers of two from 2, and ``ranks`` itself,
+    up to twice the cores (beyond, time-slicing is linear: :meth:`Profile.sharing` extrapolates)."""
+    if not ranks or ranks < 2:
+        return ()
+    top = min(ranks, 2 * (os.cpu_count() or 1))
+    return tuple(sorted({2**k for k in range(1, top.bit_length()) if 2**k <= top} | {top}))
+
+
+def measure_sharing(counts: tuple[int, ...], threads: int, repeats: int = 3, matmuls: int = 500) -> dict[int, float]:
+    """``sharing(g)`` for each ``g`` of ``counts``: the slowest of ``g·threads`` single-threaded workers
+    doing the same fixed work at once over ``threads`` of them alone (median of ``repeats``).
+
+    Workers are threads of this process: a matmul with one intra-op thread runs on its caller with
+    the GIL released, so they compete for the cores as ranks (processes) do."""
+    with intra_op_threads(1):
+        _concurrent_work(threads, matmuls)  # warm-up
+        alone = statistics.median(_concurrent_work(threads, matmuls) for _ in range(repeats))
+        return {
+            g: statistics.median(_concurrent_work(g * threads, matmuls) for _ in range(repeats)) / alone
+            for g in counts
+        }
+
+
+def _concurrent_work(workers: int, matmuls: int) -> float:
+    """Seconds until the last of ``workers`` threads has done ``matmuls`` 256×256 matmuls, all started together."""
+    matrix = torch.randn(256, 256)
+    start = threading.Barrier(workers)
+    finished: list[float] = []
+
+    def work() -> None:
+        torch.set_num_threads(1)  # OpenMP's thread count is per calling thread
+        torch.mm(matrix, matrix)
+        start.wait()
+        began = time.perf_counter()
+        for _ in range(matmuls):
+            torch.mm(matrix, matrix)
+        finished.append(time.perf_counter() - began)
+
+    pool = [threading.Thread(target=work) for _ in range(workers)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    return max(finished)
 
 
 def _concurrent_ranks(device: torch.device, threads: int | None) -> int | None:
