@@ -10,7 +10,9 @@ profiler: a few batches measured, the rest fitted, one rank's share of the
 cores), and a *burst* plan is made, one with at least two distinct GPU counts:
 the ILP's time-optimal plan when it is burst, else the ILP under DeepPool's
 objective ``time + price · GPU-time`` at the cheapest price in a sweep that
-gives a burst plan. The plan runs through the executor (gloo, the default
+gives a burst plan, else (where the ILP puts every layer on one count at every
+price, as when ranks share cores) the fastest plan, by the cost model, that runs
+one contiguous run of layers on all ranks and the rest on one. The plan runs through the executor (gloo, the default
 25 MiB gradient buckets) and the measured median iteration time is divided by
 the predicted one (goal: within ±15%). A PNG scatters every stage's measured
 against predicted forward+backward time.
@@ -130,8 +132,30 @@ def burst_plan(model: Path, nproc: int, batch: int, network: Path, cache: Path, 
         if len(set(plan.assignment.values())) > 1:
             plan.save(out)
             return f"ILP, time + {factor:g}x price"
-    planned.plan.save(out)
-    return "no burst plan found: the ILP's"
+    split_burst(planned, nproc).save(out)
+    return "best split: 1 and all ranks"
+
+
+def split_burst(planned: Any, nproc: int) -> Any:
+    """The burst plan the cost model prices fastest among those that run one contiguous run of
+    layers (in topological order) on all ``nproc`` ranks and the others on one: for a machine where
+    the ILP puts every layer on one count at every price (e.g. ranks that share their cores)."""
+    from deeppool.planner.baselines import Baselines
+    from deeppool.planner.plan import build_plan
+
+    cost, plan = planned.cost, planned.plan
+    names = [layer.name for layer in cost.graph.layers]
+    splits = [{name: nproc if first <= i <= last else 1 for i, name in enumerate(names)}
+              for first in range(len(names)) for last in range(first, len(names))]
+    splits = [a for a in splits if len(set(a.values())) > 1]
+    best = min(splits, key=cost.iteration_ms)
+    predicted = plan.predicted
+    baselines = Baselines(data_parallel_ms=predicted.data_parallel_iteration_ms,
+                          deeppool_ms=predicted.deeppool_iteration_ms,
+                          best_data_parallel_gpus=predicted.best_data_parallel_gpus,
+                          best_data_parallel_ms=predicted.best_data_parallel_iteration_ms)
+    return build_plan(cost, best, model=plan.model, gpus=nproc, strategy=plan.strategy,
+                      amplification_limit=plan.amplification_limit, solver=plan.solver, baselines=baselines)
 
 
 def run_plan(plan: Path, nproc: int, steps: int, warmup: int, out: Path) -> dict:
