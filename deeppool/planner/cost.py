@@ -34,13 +34,15 @@ each node across). The predicted iteration time is
               synchronised BatchNorm reduces count and sum, then squared deviations,
               then Σdy and Σdy·(x−μ), in float64, synchronously; a plan's
               ``fwd_ms``/``bwd_ms`` include these.
-    R_uv(g_u, g_v) = 0 if g_u = g_v, else α(G) + A_u · s(min(g_u, g_v)) / BW(G),  G = max(g_u, g_v)
+    R_uv(g_u, g_v) = 0 if g_u = g_v, else α(G) + ω_w + A_u · s(min(g_u, g_v)) / BW(G),  G = max(g_u, g_v)
               (activations resharded forward, their gradients backward; the busiest
               rank moves one shard of the smaller group, over the slowest link the
-              pair crosses: NVLink inside a node, the GPU's NIC share across nodes).
+              pair crosses: NVLink inside a node, the GPU's NIC share across nodes;
+              ω_w the network's wake-up latency: the ranks only in the larger group
+              have waited blocked, and are scheduled again when the shard arrives).
               The ILP carries it with two ladders: ``max(σ(g_u), σ(g_v))`` over in-node
-              counts, ``max(σ_x(g_u), σ_x(g_v))`` over all, ``σ(g) = α_in + A·s(g)/BW_in``,
-              ``σ_x(g) = α_x + A·s(g)/BW_x``; the cheaper one that applies is the term.
+              counts, ``max(σ_x(g_u), σ_x(g_v))`` over all, ``σ(g) = α_in + ω_w + A·s(g)/BW_in``,
+              ``σ_x(g) = α_x + ω_w + A·s(g)/BW_x``; the cheaper one that applies is the term.
     OPT_l     = (3 + 2·k_opt) · W_l / BW_mem
               (the optimizer step reads weights and gradients and writes weights,
                plus k_opt state tensors read and written; BW_mem from the profile)
@@ -218,10 +220,12 @@ class CostModel:
         return self._layer_memo[key]
 
     def reshard_side_ms(self, producer: Layer, gpus: int, *, across: bool = False) -> float:
-        """``σ(g)`` (in-node) or, with ``across``, ``σ_x(g)``: one shard of ``gpus`` ranks over one link."""
+        """``σ(g)`` (in-node) or, with ``across``, ``σ_x(g)``: one shard of ``gpus`` ranks over one link,
+        to ranks woken for it."""
         bandwidth = self.network.inter_bandwidth if across else self.network.intra_bandwidth
         latency = self.network.inter_latency_s if across else self.network.intra_latency_s
-        return 1e3 * (latency + self.act_bytes(producer) * self.per_gpu_batch(gpus) / bandwidth)
+        moved = self.act_bytes(producer) * self.per_gpu_batch(gpus)
+        return 1e3 * (latency + self.network.wakeup_s + moved / bandwidth)
 
     def crosses(self, src_gpus: int, dst_gpus: int) -> bool:
         return max(src_gpus, dst_gpus) > self.network.gpus_per_node
