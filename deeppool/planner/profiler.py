@@ -191,15 +191,18 @@ def sharing_counts(ranks: int | None) -> tuple[int, ...]:
 
 def measure_sharing(counts: tuple[int, ...], threads: int, repeats: int = 3, matmuls: int = 500) -> dict[int, float]:
     """``sharing(g)`` for each ``g`` of ``counts``: the slowest of ``g·threads`` single-threaded workers
-    doing the same fixed work at once over ``threads`` of them alone (median of ``repeats``).
+    doing the same fixed work at once over ``threads`` of them alone, measured in turns (alone, then
+    together) so that other work on the host, which comes and goes, weighs on both alike; the median
+    of ``repeats`` turns.
 
     Workers are threads of this process: a matmul with one intra-op thread runs on its caller with
     the GIL released, so they compete for the cores as ranks (processes) do."""
     with intra_op_threads(1):
         _concurrent_work(threads, matmuls)  # warm-up
-        alone = statistics.median(_concurrent_work(threads, matmuls) for _ in range(repeats))
         return {
-            g: statistics.median(_concurrent_work(g * threads, matmuls) for _ in range(repeats)) / alone
+            g: statistics.median(
+                _concurrent_work(g * threads, matmuls) / _concurrent_work(threads, matmuls) for _ in range(repeats)
+            )
             for g in counts
         }
 
