@@ -189,7 +189,7 @@ def sharing_counts(ranks: int | None) -> tuple[int, ...]:
     return tuple(sorted({2**k for k in range(1, top.bit_length()) if 2**k <= top} | {top}))
 
 
-def measure_sharing(counts: tuple[int, ...], threads: int, repeats: int = 3, matmuls: int = 500) -> dict[int, float]:
+def measure_sharing(counts: tuple[int, ...], threads: int, repeats: int = 3, matmuls: int = 250) -> dict[int, float]:
     """``sharing(g)`` for each ``g`` of ``counts``: the slowest of ``g·threads`` single-threaded workers
     doing the same fixed work at once over ``threads`` of them alone, measured in turns (alone, then
     together) so that other work on the host, which comes and goes, weighs on both alike; the median
