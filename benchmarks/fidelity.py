@@ -10,9 +10,11 @@ profiler: a few batches measured, the rest fitted, one rank's share of the
 cores), and a *burst* plan is made, one with at least two distinct GPU counts:
 the ILP's time-optimal plan when it is burst, else the ILP under DeepPool's
 objective ``time + price · GPU-time`` at the cheapest price in a sweep that
-gives a burst plan. The plan runs through the executor (gloo, the default
+gives a burst plan, else (where the ILP puts every layer on one count at every
+price, as when ranks share cores) the fastest plan, by the cost model, that runs
+one contiguous run of layers on all ranks and the rest on one. The plan runs through the executor (gloo, the default
 25 MiB gradient buckets) and the measured median iteration time is divided by
-the predicted one (goal: within ±15%). A PNG scatters every layer's measured
+the predicted one (goal: within ±15%). A PNG scatters every stage's measured
 against predicted forward+backward time.
 """
 
@@ -25,9 +27,13 @@ import statistics
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 MODELS = Path(__file__).resolve().parent / "models"
 PRICE_FACTORS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
+TERMS = ("compute", "reshard", "allreduce", "step", "loss")
+"""The terms an iteration is split into: span labels ``term:...`` (``forward``/``backward`` are compute,
+``optimizer`` is the step); rank 0, which runs every layer, is the one split."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,11 +44,65 @@ class Result:
     how: str
     predicted_ms: float
     measured_ms: float
-    layers: tuple[tuple[str, float, float], ...]
+    stages: tuple[tuple[str, float, float], ...]
+    """(stage, predicted, measured forward+backward ms) for each stage of the run."""
+    terms: dict[str, tuple[float, float]]
+    """(predicted, measured) ms per term of :data:`TERMS` on rank 0."""
+    contention: float
+    """:func:`contention` at ``nproc`` just before the run."""
 
     @property
     def ratio(self) -> float:
         return self.measured_ms / self.predicted_ms
+
+    @property
+    def compute(self) -> tuple[float, float]:
+        """(predicted, measured) forward+backward ms summed over the stages."""
+        return sum(p for _, p, _ in self.stages), sum(m for _, _, m in self.stages)
+
+    @property
+    def rest(self) -> tuple[float, float]:
+        """(predicted, measured) ms outside the stages' forward and backward: reshards, loss,
+        gradient all-reduce, optimizer step and the executor's own work."""
+        predicted, measured = self.compute
+        return self.predicted_ms - predicted, self.measured_ms - measured
+
+
+def _timed_work(start: Any, results: Any) -> None:
+    """One single-thread process: a fixed number of 256×256 matmuls, timed after every process is ready."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(1)
+    matrix = torch.randn(256, 256)
+    start.wait()
+    began = time.perf_counter()
+    for _ in range(400):
+        matrix @ matrix
+    results.put(time.perf_counter() - began)
+
+
+def contention(nproc: int) -> float:
+    """How much slower ``nproc`` single-thread processes computing at once run than one alone, now:
+    the slowest one's time for the same work over the lone one's. On an idle host with a core per rank
+    it is about 1; what it exceeds that by is what other work on the host (or shared cores) stretches
+    a run that the profile, measured one process at a time, does not see."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+
+    def run(count: int) -> float:
+        start, results = context.Barrier(count), context.SimpleQueue()
+        processes = [context.Process(target=_timed_work, args=(start, results)) for _ in range(count)]
+        for process in processes:
+            process.start()
+        times = [results.get() for _ in processes]
+        for process in processes:
+            process.join()
+        return max(times)
+
+    return run(nproc) / run(1)
 
 
 def measure_network(nproc: int, path: Path) -> None:
@@ -72,8 +132,30 @@ def burst_plan(model: Path, nproc: int, batch: int, network: Path, cache: Path, 
         if len(set(plan.assignment.values())) > 1:
             plan.save(out)
             return f"ILP, time + {factor:g}x price"
-    planned.plan.save(out)
-    return "no burst plan found: the ILP's"
+    split_burst(planned, nproc).save(out)
+    return "best split: 1 and all ranks"
+
+
+def split_burst(planned: Any, nproc: int) -> Any:
+    """The burst plan the cost model prices fastest among those that run one contiguous run of
+    layers (in topological order) on all ``nproc`` ranks and the others on one: for a machine where
+    the ILP puts every layer on one count at every price (e.g. ranks that share their cores)."""
+    from deeppool.planner.baselines import Baselines
+    from deeppool.planner.plan import build_plan
+
+    cost, plan = planned.cost, planned.plan
+    names = [layer.name for layer in cost.graph.layers]
+    splits = [{name: nproc if first <= i <= last else 1 for i, name in enumerate(names)}
+              for first in range(len(names)) for last in range(first, len(names))]
+    splits = [a for a in splits if len(set(a.values())) > 1]
+    best = min(splits, key=cost.iteration_ms)
+    predicted = plan.predicted
+    baselines = Baselines(data_parallel_ms=predicted.data_parallel_iteration_ms,
+                          deeppool_ms=predicted.deeppool_iteration_ms,
+                          best_data_parallel_gpus=predicted.best_data_parallel_gpus,
+                          best_data_parallel_ms=predicted.best_data_parallel_iteration_ms)
+    return build_plan(cost, best, model=plan.model, gpus=nproc, strategy=plan.strategy,
+                      amplification_limit=plan.amplification_limit, solver=plan.solver, baselines=baselines)
 
 
 def run_plan(plan: Path, nproc: int, steps: int, warmup: int, out: Path) -> dict:
@@ -89,6 +171,39 @@ def run_plan(plan: Path, nproc: int, steps: int, warmup: int, out: Path) -> dict
     return json.loads((out / "summary.json").read_text())
 
 
+def terms(plan: Path, run: Path, warmup: int) -> dict[str, tuple[float, float]]:
+    predicted, measured = predicted_terms(plan), measured_terms(run, warmup)
+    return {term: (predicted.get(term, 0.0), measured.get(term, 0.0)) for term in dict.fromkeys((*TERMS, *measured))}
+
+
+def term_of(label: str) -> str:
+    kind = label.split(":", 1)[0]
+    return {"forward": "compute", "backward": "compute", "optimizer": "step"}.get(kind, kind)
+
+
+def measured_terms(run: Path, warmup: int) -> dict[str, float]:
+    """Rank 0's median per-step ms of each term, from its trace (idle windows left out)."""
+    events = json.loads((run / "trace-rank0.json").read_text())["traceEvents"]
+    per_step: dict[str, dict[int, float]] = {term: {} for term in TERMS}
+    for event in events:
+        if event.get("ph") != "X" or event["args"]["step"] < warmup or event["cat"] not in ("compute", "comm"):
+            continue
+        by_step = per_step.setdefault(term_of(event["name"]), {})
+        by_step[event["args"]["step"]] = by_step.get(event["args"]["step"], 0.0) + event["dur"] / 1e3
+    return {term: statistics.median(by_step.values()) if by_step else 0.0 for term, by_step in per_step.items()}
+
+
+def predicted_terms(plan: Path) -> dict[str, float]:
+    """The plan's figures by term; reshards are what the iteration has beyond its layers' terms."""
+    payload = json.loads(plan.read_text())
+    layers = payload["layers"]
+    terms = {"compute": sum(l["fwd_ms"] + l["bwd_ms"] for l in layers),
+             "allreduce": sum(l["allreduce_ms"] for l in layers), "step": sum(l["step_ms"] for l in layers),
+             "loss": 0.0}
+    terms["reshard"] = payload["predicted"]["iteration_ms"] - sum(terms.values())
+    return terms
+
+
 def one(model: str, nproc: int, args: argparse.Namespace, work: Path) -> Result:
     from deeppool.planner.plan import Plan
 
@@ -97,12 +212,14 @@ def one(model: str, nproc: int, args: argparse.Namespace, work: Path) -> Result:
         measure_network(nproc, network)
     plan_path = work / f"{model}-{nproc}.json"
     how = burst_plan(MODELS / f"{model}.py", nproc, args.batch, network, work / "cache", plan_path)
+    slowdown = contention(nproc)
     summary = run_plan(plan_path, nproc, args.steps, args.warmup, work / f"{model}-{nproc}")
-    layers = tuple((l["name"], l["fwd_predicted"] + l["bwd_predicted"], l["fwd_measured"] + l["bwd_measured"])
-                   for l in summary["layers"])
+    stages = tuple((s["name"], s["fwd_predicted"] + s["bwd_predicted"], s["fwd_measured"] + s["bwd_measured"])
+                   for s in summary["stages"])
     return Result(model=model, nproc=nproc, counts=tuple(sorted(set(Plan.load(plan_path).assignment.values()))),
                   how=how, predicted_ms=summary["iteration_predicted_ms"],
-                  measured_ms=summary["iteration_measured_ms"], layers=layers)
+                  measured_ms=summary["iteration_measured_ms"], stages=stages,
+                  terms=terms(plan_path, work / f"{model}-{nproc}", args.warmup), contention=slowdown)
 
 
 def scatter(results: list[Result], path: Path) -> None:
@@ -113,19 +230,19 @@ def scatter(results: list[Result], path: Path) -> None:
 
     figure, axes = plt.subplots(figsize=(7, 6))
     for result in results:
-        points = [(p, m) for _, p, m in result.layers if p > 0 and m > 0]
+        points = [(p, m) for _, p, m in result.stages if p > 0 and m > 0]
         axes.scatter([p for p, _ in points], [m for _, m in points], s=12, alpha=0.7,
                      label=f"{result.model}, {result.nproc} ranks")
-    low = min(min(p, m) for r in results for _, p, m in r.layers if p > 0 and m > 0)
-    high = max(max(p, m) for r in results for _, p, m in r.layers)
+    low = min(min(p, m) for r in results for _, p, m in r.stages if p > 0 and m > 0)
+    high = max(max(p, m) for r in results for _, p, m in r.stages)
     axes.plot([low, high], [low, high], "k-", linewidth=1, label="measured = predicted")
     axes.fill_between([low, high], [0.85 * low, 0.85 * high], [1.15 * low, 1.15 * high], color="grey", alpha=0.2,
                       label="±15%")
     axes.set_xscale("log")
     axes.set_yscale("log")
-    axes.set_xlabel("predicted forward+backward ms per layer")
+    axes.set_xlabel("predicted forward+backward ms per stage")
     axes.set_ylabel("measured ms (median, slowest rank)")
-    axes.set_title("per-layer fidelity of the cost model on this machine")
+    axes.set_title("per-stage fidelity of the cost model on this machine")
     axes.legend(fontsize="x-small")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -152,12 +269,19 @@ def main() -> None:
             print(f"{model:<14} {nproc} ranks  counts {list(result.counts)!s:<10} {result.how:<28} "
                   f"predicted {result.predicted_ms:9.2f} ms  measured {result.measured_ms:9.2f} ms  "
                   f"measured/predicted {result.ratio:.2f}", flush=True)
+            (compute_p, compute_m), (rest_p, rest_m) = result.compute, result.rest
+            print(f"{'':<14} stages' forward+backward {compute_p:8.2f} / {compute_m:8.2f} ms; "
+                  f"the rest {rest_p:8.2f} / {rest_m:8.2f} ms (predicted / measured); load {os.getloadavg()[0]:.2f}; "
+                  f"{nproc} processes computing at once ran {result.contention:.2f}x slower than one just before",
+                  flush=True)
+            print(f"{'':<14} rank 0 by term (predicted / measured ms): "
+                  + ", ".join(f"{term} {p:.2f} / {m:.2f}" for term, (p, m) in result.terms.items()), flush=True)
     ratios = [r.ratio for r in results]
     within = sum(abs(r - 1) <= 0.15 for r in ratios)
     print(f"median measured/predicted {statistics.median(ratios):.2f}; {within} of {len(ratios)} within ±15%; "
           f"load at the end {os.getloadavg()[0]:.2f}")
     scatter(results, args.scatter)
-    print(f"per-layer scatter written to {args.scatter}")
+    print(f"per-stage scatter written to {args.scatter}")
 
 
 if __name__ == "__main__":

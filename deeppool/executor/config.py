@@ -386,6 +386,8 @@ class ProbeConfig:
     repeats: int = 10
     warmup: int = 3
     timeout_s: float = 120.0
+    busy_ms: float = 10.0
+    """How long rank 0 computes while rank 1 waits blocked before a wake-up message (a stage's compute)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 2:

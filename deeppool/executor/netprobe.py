@@ -8,7 +8,12 @@ over gloo and time, at each message size:
 - point-to-point: a ping-pong between ranks 0 and 1 (``batch_isend_irecv``, as a
   reshard moves activations), half the round trip;
 - all-reduce of a float32 tensor over ranks ``0..g-1`` for every ``g`` in
-  ``2..nproc`` (as a layer's gradients are summed).
+  ``2..nproc`` (as a layer's gradients are summed);
+- at the smallest size, the ping-pong again with rank 0 computing for
+  ``busy_ms`` first while rank 1 waits blocked in its receive (as an idle rank
+  waits for a reshard): what it takes beyond the plain ping-pong is the
+  wake-up latency ``ω_w`` (the woken process must be scheduled again; on a
+  host whose cores are shared that is a scheduler slice, not microseconds).
 
 Every figure is the median over repeats after a warm-up, each repeat started
 after a barrier. Each pattern is then fitted to the cost model's own formula
@@ -53,6 +58,9 @@ from deeppool.planner.jsonio import write_json
 class Pattern(enum.Enum):
     P2P = "p2p"
     ALLREDUCE = "allreduce"
+    WAKEUP = "wakeup"
+    """A ping-pong whose receiver waited blocked while the sender computed (as an idle rank waits
+    for a reshard): not fitted; what it takes beyond the plain ping-pong is the wake-up latency."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +74,7 @@ class Sample:
 
     def terms(self) -> tuple[float, float]:
         """The sample's coefficients of (α, 1/BW) in the cost model's formula."""
-        if self.pattern is Pattern.P2P:
+        if self.pattern is not Pattern.ALLREDUCE:
             return 1.0, float(self.nbytes)
         g = self.ranks
         return 2.0 * math.ceil(math.log2(g)), 2.0 * (g - 1) / g * self.nbytes
@@ -105,6 +113,7 @@ class NetworkFit:
             allreduce_overlap=LOCAL_NETWORK.allreduce_overlap,
             allreduce_efficiency=reduce["bandwidth"] / bandwidth,
             allreduce_latency_factor=reduce["latency_s"] / latency if latency > 0 else 1.0,
+            wakeup_s=wakeup(self.samples),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -119,7 +128,9 @@ class NetworkFit:
                 "host": socket.gethostname(),
                 "cpus": os.cpu_count(),
                 "samples": [s.to_json() | {"fitted_seconds": self.predict(s)} for s in self.samples],
-                "per_pattern": {pattern.value: _figures(self.samples, pattern, self.nproc) for pattern in Pattern},
+                "per_pattern": {pattern.value: _figures(self.samples, pattern, self.nproc)
+                                for pattern in (Pattern.P2P, Pattern.ALLREDUCE)},
+                "wakeup_s": wakeup(self.samples),
             },
         }
 
@@ -127,9 +138,17 @@ class NetworkFit:
         write_json(path, self.to_json())
 
 
+def wakeup(samples: Sequence[Sample]) -> float:
+    """``ω_w``: the median, over the sizes measured both ways, of a wake-up ping-pong's seconds beyond
+    the plain one's (0 if none was measured or none took longer)."""
+    plain = {s.nbytes: s.seconds for s in samples if s.pattern is Pattern.P2P}
+    extra = [s.seconds - plain[s.nbytes] for s in samples if s.pattern is Pattern.WAKEUP and s.nbytes in plain]
+    return max(0.0, statistics.median(extra)) if extra else 0.0
+
+
 def fit(samples: Sequence[Sample], *, nproc: int) -> NetworkFit:
-    """Least squares on relative error for (α, 1/BW), α clamped at 0."""
-    rows = [(*s.terms(), s.seconds) for s in samples if s.seconds > 0]
+    """Least squares on relative error for (α, 1/BW), α clamped at 0 (wake-up samples left out)."""
+    rows = [(*s.terms(), s.seconds) for s in samples if s.seconds > 0 and s.pattern is not Pattern.WAKEUP]
     if not rows:
         raise DeeppoolError("the network probe measured nothing: check --sizes")
     weighted = np.array([(a / t, b / t) for a, b, t in rows])  # each row's target becomes 1
@@ -194,6 +213,9 @@ def _rank_main(rank: int, config: ProbeConfig, port: int, results: Any) -> None:
         tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
         samples.append(Sample(pattern=Pattern.P2P, ranks=2, nbytes=tensor.numel() * 4,
                               seconds=_timed(config, lambda t=tensor: _ping_pong(comm, t)) / 2))
+        if nbytes == min(config.sizes):
+            samples.append(Sample(pattern=Pattern.WAKEUP, ranks=2, nbytes=tensor.numel() * 4,
+                                  seconds=_timed(config, lambda t=tensor: _ping_pong(comm, t), busy=True) / 2))
         for ranks in groups:
             seconds = _timed(config, lambda t=tensor, r=ranks: _all_reduce(comm, t, r))
             samples.append(Sample(pattern=Pattern.ALLREDUCE, ranks=len(ranks), nbytes=tensor.numel() * 4,
@@ -218,15 +240,27 @@ def _all_reduce(comm: Any, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None
         comm.all_reduce(tensor, ranks)
 
 
-def _timed(config: ProbeConfig, work: Callable[[], Any]) -> float:
-    """Median seconds of ``work`` on this rank, each repeat after a barrier."""
+def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: bool = False) -> float:
+    """Median seconds of ``work`` on this rank, each repeat after a barrier; with ``busy``, rank 0
+    first computes for ``config.busy_ms`` (its clock starts after) while the others go on into
+    ``work`` and wait there, blocked."""
     import torch.distributed as dist
 
     times = []
     for repeat in range(config.warmup + config.repeats):
         dist.barrier()
+        if busy and dist.get_rank() == 0:
+            _compute(config.busy_ms / 1e3)
         start = time.perf_counter()
         work()
         if repeat >= config.warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _compute(seconds: float) -> None:
+    """Keep this rank's core busy for ``seconds`` (small matmuls, as a stage's compute)."""
+    matrix = torch.ones(64, 64)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.mm(matrix, matrix)

@@ -116,7 +116,7 @@ def source_profile(source: CostSource, traced: Traced, loaded: LoadedModel, requ
     config = ProfilerConfig(
         device=source.local_device, batches=measured_batches(source.max_measured_batch, max(batches)),
         fit_to=batches, cache_dir=source.cache_dir, show_progress=source.show_progress,
-        threads=source.threads(request),
+        threads=source.threads(request), ranks=request.gpus,
     )
     return measure_profile(traced, loaded, config)
 

@@ -14,29 +14,35 @@ each node across). The predicted iteration time is
     T = Σ_l [ fwd_l(s) + bwd_l(s) + BN_l(g_l) + AR*_l(g_l) + OPT_l ] + Σ_(u→v) 2 · R_uv(g_u, g_v)
 
     AR*_l(g)  gradient all-reduce as the executor does it (``--bucket-mb``, default 25 MiB):
-              gradients join a bucket per rank group; a full bucket is reduced
-              asynchronously while the backward goes on; the last bucket (the
-              first layers, whose gradients come last) waits at the end:
-                = 0                                    if g = 1 or W_l = 0
-                = AR(g, W_l, 1)                        with bucket 0 (one synchronous call per layer)
-                = AR(g, W_l, W_l / b)                  if l is in the last bucket
-                = max(0, AR(g, W_l, W_l / b) − ω·bwd_l)  otherwise (hidden behind the backward;
-                                                      ω the network's overlap: 1 on GPUs, 0 for gloo on CPUs)
+              gradients are copied into a flat bucket per rank group and the sums
+              copied back; a full bucket is reduced asynchronously while the
+              backward goes on; the last bucket (the first layers, whose gradients
+              come last) waits at the end:
+                = 0                                           if g = 1 or W_l = 0
+                = AR(g, W_l, 1) + CP_l                        with bucket 0 (one synchronous call per layer)
+                = AR(g, W_l, W_l / b) + CP_l                  if l is in the last bucket
+                = max(0, AR(g, W_l, W_l / b) + CP_l − ω·bwd_l)  otherwise (hidden behind the backward;
+                                                             ω the network's overlap: 1 on GPUs, 0 for gloo on CPUs)
               with b = min(bucket, Σ_l W_l) (a bucket's latency shared by its layers by
               bytes) and the last bucket the layers whose forward-order prefix of
               parameter bytes is below ``Σ W mod bucket`` (a whole bucket if 0).
+    CP_l      = 4 · W_l / BW_mem   (the reducer flattens the gradients into the bucket, reading and
+              writing W_l, and copies the sums back, reading and writing W_l again; 0 for a layer
+              with one parameter tensor under bucket 0, reduced in place; BW_mem from the profile)
     BN_l(g)   = AR(g, 8(C+1), 1) + AR(g, 8C, 1)  (forward)  +  AR(g, 16C, 1)  (backward)
               for an ``nn.BatchNorm`` layer on g > 1 ranks (C channels): the executor's
               synchronised BatchNorm reduces count and sum, then squared deviations,
               then Σdy and Σdy·(x−μ), in float64, synchronously; a plan's
               ``fwd_ms``/``bwd_ms`` include these.
-    R_uv(g_u, g_v) = 0 if g_u = g_v, else α(G) + A_u · s(min(g_u, g_v)) / BW(G),  G = max(g_u, g_v)
+    R_uv(g_u, g_v) = 0 if g_u = g_v, else α(G) + ω_w + A_u · s(min(g_u, g_v)) / BW(G),  G = max(g_u, g_v)
               (activations resharded forward, their gradients backward; the busiest
               rank moves one shard of the smaller group, over the slowest link the
-              pair crosses: NVLink inside a node, the GPU's NIC share across nodes).
+              pair crosses: NVLink inside a node, the GPU's NIC share across nodes;
+              ω_w the network's wake-up latency: the ranks only in the larger group
+              have waited blocked, and are scheduled again when the shard arrives).
               The ILP carries it with two ladders: ``max(σ(g_u), σ(g_v))`` over in-node
-              counts, ``max(σ_x(g_u), σ_x(g_v))`` over all, ``σ(g) = α_in + A·s(g)/BW_in``,
-              ``σ_x(g) = α_x + A·s(g)/BW_x``; the cheaper one that applies is the term.
+              counts, ``max(σ_x(g_u), σ_x(g_v))`` over all, ``σ(g) = α_in + ω_w + A·s(g)/BW_in``,
+              ``σ_x(g) = α_x + ω_w + A·s(g)/BW_x``; the cheaper one that applies is the term.
     OPT_l     = (3 + 2·k_opt) · W_l / BW_mem
               (the optimizer step reads weights and gradients and writes weights,
                plus k_opt state tensors read and written; BW_mem from the profile)
@@ -156,8 +162,8 @@ class CostModel:
         """(fwd_ms, bwd_ms) of ``layer`` on the busiest of ``gpus`` ranks.
 
         The profile's time at the per-GPU batch ``⌈B/g⌉``, times ``profile.sharing(g)`` where ranks
-        share a host's cores (a CPU run with more ranks than cores: the layer's ``g`` ranks compute at
-        once while the others wait for it)."""
+        share a host's cores (measured by the profiler, or ``g / concurrent_ranks`` with more ranks than
+        cores: the layer's ``g`` ranks compute at once while the others wait for it)."""
         fwd, bwd = self.profile.times(layer.name, self.per_gpu_batch(gpus))
         share = self.profile.sharing(gpus)
         return fwd * share, bwd * share
@@ -168,11 +174,18 @@ class CostModel:
         if gpus == 1 or nbytes == 0:
             return 0.0
         if self.bucket_bytes == 0:
-            return 1e3 * self.network.allreduce_s(gpus, nbytes)
+            return 1e3 * self.network.allreduce_s(gpus, nbytes) + self.bucket_copy_ms(layer)
         full = 1e3 * self.network.allreduce_s(gpus, nbytes, latencies=nbytes / self._bucket_share)
+        full += self.bucket_copy_ms(layer)
         if layer.name in self._tail:
             return full
         return max(0.0, full - self.network.allreduce_overlap * self.compute_ms(layer, gpus)[1])
+
+    def bucket_copy_ms(self, layer: Layer) -> float:
+        """``CP_l = 4·W_l/BW_mem``: the layer's gradients copied into the flat bucket and the sums back."""
+        if self.bucket_bytes == 0 and len(layer.params) <= 1:
+            return 0.0
+        return 1e3 * 4 * self.param_bytes(layer) / self.profile.memory_bandwidth
 
     def batchnorm_ms(self, layer: Layer, gpus: int) -> tuple[float, float]:
         """``BN_l(g)`` split into (forward, backward): synchronised BatchNorm's statistics all-reduces."""
@@ -207,10 +220,12 @@ class CostModel:
         return self._layer_memo[key]
 
     def reshard_side_ms(self, producer: Layer, gpus: int, *, across: bool = False) -> float:
-        """``σ(g)`` (in-node) or, with ``across``, ``σ_x(g)``: one shard of ``gpus`` ranks over one link."""
+        """``σ(g)`` (in-node) or, with ``across``, ``σ_x(g)``: one shard of ``gpus`` ranks over one link,
+        to ranks woken for it."""
         bandwidth = self.network.inter_bandwidth if across else self.network.intra_bandwidth
         latency = self.network.inter_latency_s if across else self.network.intra_latency_s
-        return 1e3 * (latency + self.act_bytes(producer) * self.per_gpu_batch(gpus) / bandwidth)
+        moved = self.act_bytes(producer) * self.per_gpu_batch(gpus)
+        return 1e3 * (latency + self.network.wakeup_s + moved / bandwidth)
 
     def crosses(self, src_gpus: int, dst_gpus: int) -> bool:
         return max(src_gpus, dst_gpus) > self.network.gpus_per_node

@@ -114,6 +114,10 @@ class NetworkModel:
     (ω) is the share of the backward that an asynchronous all-reduce can hide
     behind: 1 on GPUs (NCCL runs beside the compute kernels), 0 for gloo on a
     host's CPU cores, where the reduction competes with the compute for them.
+    ``wakeup_s`` (ω_w) is what a message to a rank that has waited blocked while
+    its peer computed costs beyond one between ranks that are both running (the
+    woken process must be scheduled again): 0 for the presets, measured by
+    ``deeppool profile-network`` on a host whose cores the ranks share.
     """
 
     gpus_per_node: int
@@ -125,8 +129,11 @@ class NetworkModel:
     allreduce_efficiency: float = 1.0
     allreduce_latency_factor: float = 1.0
     allreduce_overlap: float = 1.0
+    wakeup_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.wakeup_s < 0:
+            raise DeeppoolError(f"the wake-up latency {self.wakeup_s} s must be >= 0")
         if self.allreduce_efficiency <= 0 or self.allreduce_latency_factor < 0:
             raise DeeppoolError("the all-reduce efficiency must be positive and its latency factor >= 0")
         if not 0 <= self.allreduce_overlap <= 1:
@@ -223,7 +230,7 @@ class NetworkModel:
         return replace(self, **changes)
 
 
-_OPTIONAL = ("allreduce_efficiency", "allreduce_latency_factor", "allreduce_overlap")
+_OPTIONAL = ("allreduce_efficiency", "allreduce_latency_factor", "allreduce_overlap", "wakeup_s")
 
 
 class KnownDevice(enum.Enum):

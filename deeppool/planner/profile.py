@@ -94,6 +94,10 @@ class Profile:
     concurrent_ranks: int | None = None
     """Ranks that compute at once at the measured speed: on a CPU, the host's cores over the
     intra-op threads a rank was measured with; None where each rank has its own device (a GPU)."""
+    measured_sharing: dict[int, float] = field(default_factory=dict)
+    """On a CPU, ``sharing(g)`` measured by the profiler at some rank counts ``g``: how much slower
+    each of ``g`` workers computing at once ran than one alone (cores shared with other work, SMT
+    siblings or a CPU quota make it differ from ``g / concurrent_ranks``); empty: not measured."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def times(self, layer: str, batch: int) -> tuple[float, float]:
@@ -103,8 +107,17 @@ class Profile:
         return self.layers[layer].at(batch)
 
     def sharing(self, ranks: int) -> float:
-        """How much slower each of ``ranks`` ranks computing at once runs than one measured alone:
-        ``max(1, ranks / concurrent_ranks)`` (ranks beyond the cores share them); 1 on GPUs."""
+        """How much slower each of ``ranks`` ranks computing at once runs than one measured alone.
+
+        Measured (:attr:`measured_sharing`, with ``sharing(1) = 1``): interpolated linearly between the
+        measured counts, and beyond the largest ``m``, ``sharing(m) · g / m`` (time-slicing is linear);
+        else ``max(1, g / concurrent_ranks)`` (ranks beyond the cores share them); 1 on GPUs."""
+        if self.measured_sharing:
+            points = sorted({1: 1.0, **self.measured_sharing}.items())
+            counts = tuple(count for count, _ in points)
+            if ranks >= counts[-1]:
+                return points[-1][1] * ranks / counts[-1]
+            return _interpolate(counts, tuple(value for _, value in points), ranks)
         if self.concurrent_ranks is None:
             return 1.0
         return max(1.0, ranks / self.concurrent_ranks)
@@ -132,6 +145,7 @@ class Profile:
             },
             "fit": None if self.fit is None else {**asdict(self.fit), "measured_batches": list(self.fit.measured_batches)},
             "concurrent_ranks": self.concurrent_ranks,
+            "measured_sharing": {str(count): value for count, value in sorted(self.measured_sharing.items())},
         }
 
     @classmethod
@@ -156,6 +170,7 @@ class Profile:
             layers=layers,
             fit=_fit(payload.get("fit")),
             concurrent_ranks=_concurrent(payload.get("concurrent_ranks")),
+            measured_sharing=_sharing(payload.get("measured_sharing") or {}),
         )
 
     def save(self, path: str | Path) -> None:
@@ -172,6 +187,16 @@ def _concurrent(value: Any) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise DeeppoolError(f"profile JSON has concurrent_ranks {value!r}: it must be a positive integer or null")
     return value
+
+
+def _sharing(entry: Any) -> dict[int, float]:
+    try:
+        sharing = {int(count): float(value) for count, value in dict(entry).items()}
+    except (TypeError, ValueError) as err:
+        raise DeeppoolError(f"profile JSON has a malformed measured_sharing ({err}): regenerate it") from None
+    if any(count < 2 or value <= 0 for count, value in sharing.items()):
+        raise DeeppoolError("profile JSON has measured_sharing at fewer than 2 ranks or a non-positive factor")
+    return sharing
 
 
 def _fit(entry: dict[str, Any] | None) -> FitQuality | None:

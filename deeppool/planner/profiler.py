@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,6 +61,8 @@ class ProfilerConfig:
     max_repeats: int = 9
     spread_bound: float = 0.1
     threads: int | None = None
+    ranks: int | None = None
+    """The ranks a run will start on this host: on a CPU the profiler measures how they share its cores."""
     cache_dir: Path | None = None
     show_progress: bool = True
 
@@ -145,13 +148,14 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
     batches = tuple(sorted(set(config.batches)))
     measured: dict[str, dict[int, Measured]] = {layer.name: {} for layer in graph.layers}
     runners = {layer.name: LayerRunner(traced.module, layer) for layer in graph.layers}
+    params = {layer.name: tuple(traced.module.get_parameter(name) for name in layer.params) for layer in graph.layers}
     if device.type == "cpu":
         steady_allocator()
     try:
         with intra_op_threads(config.threads), Progress(disable=not config.show_progress, transient=True) as progress:
             task = progress.add_task(f"profiling on {device_name(device)}", total=len(batches) * len(graph))
             for batch in reversed(batches):  # the largest first: smaller batches reuse its freed memory
-                for layer, sample in _measure_batch(graph, runners, loaded, batch, device, config, cache):
+                for layer, sample in _measure_batch(graph, runners, params, loaded, batch, device, config, cache):
                     measured[layer][batch] = sample
                     progress.advance(task)
     finally:
@@ -171,7 +175,59 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
         layers={name: times for name, (times, _) in layers.items()},
         fit=_quality(batches, [errors for _, errors in layers.values()], ordered, config.spread_bound),
         concurrent_ranks=_concurrent_ranks(device, config.threads),
+        measured_sharing=measure_sharing(sharing_counts(config.ranks), config.threads or 1)
+        if device.type == "cpu" and config.ranks else {},
     )
+
+
+def sharing_counts(ranks: int | None) -> tuple[int, ...]:
+    """The rank counts whose core sharing is measured: powers of two from 2, and ``ranks`` itself,
+    up to twice the cores (beyond, time-slicing is linear: :meth:`Profile.sharing` extrapolates)."""
+    if not ranks or ranks < 2:
+        return ()
+    top = min(ranks, 2 * (os.cpu_count() or 1))
+    return tuple(sorted({2**k for k in range(1, top.bit_length()) if 2**k <= top} | {top}))
+
+
+def measure_sharing(counts: tuple[int, ...], threads: int, repeats: int = 3, matmuls: int = 250) -> dict[int, float]:
+    """``sharing(g)`` for each ``g`` of ``counts``: the slowest of ``g·threads`` single-threaded workers
+    doing the same fixed work at once over ``threads`` of them alone, measured in turns (alone, then
+    together) so that other work on the host, which comes and goes, weighs on both alike; the median
+    of ``repeats`` turns.
+
+    Workers are threads of this process: a matmul with one intra-op thread runs on its caller with
+    the GIL released, so they compete for the cores as ranks (processes) do."""
+    with intra_op_threads(1):
+        _concurrent_work(threads, matmuls)  # warm-up
+        return {
+            g: statistics.median(
+                _concurrent_work(g * threads, matmuls) / _concurrent_work(threads, matmuls) for _ in range(repeats)
+            )
+            for g in counts
+        }
+
+
+def _concurrent_work(workers: int, matmuls: int) -> float:
+    """Seconds until the last of ``workers`` threads has done ``matmuls`` 256×256 matmuls, all started together."""
+    matrix = torch.randn(256, 256)
+    start = threading.Barrier(workers)
+    finished: list[float] = []
+
+    def work() -> None:
+        torch.set_num_threads(1)  # OpenMP's thread count is per calling thread
+        torch.mm(matrix, matrix)
+        start.wait()
+        began = time.perf_counter()
+        for _ in range(matmuls):
+            torch.mm(matrix, matrix)
+        finished.append(time.perf_counter() - began)
+
+    pool = [threading.Thread(target=work) for _ in range(workers)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    return max(finished)
 
 
 def _concurrent_ranks(device: torch.device, threads: int | None) -> int | None:
@@ -271,6 +327,7 @@ def _quality(
 def _measure_batch(
     graph: LayerGraph,
     runners: dict[str, LayerRunner],
+    params: dict[str, tuple[torch.nn.Parameter, ...]],
     loaded: LoadedModel,
     batch: int,
     device: torch.device,
@@ -285,7 +342,7 @@ def _measure_batch(
         key = _key(layer, args, batch, device, config)
         measured = cache.get(key) if cache else None
         if measured is None:
-            measured, env[layer.name] = _time_layer(runners[layer.name], args, device, config)
+            measured, env[layer.name] = _time_layer(runners[layer.name], params[layer.name], args, device, config)
             if cache:
                 cache.put(key, measured)
         else:
@@ -301,23 +358,24 @@ def _key(layer: Layer, args: list[torch.Tensor], batch: int, device: torch.devic
     shapes = [(tuple(a.shape[1:]), str(a.dtype)) for a in args]
     text = (
         f"{layer.signature}|{shapes}|{batch}|{device_name(device)}|{torch.__version__}|{config.warmup}|"
-        f"{config.repeats}|{config.max_repeats}|{config.spread_bound}|{config.threads}"
+        f"{config.repeats}|{config.max_repeats}|{config.spread_bound}|{config.threads}|fresh-gradients"
     )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _time_layer(
-    runner: LayerRunner, args: list[torch.Tensor], device: torch.device, config: ProfilerConfig
+    runner: LayerRunner, params: tuple[torch.nn.Parameter, ...], args: list[torch.Tensor], device: torch.device,
+    config: ProfilerConfig,
 ) -> tuple[Measured, torch.Tensor]:
     """Timed runs in rounds until their spread is within the bound; the medians of the kept runs."""
     fwd: list[float] = []
     bwd: list[float] = []
-    output = _run_once(runner, args, device)[2]
+    output = _run_once(runner, params, args, device)[2]
     for _ in range(config.warmup - 1):
-        _run_once(runner, args, device)
+        _run_once(runner, params, args, device)
     while True:
         for _ in range(config.repeats):
-            forward_ms, backward_ms, output = _run_once(runner, args, device)
+            forward_ms, backward_ms, output = _run_once(runner, params, args, device)
             fwd.append(forward_ms)
             bwd.append(backward_ms)
         totals = [f + b for f, b in zip(fwd, bwd, strict=True)]
@@ -330,7 +388,15 @@ def _time_layer(
     return Measured(fwd_ms=median_fwd, bwd_ms=median_bwd, spread=spread), output.detach()
 
 
-def _run_once(runner: LayerRunner, args: list[torch.Tensor], device: torch.device) -> tuple[float, float, torch.Tensor]:
+def _run_once(
+    runner: LayerRunner, params: tuple[torch.nn.Parameter, ...], args: list[torch.Tensor], device: torch.device
+) -> tuple[float, float, torch.Tensor]:
+    """One timed forward and backward, the layer's gradients dropped first: the executor's optimizer
+    steps with ``zero_grad(set_to_none=True)``, so its backward writes fresh gradients; accumulating
+    into the previous run's would read and add a whole gradient more (for a 16 MiB weight on this
+    CPU, 12.4 ms of backward instead of 5.2)."""
+    for param in params:
+        param.grad = None
     inputs = [a.detach().requires_grad_(a.is_floating_point()) for a in args]
     forward_ms, output = _timed(device, lambda: runner(*inputs))
     backward_ms = 0.0

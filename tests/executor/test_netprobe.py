@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -72,8 +73,35 @@ def test_the_network_file_round_trips_and_plans_with_it(tmp_path: Path) -> None:
     assert network.intra_bandwidth == 1e9 and network.intra_latency_s == pytest.approx(ALPHA)  # overrides apply
     cost = CostModel(graph=graph, profile=profile, network=loaded, global_batch=4, bucket_bytes=0)
     layer = next(layer for layer in graph.layers if layer.param_bytes)
-    expected = 2 * 0.5 * layer.param_bytes / BW + 2 * ALPHA
+    copy = 4 * layer.param_bytes / profile.memory_bandwidth  # into the bucket and back (weight and bias)
+    expected = 2 * 0.5 * layer.param_bytes / BW + 2 * ALPHA + copy
     assert cost.allreduce_ms(layer, 2) == pytest.approx(1e3 * expected)
+
+
+def test_the_wakeup_latency_is_what_a_blocked_receiver_adds_to_the_ping_pong(tmp_path: Path) -> None:
+    def with_wakeup(config: ProbeConfig) -> list[Sample]:
+        plain = exact(Pattern.P2P, 2, min(config.sizes))
+        return [*synthetic(config), Sample(pattern=Pattern.WAKEUP, ranks=2, nbytes=plain.nbytes,
+                                           seconds=plain.seconds + 3e-3)]
+
+    fitted = probe_network(ProbeConfig(nproc=2, sizes=(4096, 2**20)), launcher=with_wakeup)
+    assert fitted.latency_s == pytest.approx(ALPHA, rel=1e-9), "wake-up samples stay out of the fit"
+    assert fitted.network.wakeup_s == pytest.approx(3e-3)
+    path = tmp_path / "net.json"
+    fitted.save(path)
+    loaded = NetworkModel.load(path)
+    assert loaded.wakeup_s == pytest.approx(3e-3)
+    assert probe_network(ProbeConfig(nproc=2), launcher=synthetic).network.wakeup_s == 0.0
+
+    graph = trace(ModelSpec.parse(model_path("mlp")).load()).graph
+    profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2))
+    cost = CostModel(graph=graph, profile=profile, network=loaded, global_batch=4)
+    still = CostModel(graph=graph, profile=profile, network=replace(loaded, wakeup_s=0.0), global_batch=4)
+    layer = graph.layers[0]
+    assert cost.reshard_ms(layer, 1, 2) == pytest.approx(still.reshard_ms(layer, 1, 2) + 3.0)
+    assert cost.reshard_ms(layer, 2, 2) == 0
+    with pytest.raises(DeeppoolError, match="wake-up latency"):
+        replace(loaded, wakeup_s=-1.0)
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,8 @@ def test_bucketed_allreduce_hides_behind_the_backward_except_the_last_bucket():
                              ("c", ("b",), 8_000_000, 40_000)])
     profile = synthetic.profile(three, {"a": 0.1, "b": 0.1, "c": 0.1}, 0.05, (1, 2, 4, 8, 16, 32))
     cost = CostModel(graph=three, profile=profile, network=NETWORK, global_batch=32, bucket_bytes=16_000_000)
-    full = {n: 1e3 * NETWORK.allreduce_s(4, 8e6, latencies=0.5) for n in "abc"}
+    copy = 1e3 * 4 * 8e6 / profile.memory_bandwidth  # into the flat bucket and the sums back
+    full = {n: 1e3 * NETWORK.allreduce_s(4, 8e6, latencies=0.5) + copy for n in "abc"}
     assert cost.allreduce_ms(three.layer("a"), 4) == pytest.approx(full["a"])  # 24 MB mod 16 MB: a is the last bucket
     hidden = max(0.0, full["b"] - cost.compute_ms(three.layer("b"), 4)[1])
     assert cost.allreduce_ms(three.layer("b"), 4) == pytest.approx(hidden)
@@ -61,6 +62,20 @@ def test_bucketed_allreduce_hides_behind_the_backward_except_the_last_bucket():
     assert on_cpu.allreduce_ms(three.layer("b"), 4) == pytest.approx(full["b"])
     one_call = replace(cost, bucket_bytes=0)
     assert one_call.allreduce_ms(three.layer("b"), 4) == pytest.approx(1e3 * NETWORK.allreduce_s(4, 8e6))
+
+
+def test_the_reducer_copies_gradients_into_the_bucket_and_back_at_the_memory_bandwidth():
+    """``CP_l = 4·W_l/BW_mem`` beside the all-reduce; a lone tensor under bucket 0 is reduced in place."""
+    two = replace(synthetic.layer("a", ("x",), params=8_000_000, act=40_000), params=("a.weight", "a.bias"))
+    graph = replace(GRAPH, layers=(two, GRAPH.layer("b")))
+    cost = replace(_cost(bucket_bytes=0), graph=graph, network=replace(NETWORK, allreduce_overlap=0.0))
+    copy = 1e3 * 4 * 8e6 / cost.profile.memory_bandwidth
+    assert cost.bucket_copy_ms(two) == pytest.approx(copy)
+    assert cost.allreduce_ms(two, 4) == pytest.approx(1e3 * NETWORK.allreduce_s(4, 8e6) + copy)
+    assert cost.bucket_copy_ms(GRAPH.layer("a")) == 0, "one tensor, bucket 0: all-reduced in place"
+    slower = replace(cost, profile=replace(cost.profile, memory_bandwidth=cost.profile.memory_bandwidth / 2))
+    assert slower.bucket_copy_ms(two) == pytest.approx(2 * copy)
+    assert cost.allreduce_ms(two, 1) == 0, "no all-reduce, no bucket, on one rank"
 
 
 def test_synchronised_batchnorm_pays_three_small_allreduces():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,9 @@ from deeppool.planner.graph import TraceMethod
 from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice, Precision
 from deeppool.planner.modelspec import ModelSpec
 from deeppool.planner.profile import LayerTimes, Profile, estimate_ms
-from deeppool.planner.profiler import Measured, ProfileCache, ProfilerConfig, fit_layer, fit_line, measure_profile
+from deeppool.planner.profiler import (
+    Measured, ProfileCache, ProfilerConfig, fit_layer, fit_line, measure_profile, measure_sharing, sharing_counts,
+)
 from deeppool.planner.trace import trace
 from tests.planner import synthetic
 
@@ -40,6 +43,18 @@ def test_measure_then_cache_round_trip(tmp_path):
     assert Profile.load(path) == first
 
 
+def test_every_timed_backward_writes_fresh_gradients_as_the_executor_does():
+    """The executor steps with ``zero_grad(set_to_none=True)``: no backward accumulates into an old gradient."""
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    weight = traced.module.get_parameter(traced.graph.layer("fc1").params[0])
+    found: list[bool] = []
+    weight.register_hook(lambda grad: found.append(weight.grad is None))
+    config = ProfilerConfig(batches=(2,), warmup=2, repeats=3, show_progress=False)
+    measure_profile(traced, loaded, config)
+    assert len(found) >= 5 and all(found), "a run found the previous run's gradient in place"
+
+
 def test_a_cpu_profile_knows_how_many_ranks_its_cores_hold(tmp_path):
     loaded = ModelSpec.parse(str(TINY)).load()
     config = ProfilerConfig(batches=(2,), warmup=0, repeats=1, threads=1, show_progress=False)
@@ -47,6 +62,31 @@ def test_a_cpu_profile_knows_how_many_ranks_its_cores_hold(tmp_path):
     cores = os.cpu_count() or 1
     assert profile.concurrent_ranks == cores
     assert profile.sharing(cores) == 1.0 and profile.sharing(2 * cores) == 2.0
+    ranked = measure_profile(trace(loaded), loaded, replace(config, ranks=2))
+    assert set(ranked.measured_sharing) == {2} and ranked.sharing(2) == ranked.measured_sharing[2]
+
+
+def test_measured_core_sharing_is_interpolated_then_extrapolated_by_time_slicing(tmp_path):
+    base = synthetic.profile(synthetic.graph([("a", ("x",), 4, 4)]), {"a": 1.0}, 0.0, (1, 2))
+    measured = replace(base, concurrent_ranks=2, measured_sharing={2: 1.2, 4: 2.6})
+    assert measured.sharing(1) == 1.0 and measured.sharing(2) == 1.2
+    assert measured.sharing(3) == pytest.approx(1.9) and measured.sharing(8) == pytest.approx(5.2)
+    assert replace(measured, measured_sharing={}).sharing(4) == 2.0, "not measured: cores over threads"
+    path = tmp_path / "profile.json"
+    measured.save(path)
+    assert Profile.load(path) == measured
+    with pytest.raises(DeeppoolError, match="measured_sharing"):
+        Profile.from_json({**measured.to_json(), "measured_sharing": {"1": 1.0}})
+
+
+def test_the_profiler_measures_how_ranks_share_the_cores():
+    cores = os.cpu_count() or 1
+    assert sharing_counts(None) == sharing_counts(1) == ()
+    assert sharing_counts(4) == tuple(sorted({2, 4} & set(range(2, 2 * cores + 1))) or (min(4, 2 * cores),))
+    assert max(sharing_counts(1000)) == 2 * cores
+    measured = measure_sharing((2, 2 * cores), 1, repeats=1, matmuls=60)
+    assert set(measured) == {2, 2 * cores} and all(value > 0 for value in measured.values())
+    assert measured[2 * cores] > 1.2, "twice as many workers as cores cannot run at full speed"
 
 
 def test_interpolation_between_and_beyond_measured_batches():
