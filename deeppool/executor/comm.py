@@ -133,6 +133,16 @@ class TorchComm:
             raise PeerError(f"gathering results on rank 0 failed: {_first_line(err)}") from err
         return out
 
+    def close(self) -> None:
+        """Tear the groups down in the order they were made, then wait for every rank to have done so.
+
+        Left to ``destroy_process_group()`` the ranks close their groups at different moments, and a
+        rank still holding a group whose peer has already closed it can be aborted by gloo; after this
+        only the default group is torn down unsynchronised."""
+        for group in self._groups.values():
+            dist.destroy_process_group(group)
+        self._groups.clear()
+        dist.barrier()
 
     def all_gather(self, values: Sequence[float]) -> list[tuple[float, ...]]:
         mine = torch.tensor(list(values), dtype=torch.float64, device=_device())

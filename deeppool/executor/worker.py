@@ -95,6 +95,7 @@ def run_worker(plan_path: Path, config: RunConfig, env: RankEnv, background: Bac
     report = mux.gather(comm, result.spans) if mux is not None else None
     _write_outputs(result, config.out_dir, mux.trace_spans() if mux else [], report)
     dist.barrier()  # no rank tears its groups down while another still talks in them (gloo aborts on that)
+    comm.close()
     dist.destroy_process_group()
     if result.summary is not None:
         shown = console()
