@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -198,17 +198,10 @@ def _resume(config: RunConfig, engine: Engine, local: LocalModel, rank: int) -> 
         return 0, fresh
     run = load_run(checkpoint.directory, done)
     shards = _shards(checkpoint.directory, done, local, rank)
-    with torch.no_grad():
-        for shard in shards:
-            for name, value in shard.params.items():
-                if name in local.params:
-                    local.params[name].copy_(value)
-            for name, value in shard.buffers.items():
-                if name in local.buffers:
-                    local.buffers[name].copy_(value)
-        for name, value in load_own(checkpoint.directory, done, rank).items():
-            if name in local.buffers:
-                local.buffers[name].copy_(value)
+    for shard in shards:
+        _copy_into(local.params, shard.params)
+        _copy_into(local.buffers, shard.buffers)
+    _copy_into(local.buffers, load_own(checkpoint.directory, done, rank))
     parts = engine.p
     if parts.optimizer is not None and run.optimizer_groups is not None:
         states = {name: state for shard in shards for name, state in shard.optimizer.items()}
@@ -219,9 +212,15 @@ def _resume(config: RunConfig, engine: Engine, local: LocalModel, rank: int) -> 
     if scaler is not None and run.scaler is not None:
         scaler.load_state_dict(run.scaler)
     _load_adaptation(parts, run.adaptation or {})
-    if run.progress is None:  # written without a policy: K never changed
-        return done, replace(fresh, position=run.data_position)
     return done, Progress(**run.progress)
+
+
+def _copy_into(held: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) -> None:
+    """Copy the stored tensors this rank holds into its own, by name."""
+    with torch.no_grad():
+        for name, value in stored.items():
+            if name in held:
+                held[name].copy_(value)
 
 
 def _shards(directory: Path, done: int, local: LocalModel, rank: int) -> list[GroupShard]:
@@ -268,10 +267,9 @@ def _save(
             {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
         scheduler=parts.scheduler.state_dict() if parts.scheduler is not None else None,
         model_keys=keys,
-        data_position=progress.position,
+        progress=progress.to_json(),
         scaler=parts.precision.scaler.state_dict() if parts.precision.scaler is not None else None,
         adaptation=_adaptation_state(parts),
-        progress=progress.to_json(),
     )
     groups = tuple(sorted({layer.gpus for layer in parts.plan.layers}))
     mine = next((g for g in groups if writer(g) == comm.rank), None)

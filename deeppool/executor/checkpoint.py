@@ -72,20 +72,19 @@ class RunState:
     model_keys: dict[str, str]
     """Each key of the user's model's ``state_dict`` and the name its tensor is stored under
     (tied weights are stored once; tensors tracing made up are stored but not exported)."""
-    data_position: int
-    """Global batches consumed."""
+    progress: dict[str, Any]
+    """The data position (global batches consumed) and what a policy may have changed, accumulation and
+    base LR (:class:`~deeppool.executor.adapt.Progress`)."""
     scaler: dict[str, Any] | None = None
     """The fp16 loss scaler's state (:class:`~deeppool.executor.precision.AgreedScaler`)."""
     adaptation: dict[str, Any] | None = None
     """The noise scale's moving averages (rank 0's, which writes this file) and AdaScale's τ and gain
     (``--monitor gns``, ``--lr-scaling adascale``)."""
-    progress: dict[str, Any] | None = None
-    """What a policy may have changed: accumulation and base LR (:class:`~deeppool.executor.adapt.Progress`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "optimizer_groups": self.optimizer_groups, "scheduler": self.scheduler,
-                "model_keys": self.model_keys, "data_position": self.data_position, "scaler": self.scaler,
-                "adaptation": self.adaptation, "progress": self.progress}
+                "model_keys": self.model_keys, "progress": self.progress, "scaler": self.scaler,
+                "adaptation": self.adaptation}
 
 
 def model_keys(model: torch.nn.Module) -> dict[str, str]:

@@ -90,7 +90,7 @@ def test_a_resumed_run_continues_the_data_bit_identically(tmp_path: Path) -> Non
 
     whole = train(4, None)
     train(2, CheckpointConfig(directory=tmp_path, every=2))
-    assert load_run(tmp_path, 2).data_position == 4
+    assert load_run(tmp_path, 2).progress["position"] == 4
     resumed = train(4, CheckpointConfig(directory=tmp_path, every=2, resume=True))
     assert_same(resumed, whole)
     assert resumed[0].losses == whole[0].losses[2:]
