@@ -31,9 +31,9 @@ from typing import Any
 
 MODELS = Path(__file__).resolve().parent / "models"
 PRICE_FACTORS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
-TERMS = ("compute", "reshard", "allreduce", "step", "loss")
-"""The terms an iteration is split into: span labels ``term:...`` (``forward``/``backward`` are compute,
-``optimizer`` is the step); rank 0, which runs every layer, is the one split."""
+TERMS = ("compute", "reshard", "allreduce", "step")
+"""The terms an iteration is split into: span labels ``term:...`` (``forward``/``backward`` and the
+loss are compute, ``optimizer`` is the step); rank 0, which runs every layer, is the one split."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,29 +178,31 @@ def terms(plan: Path, run: Path, warmup: int) -> dict[str, tuple[float, float]]:
 
 def term_of(label: str) -> str:
     kind = label.split(":", 1)[0]
-    return {"forward": "compute", "backward": "compute", "optimizer": "step"}.get(kind, kind)
+    return {"forward": "compute", "backward": "compute", "loss": "compute", "optimizer": "step",
+            "syncbn": "syncbn (within compute)"}.get(kind, kind)
 
 
 def measured_terms(run: Path, warmup: int) -> dict[str, float]:
-    """Rank 0's median per-step ms of each term, from its trace (idle windows left out)."""
+    """Rank 0's median per-step ms of each term, from its trace (idle windows left out; a step
+    without a term counts 0 for it)."""
     events = json.loads((run / "trace-rank0.json").read_text())["traceEvents"]
-    per_step: dict[str, dict[int, float]] = {term: {} for term in TERMS}
-    for event in events:
-        if event.get("ph") != "X" or event["args"]["step"] < warmup or event["cat"] not in ("compute", "comm"):
-            continue
-        by_step = per_step.setdefault(term_of(event["name"]), {})
-        by_step[event["args"]["step"]] = by_step.get(event["args"]["step"], 0.0) + event["dur"] / 1e3
+    spans = [e for e in events if e.get("ph") == "X" and e["args"]["step"] >= warmup and e["cat"] in ("compute", "comm")]
+    steps = sorted({e["args"]["step"] for e in spans})
+    per_step: dict[str, dict[int, float]] = {term: dict.fromkeys(steps, 0.0) for term in TERMS}
+    for event in spans:
+        by_step = per_step.setdefault(term_of(event["name"]), dict.fromkeys(steps, 0.0))
+        by_step[event["args"]["step"]] += event["dur"] / 1e3
     return {term: statistics.median(by_step.values()) if by_step else 0.0 for term, by_step in per_step.items()}
 
 
 def predicted_terms(plan: Path) -> dict[str, float]:
     """The plan's figures by term; reshards are what the iteration has beyond its layers' terms."""
     payload = json.loads(plan.read_text())
-    layers = payload["layers"]
+    layers, predicted = payload["layers"], payload["predicted"]
     terms = {"compute": sum(l["fwd_ms"] + l["bwd_ms"] for l in layers),
-             "allreduce": sum(l["allreduce_ms"] for l in layers), "step": sum(l["step_ms"] for l in layers),
-             "loss": 0.0}
-    terms["reshard"] = payload["predicted"]["iteration_ms"] - sum(terms.values())
+             "allreduce": sum(l["allreduce_ms"] for l in layers),
+             "step": sum(l["step_ms"] for l in layers) + predicted.get("step_call_ms", 0.0)}
+    terms["reshard"] = predicted["iteration_ms"] - sum(terms.values())
     return terms
 
 

@@ -30,7 +30,8 @@ from rich.table import Table
 import torch
 
 from deeppool.planner import baselines
-from deeppool.planner.api import DEFAULT_MAX_CANDIDATES, PlanRequest, device_setup, plan_graph
+from deeppool.planner.api import PlanRequest, device_setup, plan_graph
+from deeppool.planner.request import DEFAULT_MAX_CANDIDATES
 from deeppool.planner.candidates import useful_counts
 from deeppool.planner.cost import CostModel
 from deeppool.planner.graph import Layer, LayerGraph, TraceMethod

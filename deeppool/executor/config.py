@@ -384,10 +384,16 @@ class ProbeConfig:
     nproc: int = 2
     sizes: tuple[int, ...] = DEFAULT_SIZES
     repeats: int = 10
+    """The fewest timed repeats of each pattern and size."""
+    min_seconds: float = 0.4
+    """Repeats go on until each pattern and size has taken about this long (at most ``max_repeats``): a
+    collective on a shared host has a heavy tail (a few ms in one call of three), and what an iteration
+    pays is its mean, which takes many repeats to see."""
+    max_repeats: int = 200
     warmup: int = 3
     timeout_s: float = 120.0
-    busy_ms: float = 10.0
-    """How long rank 0 computes while rank 1 waits blocked before a wake-up message (a stage's compute)."""
+    busy_ms: float = 5.0
+    """How long ranks 0 and 1 compute together before the synchronisation ping-pong (a stage's compute)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 2:
@@ -397,5 +403,8 @@ class ProbeConfig:
             raise DeeppoolError(f"--sizes {sizes}: every message size must be at least 4 bytes")
         if self.repeats < 1:
             raise DeeppoolError(f"--repeats {self.repeats} must be at least 1")
+        if self.max_repeats < self.repeats or self.min_seconds < 0:
+            raise DeeppoolError(f"the most repeats ({self.max_repeats}) must be >= --repeats ({self.repeats}) "
+                                "and the time per size >= 0")
         if self.warmup < 0:
             raise DeeppoolError(f"--warmup {self.warmup} must be >= 0")

@@ -9,14 +9,16 @@ over gloo and time, at each message size:
   reshard moves activations), half the round trip;
 - all-reduce of a float32 tensor over ranks ``0..g-1`` for every ``g`` in
   ``2..nproc`` (as a layer's gradients are summed);
-- at the smallest size, the ping-pong again with rank 0 computing for
-  ``busy_ms`` first while rank 1 waits blocked in its receive (as an idle rank
-  waits for a reshard): what it takes beyond the plain ping-pong is the
-  wake-up latency ``ω_w`` (the woken process must be scheduled again; on a
-  host whose cores are shared that is a scheduler slice, not microseconds).
+- at the smallest size, the ping-pong again with ranks 0 and 1 both computing
+  for ``busy_ms`` first (as the ranks of a stage compute together, then hand
+  their outputs or input gradients on): what its round trip takes beyond the
+  plain one is the synchronisation latency ``ω_w`` (on a host whose cores the
+  ranks share, the first message after concurrent compute waits for gloo's
+  threads to be scheduled again: 1 ms and more on this 2-core VM, against
+  0.1 ms when the receiver sat idle).
 
-Every figure is the median over repeats after a warm-up, each repeat started
-after a barrier. Each pattern is then fitted to the cost model's own formula
+Every figure is the mean over repeats after a warm-up, each repeat started
+after a barrier (the mean, since the iteration pays it: see :func:`_timed`). Each pattern is then fitted to the cost model's own formula
 (:mod:`deeppool.planner.cost`):
 
     point-to-point(n)   = α + n / BW                              (one side of a reshard)
@@ -65,7 +67,7 @@ class Pattern(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class Sample:
-    """One timed pattern: ``ranks`` taking part, ``nbytes`` per message, median ``seconds``."""
+    """One timed pattern: ``ranks`` taking part, ``nbytes`` per message, mean ``seconds``."""
 
     pattern: Pattern
     ranks: int
@@ -93,9 +95,12 @@ class NetworkFit:
     nproc: int
 
     def predict(self, sample: Sample) -> float:
-        """The cost model's seconds for ``sample`` with the fitted figures."""
-        alpha, per_byte = sample.terms()
-        return alpha * self.latency_s + per_byte / self.bandwidth
+        """The cost model's seconds for ``sample`` with the :attr:`network` it was fitted to."""
+        network = self.network
+        if sample.pattern is Pattern.ALLREDUCE:
+            return network.allreduce_s(sample.ranks, sample.nbytes)
+        one_way = network.intra_latency_s + sample.nbytes / network.intra_bandwidth
+        return one_way + (network.wakeup_s / 2 if sample.pattern is Pattern.WAKEUP else 0.0)  # half a round trip
 
     @property
     def network(self) -> NetworkModel:
@@ -139,10 +144,11 @@ class NetworkFit:
 
 
 def wakeup(samples: Sequence[Sample]) -> float:
-    """``ω_w``: the median, over the sizes measured both ways, of a wake-up ping-pong's seconds beyond
-    the plain one's (0 if none was measured or none took longer)."""
+    """``ω_w``: the median, over the sizes measured both ways, of what a round trip after concurrent
+    compute takes beyond the plain one (samples hold half round trips; 0 if none was measured or none
+    took longer). The delay falls on the first message; the reply finds its receiver waiting."""
     plain = {s.nbytes: s.seconds for s in samples if s.pattern is Pattern.P2P}
-    extra = [s.seconds - plain[s.nbytes] for s in samples if s.pattern is Pattern.WAKEUP and s.nbytes in plain]
+    extra = [2 * (s.seconds - plain[s.nbytes]) for s in samples if s.pattern is Pattern.WAKEUP and s.nbytes in plain]
     return max(0.0, statistics.median(extra)) if extra else 0.0
 
 
@@ -241,21 +247,38 @@ def _all_reduce(comm: Any, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None
 
 
 def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: bool = False) -> float:
-    """Median seconds of ``work`` on this rank, each repeat after a barrier; with ``busy``, rank 0
-    first computes for ``config.busy_ms`` (its clock starts after) while the others go on into
-    ``work`` and wait there, blocked."""
+    """Mean seconds of ``work`` on this rank, each repeat after a barrier; with ``busy``, ranks 0
+    and 1 first compute for ``config.busy_ms`` (the clock starts after).
+
+    The mean, not the median: on a host whose cores the ranks share, a small collective takes
+    0.3 ms in most calls and 3–4 ms in about one of three (a median of 0.26 ms, a mean of 1.3 ms
+    for 4 KiB over gloo on 2 ranks of this 2-core VM), and an iteration of many collectives pays the
+    mean. After ``config.repeats`` repeats every rank takes the slowest rank's figures so far and
+    runs as many more as make about ``config.min_seconds`` (at most ``config.max_repeats``), so all
+    ranks agree on the count."""
     import torch.distributed as dist
 
-    times = []
-    for repeat in range(config.warmup + config.repeats):
-        dist.barrier()
-        if busy and dist.get_rank() == 0:
-            _compute(config.busy_ms / 1e3)
-        start = time.perf_counter()
-        work()
-        if repeat >= config.warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    for _ in range(config.warmup):
+        _repeat(config, work, busy)
+    times = [_repeat(config, work, busy) for _ in range(config.repeats)]
+    slowest = torch.tensor([sum(times)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    per_repeat = max(float(slowest) / len(times) + busy * config.busy_ms / 1e3, 1e-6)
+    total = min(config.max_repeats, max(config.repeats, math.ceil(config.min_seconds / per_repeat)))
+    times += [_repeat(config, work, busy) for _ in range(total - len(times))]
+    return statistics.fmean(times)
+
+
+def _repeat(config: ProbeConfig, work: Callable[[], Any], busy: bool) -> float:
+    """One timed repeat after a barrier (ranks 0 and 1 computing first with ``busy``)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if busy and dist.get_rank() < 2:
+        _compute(config.busy_ms / 1e3)
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
 
 
 def _compute(seconds: float) -> None:

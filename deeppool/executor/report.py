@@ -99,7 +99,7 @@ def print_summary(summary: RunSummary, console: Console) -> None:
 
 def fit_table(fitted: NetworkFit) -> Table:
     """Each measured pattern next to the cost model's time with the fitted figures."""
-    table = Table(title="network probe: median time, measured vs the fitted cost model")
+    table = Table(title="network probe: mean time, measured vs the fitted cost model")
     for column in ("pattern", "ranks", "bytes", "measured ms", "model ms", "model/measured"):
         table.add_column(column, justify="left" if column == "pattern" else "right")
     for sample in fitted.samples:

@@ -15,7 +15,8 @@ from deeppool.planner.plan import Plan
 
 @dataclass(frozen=True, kw_only=True)
 class StageTiming:
-    """Per-stage ms: predicted by the plan (the sum over its layers), measured (slowest rank of the stage)."""
+    """Per-stage ms: predicted by the plan (the sum over its layers), measured (slowest rank of the stage);
+    the output layer's stage's forward includes the loss, as the plan's output layer does."""
 
     name: str
     layers: tuple[str, ...]
@@ -102,7 +103,7 @@ def summarise_run(
             layers=stage.layers,
             gpus=stage.gpus,
             fwd_predicted=predicted(stage, "fwd_ms"),
-            fwd_measured=slowest(f"forward:{stage.name}", stage.gpus),
+            fwd_measured=slowest(f"forward:{stage.name}", stage.gpus) + slowest(f"loss:{stage.name}", stage.gpus),
             bwd_predicted=predicted(stage, "bwd_ms"),
             bwd_measured=slowest(f"backward:{stage.name}", stage.gpus),
             allreduce_predicted=predicted(stage, "allreduce_ms"),

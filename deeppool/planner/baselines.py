@@ -60,7 +60,7 @@ def deeppool(cost: CostModel, gpus: int, amplification: float | None) -> dict[st
         for g in counts:
             arrivals = [0.0]
             for name in inputs:
-                options = {p: best[name][p] + 2 * cost.reshard_ms(producers[name], p, g) for p in counts}
+                options = {p: best[name][p] + cost.round_trip_ms(producers[name], p, g) for p in counts}
                 back[layer.name][name][g] = min(options, key=options.__getitem__)
                 arrivals.append(options[back[layer.name][name][g]])
             local = cost.layer_ms(layer, g) + _penalty(cost, layer, g, amplification)

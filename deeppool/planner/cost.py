@@ -11,21 +11,27 @@ keep theirs). ``AR(g, S, k)`` is the network's hierarchical all-reduce of
 (:meth:`NetworkModel.allreduce_s`: NVLink ring inside a node, all NICs of
 each node across). The predicted iteration time is
 
-    T = Σ_l [ fwd_l(s) + bwd_l(s) + BN_l(g_l) + AR*_l(g_l) + OPT_l ] + Σ_(u→v) 2 · R_uv(g_u, g_v)
+    T = Σ_l [ fwd_l(s) + bwd_l(s) + BN_l(g_l) + AR*_l(g_l) + OPT_l ] + LOSS(g_out)
+        + Σ_(u→v) [ R_u(g_u → g_v) + R_u(g_v → g_u) ] + Σ_g ROUNDS(g) + OPT_call
 
     AR*_l(g)  gradient all-reduce as the executor does it (``--bucket-mb``, default 25 MiB):
               gradients are copied into a flat bucket per rank group and the sums
               copied back; a full bucket is reduced asynchronously while the
               backward goes on; the last bucket (the first layers, whose gradients
-              come last) waits at the end:
+              come last) waits at the end. Its bytes, per layer:
                 = 0                                           if g = 1 or W_l = 0
                 = AR(g, W_l, 1) + CP_l                        with bucket 0 (one synchronous call per layer)
-                = AR(g, W_l, W_l / b) + CP_l                  if l is in the last bucket
-                = max(0, AR(g, W_l, W_l / b) + CP_l − ω·bwd_l)  otherwise (hidden behind the backward;
+                = AR(g, W_l, 0) + CP_l                        if l is in the last bucket
+                = max(0, AR(g, W_l, 0) + CP_l − ω·bwd_l)      otherwise (hidden behind the backward;
                                                              ω the network's overlap: 1 on GPUs, 0 for gloo on CPUs)
-              with b = min(bucket, Σ_l W_l) (a bucket's latency shared by its layers by
-              bytes) and the last bucket the layers whose forward-order prefix of
+              with the last bucket the layers whose forward-order prefix of
               parameter bytes is below ``Σ W mod bucket`` (a whole bucket if 0).
+    ROUNDS(g) = AR(g, 0, max(1, (1 − ω)·S_g / b))   for each count g > 1 that holds parameters
+              (S_g the parameter bytes of the layers on g ranks, b the bucket): every rank
+              group reduces its own buckets, and each all-reduce pays the latency rounds;
+              the last one is always exposed, the others hide behind the backward as far as
+              ω lets them. It is reported on the group's first layer with parameters
+              (its gradients come last), in that layer's all-reduce.
     CP_l      = 4 · W_l / BW_mem   (the reducer flattens the gradients into the bucket, reading and
               writing W_l, and copies the sums back, reading and writing W_l again; 0 for a layer
               with one parameter tensor under bucket 0, reduced in place; BW_mem from the profile)
@@ -34,18 +40,26 @@ each node across). The predicted iteration time is
               synchronised BatchNorm reduces count and sum, then squared deviations,
               then Σdy and Σdy·(x−μ), in float64, synchronously; a plan's
               ``fwd_ms``/``bwd_ms`` include these.
-    R_uv(g_u, g_v) = 0 if g_u = g_v, else α(G) + ω_w + A_u · s(min(g_u, g_v)) / BW(G),  G = max(g_u, g_v)
-              (activations resharded forward, their gradients backward; the busiest
-              rank moves one shard of the smaller group, over the slowest link the
-              pair crosses: NVLink inside a node, the GPU's NIC share across nodes;
-              ω_w the network's wake-up latency: the ranks only in the larger group
-              have waited blocked, and are scheduled again when the shard arrives).
-              The ILP carries it with two ladders: ``max(σ(g_u), σ(g_v))`` over in-node
-              counts, ``max(σ_x(g_u), σ_x(g_v))`` over all, ``σ(g) = α_in + ω_w + A·s(g)/BW_in``,
-              ``σ_x(g) = α_x + ω_w + A·s(g)/BW_x``; the cheaper one that applies is the term.
-    OPT_l     = (3 + 2·k_opt) · W_l / BW_mem
+    R_u(a → b) = 0 if a = b, else σ(min(a, b)) + ω_w·[a > 1]
+              (``u``'s activations resharded forward from ``g_u`` to ``g_v`` ranks, their
+              gradients backward from ``g_v`` to ``g_u``; the busiest rank moves one shard of
+              the smaller group over the slowest link the pair crosses: NVLink inside a
+              node, the GPU's NIC share across nodes, ``σ(g) = α + A_u · s(g) / BW``;
+              ω_w the network's synchronisation latency, paid when the sending side is a
+              stage of several ranks that just computed together).
+              The ILP carries ``σ`` with two ladders: ``max(σ(g_u), σ(g_v))`` over in-node
+              counts, ``max(σ_x(g_u), σ_x(g_v))`` over all, ``σ(g) = α_in + A·s(g)/BW_in``,
+              ``σ_x(g) = α_x + A·s(g)/BW_x``; the cheaper one that applies is the term;
+              ``ω_w`` rides on the ladder's entry and exit by count.
+    OPT_l     = (3 + 2·k_opt) · W_l / BW_mem + n_l · o_tensor
               (the optimizer step reads weights and gradients and writes weights,
-               plus k_opt state tensors read and written; BW_mem from the profile)
+               plus k_opt state tensors read and written; BW_mem from the profile;
+               n_l the layer's parameter tensors, o_tensor the optimizer's measured
+               cost per tensor)
+    OPT_call  the optimizer's measured cost per ``step()`` and ``zero_grad()`` call, once per
+              iteration (a phase on every rank at its end)
+    LOSS(g)   the loss function's forward and backward at the output layer's per-GPU batch
+              ``s(g_out)``, measured by the profiler; part of the output layer's phases
 
 Layers run one after another (branches included), each phase on the ranks it
 uses: this is the schedule :func:`schedule` lays out, from which GPU-time,
@@ -139,11 +153,6 @@ class CostModel:
         return layer.act_bytes * self.precision.scale(layer.dtype)
 
     @cached_property
-    def _bucket_share(self) -> float:
-        total = sum(self.param_bytes(layer) for layer in self.graph.layers)
-        return max(min(self.bucket_bytes, total), 1.0)
-
-    @cached_property
     def _tail(self) -> frozenset[str]:
         """The layers in the last gradient bucket: the first ones, whose gradients come last."""
         total = sum(self.param_bytes(layer) for layer in self.graph.layers)
@@ -175,11 +184,27 @@ class CostModel:
             return 0.0
         if self.bucket_bytes == 0:
             return 1e3 * self.network.allreduce_s(gpus, nbytes) + self.bucket_copy_ms(layer)
-        full = 1e3 * self.network.allreduce_s(gpus, nbytes, latencies=nbytes / self._bucket_share)
-        full += self.bucket_copy_ms(layer)
+        full = 1e3 * self.network.allreduce_s(gpus, nbytes, latencies=0.0) + self.bucket_copy_ms(layer)
         if layer.name in self._tail:
             return full
         return max(0.0, full - self.network.allreduce_overlap * self.compute_ms(layer, gpus)[1])
+
+    def rounds_ms(self, gpus: int, group_bytes: float) -> float:
+        """``ROUNDS(g)``: the latency rounds of the all-reduces of a rank group holding ``group_bytes``."""
+        if self.bucket_bytes == 0 or gpus == 1 or group_bytes <= 0:
+            return 0.0
+        rounds = max(1.0, (1 - self.network.allreduce_overlap) * group_bytes / self.bucket_bytes)
+        return 1e3 * self.network.allreduce_s(gpus, 0.0, latencies=rounds)
+
+    def group_rounds_ms(self, assignment: Mapping[str, int]) -> dict[str, float]:
+        """``ROUNDS(g)`` of every rank group, by the group's first layer with parameters."""
+        groups: dict[int, list[Layer]] = {}
+        for layer in self.graph.layers:
+            if self.param_bytes(layer) > 0:
+                groups.setdefault(assignment[layer.name], []).append(layer)
+        found = {members[0].name: self.rounds_ms(g, sum(self.param_bytes(m) for m in members))
+                 for g, members in groups.items()}
+        return {name: ms for name, ms in found.items() if ms > 0}
 
     def bucket_copy_ms(self, layer: Layer) -> float:
         """``CP_l = 4·W_l/BW_mem``: the layer's gradients copied into the flat bucket and the sums back."""
@@ -196,15 +221,31 @@ class CostModel:
         return 1e3 * forward, 1e3 * self.network.allreduce_s(gpus, _STATS_BYTES * 2 * channels)
 
     def phases_ms(self, layer: Layer, gpus: int) -> tuple[float, float]:
-        """(forward, backward) ms the layer holds its ranks: compute plus synchronised BatchNorm."""
+        """(forward, backward) ms the layer holds its ranks: compute plus synchronised BatchNorm, and
+        for the output layer the loss."""
         fwd, bwd = self.compute_ms(layer, gpus)
         bn_fwd, bn_bwd = self.batchnorm_ms(layer, gpus)
-        return fwd + bn_fwd, bwd + bn_bwd
+        loss_fwd, loss_bwd = self.loss_ms(layer, gpus)
+        return fwd + bn_fwd + loss_fwd, bwd + bn_bwd + loss_bwd
+
+    def loss_ms(self, layer: Layer, gpus: int) -> tuple[float, float]:
+        """``LOSS(g)`` as (forward, backward) for the output layer, (0, 0) for the others."""
+        if layer.name != self.graph.output:
+            return 0.0, 0.0
+        fwd, bwd = self.profile.loss_times(self.per_gpu_batch(gpus))
+        share = self.profile.sharing(gpus)
+        return fwd * share, bwd * share
 
     def step_ms(self, layer: Layer) -> float:
         """The optimizer step over the layer's parameters (the same on each of its ranks)."""
         moved = (3 + 2 * self.optimizer.state_factor) * self.param_bytes(layer)
-        return 1e3 * moved / self.profile.memory_bandwidth
+        per_tensor = self.profile.overhead(self.optimizer.value).per_tensor_ms
+        return 1e3 * moved / self.profile.memory_bandwidth + per_tensor * len(layer.params)
+
+    @property
+    def step_call_ms(self) -> float:
+        """``OPT_call``: the optimizer's per-call cost, paid once per iteration."""
+        return self.profile.overhead(self.optimizer.value).call_ms
 
     @cached_property
     def _layer_memo(self) -> dict[tuple[str, int], float]:
@@ -220,22 +261,31 @@ class CostModel:
         return self._layer_memo[key]
 
     def reshard_side_ms(self, producer: Layer, gpus: int, *, across: bool = False) -> float:
-        """``σ(g)`` (in-node) or, with ``across``, ``σ_x(g)``: one shard of ``gpus`` ranks over one link,
-        to ranks woken for it."""
+        """``σ(g)`` (in-node) or, with ``across``, ``σ_x(g)``: one shard of ``gpus`` ranks over one link."""
         bandwidth = self.network.inter_bandwidth if across else self.network.intra_bandwidth
         latency = self.network.inter_latency_s if across else self.network.intra_latency_s
         moved = self.act_bytes(producer) * self.per_gpu_batch(gpus)
-        return 1e3 * (latency + self.network.wakeup_s + moved / bandwidth)
+        return 1e3 * (latency + moved / bandwidth)
+
+    def sync_ms(self, gpus: int) -> float:
+        """``ω_w·[g > 1]``: the first message from a stage whose ``gpus`` ranks just computed together."""
+        return 1e3 * self.network.wakeup_s if gpus > 1 else 0.0
 
     def crosses(self, src_gpus: int, dst_gpus: int) -> bool:
         return max(src_gpus, dst_gpus) > self.network.gpus_per_node
 
     def reshard_ms(self, producer: Layer, src_gpus: int, dst_gpus: int) -> float:
-        """``R``: one direction of moving ``producer``'s output between GPU counts."""
+        """``R_u(src → dst)``: one direction of moving ``producer``'s output (or its gradient) between GPU counts."""
         if src_gpus == dst_gpus:
             return 0.0
         smaller = min(src_gpus, dst_gpus)
-        return self.reshard_side_ms(producer, smaller, across=self.crosses(src_gpus, dst_gpus))
+        side = self.reshard_side_ms(producer, smaller, across=self.crosses(src_gpus, dst_gpus))
+        return side + self.sync_ms(src_gpus)
+
+    def round_trip_ms(self, producer: Layer, producer_gpus: int, consumer_gpus: int) -> float:
+        """Both directions of an edge: activations forward, their gradients back."""
+        return (self.reshard_ms(producer, producer_gpus, consumer_gpus)
+                + self.reshard_ms(producer, consumer_gpus, producer_gpus))
 
     def amplification(self, layer: Layer, gpus: int) -> float:
         single = self.layer_ms(layer, 1)
@@ -252,10 +302,10 @@ class CostModel:
         """The predicted iteration time T of the formula above."""
         compute = sum(self.layer_ms(layer, assignment[layer.name]) for layer in self.graph.layers)
         moves = sum(
-            2 * self.reshard_ms(self.graph.layer(src), assignment[src], assignment[dst])
+            self.round_trip_ms(self.graph.layer(src), assignment[src], assignment[dst])
             for src, dst in self.graph.edges()
         )
-        return compute + moves
+        return compute + moves + sum(self.group_rounds_ms(assignment).values()) + self.step_call_ms
 
     def gpu_seconds(self, assignment: Mapping[str, int]) -> float:
         """GPU-seconds of one iteration: every phase's duration times the ranks it holds."""
@@ -276,24 +326,27 @@ class CostModel:
                 clock += duration
 
         producers = {layer.name: layer for layer in self.graph.layers}
+        rounds = self.group_rounds_ms(assignment)
 
-        def reshards(layer: Layer, g: int) -> None:
+        def reshards(layer: Layer, g: int, *, forward: bool) -> None:
             for src in dict.fromkeys(layer.inputs):
                 if src in producers:
-                    move = self.reshard_ms(producers[src], assignment[src], g)
+                    ends = (assignment[src], g) if forward else (g, assignment[src])
+                    move = self.reshard_ms(producers[src], *ends)
                     add(PhaseKind.RESHARD, layer.name, move, max(assignment[src], g))
 
         for layer in self.graph.layers:
             g = assignment[layer.name]
-            reshards(layer, g)
+            reshards(layer, g, forward=True)
             add(PhaseKind.FORWARD, layer.name, self.phases_ms(layer, g)[0], g)
         for layer in reversed(self.graph.layers):
             g = assignment[layer.name]
             add(PhaseKind.BACKWARD, layer.name, self.phases_ms(layer, g)[1], g)
-            add(PhaseKind.ALLREDUCE, layer.name, self.allreduce_ms(layer, g), g)
-            reshards(layer, g)
+            add(PhaseKind.ALLREDUCE, layer.name, self.allreduce_ms(layer, g) + rounds.get(layer.name, 0.0), g)
+            reshards(layer, g, forward=False)
         for layer in self.graph.layers:
             add(PhaseKind.OPTIMIZER, layer.name, self.step_ms(layer), assignment[layer.name])
+        add(PhaseKind.OPTIMIZER, "", self.step_call_ms, max(assignment.values(), default=1))
         return phases
 
 

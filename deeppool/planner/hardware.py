@@ -114,9 +114,10 @@ class NetworkModel:
     (ω) is the share of the backward that an asynchronous all-reduce can hide
     behind: 1 on GPUs (NCCL runs beside the compute kernels), 0 for gloo on a
     host's CPU cores, where the reduction competes with the compute for them.
-    ``wakeup_s`` (ω_w) is what a message to a rank that has waited blocked while
-    its peer computed costs beyond one between ranks that are both running (the
-    woken process must be scheduled again): 0 for the presets, measured by
+    ``wakeup_s`` (ω_w) is what the first message after ranks computed together
+    (a stage on several ranks handing its output, or its input gradients, on)
+    costs beyond one between ranks that sat idle (gloo's threads must be
+    scheduled again on cores the compute held): 0 for the presets, measured by
     ``deeppool profile-network`` on a host whose cores the ranks share.
     """
 

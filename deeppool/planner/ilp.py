@@ -1,8 +1,9 @@
 """The burst-parallel ILP (pulp): every layer picks one GPU count.
 
 Variables: ``x[l,g] ∈ {0,1}``, layer ``l`` runs on ``g`` GPUs (one count per
-layer). The reshard cost of an edge ``u→v``, ``R(g_u, g_v) = [g_u ≠ g_v] ·
-(max(σ(g_u), σ(g_v)) + [max(g_u, g_v) > node]·max(δ(g_u), δ(g_v)))`` with ``σ``
+layer). The reshard cost of an edge ``u→v`` each way, ``R(g_u, g_v) = [g_u ≠ g_v] ·
+(max(σ(g_u), σ(g_v)) + [max(g_u, g_v) > node]·max(δ(g_u), δ(g_v)))`` (plus the
+sending side's synchronisation latency) with ``σ``
 the cost model's in-node side time and ``δ`` what crossing nodes adds (together
 ``σ_x(min(g_u, g_v))`` when the pair crosses nodes), is carried by small
 min-cost flows per edge (*ladders*: one over the in-node counts with sides
@@ -11,10 +12,12 @@ descending are levels ``1..K``; one unit of flow goes from ``u``'s count to
 ``v``'s, either straight (``stay_g``, free, only when the counts are equal) or
 into the ladder at level ``i`` (cost ``σ_i``), down the ladder (free) or up it
 (``σ_k − σ_{k+1}`` a rung) and out at level ``j``; the cheapest such path
-costs exactly ``σ_min(i,j) = max(σ_i, σ_j)``. Minimise the cost model's
-iteration time::
+costs exactly ``σ_min(i,j) = max(σ_i, σ_j)``; the synchronisation latency
+of each direction (``ω_g = ω_w·[g > 1]`` for the sending count ``g``) is paid
+on entry and exit. Minimise the cost model's iteration time::
 
-    Σ_l Σ_g x[l,g]·layer_ms_l(g)·(1 + price·g/1000) + Σ_e Σ_ladders 2·(Σ_k σ_k·enter_k + Σ_k (σ_k − σ_{k+1})·up_k)
+    Σ_l Σ_g x[l,g]·layer_ms_l(g)·(1 + price·g/1000)
+      + Σ_e Σ_ladders [2·(Σ_k σ_k·enter_k + Σ_k (σ_k − σ_{k+1})·up_k) + Σ_k ω_k·(enter_k + leave_k)]
     s.t.  Σ_g x[l,g] = 1,   stay_g + Σ_ladders enter_g = x[u,g],   stay_g + Σ_ladders leave_g = x[v,g],
           flow conservation on every ladder level,
           Σ_l Σ_g x[l,g]·mem_l(g) ≤ device memory           (rank 0 runs every layer)
@@ -122,6 +125,7 @@ def _formulate(
         objective.update(_edge(problem, cost, index, src, x[src], x[dst]))
     for index, group in enumerate(cost.graph.tied()):
         _tie(problem, index, [x[name] for name in group])
+    objective.update(_rounds(problem, cost, x, price))
     problem.setObjective(pulp.LpAffineExpression(objective))
     if memory_bytes is not None:
         usage = {
@@ -131,6 +135,32 @@ def _formulate(
         }
         _constrain(problem, usage, pulp.LpConstraintLE, memory_bytes / 2**20, "memory")
     return problem, x
+
+
+def _rounds(
+    problem: pulp.LpProblem, cost: CostModel, x: dict[str, dict[int, pulp.LpVariable]], price: float
+) -> dict[pulp.LpVariable, float]:
+    """Each rank group's all-reduce latency rounds, ``ROUNDS(g) = L(g)·max(1, (1 − ω)·S_g/b)`` when some
+    layer with parameters runs on ``g > 1`` ranks: ``used_g ≥ x[l,g]`` for those layers, ``z_g ≥ used_g``,
+    ``z_g ≥ (1 − ω)·Σ_l x[l,g]·W_l/b``, cost ``L(g)·z_g`` (the cost model's :meth:`CostModel.rounds_ms`)."""
+    objective: dict[pulp.LpVariable, float] = {}
+    holders = [layer for layer in cost.graph.layers if cost.param_bytes(layer) > 0]
+    share = 1 - cost.network.allreduce_overlap
+    for g in sorted({g for layer in holders for g in x[layer.name] if g > 1}):
+        latency = cost.rounds_ms(g, 1.0)
+        if latency <= 0:
+            continue
+        used = problem.add_variable(f"used_{g}", lowBound=0, upBound=1)
+        rounds = problem.add_variable(f"rounds_{g}", lowBound=0)
+        members = [layer for layer in holders if g in x[layer.name]]
+        for k, layer in enumerate(members):
+            _constrain(problem, {used: 1.0, x[layer.name][g]: -1.0}, pulp.LpConstraintGE, 0.0, f"used_{g}_{k}")
+        _constrain(problem, {rounds: 1.0, used: -1.0}, pulp.LpConstraintGE, 0.0, f"rounds_{g}")
+        if share > 0:
+            bytes_in = {x[layer.name][g]: -share * cost.param_bytes(layer) / cost.bucket_bytes for layer in members}
+            _constrain(problem, {rounds: 1.0, **bytes_in}, pulp.LpConstraintGE, 0.0, f"buckets_{g}")
+        objective[rounds] = latency * (1 + price * g / 1e3)
+    return objective
 
 
 def _tie(problem: pulp.LpProblem, index: int, choices: list[dict[int, pulp.LpVariable]]) -> None:
@@ -173,11 +203,13 @@ def _edge(
     producer = cost.graph.layer(src)
     counts = sorted(set(xu) | set(xv))
     inside = [g for g in counts if g <= cost.network.gpus_per_node]
+    sync = {g: cost.sync_ms(g) for g in counts}
     rails = []
     if len(inside) > 1:
-        rails.append(_ladder(problem, f"{index}", {g: cost.reshard_side_ms(producer, g) for g in inside}))
+        rails.append(_ladder(problem, f"{index}", {g: cost.reshard_side_ms(producer, g) for g in inside}, sync))
     if len(inside) < len(counts):
-        rails.append(_ladder(problem, f"{index}x", {g: cost.reshard_side_ms(producer, g, across=True) for g in counts}))
+        rails.append(_ladder(problem, f"{index}x", {g: cost.reshard_side_ms(producer, g, across=True) for g in counts},
+                             sync))
     objective: dict[pulp.LpVariable, float] = {}
     for k, g in enumerate(counts):
         stay = problem.add_variable(f"s_{index}_{k}", lowBound=0) if g in xu and g in xv else None
@@ -202,8 +234,9 @@ class _Rail:
     objective: dict[pulp.LpVariable, float]
 
 
-def _ladder(problem: pulp.LpProblem, tag: str, side: dict[int, float]) -> _Rail:
-    """Levels sorted by side descending: enter at ``σ_i``, go down free, up at ``σ_k − σ_{k+1}``, leave free."""
+def _ladder(problem: pulp.LpProblem, tag: str, side: dict[int, float], sync: dict[int, float]) -> _Rail:
+    """Levels sorted by side descending: enter at ``σ_i``, go down free, up at ``σ_k − σ_{k+1}``, leave free;
+    entering from and leaving to count ``g`` adds ``sync[g]`` (the direction that count sends)."""
     levels = sorted(side, key=lambda g: (-side[g], g))
     sides = [side[g] for g in levels]
 
@@ -217,7 +250,8 @@ def _ladder(problem: pulp.LpProblem, tag: str, side: dict[int, float]) -> _Rail:
     leave: dict[int, pulp.LpVariable] = {}
     for k, g in enumerate(levels):
         enter[g], leave[g] = flow("e", k), flow("l", k)
-        objective[enter[g]] = 2 * sides[k]
+        objective[enter[g]] = 2 * sides[k] + sync[g]
+        objective[leave[g]] = sync[g]
         ladder = {enter[g]: 1.0, leave[g]: -1.0}
         if k:
             ladder[down[k - 1]] = 1.0

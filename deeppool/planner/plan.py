@@ -91,6 +91,10 @@ class Prediction:
     best_data_parallel_gpus: int = 0
     best_data_parallel_iteration_ms: float = 0.0
     speedup_vs_best_data_parallel: float = 0.0
+    step_call_ms: float = 0.0
+    """The optimizer's per-call cost in ``iteration_ms`` (``OPT_call`` of :mod:`deeppool.planner.cost`)."""
+    loss_ms: float = 0.0
+    """The loss's forward and backward, part of the output layer's ``fwd_ms`` and ``bwd_ms``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,7 +235,9 @@ def build_plan(
     baselines: Baselines,
 ) -> Plan:
     """Everything a Plan states, derived from ``assignment`` through ``cost``."""
-    layers = tuple(_plan_layer(cost, layer.name, assignment[layer.name]) for layer in cost.graph.layers)
+    rounds = cost.group_rounds_ms(assignment)
+    layers = tuple(_plan_layer(cost, layer.name, assignment[layer.name], rounds.get(layer.name, 0.0))
+                   for layer in cost.graph.layers)
     phases = cost.schedule(assignment)
     iteration = cost.iteration_ms(assignment)
     busy = sum((p.end_ms - p.start_ms) * p.ranks for p in phases)
@@ -250,6 +256,8 @@ def build_plan(
         idle_gpu_fraction=max(0.0, 1.0 - busy / (iteration * gpus)) if iteration > 0 else 0.0,
         peak_memory_bytes=cost.peak_memory_bytes(assignment),
         idle_windows=tuple(idle_windows(phases, gpus, iteration)),
+        step_call_ms=cost.step_call_ms,
+        loss_ms=sum(cost.loss_ms(cost.graph.layer(cost.graph.output), assignment[cost.graph.output])),
     )
     return Plan(
         model=model,
@@ -267,7 +275,8 @@ def build_plan(
     )
 
 
-def _plan_layer(cost: CostModel, name: str, gpus: int) -> PlannedLayer:
+def _plan_layer(cost: CostModel, name: str, gpus: int, rounds_ms: float) -> PlannedLayer:
+    """The layer's figures; ``rounds_ms``: its rank group's all-reduce latency rounds, if it reports them."""
     layer = cost.graph.layer(name)
     fwd, bwd = cost.phases_ms(layer, gpus)
     return PlannedLayer(
@@ -278,7 +287,7 @@ def _plan_layer(cost: CostModel, name: str, gpus: int) -> PlannedLayer:
         samples=sample_ranges(cost.global_batch, gpus),
         fwd_ms=fwd,
         bwd_ms=bwd,
-        allreduce_ms=cost.allreduce_ms(layer, gpus),
+        allreduce_ms=cost.allreduce_ms(layer, gpus) + rounds_ms,
         step_ms=cost.step_ms(layer),
         amplification=cost.amplification(layer, gpus),
         memory_bytes=cost.memory_bytes(layer, gpus),

@@ -4,8 +4,10 @@ A Profile is either *measured* (by :mod:`deeppool.planner.profiler` on a local
 CPU or CUDA device) or *estimated* from a :class:`DeviceModel`. Times at a
 batch size between measured ones are interpolated linearly; above the largest
 they are extrapolated from the last two points. The Profile also carries the
-device's memory size, which the planner's memory constraint uses, and its
-effective memory bandwidth, from which the optimizer step time follows.
+device's memory size, which the planner's memory constraint uses, its
+effective memory bandwidth, from which the optimizer step's memory traffic
+follows, and, when measured, what a step costs beyond that traffic
+(:class:`StepOverhead`) and the loss function's times (:attr:`Profile.loss`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,20 @@ def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StepOverhead:
+    """One optimizer's step beyond its memory traffic: a fixed cost per call (``step()`` and
+    ``zero_grad()``, once per iteration on every rank) and one per parameter tensor (its update
+    loop's dispatch), measured by the profiler on tiny tensors; 0 where not measured."""
+
+    call_ms: float = 0.0
+    per_tensor_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.call_ms >= 0 and self.per_tensor_ms >= 0):
+            raise DeeppoolError("a step overhead must be >= 0: regenerate the profile")
+
+
+@dataclass(frozen=True, kw_only=True)
 class FitQuality:
     """How well a measured profile's line fits held its points, and how noisy the measuring was."""
 
@@ -98,6 +114,11 @@ class Profile:
     """On a CPU, ``sharing(g)`` measured by the profiler at some rank counts ``g``: how much slower
     each of ``g`` workers computing at once ran than one alone (cores shared with other work, SMT
     siblings or a CPU quota make it differ from ``g / concurrent_ranks``); empty: not measured."""
+    step_overhead: dict[str, StepOverhead] = field(default_factory=dict)
+    """By optimizer (``sgd``, ``adam``): its measured :class:`StepOverhead`; empty: not measured."""
+    loss: LayerTimes | None = None
+    """The loss function's (forward, backward) ms by per-GPU batch, on the output layer's ranks; None:
+    not measured (an estimated profile)."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def times(self, layer: str, batch: int) -> tuple[float, float]:
@@ -105,6 +126,16 @@ class Profile:
         if batch <= 0:
             return 0.0, 0.0
         return self.layers[layer].at(batch)
+
+    def loss_times(self, batch: int) -> tuple[float, float]:
+        """(fwd_ms, bwd_ms) of the loss at a per-GPU batch of ``batch`` samples (0 where not measured)."""
+        if self.loss is None or batch <= 0:
+            return 0.0, 0.0
+        return self.loss.at(batch)
+
+    def overhead(self, optimizer: str) -> StepOverhead:
+        """The measured :class:`StepOverhead` of ``optimizer`` (zero where not measured)."""
+        return self.step_overhead.get(optimizer, StepOverhead())
 
     def sharing(self, ranks: int) -> float:
         """How much slower each of ``ranks`` ranks computing at once runs than one measured alone.
@@ -139,26 +170,20 @@ class Profile:
             "dtype": self.dtype,
             "memory_bytes": self.memory_bytes,
             "memory_bandwidth": self.memory_bandwidth,
-            "layers": {
-                name: {"batches": list(t.batches), "fwd_ms": list(t.fwd_ms), "bwd_ms": list(t.bwd_ms)}
-                for name, t in self.layers.items()
-            },
+            "layers": {name: _times_json(t) for name, t in self.layers.items()},
             "fit": None if self.fit is None else {**asdict(self.fit), "measured_batches": list(self.fit.measured_batches)},
             "concurrent_ranks": self.concurrent_ranks,
             "measured_sharing": {str(count): value for count, value in sorted(self.measured_sharing.items())},
+            "step_overhead": {name: asdict(overhead) for name, overhead in sorted(self.step_overhead.items())},
+            "loss": None if self.loss is None else _times_json(self.loss),
         }
 
     @classmethod
     def from_json(cls, payload: dict[str, Any]) -> Profile:
         try:
-            layers = {
-                str(name): LayerTimes(
-                    batches=tuple(int(b) for b in entry["batches"]),
-                    fwd_ms=tuple(float(t) for t in entry["fwd_ms"]),
-                    bwd_ms=tuple(float(t) for t in entry["bwd_ms"]),
-                )
-                for name, entry in json_field(payload, "layers", kind="profile").items()
-            }
+            layers = {str(name): _times(entry) for name, entry in json_field(payload, "layers", kind="profile").items()}
+            loss = None if payload.get("loss") is None else _times(payload["loss"])
+            overhead = {str(name): StepOverhead(**entry) for name, entry in (payload.get("step_overhead") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise DeeppoolError(f"profile JSON has a malformed layer entry ({err}): regenerate it") from None
         return cls(
@@ -171,6 +196,8 @@ class Profile:
             fit=_fit(payload.get("fit")),
             concurrent_ranks=_concurrent(payload.get("concurrent_ranks")),
             measured_sharing=_sharing(payload.get("measured_sharing") or {}),
+            step_overhead=overhead,
+            loss=loss,
         )
 
     def save(self, path: str | Path) -> None:
@@ -179,6 +206,15 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         return cls.from_json(read_json(path, kind="profile", schema_version=PROFILE_SCHEMA_VERSION))
+
+
+def _times_json(times: LayerTimes) -> dict[str, list[float]]:
+    return {"batches": list(times.batches), "fwd_ms": list(times.fwd_ms), "bwd_ms": list(times.bwd_ms)}
+
+
+def _times(entry: dict[str, Any]) -> LayerTimes:
+    return LayerTimes(batches=tuple(int(b) for b in entry["batches"]), fwd_ms=tuple(float(t) for t in entry["fwd_ms"]),
+                      bwd_ms=tuple(float(t) for t in entry["bwd_ms"]))
 
 
 def _concurrent(value: Any) -> int | None:

@@ -19,6 +19,12 @@ GPU-time than on one, and the planner never extrapolates from two noisy
 points. The fit's relative error at the measured points is reported
 (:class:`~deeppool.planner.profile.FitQuality`).
 
+Beyond the layers, the profiler measures what an iteration runs outside them:
+the model's loss function on the output layer's value at each batch (forward,
+then backward, fitted as a layer is), and each optimizer's cost beyond its
+memory traffic (:func:`measure_step_overhead`: a fixed cost per ``step()`` and
+``zero_grad()`` call and one per parameter tensor).
+
 Results are cached on disk by layer signature, input shapes, batch, dtype,
 device and torch version, and the cache is written as it goes (at most once a
 second, and when the run ends or is interrupted), so re-planning the same
@@ -41,13 +47,15 @@ from pathlib import Path
 
 import torch
 from rich.progress import Progress
+from torch.utils import _pytree as pytree
 
 from deeppool.errors import DeeppoolError
 from deeppool.planner.graph import Layer, LayerGraph
 from deeppool.planner.jsonio import write_json
 from deeppool.planner.layer_exec import LayerRunner
 from deeppool.planner.modelspec import LoadedModel
-from deeppool.planner.profile import FitQuality, LayerTimes, Profile
+from deeppool.planner.cost import Optimizer
+from deeppool.planner.profile import FitQuality, LayerTimes, Profile, StepOverhead
 from deeppool.planner.trace import Traced
 
 
@@ -146,14 +154,14 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
     traced.module.to(device)
     cache = ProfileCache(config.cache_dir) if config.cache_dir else None
     batches = tuple(sorted(set(config.batches)))
-    measured: dict[str, dict[int, Measured]] = {layer.name: {} for layer in graph.layers}
+    measured: dict[str, dict[int, Measured]] = {name: {} for name in (*graph.names, LOSS)}
     runners = {layer.name: LayerRunner(traced.module, layer) for layer in graph.layers}
     params = {layer.name: tuple(traced.module.get_parameter(name) for name in layer.params) for layer in graph.layers}
     if device.type == "cpu":
         steady_allocator()
     try:
         with intra_op_threads(config.threads), Progress(disable=not config.show_progress, transient=True) as progress:
-            task = progress.add_task(f"profiling on {device_name(device)}", total=len(batches) * len(graph))
+            task = progress.add_task(f"profiling on {device_name(device)}", total=len(batches) * (len(graph) + 1))
             for batch in reversed(batches):  # the largest first: smaller batches reuse its freed memory
                 for layer, sample in _measure_batch(graph, runners, params, loaded, batch, device, config, cache):
                     measured[layer][batch] = sample
@@ -164,8 +172,12 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
     for parameter in traced.module.parameters():
         parameter.grad = None  # timing the backward passes left gradients behind
     targets = tuple(sorted(set(batches) | set(config.fit_to)))
+    losses = measured.pop(LOSS)
+    loss = fit_layer(batches, [losses[b] for b in batches], targets)[0]
     ordered = {name: [samples[b] for b in batches] for name, samples in measured.items()}
     layers = {name: fit_layer(batches, samples, targets) for name, samples in ordered.items()}
+    with intra_op_threads(config.threads):
+        overhead = measure_step_overhead(device)
     return Profile(
         device=device_name(device),
         source="measured",
@@ -177,7 +189,39 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
         concurrent_ranks=_concurrent_ranks(device, config.threads),
         measured_sharing=measure_sharing(sharing_counts(config.ranks), config.threads or 1)
         if device.type == "cpu" and config.ranks else {},
+        step_overhead=overhead,
+        loss=loss,
     )
+
+
+LOSS = "<loss>"
+"""The loss function's key among the measured entries (no layer name has angle brackets)."""
+
+
+def measure_step_overhead(device: torch.device, repeats: int = 15, tensors: int = 33) -> dict[str, StepOverhead]:
+    """Each optimizer's step beyond its memory traffic: ``step()`` then ``zero_grad(set_to_none=True)``
+    (as the executor steps) over 1 and over ``tensors`` tiny parameters, the median of ``repeats``;
+    the difference per extra tensor is the per-tensor cost, the rest the per-call cost."""
+    found = {}
+    for optimizer in Optimizer:
+        one, many = (_step_ms(optimizer, device, count, repeats) for count in (1, tensors))
+        per_tensor = max(0.0, (many - one) / (tensors - 1))
+        found[optimizer.value] = StepOverhead(call_ms=max(0.0, one - per_tensor), per_tensor_ms=per_tensor)
+    return found
+
+
+def _step_ms(optimizer: Optimizer, device: torch.device, count: int, repeats: int) -> float:
+    params = [torch.nn.Parameter(torch.zeros(16, device=device)) for _ in range(count)]
+    step = torch.optim.Adam(params, lr=1e-3) if optimizer is Optimizer.ADAM else torch.optim.SGD(params, lr=1e-3)
+
+    def once() -> float:
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        return _timed(device, lambda: (step.step(), step.zero_grad(set_to_none=True)))[0]
+
+    for _ in range(3):
+        once()
+    return statistics.median(once() for _ in range(repeats))
 
 
 def sharing_counts(ranks: int | None) -> tuple[int, ...]:
@@ -352,6 +396,45 @@ def _measure_batch(
             if last_use.get(name) == index:
                 env.pop(name, None)
         yield layer.name, measured
+    yield LOSS, _measure_loss(loaded, env[graph.output], batch, device, config, cache)
+
+
+def _measure_loss(
+    loaded: LoadedModel, output: object, batch: int, device: torch.device, config: ProfilerConfig,
+    cache: ProfileCache | None,
+) -> Measured:
+    """The loss function on the output layer's value at ``batch`` (targets from the model's own
+    ``targets``): forward, then backward from the loss, as the executor's loss op and backward run it."""
+    targets = loaded.targets(batch)
+    targets = None if targets is None else targets.to(device)
+    leaves = [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+    shapes = [(tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves]
+    text = f"loss|{getattr(loaded.loss, '__qualname__', loaded.loss)}|{shapes}|{batch}|{device_name(device)}|" \
+           f"{torch.__version__}|{config.threads}"
+    key = hashlib.sha256(text.encode()).hexdigest()
+    found = cache.get(key) if cache else None
+    if found is not None:
+        return found
+    fwd, bwd = [], []
+    for repeat in range(config.warmup + max(config.repeats, 5)):
+        value = pytree.tree_map(_fresh_leaf, output)
+        forward_ms, loss = _timed(device, lambda v=value: loaded.loss(v, targets))
+        backward_ms = _timed(device, loss.backward)[0] if isinstance(loss, torch.Tensor) and loss.requires_grad else 0.0
+        if repeat >= config.warmup:
+            fwd.append(forward_ms)
+            bwd.append(backward_ms)
+    totals = [f + b for f, b in zip(fwd, bwd, strict=True)]
+    measured = Measured(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd), spread=_spread(totals))
+    if cache:
+        cache.put(key, measured)
+    return measured
+
+
+def _fresh_leaf(value: object) -> object:
+    """A floating tensor as a new leaf that takes gradients (the loss's backward starts there)."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().requires_grad_(True)
+    return value
 
 
 def _key(layer: Layer, args: list[torch.Tensor], batch: int, device: torch.device, config: ProfilerConfig) -> str:

@@ -57,9 +57,10 @@ class Solved:
 
 
 def objective_ms(cost: CostModel, assignment: Mapping[str, int], price: float) -> float:
-    """What the ILP minimises: ``T + price · Σ_l g_l · layer_ms_l(g_l) / 1000``."""
+    """What the ILP minimises: ``T + price · (Σ_l g_l · layer_ms_l(g_l) + Σ_g g · ROUNDS(g)) / 1000``."""
     layers = sum(assignment[layer.name] * cost.layer_ms(layer, assignment[layer.name]) for layer in cost.graph.layers)
-    return cost.iteration_ms(assignment) + price * layers / 1e3
+    rounds = sum(assignment[name] * ms for name, ms in cost.group_rounds_ms(assignment).items())
+    return cost.iteration_ms(assignment) + price * (layers + rounds) / 1e3
 
 
 def solve_all(cost: CostModel, search: Search) -> Solved:

@@ -78,7 +78,7 @@ def test_the_network_file_round_trips_and_plans_with_it(tmp_path: Path) -> None:
     assert cost.allreduce_ms(layer, 2) == pytest.approx(1e3 * expected)
 
 
-def test_the_wakeup_latency_is_what_a_blocked_receiver_adds_to_the_ping_pong(tmp_path: Path) -> None:
+def test_the_sync_latency_is_what_concurrent_compute_adds_to_the_round_trip(tmp_path: Path) -> None:
     def with_wakeup(config: ProbeConfig) -> list[Sample]:
         plain = exact(Pattern.P2P, 2, min(config.sizes))
         return [*synthetic(config), Sample(pattern=Pattern.WAKEUP, ranks=2, nbytes=plain.nbytes,
@@ -86,11 +86,11 @@ def test_the_wakeup_latency_is_what_a_blocked_receiver_adds_to_the_ping_pong(tmp
 
     fitted = probe_network(ProbeConfig(nproc=2, sizes=(4096, 2**20)), launcher=with_wakeup)
     assert fitted.latency_s == pytest.approx(ALPHA, rel=1e-9), "wake-up samples stay out of the fit"
-    assert fitted.network.wakeup_s == pytest.approx(3e-3)
+    assert fitted.network.wakeup_s == pytest.approx(6e-3), "samples are half round trips; the delay is on one leg"
     path = tmp_path / "net.json"
     fitted.save(path)
     loaded = NetworkModel.load(path)
-    assert loaded.wakeup_s == pytest.approx(3e-3)
+    assert loaded.wakeup_s == pytest.approx(6e-3)
     assert probe_network(ProbeConfig(nproc=2), launcher=synthetic).network.wakeup_s == 0.0
 
     graph = trace(ModelSpec.parse(model_path("mlp")).load()).graph
@@ -98,7 +98,10 @@ def test_the_wakeup_latency_is_what_a_blocked_receiver_adds_to_the_ping_pong(tmp
     cost = CostModel(graph=graph, profile=profile, network=loaded, global_batch=4)
     still = CostModel(graph=graph, profile=profile, network=replace(loaded, wakeup_s=0.0), global_batch=4)
     layer = graph.layers[0]
-    assert cost.reshard_ms(layer, 1, 2) == pytest.approx(still.reshard_ms(layer, 1, 2) + 3.0)
+    assert cost.reshard_ms(layer, 2, 1) == pytest.approx(still.reshard_ms(layer, 2, 1) + 6.0), "sent by a 2-rank stage"
+    assert cost.reshard_ms(layer, 1, 2) == pytest.approx(still.reshard_ms(layer, 1, 2)), "sent by one rank"
+    assert cost.round_trip_ms(layer, 1, 4) == pytest.approx(still.round_trip_ms(layer, 1, 4) + 6.0)
+    assert cost.round_trip_ms(layer, 2, 4) == pytest.approx(still.round_trip_ms(layer, 2, 4) + 12.0)
     assert cost.reshard_ms(layer, 2, 2) == 0
     with pytest.raises(DeeppoolError, match="wake-up latency"):
         replace(loaded, wakeup_s=-1.0)

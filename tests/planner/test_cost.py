@@ -13,7 +13,7 @@ from deeppool.planner.api import PlanRequest, plan_graph
 from deeppool.planner.hardware import DEVICES, KnownDevice, NetworkModel, Precision
 from deeppool.planner.modelspec import ModelSource, ModelSpec
 from deeppool.planner.plan import Plan
-from deeppool.planner.profile import estimate_ms, estimated_profile
+from deeppool.planner.profile import LayerTimes, StepOverhead, estimate_ms, estimated_profile
 from tests.planner import synthetic
 
 SPEC = ModelSpec(source=ModelSource.FACTORY, location="tests.models.factories:small_cnn", input_shape=(3, 8, 8))
@@ -54,7 +54,7 @@ def test_bucketed_allreduce_hides_behind_the_backward_except_the_last_bucket():
     profile = synthetic.profile(three, {"a": 0.1, "b": 0.1, "c": 0.1}, 0.05, (1, 2, 4, 8, 16, 32))
     cost = CostModel(graph=three, profile=profile, network=NETWORK, global_batch=32, bucket_bytes=16_000_000)
     copy = 1e3 * 4 * 8e6 / profile.memory_bandwidth  # into the flat bucket and the sums back
-    full = {n: 1e3 * NETWORK.allreduce_s(4, 8e6, latencies=0.5) + copy for n in "abc"}
+    full = {n: 1e3 * NETWORK.allreduce_s(4, 8e6, latencies=0.0) + copy for n in "abc"}
     assert cost.allreduce_ms(three.layer("a"), 4) == pytest.approx(full["a"])  # 24 MB mod 16 MB: a is the last bucket
     hidden = max(0.0, full["b"] - cost.compute_ms(three.layer("b"), 4)[1])
     assert cost.allreduce_ms(three.layer("b"), 4) == pytest.approx(hidden)
@@ -62,6 +62,27 @@ def test_bucketed_allreduce_hides_behind_the_backward_except_the_last_bucket():
     assert on_cpu.allreduce_ms(three.layer("b"), 4) == pytest.approx(full["b"])
     one_call = replace(cost, bucket_bytes=0)
     assert one_call.allreduce_ms(three.layer("b"), 4) == pytest.approx(1e3 * NETWORK.allreduce_s(4, 8e6))
+    assert one_call.group_rounds_ms(dict.fromkeys("abc", 4)) == {}, "each layer's call pays its own latency"
+
+
+def test_every_rank_group_pays_its_own_all_reduce_latency_rounds():
+    """A group's buckets are its own: a lone small layer on 4 ranks pays a whole all-reduce latency."""
+    three = synthetic.graph([("a", ("x",), 8_000_000, 40_000), ("b", ("a",), 8_000_000, 40_000),
+                             ("c", ("b",), 20_000, 40_000)])
+    profile = synthetic.profile(three, {"a": 0.1, "b": 0.1, "c": 0.1}, 0.05, (1, 2, 4, 8, 16, 32))
+    cost = CostModel(graph=three, profile=profile, network=NETWORK, global_batch=32, bucket_bytes=4_000_000)
+    latency = 1e3 * NETWORK.allreduce_s(4, 0.0)
+    assert cost.group_rounds_ms({"a": 2, "b": 2, "c": 4}) == {
+        "a": pytest.approx(1e3 * NETWORK.allreduce_s(2, 0.0)), "c": pytest.approx(latency)}
+    assert cost.group_rounds_ms({"a": 1, "b": 1, "c": 1}) == {}, "no group of one rank all-reduces"
+    on_cpu = replace(cost, network=replace(NETWORK, allreduce_overlap=0.0))
+    buckets = 16_020_000 / 4_000_000  # nothing hides behind the backward: one latency per bucket
+    assert on_cpu.group_rounds_ms(dict.fromkeys("abc", 4)) == {"a": pytest.approx(buckets * latency)}
+    assignment = {"a": 2, "b": 2, "c": 4}
+    base = sum(cost.layer_ms(three.layer(n), g) for n, g in assignment.items()) + sum(
+        cost.round_trip_ms(three.layer(u), assignment[u], assignment[v]) for u, v in three.edges())
+    assert cost.iteration_ms(assignment) == pytest.approx(base + sum(cost.group_rounds_ms(assignment).values()))
+    assert cost.schedule(assignment)[-1].end_ms == pytest.approx(cost.iteration_ms(assignment))
 
 
 def test_the_reducer_copies_gradients_into_the_bucket_and_back_at_the_memory_bandwidth():
@@ -116,8 +137,27 @@ def test_optimizer_step_and_memory_follow_the_optimizer():
     assert adam.step_ms(a) == pytest.approx(7 / 3 * sgd.step_ms(a))
     assert adam.memory_bytes(a, 4) - sgd.memory_bytes(a, 4) == 2 * 8_000_000
     assert sgd.iteration_ms({"a": 4, "b": 2}) == pytest.approx(
-        sgd.layer_ms(a, 4) + sgd.layer_ms(GRAPH.layer("b"), 2) + 2 * sgd.reshard_ms(a, 4, 2)
+        sgd.layer_ms(a, 4) + sgd.layer_ms(GRAPH.layer("b"), 2) + 2 * sgd.reshard_ms(a, 4, 2) + sgd.rounds_ms(4, 8e6)
     )
+
+
+def test_the_loss_and_the_optimizers_fixed_costs_are_priced_where_the_executor_pays_them():
+    base = _cost()
+    loss = LayerTimes(batches=(8, 16), fwd_ms=(0.2, 0.3), bwd_ms=(0.4, 0.5))
+    overhead = {"sgd": StepOverhead(call_ms=0.25, per_tensor_ms=0.01)}
+    cost = _cost(profile=replace(base.profile, loss=loss, step_overhead=overhead))
+    a, b = GRAPH.layer("a"), GRAPH.layer("b")
+    assert GRAPH.output == "b"
+    assert cost.phases_ms(b, 2) == pytest.approx(tuple(x + y for x, y in zip(base.phases_ms(b, 2), (0.3, 0.5))))
+    assert cost.phases_ms(a, 2) == base.phases_ms(a, 2), "only the output layer runs the loss"
+    assert cost.step_ms(a) == pytest.approx(base.step_ms(a) + 0.01 * len(a.params))
+    assignment = {"a": 4, "b": 2}
+    assert cost.iteration_ms(assignment) == pytest.approx(
+        base.iteration_ms(assignment) + 0.3 + 0.5 + 0.01 * len(a.params) + 0.25)
+    phases = cost.schedule(assignment)
+    assert phases[-1].end_ms == pytest.approx(cost.iteration_ms(assignment)), "the step's call ends the iteration"
+    assert (phases[-1].ranks, phases[-1].end_ms - phases[-1].start_ms) == (4, pytest.approx(0.25))
+    assert _cost(optimizer=Optimizer.ADAM, profile=cost.profile).step_call_ms == 0, "Adam's overhead not measured"
 
 
 def test_compute_is_priced_at_the_precision_peak_and_the_plan_records_it():

@@ -33,9 +33,14 @@ def test_measure_then_cache_round_trip(tmp_path):
     assert set(first.layers) == set(traced.graph.names)
     assert all(len(t.fwd_ms) == 2 and min(t.fwd_ms) > 0 for t in first.layers.values())
     assert first.layers["fc1"].bwd_ms[0] > 0
-    assert len(ProfileCache(tmp_path).entries) == 2 * len(traced.graph)
+    assert len(ProfileCache(tmp_path).entries) == 2 * (len(traced.graph) + 1), "every layer and the loss, per batch"
+    assert first.loss is not None and first.loss.batches == (1, 4) and min(first.loss.fwd_ms) > 0
+    assert min(first.loss.bwd_ms) > 0, "the loss's backward is timed"
+    assert set(first.step_overhead) == {"sgd", "adam"}
+    assert all(o.call_ms > 0 and o.per_tensor_ms > 0 for o in first.step_overhead.values())
     again = measure_profile(traced, loaded, config)
     assert again.layers == first.layers, "a second profile of the same layers comes from the cache"
+    assert again.loss == first.loss
     assert first.memory_bandwidth > 1e8
     assert first.concurrent_ranks == max(1, (os.cpu_count() or 1) // torch.get_num_threads())
     path = tmp_path / "profile.json"
