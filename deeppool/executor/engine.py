@@ -25,7 +25,8 @@ from deeppool.executor.local_model import LocalModel
 from deeppool.executor.monitor import AdaScaleLr, GradientMonitor
 from deeppool.executor.overlap import StageOverlap, install_hooks
 from deeppool.executor.precision import MixedPrecision
-from deeppool.executor.program import Op, OpKind, Program, Stage, Transfer, grad_flows
+from deeppool.executor.program import Op, OpKind, Program, Stage, Transfer
+from deeppool.planner.graph import grad_flows
 from deeppool.executor.comm import Comm
 from deeppool.executor.timing import Category, Recorder, Span
 from deeppool.planner.plan import IdleWindow, Plan, PlannedLayer

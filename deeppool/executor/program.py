@@ -34,7 +34,7 @@ import enum
 from dataclasses import dataclass
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.graph import LayerGraph
+from deeppool.planner.graph import LayerGraph, grad_flows
 from deeppool.planner.plan import IdleWindow, Plan, PlannedLayer
 
 
@@ -123,17 +123,6 @@ def transfers(
             if start < end:
                 moves.append(Transfer(src=src_rank, dst=dst_rank, start=start, end=end))
     return tuple(moves)
-
-
-def grad_flows(graph: LayerGraph) -> dict[str, bool]:
-    """Whether a gradient reaches each layer's output (float output fed by parameters)."""
-    flows: dict[str, bool] = {}
-    for layer in graph.layers:
-        floating = layer.dtype.startswith(("float", "bfloat", "complex"))
-        flows[layer.name] = floating and (
-            bool(layer.params) or any(flows.get(src, False) for src in layer.inputs)
-        )
-    return flows
 
 
 def partition(plan: Plan, graph: LayerGraph) -> tuple[Stage, ...]:

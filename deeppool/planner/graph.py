@@ -191,3 +191,14 @@ class LayerGraph:
             output=str(field(payload, "output", kind="graph")),
             method=TraceMethod(field(payload, "method", kind="graph")),
         )
+
+
+def grad_flows(graph: LayerGraph) -> dict[str, bool]:
+    """Whether a gradient reaches each layer's output (float output fed by parameters)."""
+    flows: dict[str, bool] = {}
+    for layer in graph.layers:
+        floating = layer.dtype.startswith(("float", "bfloat", "complex"))
+        flows[layer.name] = floating and (
+            bool(layer.params) or any(flows.get(src, False) for src in layer.inputs)
+        )
+    return flows

@@ -1,7 +1,8 @@
 """The per-layer profiler: forward and backward time of every layer, measured, then fitted.
 
 Each layer runs alone (:class:`LayerRunner`) on the activations its producers
-computed, at a few per-GPU batch sizes (``batches``): ``warmup`` untimed runs,
+computed (taking gradients where the executor's do: not the model's inputs, nor
+outputs no parameter feeds), at a few per-GPU batch sizes (``batches``): ``warmup`` untimed runs,
 then timed runs (``time.perf_counter`` on the CPU, CUDA events on a GPU) in
 rounds of ``repeats`` until the spread of the kept runs (outliers beyond
 3 scaled median absolute deviations, MAD, dropped; spread = scaled MAD over
@@ -50,7 +51,7 @@ from rich.progress import Progress
 from torch.utils import _pytree as pytree
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.graph import Layer, LayerGraph
+from deeppool.planner.graph import Layer, LayerGraph, grad_flows
 from deeppool.planner.jsonio import write_json
 from deeppool.planner.layer_exec import LayerRunner
 from deeppool.planner.modelspec import LoadedModel
@@ -162,10 +163,19 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
     try:
         with intra_op_threads(config.threads), Progress(disable=not config.show_progress, transient=True) as progress:
             task = progress.add_task(f"profiling on {device_name(device)}", total=len(batches) * (len(graph) + 1))
+            fresh: dict[int, set[str]] = {}
             for batch in reversed(batches):  # the largest first: smaller batches reuse its freed memory
-                for layer, sample in _measure_batch(graph, runners, params, loaded, batch, device, config, cache):
+                for layer, sample, cached in _measure_batch(graph, runners, params, loaded, batch, device, config,
+                                                            cache):
                     measured[layer][batch] = sample
+                    if not cached:
+                        fresh.setdefault(batch, set()).add(layer)
                     progress.advance(task)
+            for batch in reversed(batches):
+                first = {name: measured[name][batch] for name in heavy(measured, batch, fresh.get(batch, set()))}
+                for layer, sample, _ in _measure_batch(graph, runners, params, loaded, batch, device, config, cache,
+                                                       retake=first):
+                    measured[layer][batch] = sample
     finally:
         if cache:
             cache.save()
@@ -178,12 +188,13 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
     layers = {name: fit_layer(batches, samples, targets) for name, samples in ordered.items()}
     with intra_op_threads(config.threads):
         overhead = measure_step_overhead(device)
+        bandwidth = memory_bandwidth(device)  # with a rank's threads, as its optimizer steps
     return Profile(
         device=device_name(device),
         source="measured",
         dtype=graph.layers[0].dtype if graph.layers else "float32",
         memory_bytes=device_memory(device),
-        memory_bandwidth=memory_bandwidth(device),
+        memory_bandwidth=bandwidth,
         layers={name: times for name, (times, _) in layers.items()},
         fit=_quality(batches, [errors for _, errors in layers.values()], ordered, config.spread_bound),
         concurrent_ranks=_concurrent_ranks(device, config.threads),
@@ -377,16 +388,26 @@ def _measure_batch(
     device: torch.device,
     config: ProfilerConfig,
     cache: ProfileCache | None,
+    retake: dict[str, Measured] | None = None,
 ):
-    """Yield (layer, (fwd_ms, bwd_ms)) for every layer at ``batch``, keeping few activations alive."""
+    """Yield (layer, measured, from the cache) for every layer at ``batch``, then the loss, keeping few
+    activations alive. With ``retake`` (layer → its first measurement), time only those layers again
+    and yield the faster of the two measurements of each."""
     env = dict(zip(graph.inputs, (t.to(device) for t in loaded.inputs(batch)), strict=True))
+    flows = grad_flows(graph)
     last_use = {name: index for index, layer in enumerate(graph.layers) for name in layer.inputs}
     for index, layer in enumerate(graph.layers):
         args = [env[name] for name in layer.inputs]
-        key = _key(layer, args, batch, device, config)
-        measured = cache.get(key) if cache else None
-        if measured is None:
-            measured, env[layer.name] = _time_layer(runners[layer.name], params[layer.name], args, device, config)
+        grads = tuple(flows.get(name, False) for name in layer.inputs)
+        key = _key(layer, args, grads, batch, device, config)
+        timing = retake is None or layer.name in retake
+        measured = cache.get(key) if cache and retake is None else None
+        cached = measured is not None
+        if measured is None and timing:
+            timed = Timed(runner=runners[layer.name], params=params[layer.name], args=args, grads=grads)
+            measured, env[layer.name] = _time_layer(timed, device, config)
+            if retake is not None:
+                measured = min(retake[layer.name], measured, key=lambda m: m.fwd_ms + m.bwd_ms)
             if cache:
                 cache.put(key, measured)
         else:
@@ -395,8 +416,22 @@ def _measure_batch(
         for name in layer.inputs:
             if last_use.get(name) == index:
                 env.pop(name, None)
-        yield layer.name, measured
-    yield LOSS, _measure_loss(loaded, env[graph.output], batch, device, config, cache)
+        if timing:
+            yield layer.name, measured, cached
+    if retake is None:
+        yield LOSS, _measure_loss(loaded, env[graph.output], batch, device, config, cache), True
+
+
+def heavy(measured: dict[str, dict[int, Measured]], batch: int, fresh: set[str], share: float = 0.05) -> set[str]:
+    """The layers measured afresh at ``batch`` that take at least ``share`` of its time: they are timed a
+    second time, later, and the faster measurement kept. A host can turn slow for a while (in this VM a
+    16 MiB gradient sometimes page-faults afresh on every allocation, doubling a large layer's
+    backward), and one such stretch across a large layer's few measured batches bends its fitted line
+    (a backward fitted 4.2 ms at 2 samples and 34.9 ms at 32 where it takes 4.7 and 7.5)."""
+    totals = {name: samples[batch].fwd_ms + samples[batch].bwd_ms for name, samples in measured.items()
+              if batch in samples and name != LOSS}
+    whole = sum(totals.values())
+    return {name for name in fresh if name in totals and whole > 0 and totals[name] >= share * whole}
 
 
 def _measure_loss(
@@ -437,28 +472,39 @@ def _fresh_leaf(value: object) -> object:
     return value
 
 
-def _key(layer: Layer, args: list[torch.Tensor], batch: int, device: torch.device, config: ProfilerConfig) -> str:
+def _key(
+    layer: Layer, args: list[torch.Tensor], grads: tuple[bool, ...], batch: int, device: torch.device,
+    config: ProfilerConfig,
+) -> str:
     shapes = [(tuple(a.shape[1:]), str(a.dtype)) for a in args]
     text = (
-        f"{layer.signature}|{shapes}|{batch}|{device_name(device)}|{torch.__version__}|{config.warmup}|"
+        f"{layer.signature}|{shapes}|{grads}|{batch}|{device_name(device)}|{torch.__version__}|{config.warmup}|"
         f"{config.repeats}|{config.max_repeats}|{config.spread_bound}|{config.threads}|fresh-gradients"
     )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _time_layer(
-    runner: LayerRunner, params: tuple[torch.nn.Parameter, ...], args: list[torch.Tensor], device: torch.device,
-    config: ProfilerConfig,
-) -> tuple[Measured, torch.Tensor]:
+@dataclass(frozen=True, kw_only=True)
+class Timed:
+    """A layer as the profiler times it: its runner, parameters, input values and which inputs take
+    gradients in the executor."""
+
+    runner: LayerRunner
+    params: tuple[torch.nn.Parameter, ...]
+    args: list[torch.Tensor]
+    grads: tuple[bool, ...]
+
+
+def _time_layer(timed: Timed, device: torch.device, config: ProfilerConfig) -> tuple[Measured, torch.Tensor]:
     """Timed runs in rounds until their spread is within the bound; the medians of the kept runs."""
     fwd: list[float] = []
     bwd: list[float] = []
-    output = _run_once(runner, params, args, device)[2]
+    output = _run_once(timed, device)[2]
     for _ in range(config.warmup - 1):
-        _run_once(runner, params, args, device)
+        _run_once(timed, device)
     while True:
         for _ in range(config.repeats):
-            forward_ms, backward_ms, output = _run_once(runner, params, args, device)
+            forward_ms, backward_ms, output = _run_once(timed, device)
             fwd.append(forward_ms)
             bwd.append(backward_ms)
         totals = [f + b for f, b in zip(fwd, bwd, strict=True)]
@@ -471,17 +517,16 @@ def _time_layer(
     return Measured(fwd_ms=median_fwd, bwd_ms=median_bwd, spread=spread), output.detach()
 
 
-def _run_once(
-    runner: LayerRunner, params: tuple[torch.nn.Parameter, ...], args: list[torch.Tensor], device: torch.device
-) -> tuple[float, float, torch.Tensor]:
-    """One timed forward and backward, the layer's gradients dropped first: the executor's optimizer
-    steps with ``zero_grad(set_to_none=True)``, so its backward writes fresh gradients; accumulating
-    into the previous run's would read and add a whole gradient more (for a 16 MiB weight on this
-    CPU, 12.4 ms of backward instead of 5.2)."""
-    for param in params:
+def _run_once(timed: Timed, device: torch.device) -> tuple[float, float, torch.Tensor]:
+    """One timed forward and backward, the layer's gradients dropped first: the
+    executor's optimizer steps with ``zero_grad(set_to_none=True)``, so its backward writes fresh
+    gradients; accumulating into the previous run's would read and add a whole gradient more (for a
+    16 MiB weight on this CPU, 12.4 ms of backward instead of 5.2)."""
+    for param in timed.params:
         param.grad = None
-    inputs = [a.detach().requires_grad_(a.is_floating_point()) for a in args]
-    forward_ms, output = _timed(device, lambda: runner(*inputs))
+    inputs = [a.detach().requires_grad_(grad and a.is_floating_point()) for a, grad in zip(timed.args, timed.grads,
+                                                                                               strict=True)]
+    forward_ms, output = _timed(device, lambda: timed.runner(*inputs))
     backward_ms = 0.0
     if output.requires_grad:
         gradient = torch.ones_like(output)

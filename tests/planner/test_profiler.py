@@ -168,3 +168,16 @@ def test_a_plan_whose_figures_break_the_invariants_is_refused():
     check_invariants(cost, {"a": 1, "b": 1})
     with pytest.raises(DeeppoolError, match="layer 'a' on 4 GPUs would use .* its one-GPU GPU-time"):
         check_invariants(cost, {"a": 4, "b": 4})
+
+
+def test_layers_that_take_a_large_share_of_a_batch_are_timed_again():
+    """Only fresh measurements of layers with at least 5% of the batch's time get a second timing."""
+    from deeppool.planner.profiler import LOSS, heavy
+
+    def at(ms: float) -> dict[int, Measured]:
+        return {8: Measured(fwd_ms=ms / 3, bwd_ms=2 * ms / 3, spread=0.0)}
+
+    measured = {"big": at(10.0), "mid": at(1.0), "tiny": at(0.1), "cached": at(5.0), LOSS: at(100.0)}
+    assert heavy(measured, 8, {"big", "mid", "tiny"}) == {"big", "mid"}, "the loss is not a layer; cached ones stay"
+    assert heavy(measured, 8, set()) == set()
+    assert heavy(measured, 4, {"big"}) == set(), "nothing measured at that batch"
