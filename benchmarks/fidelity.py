@@ -6,7 +6,7 @@
 For every model of ``benchmarks/models`` (a CNN, a branching CNN, a
 transformer, an MLP) and every rank count: the network is measured here with
 gloo (``deeppool profile-network``), the model is profiled here (the local
-profiler: a few batches measured, the rest fitted, one rank's share of the
+profiler at every per-GPU batch the plan may use, one rank's share of the
 cores), and a *burst* plan is made, one with at least two distinct GPU counts:
 the ILP's time-optimal plan when it is burst, else the ILP under DeepPool's
 objective ``time + price · GPU-time`` at the cheapest price in a sweep that
@@ -119,7 +119,8 @@ def burst_plan(model: Path, nproc: int, batch: int, network: Path, cache: Path, 
 
     spec = ModelSpec.parse(str(model))
     request = PlanRequest(gpus=nproc, global_batch=batch)
-    source = CostSource(device_model="local", network_file=network, cache_dir=cache, show_progress=False)
+    source = CostSource(device_model="local", network_file=network, cache_dir=cache, show_progress=False,
+                        max_measured_batch=batch)  # every per-GPU batch the plan can use is measured, none fitted
     planned = plan_model(spec, request, source)
     if len(set(planned.plan.assignment.values())) > 1:
         planned.plan.save(out)

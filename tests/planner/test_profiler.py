@@ -16,8 +16,10 @@ from deeppool.planner.graph import TraceMethod
 from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice, Precision
 from deeppool.planner.modelspec import ModelSpec
 from deeppool.planner.profile import LayerTimes, Profile, estimate_ms
+from deeppool.planner.layer_exec import LayerRunner
 from deeppool.planner.profiler import (
-    Measured, ProfileCache, ProfilerConfig, fit_layer, fit_line, measure_profile, measure_sharing, sharing_counts,
+    Measured, Passes, ProfileCache, ProfilerConfig, fit_layer, fit_line, measure_profile, measure_sharing,
+    sharing_counts,
 )
 from deeppool.planner.trace import trace
 from tests.planner import synthetic
@@ -58,6 +60,27 @@ def test_every_timed_backward_writes_fresh_gradients_as_the_executor_does():
     config = ProfilerConfig(batches=(2,), warmup=2, repeats=3, show_progress=False)
     measure_profile(traced, loaded, config)
     assert len(found) >= 5 and all(found), "a run found the previous run's gradient in place"
+
+
+def test_a_profiling_pass_trains_layer_by_layer_as_the_whole_model_would():
+    """Layers are timed in context: a pass runs every forward, then every backward with the gradient its
+    consumers sent (the residual's two summed), from the model's input (which takes no gradient)."""
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    graph = traced.graph
+    passes = Passes(module=traced.module, graph=graph, device=torch.device("cpu"),
+                    runners={layer.name: LayerRunner(traced.module, layer) for layer in graph.layers})
+    x = loaded.inputs(4)[0]
+    fwd, bwd, values = passes.run(dict(zip(graph.inputs, (x,), strict=True)), keep=frozenset({graph.output}))
+    assert set(fwd) == set(bwd) == set(graph.names) and min(fwd.values()) > 0
+    assert bwd[graph.layers[0].name] > 0, "the first layer's weight gradient is computed"
+    by_pass = {name: p.grad.clone() for name, p in traced.module.named_parameters()}
+    traced.module.zero_grad(set_to_none=True)
+    reference = loaded.module(x)
+    reference.backward(torch.ones_like(reference))
+    for name, param in loaded.module.named_parameters():
+        assert torch.allclose(by_pass[name], param.grad, atol=1e-6), name
+    assert torch.equal(values[graph.output], reference.detach())
 
 
 def test_a_cpu_profile_knows_how_many_ranks_its_cores_hold(tmp_path):
@@ -169,15 +192,3 @@ def test_a_plan_whose_figures_break_the_invariants_is_refused():
     with pytest.raises(DeeppoolError, match="layer 'a' on 4 GPUs would use .* its one-GPU GPU-time"):
         check_invariants(cost, {"a": 4, "b": 4})
 
-
-def test_layers_that_take_a_large_share_of_a_batch_are_timed_again():
-    """Only fresh measurements of layers with at least 5% of the batch's time get a second timing."""
-    from deeppool.planner.profiler import LOSS, heavy
-
-    def at(ms: float) -> dict[int, Measured]:
-        return {8: Measured(fwd_ms=ms / 3, bwd_ms=2 * ms / 3, spread=0.0)}
-
-    measured = {"big": at(10.0), "mid": at(1.0), "tiny": at(0.1), "cached": at(5.0), LOSS: at(100.0)}
-    assert heavy(measured, 8, {"big", "mid", "tiny"}) == {"big", "mid"}, "the loss is not a layer; cached ones stay"
-    assert heavy(measured, 8, set()) == set()
-    assert heavy(measured, 4, {"big"}) == set(), "nothing measured at that batch"
