@@ -393,7 +393,7 @@ class ProbeConfig:
     warmup: int = 3
     timeout_s: float = 120.0
     busy_ms: float = 5.0
-    """How long ranks 0 and 1 compute together before the synchronisation ping-pong (a stage's compute)."""
+    """How long the ranks of a group compute together before they send to rank 0 (a stage's compute)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 2:

@@ -9,13 +9,14 @@ over gloo and time, at each message size:
   reshard moves activations), half the round trip;
 - all-reduce of a float32 tensor over ranks ``0..g-1`` for every ``g`` in
   ``2..nproc`` (as a layer's gradients are summed);
-- at the smallest size, the ping-pong again with ranks 0 and 1 both computing
-  for ``busy_ms`` first (as the ranks of a stage compute together, then hand
-  their outputs or input gradients on): what its round trip takes beyond the
-  plain one is the synchronisation latency ``ω_w`` (on a host whose cores the
-  ranks share, the first message after concurrent compute waits for gloo's
-  threads to be scheduled again: 1 ms and more on this 2-core VM, against
-  0.1 ms when the receiver sat idle).
+- at the smallest size, for every ``g`` in ``2..nproc``: ranks ``0..g-1``
+  compute for ``busy_ms``, then ranks ``1..g-1`` each send rank 0 a message
+  (as a stage on ``g`` ranks computes, then hands its output or its input
+  gradients to a one-rank stage): what rank 0 waits beyond one plain message
+  is the synchronisation latency ``ω_w(g)`` (on a host whose cores the ranks
+  share, gloo's threads must be scheduled again on cores the compute held,
+  and ranks time-sliced on them finish apart: 0.5-0.8 ms at 2 ranks on this
+  2-core VM, several ms at 4, against 0.1 ms after an idle wait).
 
 Every figure is the mean over repeats after a warm-up, each repeat started
 after a barrier (the mean, since the iteration pays it: see :func:`_timed`). Each pattern is then fitted to the cost model's own formula
@@ -61,8 +62,8 @@ class Pattern(enum.Enum):
     P2P = "p2p"
     ALLREDUCE = "allreduce"
     WAKEUP = "wakeup"
-    """A ping-pong whose receiver waited blocked while the sender computed (as an idle rank waits
-    for a reshard): not fitted; what it takes beyond the plain ping-pong is the wake-up latency."""
+    """Ranks ``1..g-1`` send to rank 0 after all ``g`` computed together (``ranks`` is ``g``): not
+    fitted; what rank 0 waits beyond one plain message is the synchronisation latency ``ω_w(g)``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,7 +101,7 @@ class NetworkFit:
         if sample.pattern is Pattern.ALLREDUCE:
             return network.allreduce_s(sample.ranks, sample.nbytes)
         one_way = network.intra_latency_s + sample.nbytes / network.intra_bandwidth
-        return one_way + (network.wakeup_s / 2 if sample.pattern is Pattern.WAKEUP else 0.0)  # half a round trip
+        return one_way + (network.sync_latency_s(sample.ranks) if sample.pattern is Pattern.WAKEUP else 0.0)
 
     @property
     def network(self) -> NetworkModel:
@@ -118,7 +119,7 @@ class NetworkFit:
             allreduce_overlap=LOCAL_NETWORK.allreduce_overlap,
             allreduce_efficiency=reduce["bandwidth"] / bandwidth,
             allreduce_latency_factor=reduce["latency_s"] / latency if latency > 0 else 1.0,
-            wakeup_s=wakeup(self.samples),
+            wakeup_s=sync_latencies(self.samples).get(2, 0.0), sync_s=sync_latencies(self.samples),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -135,7 +136,7 @@ class NetworkFit:
                 "samples": [s.to_json() | {"fitted_seconds": self.predict(s)} for s in self.samples],
                 "per_pattern": {pattern.value: _figures(self.samples, pattern, self.nproc)
                                 for pattern in (Pattern.P2P, Pattern.ALLREDUCE)},
-                "wakeup_s": wakeup(self.samples),
+                "sync_s": {str(g): value for g, value in sync_latencies(self.samples).items()},
             },
         }
 
@@ -143,13 +144,12 @@ class NetworkFit:
         write_json(path, self.to_json())
 
 
-def wakeup(samples: Sequence[Sample]) -> float:
-    """``ω_w``: the median, over the sizes measured both ways, of what a round trip after concurrent
-    compute takes beyond the plain one (samples hold half round trips; 0 if none was measured or none
-    took longer). The delay falls on the first message; the reply finds its receiver waiting."""
+def sync_latencies(samples: Sequence[Sample]) -> dict[int, float]:
+    """``ω_w(g)`` by rank count: what rank 0 waited for the messages of ranks that computed with it,
+    beyond one plain message of that size (at least 0)."""
     plain = {s.nbytes: s.seconds for s in samples if s.pattern is Pattern.P2P}
-    extra = [2 * (s.seconds - plain[s.nbytes]) for s in samples if s.pattern is Pattern.WAKEUP and s.nbytes in plain]
-    return max(0.0, statistics.median(extra)) if extra else 0.0
+    return {s.ranks: max(0.0, s.seconds - plain[s.nbytes])
+            for s in samples if s.pattern is Pattern.WAKEUP and s.nbytes in plain}
 
 
 def fit(samples: Sequence[Sample], *, nproc: int) -> NetworkFit:
@@ -220,8 +220,10 @@ def _rank_main(rank: int, config: ProbeConfig, port: int, results: Any) -> None:
         samples.append(Sample(pattern=Pattern.P2P, ranks=2, nbytes=tensor.numel() * 4,
                               seconds=_timed(config, lambda t=tensor: _ping_pong(comm, t)) / 2))
         if nbytes == min(config.sizes):
-            samples.append(Sample(pattern=Pattern.WAKEUP, ranks=2, nbytes=tensor.numel() * 4,
-                                  seconds=_timed(config, lambda t=tensor: _ping_pong(comm, t), busy=True) / 2))
+            for ranks in groups:
+                seconds = _timed(config, lambda t=tensor, g=len(ranks): _gather(comm, t, g), busy=len(ranks))
+                samples.append(Sample(pattern=Pattern.WAKEUP, ranks=len(ranks), nbytes=tensor.numel() * 4,
+                                      seconds=seconds))
         for ranks in groups:
             seconds = _timed(config, lambda t=tensor, r=ranks: _all_reduce(comm, t, r))
             samples.append(Sample(pattern=Pattern.ALLREDUCE, ranks=len(ranks), nbytes=tensor.numel() * 4,
@@ -241,14 +243,22 @@ def _ping_pong(comm: Any, tensor: torch.Tensor) -> None:
         comm.exchange([(0, tensor)], [])
 
 
+def _gather(comm: Any, tensor: torch.Tensor, ranks: int) -> None:
+    """Ranks ``1..ranks-1`` each send ``tensor`` to rank 0, which receives them all."""
+    if comm.rank == 0:
+        comm.exchange([], [(peer, torch.empty_like(tensor)) for peer in range(1, ranks)])
+    elif comm.rank < ranks:
+        comm.exchange([(0, tensor)], [])
+
+
 def _all_reduce(comm: Any, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None:
     if comm.rank in ranks:
         comm.all_reduce(tensor, ranks)
 
 
-def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: bool = False) -> float:
-    """Mean seconds of ``work`` on this rank, each repeat after a barrier; with ``busy``, ranks 0
-    and 1 first compute for ``config.busy_ms`` (the clock starts after).
+def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: int = 0) -> float:
+    """Mean seconds of ``work`` on this rank, each repeat after a barrier; ranks below ``busy`` first
+    compute for ``config.busy_ms`` (the clock starts after).
 
     The mean, not the median: on a host whose cores the ranks share, a small collective takes
     0.3 ms in most calls and 3–4 ms in about one of three (a median of 0.26 ms, a mean of 1.3 ms
@@ -263,18 +273,18 @@ def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: bool = False) 
     times = [_repeat(config, work, busy) for _ in range(config.repeats)]
     slowest = torch.tensor([sum(times)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    per_repeat = max(float(slowest) / len(times) + busy * config.busy_ms / 1e3, 1e-6)
+    per_repeat = max(float(slowest) / len(times) + bool(busy) * config.busy_ms / 1e3, 1e-6)
     total = min(config.max_repeats, max(config.repeats, math.ceil(config.min_seconds / per_repeat)))
     times += [_repeat(config, work, busy) for _ in range(total - len(times))]
     return statistics.fmean(times)
 
 
-def _repeat(config: ProbeConfig, work: Callable[[], Any], busy: bool) -> float:
-    """One timed repeat after a barrier (ranks 0 and 1 computing first with ``busy``)."""
+def _repeat(config: ProbeConfig, work: Callable[[], Any], busy: int) -> float:
+    """One timed repeat after a barrier (ranks below ``busy`` computing first)."""
     import torch.distributed as dist
 
     dist.barrier()
-    if busy and dist.get_rank() < 2:
+    if dist.get_rank() < busy:
         _compute(config.busy_ms / 1e3)
     start = time.perf_counter()
     work()

@@ -40,13 +40,13 @@ each node across). The predicted iteration time is
               synchronised BatchNorm reduces count and sum, then squared deviations,
               then Σdy and Σdy·(x−μ), in float64, synchronously; a plan's
               ``fwd_ms``/``bwd_ms`` include these.
-    R_u(a → b) = 0 if a = b, else σ(min(a, b)) + ω_w·[a > 1]
+    R_u(a → b) = 0 if a = b, else σ(min(a, b)) + ω_w(a)·[a > 1]
               (``u``'s activations resharded forward from ``g_u`` to ``g_v`` ranks, their
               gradients backward from ``g_v`` to ``g_u``; the busiest rank moves one shard of
               the smaller group over the slowest link the pair crosses: NVLink inside a
               node, the GPU's NIC share across nodes, ``σ(g) = α + A_u · s(g) / BW``;
-              ω_w the network's synchronisation latency, paid when the sending side is a
-              stage of several ranks that just computed together).
+              ω_w(a) the network's synchronisation latency, paid when the sending side is a
+              stage of ``a`` > 1 ranks that just computed together).
               The ILP carries ``σ`` with two ladders: ``max(σ(g_u), σ(g_v))`` over in-node
               counts, ``max(σ_x(g_u), σ_x(g_v))`` over all, ``σ(g) = α_in + A·s(g)/BW_in``,
               ``σ_x(g) = α_x + A·s(g)/BW_x``; the cheaper one that applies is the term;
@@ -268,8 +268,8 @@ class CostModel:
         return 1e3 * (latency + moved / bandwidth)
 
     def sync_ms(self, gpus: int) -> float:
-        """``ω_w·[g > 1]``: the first message from a stage whose ``gpus`` ranks just computed together."""
-        return 1e3 * self.network.wakeup_s if gpus > 1 else 0.0
+        """``ω_w(g)·[g > 1]``: handing data on from a stage whose ``gpus`` ranks just computed together."""
+        return 1e3 * self.network.sync_latency_s(gpus)
 
     def crosses(self, src_gpus: int, dst_gpus: int) -> bool:
         return max(src_gpus, dst_gpus) > self.network.gpus_per_node

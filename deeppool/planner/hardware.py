@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -114,11 +114,13 @@ class NetworkModel:
     (ω) is the share of the backward that an asynchronous all-reduce can hide
     behind: 1 on GPUs (NCCL runs beside the compute kernels), 0 for gloo on a
     host's CPU cores, where the reduction competes with the compute for them.
-    ``wakeup_s`` (ω_w) is what the first message after ranks computed together
-    (a stage on several ranks handing its output, or its input gradients, on)
-    costs beyond one between ranks that sat idle (gloo's threads must be
-    scheduled again on cores the compute held): 0 for the presets, measured by
-    ``deeppool profile-network`` on a host whose cores the ranks share.
+    ``wakeup_s`` (ω_w) is what handing data on after ranks computed together (a
+    stage on several ranks sending its output, or its input gradients, to rank
+    0) costs beyond one message between idle ranks: gloo's threads must be
+    scheduled again on cores the compute held, and ranks time-sliced on shared
+    cores finish apart. ``sync_s`` holds it by the stage's rank count where
+    measured (:meth:`sync_latency_s`); 0 for the presets, measured by ``deeppool
+    profile-network`` on a host whose cores the ranks share.
     """
 
     gpus_per_node: int
@@ -131,10 +133,13 @@ class NetworkModel:
     allreduce_latency_factor: float = 1.0
     allreduce_overlap: float = 1.0
     wakeup_s: float = 0.0
+    sync_s: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.wakeup_s < 0:
+        if self.wakeup_s < 0 or any(value < 0 for value in self.sync_s.values()):
             raise DeeppoolError(f"the wake-up latency {self.wakeup_s} s must be >= 0")
+        if any(ranks < 2 for ranks in self.sync_s):
+            raise DeeppoolError("a synchronisation latency is for a stage of 2 or more ranks")
         if self.allreduce_efficiency <= 0 or self.allreduce_latency_factor < 0:
             raise DeeppoolError("the all-reduce efficiency must be positive and its latency factor >= 0")
         if not 0 <= self.allreduce_overlap <= 1:
@@ -173,6 +178,16 @@ class NetworkModel:
     def nodes(self, gpus: int) -> int:
         return math.ceil(gpus / self.gpus_per_node)
 
+    def sync_latency_s(self, gpus: int) -> float:
+        """``ω_w(g)``: the measured figure for the largest measured count ≤ ``gpus`` (the smallest measured
+        below that), ``wakeup_s`` where none was measured; 0 for one rank."""
+        if gpus < 2:
+            return 0.0
+        if not self.sync_s:
+            return self.wakeup_s
+        below = [count for count in self.sync_s if count <= gpus]
+        return self.sync_s[max(below) if below else min(self.sync_s)]
+
     def allreduce_s(self, gpus: int, nbytes: float, *, latencies: float = 1.0) -> float:
         """Hierarchical all-reduce of ``nbytes`` on ranks 0..gpus-1 (NCCL's ring inside, then across nodes).
 
@@ -192,7 +207,7 @@ class NetworkModel:
         return seconds + latencies * self.allreduce_latency_factor * hops
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "sync_s": {str(count): value for count, value in sorted(self.sync_s.items())}}
 
     @classmethod
     def load(cls, path: str | Path) -> NetworkModel:
@@ -211,8 +226,9 @@ class NetworkModel:
             fields["nic_bandwidth"] = fields.pop("inter_bandwidth")
             fields.setdefault("nics_per_node", fields.get("gpus_per_node"))
         try:
+            fields["sync_s"] = {int(count): float(value) for count, value in dict(fields.get("sync_s") or {}).items()}
             return cls(**{key: fields[key] for key in cls.__dataclass_fields__ if key in fields or key not in _OPTIONAL})
-        except (KeyError, TypeError) as err:
+        except (KeyError, TypeError, ValueError) as err:
             raise DeeppoolError(f"network JSON is incomplete ({err}): regenerate it") from None
 
     def with_overrides(
@@ -231,7 +247,7 @@ class NetworkModel:
         return replace(self, **changes)
 
 
-_OPTIONAL = ("allreduce_efficiency", "allreduce_latency_factor", "allreduce_overlap", "wakeup_s")
+_OPTIONAL = ("allreduce_efficiency", "allreduce_latency_factor", "allreduce_overlap", "wakeup_s", "sync_s")
 
 
 class KnownDevice(enum.Enum):

@@ -78,25 +78,28 @@ def test_the_network_file_round_trips_and_plans_with_it(tmp_path: Path) -> None:
     assert cost.allreduce_ms(layer, 2) == pytest.approx(1e3 * expected)
 
 
-def test_the_sync_latency_is_what_concurrent_compute_adds_to_the_round_trip(tmp_path: Path) -> None:
-    def with_wakeup(config: ProbeConfig) -> list[Sample]:
+def test_the_sync_latency_is_what_rank_0_waits_for_ranks_that_computed_with_it(tmp_path: Path) -> None:
+    def with_sync(config: ProbeConfig) -> list[Sample]:
         plain = exact(Pattern.P2P, 2, min(config.sizes))
-        return [*synthetic(config), Sample(pattern=Pattern.WAKEUP, ranks=2, nbytes=plain.nbytes,
-                                           seconds=plain.seconds + 3e-3)]
+        return [*synthetic(config), *(Sample(pattern=Pattern.WAKEUP, ranks=g, nbytes=plain.nbytes,
+                                             seconds=plain.seconds + 3e-3 * (g - 1)) for g in (2, 3, 4))]
 
-    fitted = probe_network(ProbeConfig(nproc=2, sizes=(4096, 2**20)), launcher=with_wakeup)
-    assert fitted.latency_s == pytest.approx(ALPHA, rel=1e-9), "wake-up samples stay out of the fit"
-    assert fitted.network.wakeup_s == pytest.approx(6e-3), "samples are half round trips; the delay is on one leg"
+    fitted = probe_network(ProbeConfig(nproc=4, sizes=(4096, 2**20)), launcher=with_sync)
+    assert fitted.latency_s == pytest.approx(ALPHA, rel=1e-9), "synchronisation samples stay out of the fit"
+    assert fitted.network.wakeup_s == pytest.approx(3e-3)
+    assert fitted.network.sync_s == pytest.approx({2: 3e-3, 3: 6e-3, 4: 9e-3})
+    assert all(fitted.predict(s) == pytest.approx(s.seconds) for s in fitted.samples if s.pattern is Pattern.WAKEUP)
     path = tmp_path / "net.json"
     fitted.save(path)
-    loaded = NetworkModel.load(path)
-    assert loaded.wakeup_s == pytest.approx(6e-3)
+    loaded = replace(NetworkModel.load(path), sync_s={2: 6e-3})
+    assert NetworkModel.load(path).sync_s == fitted.network.sync_s, "the file keeps every rank count"
+    assert loaded.sync_latency_s(8) == pytest.approx(6e-3) and loaded.sync_latency_s(1) == 0.0
     assert probe_network(ProbeConfig(nproc=2), launcher=synthetic).network.wakeup_s == 0.0
 
     graph = trace(ModelSpec.parse(model_path("mlp")).load()).graph
     profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2))
     cost = CostModel(graph=graph, profile=profile, network=loaded, global_batch=4)
-    still = CostModel(graph=graph, profile=profile, network=replace(loaded, wakeup_s=0.0), global_batch=4)
+    still = CostModel(graph=graph, profile=profile, network=replace(loaded, wakeup_s=0.0, sync_s={}), global_batch=4)
     layer = graph.layers[0]
     assert cost.reshard_ms(layer, 2, 1) == pytest.approx(still.reshard_ms(layer, 2, 1) + 6.0), "sent by a 2-rank stage"
     assert cost.reshard_ms(layer, 1, 2) == pytest.approx(still.reshard_ms(layer, 1, 2)), "sent by one rank"
@@ -105,6 +108,8 @@ def test_the_sync_latency_is_what_concurrent_compute_adds_to_the_round_trip(tmp_
     assert cost.reshard_ms(layer, 2, 2) == 0
     with pytest.raises(DeeppoolError, match="wake-up latency"):
         replace(loaded, wakeup_s=-1.0)
+    with pytest.raises(DeeppoolError, match="2 or more ranks"):
+        replace(loaded, sync_s={1: 1e-3})
 
 
 @pytest.mark.parametrize(
