@@ -413,6 +413,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("--ddp-worker", "--executor-worker"):
+        from deeppool.planner.allocator import steady_allocator
+
+        steady_allocator()  # both sides with the allocator settings deeppool run's ranks use
     if len(sys.argv) > 1 and sys.argv[1] == "--ddp-worker":
         ddp_worker(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[7]),
                    sys.argv[6])

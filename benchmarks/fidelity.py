@@ -1,7 +1,7 @@
 """Fidelity: measured over predicted iteration time of burst plans, on this machine.
 
     python benchmarks/fidelity.py [--nproc 2,4] [--models cnn,branching_cnn,transformer,mlp]
-                                  [--batch 32] [--steps 12] [--warmup 3] [--scatter fidelity.png]
+                                  [--batch 32] [--steps 30] [--warmup 10] [--scatter fidelity.png]
 
 For every model of ``benchmarks/models`` (a CNN, a branching CNN, a
 transformer, an MLP) and every rank count: the network is measured here with
@@ -257,8 +257,8 @@ def main() -> None:
     parser.add_argument("--nproc", default="2,4")
     parser.add_argument("--models", default="cnn,branching_cnn,transformer,mlp")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--scatter", type=Path, default=Path("fidelity.png"))
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="deeppool-fidelity-"))

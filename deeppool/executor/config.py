@@ -392,7 +392,7 @@ class ProbeConfig:
     max_repeats: int = 200
     warmup: int = 3
     timeout_s: float = 120.0
-    busy_ms: float = 5.0
+    busy_ms: float = 10.0
     """How long the ranks of a group compute together before they send to rank 0 (a stage's compute)."""
 
     def __post_init__(self) -> None:

@@ -39,6 +39,7 @@ from deeppool.multiplex.hook import Multiplexer
 from deeppool.multiplex.metrics import MultiplexReport
 from deeppool.multiplex.report import print_report
 from deeppool.output import console
+from deeppool.planner.allocator import steady_allocator
 from deeppool.planner.jsonio import write_json
 from deeppool.planner.plan import Plan
 
@@ -80,6 +81,8 @@ def run_worker(plan_path: Path, config: RunConfig, env: RankEnv, background: Bac
         )
     backend = config.backend.resolve(torch.cuda.is_available())
     device = _device(backend, env)
+    if device.type == "cpu":
+        steady_allocator()  # as the profile was measured: no page faults on every iteration's activations
     _init(backend, env, config.timeout_s)
     comm = TorchComm(rank_groups(plan), timeout_s=config.timeout_s)
     mux = Multiplexer.start(plan, background, rank=env.rank, out_dir=config.out_dir, device=device) if background else None

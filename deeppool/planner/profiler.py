@@ -42,7 +42,6 @@ model, or resuming an interrupted run, measures nothing twice.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -63,6 +62,7 @@ from deeppool.planner.graph import Layer, LayerGraph, grad_flows
 from deeppool.planner.jsonio import write_json
 from deeppool.planner.layer_exec import LayerRunner, floating_leaves
 from deeppool.planner.modelspec import LoadedModel
+from deeppool.planner.allocator import steady_allocator
 from deeppool.planner.cost import Optimizer
 from deeppool.planner.profile import FitQuality, LayerTimes, Profile, StepOverhead
 from deeppool.planner.trace import Traced
@@ -300,28 +300,6 @@ def intra_op_threads(threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_MAX = 32 * 2**20
-
-
-def steady_allocator() -> None:
-    """Keep freed CPU memory for reuse, as a training loop's steady state does (glibc only).
-
-    glibc maps a large tensor afresh on every allocation until its dynamic
-    threshold adapts, and returns freed memory at the top of the heap; each
-    fresh page then faults on first touch, which in a VM made element-wise
-    layers at the first batch measured 10-80x slower than at the next. Fixed
-    thresholds (tensors below 32 MiB from the heap, the heap never trimmed)
-    make the warm-up run absorb the faults.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-    libc.mallopt(_M_TRIM_THRESHOLD, 2**30)
 
 
 def fit_line(xs: tuple[int, ...], ys: list[float]) -> tuple[float, float]:
