@@ -211,7 +211,8 @@ def _report_plan(planned: Planned, *, out: Path, gantt: Path | None, pareto: Pat
     planned.plan.save(out)
     shown = console()
     if planned.cost.profile.fit is not None:
-        shown.print(planned.cost.profile.fit.describe())
+        largest = max(times.batches[-1] for times in planned.cost.profile.layers.values())
+        shown.print(planned.cost.profile.fit.describe(largest=largest))
     shown.print(report.plan_table(planned.plan, per_layer=per_layer))
     shown.print(report.summary(planned.plan))
     shown.print(report.AMPLIFICATION_NOTE, style="dim")

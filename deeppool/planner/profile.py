@@ -82,8 +82,9 @@ class FitQuality:
     spread_bound: float
     compared: int
 
-    def describe(self, bound: float = 0.25) -> str:
-        """One line for people; it warns when the fit or the measurements are loose."""
+    def describe(self, bound: float = 0.25, largest: int | None = None) -> str:
+        """One line for people; it warns when the fit or the measurements are loose, and when the plan may
+        use per-GPU batches up to ``largest``, beyond the measured ones."""
         line = f"profile measured at per-GPU batches {list(self.measured_batches)} and fitted (t = a + b·batch): "
         if self.compared:
             line += f"fit error median {100 * self.error_p50:.1f}%, p90 {100 * self.error_p90:.1f}% ({self.compared} points)"
@@ -93,6 +94,10 @@ class FitQuality:
             line += f"; warning: {self.noisy} of {self.measurements} measurements stayed noisy (spread > {100 * self.spread_bound:.0f}%)"
         if self.error_p90 > bound:
             line += "; warning: the fit is loose, the machine may be busy: re-plan on a quieter machine"
+        if largest is not None and largest > max(self.measured_batches):
+            line += (f"; per-GPU batches up to {largest} are extrapolated from the line (a layer bound by reading "
+                     "its weights at small batches takes longer at large ones than the line says: "
+                     f"--max-measured-batch {largest} measures them)")
         return line
 
 
