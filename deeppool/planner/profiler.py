@@ -58,11 +58,11 @@ from rich.progress import Progress
 from torch.utils import _pytree as pytree
 
 from deeppool.errors import DeeppoolError
+from deeppool.planner.allocator import steady_allocator
 from deeppool.planner.graph import Layer, LayerGraph, grad_flows
 from deeppool.planner.jsonio import write_json
 from deeppool.planner.layer_exec import LayerRunner, floating_leaves
 from deeppool.planner.modelspec import LoadedModel
-from deeppool.planner.allocator import steady_allocator
 from deeppool.planner.cost import Optimizer
 from deeppool.planner.profile import FitQuality, LayerTimes, Profile, StepOverhead
 from deeppool.planner.trace import Traced
@@ -434,7 +434,7 @@ def _measure_batch(
     runs: list[tuple[dict[str, float], dict[str, float]]] = []
     while True:
         for _ in range(config.repeats):
-            values: dict[str, object] = {}  # the last pass's output is dropped before the next pass
+            values: dict[str, object] = {}  # drop the last pass's output before the next pass runs
             fwd, bwd, values = passes.run(inputs, keep=output)
             runs.append((fwd, bwd))
         measured = {name: _summary([f[name] for f, _ in runs], [b[name] for _, b in runs]) for name in graph.names}
