@@ -40,7 +40,9 @@ if TYPE_CHECKING:  # the planner's solving half imports torch: loaded only when 
     from deeppool.planner.api import Planned
     from deeppool.planner.plan import Plan
 
-FACTS_VERSION = 3
+FACTS_VERSION = 4
+"""Bumped whenever the cost model changes what a Plan predicts (4: per-group all-reduce latency rounds,
+synchronisation latency, the loss and the optimizer's fixed costs), so cached facts are solved again."""
 
 
 @dataclass(frozen=True, kw_only=True)
