@@ -102,12 +102,14 @@ def train_rank(
         raise DeeppoolError(f"the plan is for {plan.gpus} GPUs but {comm.world_size} ranks were started: "
                             f"start {plan.gpus} (--nproc {plan.gpus})")
     loaded = builder.load(plan.model)
+    # the reference is seeded like ``loaded`` and built before the trace, which ranks sharing one process
+    # (tests) leave together: no rank's data loader then draws from the global RNG while it is initialised
+    reference_model = builder.load(plan.model) if config.check else None
     keys = model_keys(loaded.module)
     traced = builder.trace(loaded)
     check_plan_matches(plan, traced.graph)
     check_adaptation(plan, config, grouped=bool(group_shares(plan, traced.graph, 0)))
     feed = _feed(loaded, plan, traced, comm.rank, data, config)
-    reference_model = builder.load(plan.model) if config.check else None
     module = _training(traced).to(device)
     module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
     precision = _precision(config, module, traced, loaded, device, comm)

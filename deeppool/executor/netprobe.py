@@ -221,7 +221,8 @@ def _rank_main(rank: int, config: ProbeConfig, port: int, results: Any) -> None:
                               seconds=_timed(config, lambda t=tensor: _ping_pong(comm, t)) / 2))
         if nbytes == min(config.sizes):
             for ranks in groups:
-                seconds = _timed(config, lambda t=tensor, g=len(ranks): _gather(comm, t, g), busy=len(ranks))
+                seconds = _timed(config, lambda t=tensor, g=len(ranks): _gather(comm, t, g), busy=len(ranks),
+                                 budget=3.0)  # its tail is most of it: three times the repeats
                 samples.append(Sample(pattern=Pattern.WAKEUP, ranks=len(ranks), nbytes=tensor.numel() * 4,
                                       seconds=seconds))
         for ranks in groups:
@@ -256,9 +257,9 @@ def _all_reduce(comm: Any, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None
         comm.all_reduce(tensor, ranks)
 
 
-def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: int = 0) -> float:
+def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: int = 0, budget: float = 1.0) -> float:
     """Mean seconds of ``work`` on this rank, each repeat after a barrier; ranks below ``busy`` first
-    compute for ``config.busy_ms`` (the clock starts after).
+    compute for ``config.busy_ms`` (the clock starts after); ``budget`` scales the time spent.
 
     The mean, not the median: on a host whose cores the ranks share, a small collective takes
     0.3 ms in most calls and 3–4 ms in about one of three (a median of 0.26 ms, a mean of 1.3 ms
@@ -274,7 +275,7 @@ def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: int = 0) -> fl
     slowest = torch.tensor([sum(times)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     per_repeat = max(float(slowest) / len(times) + bool(busy) * config.busy_ms / 1e3, 1e-6)
-    total = min(config.max_repeats, max(config.repeats, math.ceil(config.min_seconds / per_repeat)))
+    total = min(config.max_repeats, max(config.repeats, math.ceil(budget * config.min_seconds / per_repeat)))
     times += [_repeat(config, work, busy) for _ in range(total - len(times))]
     return statistics.fmean(times)
 
