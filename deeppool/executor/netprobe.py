@@ -15,11 +15,12 @@ over gloo and time, at each message size:
   gradients to a one-rank stage): what rank 0 waits beyond one plain message
   is the synchronisation latency ``ω_w(g)`` (on a host whose cores the ranks
   share, gloo's threads must be scheduled again on cores the compute held,
-  and ranks time-sliced on them finish apart: 0.5-0.8 ms at 2 ranks on this
-  2-core VM, several ms at 4, against 0.1 ms after an idle wait).
+  and ranks time-sliced on them finish apart: 0.6-1.7 ms at 2 ranks on this
+  2-core VM, 2-4 ms at 4, against 0.1 ms after an idle wait).
 
 Every figure is the mean over repeats after a warm-up, each repeat started
-after a barrier (the mean, since the iteration pays it: see :func:`_timed`). Each pattern is then fitted to the cost model's own formula
+after a barrier (the mean, since the iteration pays it: see :func:`_timed`).
+Each pattern is then fitted to the cost model's own formula
 (:mod:`deeppool.planner.cost`):
 
     point-to-point(n)   = α + n / BW                              (one side of a reshard)
@@ -114,12 +115,13 @@ class NetworkFit:
                 allreduce_overlap=LOCAL_NETWORK.allreduce_overlap,
             )
         bandwidth, latency = p2p["bandwidth"], p2p["latency_s"]
+        sync = sync_latencies(self.samples)
         return NetworkModel.flat(
             gpus_per_node=LOCAL_NETWORK.gpus_per_node, bandwidth=bandwidth, latency_s=latency,
             allreduce_overlap=LOCAL_NETWORK.allreduce_overlap,
             allreduce_efficiency=reduce["bandwidth"] / bandwidth,
             allreduce_latency_factor=reduce["latency_s"] / latency if latency > 0 else 1.0,
-            wakeup_s=sync_latencies(self.samples).get(2, 0.0), sync_s=sync_latencies(self.samples),
+            wakeup_s=sync.get(2, 0.0), sync_s=sync,
         )
 
     def to_json(self) -> dict[str, Any]:

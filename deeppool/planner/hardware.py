@@ -179,8 +179,8 @@ class NetworkModel:
         return math.ceil(gpus / self.gpus_per_node)
 
     def sync_latency_s(self, gpus: int) -> float:
-        """``ω_w(g)``: the measured figure for the largest measured count ≤ ``gpus`` (the smallest measured
-        below that), ``wakeup_s`` where none was measured; 0 for one rank."""
+        """``ω_w(g)``: the figure of the largest measured count ≤ ``gpus`` (else of the smallest measured),
+        ``wakeup_s`` where none was measured; 0 for one rank."""
         if gpus < 2:
             return 0.0
         if not self.sync_s:

@@ -13,7 +13,7 @@ descending are levels ``1..K``; one unit of flow goes from ``u``'s count to
 into the ladder at level ``i`` (cost ``σ_i``), down the ladder (free) or up it
 (``σ_k − σ_{k+1}`` a rung) and out at level ``j``; the cheapest such path
 costs exactly ``σ_min(i,j) = max(σ_i, σ_j)``; the synchronisation latency
-of each direction (``ω_g = ω_w·[g > 1]`` for the sending count ``g``) is paid
+of each direction (``ω_g = ω_w(g)·[g > 1]`` for the sending count ``g``) is paid
 on entry and exit. Minimise the cost model's iteration time::
 
     Σ_l Σ_g x[l,g]·layer_ms_l(g)·(1 + price·g/1000)
