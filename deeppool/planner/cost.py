@@ -189,12 +189,18 @@ class CostModel:
             return full
         return max(0.0, full - self.network.allreduce_overlap * self.compute_ms(layer, gpus)[1])
 
+    def round_ms(self, gpus: int) -> float:
+        """``L(g)``: one bucketed all-reduce's latency on ``gpus`` ranks (0 on one rank or unbucketed)."""
+        if self.bucket_bytes == 0 or gpus == 1:
+            return 0.0
+        return 1e3 * self.network.allreduce_s(gpus, 0.0)
+
     def rounds_ms(self, gpus: int, group_bytes: float) -> float:
         """``ROUNDS(g)``: the latency rounds of the all-reduces of a rank group holding ``group_bytes``."""
-        if self.bucket_bytes == 0 or gpus == 1 or group_bytes <= 0:
+        if group_bytes <= 0:
             return 0.0
-        rounds = max(1.0, (1 - self.network.allreduce_overlap) * group_bytes / self.bucket_bytes)
-        return 1e3 * self.network.allreduce_s(gpus, 0.0, latencies=rounds)
+        rounds = max(1.0, (1 - self.network.allreduce_overlap) * group_bytes / max(self.bucket_bytes, 1))
+        return rounds * self.round_ms(gpus)
 
     def group_rounds_ms(self, assignment: Mapping[str, int]) -> dict[str, float]:
         """``ROUNDS(g)`` of every rank group, by the group's first layer with parameters."""

@@ -147,7 +147,7 @@ def _rounds(
     holders = [layer for layer in cost.graph.layers if cost.param_bytes(layer) > 0]
     share = 1 - cost.network.allreduce_overlap
     for g in sorted({g for layer in holders for g in x[layer.name] if g > 1}):
-        latency = cost.rounds_ms(g, 1.0)
+        latency = cost.round_ms(g)
         if latency <= 0:
             continue
         used = problem.add_variable(f"used_{g}", lowBound=0, upBound=1)

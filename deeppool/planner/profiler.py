@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -170,8 +171,8 @@ def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig)
     try:
         with intra_op_threads(config.threads), Progress(disable=not config.show_progress, transient=True) as progress:
             task = progress.add_task(f"profiling on {device_name(device)}", total=len(batches) * (len(graph) + 1))
+            passes = Passes(module=traced.module, graph=graph, runners=runners, device=device)
             for batch in reversed(batches):  # the largest first: smaller batches reuse its freed memory
-                passes = Passes(module=traced.module, graph=graph, runners=runners, device=device)
                 for layer, sample in _measure_batch(passes, loaded, batch, config, cache):
                     measured[layer][batch] = sample
                 progress.advance(task, len(graph) + 1)
@@ -365,6 +366,11 @@ class Passes:
     runners: dict[str, LayerRunner]
     device: torch.device
 
+    @cached_property
+    def flows(self) -> dict[str, bool]:
+        """Which layers' outputs take gradients (:func:`grad_flows`), once per model."""
+        return grad_flows(self.graph)
+
     def run(self, inputs: dict[str, torch.Tensor], *, keep: frozenset[str] = frozenset()
             ) -> tuple[dict[str, float], dict[str, float], dict[str, object]]:
         """One pass: every layer's forward in order, then every backward in reverse, each on its own
@@ -372,7 +378,7 @@ class Passes:
         gradients of a layer's output summed over its consumers); (fwd_ms, bwd_ms) by layer, and the
         values of the layers in ``keep`` (each other value and gradient is dropped once its backward
         has run, so a pass holds what a training step holds)."""
-        flows = grad_flows(self.graph)
+        flows = self.flows
         for param in self.module.parameters():
             param.grad = None  # the executor's optimizer steps with zero_grad(set_to_none=True)
         values: dict[str, object] = dict(inputs)
@@ -421,21 +427,18 @@ def _measure_batch(
     From the cache when every layer at this batch is there."""
     graph = passes.graph
     inputs = dict(zip(graph.inputs, (t.to(passes.device) for t in loaded.inputs(batch)), strict=True))
-    keys = _keys(passes, inputs, batch, config)
-    output = frozenset({graph.output})
+    keys, output = _keys(passes, inputs, batch, config)
     found = {name: cache.get(key) for name, key in keys.items()} if cache else {}
     if found and all(m is not None for m in found.values()):
         yield from found.items()
-        yield LOSS, _measure_loss(loaded, passes.run(inputs, keep=output)[2][graph.output], batch, passes.device,
-                                  config, cache)
+        yield LOSS, _measure_loss(loaded, output, batch, passes.device, config, cache)
         return
     for _ in range(config.warmup):
         passes.run(inputs)
     runs: list[tuple[dict[str, float], dict[str, float]]] = []
     while True:
         for _ in range(config.repeats):
-            values: dict[str, object] = {}  # drop the last pass's output before the next pass runs
-            fwd, bwd, values = passes.run(inputs, keep=output)
+            fwd, bwd, _ = passes.run(inputs)
             runs.append((fwd, bwd))
         measured = {name: _summary([f[name] for f, _ in runs], [b[name] for _, b in runs]) for name in graph.names}
         settled = all(m.spread <= config.spread_bound or m.fwd_ms + m.bwd_ms < _NOISE_FLOOR_MS
@@ -446,11 +449,14 @@ def _measure_batch(
         if cache:
             cache.put(keys[name], sample)
         yield name, sample
-    yield LOSS, _measure_loss(loaded, values[graph.output], batch, passes.device, config, cache)
+    yield LOSS, _measure_loss(loaded, output, batch, passes.device, config, cache)
 
 
-def _keys(passes: Passes, inputs: dict[str, torch.Tensor], batch: int, config: ProfilerConfig) -> dict[str, str]:
-    """Every layer's cache key, from the shapes of its inputs in one untimed forward (a warm-up)."""
+def _keys(
+    passes: Passes, inputs: dict[str, torch.Tensor], batch: int, config: ProfilerConfig,
+) -> tuple[dict[str, str], object]:
+    """Every layer's cache key, from the shapes of its inputs in one untimed forward (a warm-up), and the
+    model's output (what the loss is timed on)."""
     graph = passes.graph
     last_use = {name: index for index, layer in enumerate(graph.layers) for name in layer.inputs}
     values: dict[str, object] = dict(inputs)
@@ -463,7 +469,7 @@ def _keys(passes: Passes, inputs: dict[str, torch.Tensor], batch: int, config: P
             for name in layer.inputs:
                 if last_use[name] == index:
                     values.pop(name, None)
-    return keys
+    return keys, values[graph.output]
 
 
 def _summary(fwd: list[float], bwd: list[float]) -> Measured:
