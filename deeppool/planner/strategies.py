@@ -11,7 +11,9 @@ Objectives (``--objective``): ``time`` minimises the iteration time under the
 amplification cap; ``time+gpu-time`` is DeepPool's trade-off, minimising
 ``T + price · Σ_l g_l · layer_ms_l(g_l) / 1000`` (``price`` in ms of iteration
 per GPU-second; reshard GPU-time is left out of the price term, so the ILP
-stays exact).
+stays exact); ``cluster`` maximises the cluster's throughput, searched exactly
+(to a stated tolerance) by :mod:`deeppool.planner.throughput` with the ILP as
+its oracle.
 """
 
 from __future__ import annotations
