@@ -92,6 +92,7 @@ def test_pollux_policy_on_a_slice_of_workload_6(tmp_path, data_dir, cache) -> No
         (("synthetic", "--gpus", "8", "--policy", "magic"), "unknown --policy 'magic'"),
         (("synthetic", "--gpus", "8", "--fg-slowdown", "0.5"), "--fg-slowdown 0.5 is below 1"),
         (("nosuch.csv", "--gpus", "8"), "trace file 'nosuch.csv' does not exist"),
+        (("synthetic", "--gpus", "8", "--plan-objective", "fast"), "--plan-objective 'fast': use cluster or time"),
     ],
 )
 def test_user_errors_exit_2_with_one_line(args, message, tmp_path) -> None:
