@@ -69,6 +69,9 @@ def plan(
     objective: Annotated[str, typer.Option(help="time (iteration time under --amplification) or time+gpu-time (needs --price)")] = "time",
     price: Annotated[float, typer.Option(help="with --objective time+gpu-time: ms of iteration worth one GPU-second")] = 0.0,
     pareto: Annotated[Path | None, typer.Option(help="write a PNG of iteration time against GPU-seconds, baselines marked")] = None,
+    pin: Annotated[list[str] | None, typer.Option(
+        help="GLOB=N: the layers whose names match GLOB (fnmatch, e.g. 'layer4.*') run on N GPUs; the ILP solves "
+             "the rest (repeat; recorded in the plan)")] = None,
     time_limit: Annotated[float, typer.Option(help="ILP time limit, seconds")] = 60.0,
     solver: Annotated[str | None, typer.Option(help="cbc or highs", show_default="highs when installed")] = None,
     no_memory_limit: Annotated[bool, typer.Option(
@@ -92,6 +95,7 @@ def plan(
     from deeppool.planner.cost import Optimizer
     from deeppool.planner.hardware import Precision
     from deeppool.planner.modelspec import ModelSpec
+    from deeppool.planner.pins import Pin
     from deeppool.planner.plan import Strategy
     from deeppool.planner.request import CostSource, Objective, PlanRequest, check_precision, check_samples
 
@@ -123,6 +127,7 @@ def plan(
         precision=Precision.parse(precision) if precision else None,
         objective=_enum(Objective, objective, "--objective"),
         price=price,
+        pins=tuple(Pin.parse(text) for text in pin or ()),
     )
     check_samples(gpus, global_batch)
     source = CostSource(

@@ -118,7 +118,7 @@ TRACER_SOURCES = ("graph.py", "layer_exec.py", "modelspec.py", "trace.py")
 PLANNER_SOURCES = TRACER_SOURCES + (
     "api.py", "baselines.py", "candidates.py", "cost.py", "hardware.py", "ilp.py", "plan.py", "profile.py",
     "strategies.py",
-    "request.py",
+    "request.py", "pins.py",
 )
 """The planner modules a Plan depends on (reports and the profiler do not change one)."""
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import operator
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,6 +24,7 @@ from deeppool.planner.cost import CostModel, check_invariants
 from deeppool.planner.graph import LayerGraph
 from deeppool.planner.hardware import DEVICES, NETWORKS, NetworkModel, Precision, known_device
 from deeppool.planner.modelspec import LoadedModel, ModelSource, ModelSpec, default_loss
+from deeppool.planner.pins import Pin
 from deeppool.planner.plan import Plan, Strategy, build_plan
 from deeppool.planner.profile import Profile, estimated_profile
 from deeppool.planner.profiler import ProfilerConfig, intra_op_threads, measure_profile
@@ -31,7 +32,7 @@ from deeppool.planner.request import LOCAL, CostSource, PlanRequest, check_preci
 from deeppool.planner.strategies import Search, solve_all
 from deeppool.planner.trace import Traced, trace
 
-__all__ = ["LOCAL", "CostSource", "PlanRequest", "Planned", "batch_planner", "device_setup", "plan", "plan_graph", "plan_model"]
+__all__ = ["LOCAL", "CostSource", "Pin", "PlanRequest", "Planned", "batch_planner", "device_setup", "plan", "plan_graph", "plan_model"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +67,7 @@ def plan_graph(
     search = Search(
         gpus=request.gpus, limits=limits, max_candidates=request.max_candidates,
         time_limit_s=request.time_limit_s, solver=request.solver, objective=request.objective, price=request.price,
+        pins=request.pins,
     )
     solved = solve_all(cost, search)
     chosen = solved.assignments[request.strategy]
@@ -79,6 +81,7 @@ def plan_graph(
         amplification_limit=request.amplification,
         solver=solved.solver,
         baselines=solved.baselines,
+        pins=request.pins if request.strategy is Strategy.ILP else (),
     )
     return Planned(plan=plan, assignments=solved.assignments, cost=cost, search=search)
 
@@ -154,6 +157,7 @@ def plan(
     strategy: Strategy = Strategy.ILP,
     amplification: float | None = None,
     model_spec: ModelSpec | None = None,
+    pins: Mapping[str, int] | Iterable[str | Pin] = (),
 ) -> Plan:
     """Plan ``module`` for ``gpus`` GPUs of ``device_model`` from Python.
 
@@ -162,17 +166,26 @@ def plan(
     says how other processes rebuild the model; without it the plan records
     the module's class when ``Class()`` rebuilds the same module, and
     otherwise that it was built in Python: ``deeppool.run(plan, model=module)``
-    runs such a plan.
+    runs such a plan. ``pins`` fixes layers' GPU counts, as ``{"layer4.*": 8}`` or
+    ``["layer4.*=8"]`` (``deeppool plan --pin``); the ILP solves the rest.
     """
     example = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     batch = global_batch or int(example[0].shape[0])
-    request = PlanRequest(gpus=gpus, global_batch=batch, strategy=strategy, amplification=amplification)
+    request = PlanRequest(gpus=gpus, global_batch=batch, strategy=strategy, amplification=amplification,
+                          pins=parse_pins(pins))
     check_samples(gpus, batch)
     loaded = LoadedModel(module=module, inputs=_repeat(example), targets=lambda b: None, loss=default_loss)
     graph = trace(loaded).graph
     profile, network = device_setup(device_model, batch, gpus, graph)
     spec = model_spec or python_spec(module, example)
     return plan_graph(graph, profile, network, request, model=spec).plan
+
+
+def parse_pins(pins: Mapping[str, int] | Iterable[str | Pin]) -> tuple[Pin, ...]:
+    """Pins from ``{glob: gpus}``, ``"GLOB=N"`` strings or :class:`Pin` objects."""
+    if isinstance(pins, Mapping):
+        return tuple(Pin(pattern=str(pattern), gpus=int(gpus)) for pattern, gpus in pins.items())
+    return tuple(pin if isinstance(pin, Pin) else Pin.parse(pin) for pin in pins)
 
 
 def python_spec(module: nn.Module, example: tuple[torch.Tensor, ...]) -> ModelSpec:

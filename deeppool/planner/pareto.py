@@ -14,11 +14,12 @@ from pathlib import Path
 
 from deeppool.planner import baselines
 from deeppool.planner.api import Planned
-from deeppool.planner.candidates import allowed_counts, thinned_counts, useful_counts
+from deeppool.planner.candidates import useful_counts
 from deeppool.planner.cost import CostModel
 from deeppool.planner.ilp import solve
 from deeppool.planner.plan import Strategy
 from deeppool.planner.request import Objective
+from deeppool.planner.strategies import search_options
 
 PRICE_FACTORS = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 1e3, 1e4)
 """Prices swept, as multiples of the all-GPU data-parallel plan's ms per GPU-second."""
@@ -47,8 +48,7 @@ def _point(cost: CostModel, label: str, assignment: dict[str, int]) -> Point:
 def front(planned: Planned) -> Front:
     """The ILP's Pareto front over the price sweep, and the baselines, in one cost model."""
     cost, search = planned.cost, planned.search
-    counts = thinned_counts(search.gpus, cost.global_batch, search.max_candidates)
-    options = {layer.name: allowed_counts(cost, layer, counts, search.limits) for layer in cost.graph.layers}
+    options = search_options(cost, search)
     dp = baselines.data_parallel(cost, search.gpus)
     unit = cost.iteration_ms(dp) / max(cost.gpu_seconds(dp), 1e-12)
     points = []

@@ -23,6 +23,7 @@ from deeppool.planner.combine import Combine
 from deeppool.planner.hardware import NetworkModel, Precision
 from deeppool.planner.jsonio import check_version, field, read_json, write_json
 from deeppool.planner.modelspec import ModelSpec
+from deeppool.planner.pins import Pin
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -123,6 +124,8 @@ class Plan:
     """How each layer group combines its gradients (``deeppool plan --combine``); absent in older plans: sum."""
     goodput: GoodputSearch | None = None
     """With ``--batch auto``: every candidate batch's figures; ``global_batch`` is the goodput-optimal one."""
+    pins: tuple[Pin, ...] = ()
+    """The layer counts the user fixed (``--pin``); absent in older plans: none."""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -153,6 +156,7 @@ class Plan:
             "layers": [asdict(layer) for layer in self.layers],
             "predicted": asdict(self.predicted),
             "solver": asdict(self.solver),
+            "pins": [pin.to_json() for pin in self.pins],
             **({"goodput": self.goodput.to_json()} if self.goodput is not None else {}),
         }
 
@@ -178,6 +182,7 @@ class Plan:
                 predicted=Prediction(**predicted),
                 solver=SolverInfo(**field(payload, "solver", kind="plan")),
                 goodput=GoodputSearch.from_json(payload["goodput"]) if "goodput" in payload else None,
+                pins=tuple(Pin.from_json(item) for item in payload.get("pins", ())),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise DeeppoolError(f"plan {where} is malformed ({type(err).__name__}: {err}): regenerate it") from None
@@ -233,6 +238,7 @@ def build_plan(
     amplification_limit: float | None,
     solver: SolverInfo,
     baselines: Baselines,
+    pins: tuple[Pin, ...] = (),
 ) -> Plan:
     """Everything a Plan states, derived from ``assignment`` through ``cost``."""
     rounds = cost.group_rounds_ms(assignment)
@@ -272,6 +278,7 @@ def build_plan(
         layers=layers,
         predicted=predicted,
         solver=solver,
+        pins=pins,
     )
 
 

@@ -17,6 +17,7 @@ from deeppool.errors import DeeppoolError
 from deeppool.planner.candidates import Limits
 from deeppool.planner.cost import DEFAULT_BUCKET_BYTES, Optimizer
 from deeppool.planner.hardware import LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, Precision, known_device
+from deeppool.planner.pins import Pin
 from deeppool.planner.plan import Strategy
 from deeppool.planner.profile import Profile
 
@@ -60,6 +61,8 @@ class PlanRequest:
     precision: Precision | None = None
     objective: Objective = Objective.TIME
     price: float = 0.0
+    pins: tuple[Pin, ...] = ()
+    """Layers whose GPU counts are fixed (``--pin GLOB=N``); the ILP solves the rest."""
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -74,6 +77,9 @@ class PlanRequest:
             raise DeeppoolError(f"--bucket-mb {self.bucket_mb} must be >= 0")
         Limits(amplification=self.amplification)
         check_objective(self.objective, self.price)
+        if self.pins and self.strategy is not Strategy.ILP:
+            raise DeeppoolError(f"--pin fixes layers of the ILP's plan; --strategy {self.strategy.value} ignores it: "
+                                "drop --pin or use --strategy ilp")
 
 
 def check_samples(gpus: int, global_batch: int) -> None:

@@ -25,6 +25,7 @@ from deeppool.planner.baselines import Baselines
 from deeppool.planner.candidates import Limits, allowed_counts, check_memory, thinned_counts, useful_counts
 from deeppool.planner.cost import CostModel
 from deeppool.planner.ilp import SolverName, default_solver, solve
+from deeppool.planner.pins import Pin, apply_pins, pinned_counts
 from deeppool.planner.plan import SolverInfo, Strategy
 from deeppool.planner.request import Objective, check_objective
 
@@ -40,6 +41,7 @@ class Search:
     solver: SolverName | None = None
     objective: Objective = Objective.TIME
     price: float = 0.0
+    pins: tuple[Pin, ...] = ()
 
     def __post_init__(self) -> None:
         check_objective(self.objective, self.price)
@@ -63,12 +65,20 @@ def objective_ms(cost: CostModel, assignment: Mapping[str, int], price: float) -
     return cost.iteration_ms(assignment) + price * (layers + rounds) / 1e3
 
 
+def search_options(cost: CostModel, search: Search) -> dict[str, tuple[int, ...]]:
+    """Each layer's candidate counts: the (thinned) useful ones within the limits, a pinned layer's one count."""
+    counts = thinned_counts(search.gpus, cost.global_batch, search.max_candidates)
+    options = {layer.name: allowed_counts(cost, layer, counts, search.limits) for layer in cost.graph.layers}
+    check_memory(cost, options, search.limits)
+    pinned = pinned_counts(cost, search.pins, search.gpus)
+    return apply_pins(cost, options, pinned, search.limits) if pinned else options
+
+
 def solve_all(cost: CostModel, search: Search) -> Solved:
     """Every strategy's assignment, the baselines' figures and the solver's honest status."""
     useful = useful_counts(search.gpus, cost.global_batch)
     counts = thinned_counts(search.gpus, cost.global_batch, search.max_candidates)
-    options = {layer.name: allowed_counts(cost, layer, counts, search.limits) for layer in cost.graph.layers}
-    check_memory(cost, options, search.limits)
+    options = search_options(cost, search)
     best_gpus, best_dp = baselines.best_data_parallel(cost, search.gpus)
     assignments = {
         Strategy.DATA_PARALLEL: baselines.data_parallel(cost, search.gpus),
@@ -76,7 +86,7 @@ def solve_all(cost: CostModel, search: Search) -> Solved:
         Strategy.DEEPPOOL: baselines.deeppool(cost, search.gpus, search.limits.amplification),
     }
     solver = search.solver or default_solver()
-    fallback = _best_feasible(cost, assignments, search)
+    fallback = _best_feasible(cost, assignments, search, pinned_counts(cost, search.pins, search.gpus))
     try:
         result = solve(cost, options, memory_bytes=search.limits.memory_bytes, time_limit_s=search.time_limit_s,
                        solver=solver, price=search.weight)
@@ -112,10 +122,11 @@ def _figures(cost: CostModel, assignments: dict[Strategy, dict[str, int]], best_
 
 
 def _best_feasible(
-    cost: CostModel, assignments: dict[Strategy, dict[str, int]], search: Search
+    cost: CostModel, assignments: dict[Strategy, dict[str, int]], search: Search, pinned: dict[str, int]
 ) -> tuple[Strategy, dict[str, int]] | None:
-    """The baseline with the least objective among those within the amplification and memory limits."""
-    feasible = [(s, a) for s, a in assignments.items() if _within(cost, a, search.limits)]
+    """The baseline with the least objective among those within the limits and the pins."""
+    feasible = [(s, a) for s, a in assignments.items()
+                if _within(cost, a, search.limits) and all(a[name] == g for name, g in pinned.items())]
     return min(feasible, key=lambda item: objective_ms(cost, item[1], search.weight), default=None)
 
 
