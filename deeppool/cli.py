@@ -66,7 +66,12 @@ def plan(
     optimizer: Annotated[str, typer.Option(help="sgd or adam: optimizer state memory and step time")] = "sgd",
     precision: Annotated[str | None, typer.Option(help="fp32, tf32, bf16 or fp16 for a device model (default: the model's dtype)")] = None,
     bucket_mb: Annotated[float, typer.Option(help="the executor's gradient bucket, MiB (0: per layer, synchronous)")] = 25.0,
-    objective: Annotated[str, typer.Option(help="time (iteration time under --amplification) or time+gpu-time (needs --price)")] = "time",
+    objective: Annotated[str, typer.Option(
+        help="time (iteration time under --amplification), time+gpu-time (needs --price) or cluster (the cluster's "
+             "throughput: the foreground's share plus background work in the plan's idle windows)")] = "time",
+    interference: Annotated[Path | None, typer.Option(
+        help="interference.json (`deeppool multiplex bench`): background efficiency by window length and the "
+             "foreground's slowdown, for the cluster throughput", show_default="the simulator's defaults")] = None,
     price: Annotated[float, typer.Option(help="with --objective time+gpu-time: ms of iteration worth one GPU-second")] = 0.0,
     pareto: Annotated[Path | None, typer.Option(help="write a PNG of iteration time against GPU-seconds, baselines marked")] = None,
     pin: Annotated[list[str] | None, typer.Option(
@@ -108,6 +113,7 @@ def plan(
     checks.new_file(gantt, "--gantt", checks.IMAGE_SUFFIXES)
     checks.new_file(pareto, "--pareto", checks.IMAGE_SUFFIXES)
     checks.new_file(goodput_plot, "--goodput-plot", (".png",))
+    checks.existing_file(interference, "--interference")
     checks.distinct({"--out": out, "--gantt": gantt, "--pareto": pareto, "--goodput-plot": goodput_plot,
                      "MODEL": Path(model) if model.endswith(".py") else None, "--profile": profile})
     if profile is not None and device_model is not None:
@@ -128,6 +134,7 @@ def plan(
         objective=_enum(Objective, objective, "--objective"),
         price=price,
         pins=tuple(Pin.parse(text) for text in pin or ()),
+        **_interference(interference),
     )
     check_samples(gpus, global_batch)
     source = CostSource(
@@ -220,6 +227,7 @@ def _report_plan(planned: Planned, *, out: Path, gantt: Path | None, pareto: Pat
         shown.print(planned.cost.profile.fit.describe(largest=largest))
     shown.print(report.plan_table(planned.plan, per_layer=per_layer))
     shown.print(report.summary(planned.plan))
+    shown.print(report.cluster_line(planned.plan))
     shown.print(report.AMPLIFICATION_NOTE, style="dim")
     shown.print(f"plan written to {out}")
     if gantt is not None:
@@ -285,6 +293,15 @@ def _measure(spec: ModelSpec, *, out: Path, device: str, batches: tuple[int, ...
     if measured.fit is not None:
         console().print(measured.fit.describe())
     console().print(f"profiled {len(measured.layers)} layers on {measured.device} at batches {config.batches}: {out}")
+
+
+def _interference(path: Path | None) -> dict[str, object]:
+    """``--interference`` as the request's model and its source (the simulator's defaults without it)."""
+    if path is None:
+        return {}
+    from deeppool.cluster_sim.interference import InterferenceModel
+
+    return {"interference": InterferenceModel.measured(path), "interference_source": str(path)}
 
 
 def _solver(name: str) -> SolverName:

@@ -44,6 +44,7 @@ from deeppool.cluster_sim.workload import (
 from deeppool.errors import DeeppoolError
 from deeppool.output import console as stdout
 from deeppool.planner.hardware import KnownDevice, known_device
+from deeppool.planner.objective import Objective
 
 app = typer.Typer(add_completion=False, help="Simulate a GPU cluster running a job trace.")
 SYNTHETIC = "synthetic"
@@ -74,6 +75,9 @@ LendOpt = Annotated[float, typer.Option(help="Ranks idle for less of an iteratio
 RestartOpt = Annotated[float, typer.Option(
     "--restart-penalty", help="Seconds lost each time a preempted or evicted job runs again.")]
 StrategyOpt = Annotated[str, typer.Option(help="Burst plans: ilp or deeppool.")]
+ObjectiveOpt = Annotated[str, typer.Option(
+    "--plan-objective", help="The plans burst+bg lends: cluster (the plan maximising the cluster's throughput under "
+    "the interference model) or time (the fastest plan).")]
 TimeLimitOpt = Annotated[float, typer.Option(help="ILP time limit per plan (s).")]
 CacheOpt = Annotated[Path, typer.Option(help="Where traced graphs and plans are cached.")]
 WorkersOpt = Annotated[int, typer.Option(help="Processes that solve missing plans (one model each).")]
@@ -105,6 +109,7 @@ def simulate(
     interference_file: InterferenceOpt = None,
     restart_penalty: RestartOpt = DEFAULT_RESTART_PENALTY_S,
     burst_strategy: StrategyOpt = "ilp",
+    plan_objective: ObjectiveOpt = "cluster",
     plan_time_limit: TimeLimitOpt = 30.0,
     cache_dir: CacheOpt = DEFAULT_CACHE,
     plan_workers: WorkersOpt = os.cpu_count() or 1,
@@ -134,7 +139,8 @@ def simulate(
         if not 0 <= restart_penalty < 86400:
             raise DeeppoolError(f"--restart-penalty {restart_penalty}: give seconds in [0, 86400)")
         interference = _interference(interference_file, fg_slowdown, bg_efficiency, min_lend_fraction)
-        settings = PlanSettings(burst_strategy=_strategy(burst_strategy), time_limit_s=plan_time_limit)
+        settings = PlanSettings(burst_strategy=_strategy(burst_strategy), time_limit_s=plan_time_limit,
+                                lending_objective=_objective(plan_objective), interference=interference)
         rule = BackgroundRule.parse(background)
         spec = SyntheticSpec(jobs=jobs, arrivals_per_hour=arrival_rate, size_mix=parse_size_mix(size_mix),
                              median_duration_s=median_duration, seed=seed)
@@ -188,6 +194,7 @@ class RunInfo:
             "interference": asdict(self.interference),
             "restart_penalty_s": self.restart_penalty_s,
             "burst_strategy": self.settings.burst_strategy.value,
+            "plan_objective": self.settings.lending_objective.value,
             "seed": self.seed,
             "plans_solved_this_run": self.solved,
             "data": ATTRIBUTION,
@@ -243,6 +250,12 @@ def _strategy(text: str) -> BurstStrategy:
         raise DeeppoolError(f"--burst-strategy '{text}': use ilp or deeppool") from None
 
 
+def _objective(text: str) -> Objective:
+    if text not in (Objective.CLUSTER.value, Objective.TIME.value):
+        raise DeeppoolError(f"--plan-objective '{text}': use cluster or time")
+    return Objective(text)
+
+
 def _device(text: str) -> KnownDevice:
     try:
         return known_device(text)
@@ -284,6 +297,7 @@ def simulate_deeppool(
     bg_efficiency: EfficiencyOpt = DEFAULT_BG_EFFICIENCY,
     min_lend_fraction: LendOpt = DEFAULT_MIN_LEND_FRACTION,
     interference_file: InterferenceOpt = None,
+    plan_objective: ObjectiveOpt = "cluster",
     plan_time_limit: TimeLimitOpt = 30.0,
     cache_dir: CacheOpt = DEFAULT_CACHE,
     out: OutOpt = Path("sim-results"),
@@ -298,7 +312,9 @@ def simulate_deeppool(
         interference = _interference(interference_file, fg_slowdown, bg_efficiency, min_lend_fraction)
         cluster = ClusterSpec(gpus=gpus_per_node, gpus_per_node=gpus_per_node, device=_device(device))
         out.mkdir(parents=True, exist_ok=True)
-        book = PlanBook(cluster=cluster, settings=PlanSettings(time_limit_s=plan_time_limit), cache_dir=cache_dir)
+        settings = PlanSettings(time_limit_s=plan_time_limit, lending_objective=_objective(plan_objective),
+                                interference=interference)
+        book = PlanBook(cluster=cluster, settings=settings, cache_dir=cache_dir)
         points = [evaluate(example(name), count, gpus_per_node=gpus_per_node, book=book, interference=interference)
                   for name in model for count in gpus]
     except DeeppoolError as err:

@@ -67,6 +67,12 @@ class InterferenceModel:
         index = bisect.bisect_right([edge for edge, _ in curve], window_ms) - 1
         return curve[index][1] if index >= 0 else 0.0
 
+    @property
+    def max_efficiency(self) -> float:
+        """The most any window yields: ``e(len) ≤ max_efficiency`` for every length (the planner's bound)."""
+        return max((e for _, e in self.efficiency_by_window_ms), default=0.0) if self.efficiency_by_window_ms \
+            else self.bg_efficiency
+
     def usable_fraction(self, windows_ms: tuple[float, ...], iteration_ms: float, *, piece_ms: float = 0.0) -> float:
         """The share of an iteration a lent rank turns into background work: Σ_w e(len_w) · fit(len_w) / T.
 

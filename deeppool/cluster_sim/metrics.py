@@ -134,7 +134,8 @@ def write_jobs(results: Sequence[SimResult], out: Path) -> None:
 
 THROUGHPUT_NOTE = (
     "thr: the jobs' recorded GPU-seconds of work completed per second of makespan (fg: foreground, bg: background); "
-    "vs dp: fg + bg thr over the dp policy's"
+    "vs dp: fg + bg thr over the dp policy's (data parallel on each job's requested GPUs); burst+bg runs the plans "
+    "chosen for cluster throughput (--plan-objective)"
 )
 
 
@@ -158,10 +159,14 @@ def table(metrics: Sequence[PolicyMetrics], title: str) -> Table:
 def scenario_table(points: Sequence[ScenarioPoint], paper: str) -> Table:
     """DeepPool's scenario: cluster throughput over data parallel per model and GPU count, beside the paper's."""
     out = Table(title="one foreground job + unlimited background jobs (DeepPool's evaluation)")
-    columns = ("model", "GPUs", "fg batch", "burst speedup", "fg share", "bg share", "lent", "vs dp", "paper")
+    columns = ("model", "GPUs", "fg batch", "burst speedup", "fg share", "bg share", "lent", "vs dp (all GPUs)",
+               "right-sizing (dp on w)", "vs right-sizing", "paper")
     for column in columns:
         out.add_column(column, justify="left" if column == "model" else "right")
     for p in points:
         out.add_row(p.model, str(p.gpus), str(p.fg_batch), f"{p.burst_speedup:.2f}x", f"{p.fg_share:.2f}",
-                    f"{p.bg_share:.2f}", f"{p.lent_fraction:.0%}", f"{p.cluster_throughput_vs_dp:.2f}x", paper)
+                    f"{p.bg_share:.2f}", f"{p.lent_fraction:.0%}", f"{p.cluster_throughput_vs_dp:.2f}x",
+                    f"{p.right_sizing_vs_dp:.2f}x (w={p.right_sizing_gpus})", f"{p.vs_right_sizing:.2f}x", paper)
+    out.caption = ("vs dp: cluster throughput over data parallel on all GPUs (DeepPool's baseline); vs right-sizing: "
+                   "over data parallel at its best width w with the other GPUs' background work at full efficiency")
     return out

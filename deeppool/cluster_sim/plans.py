@@ -24,25 +24,28 @@ import json
 import multiprocessing
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import deeppool.planner
 from deeppool.cluster_sim.cluster import ClusterSpec
+from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.models import ModelChoice
 from deeppool.errors import DeeppoolError
 from deeppool.planner.graph import LayerGraph
 from deeppool.planner.jsonio import write_json
+from deeppool.planner.objective import Objective
 from deeppool.scheduling.policy import PlanMode
 
 if TYPE_CHECKING:  # the planner's solving half imports torch: loaded only when a Plan must be solved
     from deeppool.planner.api import Planned
     from deeppool.planner.plan import Plan
 
-FACTS_VERSION = 4
+FACTS_VERSION = 5
 """Bumped whenever the cost model changes what a Plan predicts (4: per-group all-reduce latency rounds,
-synchronisation latency, the loss and the optimizer's fixed costs), so cached facts are solved again."""
+synchronisation latency, the loss and the optimizer's fixed costs; 5: the lending plan and right-sizing),
+so cached facts are solved again."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +61,10 @@ class PlanFacts:
     """The longest single layer phase (forward or backward) on a rank: the job's indivisible step piece."""
     rank_memory_bytes: tuple[int, ...] = ()
     """Each rank's memory (the layers it runs); empty in hand-made facts (no memory used)."""
+    right_sizing_gpus: int = 0
+    right_sizing_throughput: float = 0.0
+    """The strong baseline: data parallel at its best width, the GPUs it leaves at full efficiency
+    (over data parallel on all GPUs); 0 in hand-made facts."""
 
     @classmethod
     def of(cls, plan: Plan) -> PlanFacts:
@@ -78,6 +85,8 @@ class PlanFacts:
             idle_windows_ms=tuple(tuple(w) for w in windows),
             granularity_ms=max((max(layer.fwd_ms, layer.bwd_ms) for layer in plan.layers), default=0.0),
             rank_memory_bytes=tuple(memory),
+            right_sizing_gpus=plan.cluster.right_sizing_gpus if plan.cluster is not None else 0,
+            right_sizing_throughput=plan.cluster.right_sizing_throughput if plan.cluster is not None else 0.0,
         )
 
     def rank_memory(self, rank: int) -> int:
@@ -107,18 +116,27 @@ class BurstStrategy(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class PlanSettings:
-    """How burst plans are made: strategy (ILP or the DeepPool programme) and solver time limit."""
+    """How burst plans are made: strategy (ILP or the DeepPool programme), solver time limit, and the
+    objective of the plans whose idle time is lent (``PlanMode.LENDING``: the cluster's throughput under
+    ``interference`` by default, :mod:`deeppool.planner.throughput`; ``time`` lends the fastest plan)."""
 
     burst_strategy: BurstStrategy = BurstStrategy.ILP
     time_limit_s: float = 30.0
     amplification: float | None = None
+    lending_objective: Objective = Objective.CLUSTER
+    interference: InterferenceModel = InterferenceModel()
+
+    def key(self) -> list[object]:
+        """What the cached plans depend on."""
+        return [self.burst_strategy.value, self.time_limit_s, self.amplification, self.lending_objective.value,
+                asdict(self.interference)]
 
 
 TRACER_SOURCES = ("graph.py", "layer_exec.py", "modelspec.py", "trace.py")
 PLANNER_SOURCES = TRACER_SOURCES + (
     "api.py", "baselines.py", "candidates.py", "cost.py", "hardware.py", "ilp.py", "plan.py", "profile.py",
     "strategies.py",
-    "request.py", "pins.py",
+    "request.py", "pins.py", "throughput.py", "objective.py",
 )
 """The planner modules a Plan depends on (reports and the profiler do not change one)."""
 
@@ -229,14 +247,21 @@ class PlanBook:
             strategy=Strategy(self.settings.burst_strategy.value),
             amplification=self.settings.amplification,
             time_limit_s=self.settings.time_limit_s,
+            interference=self.settings.interference,
+            interference_source="the simulator's interference model",
         )
+        lends = request.strategy is Strategy.ILP and self.settings.lending_objective is not Objective.TIME
         try:
             planned = plan_graph(graph, profile, self.cluster.network, request, model=model.spec)
+            lending = plan_graph(graph, profile, self.cluster.network,
+                                 replace(request, objective=self.settings.lending_objective),
+                                 model=model.spec) if lends else planned
         except DeeppoolError as err:
             raise DeeppoolError(f"model '{model.name}' (batch {model.global_batch}) on {gpus} GPU(s): {err}") from None
         self.solved += 1
         return {
             PlanMode.BURST: PlanFacts.of(planned.plan),
+            PlanMode.LENDING: PlanFacts.of(lending.plan),
             PlanMode.DATA_PARALLEL: PlanFacts.of(_data_parallel_plan(planned, model, gpus)),
         }
 
@@ -276,7 +301,7 @@ class PlanBook:
             "gpus": gpus,
             "device": self.cluster.device.value,
             "network": self.cluster.network.to_json(),
-            "settings": [self.settings.burst_strategy.value, self.settings.time_limit_s, self.settings.amplification],
+            "settings": self.settings.key(),
             "version": FACTS_VERSION,
         }
         return self.cache_dir / "plans" / f"{_digest(key)}.json"
@@ -328,6 +353,8 @@ def _read_facts(path: Path) -> dict[PlanMode, PlanFacts]:
             idle_windows_ms=tuple(tuple(float(w) for w in rank) for rank in payload[mode.value]["idle_windows_ms"]),
             granularity_ms=float(payload[mode.value]["granularity_ms"]),
             rank_memory_bytes=tuple(int(b) for b in payload[mode.value]["rank_memory_bytes"]),
+            right_sizing_gpus=int(payload[mode.value]["right_sizing_gpus"]),
+            right_sizing_throughput=float(payload[mode.value]["right_sizing_throughput"]),
         )
         for mode in PlanMode
     }

@@ -18,6 +18,12 @@ own one-GPU runs) up to the foreground's finish ``t``:
     fg_share = T_dp / T_fg,   bg_share = W / (gpus · t),
     cluster_throughput_vs_dp = fg_share + bg_share   (data parallel alone: 1).
 
+The foreground runs the plan ``burst+bg`` lends (``PlanMode.LENDING``: by default the
+one maximising this very throughput, :mod:`deeppool.planner.throughput`). Beside data
+parallel on all GPUs (DeepPool's baseline) each point gives the strong baseline,
+*right-sizing*: data parallel at the width ``w`` maximising ``T_dp/T_w + (G − w)/G``,
+the ``G − w`` GPUs it leaves running background work at full efficiency.
+
 Batches: the foreground trains at ``max(reference batch, gpus)`` (strong
 scaling, DeepPool's regime, down to one sample per GPU); each background job
 at the model's per-GPU batch on one GPU.
@@ -54,6 +60,15 @@ class ScenarioPoint:
     lent_fraction: float
     cluster_throughput_vs_dp: float
     guests: int
+    right_sizing_gpus: int = 0
+    right_sizing_vs_dp: float = 0.0
+    """The strong baseline: data parallel at its best width, the rest of the GPUs at full efficiency."""
+    lent_gpu_hours: float = 0.0
+    bg_gpu_hours_in_windows: float = 0.0
+
+    @property
+    def vs_right_sizing(self) -> float:
+        return self.cluster_throughput_vs_dp / self.right_sizing_vs_dp if self.right_sizing_vs_dp > 0 else 0.0
 
 
 def scenario_models(model: ModelChoice, gpus: int) -> tuple[ModelChoice, ModelChoice]:
@@ -83,7 +98,7 @@ def evaluate(
                     restart_penalty_s=0.0).run()
     finish = next(r.finish_s for r in result.records if r.job_id == 0)
     dp = book.facts(foreground, gpus, PlanMode.DATA_PARALLEL)
-    burst = book.facts(foreground, gpus, PlanMode.BURST)
+    burst = book.facts(foreground, gpus, PlanMode.LENDING)
     fg_share = FOREGROUND_ITERATIONS * dp.iteration_s / finish
     bg_share = result.bg_gpu_s_in_windows / (gpus * finish)
     return ScenarioPoint(
@@ -91,4 +106,6 @@ def evaluate(
         burst_speedup=dp.iteration_s / burst.iteration_s, fg_share=fg_share, bg_share=bg_share,
         lent_fraction=result.lent_gpu_s / (gpus * finish), cluster_throughput_vs_dp=fg_share + bg_share,
         guests=sum(1 for r in result.records if r.background and r.start_s < finish),
+        right_sizing_gpus=burst.right_sizing_gpus, right_sizing_vs_dp=burst.right_sizing_throughput,
+        lent_gpu_hours=result.lent_gpu_s / 3600, bg_gpu_hours_in_windows=result.bg_gpu_s_in_windows / 3600,
     )

@@ -25,11 +25,13 @@ from deeppool.planner.graph import LayerGraph
 from deeppool.planner.hardware import DEVICES, NETWORKS, NetworkModel, Precision, known_device
 from deeppool.planner.modelspec import LoadedModel, ModelSource, ModelSpec, default_loss
 from deeppool.planner.pins import Pin
-from deeppool.planner.plan import Plan, Strategy, build_plan
+from deeppool.planner.objective import Objective
+from deeppool.planner.plan import ClusterShares, Plan, Strategy, build_plan
 from deeppool.planner.profile import Profile, estimated_profile
 from deeppool.planner.profiler import ProfilerConfig, intra_op_threads, measure_profile
 from deeppool.planner.request import LOCAL, CostSource, PlanRequest, check_precision, check_samples
 from deeppool.planner.strategies import Search, solve_all
+from deeppool.planner.throughput import right_sizing, shares
 from deeppool.planner.trace import Traced, trace
 
 __all__ = ["LOCAL", "CostSource", "Pin", "PlanRequest", "Planned", "batch_planner", "device_setup", "plan", "plan_graph", "plan_model"]
@@ -67,7 +69,7 @@ def plan_graph(
     search = Search(
         gpus=request.gpus, limits=limits, max_candidates=request.max_candidates,
         time_limit_s=request.time_limit_s, solver=request.solver, objective=request.objective, price=request.price,
-        pins=request.pins,
+        pins=request.pins, interference=request.interference,
     )
     solved = solve_all(cost, search)
     chosen = solved.assignments[request.strategy]
@@ -82,8 +84,19 @@ def plan_graph(
         solver=solved.solver,
         baselines=solved.baselines,
         pins=request.pins if request.strategy is Strategy.ILP else (),
+        objective=request.objective if request.strategy is Strategy.ILP else Objective.TIME,
+        cluster=cluster_shares(cost, chosen, request, solved.baselines.data_parallel_ms),
     )
     return Planned(plan=plan, assignments=solved.assignments, cost=cost, search=search)
+
+
+def cluster_shares(cost: CostModel, assignment: dict[str, int], request: PlanRequest, dp_ms: float) -> ClusterShares:
+    """The plan's cluster throughput and the right-sizing baseline (:mod:`deeppool.planner.throughput`)."""
+    found = shares(cost, assignment, gpus=request.gpus, dp_ms=dp_ms, model=request.interference)
+    width, value = right_sizing(cost, request.gpus, dp_ms)
+    return ClusterShares(fg_share=found.fg_share, bg_share=found.bg_share, lent_fraction=found.lent_fraction,
+                         right_sizing_gpus=width, right_sizing_throughput=value,
+                         interference=request.interference_source)
 
 
 def planner_batches(gpus: int, global_batch: int) -> tuple[int, ...]:

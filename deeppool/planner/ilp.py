@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pulp
@@ -73,6 +74,7 @@ def solve(
     time_limit_s: float,
     solver: SolverName | None = None,
     price: float = 0.0,
+    exclude: tuple[Mapping[str, int], ...] = (),
 ) -> IlpResult:
     """Solve the ILP for ``options`` (the allowed counts of each layer).
 
@@ -80,10 +82,15 @@ def solve(
     formulation makes that the rule on these graphs) it is an optimal solution
     of the ILP, with gap 0. Otherwise the ILP is solved by branch and bound.
     ``price`` > 0 adds ``price · g · layer_ms(g) / 1000`` per layer (DeepPool's
-    trade-off of time against GPU-time).
+    trade-off of time against GPU-time). ``exclude`` rules out those assignments (one no-good cut each,
+    ``Σ_l x[l, a_l] ≤ L − 1``), which :mod:`deeppool.planner.throughput` uses to search past plans it has costed.
     """
     chosen = solver or default_solver()
     problem, x = _formulate(cost, options, memory_bytes, price)
+    for index, assignment in enumerate(exclude):
+        cut = {x[name][g]: 1.0 for name, g in assignment.items() if g in x[name]}
+        if len(cut) == len(x):
+            _constrain(problem, cut, pulp.LpConstraintLE, len(x) - 1.0, f"seen_{index}")
     started = time.perf_counter()
     problem.solve(_backend(chosen, time_limit_s, mip=False))
     relaxed_ok = problem.status == pulp.LpStatusOptimal and _integral(x)

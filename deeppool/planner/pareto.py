@@ -64,8 +64,16 @@ def front(planned: Planned) -> Front:
         data_parallel=tuple(_point(cost, f"{g}", baselines.data_parallel(cost, g)) for g in widths),
         best_data_parallel=_point(cost, f"best data parallel ({best_gpus} GPUs)", best),
         deeppool=_point(cost, "DeepPool's planner", planned.assignments[Strategy.DEEPPOOL]),
-        chosen=_point(cost, "written plan", planned.plan.assignment),
+        chosen=_point(cost, _chosen_label(planned), planned.plan.assignment),
     )
+
+
+def _chosen_label(planned: Planned) -> str:
+    shares = planned.plan.cluster
+    if planned.plan.objective is not Objective.CLUSTER or shares is None:
+        return "written plan"
+    return (f"written plan: best cluster throughput, {shares.throughput:.2f}x data parallel "
+            f"(fg {shares.fg_share:.2f} + bg {shares.bg_share:.2f})")
 
 
 def _pareto(points: list[Point]) -> tuple[Point, ...]:

@@ -23,6 +23,7 @@ from deeppool.planner.combine import Combine
 from deeppool.planner.hardware import NetworkModel, Precision
 from deeppool.planner.jsonio import check_version, field, read_json, write_json
 from deeppool.planner.modelspec import ModelSpec
+from deeppool.planner.objective import Objective
 from deeppool.planner.pins import Pin
 
 PLAN_SCHEMA_VERSION = 1
@@ -99,6 +100,32 @@ class Prediction:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ClusterShares:
+    """The cluster's throughput under the plan, over data parallel on all GPUs, and the strong baseline.
+
+    ``fg_share + bg_share`` as :mod:`deeppool.planner.throughput` defines it (background work in the plan's
+    idle windows at ``interference``'s efficiencies); ``right_sizing_throughput``: data parallel at its best
+    width ``right_sizing_gpus`` with the GPUs it leaves doing background work at full efficiency.
+    """
+
+    fg_share: float
+    bg_share: float
+    lent_fraction: float
+    right_sizing_gpus: int
+    right_sizing_throughput: float
+    interference: str
+    """Where the efficiencies came from: an interference.json path, or ``defaults``."""
+
+    @property
+    def throughput(self) -> float:
+        return self.fg_share + self.bg_share
+
+    @property
+    def vs_right_sizing(self) -> float:
+        return self.throughput / self.right_sizing_throughput if self.right_sizing_throughput > 0 else 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class SolverInfo:
     name: str
     status: str
@@ -126,6 +153,10 @@ class Plan:
     """With ``--batch auto``: every candidate batch's figures; ``global_batch`` is the goodput-optimal one."""
     pins: tuple[Pin, ...] = ()
     """The layer counts the user fixed (``--pin``); absent in older plans: none."""
+    objective: Objective = Objective.TIME
+    """What the ILP strategy optimised (``--objective``); absent in older plans: time."""
+    cluster: ClusterShares | None = None
+    """The cluster's throughput under the plan; absent in older plans."""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -157,6 +188,8 @@ class Plan:
             "predicted": asdict(self.predicted),
             "solver": asdict(self.solver),
             "pins": [pin.to_json() for pin in self.pins],
+            "objective": self.objective.value,
+            **({"cluster": asdict(self.cluster)} if self.cluster is not None else {}),
             **({"goodput": self.goodput.to_json()} if self.goodput is not None else {}),
         }
 
@@ -183,6 +216,8 @@ class Plan:
                 solver=SolverInfo(**field(payload, "solver", kind="plan")),
                 goodput=GoodputSearch.from_json(payload["goodput"]) if "goodput" in payload else None,
                 pins=tuple(Pin.from_json(item) for item in payload.get("pins", ())),
+                objective=Objective(payload.get("objective", Objective.TIME.value)),
+                cluster=ClusterShares(**payload["cluster"]) if "cluster" in payload else None,
             )
         except (KeyError, TypeError, ValueError) as err:
             raise DeeppoolError(f"plan {where} is malformed ({type(err).__name__}: {err}): regenerate it") from None
@@ -239,6 +274,8 @@ def build_plan(
     solver: SolverInfo,
     baselines: Baselines,
     pins: tuple[Pin, ...] = (),
+    objective: Objective = Objective.TIME,
+    cluster: ClusterShares | None = None,
 ) -> Plan:
     """Everything a Plan states, derived from ``assignment`` through ``cost``."""
     rounds = cost.group_rounds_ms(assignment)
@@ -279,6 +316,8 @@ def build_plan(
         predicted=predicted,
         solver=solver,
         pins=pins,
+        objective=objective,
+        cluster=cluster,
     )
 
 
@@ -303,17 +342,21 @@ def _plan_layer(cost: CostModel, name: str, gpus: int, rounds_ms: float) -> Plan
 
 def idle_windows(phases: list[Phase], gpus: int, iteration_ms: float) -> list[IdleWindow]:
     """Maximal stretches in which a rank runs no phase; ``after`` is the last phase's layer."""
+    return [window for rank in range(gpus) for window in rank_idle_windows(phases, rank, iteration_ms)]
+
+
+def rank_idle_windows(phases: list[Phase], rank: int, iteration_ms: float) -> list[IdleWindow]:
+    """Rank ``rank``'s idle windows: a rank that runs no phase has one, the whole iteration."""
     windows: list[IdleWindow] = []
-    for rank in range(gpus):
-        clock, after = 0.0, None
-        for phase in phases:
-            if phase.ranks <= rank:
-                continue
-            if phase.start_ms - clock > 1e-9:
-                windows.append(IdleWindow(rank=rank, start_ms=clock, end_ms=phase.start_ms, after=after))
-            clock, after = phase.end_ms, _label(phase)
-        if iteration_ms - clock > 1e-9:
-            windows.append(IdleWindow(rank=rank, start_ms=clock, end_ms=iteration_ms, after=after))
+    clock, after = 0.0, None
+    for phase in phases:
+        if phase.ranks <= rank:
+            continue
+        if phase.start_ms - clock > 1e-9:
+            windows.append(IdleWindow(rank=rank, start_ms=clock, end_ms=phase.start_ms, after=after))
+        clock, after = phase.end_ms, _label(phase)
+    if iteration_ms - clock > 1e-9:
+        windows.append(IdleWindow(rank=rank, start_ms=clock, end_ms=iteration_ms, after=after))
     return windows
 
 

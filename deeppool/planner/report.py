@@ -107,6 +107,21 @@ def summary(plan: Plan) -> str:
     )
 
 
+def cluster_line(plan: Plan) -> str:
+    """The plan's cluster throughput, its two shares and the right-sizing baseline, each ratio's baseline named."""
+    shares = plan.cluster
+    if shares is None:
+        return ""
+    width = shares.right_sizing_gpus
+    return (
+        f"cluster throughput ({plan.objective.value} objective): {shares.throughput:.3f}x data parallel on all "
+        f"{_gpus(plan.gpus)} = foreground share {shares.fg_share:.3f} + background share {shares.bg_share:.3f} "
+        f"(lends {100 * shares.lent_fraction:.1f}% of rank-time; efficiencies: {shares.interference}); "
+        f"{shares.vs_right_sizing:.3f}x right-sizing (data parallel on {_gpus(width)}, the other {plan.gpus - width} "
+        f"at full efficiency: {shares.right_sizing_throughput:.3f}x data parallel on all)"
+    )
+
+
 def gantt(plan: Plan, cost: CostModel, path: str | Path) -> None:
     """A chart of GPUs x time in one iteration: phases coloured, idle windows grey, stages named on top."""
     import matplotlib

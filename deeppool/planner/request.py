@@ -6,17 +6,18 @@ under a second; :mod:`deeppool.planner.api` does the work.
 
 from __future__ import annotations
 
-import enum
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deeppool import checks
+from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.errors import DeeppoolError
 from deeppool.planner.candidates import Limits
 from deeppool.planner.cost import DEFAULT_BUCKET_BYTES, Optimizer
 from deeppool.planner.hardware import LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, Precision, known_device
+from deeppool.planner.objective import Objective
 from deeppool.planner.pins import Pin
 from deeppool.planner.plan import Strategy
 from deeppool.planner.profile import Profile
@@ -27,13 +28,6 @@ if TYPE_CHECKING:  # the solver (pulp, highspy) loads when a --solver is named o
 LOCAL = "local"
 DEFAULT_MAX_CANDIDATES = 32
 """Keeps every useful count up to a global batch of about 300; thins larger problems."""
-
-
-class Objective(enum.Enum):
-    """What the ILP minimises: the iteration time, or DeepPool's time + price · GPU-time."""
-
-    TIME = "time"
-    TIME_AND_GPU_TIME = "time+gpu-time"
 
 
 def check_objective(objective: Objective, price: float) -> None:
@@ -63,6 +57,9 @@ class PlanRequest:
     price: float = 0.0
     pins: tuple[Pin, ...] = ()
     """Layers whose GPU counts are fixed (``--pin GLOB=N``); the ILP solves the rest."""
+    interference: InterferenceModel = InterferenceModel()
+    """How background work fills idle windows (``--interference``): the cluster objective and shares."""
+    interference_source: str = "defaults"
 
     def __post_init__(self) -> None:
         if self.gpus < 1:

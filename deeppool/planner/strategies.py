@@ -16,9 +16,11 @@ stays exact).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.errors import DeeppoolError
 from deeppool.planner import baselines
 from deeppool.planner.baselines import Baselines
@@ -28,6 +30,7 @@ from deeppool.planner.ilp import SolverName, default_solver, solve
 from deeppool.planner.pins import Pin, apply_pins, pinned_counts
 from deeppool.planner.plan import SolverInfo, Strategy
 from deeppool.planner.request import Objective, check_objective
+from deeppool.planner.throughput import ClusterProblem, ClusterSearch, cluster_optimum, priced_gpu_ms
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +45,8 @@ class Search:
     objective: Objective = Objective.TIME
     price: float = 0.0
     pins: tuple[Pin, ...] = ()
+    interference: InterferenceModel = InterferenceModel()
+    """How background work fills idle windows, for ``Objective.CLUSTER`` and the plan's cluster shares."""
 
     def __post_init__(self) -> None:
         check_objective(self.objective, self.price)
@@ -56,13 +61,13 @@ class Solved:
     assignments: dict[Strategy, dict[str, int]]
     baselines: Baselines
     solver: SolverInfo
+    cluster: ClusterSearch | None = None
+    """With ``Objective.CLUSTER``: the exact search's result (the ILP strategy's assignment is its plan)."""
 
 
 def objective_ms(cost: CostModel, assignment: Mapping[str, int], price: float) -> float:
     """What the ILP minimises: ``T + price · (Σ_l g_l · layer_ms_l(g_l) + Σ_g g · ROUNDS(g)) / 1000``."""
-    layers = sum(assignment[layer.name] * cost.layer_ms(layer, assignment[layer.name]) for layer in cost.graph.layers)
-    rounds = sum(assignment[name] * ms for name, ms in cost.group_rounds_ms(assignment).items())
-    return cost.iteration_ms(assignment) + price * (layers + rounds) / 1e3
+    return cost.iteration_ms(assignment) + price * priced_gpu_ms(cost, assignment) / 1e3
 
 
 def search_options(cost: CostModel, search: Search) -> dict[str, tuple[int, ...]]:
@@ -97,7 +102,8 @@ def solve_all(cost: CostModel, search: Search) -> Solved:
         assignments[Strategy.ILP] = kept
         status = f"no ILP solution ({failure}); kept the best feasible baseline, {_name(strategy)}"
         info = SolverInfo(name=solver.value, status=status, seconds=search.time_limit_s, gap=1.0)
-        return Solved(assignments=assignments, baselines=_figures(cost, assignments, best_gpus), solver=info)
+        solved = Solved(assignments=assignments, baselines=_figures(cost, assignments, best_gpus), solver=info)
+        return _for_cluster(cost, search, options, solved) if search.objective is Objective.CLUSTER else solved
     status = result.status
     if len(counts) < len(useful):
         proven = "optimal" if result.optimal else result.status
@@ -109,7 +115,37 @@ def solve_all(cost: CostModel, search: Search) -> Solved:
             assignments[Strategy.ILP] = kept
             status = f"{status}; {_name(strategy)} is better and is kept"
     info = SolverInfo(name=result.solver.value, status=status, seconds=result.seconds, gap=result.gap)
-    return Solved(assignments=assignments, baselines=_figures(cost, assignments, best_gpus), solver=info)
+    solved = Solved(assignments=assignments, baselines=_figures(cost, assignments, best_gpus), solver=info)
+    return _for_cluster(cost, search, options, solved) if search.objective is Objective.CLUSTER else solved
+
+
+def _for_cluster(cost: CostModel, search: Search, options: dict[str, tuple[int, ...]], solved: Solved) -> Solved:
+    """The ILP strategy's plan replaced by the one maximising the cluster's throughput (exactly, over
+    ``options``), seeded with the time optimum, the baselines and data parallel at every width that keeps
+    to the limits and pins (so it is never below right-sizing at the model's efficiency)."""
+    pinned = pinned_counts(cost, search.pins, search.gpus)
+    widths = [baselines.data_parallel(cost, g) for g in useful_counts(search.gpus, cost.global_batch)]
+    seeds = [a for a in (solved.assignments[Strategy.ILP], *solved.assignments.values(), *widths)
+             if _within(cost, a, search.limits) and all(a[name] == g for name, g in pinned.items())]
+    started = time.perf_counter()
+    found = cluster_optimum(ClusterProblem(
+        cost=cost, options=options, gpus=search.gpus, dp_ms=solved.baselines.data_parallel_ms,
+        model=search.interference, memory_bytes=search.limits.memory_bytes, time_limit_s=search.time_limit_s,
+        solver=search.solver, fastest_ms=_fastest_ms(cost, solved)), seeds)
+    seconds = solved.solver.seconds + time.perf_counter() - started
+    thinned = solved.solver.status.partition(" over ")[2].partition(";")[0]
+    status = found.status + (f" over {thinned}" if thinned else "")
+    info = replace(solved.solver, status=status, seconds=seconds, gap=0.0 if found.proven else
+                   (found.bound - found.shares.throughput) / found.bound)
+    assignments = {**solved.assignments, Strategy.ILP: found.assignment}
+    return replace(solved, assignments=assignments, solver=info, cluster=found)
+
+
+def _fastest_ms(cost: CostModel, solved: Solved) -> float:
+    """The least iteration time over the options when the ILP proved its optimum (a baseline it kept is no
+    slower), else 0: no bound, the search solves for the fastest plan itself."""
+    proven = solved.solver.status.startswith("optimal")
+    return cost.iteration_ms(solved.assignments[Strategy.ILP]) if proven else 0.0
 
 
 def _figures(cost: CostModel, assignments: dict[Strategy, dict[str, int]], best_gpus: int) -> Baselines:

@@ -67,7 +67,9 @@ class Placement(enum.Enum):
 
     @property
     def mode(self) -> PlanMode:
-        return PlanMode.DATA_PARALLEL if self in (Placement.DP, Placement.DP_BG) else PlanMode.BURST
+        if self in (Placement.DP, Placement.DP_BG):
+            return PlanMode.DATA_PARALLEL
+        return PlanMode.LENDING if self is Placement.BURST_BG else PlanMode.BURST
 
     @property
     def prioritises(self) -> bool:

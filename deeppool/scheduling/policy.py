@@ -45,10 +45,12 @@ class SpeedModel(Protocol):
 
 
 class PlanMode(enum.Enum):
-    """How a job runs on its whole GPUs: every layer on all of them, or its burst-parallel plan."""
+    """How a job runs on its whole GPUs: every layer on all of them, its fastest burst-parallel plan, or
+    the burst plan chosen for the cluster's throughput when its idle time is lent (``--objective cluster``)."""
 
     DATA_PARALLEL = "dp"
     BURST = "burst"
+    LENDING = "lending"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,0 +1,101 @@
+"""`--objective cluster`: the exact search equals enumerating every assignment, and plans keep their shares."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from deeppool.cluster_sim.interference import InterferenceModel
+from deeppool.planner import baselines
+from deeppool.planner.api import PlanRequest, plan_graph
+from deeppool.planner.candidates import useful_counts
+from deeppool.planner.plan import Plan
+from deeppool.planner.request import Objective
+from deeppool.planner.throughput import ClusterProblem, cluster_optimum, right_sizing, shares
+from tests.entry import deeppool
+from tests.planner.test_ilp import CHAIN, RESIDUAL, SLOW_NETWORK, SPEC, _problem
+from tests.planner.test_plan_options import A100
+
+GPUS, BATCH = 4, 12
+"""Every count 1..4 is useful at batch 12, so the search's candidates are all the counts enumerated."""
+MODELS = {
+    "defaults": InterferenceModel(),
+    "curve": InterferenceModel(fg_slowdown=1.02, efficiency_by_window_ms=((0.5, 0.3), (2.0, 0.6), (8.0, 0.9)),
+                               min_lend_fraction=0.05),
+    "ideal": InterferenceModel(fg_slowdown=1.0, bg_efficiency=1.0, min_lend_fraction=0.0),
+}
+
+
+def _enumerate(cost, model: InterferenceModel, dp_ms: float) -> float:
+    names = cost.graph.names
+    return max(
+        shares(cost, dict(zip(names, counts, strict=True)), gpus=GPUS, dp_ms=dp_ms, model=model).throughput
+        for counts in itertools.product(range(1, GPUS + 1), repeat=len(names))
+    )
+
+
+@pytest.mark.parametrize("model", list(MODELS), ids=list(MODELS))
+@pytest.mark.parametrize("graph", [CHAIN, RESIDUAL], ids=["chain", "residual"])
+def test_exact_search_equals_enumeration_of_every_assignment(graph, model):
+    assert useful_counts(GPUS, BATCH) == tuple(range(1, GPUS + 1))
+    cost, _ = _problem(graph, GPUS, BATCH)
+    interference = MODELS[model]
+    dp_ms = cost.iteration_ms(baselines.data_parallel(cost, GPUS))
+    options = dict.fromkeys(graph.names, tuple(range(1, GPUS + 1)))
+    fastest = min(cost.iteration_ms(dict(zip(graph.names, c, strict=True)))
+                  for c in itertools.product(range(1, GPUS + 1), repeat=len(graph.names)))
+    problem = ClusterProblem(cost=cost, options=options, gpus=GPUS, dp_ms=dp_ms, model=interference,
+                             memory_bytes=None, time_limit_s=60.0, solver=None, fastest_ms=fastest, tolerance=0.0)
+    found = cluster_optimum(problem, [baselines.data_parallel(cost, g) for g in range(1, GPUS + 1)])
+    assert found.proven and "optimal (" in found.status
+    assert found.shares.throughput == pytest.approx(_enumerate(cost, interference, dp_ms), rel=1e-9)
+    assert found.costed < GPUS ** len(graph.names), "the bound must spare most of the enumeration"
+
+
+def test_shares_of_data_parallel_and_right_sizing():
+    cost, _ = _problem(CHAIN, GPUS, BATCH)
+    dp_ms = cost.iteration_ms(baselines.data_parallel(cost, GPUS))
+    everything = shares(cost, baselines.data_parallel(cost, GPUS), gpus=GPUS, dp_ms=dp_ms, model=InterferenceModel())
+    assert (everything.fg_share, everything.bg_share, everything.lent_fraction) == (1.0, 0.0, 0.0)
+    half = shares(cost, baselines.data_parallel(cost, 2), gpus=GPUS, dp_ms=dp_ms, model=MODELS["ideal"])
+    assert half.bg_share == pytest.approx(0.5) and half.lent_fraction == pytest.approx(0.5)
+    width, value = right_sizing(cost, GPUS, dp_ms)
+    assert value == pytest.approx(max(dp_ms / cost.iteration_ms(baselines.data_parallel(cost, g)) + (GPUS - g) / GPUS
+                                      for g in range(1, GPUS + 1)))
+    assert value == pytest.approx(dp_ms / cost.iteration_ms(baselines.data_parallel(cost, width)) + (GPUS - width) / GPUS)
+
+
+@pytest.mark.parametrize("graph", [CHAIN, RESIDUAL], ids=["chain", "residual"])
+def test_the_cluster_plan_is_never_below_any_data_parallel_width_and_round_trips(graph):
+    cost, profile = _problem(graph, GPUS, BATCH)
+    request = PlanRequest(gpus=GPUS, global_batch=BATCH, objective=Objective.CLUSTER)
+    plan = plan_graph(graph, profile, SLOW_NETWORK, request, model=SPEC).plan
+    dp_ms = plan.predicted.data_parallel_iteration_ms
+    assert plan.objective is Objective.CLUSTER and plan.cluster is not None
+    assert plan.cluster.throughput >= _enumerate(cost, InterferenceModel(), dp_ms) * (1 - 2e-3)
+    for g in range(1, GPUS + 1):
+        width = shares(cost, baselines.data_parallel(cost, g), gpus=GPUS, dp_ms=dp_ms, model=InterferenceModel())
+        assert plan.cluster.throughput >= width.throughput - 1e-12
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    fastest = plan_graph(graph, profile, SLOW_NETWORK, PlanRequest(gpus=GPUS, global_batch=BATCH), model=SPEC).plan
+    assert fastest.objective is Objective.TIME and fastest.cluster.throughput <= plan.cluster.throughput + 1e-12
+
+
+def test_plan_prints_both_shares_and_both_baselines(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = deeppool(capsys, *A100, "--batch", "8", "--objective", "cluster", "--out", "p.json")
+    assert result.code == 0, result
+    assert "foreground share" in result.stdout and "background share" in result.stdout
+    assert "x data parallel on all 2 GPUs" in result.stdout and "x right-sizing (data parallel on" in result.stdout
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["objective"] == "cluster" and {"fg_share", "bg_share", "right_sizing_throughput"} <= set(saved["cluster"])
+
+
+def test_a_missing_interference_file_is_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = deeppool(capsys, *A100, "--objective", "cluster", "--interference", "none.json")
+    lines = result.stderr.strip().splitlines()
+    assert result.code == 2 and len(lines) == 1 and "--interference" in lines[0], result
+    assert list(tmp_path.iterdir()) == []
