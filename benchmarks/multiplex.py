@@ -1,13 +1,13 @@
 """Multiplexing benchmark: the planner's own plan of a new model, a real background in its idle time.
 
-    python benchmarks/multiplex.py [--runs 3] [--steps 35] [--batch 32] [--objective time]
+    python benchmarks/multiplex.py [--runs 3] [--steps 35] [--batch 32] [--objective cluster]
                                    [--pin 'GLOB=N' ...] [--device-model local] [--out mux-bench] [--markdown]
 
 The foreground is ``examples/mixer.py`` (an MLP-Mixer no test contains),
-planned for 2 ranks through the public command, ``deeppool plan`` (measured
-on this machine by default; ``--objective`` and ``--pin`` are passed on), so
-the layout is whatever the planner chooses: on this CPU, every layer on one
-rank, the other idle for the whole iteration. The background is
+planned for 2 ranks through the public command, ``deeppool plan --objective
+cluster`` (measured on this machine by default; ``--objective`` and ``--pin``
+are passed on), so the layout is whatever the planner chooses: on this CPU,
+every layer on one rank and the other lent for the whole iteration. The background is
 ``examples/background_mlp.py``. Each of ``--runs`` runs is one
 ``deeppool run --background --mux gate`` (interleaved A/B blocks: the
 foreground alone vs shared, medians), with the load average read before and
@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--bg-batch", type=int, default=8)
     parser.add_argument("--mux", default="gate")
-    parser.add_argument("--objective", default="time")
+    parser.add_argument("--objective", default="cluster", help="passed to `deeppool plan --objective`")
     parser.add_argument("--pin", action="append", default=[], help="GLOB=N, passed to `deeppool plan --pin`")
     parser.add_argument("--device-model", default="local", help="local (measured here) or a GPU model")
     parser.add_argument("--out", type=Path, default=Path("mux-bench"))
