@@ -272,12 +272,13 @@ def net_gain(ranks: int, t_alone: float, t_shared: float, idle: float, bg_per_it
 
 
 def efficiency_curve(windows: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
-    """Busy over offered window time, in power-of-two bins of window length (ms; bin = its lower edge)."""
+    """Busy over offered window time, in power-of-two bins of window length (ms; bin = its lower edge); each
+    window's busy time counted up to its length, as in the recovered share."""
     bins: dict[float, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for window_ms, busy_ms in windows:
         if window_ms <= 0:
             continue
         edge = 2.0 ** math.floor(math.log2(window_ms))
         bins[edge][0] += window_ms
-        bins[edge][1] += busy_ms
-    return tuple((edge, min(1.0, busy / offered)) for edge, (offered, busy) in sorted(bins.items()) if offered > 0)
+        bins[edge][1] += min(busy_ms, window_ms)
+    return tuple((edge, busy / offered) for edge, (offered, busy) in sorted(bins.items()) if offered > 0)

@@ -162,3 +162,5 @@ def test_rank_steps_and_efficiency_curve() -> None:
     steps = RankSteps.of(1, spans, None)
     assert steps.iteration_ms[0] == pytest.approx(10.0) and steps.idle_ms[0] == pytest.approx(3.0)
     assert efficiency_curve([(1.5, 0.75), (1.2, 0.6), (5.0, 4.0)]) == ((1.0, pytest.approx(0.5)), (4.0, 0.8))
+    # a window's work counts up to its length (a micro-step cut by the close finished in the next window)
+    assert efficiency_curve([(5.0, 4.0), (6.0, 9.0)]) == ((4.0, pytest.approx(10.0 / 11.0)),)
