@@ -91,7 +91,7 @@ def table(runs: list[Run], plan: dict, title: str) -> Table:
     shares = [run.figures["recovered_fraction"] for run in runs if run.figures["recovered_fraction"] is not None]
     middle["recovered_fraction"] = statistics.median(shares) if shares else None
     loads = f"{statistics.median(r.load_before for r in runs):.1f} / {statistics.median(r.load_after for r in runs):.1f}"
-    row("median", loads, middle)
+    row("median of each column", loads, middle)
     return shown
 
 
