@@ -1,84 +1,144 @@
-"""Multiplexing benchmark: a 2-rank burst plan with a real idle window, and a real background job.
+"""Multiplexing benchmark: the planner's own plan of a new model, a real background in its idle time.
 
-    python benchmarks/multiplex.py [--steps 60] [--batch 256] [--modes none,sched_idle,gate] [--out mux-bench]
+    python benchmarks/multiplex.py [--runs 3] [--steps 35] [--batch 32] [--objective cluster]
+                                   [--pin 'GLOB=N' ...] [--device-model local] [--out mux-bench] [--markdown]
 
-The foreground (this file is its model file) is a chain whose two middle
-layers are planned on one GPU: rank 1 idles while rank 0 runs them, every
-iteration. The background is ``examples/background_mlp.py``. Each mode runs
-the plan once through ``deeppool multiplex bench`` (interleaved A/B blocks:
-foreground alone vs shared, medians), and one table gives each mode's
-foreground slowdown, recovered share of the idle rank-time and background
-samples/s. Goal on CPU (``gate``): slowdown <= 10% while recovering >= 30%.
+The foreground is ``examples/mixer.py`` (an MLP-Mixer no test contains),
+planned for 2 ranks through the public command, ``deeppool plan --objective
+cluster`` (measured on this machine by default; ``--objective`` and ``--pin``
+are passed on), so the layout is whatever the planner chooses: on this CPU,
+every layer on one rank and the other lent for the whole iteration. The background is
+``examples/background_mlp.py``. Each of ``--runs`` runs is one
+``deeppool run --background --mux gate`` (interleaved A/B blocks: the
+foreground alone vs shared, medians), with the load average read before and
+after it; the table gives each run's figures and their median. Goal on CPU:
+``gate`` recovers at least 30% of the measured idle rank-time with the
+foreground slowed at most 10%; ``net gain`` is against the foreground alone.
+The machine's load (other processes) takes CPU from both sides: read every
+figure beside its load average. ``--markdown`` prints the table in Markdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+from rich.console import Console
+from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
-WIDTH, CLASSES = 768, 10
-LONE = (2, 3)  # layers on one GPU
+FOREGROUND = REPO / "examples" / "mixer.py"
+BACKGROUND = REPO / "examples" / "background_mlp.py"
+GPUS = 2
 
 
-def model() -> nn.Module:
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
-                         nn.Linear(WIDTH, CLASSES))
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    load_before: float
+    load_after: float
+    figures: dict
 
 
-def inputs(batch_size: int) -> tuple[torch.Tensor, ...]:
-    return (torch.randn(batch_size, WIDTH, generator=torch.Generator().manual_seed(0)),)
+def deeppool(*args: str) -> None:
+    """The ``deeppool`` command itself (the public path), failing loudly."""
+    done = subprocess.run([sys.executable, "-m", "deeppool.cli", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"deeppool {' '.join(args)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
 
-def targets(batch_size: int) -> torch.Tensor:
-    return torch.randint(0, CLASSES, (batch_size,), generator=torch.Generator().manual_seed(1))
+def make_plan(args: argparse.Namespace) -> Path:
+    path = args.out / "plan.json"
+    pins = [item for pin in args.pin for item in ("--pin", pin)]
+    deeppool("plan", str(FOREGROUND), "--gpus", str(GPUS), "--batch", str(args.batch), "--objective", args.objective,
+             "--device-model", args.device_model, "--cache-dir", str(args.out / "cache"), *pins, "--out", str(path))
+    return path
 
 
-def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output, targets)
+def measure(plan: Path, args: argparse.Namespace, index: int) -> Run:
+    out = args.out / f"run-{index}"
+    before = os.getloadavg()[0]
+    deeppool("run", str(plan), "--nproc", str(GPUS), "--steps", str(args.steps), "--background", str(BACKGROUND),
+             "--bg-batch", str(args.bg_batch), "--mux", args.mux, "--out", str(out))
+    figures = json.loads((out / "summary.json").read_text())["multiplex"]
+    return Run(load_before=before, load_after=os.getloadavg()[0], figures=figures)
 
 
-def burst_plan(batch: int):
-    from deeppool.planner.baselines import Baselines
-    from deeppool.planner.cost import CostModel
-    from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice
-    from deeppool.planner.modelspec import ModelSpec
-    from deeppool.planner.plan import SolverInfo, Strategy, build_plan
-    from deeppool.planner.profile import estimated_profile
-    from deeppool.planner.trace import trace
+def table(runs: list[Run], plan: dict, title: str) -> Table:
+    shown = Table(title=title)
+    columns = ("run", "load avg before/after", "fg alone ms", "fg shared ms", "fg slowdown", "idle rank-ms/it",
+               "recovered", "taken from fg rank-ms/it", "bg samples/s", "net gain")
+    for column in columns:
+        shown.add_column(column, justify="left" if column == "run" else "right")
 
-    spec = ModelSpec.parse(str(Path(__file__).resolve()))
-    graph = trace(spec.load()).graph
-    profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
-    cost = CostModel(graph=graph, profile=profile, network=NETWORKS[KnownDevice.A100], global_batch=batch)
-    assignment = {layer.name: 1 if i in LONE else 2 for i, layer in enumerate(graph.layers)}
-    return build_plan(cost, assignment, model=spec, gpus=2, strategy=Strategy.ILP, amplification_limit=None,
-                      solver=SolverInfo(name="hand", status="Optimal", seconds=0.0, gap=0.0),
-                      baselines=Baselines(data_parallel_ms=1.0, deeppool_ms=1.0, best_data_parallel_gpus=1, best_data_parallel_ms=1.0))
+    def row(name: str, load: str, f: dict) -> None:
+        recovered = f["recovered_fraction"]
+        shown.add_row(name, load, f"{f['fg_alone_ms']:.1f}", f"{f['fg_shared_ms']:.1f}",
+                      f"{100 * f['fg_slowdown']:+.1f}%", f"{f['idle_rank_ms_per_iteration']:.1f}",
+                      "-" if recovered is None else f"{100 * recovered:.0f}%",
+                      f"{f['fg_taken_ms_per_iteration']:+.1f}", f"{f['bg_samples_per_s']:.0f}", f"{f['net_gain']:.3f}x")
+
+    for i, run in enumerate(runs, 1):
+        row(str(i), f"{run.load_before:.1f} / {run.load_after:.1f}", run.figures)
+    keys = ("fg_alone_ms", "fg_shared_ms", "fg_slowdown", "idle_rank_ms_per_iteration", "fg_taken_ms_per_iteration",
+            "bg_samples_per_s", "net_gain")
+    middle = {key: statistics.median(run.figures[key] for run in runs) for key in keys}
+    shares = [run.figures["recovered_fraction"] for run in runs if run.figures["recovered_fraction"] is not None]
+    middle["recovered_fraction"] = statistics.median(shares) if shares else None
+    loads = f"{statistics.median(r.load_before for r in runs):.1f} / {statistics.median(r.load_after for r in runs):.1f}"
+    row("median of each column", loads, middle)
+    return shown
+
+
+def markdown(shown: Table) -> str:
+    """The table in Markdown (cells as plain text)."""
+    headers = [str(column.header) for column in shown.columns]
+    cells = [[str(cell) for cell in column.cells] for column in shown.columns]
+    lines = [f"**{shown.title}**", "", f"| {' | '.join(headers)} |", f"|{'---|' * len(headers)}"]
+    lines += [f"| {' | '.join(row)} |" for row in zip(*cells, strict=True)]
+    return "\n".join(lines)
+
+
+def layout(plan: dict) -> str:
+    """The plan's layers by GPU count, and the ranks that run no layer."""
+    counts: dict[int, int] = {}
+    for layer in plan["layers"]:
+        counts[layer["gpus"]] = counts.get(layer["gpus"], 0) + 1
+    widest = max(counts)
+    parts = [f"{n} layers on {g} GPU{'s' if g > 1 else ''}" for g, n in sorted(counts.items())]
+    idle = f"; ranks {list(range(widest, plan['gpus']))} run no layer" if widest < plan["gpus"] else ""
+    return ", ".join(parts) + idle
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=35)
+    parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--bg-batch", type=int, default=8)
-    parser.add_argument("--modes", default="none,sched_idle,gate")
+    parser.add_argument("--mux", default="gate")
+    parser.add_argument("--objective", default="cluster", help="passed to `deeppool plan --objective`")
+    parser.add_argument("--pin", action="append", default=[], help="GLOB=N, passed to `deeppool plan --pin`")
+    parser.add_argument("--device-model", default="local", help="local (measured here) or a GPU model")
     parser.add_argument("--out", type=Path, default=Path("mux-bench"))
+    parser.add_argument("--markdown", action="store_true", help="print the table in Markdown too")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
-    from deeppool.cli import app, _mount_package_commands
-
     args.out.mkdir(parents=True, exist_ok=True)
-    plan_path = args.out / "plan.json"
-    burst_plan(args.batch).save(plan_path)
-    _mount_package_commands()
-    app(["multiplex", "bench", str(plan_path), "--background", str(REPO / "examples" / "background_mlp.py"),
-         "--out", str(args.out), "--modes", args.modes, "--steps", str(args.steps), "--bg-batch", str(args.bg_batch)])
+    plan_path = make_plan(args)
+    plan = json.loads(plan_path.read_text())
+    runs = [measure(plan_path, args, i) for i in range(1, args.runs + 1)]
+    title = (f"{FOREGROUND.name} on {GPUS} ranks, batch {args.batch}, --objective {args.objective}"
+             f"{''.join(f' --pin {p}' for p in args.pin)} ({layout(plan)}); background {BACKGROUND.name}, "
+             f"--mux {args.mux}, {args.steps} steps")
+    shown = table(runs, plan, title)
+    Console(width=200).print(shown)
+    if args.markdown:
+        print(markdown(shown))
 
 
 if __name__ == "__main__":

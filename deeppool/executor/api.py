@@ -45,7 +45,7 @@ from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
 from deeppool.executor.monitor import AdaScaleLr, GnsReading, GradientMonitor, group_shares, single_groups
 from deeppool.executor.outputs import RESIZE
 from deeppool.executor.precision import AgreedScaler, MixedPrecision, output_dtypes
-from deeppool.executor.program import Program, build_program, idle_positions
+from deeppool.executor.program import Program, build_program, idle_positions, pace_group
 from deeppool.executor.progress import ProgressFile
 from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
@@ -93,7 +93,9 @@ def train_rank(
     ``data``: an iterable of global ``(inputs, targets)`` batches (every rank reads them all), or a
     map-style ``torch.utils.data.Dataset`` of ``(input, target)`` samples, of which the rank loads
     only its rows (:class:`~deeppool.executor.data.DatasetBatches`, ``config.data``'s seed and
-    workers); None: ``config.data``'s dataset, else the model's synthetic batch. ``policy`` adapts the
+    workers); None: ``config.data``'s dataset, else the model's synthetic batch. ``on_idle`` hears this
+    rank's idle windows: give one on every rank or on none, since with listeners the ranks that run no
+    layer follow rank 0's iterations (``EngineParts.pace``). ``policy`` adapts the
     run (:mod:`deeppool.adaptation.policy`); ``slowdown`` injects a slow rank (tests).
     """
     builder = builder or ModelBuilder()
@@ -491,6 +493,7 @@ def _engine(
             recorder=recorder,
             idle=idle_positions(program, plan.idle_windows(comm.rank)),
             on_idle=on_idle or NoBackground(),
+            pace=pace_group(plan) if on_idle is not None else None,
             device=device,
             on_gradients=None if reference is None else reference.gradients_reduced,
             overlap=config.bucket_bytes > 0,

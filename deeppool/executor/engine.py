@@ -100,6 +100,11 @@ class EngineParts:
     """Sets the learning rate before the optimizer steps (``--lr-scaling adascale``; then no ``scheduler``)."""
     precision: MixedPrecision = field(default_factory=MixedPrecision.fp32)
     """Autocast, the reshard dtypes it gives and fp16 loss scaling (:mod:`deeppool.executor.precision`)."""
+    pace: tuple[int, ...] | None = None
+    """Rank 0 and the ranks that run no layer (:func:`~deeppool.executor.program.pace_group`), when an idle
+    listener is given: at each iteration's end rank 0 sends each of them one element and each waits for it,
+    so its whole-iteration window closes when rank 0's iteration ends and its idle time is measured. None:
+    no rank waits (a wholly idle rank runs ahead of the others)."""
 
 
 class Engine:
@@ -145,6 +150,7 @@ class Engine:
             loss += float(state.loss.detach()) if state.loss is not None else 0.0
         if self._last_step is None:
             self._optimizer_step(step)  # a rank with no step op still joins the clipping collective
+        self._pace()
         self._close_idle(step)
         self.p.synchronize()
         recorder.settle()
@@ -176,6 +182,16 @@ class Engine:
         self._reduce_layer(layer, ranks)
 
     # -- idle windows ---------------------------------------------------------------------------
+    def _pace(self) -> None:
+        """Rank 0 marks its iteration's end to the wholly idle ranks (a send each); they wait for the mark."""
+        group = self.p.pace
+        if group is None or self.rank not in group:
+            return
+        if self.rank == 0:
+            self.p.comm.exchange([(peer, torch.zeros(1, device=self.p.device)) for peer in group[1:]], [])
+        else:  # inside the open window: the mark is the window's measured end
+            self.p.comm.exchange([], [(0, torch.empty(1, device=self.p.device))])
+
     def _fire(self, position: int | None, step: int, iteration_start: float) -> None:
         window = self.p.idle.get(position)
         if window is None:

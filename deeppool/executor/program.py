@@ -262,3 +262,15 @@ def idle_positions(program: Program, windows: list[IdleWindow]) -> dict[int | No
 def rank_groups(plan: Plan) -> list[tuple[int, ...]]:
     """The distinct rank sets of more than one rank that layers run on, smallest first."""
     return [tuple(range(g)) for g in sorted({layer.gpus for layer in plan.layers}) if g > 1]
+
+
+def whole_idle_ranks(plan: Plan) -> tuple[int, ...]:
+    """The ranks that run no layer of the plan: idle for the whole iteration (a lendable GPU)."""
+    return tuple(range(max((layer.gpus for layer in plan.layers), default=plan.gpus), plan.gpus))
+
+
+def pace_group(plan: Plan) -> tuple[int, ...] | None:
+    """Rank 0 and the :func:`whole_idle_ranks`: with an idle listener, the idle ranks follow rank 0's
+    iterations, which it marks with a one-element send to each (None: no rank is wholly idle)."""
+    idle = whole_idle_ranks(plan)
+    return (0, *idle) if idle else None

@@ -30,7 +30,6 @@ from deeppool.executor.api import RankResult, train_rank
 from deeppool.executor.comm import Backend, PeerError, TorchComm
 from deeppool.executor.config import RunConfig
 from deeppool.executor.faults import Slowdown
-from deeppool.executor.idle import NoBackground
 from deeppool.executor.program import rank_groups
 from deeppool.executor.report import print_summary
 from deeppool.executor.timing import Span, chrome_trace
@@ -88,7 +87,7 @@ def run_worker(plan_path: Path, config: RunConfig, env: RankEnv, background: Bac
     mux = Multiplexer.start(plan, background, rank=env.rank, out_dir=config.out_dir, device=device) if background else None
     try:
         with mux.foreground() if mux is not None else contextlib.nullcontext():
-            on_idle = mux.listener if mux is not None else NoBackground()
+            on_idle = mux.listener if mux is not None else None
             result = train_rank(plan, comm=comm, config=config, device=device, on_idle=on_idle,
                                 policy=load_policy(config.policy) if config.policy is not None else None,
                                 slowdown=Slowdown.from_environ(os.environ))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from deeppool.executor.config import DataConfig, Nodes, RunConfig
 from deeppool.executor.launch import launch
+from deeppool.executor.worker_args import config_args
 from deeppool.multiplex import preflight
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.options import background_args
@@ -57,8 +58,6 @@ def run(
     ``package.module:factory`` (or ``file.py:factory``) returning a map-style ``Dataset``, as ``--data``:
     every rank builds it and loads only its rows (``config.data`` for its seed and workers).
     """
-    from deeppool.executor.cli import config_args  # the CLI's option spelling, one place
-
     config = config or RunConfig(out_dir=Path(tempfile.mkdtemp(prefix="deeppool-run-")))
     if data is not None:
         config = dataclasses.replace(config, data=DataConfig(factory=data))

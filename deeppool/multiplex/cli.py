@@ -60,7 +60,7 @@ def bench_command(
 
 def _bench(plan: Path, config: BackgroundConfig, modes: tuple[MuxMode, ...], run_config: RunConfig, *,
            background: Path) -> None:
-    from deeppool.multiplex.bench import bench
+    from deeppool.multiplex.bench import bench, write_interference
     from deeppool.multiplex.report import mode_table
     from deeppool.output import console
 
@@ -68,5 +68,6 @@ def _bench(plan: Path, config: BackgroundConfig, modes: tuple[MuxMode, ...], run
     reports = bench(plan, config, modes, config=run_config, out=out)
     shown = console()
     shown.print(mode_table(reports, title=f"multiplex bench: {plan.name}, background {background.name}"))
-    shown.print(f"wrote {out}/multiplex.json and {out}/interference.json (for `deeppool simulate --interference`)",
-                  highlight=False)
+    shown.print(f"wrote {out}/multiplex.json", highlight=False)
+    write_interference(reports, config.slowdown_target, out)  # a one-line error when no gated mode qualifies
+    shown.print(f"wrote {out}/interference.json (for `deeppool simulate --interference`)", highlight=False)

@@ -7,7 +7,9 @@
         mux.stop()
     report = mux.gather(comm, result.spans)   # every rank; the report on rank 0
 
-A rank the plan never leaves idle hosts nothing (its listener is never called).
+A rank the plan never leaves idle hosts nothing (its listener is never called). A rank that runs no
+layer of the plan hosts a background like any other: its one window is the whole iteration (it opens
+as the rank's iteration starts and closes when rank 0's ends, ``EngineParts.pace``).
 """
 
 from __future__ import annotations

@@ -3,20 +3,38 @@
 Foreground slowdown compares the same plan in the same invocation, interleaved
 A/B (:class:`~deeppool.multiplex.config.ABSchedule`): the median iteration of
 the measured *shared* steps over the median of the measured *alone* steps,
-minus one. The foreground's idle rank-time per iteration is measured too (the
-idle spans of every rank, median over the alone steps), so
+minus one. The idle rank-time is measured too: the idle spans of every rank
+(a rank that runs no layer is idle for its whole iteration, which ends when
+rank 0's does), per step.
 
-    recovered = background busy time / (idle rank-time per iteration · shared iterations)
+In the gated modes (``gate``, ``priority``) background work runs only inside
+idle windows, and every admitted window is recorded with its measured length
+``L_w`` and the background's busy time in it ``b_w``. Then
 
-counts the background's compute (CPU time, or GPU time) against what the plan
-left idle while it was allowed to work. In a free-running mode the background
-also takes time the foreground wanted, so the figure can pass 1. The net gain
-is useful rank-time per second with the background over without it:
+    recovered = Σ_w min(b_w, L_w) / Σ_{s shared} Σ_r idle_r(s)
 
-    gain = ((R·T_a − I + B) / T_s) / ((R·T_a − I) / T_a)
+over the measured shared steps ``s``: the share of the idle rank-time of the
+shared iterations that the background turned into work. Each admitted window
+is one of the idle spans in the denominator and counts at most its own
+length, so ``0 <= recovered <= 1`` by construction. The free-running modes
+(``none``, ``sched_idle``) do not work in windows, so they have no recovered
+share (None): they report the background's busy time per iteration and the
+*time taken from the foreground*,
+
+    taken = W · slowdown,   W = R·T_a − I
+
+(the foreground's busy rank-time per iteration, stretched by its measured
+slowdown; negative when the shared iterations happened to measure faster). The
+net gain is useful rank-time per second with the background over without it,
+against the foreground alone:
+
+    gain = ((W + B) / T_s) / (W / T_a)
 
 with R ranks, T_a and T_s the alone and shared iteration times, I the idle
-rank-time and B the background's busy time per shared iteration.
+rank-time per alone iteration and B the background's work per shared
+iteration (gated: the windowed work above; free: its whole busy time).
+Figures outside these bounds are refused (:class:`MultiplexReport` raises)
+and never written.
 """
 
 from __future__ import annotations
@@ -31,6 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from deeppool.errors import DeeppoolError
 from deeppool.executor.timing import Category, Span
 from deeppool.multiplex.config import ABSchedule, MuxMode
 
@@ -139,7 +158,13 @@ class MultiplexReport:
     bg_steps: int
     bg_samples: int
     bg_samples_per_s: float
-    recovered_fraction: float
+    recovered_fraction: float | None
+    """Gated modes: the share of the shared iterations' idle rank-time turned into background work, in
+    [0, 1]; None in the free-running modes (their work is not measured in windows)."""
+    bg_ms_per_iteration: float
+    """The background's work per shared iteration in rank-ms (B of the net gain)."""
+    fg_taken_ms_per_iteration: float
+    """Rank-ms per iteration the foreground lost to the background (its busy rank-time × its slowdown)."""
     net_gain: float
     bg_loss_first: float | None
     bg_loss_last: float | None
@@ -148,6 +173,15 @@ class MultiplexReport:
     efficiency_by_window_ms: tuple[tuple[float, float], ...]
     controller_share: float | None = None
     controller_backoffs: int = 0
+
+    def __post_init__(self) -> None:
+        problems = impossible(self)
+        if problems:
+            raise DeeppoolError(f"impossible multiplexing figures ({self.mode}), not written: {'; '.join(problems)}")
+
+    @property
+    def gated(self) -> bool:
+        return MuxMode(self.mode).gated
 
     @property
     def fg_iteration_ms(self) -> float:
@@ -158,6 +192,25 @@ class MultiplexReport:
         data["fg_iteration_ms"] = self.fg_iteration_ms
         data["efficiency_by_window_ms"] = [{"window_ms": w, "efficiency": e} for w, e in self.efficiency_by_window_ms]
         return data
+
+
+def impossible(r: MultiplexReport) -> list[str]:
+    """What no measurement can give: a share outside [0, 1], a share for a free mode, negative times."""
+    problems = []
+    if r.gated and r.recovered_fraction is None:
+        problems.append(f"mode {r.mode} works in windows but has no recovered share")
+    if not r.gated and r.recovered_fraction is not None:
+        problems.append(f"mode {r.mode} runs freely, so a recovered share of the idle time is not measured")
+    if r.recovered_fraction is not None and not 0 <= r.recovered_fraction <= 1 + 1e-9:
+        problems.append(f"recovered {100 * r.recovered_fraction:.0f}% of the idle rank-time is outside [0, 100%]")
+    if any(not 0 <= e <= 1 + 1e-9 for _, e in r.efficiency_by_window_ms):
+        problems.append("a window efficiency is outside [0, 1]")
+    times = {"fg_alone_ms": r.fg_alone_ms, "fg_shared_ms": r.fg_shared_ms, "bg_busy_s": r.bg_busy_s,
+             "idle_rank_ms_per_iteration": r.idle_rank_ms_per_iteration, "bg_ms_per_iteration": r.bg_ms_per_iteration}
+    problems += [f"{name} {value:g} is negative" for name, value in times.items() if value < 0]
+    if r.net_gain <= 0 or not math.isfinite(r.net_gain):
+        problems.append(f"net gain {r.net_gain:g} is not positive")
+    return problems
 
 
 def _median(values: list[float]) -> float:
@@ -179,17 +232,23 @@ def report(
     hosts = [r.background for r in ranks if r.background is not None]
     busy_s = sum(b.busy_s for b in hosts)
     shared_wall_s = sum(iterations[s] for s in shared_all) / 1e3
-    possible_ms = idle * len(shared_all)
+    recovered: float | None = None
+    bg_ms = 1e3 * busy_s / max(len(shared_all), 1)
+    if mode.gated:
+        offered = sum(r.idle_ms.get(s, 0.0) for r in ranks for s in shared)
+        done = windowed_ms(hosts)
+        recovered, bg_ms = (done / offered if offered > 0 else 0.0), done / max(len(shared), 1)
+    work = len(ranks) * t_alone - idle
+    slowdown = t_shared / t_alone - 1 if t_alone > 0 and t_shared > 0 else 0.0
     losses = [b.losses for b in hosts if b.losses]
     return MultiplexReport(
-        mode=mode.value, fg_alone_ms=t_alone, fg_shared_ms=t_shared,
-        fg_slowdown=t_shared / t_alone - 1 if t_alone > 0 and t_shared > 0 else 0.0,
+        mode=mode.value, fg_alone_ms=t_alone, fg_shared_ms=t_shared, fg_slowdown=slowdown,
         alone_steps=len(alone), shared_steps=len(shared), idle_rank_ms_per_iteration=idle,
         planned_idle_rank_ms_per_iteration=planned_idle_ms, bg_busy_s=busy_s,
         bg_steps=sum(b.steps for b in hosts), bg_samples=sum(b.samples for b in hosts),
         bg_samples_per_s=sum(b.samples for b in hosts) / shared_wall_s if shared_wall_s > 0 else 0.0,
-        recovered_fraction=1e3 * busy_s / possible_ms if possible_ms > 0 else 0.0,
-        net_gain=net_gain(len(ranks), t_alone, t_shared, idle, 1e3 * busy_s / max(len(shared_all), 1)),
+        recovered_fraction=recovered, bg_ms_per_iteration=bg_ms, fg_taken_ms_per_iteration=max(work, 0.0) * slowdown,
+        net_gain=net_gain(len(ranks), t_alone, t_shared, idle, bg_ms),
         bg_loss_first=losses[0][0] if losses else None, bg_loss_last=losses[0][-1] if losses else None,
         bg_pids=tuple(b.pid for b in hosts),
         bg_errors=tuple(f"rank {b.rank}: background {b.error}" for b in hosts if b.error),
@@ -197,6 +256,11 @@ def report(
         controller_share=min((b.share for b in hosts if b.share is not None), default=None),
         controller_backoffs=sum(b.backoffs for b in hosts),
     )
+
+
+def windowed_ms(hosts: list[RankBackground]) -> float:
+    """The background's work in the admitted windows that are samples, each counted up to its length."""
+    return sum(min(busy, length) for b in hosts for length, busy in b.windows)
 
 
 def net_gain(ranks: int, t_alone: float, t_shared: float, idle: float, bg_per_iteration: float) -> float:
@@ -208,12 +272,13 @@ def net_gain(ranks: int, t_alone: float, t_shared: float, idle: float, bg_per_it
 
 
 def efficiency_curve(windows: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
-    """Busy over offered window time, in power-of-two bins of window length (ms; bin = its lower edge)."""
+    """Busy over offered window time, in power-of-two bins of window length (ms; bin = its lower edge); each
+    window's busy time counted up to its length, as in the recovered share."""
     bins: dict[float, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for window_ms, busy_ms in windows:
         if window_ms <= 0:
             continue
         edge = 2.0 ** math.floor(math.log2(window_ms))
         bins[edge][0] += window_ms
-        bins[edge][1] += busy_ms
-    return tuple((edge, min(1.0, busy / offered)) for edge, (offered, busy) in sorted(bins.items()) if offered > 0)
+        bins[edge][1] += min(busy_ms, window_ms)
+    return tuple((edge, busy / offered) for edge, (offered, busy) in sorted(bins.items()) if offered > 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 
 import pytest
@@ -12,7 +13,7 @@ from deeppool.executor.config import RunConfig
 from deeppool.executor.idle import IdleWindowEvent
 from deeppool.executor.program import Program, build_program
 from deeppool.executor.timing import Category
-from tests.executor.fakes import SerialBuilder, ThreadWorld, run_threads
+from tests.executor.fakes import SerialBuilder, ThreadComm, ThreadWorld, run_threads
 from deeppool.planner.trace import trace
 from tests.executor.plans import Assign, cycle, make_plan
 
@@ -84,3 +85,36 @@ def test_idle_windows_appear_in_the_trace() -> None:
     idle = [s for s in results[1].spans if s.category is Category.IDLE]
     assert len(idle) == 2 * len(plan.idle_windows(1))
     assert all(s.end_s >= s.start_s for s in idle)
+
+
+def test_a_rank_that_runs_no_layer_is_idle_until_rank_0_ends_each_iteration() -> None:
+    """With listeners, a wholly idle rank's window is the whole iteration: it closes when rank 0's iteration
+    ends (its measured length is the foreground's iteration, not the rank's own empty loop)."""
+    plan = make_plan("mlp", global_batch=6, gpus=3, assign=cycle(2))  # rank 2 runs no layer
+    closed: list[tuple[IdleWindowEvent, float]] = []
+    marks: list[float] = []
+
+    class Listener:
+        def opened(self, event: IdleWindowEvent) -> None:
+            assert event.rank == 2, "only rank 2 is ever idle"
+
+        def closed(self, event: IdleWindowEvent, closed_at_s: float) -> None:
+            closed.append((event, closed_at_s))
+
+    class Marking(ThreadComm):
+        def exchange(self, sends, recvs) -> None:
+            if self.rank == 0 and [peer for peer, _ in sends] == [2]:
+                marks.append(time.perf_counter())
+                time.sleep(0.02)  # rank 2's window must stay open while rank 0 is still busy
+            super().exchange(sends, recvs)
+
+    world = ThreadWorld(3)
+    builder = SerialBuilder(3)
+    results = run_threads(world, lambda comm: train_rank(
+        plan, comm=Marking(world, comm.rank), config=RunConfig(steps=STEPS), builder=builder, on_idle=Listener()))
+    assert [w.after for w in plan.idle_windows(2)] == [None] and not plan.idle_windows(1)
+    iterations = [s.start_s for s in results[0].spans if s.category is Category.ITERATION]
+    assert [event.step for event, _ in closed] == list(range(STEPS)) and len(marks) == STEPS
+    for (event, at), mark, began in zip(closed, marks, iterations, strict=True):
+        assert at >= mark + 0.02  # closed by rank 0's mark, not by rank 2's own (empty) iteration
+        assert event.opened_at_s <= began + 0.02 or event.step == 0  # opened at the previous mark

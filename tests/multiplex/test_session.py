@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from deeppool.errors import DeeppoolError
 from deeppool.executor.idle import IdleWindowEvent
 from deeppool.executor.timing import Category, Span
 from deeppool.multiplex.config import ABSchedule, BackgroundConfig, MuxMode
@@ -111,17 +113,46 @@ def _bg(busy_s: float, windows=()) -> RankBackground:
                           dropped_tokens=0, losses=(2.0, 1.0), spans=(), windows=tuple(windows), error=None)
 
 
-def test_report_compares_alone_and_shared_steps() -> None:
-    schedule = ABSchedule(warmup=1, block=2)
+def _ranks(schedule: ABSchedule, background: RankBackground) -> list[RankSteps]:
     iterations = {s: (11.0 if schedule.shared(s) else 10.0) for s in range(9)}
     rank0 = RankSteps(rank=0, iteration_ms=iterations, idle_ms={}, background=None)
-    rank1 = RankSteps(rank=1, iteration_ms=iterations, idle_ms={s: 4.0 for s in range(9)}, background=_bg(0.008))
-    r = report(MuxMode.GATE, schedule, [rank0, rank1], planned_idle_ms=0.1)
+    return [rank0, RankSteps(rank=1, iteration_ms=iterations, idle_ms={s: 4.0 for s in range(9)},
+                             background=background)]
+
+
+def test_a_gated_report_counts_work_in_windows_up_to_each_windows_length() -> None:
+    schedule = ABSchedule(warmup=1, block=2)
+    shared = [s for s in range(9) if schedule.shared(s) and schedule.measured(s)]
+    assert shared == [4, 8]
+    # one window half used; the other's work overran it (a micro-step cut by the close, resumed later)
+    background = _bg(0.012, windows=[(4.0, 3.0), (4.0, 9.0)])
+    r = report(MuxMode.GATE, schedule, _ranks(schedule, background), planned_idle_ms=0.1)
     assert r.fg_slowdown == pytest.approx(0.1)
-    shared = [s for s in range(9) if schedule.shared(s)]
-    assert r.recovered_fraction == pytest.approx(8.0 / (4.0 * len(shared)))
-    assert r.bg_samples_per_s == pytest.approx(40 / (11e-3 * len(shared)))
-    assert r.net_gain == pytest.approx(((16 + 2) / 11) / (16 / 10))
+    assert r.recovered_fraction == pytest.approx((3.0 + 4.0) / (4.0 * 2))  # never above 1
+    assert r.bg_ms_per_iteration == pytest.approx(3.5)
+    assert r.fg_taken_ms_per_iteration == pytest.approx((2 * 10 - 4) * 0.1)
+    assert r.bg_samples_per_s == pytest.approx(40 / (11e-3 * 4))
+    assert r.net_gain == pytest.approx(((16 + 3.5) / 11) / (16 / 10))
+
+
+def test_a_free_running_report_has_no_recovered_share_but_the_time_taken_from_the_foreground() -> None:
+    schedule = ABSchedule(warmup=1, block=2)
+    r = report(MuxMode.SCHED_IDLE, schedule, _ranks(schedule, _bg(0.400)), planned_idle_ms=0.1)
+    assert r.recovered_fraction is None  # 400 ms of work against 16 ms of idle rank-time: not a share of it
+    assert r.bg_ms_per_iteration == pytest.approx(400 / 4)
+    assert r.fg_taken_ms_per_iteration == pytest.approx(16 * 0.1)
+    assert r.net_gain == pytest.approx(((16 + 100) / 11) / (16 / 10))
+
+
+def test_impossible_figures_are_refused() -> None:
+    schedule = ABSchedule(warmup=1, block=2)
+    good = report(MuxMode.GATE, schedule, _ranks(schedule, _bg(0.0)), planned_idle_ms=0.1)
+    with pytest.raises(DeeppoolError, match=r"recovered 297% of the idle rank-time is outside \[0, 100%\]"):
+        dataclasses.replace(good, recovered_fraction=2.97)
+    with pytest.raises(DeeppoolError, match="runs freely, so a recovered share"):
+        dataclasses.replace(good, mode="sched_idle")
+    with pytest.raises(DeeppoolError, match="window efficiency"):
+        dataclasses.replace(good, efficiency_by_window_ms=((4.0, 1.5),))
 
 
 def test_rank_steps_and_efficiency_curve() -> None:
@@ -131,3 +162,5 @@ def test_rank_steps_and_efficiency_curve() -> None:
     steps = RankSteps.of(1, spans, None)
     assert steps.iteration_ms[0] == pytest.approx(10.0) and steps.idle_ms[0] == pytest.approx(3.0)
     assert efficiency_curve([(1.5, 0.75), (1.2, 0.6), (5.0, 4.0)]) == ((1.0, pytest.approx(0.5)), (4.0, 0.8))
+    # a window's work counts up to its length (a micro-step cut by the close finished in the next window)
+    assert efficiency_curve([(5.0, 4.0), (6.0, 9.0)]) == ((4.0, pytest.approx(10.0 / 11.0)),)
