@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from deeppool.coordinator.isolation import private_file
 from deeppool.coordinator.jobs import Event, Job, JobKind, JobRequest, JobStatus, sources
 from deeppool.errors import DeeppoolError
 
@@ -104,6 +105,7 @@ class Store:
             self._db.executescript(SCHEMA)
         except sqlite3.DatabaseError as err:
             raise DeeppoolError(f"--db '{path}' is not a deeppool database ({err})") from None
+        private_file(path)  # readable by the server's user only (SQLite gives its -wal and -shm the same mode)
 
     def close(self) -> None:
         with self._lock:
