@@ -172,9 +172,19 @@ class LocalLauncher:
             time.sleep(0.05)
         if group is not None:
             group.end()
-        if pid is not None and _alive_supervisor(pid):
+        if pid is not None and not self._gone(pid, 2.0):  # a supervisor whose steps are killed writes its exit
             _signal_group(pid, signal.SIGKILL)
-        self._reap()
+            self._gone(pid, 2.0)
+
+    def _gone(self, pid: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the supervisor ``pid`` to end; whether it has."""
+        deadline = time.monotonic() + timeout_s
+        while _alive_supervisor(pid):
+            self._reap()
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def _reap(self) -> None:
         for key, proc in list(self._children.items()):
