@@ -6,6 +6,7 @@ Only typer is imported here; each command loads its work when it runs.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -56,6 +57,9 @@ def serve(
     if log_dir is not None and log_dir.exists() and not log_dir.is_dir():
         raise DeeppoolError(f"--log-dir '{log_dir}' is a file: give a folder")
     _check_slurm_options(launcher, partition=partition, nodes=nodes, gres=gres)
+    from deeppool.coordinator.store import check_path
+
+    check_path(db)
     run_as = _run_as(job_user, launcher, logs=log_dir or db.resolve().parent / "logs")
     if launcher == "slurm":
         from deeppool.coordinator.slurm import check_slurm
@@ -114,11 +118,18 @@ def _run_as(job_user: str | None, launcher: str, *, logs: Path) -> RunAs:
                             "so run serve as the account the jobs should run as")
     if not root:
         raise DeeppoolError("--job-user needs serve to run as root: it starts each job as its account")
+    from deeppool.coordinator.isolation import closed_to_others
+
     folder = logs.resolve()
-    for parent in folder.parents:
-        if parent.exists() and not os.stat(parent).st_mode & 0o001:
-            raise DeeppoolError(f"jobs cannot reach --log-dir '{folder}': '{parent}' is closed to other users "
-                                f"(chmod o+x '{parent}', or choose another --log-dir)")
+    closed = closed_to_others(folder.parent)
+    if closed is not None:
+        raise DeeppoolError(f"jobs cannot reach --log-dir '{folder}': '{closed}' is closed to other users "
+                            f"(chmod o+x '{closed}', or choose another --log-dir)")
+    python = Path(os.path.realpath(sys.executable))
+    closed = closed_to_others(python)
+    if closed is not None:
+        raise DeeppoolError(f"job accounts cannot run this Python ('{python}'): '{closed}' is closed to other "
+                            "users; install deeppool where every account can run it")
     return RunAs.parse(job_user)
 
 

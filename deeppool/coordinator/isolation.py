@@ -109,6 +109,15 @@ class RunAs:
         return self.kind is not RunAsKind.SUBMITTER or first == second
 
 
+def closed_to_others(path: Path) -> Path | None:
+    """The first of ``path``'s existing folders (from the root down), or ``path`` itself, other users
+    cannot pass through (no o+x); None when an account of its own reaches it."""
+    for step in [*reversed(path.parents), path]:
+        if step.exists() and not os.stat(step).st_mode & 0o001:
+            return step
+    return None
+
+
 def job_env(account: Account | None, source: dict[str, str] | None = None) -> dict[str, str]:
     """A job's environment: the allowed variables of ``source`` (the server's), the account's identity."""
     given = os.environ if source is None else source

@@ -82,6 +82,14 @@ def check_user_name(name: str) -> None:
         raise DeeppoolError(f"user name '{name}' must be 1 to 64 letters, digits, '-' or '_'")
 
 
+def check_path(path: Path) -> None:
+    """Refuse a ``--db`` that cannot be a database file (before anything is created)."""
+    if path.exists() and path.is_dir():
+        raise DeeppoolError(f"--db '{path}' is a directory: give a database file, e.g. deeppool.db")
+    if not path.parent.exists():
+        raise DeeppoolError(f"--db '{path}': folder '{path.parent}' does not exist")
+
+
 def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -90,10 +98,7 @@ class Store:
     """One database file; safe to share between the server's threads (writes are serialised)."""
 
     def __init__(self, path: Path) -> None:
-        if path.exists() and path.is_dir():
-            raise DeeppoolError(f"--db '{path}' is a directory: give a database file, e.g. deeppool.db")
-        if not path.parent.exists():
-            raise DeeppoolError(f"--db '{path}': folder '{path.parent}' does not exist")
+        check_path(path)
         self.path = path
         self._lock = threading.Lock()
         try:

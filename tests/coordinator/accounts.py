@@ -1,4 +1,11 @@
-"""OS accounts for the isolation tests (created with useradd, removed afterwards), and folders they can reach."""
+"""OS accounts for the coordinator's tests (created with useradd, removed afterwards), and folders they reach.
+
+A server started as root must run its jobs as an account of their own
+(``serve --job-user``): :data:`JOB_ACCOUNT`, made for the session by
+``tests/coordinator/conftest.py``, with the jobs' files in a folder of
+:func:`job_folder`. The Python running the tests must be reachable by that
+account: the folders above it are opened to others (o+x) for the session.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +22,17 @@ from pathlib import Path
 import pytest
 
 
+JOB_ACCOUNT = "dpjobs"
+
+
+def can_make_accounts() -> bool:
+    return os.geteuid() == 0 and shutil.which("useradd") is not None
+
+
 @contextmanager
 def accounts(*names: str) -> Iterator[tuple[str, ...]]:
     """Unprivileged accounts ``names`` for the duration (skips where this process cannot create them)."""
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
+    if not can_make_accounts():
         pytest.skip("creating job accounts needs root and useradd")
     made = []
     opened = _open_to_others(Path(os.path.realpath(sys.executable)).parents)  # e.g. a Python under /root
@@ -61,3 +75,21 @@ def shared_folder() -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _jobs_base() -> Path:
+    return Path(tempfile.gettempdir()) / f"deeppool-test-jobs-{os.getpid()}"
+
+
+def job_folder() -> Path:
+    """A fresh folder for a server's job files that job accounts can pass through (removed with the session)."""
+    base = _jobs_base()
+    base.mkdir(exist_ok=True)
+    base.chmod(0o711)
+    folder = Path(tempfile.mkdtemp(dir=base))
+    folder.chmod(0o711)
+    return folder
+
+
+def remove_job_folders() -> None:
+    shutil.rmtree(_jobs_base(), ignore_errors=True)
