@@ -310,3 +310,25 @@ def test_no_gpu_is_given_out_while_a_cancelled_jobs_process_is_left(shared: Path
     cluster.service.tick()  # stops it (every process), then starts the next job on its GPU
     assert cluster.store.job(second.id).state is not JobStatus.PENDING
     assert not [pid for pid in pids if _alive(pid)]
+
+
+# -- what serve refuses ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("options", "named"), [
+    ((), "serve runs as root, so its jobs would too: give --job-user"),
+    (("--job-user", "nosuchaccount"), "no OS account 'nosuchaccount'"),
+    (("--job-user", "root"), "account 'root' is root or the server's own user"),
+    (("--job-user", ALICE, "--launcher", "slurm"), "--job-user is for --launcher local"),
+    (("--job-user", ALICE, "--log-dir", "{closed}/logs"), "jobs cannot reach --log-dir"),
+])
+def test_serve_refuses_to_run_jobs_as_root_or_where_they_cannot_reach(
+        tmp_path: Path, users, capsys: pytest.CaptureFixture[str], options: tuple[str, ...], named: str) -> None:
+    from tests.entry import deeppool
+
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    with shared_folder() as folder:
+        db = folder / "db.sqlite"
+        args = [arg.replace("{closed}", str(closed)) for arg in options]
+        done = deeppool(capsys, "serve", "--db", str(db), "--log-dir", str(folder / "logs"), *args)
+        assert done.code == 2 and done.stderr.startswith(f"error: {named}") and len(done.stderr.splitlines()) == 1
+        assert not db.exists() and not (folder / "logs").exists()  # nothing was created
