@@ -87,7 +87,7 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
             mode = MuxMode.MPS if mps else MuxMode.GATE
             staged = stage_model(spec.background_model, spec.allowed_roots, spec.out / "background-model")
             background = BackgroundConfig(model=Path(staged), batch=spec.background_batch, mode=mode,
-                                          checkpoint_dir=spec.out / "background")
+                                          checkpoint_dir=spec.out / "background", preflight_apart=True)
         else:
             print("the plan leaves no idle window: the background job was not run", flush=True)
     config = RunConfig(steps=spec.steps, warmup=min(5, spec.steps - 1), out_dir=spec.out / "run", check=spec.check)

@@ -32,8 +32,10 @@ from pathlib import Path
 
 from deeppool.errors import DeeppoolError
 
-ALLOWED = ("PATH", "LANG", "LANGUAGE", "TZ", "TERM", "PYTHONPATH", "PYTHONHASHSEED", "DEEPPOOL_FAULT")
-"""Variables a job inherits from the server, by name."""
+ALLOWED = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TERM", "PYTHONPATH", "PYTHONHASHSEED",
+           "DEEPPOOL_FAULT")
+"""Variables a job inherits from the server, by name (a job with an account of its own gets its ``HOME``,
+``USER`` and ``LOGNAME``)."""
 ALLOWED_PREFIXES = ("LC_", "CUDA_", "NCCL_", "GLOO_", "OMP_", "MKL_", "SLURM_", "TORCH_")
 """Variables a job inherits from the server, by prefix (locale, devices, collectives, threads, Slurm)."""
 MAX_JOB_FILE = 64 << 20

@@ -8,9 +8,12 @@
   background's (parameters, gradients, optimizer state, activations of one
   batch, measured by a forward pass on the meta device) must fit the device.
 
-The background model is loaded for this in a process of its own
-(``python -m deeppool.multiplex.preflight``), never in the foreground's: the
-background's code runs only in the background's processes.
+With ``preflight_apart`` (the coordinator's guests), the background model is
+loaded for this in a process of its own (``python -m
+deeppool.multiplex.preflight``), never in the foreground's: the background's
+code runs only in the background's processes. ``deeppool run --background``
+loads it here (one user's own jobs; a process costs a Python and torch
+start-up).
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ def check(plan: Plan, config: BackgroundConfig, machine: Machine | None = None) 
     check_windows(plan)
     machine = machine or Machine.here(gpu=config.mode.needs_gpu)
     check_mode(config.mode, machine)
-    memory = measured_apart(config.model, config.batch, config.optimizer)  # a one-line error if it does not load
+    measure = measured_apart if config.preflight_apart else background_memory
+    memory = measure(config.model, config.batch, config.optimizer)  # a one-line error if it does not load
     check_memory(plan, memory, machine, config)
     return memory
 
