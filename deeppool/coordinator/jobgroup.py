@@ -3,7 +3,7 @@
 :class:`CgroupRoot` is this server's folder in the cgroup v2 tree: under the
 server's own cgroup, ``deeppool-HASH`` (the hash of the launcher's folder, so
 two servers on one machine never share it, and a restarted server finds its
-jobs' groups again). Each attempt's supervisor creates ``job-N.A`` there and
+jobs' groups again; it exists while some attempt's group does). Each attempt's supervisor creates ``job-N.A`` there and
 starts every step inside it, before the step drops to the job's account; an
 unprivileged process cannot move itself out (the tree is root's), so every
 rank, every grandchild and every daemonised orphan stays in the group.
@@ -39,6 +39,12 @@ class JobGroup:
     path: Path
 
     def create(self) -> None:
+        for _ in range(3):  # another attempt's end may remove the server's folder in between: make it again
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+                return
+            except FileNotFoundError:
+                continue
         self.path.mkdir(parents=True, exist_ok=True)
 
     def join(self) -> None:
@@ -92,10 +98,11 @@ class JobGroup:
         self.kill()
         empty = self.wait_empty(timeout_s)
         if empty:
-            try:
-                self.path.rmdir()
-            except OSError:
-                pass
+            for folder in (self.path, self.path.parent):  # the server's folder too, once no job is left in it
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
         return empty
 
 
@@ -114,13 +121,12 @@ class CgroupRoot:
             return None
         name = "deeppool-" + hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:12]
         path = Path(mount) / own.strip().lstrip("/") / name
-        try:
-            path.mkdir(mode=0o755, parents=True, exist_ok=True)
-            probe = path / "probe"
-            probe.mkdir(exist_ok=True)
-            probe.rmdir()
-        except OSError:
-            return None
+        if not path.exists():  # made by the first attempt's supervisor; here only tried
+            try:
+                path.mkdir(mode=0o755)
+                path.rmdir()
+            except OSError:
+                return None
         return cls(path)
 
     def group(self, job_id: int, attempt: int) -> JobGroup:

@@ -16,6 +16,7 @@ reported lost only once the group is empty.
 from __future__ import annotations
 
 import enum
+import json
 import os
 import signal
 import subprocess
@@ -114,6 +115,13 @@ class LocalLauncher:
         return JobFiles(folder=self.folder, job_id=job_id, attempt=attempt)
 
     def group(self, job_id: int, attempt: int) -> JobGroup | None:
+        """The attempt's cgroup: as its spec names it (a server restarted elsewhere still finds it), else new."""
+        spec = self.files(job_id, attempt).spec
+        if spec.exists():
+            try:
+                return SupervisorSpec.from_json(json.loads(spec.read_text())).group
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
         return None if self.cgroups is None else self.cgroups.group(job_id, attempt)
 
     def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None,
@@ -123,8 +131,9 @@ class LocalLauncher:
         ``workdir``; ``resources`` are the scheduler's to respect on one machine."""
         del resources
         files = self.files(job_id, attempt)
+        group = None if self.cgroups is None else self.cgroups.group(job_id, attempt)
         SupervisorSpec(job_id=job_id, attempt=attempt, steps=steps, env=env or {}, account=account, workdir=workdir,
-                       group=self.group(job_id, attempt)).write(files)
+                       group=group).write(files)
         self._children[(job_id, attempt)] = subprocess.Popen(
             [sys.executable, "-m", SUPERVISOR, str(files.spec)], start_new_session=True, close_fds=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=job_env(None),
@@ -154,8 +163,15 @@ class LocalLauncher:
         return (pid is not None and _alive_supervisor(pid)) or (group is not None and group.populated())
 
     def stop(self, job_id: int, attempt: int, grace_s: float = 10.0) -> None:
-        """SIGTERM (and SIGCONT) to every process of the attempt; after ``grace_s``, kill whatever is left."""
-        pid = self.files(job_id, attempt).supervisor_pid()
+        """SIGTERM (and SIGCONT) to every process of the attempt; after ``grace_s``, kill whatever is left.
+
+        An attempt launched whose supervisor has not taken its lock yet is stopped by taking the lock here:
+        its supervisor then finds it taken and runs nothing.
+        """
+        files = self.files(job_id, attempt)
+        if files.spec.exists() and _claim(files):
+            return
+        pid = files.supervisor_pid()
         group = self.group(job_id, attempt)
         if not self.alive(job_id, attempt):
             return
@@ -192,6 +208,17 @@ class LocalLauncher:
                 del self._children[key]
 
 
+def _claim(files: JobFiles) -> bool:
+    """Take the attempt's launch lock before its supervisor does (pid 0: no one); whether it was free."""
+    try:
+        fd = os.open(files.pid, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    os.write(fd, b"0\n")
+    os.close(fd)
+    return True
+
+
 def _signal_group(pid: int, signum: int) -> None:
     try:
         os.killpg(pid, signum)
@@ -200,5 +227,5 @@ def _signal_group(pid: int, signum: int) -> None:
 
 
 def _ended(group: JobGroup | None) -> bool:
-    """Whether the attempt's group has no process left, after killing what is (True without a group)."""
-    return group is None or not group.populated() or group.end(timeout_s=2.0)
+    """Whether the attempt's group has no process left, after killing what is and removing it (no group: True)."""
+    return group is None or group.end(timeout_s=2.0)

@@ -129,8 +129,8 @@ class Runtime:
             if job.id in self._ended:
                 continue
             attempt = self.store.attempts(job.id)
-            if attempt and self.launcher.alive(job.id, attempt):
-                self.launcher.stop(job.id, attempt, self.grace_s)
+            if attempt:
+                self.launcher.stop(job.id, attempt, self.grace_s)  # launched but not started yet: never will be
             if not attempt or not self.launcher.alive(job.id, attempt):
                 self._ended.add(job.id)
 
