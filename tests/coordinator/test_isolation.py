@@ -289,6 +289,17 @@ def test_a_job_that_leaves_a_daemonised_grandchild_ends_with_it(shared: Path, us
     assert not [pid for pid in pids if _alive(pid)]
 
 
+def test_a_job_cancelled_before_its_supervisor_starts_never_runs(shared: Path, users) -> None:
+    cluster = Cluster(shared)
+    job = cluster.submit(ALICE, "import pathlib, time; time.sleep(2); pathlib.Path('ran').write_text('ran')")
+    assert cluster.runtime.start(job, "granted")
+    assert cluster.store.transition(job.id, JobStatus.CANCELLED, "cancelled by dpalice")
+    cluster.runtime.reconcile()  # before the supervisor took the attempt's lock: the lock is taken for it
+    time.sleep(4)
+    assert not (cluster.folder / f"job-{job.id}" / "ran").exists()
+    assert not cluster.runtime.launcher.alive(job.id, 1) and cluster.runtime.lingering() == set()
+
+
 def test_a_restarted_server_ends_what_a_cancelled_job_left(shared: Path, users) -> None:
     cluster = Cluster(shared)
     job, pids = _running(cluster, "stopped")
