@@ -10,8 +10,8 @@ device model the server names; ``a100`` by default) and run on that many
 local ranks. When background jobs were lent its idle windows, the first
 trains there through the multiplexer, always in processes of its own (never
 a thread of a rank): ``mps`` on a GPU with the MPS tools, else ``gate``; a
-plan that leaves no idle window runs alone and says so. A background job given whole GPUs is
-planned and run on them as a job of its own. A job for several ``nodes``
+plan that leaves no idle window runs alone and says so. A background job
+given whole GPUs is planned and run on them as a job of its own. A job for several ``nodes``
 runs in a Slurm allocation of that many, over all of them
 (:func:`deeppool.coordinator.slurm.run_across`). With ``check``, every step
 is compared with single-process training (``deeppool run --check``). The run's ``summary.json`` lands

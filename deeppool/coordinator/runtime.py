@@ -15,8 +15,10 @@ every live job's current attempt:
   it launches now. The supervisor's lock file makes a second launch of the
   same attempt a no-op, so nothing runs twice.
 
-Jobs CANCELLED while running are stopped (SIGTERM, grace, then every process of the attempt killed); until
-their last process is gone they still hold their GPUs (:meth:`Runtime.lingering`).
+Jobs CANCELLED while running are stopped (SIGTERM, grace, then every
+process of the attempt killed); until their last process is gone they still
+hold their GPUs (:meth:`Runtime.lingering`). One cancelled after its launch
+but before its supervisor took the lock never runs (the launcher takes it).
 
 Each job runs as the account :class:`~deeppool.coordinator.isolation.RunAs`
 gives its owner (a job whose owner has none fails with the reason), in its own
@@ -35,8 +37,9 @@ A foreground job spans ``nodes`` machines (a Slurm launcher's allocation:
 A background job lent a foreground job's idle windows (a *guest*) runs in
 processes its host's ranks start, as the same account (the service lends a
 host only guests whose owners' jobs run as its account), so it has no
-supervisor of its own: it becomes RUNNING with its host, and when the host ends it SUCCEEDED if it trained (the host's
-``summary.json`` counts its steps), else it goes back to the queue.
+supervisor of its own: it becomes RUNNING with its host, and when the host
+ends it SUCCEEDED if it trained (the host's ``summary.json`` counts its
+steps), else it goes back to the queue.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ class Runtime:
         return None if account is None else account.uid
 
     def lingering(self) -> set[int]:
-        """Cancelled jobs that still have a process: they hold their GPUs until it is gone."""
+        """Cancelled jobs not yet known to have no process left: they hold their GPUs until then."""
         return {job.id for job in self.store.jobs(states=(JobStatus.CANCELLED,)) if job.id not in self._ended}
 
     def requeue(self, job: Job, reason: str) -> None:

@@ -15,12 +15,12 @@ The supervisor is the server's (root's, when jobs run as their own accounts):
 the job never owns its lock, log or exit files. Each step starts in the
 attempt's cgroup (:mod:`deeppool.coordinator.jobgroup`) and then drops to the
 job's account (supplementary groups, gid, uid, ``no_new_privs``), in the
-job's own folder, with an environment built from an allow-list of its own
-(:func:`~deeppool.coordinator.isolation.job_env`). When the steps end, whatever they left behind
-(daemonised grandchildren, stopped processes) is killed and waited for before
-the exit file is written, so an attempt that has an exit code has no process
-left. Without a cgroup, the supervisor is a child subreaper and kills its
-remaining descendants instead.
+job's own folder, with an environment built from an allow-list
+(:func:`~deeppool.coordinator.isolation.job_env`). When the steps end,
+whatever they left behind (daemonised grandchildren, stopped processes) is
+killed and waited for before the exit file is written, so an attempt that has
+an exit code has no process left. Without a cgroup, the supervisor is a child
+subreaper and kills its remaining descendants instead.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ class SupervisorSpec:
     attempt: int
     steps: list[list[str]]
     env: dict[str, str]
-    """variables the launcher sets on top of the allow-listed ones (:func:`~deeppool.coordinator.isolation.job_env`)"""
+    """variables the launcher sets on top of the allow-listed ones
+    (:func:`~deeppool.coordinator.isolation.job_env`)"""
     account: Account | None = None
     workdir: Path | None = None
     group: JobGroup | None = None

@@ -300,6 +300,18 @@ def test_a_job_cancelled_before_its_supervisor_starts_never_runs(shared: Path, u
     assert not cluster.runtime.launcher.alive(job.id, 1) and cluster.runtime.lingering() == set()
 
 
+def test_without_a_cgroup_the_supervisor_still_ends_a_daemonised_grandchild(shared: Path) -> None:
+    cluster = Cluster(shared)
+    cluster.runtime = Runtime(cluster.store, LocalLauncher(cluster.folder, cgroups=False),
+                              lambda job, attempt, guests: cluster.steps[job.id], grace_s=0.5)
+    job = cluster.submit(ALICE, RANKS, "leaves")
+    assert cluster.runtime.start(job, "granted")
+    pids = _pids(cluster, job)
+    done = settle(cluster.runtime, job.id, lambda j: j.state.terminal)
+    assert done.state is JobStatus.SUCCEEDED  # its orphans came back to the supervisor (a subreaper), killed
+    assert not [pid for pid in pids if _alive(pid)]
+
+
 def test_a_restarted_server_ends_what_a_cancelled_job_left(shared: Path, users) -> None:
     cluster = Cluster(shared)
     job, pids = _running(cluster, "stopped")
