@@ -12,6 +12,7 @@ import os
 import pwd
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -355,3 +356,63 @@ def test_serve_refuses_to_run_jobs_as_root_or_where_they_cannot_reach(
         done = deeppool(capsys, "serve", "--db", str(db), "--log-dir", str(folder / "logs"), *args)
         assert done.code == 2 and done.stderr.startswith(f"error: {named}") and len(done.stderr.splitlines()) == 1
         assert not db.exists() and not (folder / "logs").exists()  # nothing was created
+
+
+ATTACK_MODEL = '''"""A model file whose import attacks the server it runs under (issue 21), then trains as a small MLP."""
+import os
+import sqlite3
+import sys
+
+from examples.background_mlp import inputs, loss, model, targets  # noqa: F401  a real model after the attack
+
+DB, LOGS, SERVER = {db!r}, {logs!r}, {server}
+try:
+    db = sqlite3.connect(DB)
+    db.execute("UPDATE users SET token_sha256 = 'x' WHERE name = 'dpalice'")
+    db.commit()
+    print("attack: overwrote the token", flush=True)
+except Exception as err:
+    print("attack: database refused:", type(err).__name__, flush=True)
+for path in (f"/proc/{{SERVER}}/environ", os.path.join(LOGS, "job-1.log"), os.path.join(LOGS, "job-1", "notes")):
+    try:
+        print("attack: read", path, open(path, "rb").read()[:200], flush=True)
+    except OSError as err:
+        print("attack: refused", type(err).__name__, flush=True)
+print("attack: environment", sorted(os.environ), flush=True)
+'''
+
+
+def test_a_model_file_attacking_a_live_server_does_no_harm(tmp_path: Path, users) -> None:
+    from deeppool.coordinator.client import Client
+    from tests.coordinator.accounts import job_folder
+    from tests.coordinator.test_durability import start
+    from tests.net import free_port
+
+    db, port, logs = tmp_path / "deeppool.db", free_port(), job_folder()
+    store = Store(db)
+    tokens = {name: store.create_token(name) for name in (ALICE, BOB)}
+    first, _ = store.submit(ALICE, JobRequest(kind=JobKind.BACKGROUND, model="examples.mlp:model", batch=8, steps=1))
+    store.transition(first.id, JobStatus.CANCELLED, "cancelled by dpalice")  # job 1 exists, and is hers
+    store.close()
+    models = Path(tempfile.mkdtemp(dir=logs.parent))
+    models.chmod(0o755)
+    server = start(db, port, gpus=1, allow=(models,), logs=logs, options=("--job-user", "submitter"),
+                   env={"DEEPPOOL_ADMIN_SECRET": "hunter2-admin"})
+    try:
+        attack = models / "attack.py"
+        attack.write_text(ATTACK_MODEL.format(db=str(db), logs=str(logs), server=server.pid))
+        attack.chmod(0o644)
+        bob = Client(f"http://127.0.0.1:{port}", tokens[BOB])
+        job = bob.submit(JobRequest(kind=JobKind.FOREGROUND, model=str(attack), batch=8, steps=2))
+        deadline = time.monotonic() + 240
+        while not (job := bob.job(job.id)).state.terminal and time.monotonic() < deadline:
+            time.sleep(0.5)
+        log = bob.logs(job.id).text
+        assert "attack: database refused: OperationalError" in log and "overwrote" not in log, log[-3000:]
+        assert "attack: refused PermissionError" in log and "attack: read" not in log, log[-3000:]
+        assert "hunter2" not in log and "DEEPPOOL_ADMIN_SECRET" not in log, log[-3000:]
+        alice = Client(f"http://127.0.0.1:{port}", tokens[ALICE])
+        assert [j.id for j in alice.jobs()] == [first.id]  # her token still works, and lists her job only
+    finally:
+        server.terminate()
+        server.wait(10)
