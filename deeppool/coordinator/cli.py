@@ -60,7 +60,7 @@ def serve(
     from deeppool.coordinator.store import check_path
 
     check_path(db)
-    run_as = _run_as(job_user, launcher, logs=log_dir or db.resolve().parent / "logs")
+    run_as = _run_as(job_user, launcher, logs=log_dir or db.resolve().parent / "logs", paused=paused)
     if launcher == "slurm":
         from deeppool.coordinator.slurm import check_slurm
 
@@ -102,14 +102,15 @@ def _check_slurm_options(launcher: str, *, partition: str | None, nodes: int, gr
         raise DeeppoolError(f"--nodes {nodes} must be at least 1")
 
 
-def _run_as(job_user: str | None, launcher: str, *, logs: Path) -> RunAs:
+def _run_as(job_user: str | None, launcher: str, *, logs: Path, paused: bool) -> RunAs:
     """``--job-user``: refused where it cannot hold (not root, Slurm, a log folder jobs cannot reach); and
-    required of a root server with the local launcher, whose jobs would otherwise run as root."""
+    required of a root server with the local launcher, whose jobs would otherwise run as root (unless
+    ``--paused``: it starts none)."""
     from deeppool.coordinator.isolation import RunAs
 
     root = os.geteuid() == 0
     if job_user is None:
-        if root and launcher == "local":
+        if root and launcher == "local" and not paused:
             raise DeeppoolError("serve runs as root, so its jobs would too: give --job-user submitter (each "
                                 "user's jobs as the OS account of that name) or --job-user ACCOUNT")
         return RunAs()
