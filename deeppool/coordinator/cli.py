@@ -6,6 +6,7 @@ Only typer is imported here; each command loads its work when it runs.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -14,6 +15,7 @@ import typer
 from deeppool.errors import DeeppoolError
 
 if TYPE_CHECKING:
+    from deeppool.coordinator.isolation import RunAs
     from deeppool.coordinator.launcher import Launcher
     from deeppool.coordinator.slurm import SlurmSettings
 
@@ -40,6 +42,9 @@ def serve(
                     ] = None,
     check: Annotated[bool, typer.Option("--check", help="compare every run with single-process training, step by "
                                         "step (slow: to validate a cluster)")] = False,
+    job_user: Annotated[str | None, typer.Option(help="the OS account jobs run as: submitter (the account named "
+                                                 "like the token's user) or one ACCOUNT; needed when serve runs "
+                                                 "as root", show_default="this server's user")] = None,
 ) -> None:
     """Run the coordinator: a REST API (OpenAPI at /docs) over an embedded database."""
     if not 0 < port < 65536:
@@ -52,6 +57,10 @@ def serve(
     if log_dir is not None and log_dir.exists() and not log_dir.is_dir():
         raise DeeppoolError(f"--log-dir '{log_dir}' is a file: give a folder")
     _check_slurm_options(launcher, partition=partition, nodes=nodes, gres=gres)
+    from deeppool.coordinator.store import check_path
+
+    check_path(db)
+    run_as = _run_as(job_user, launcher, logs=log_dir or db.resolve().parent / "logs", paused=paused)
     if launcher == "slurm":
         from deeppool.coordinator.slurm import check_slurm
 
@@ -66,6 +75,7 @@ def serve(
     from deeppool.coordinator.store import Store
     from deeppool.scheduling import Order, Placement, Scheduler
 
+    os.umask(0o077)  # the database, logs and files of the server: its user's alone
     store = Store(db)
     logs = log_dir or db.resolve().parent / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -73,8 +83,10 @@ def serve(
                               device="cuda" if _gpu_count() else "cpu", nodes=nodes)
     slurm = SlurmSettings(partition=partition, gres=_gpu_count() > 0 if gres is None else gres)
     runtime = Runtime(store, _launcher(launcher, logs, slurm),
-                      DriverSteps(folder=logs, device_model=device_model, check=check, nodes=nodes),
-                      after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None, nodes=nodes)
+                      DriverSteps(folder=logs, device_model=device_model, check=check, nodes=nodes, run_as=run_as,
+                                  allowed_roots=roots),
+                      after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None, nodes=nodes,
+                      run_as=run_as)
     service = Service(runtime, Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), slots,
                       paused=paused)
     uvicorn.run(create_app(store, settings, service), host=host, port=port, workers=1, log_level="warning")
@@ -88,6 +100,38 @@ def _check_slurm_options(launcher: str, *, partition: str | None, nodes: int, gr
             raise DeeppoolError(f"{flag} is for --launcher slurm: add --launcher slurm or leave {flag} out")
     if nodes < 1:
         raise DeeppoolError(f"--nodes {nodes} must be at least 1")
+
+
+def _run_as(job_user: str | None, launcher: str, *, logs: Path, paused: bool) -> RunAs:
+    """``--job-user``: refused where it cannot hold (not root, Slurm, a log folder jobs cannot reach); and
+    required of a root server with the local launcher, whose jobs would otherwise run as root (unless
+    ``--paused``: it starts none)."""
+    from deeppool.coordinator.isolation import RunAs
+
+    root = os.geteuid() == 0
+    if job_user is None:
+        if root and launcher == "local" and not paused:
+            raise DeeppoolError("serve runs as root, so its jobs would too: give --job-user submitter (each "
+                                "user's jobs as the OS account of that name) or --job-user ACCOUNT")
+        return RunAs()
+    if launcher != "local":
+        raise DeeppoolError("--job-user is for --launcher local: Slurm runs a job as the user who submits it, "
+                            "so run serve as the account the jobs should run as")
+    if not root:
+        raise DeeppoolError("--job-user needs serve to run as root: it starts each job as its account")
+    from deeppool.coordinator.isolation import closed_to_others
+
+    folder = logs.resolve()
+    closed = closed_to_others(folder.parent)
+    if closed is not None:
+        raise DeeppoolError(f"jobs cannot reach --log-dir '{folder}': '{closed}' is closed to other users "
+                            f"(chmod o+x '{closed}', or choose another --log-dir)")
+    python = Path(os.path.realpath(sys.executable))
+    closed = closed_to_others(python)
+    if closed is not None:
+        raise DeeppoolError(f"job accounts cannot run this Python ('{python}'): '{closed}' is closed to other "
+                            "users; install deeppool where every account can run it")
+    return RunAs.parse(job_user)
 
 
 def _launcher(kind: str, folder: Path, slurm: SlurmSettings) -> Launcher:

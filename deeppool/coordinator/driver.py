@@ -1,11 +1,17 @@
 """One coordinator job's work: ``python -m deeppool.coordinator.driver SPEC.json`` (a supervisor's step).
 
-A foreground job is planned for the GPUs it was granted (the device model
-the server names; ``a100`` by default) and run on that many local ranks. When
-background jobs were lent its idle windows, the first trains there through
-the multiplexer (``gate`` on CPU, ``priority`` on a GPU); a plan that leaves
-no idle window runs alone and says so. A background job given whole GPUs is
-planned and run on them as a job of its own. A job for several ``nodes``
+It runs as the job's account, in the job's folder. It first stages the
+model file (and the guest's): opened once, checked again against the
+server's allowed roots by what was opened, and copied into the job's folder
+(:func:`~deeppool.coordinator.isolation.stage_model`); the copy is what is
+planned and trained, so a file swapped after submission, or after the check,
+never runs. A foreground job is planned for the GPUs it was granted (the
+device model the server names; ``a100`` by default) and run on that many
+local ranks. When background jobs were lent its idle windows, the first
+trains there through the multiplexer, always in processes of its own (never
+a thread of a rank): ``mps`` on a GPU with the MPS tools, else ``gate``; a
+plan that leaves no idle window runs alone and says so. A background job
+given whole GPUs is planned and run on them as a job of its own. A job for several ``nodes``
 runs in a Slurm allocation of that many, over all of them
 (:func:`deeppool.coordinator.slurm.run_across`). With ``check``, every step
 is compared with single-process training (``deeppool run --check``). The run's ``summary.json`` lands
@@ -15,11 +21,13 @@ in the job's folder; the coordinator reads the background's progress from it.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from deeppool.coordinator.isolation import RunAs, private_dir, stage_model, write_private
 from deeppool.coordinator.launcher import resources_for
 
 if TYPE_CHECKING:
@@ -39,13 +47,16 @@ class DriverSpec:
     background_batch: int = 8
     check: bool = False
     nodes: int = 1
+    allowed_roots: tuple[Path, ...] = ()
+    """where model files may come from (checked again at launch); empty: anywhere"""
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.__dict__, "out": str(self.out)}
+        return {**self.__dict__, "out": str(self.out), "allowed_roots": [str(r) for r in self.allowed_roots]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DriverSpec:
-        return cls(**{**data, "out": Path(data["out"])})
+        roots = tuple(Path(r) for r in data.get("allowed_roots", ()))
+        return cls(**{**data, "out": Path(data["out"]), "allowed_roots": roots})
 
 
 def drive(spec: DriverSpec) -> dict[str, Any]:
@@ -63,7 +74,8 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
 
     allocation = slurm_allocation(spec.nodes)
     spec.out.mkdir(parents=True, exist_ok=True)
-    planned = plan_model(ModelSpec.parse(spec.model),
+    model = stage_model(spec.model, spec.allowed_roots, spec.out / "model")
+    planned = plan_model(ModelSpec.parse(model),
                          PlanRequest(gpus=spec.gpus, global_batch=spec.batch, amplification=spec.amplification),
                          CostSource(device_model=spec.device_model))
     plan = planned.plan
@@ -71,9 +83,11 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
     background = None
     if spec.background_model is not None:
         if plan.predicted.idle_windows:
-            mode = MuxMode.PRIORITY if torch.cuda.is_available() else MuxMode.GATE
-            background = BackgroundConfig(model=Path(spec.background_model), batch=spec.background_batch, mode=mode,
-                                          checkpoint_dir=spec.out / "background")
+            mps = torch.cuda.is_available() and shutil.which("nvidia-cuda-mps-control") is not None
+            mode = MuxMode.MPS if mps else MuxMode.GATE
+            staged = stage_model(spec.background_model, spec.allowed_roots, spec.out / "background-model")
+            background = BackgroundConfig(model=Path(staged), batch=spec.background_batch, mode=mode,
+                                          checkpoint_dir=spec.out / "background", preflight_apart=True)
         else:
             print("the plan leaves no idle window: the background job was not run", flush=True)
     config = RunConfig(steps=spec.steps, warmup=min(5, spec.steps - 1), out_dir=spec.out / "run", check=spec.check)
@@ -117,25 +131,30 @@ if __name__ == "__main__":
 class DriverSteps:
     """The coordinator's :data:`~deeppool.coordinator.runtime.Steps`: one driver step per attempt.
 
-    The attempt's spec goes to ``folder/job-N/driver-A.json``; the job's outputs to ``folder/job-N``.
+    The job's outputs go to ``folder/job-N`` (0700, the job's account's); the attempt's spec to
+    ``folder/job-N.A.driver.json`` (0600, the account's: the server never writes into a job's folder).
     ``check``: every run is compared with single-process training, step by step (to validate a cluster).
-    ``nodes``: the machines a foreground job spans (as the runtime's).
+    ``nodes``: the machines a foreground job spans (as the runtime's). ``run_as``: the account each job
+    runs as; ``allowed_roots``: where model files may come from, checked again when the job starts.
     """
 
     folder: Path
     device_model: str = "a100"
     check: bool = False
     nodes: int = 1
+    run_as: RunAs = RunAs()
+    allowed_roots: tuple[Path, ...] = ()
 
     def __call__(self, job: Any, attempt: int, guests: Any) -> list[list[str]]:
         out = self.folder / f"job-{job.id}"
-        out.mkdir(parents=True, exist_ok=True)
+        account = self.run_as.account(job.owner)
+        private_dir(out, account)
         guest = guests[0] if guests else None
         spec = DriverSpec(model=job.model, gpus=job.gpus, batch=job.batch, steps=job.steps,
                           amplification=job.amplification, out=out, device_model=self.device_model,
                           background_model=guest.model if guest is not None else None,
                           background_batch=guest.batch if guest is not None else 8, check=self.check,
-                          nodes=resources_for(job, self.nodes).nodes)
-        path = out / f"driver-{attempt}.json"
-        path.write_text(json.dumps(spec.to_json()))
+                          nodes=resources_for(job, self.nodes).nodes, allowed_roots=self.allowed_roots)
+        path = self.folder / f"job-{job.id}.{attempt}.driver.json"
+        write_private(path, json.dumps(spec.to_json()).encode(), account)
         return [[sys.executable, "-m", "deeppool.coordinator.driver", str(path)]]

@@ -4,8 +4,13 @@
 ``python -m deeppool.coordinator.supervisor`` with ``start_new_session=True``
 and reads the job's state from the supervisor's files
 (:class:`~deeppool.coordinator.supervisor.JobFiles`), so a coordinator that
-restarts finds its jobs where they were. Stopping is SIGTERM to the job's
-process group, a grace period, then SIGKILL.
+restarts finds its jobs where they were. Every process of an attempt is in the
+attempt's cgroup (:mod:`deeppool.coordinator.jobgroup`). Stopping is SIGTERM
+(and SIGCONT, for stopped processes) to the supervisor's process group and to
+every process of the group, a grace period, then ``cgroup.kill``. An attempt
+counts as running, and so holds its GPUs, while any of its processes is left:
+a supervisor that died without an exit code has its group killed and is
+reported lost only once the group is empty.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from deeppool.coordinator.isolation import Account, job_env
+from deeppool.coordinator.jobgroup import CgroupRoot, JobGroup
 from deeppool.coordinator.jobs import Job, JobKind
-from deeppool.coordinator.supervisor import JobFiles
+from deeppool.coordinator.supervisor import JobFiles, SupervisorSpec
 from deeppool.errors import DeeppoolError
 
 SUPERVISOR = "deeppool.coordinator.supervisor"
@@ -84,72 +91,141 @@ class Launcher(Protocol):
     def files(self, job_id: int, attempt: int) -> JobFiles: ...
 
     def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None,
-               resources: Resources = Resources()) -> None: ...
+               resources: Resources = Resources(), account: Account | None = None,
+               workdir: Path | None = None) -> None: ...
 
     def observe(self, job_id: int, attempt: int) -> Observed: ...
+
+    def alive(self, job_id: int, attempt: int) -> bool: ...
 
     def stop(self, job_id: int, attempt: int, grace_s: float = 10.0) -> None: ...
 
 
 class LocalLauncher:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, cgroups: bool = True) -> None:
+        """``folder``: the attempts' files (0711: jobs pass through it, never list it); ``cgroups``: one per
+        attempt where a writable cgroup v2 tree exists (else the supervisor's process group)."""
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(folder, 0o711)
+        self.cgroups = CgroupRoot.here(folder) if cgroups else None
         self._children: dict[tuple[int, int], subprocess.Popen] = {}
 
     def files(self, job_id: int, attempt: int) -> JobFiles:
         return JobFiles(folder=self.folder, job_id=job_id, attempt=attempt)
 
+    def group(self, job_id: int, attempt: int) -> JobGroup | None:
+        """The attempt's cgroup: as its spec names it (a server restarted elsewhere still finds it), else new."""
+        spec = self.files(job_id, attempt).spec
+        if spec.exists():
+            try:
+                return SupervisorSpec.from_json(json.loads(spec.read_text())).group
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        return None if self.cgroups is None else self.cgroups.group(job_id, attempt)
+
     def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None,
-               resources: Resources = Resources()) -> None:
-        """Start the attempt's supervisor here; ``resources`` are the scheduler's to respect on one machine."""
+               resources: Resources = Resources(), account: Account | None = None,
+               workdir: Path | None = None) -> None:
+        """Start the attempt's supervisor here: its steps run as ``account`` (None: this server's user) in
+        ``workdir``; ``resources`` are the scheduler's to respect on one machine."""
         del resources
         files = self.files(job_id, attempt)
-        tmp = files.spec.with_name(files.spec.name + ".tmp")
-        tmp.write_text(json.dumps({"job_id": job_id, "attempt": attempt, "steps": steps}))
-        os.replace(tmp, files.spec)
+        group = None if self.cgroups is None else self.cgroups.group(job_id, attempt)
+        SupervisorSpec(job_id=job_id, attempt=attempt, steps=steps, env=env or {}, account=account, workdir=workdir,
+                       group=group).write(files)
         self._children[(job_id, attempt)] = subprocess.Popen(
             [sys.executable, "-m", SUPERVISOR, str(files.spec)], start_new_session=True, close_fds=True,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=job_env(None),
         )
 
     def observe(self, job_id: int, attempt: int) -> Observed:
         self._reap()
         files = self.files(job_id, attempt)
+        group = self.group(job_id, attempt)
         code = files.exit_code()
         if code is not None:
-            return Observed(phase=Phase.EXITED, exit_code=code)
+            return Observed(phase=Phase.EXITED, exit_code=code) if _ended(group) else Observed(phase=Phase.RUNNING)
         pid = files.supervisor_pid()
         if pid is None:
             return Observed(phase=Phase.NOT_STARTED)
         if _alive_supervisor(pid):
             return Observed(phase=Phase.RUNNING)
         code = files.exit_code()  # it may have finished between the two reads
+        if not _ended(group):
+            return Observed(phase=Phase.RUNNING)  # its processes outlived it: killed, they hold the GPUs till gone
         return Observed(phase=Phase.EXITED, exit_code=code) if code is not None else Observed(phase=Phase.LOST)
 
-    def stop(self, job_id: int, attempt: int, grace_s: float = 10.0) -> None:
-        """SIGTERM to the attempt's process group, then SIGKILL after ``grace_s`` if it is still there."""
+    def alive(self, job_id: int, attempt: int) -> bool:
+        """Whether any process of the attempt is left (its supervisor, or anything in its group)."""
         pid = self.files(job_id, attempt).supervisor_pid()
-        if pid is None or not _alive_supervisor(pid):
+        group = self.group(job_id, attempt)
+        return (pid is not None and _alive_supervisor(pid)) or (group is not None and group.populated())
+
+    def stop(self, job_id: int, attempt: int, grace_s: float = 10.0) -> None:
+        """SIGTERM (and SIGCONT) to every process of the attempt; after ``grace_s``, kill whatever is left.
+
+        An attempt launched whose supervisor has not taken its lock yet is stopped by taking the lock here:
+        its supervisor then finds it taken and runs nothing.
+        """
+        files = self.files(job_id, attempt)
+        if files.spec.exists() and _claim(files):
             return
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except ProcessLookupError:
+        pid = files.supervisor_pid()
+        group = self.group(job_id, attempt)
+        if not self.alive(job_id, attempt):
             return
+        for signum in (signal.SIGTERM, signal.SIGCONT):
+            if pid is not None and _alive_supervisor(pid):
+                _signal_group(pid, signum)
+            if group is not None:
+                group.signal(signum)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             self._reap()
-            if not _alive_supervisor(pid):
+            if not self.alive(job_id, attempt):
                 return
             time.sleep(0.05)
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._reap()
+        if group is not None:
+            group.end()
+        if pid is not None and not self._gone(pid, 2.0):  # a supervisor whose steps are killed writes its exit
+            _signal_group(pid, signal.SIGKILL)
+            self._gone(pid, 2.0)
+
+    def _gone(self, pid: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the supervisor ``pid`` to end; whether it has."""
+        deadline = time.monotonic() + timeout_s
+        while _alive_supervisor(pid):
+            self._reap()
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def _reap(self) -> None:
         for key, proc in list(self._children.items()):
             if proc.poll() is not None:
                 del self._children[key]
+
+
+def _claim(files: JobFiles) -> bool:
+    """Take the attempt's launch lock before its supervisor does (pid 0: no one); whether it was free."""
+    try:
+        fd = os.open(files.pid, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    os.write(fd, b"0\n")
+    os.close(fd)
+    return True
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _ended(group: JobGroup | None) -> bool:
+    """Whether the attempt's group has no process left, after killing what is and removing it (no group: True)."""
+    return group is None or group.end(timeout_s=2.0)

@@ -11,9 +11,15 @@ jobs in their own low-priority queue by default): each tick builds a
 * ``start``: the job is claimed and launched. A foreground job started while
   background jobs wait takes the oldest as its guest: it trains in the
   foreground's idle windows through the multiplexer. Guests join at the
-  start, because the multiplexer runs inside the foreground's ranks; a
+  start, because the multiplexer runs beside the foreground's ranks; a
   running foreground job offers no slots to later ones (``free_slots`` is
-  empty), which is where this differs from the simulator.
+  empty), which is where this differs from the simulator. A guest's
+  processes are started by its host's, so a host takes only a guest whose
+  owner's jobs run as the same account (always, unless ``serve --job-user
+  submitter``); another user's background job waits for GPUs of its own.
+
+A cancelled job holds its GPUs until its last process is gone
+(:meth:`~deeppool.coordinator.runtime.Runtime.lingering`).
 
 Attained service (Tiresias' order) is GPUs × seconds in the current run; a
 requeued job starts again from 0.
@@ -39,12 +45,14 @@ def as_sim_job(job: Job) -> SimJob:
                   model=ModelChoice(name=path.stem, path=path, global_batch=job.batch))
 
 
-def snapshot(jobs: list[Job], total_gpus: int, now: datetime, requeued: frozenset[int] = frozenset()) -> Snapshot:
-    """The policy's view of the database; ``requeued``: the waiting jobs that ran before (preempted)."""
+def snapshot(jobs: list[Job], total_gpus: int, now: datetime, requeued: frozenset[int] = frozenset(),
+             lingering: frozenset[int] = frozenset()) -> Snapshot:
+    """The policy's view of the database; ``requeued``: the waiting jobs that ran before (preempted);
+    ``lingering``: ended jobs some process of which is still there (they hold their GPUs)."""
     waiting = [as_sim_job(j) for j in jobs if j.state is JobStatus.PENDING]
     whole = [j for j in jobs if j.state in LIVE and j.host_id is None]
     running = [as_sim_job(j) for j in whole]
-    holding = {j.id: j.gpus for j in whole}
+    holding = {j.id: j.gpus for j in whole} | {j.id: j.gpus for j in jobs if j.id in lingering and j.host_id is None}
     preemptible = [job for job in running if job.background]
     attained = {j.id: (now - j.updated_at).total_seconds() * j.gpus for j in jobs if j.state is JobStatus.RUNNING}
     attained.update({job_id: 0.0 for job_id in requeued})
@@ -76,7 +84,8 @@ class Service:
         store = self.runtime.store
         jobs = store.jobs()
         requeued = frozenset(j.id for j in jobs if j.state is JobStatus.PENDING and store.attempts(j.id) > 0)
-        decision = self.policy.decide(snapshot(jobs, self.total_gpus, now, requeued))
+        lingering = frozenset(self.runtime.lingering())
+        decision = self.policy.decide(snapshot(jobs, self.total_gpus, now, requeued, lingering))
         self.apply(decision, {j.id: j for j in jobs})
         return decision
 
@@ -88,7 +97,9 @@ class Service:
                  and j.id not in started]
         for start in decision.start:
             job = jobs[start.job_id]
-            guests = [spare.pop(0)] if job.kind is JobKind.FOREGROUND and spare else []
+            same = [g for g in spare if self.runtime.run_as.same_account(job.owner, g.owner)]
+            guests = [same[0]] if job.kind is JobKind.FOREGROUND and same else []
+            spare = [g for g in spare if g not in guests]
             self.runtime.start(job, f"granted {start.gpus} GPUs by the {self.policy.name} policy", guests)
 
     def start(self) -> None:

@@ -33,8 +33,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from deeppool.coordinator.isolation import Account
 from deeppool.coordinator.launcher import SUPERVISOR, Observed, Phase, Resources
-from deeppool.coordinator.supervisor import JobFiles
+from deeppool.coordinator.supervisor import JobFiles, SupervisorSpec
 from deeppool.errors import DeeppoolError
 
 LIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
@@ -157,13 +158,14 @@ class SlurmLauncher:
             return None
 
     def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None,
-               resources: Resources = Resources()) -> None:
-        import json
-
+               resources: Resources = Resources(), account: Account | None = None,
+               workdir: Path | None = None) -> None:
+        """Submit the attempt's batch script; its job runs as the user this server submits as (``account``
+        must be None: Slurm runs a job as its submitter, so run ``serve`` as the jobs' account)."""
+        if account is not None:
+            raise DeeppoolError("--job-user is for --launcher local: Slurm runs a job as the user who submits it")
         files = self.files(job_id, attempt)
-        tmp = files.spec.with_name(files.spec.name + ".tmp")
-        tmp.write_text(json.dumps({"job_id": job_id, "attempt": attempt, "steps": steps}))
-        os.replace(tmp, files.spec)
+        SupervisorSpec(job_id=job_id, attempt=attempt, steps=steps, env={}, workdir=workdir).write(files)
         script = self.folder / f"job-{job_id}.{attempt}.sbatch"
         script.write_text(self.script(job_id, attempt, env or {}, resources))
         done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
@@ -202,6 +204,11 @@ class SlurmLauncher:
             return Observed(phase=Phase.RUNNING if files.supervisor_pid() is not None else Phase.QUEUED)
         code = files.exit_code()
         return Observed(phase=Phase.EXITED, exit_code=code) if code is not None else Observed(phase=Phase.LOST)
+
+    def alive(self, job_id: int, attempt: int) -> bool:
+        """Whether Slurm still has the attempt's batch job (queued, running or ending: its cgroups' to end)."""
+        slurm_id = self.slurm_id(job_id, attempt)
+        return slurm_id is not None and self._state(slurm_id) in LIVE
 
     def stop(self, job_id: int, attempt: int, grace_s: float = 10.0) -> None:
         slurm_id = self.slurm_id(job_id, attempt)

@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from deeppool.coordinator.isolation import private_file
 from deeppool.coordinator.jobs import Event, Job, JobKind, JobRequest, JobStatus, sources
 from deeppool.errors import DeeppoolError
 
@@ -81,6 +82,14 @@ def check_user_name(name: str) -> None:
         raise DeeppoolError(f"user name '{name}' must be 1 to 64 letters, digits, '-' or '_'")
 
 
+def check_path(path: Path) -> None:
+    """Refuse a ``--db`` that cannot be a database file (before anything is created)."""
+    if path.exists() and path.is_dir():
+        raise DeeppoolError(f"--db '{path}' is a directory: give a database file, e.g. deeppool.db")
+    if not path.parent.exists():
+        raise DeeppoolError(f"--db '{path}': folder '{path.parent}' does not exist")
+
+
 def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -89,10 +98,7 @@ class Store:
     """One database file; safe to share between the server's threads (writes are serialised)."""
 
     def __init__(self, path: Path) -> None:
-        if path.exists() and path.is_dir():
-            raise DeeppoolError(f"--db '{path}' is a directory: give a database file, e.g. deeppool.db")
-        if not path.parent.exists():
-            raise DeeppoolError(f"--db '{path}': folder '{path.parent}' does not exist")
+        check_path(path)
         self.path = path
         self._lock = threading.Lock()
         try:
@@ -104,6 +110,7 @@ class Store:
             self._db.executescript(SCHEMA)
         except sqlite3.DatabaseError as err:
             raise DeeppoolError(f"--db '{path}' is not a deeppool database ({err})") from None
+        private_file(path)  # readable by the server's user only (SQLite gives its -wal and -shm the same mode)
 
     def close(self) -> None:
         with self._lock:

@@ -10,18 +10,40 @@ one after the other with their output appended to ``job-N.log``, and stops at
 the first that fails. It forwards SIGTERM to the running step, and finally
 writes the exit code to ``job-N.A.exit`` atomically (a temporary file, then
 ``os.replace``). A restarted coordinator finalises the job from that file.
+
+The supervisor is the server's (root's, when jobs run as their own accounts):
+the job never owns its lock, log or exit files. Each step starts in the
+attempt's cgroup (:mod:`deeppool.coordinator.jobgroup`) and then drops to the
+job's account (supplementary groups, gid, uid, ``no_new_privs``), in the
+job's own folder, with an environment built from an allow-list
+(:func:`~deeppool.coordinator.isolation.job_env`). When the steps end,
+whatever they left behind (daemonised grandchildren, stopped processes) is
+killed and waited for before the exit file is written, so an attempt that has
+an exit code has no process left. Without a cgroup, the supervisor is a child
+subreaper and kills its remaining descendants instead.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
+
+from deeppool.coordinator.isolation import Account, job_env, private_dir
+from deeppool.coordinator.jobgroup import JobGroup
+from deeppool.errors import DeeppoolError
+
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,10 +84,110 @@ class JobFiles:
             return None
 
 
+@dataclass(frozen=True, kw_only=True)
+class SupervisorSpec:
+    """What one attempt's supervisor runs, as whom, where, in which group, with which environment."""
+
+    job_id: int
+    attempt: int
+    steps: list[list[str]]
+    env: dict[str, str]
+    """variables the launcher sets on top of the allow-listed ones
+    (:func:`~deeppool.coordinator.isolation.job_env`)"""
+    account: Account | None = None
+    workdir: Path | None = None
+    group: JobGroup | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "attempt": self.attempt, "steps": self.steps, "env": self.env,
+                "account": None if self.account is None else self.account.to_json(),
+                "workdir": None if self.workdir is None else str(self.workdir),
+                "group": None if self.group is None else str(self.group.path)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SupervisorSpec:
+        return cls(job_id=int(data["job_id"]), attempt=int(data["attempt"]), steps=data["steps"],
+                   env=dict(data.get("env") or {}),
+                   account=Account.from_json(data["account"]) if data.get("account") else None,
+                   workdir=Path(data["workdir"]) if data.get("workdir") else None,
+                   group=JobGroup(Path(data["group"])) if data.get("group") else None)
+
+    def write(self, files: JobFiles) -> None:
+        """The spec beside the attempt's files, atomically, readable by the server's user only."""
+        tmp = files.spec.with_name(files.spec.name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(self.to_json()))
+        os.replace(tmp, files.spec)
+
+
 def _write_exit(files: JobFiles, code: int) -> None:
     tmp = files.exit.with_name(files.exit.name + ".tmp")
     tmp.write_text(f"{code}\n")
     os.replace(tmp, files.exit)
+
+
+def _prctl(option: int, value: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def enter(group: JobGroup | None, account: Account | None) -> Callable[[], None]:
+    """What a step does between fork and exec: join the job's group, then become its account for good."""
+
+    def step() -> None:
+        if group is not None:
+            group.join()
+        if account is not None:
+            os.setgroups(list(account.groups))
+            os.setresgid(account.gid, account.gid, account.gid)
+            os.setresuid(account.uid, account.uid, account.uid)
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+
+    return step
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (by parent links in /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def end_leftovers(group: JobGroup | None) -> None:
+    """Kill what the steps left running (grandchildren, stopped processes) and wait until none is left."""
+    if group is not None:
+        group.end()
+        return
+    for _ in range(50):
+        left = descendants(os.getpid())
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
+        time.sleep(0.02)
 
 
 def run(files: JobFiles) -> int:
@@ -75,7 +197,10 @@ def run(files: JobFiles) -> int:
         return 0  # another supervisor owns this job: never run it twice
     os.write(fd, f"{os.getpid()}\n".encode())
     os.close(fd)
-    steps: list[list[str]] = json.loads(files.spec.read_text())["steps"]
+    spec = SupervisorSpec.from_json(json.loads(files.spec.read_text()))
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    if spec.group is not None:
+        spec.group.create()
     current: list[subprocess.Popen] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -84,20 +209,31 @@ def run(files: JobFiles) -> int:
             proc.send_signal(signum)
 
     signal.signal(signal.SIGTERM, forward)
+    env = {**job_env(spec.account), **spec.env}
     code = 0
     with files.log.open("ab") as log:
-        for argv in steps:
+        for argv in spec.steps:
             log.write(f"$ {' '.join(argv)}\n".encode())
             log.flush()
-            current[:] = [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)]
+            try:
+                if spec.workdir is not None:
+                    private_dir(spec.workdir, spec.account)
+                current[:] = [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                               env=env, cwd=spec.workdir, preexec_fn=enter(spec.group, spec.account))]
+            except (OSError, subprocess.SubprocessError, DeeppoolError) as err:
+                log.write(f"error: the step could not start: {err}\n".encode())
+                code = 127
+                break
             code = current[0].wait()
             if code != 0:
                 break
+    end_leftovers(spec.group)
     _write_exit(files, code)
     return code
 
 
 def main() -> None:
+    os.umask(0o077)
     spec = Path(sys.argv[1])
     data = json.loads(spec.read_text())
     files = JobFiles(folder=spec.parent, job_id=int(data["job_id"]), attempt=int(data["attempt"]))

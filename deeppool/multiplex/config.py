@@ -77,6 +77,9 @@ class BackgroundConfig:
     """Shorter windows are not lent: waking and stopping the background costs more than it could do."""
     schedule: ABSchedule = field(default_factory=ABSchedule)
     seed: int = 0
+    preflight_apart: bool = False
+    """Load the model for the memory check in a process of its own (the coordinator: a guest's code never
+    runs in its host's processes); else in this one (``deeppool run``: one user's own jobs, no start-up cost)."""
 
     def __post_init__(self) -> None:
         if self.batch < 1:

@@ -7,12 +7,22 @@
 * a background job that does not fit: the plan's peak memory plus the
   background's (parameters, gradients, optimizer state, activations of one
   batch, measured by a forward pass on the meta device) must fit the device.
+
+With ``preflight_apart`` (the coordinator's guests), the background model is
+loaded for this in a process of its own (``python -m
+deeppool.multiplex.preflight``), never in the foreground's: the background's
+code runs only in the background's processes. ``deeppool run --background``
+loads it here (one user's own jobs; a process costs a Python and torch
+start-up).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +74,8 @@ def check(plan: Plan, config: BackgroundConfig, machine: Machine | None = None) 
     check_windows(plan)
     machine = machine or Machine.here(gpu=config.mode.needs_gpu)
     check_mode(config.mode, machine)
-    memory = background_memory(config.model, config.batch, config.optimizer)  # loads it: a one-line error if not
+    measure = measured_apart if config.preflight_apart else background_memory
+    memory = measure(config.model, config.batch, config.optimizer)  # a one-line error if it does not load
     check_memory(plan, memory, machine, config)
     return memory
 
@@ -105,6 +116,19 @@ def _state_factor(optimizer: OptimizerConfig) -> int:
     return 1 if optimizer.momentum > 0 else 0
 
 
+def measured_apart(path: Path, batch: int, optimizer: OptimizerConfig) -> BackgroundMemory:
+    """:func:`background_memory`, measured in a process of its own (the model's code never runs here)."""
+    argv = [sys.executable, "-m", "deeppool.multiplex.preflight", str(path), str(batch), optimizer.kind.value,
+            repr(optimizer.lr), repr(optimizer.momentum)]
+    done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        reason = errors[-1].removeprefix("error: ") if errors else (done.stderr.strip().splitlines() or ["?"])[-1]
+        raise DeeppoolError(reason)
+    return BackgroundMemory(**json.loads(lines[-1]))
+
+
 def background_memory(path: Path, batch: int, optimizer: OptimizerConfig) -> BackgroundMemory:
     """Estimate without allocating: the model on the meta device, one forward pass counting outputs."""
     loaded = ModelSpec.parse(str(path)).load(meta=True)
@@ -143,3 +167,19 @@ def _meta(value: object) -> object:
     if isinstance(value, (tuple, list)):
         return type(value)(_meta(v) for v in value)
     return value
+
+
+def main() -> None:
+    """``python -m deeppool.multiplex.preflight MODEL BATCH OPTIMIZER LR MOMENTUM``: the estimate as JSON."""
+    model, batch, kind, lr, momentum = sys.argv[1:6]
+    try:
+        memory = background_memory(Path(model), int(batch),
+                                   OptimizerConfig(kind=OptimizerKind(kind), lr=float(lr), momentum=float(momentum)))
+    except DeeppoolError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    print(json.dumps(memory.__dict__))  # the last line: whatever the model printed comes before it
+
+
+if __name__ == "__main__":
+    main()

@@ -17,6 +17,7 @@ import pytest
 
 from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
 from deeppool.coordinator.store import Store
+from tests.coordinator.accounts import JOB_ACCOUNT, job_folder
 from tests.net import free_port
 
 pytestmark = pytest.mark.slow
@@ -27,9 +28,17 @@ JOB = {"kind": "fg", "gpus": 4, "model": "examples.mlp:model", "batch": 8}
 
 def start(db: Path, port: int, *, gpus: int = 4, allow: tuple[Path, ...] = (REPO / "examples",),
           paused: bool = False, env: dict[str, str] | None = None, wait: bool = True,
-          options: tuple[str, ...] = ()) -> subprocess.Popen:
-    """``deeppool serve`` on ``port``; ``options``: more of its flags."""
+          options: tuple[str, ...] = (), logs: Path | None = None, job_user: bool = True) -> subprocess.Popen:
+    """``deeppool serve`` on ``port``; ``options``: more of its flags.
+
+    As root (and ``job_user``), its jobs run as the tests' job account, their files in ``logs`` (default: a
+    fresh folder that account can reach).
+    """
     roots = [arg for root in allow for arg in ("--allow", str(root))]
+    if os.geteuid() == 0 and job_user:
+        options = ("--job-user", JOB_ACCOUNT, "--log-dir", str(logs or job_folder()), *options)
+    elif logs is not None:
+        options = ("--log-dir", str(logs), *options)
     proc = subprocess.Popen([sys.executable, "-m", "deeppool.cli", "serve", "--db", str(db), "--port", str(port),
                              "--gpus", str(gpus), *roots, *(["--paused"] if paused else []), *options], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
@@ -111,12 +120,13 @@ def test_a_crash_between_commit_and_launch_runs_the_job_once_after_restart(tmp_p
     job, _ = store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model=str(REPO / "examples" / "background_mlp.py"),
                                               gpus=1, batch=8, steps=3))
     store.close()
-    crashing = start(db, port, env={"DEEPPOOL_FAULT": "crash-after-claim"}, wait=False)
+    logs = job_folder()
+    crashing = start(db, port, env={"DEEPPOOL_FAULT": "crash-after-claim"}, wait=False, logs=logs)
     assert crashing.wait(60) == 137  # died right after committing the claim, before launching
     store = Store(db)
     assert store.job(job.id).state is JobStatus.STARTING and store.attempts(job.id) == 1
     store.close()
-    server = start(db, port)
+    server = start(db, port, logs=logs)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -129,6 +139,6 @@ def test_a_crash_between_commit_and_launch_runs_the_job_once_after_restart(tmp_p
     finally:
         server.terminate()
         server.wait(10)
-    log = (tmp_path / "logs" / f"job-{job.id}.log").read_text()
+    log = (logs / f"job-{job.id}.log").read_text()
     assert state is JobStatus.SUCCEEDED, log[-2000:]
     assert log.count("coordinator.driver") == 1  # launched once, by the restarted server

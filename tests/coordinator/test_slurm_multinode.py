@@ -201,6 +201,7 @@ def test_the_coordinator_runs_a_job_over_two_slurm_nodes(cluster: Cluster, tmp_p
     guest, _ = store.submit("alice", JobRequest(kind=JobKind.BACKGROUND, model=str(BACKGROUND), batch=8))
     store.close()
     server = start(db, port, gpus=2, allow=(MODEL.parent, BACKGROUND.parent), env={"GLOO_SOCKET_IFNAME": INTERFACE},
+                   job_user=False,
                    options=("--launcher", "slurm", "--nodes", "2", "--check", "--log-dir", str(folder)))
     try:
         client = Client(f"http://127.0.0.1:{port}", secret)
