@@ -118,6 +118,9 @@ class Parallelized:
                           if name not in held and name in every} if self.rank == 0 else {}
         """Rank 0's tensors no layer uses (a module the forward never calls), as they were: its state dict
         is the whole model's."""
+        self._placeholder = None if self._local.params else nn.Parameter(torch.zeros(1, device=device))
+        """A rank whose layers hold no parameter gets one zero (the model never reads it), so that the same
+        optimizer and GradScaler code runs on every rank."""
         self._loss = _LossSlot()
         self._recorder = recorder
         self._engine = _engine(plan, program, self._local, comm, recorder, device, options, self._loss,
@@ -145,11 +148,15 @@ class Parallelized:
         batch = self._batch(inputs, targets)
         self._loss.fn = loss_fn or default_loss
         self._precision.loss_scaler = scaler
+        if scaler is not None:
+            scaler.scale(torch.zeros((), device=self.device))  # initialised on ranks that compute no loss too
         try:
             share = self._engine.step(self._calls, [batch], self._calls, sync=self._sync)
         finally:
             self._precision.loss_scaler = None
         self._calls += 1
+        if self._placeholder is not None and self._placeholder.grad is None:
+            self._placeholder.grad = torch.zeros_like(self._placeholder)
         scaling = scaler is not None and scaler.is_enabled() and self._sync
         grads = [p.grad for p in self.parameters() if p.grad is not None] if scaling else []
         overflow = scaling and non_finite(grads)
@@ -195,7 +202,10 @@ class Parallelized:
 
     # -- what the user's optimizer, clipping and checkpoints see ---------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
-        """The parameters this rank holds (each once): give them to the optimizer."""
+        """The parameters this rank holds (each once): give them to the optimizer. A rank that holds none
+        gives one placeholder zero, whose gradient is zero."""
+        if self._placeholder is not None:
+            yield self._placeholder
         seen: set[int] = set()
         for param in self._local.params.values():
             if id(param) not in seen:

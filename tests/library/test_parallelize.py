@@ -75,3 +75,16 @@ def test_a_user_loop_under_torchrun_equals_one_process(tmp_path: Path) -> None:
                           cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     check_against_reference(tmp_path, ["cnn", "transformer"])
+
+
+@pytest.mark.slow
+def test_a_user_loop_on_two_machines_meeting_at_a_rendezvous_equals_one_process(tmp_path: Path) -> None:
+    jobs = plans(tmp_path, ["cnn"])
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [subprocess.Popen([*torchrun("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                                          "--rdzv-endpoint", endpoint, "--rdzv-id", "library-test"),
+                                str(tmp_path), *jobs], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], [output[-3000:] for output in outputs]
+    check_against_reference(tmp_path, ["cnn"])
