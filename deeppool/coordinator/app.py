@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel
 
 from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobStatus
+from deeppool.coordinator.metrics import CONTENT_TYPE, exposition
 from deeppool.coordinator.page import render
 from deeppool.coordinator.store import Store
 
@@ -115,6 +116,11 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
         """The read-only status page: every job, and GPUs over time (no token: it shows no secrets)."""
         jobs = store.jobs()
         return HTMLResponse(render(jobs, {j.id: store.events(j.id) for j in jobs}, settings.gpus))
+
+    @app.get("/metrics", response_class=PlainTextResponse, include_in_schema=False)
+    def metrics() -> Response:
+        """Prometheus metrics (no token, as the status page: counts, no secrets)."""
+        return Response(exposition(store.jobs(), settings.gpus), media_type=CONTENT_TYPE)
 
     @app.get("/healthz")
     def healthz() -> dict[str, bool]:
