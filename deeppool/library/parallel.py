@@ -46,7 +46,7 @@ from deeppool.library.world import broadcast_module, join, world_sum
 from deeppool.planner.graph import TraceMethod
 from deeppool.planner.modelspec import LoadedModel, ModelSource, bind_inputs, default_loss
 from deeppool.planner.plan import Plan
-from deeppool.planner.trace import trace
+from deeppool.planner.trace import Traced, trace
 
 LossFn = Callable[[Any, torch.Tensor | None], torch.Tensor]
 
@@ -95,19 +95,12 @@ class Parallelized:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         comm = TorchComm(rank_groups(plan), timeout_s=options.timeout_s)
-        own = copy.deepcopy(module).cpu()
-        broadcast_module(own)
+        own, traced = _traced_copy(module, inputs, plan)
         self._keys = model_keys(own)
-        loaded = LoadedModel(module=own, inputs=inputs, targets=lambda rows: None, loss=default_loss)
-        with torch.random.fork_rng(devices=[]):  # tracing runs the model: the script's random stream stays as it was
-            traced = trace(loaded)
-        check_plan_matches(plan, traced.graph)
-        self._signature_module = own
+        """Each key of the module's ``state_dict``, and the name the traced model holds its tensor by."""
+        self._signature_module = own  # binds inputs to ``forward``'s argument names
         traced_module = traced.module.to(device)
-        if traced.graph.method is TraceMethod.FX:
-            traced_module.train()
-        traced_module.zero_grad(set_to_none=True)
-        self._precision = UserPrecision.measured(traced_module, traced.graph, loaded.named_inputs(2), device)
+        self._precision = UserPrecision.measured(traced_module, traced.graph, bind_inputs(own, inputs(2)), device)
         every = {**dict(traced_module.named_parameters()), **dict(traced_module.named_buffers())}
         program = build_program(plan, traced.graph, self.rank)
         recorder = Recorder(time.perf_counter, _cuda_events(device), None if device.type == "cuda" else time.thread_time)
@@ -164,7 +157,7 @@ class Parallelized:
         if overflows > 0 and not overflow and scaling:
             spread_overflow(grads)
         self._settle()
-        return torch.tensor(total)
+        return torch.tensor(total, dtype=torch.float32)
 
     def _settle(self) -> None:
         """Keep the last iteration's time; the engine's spans are not kept (a user loop has no end)."""
@@ -306,6 +299,21 @@ class _LossSlot:
 
     def __call__(self, output: Any, targets: torch.Tensor | None) -> torch.Tensor:
         return self.fn(output, targets)
+
+
+def _traced_copy(module: nn.Module, inputs: Callable[[int], Any], plan: Plan) -> tuple[nn.Module, Traced]:
+    """A copy of ``module`` with rank 0's tensors, traced (in training mode, no gradients) and checked
+    against the plan."""
+    own = copy.deepcopy(module).cpu()
+    broadcast_module(own)
+    loaded = LoadedModel(module=own, inputs=inputs, targets=lambda rows: None, loss=default_loss)
+    with torch.random.fork_rng(devices=[]):  # tracing runs the model: the script's random stream stays as it was
+        traced = trace(loaded)
+    check_plan_matches(plan, traced.graph)
+    if traced.graph.method is TraceMethod.FX:
+        traced.module.train()
+    traced.module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
+    return own, traced
 
 
 def _engine(plan: Plan, program: Program, local: LocalModel, comm: TorchComm, recorder: Recorder,
