@@ -3,7 +3,8 @@
 ``deeppool.plan(module, example_inputs, gpus=...)`` plans a model from Python;
 ``deeppool.run(plan, model=module, background=...)`` runs one (``model`` for a
 plan whose module was built in Python; a background job in its idle
-windows); the packages are ``planner``, ``executor``, ``multiplex`` and
+windows); ``deeppool.parallelize(module, plan)`` runs one inside the user's own
+training loop (``deeppool.Plan.load(path)`` reads a plan file); the packages are ``planner``, ``executor``, ``multiplex`` and
 ``cluster_sim``.
 """
 
@@ -26,4 +27,19 @@ def run(*args, **kwargs):
     return run_plan(*args, **kwargs)
 
 
-__all__ = ["DeeppoolError", "__version__", "plan", "run"]
+def parallelize(*args, **kwargs):
+    """This rank's part of a plan, for the user's own training loop: see :func:`deeppool.library.parallelize`."""
+    from deeppool.library import parallelize as parallelize_module
+
+    return parallelize_module(*args, **kwargs)
+
+
+def __getattr__(name: str):
+    if name == "Plan":  # loaded on first use, so ``deeppool --help`` stays light
+        from deeppool.planner.plan import Plan
+
+        return Plan
+    raise AttributeError(f"module 'deeppool' has no attribute '{name}'")
+
+
+__all__ = ["DeeppoolError", "Plan", "__version__", "parallelize", "plan", "run"]

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel
 
 from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobStatus
+from deeppool.coordinator.metrics import CONTENT_TYPE, exposition
 from deeppool.coordinator.page import render
 from deeppool.coordinator.store import Store
 
@@ -116,6 +117,11 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
         jobs = store.jobs()
         return HTMLResponse(render(jobs, {j.id: store.events(j.id) for j in jobs}, settings.gpus))
 
+    @app.get("/metrics", response_class=PlainTextResponse, include_in_schema=False)
+    def metrics() -> Response:
+        """Prometheus metrics (no token, as the status page: counts, no secrets)."""
+        return Response(exposition(store.jobs(), settings.gpus), media_type=CONTENT_TYPE)
+
     @app.get("/healthz")
     def healthz() -> dict[str, bool]:
         return {"ok": True}
@@ -123,6 +129,10 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
     @app.post("/v1/jobs", status_code=status.HTTP_201_CREATED, responses={200: {"model": Job}, **errors(400, 401, 403, 422)})
     def submit(request: JobRequest, name: User, response: Response) -> Job:
         check_model(request.model, settings.allowed_roots)
+        if request.script is not None:
+            if request.kind is not JobKind.FOREGROUND:
+                raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, "only a foreground job runs a script")
+            check_script(request.script, settings.allowed_roots)
         if request.gpus > settings.gpus:
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                                 f"gpus {request.gpus} is more than this cluster's {settings.gpus}")
@@ -183,6 +193,13 @@ def allowed_methods(app: FastAPI, path: str) -> set[str]:
         if isinstance(route, APIRoute) and route.path_regex.match(path):
             methods |= route.methods
     return methods
+
+
+def check_script(script: str, roots: tuple[Path, ...]) -> None:
+    """A .py file that exists under an allowed root (after resolving links and '..')."""
+    if not script.endswith(".py"):
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"script '{script}' is not a .py file")
+    check_model(script, roots)
 
 
 def check_model(model: str, roots: tuple[Path, ...]) -> None:

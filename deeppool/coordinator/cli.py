@@ -193,6 +193,8 @@ def submit(
     steps: Annotated[int, typer.Option(help="training steps")] = 100,
     amplification: Annotated[float | None, typer.Option(help="the plan's GPU-time amplification cap")] = None,
     key: Annotated[str | None, typer.Option(help="idempotency key: resubmitting with it returns the same job")] = None,
+    script: Annotated[Path | None, typer.Option(help="a foreground job's own training script, run on every rank "
+                                                     "(it calls deeppool.parallelize; see docs/library.md)")] = None,
 ) -> None:
     """Submit a job; prints its id and state."""
     from pydantic import ValidationError
@@ -207,9 +209,12 @@ def submit(
         if not path.is_file():
             raise DeeppoolError(f"model file '{model}' does not exist")
         model = str(path.resolve())
+    if script is not None and not script.is_file():
+        raise DeeppoolError(f"--script '{script}' does not exist")
     try:
         request = JobRequest(kind=kind, model=model, gpus=gpus, batch=batch, steps=steps,
-                             amplification=amplification, idempotency_key=key)
+                             amplification=amplification, idempotency_key=key,
+                             script=None if script is None else str(script.resolve()))
     except ValidationError as err:
         first = err.errors()[0]
         raise DeeppoolError(f"--{first['loc'][0]}: {first['msg']}") from None

@@ -49,6 +49,8 @@ class DriverSpec:
     nodes: int = 1
     allowed_roots: tuple[Path, ...] = ()
     """where model files may come from (checked again at launch); empty: anywhere"""
+    script: str | None = None
+    """The job's own training script, run on every rank with the plan (``deeppool run --script``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "out": str(self.out), "allowed_roots": [str(r) for r in self.allowed_roots]}
@@ -91,10 +93,26 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
         else:
             print("the plan leaves no idle window: the background job was not run", flush=True)
     config = RunConfig(steps=spec.steps, warmup=min(5, spec.steps - 1), out_dir=spec.out / "run", check=spec.check)
+    if spec.script is not None:
+        return _script(spec, plan.gpus, config, allocation is None and background is None)
     if allocation is None:
         return run(spec.out / "plan.json", background=background, config=config)
     run_across(allocation, spec.out / "plan.json", plan.gpus, config_args(config) + background_args(background))
     return json.loads((spec.out / "run" / "summary.json").read_text())
+
+
+def _script(spec: DriverSpec, gpus: int, config: Any, alone: bool) -> dict[str, Any]:
+    """A script job: the user's script on every rank, as ``deeppool run --script`` starts it (one node,
+    no background: the script's loop has no idle-window listener)."""
+    from deeppool.errors import DeeppoolError
+    from deeppool.executor.launch import launch
+
+    if not alone:
+        raise DeeppoolError("a script job runs on one node and lends no idle windows: "
+                            "serve it without --launcher slurm and without background jobs on its GPUs")
+    script = stage_model(spec.script, spec.allowed_roots, spec.out / "script")
+    launch(spec.out / "plan.json", nproc=gpus, config=config, worker_args=[], script=Path(script))
+    return {"script": spec.script, "gpus": gpus}
 
 
 def slurm_allocation(nodes: int) -> SlurmAllocation | None:
@@ -154,7 +172,8 @@ class DriverSteps:
                           amplification=job.amplification, out=out, device_model=self.device_model,
                           background_model=guest.model if guest is not None else None,
                           background_batch=guest.batch if guest is not None else 8, check=self.check,
-                          nodes=resources_for(job, self.nodes).nodes, allowed_roots=self.allowed_roots)
+                          nodes=resources_for(job, self.nodes).nodes, allowed_roots=self.allowed_roots,
+                          script=job.script)
         path = self.folder / f"job-{job.id}.{attempt}.driver.json"
         write_private(path, json.dumps(spec.to_json()).encode(), account)
         return [[sys.executable, "-m", "deeppool.coordinator.driver", str(path)]]

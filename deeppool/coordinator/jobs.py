@@ -63,6 +63,9 @@ class JobRequest(BaseModel):
     amplification: float | None = Field(default=None, ge=1.0, description="the plan's GPU-time amplification cap")
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200,
                                         description="a resubmission with the same key returns the same job")
+    script: str | None = Field(default=None, min_length=1, max_length=4096,
+                               description="a foreground job's own training script (.py under the allowed roots), "
+                               "run on every rank with the plan (it calls deeppool.parallelize)")
 
 
 class Job(BaseModel):
@@ -83,6 +86,7 @@ class Job(BaseModel):
     exit_code: int | None = None
     progress: float = Field(default=0.0, description="steps done over steps asked, in [0, 1]")
     host_id: int | None = Field(default=None, description="the foreground job whose idle windows it runs in")
+    script: str | None = Field(default=None, description="the job's own training script, if it has one")
 
 
 class Event(BaseModel):

@@ -51,6 +51,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     exit_code INTEGER,
     progress REAL NOT NULL DEFAULT 0,
     host_id INTEGER REFERENCES jobs(id),
+    script TEXT,
     created_at TEXT NOT NULL,
     updated_at TEXT NOT NULL
 );
@@ -108,6 +109,7 @@ class Store:
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.executescript(SCHEMA)
+            _add_script_column(self._db)
         except sqlite3.DatabaseError as err:
             raise DeeppoolError(f"--db '{path}' is not a deeppool database ({err})") from None
         private_file(path)  # readable by the server's user only (SQLite gives its -wal and -shm the same mode)
@@ -164,9 +166,9 @@ class Store:
                     return _job(row), False
             cursor = db.execute(
                 "INSERT INTO jobs(owner, kind, state, model, gpus, batch, steps, amplification, idempotency_key, "
-                "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "script, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (owner, request.kind.value, JobStatus.PENDING.value, request.model, gpus, request.batch,
-                 request.steps, request.amplification, request.idempotency_key, now, now))
+                 request.steps, request.amplification, request.idempotency_key, request.script, now, now))
             job_id = int(cursor.lastrowid)
             db.execute("INSERT INTO events(job_id, from_state, to_state, reason, at) VALUES (?, NULL, ?, ?, ?)",
                        (job_id, JobStatus.PENDING.value, "submitted", now))
@@ -264,4 +266,11 @@ def _job(row: sqlite3.Row) -> Job:
                model=row["model"], gpus=row["gpus"], batch=row["batch"], steps=row["steps"],
                amplification=row["amplification"], created_at=datetime.fromisoformat(row["created_at"]),
                updated_at=datetime.fromisoformat(row["updated_at"]), reason=row["reason"],
-               exit_code=row["exit_code"], progress=row["progress"], host_id=row["host_id"])
+               exit_code=row["exit_code"], progress=row["progress"], host_id=row["host_id"], script=row["script"])
+
+
+def _add_script_column(db: sqlite3.Connection) -> None:
+    """A database made before script jobs gets their column (empty for its jobs)."""
+    columns = {row["name"] for row in db.execute("PRAGMA table_info(jobs)").fetchall()}
+    if "script" not in columns:
+        db.execute("ALTER TABLE jobs ADD COLUMN script TEXT")

@@ -94,6 +94,13 @@ DataOpt = Annotated[str | None, typer.Option(
     "each rank loads only its rows", show_default="the model's synthetic batch")]
 DataSeed = Annotated[int, typer.Option("--data-seed", help="seed of the per-epoch sample order (seed + epoch)")]
 DataWorkers = Annotated[int, typer.Option("--data-workers", help="DataLoader worker processes per rank")]
+TensorboardOpt = Annotated[Path | None, typer.Option(
+    "--tensorboard", help="write loss, throughput, GNS and background work as TensorBoard scalars here "
+    "(when the run ends; needs the tensorboard package)")]
+ScriptOpt = Annotated[Path | None, typer.Option(
+    "--script", help="run this training script on every rank instead (it calls deeppool.parallelize; "
+    "$DEEPPOOL_PLAN names the plan): see docs/library.md")]
+ScriptArgs = Annotated[list[str] | None, typer.Option("--script-arg", help="an argument for --script (repeat it)")]
 BatchNormOpt = Annotated[BatchNormMode, typer.Option(
     "--batchnorm", help="BatchNorm statistics of a layer on several ranks: sync (the whole batch's, exact to one "
     "process) or local (each rank's own samples, as DDP with nn.BatchNorm; not exact, refused with --check)")]
@@ -179,6 +186,7 @@ def run(
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
+    script: ScriptOpt = None, script_arg: ScriptArgs = None, tensorboard: TensorboardOpt = None,
 ) -> None:
     """Train with PLAN on --nproc local ranks (torchrun underneath) and print the timing summary."""
     from deeppool.planner.plan import Plan
@@ -192,6 +200,14 @@ def run(
     loaded = Plan.load(plan)
     ranks = nproc if nproc is not None else loaded.gpus // nodes.count
     check_ranks(ranks, loaded, given=nproc is not None, nodes=nodes.count)
+    if tensorboard is not None:
+        from deeppool.executor.tensorboard import check_available
+
+        checks.out_folder(tensorboard, "--tensorboard")
+        check_available()
+    if script is not None:
+        run_script(plan, script, script_arg or [], ranks=ranks, out=out, timeout=timeout, nodes=nodes)
+        return
     config = make_config(
         steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
         backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
@@ -215,8 +231,22 @@ def run(
         check_model_here(loaded, plan)
     path = plan if model is None else with_model(loaded, model, out)
     _launch(path, ranks=ranks, config=config, background=bg, nodes=nodes)
+    if tensorboard is not None and (out / "summary.json").is_file():
+        from deeppool.executor.tensorboard import write_scalars
+
+        write_scalars(out, tensorboard)
     if (out / RESIZE).is_file():
         resized(Plan.load(path), config, json.loads((out / RESIZE).read_text()), model)
+
+
+def run_script(plan: Path, script: Path, args: list[str], *, ranks: int, out: Path, timeout: float,
+               nodes: Nodes) -> None:
+    """``--script``: the user's training script on every rank, as torchrun would start it."""
+    from deeppool.executor.launch import launch
+
+    checks.existing_file(script, "--script")
+    launch(plan, nproc=ranks, config=RunConfig(out_dir=out, timeout_s=timeout), worker_args=args, nodes=nodes,
+           script=script)
 
 
 def resized(plan: Plan, config: RunConfig, request: dict[str, object], model: str | None) -> Path:

@@ -47,6 +47,8 @@ class _State:
     micros: int = 1
     position: int = 0
     """The global batch the optimizer step's first micro-batch is (``step × micros`` while K is fixed)."""
+    sync: bool = True
+    """False: gradients stay local, as under DDP's ``no_sync()`` (a later step reduces their sum)."""
     outputs: dict[str, Any] = field(default_factory=dict)
     leaves: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     """The stage's leaf copy of an outside producer's output, by (stage, producer)."""
@@ -56,7 +58,7 @@ class _State:
     @property
     def last(self) -> bool:
         """The optimizer step's last micro-batch: gradients are reduced and the optimizer steps."""
-        return self.micro == self.micros - 1
+        return self.sync and self.micro == self.micros - 1
 
     @property
     def draw(self) -> int:
@@ -136,19 +138,20 @@ class Engine:
                 self._handlers[kind] = slow.slowed(self._handlers[kind], parts.synchronize,
                                                    time.perf_counter if parts.device.type == "cuda" else time.thread_time)
 
-    def step(self, step: int, batches: Sequence[Batch], position: int | None = None) -> float:
+    def step(self, step: int, batches: Sequence[Batch], position: int | None = None, *, sync: bool = True) -> float:
         """Run one optimizer step over ``batches`` (micro-batches, the first being global batch ``position``,
-        ``step × len(batches)`` by default); returns this rank's share of the mean loss."""
+        ``step × len(batches)`` by default); returns this rank's share of the mean loss. ``sync=False``
+        leaves the gradients local and unreduced, and steps nothing (:mod:`deeppool.library`'s ``no_sync``)."""
         recorder = self.p.recorder
         recorder.begin(step)
         start = recorder.clock()
         loss = 0.0
         first = step * len(batches) if position is None else position
         for micro, batch in enumerate(batches):
-            state = _State(batch=batch, step=step, micro=micro, micros=len(batches), position=first)
+            state = _State(batch=batch, step=step, micro=micro, micros=len(batches), position=first, sync=sync)
             self._run(state, start)
             loss += float(state.loss.detach()) if state.loss is not None else 0.0
-        if self._last_step is None:
+        if self._last_step is None and sync:
             self._optimizer_step(step)  # a rank with no step op still joins the clipping collective
         self._pace()
         self._close_idle(step)
@@ -156,6 +159,15 @@ class Engine:
         recorder.settle()
         recorder.add(Span(step=step, label="iteration", category=Category.ITERATION, start_s=start, end_s=recorder.clock()))
         return loss
+
+    def forward(self, batch: Batch, position: int = 0) -> dict[str, Any]:
+        """The forward ops alone (reshards and stage forwards, no loss, no backward): every layer output
+        this rank computes for ``batch``, by layer name (evaluation; run it under ``torch.no_grad()``)."""
+        state = _State(batch=batch, step=-1, position=position, sync=False)
+        for op in self.p.program.ops:
+            if op.kind in (OpKind.RESHARD, OpKind.FORWARD):
+                self._handlers[op.kind](op, state)
+        return state.outputs
 
     def _run(self, state: _State, start: float) -> None:
         step, recorder = state.step, self.p.recorder

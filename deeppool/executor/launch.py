@@ -37,6 +37,8 @@ from deeppool.planner.plan import Plan
 from deeppool.planner.trace import trace
 
 _PRIMARY = ("user", "check", "crash")
+PLAN_VARIABLE = "DEEPPOOL_PLAN"
+"""The environment variable that gives a ``--script``'s ranks the plan's path."""
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """What the agent (or Ctrl-C) stops ranks with: not the cause of a failure."""
 
@@ -70,10 +72,18 @@ def preflight(plan: Plan, nproc: int, nodes: Nodes = Nodes()) -> None:
     check_per_sample(traced, loaded, seed=plan.model.seed)
 
 
-def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[str], nodes: Nodes = Nodes()) -> None:
-    """Start ``nproc`` ranks here; with several ``nodes``, this machine's share of the run (see :class:`Nodes`)."""
+def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[str], nodes: Nodes = Nodes(),
+           script: Path | None = None) -> None:
+    """Start ``nproc`` ranks here; with several ``nodes``, this machine's share of the run (see :class:`Nodes`).
+
+    With ``script`` the ranks run the user's script (``worker_args`` its arguments; ``deeppool run
+    --script``), which finds the plan's path in ``$DEEPPOOL_PLAN`` and calls ``deeppool.parallelize``.
+    """
     plan = Plan.load(plan_path)
-    preflight(plan, nproc, nodes)
+    if script is None:
+        preflight(plan, nproc, nodes)
+    else:
+        os.environ[PLAN_VARIABLE] = str(plan_path.resolve())
     out = config.out_dir
     assert out is not None
     out.mkdir(parents=True, exist_ok=True)
@@ -94,7 +104,8 @@ def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[
     watch = HangWatch(recorded=lambda: {f.rank: f.kind for f in _recorded(out)}, nproc=plan.gpus)
     try:
         with watch:
-            elastic_launch(launch_config, sys.executable)("-m", "deeppool.executor", str(plan_path), *worker_args)
+            argv = ("-m", "deeppool.executor", str(plan_path)) if script is None else (str(script),)
+            elastic_launch(launch_config, sys.executable)(*argv, *worker_args)
     except ChildFailedError as err:
         raise _failure(err, out, nproc, watch.hung) from None
     except (SignalException, KeyboardInterrupt):

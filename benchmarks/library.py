@@ -1,0 +1,144 @@
+"""Library-mode overhead: a user loop over ``deeppool.parallelize`` against ``deeppool run``, same plan.
+
+    python benchmarks/library.py [--steps 30] [--warmup 5] [--repeats 3] [--batch 32]
+
+Both run a burst plan of ``benchmarks/models/cnn.py`` (the conv blocks on 2 ranks, the head on 1:
+two distinct GPU counts) with SGD (lr 0.01) on the model's synthetic batch, in the same 2 gloo
+ranks (one thread each) started by ``deeppool run --script``, so both see the same machine: each
+repeat runs ``--steps`` iterations of what a ``deeppool run`` rank runs (``train_rank``: its median
+iteration span, optimizer step included), then ``--steps`` of the user loop, timed the same way
+(``bp.step`` + ``opt.step()`` + ``opt.zero_grad()``, wall clock, median after ``--warmup``). Each
+figure is the slowest rank's median; the table shows every repeat, the median ratio (target: at
+most 1.03) and the load average before and after, since the machine may be shared.
+
+This file is also the user's training script (``worker`` mode, run by ``deeppool run --script``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODEL = HERE / "models" / "cnn.py"
+LR = 0.01
+
+
+def burst_plan(path: Path, batch: int) -> None:
+    """The CNN's conv blocks on 2 GPUs, its pooling and head on 1 (an estimated A100 profile)."""
+    from deeppool.planner.baselines import Baselines, tie
+    from deeppool.planner.cost import CostModel
+    from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice
+    from deeppool.planner.modelspec import ModelSpec
+    from deeppool.planner.plan import SolverInfo, Strategy, build_plan
+    from deeppool.planner.profile import estimated_profile
+    from deeppool.planner.trace import trace
+
+    spec = ModelSpec.parse(str(MODEL))
+    graph = trace(spec.load()).graph
+    profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2, 4, 8, 16, 32, 64))
+    cost = CostModel(graph=graph, profile=profile, network=NETWORKS[KnownDevice.A100], global_batch=batch)
+    blocks = {layer.name for layer in graph.layers if layer.name.count("_") == 2}  # "_<block>_<index>"
+    assignment = tie(cost, {layer.name: 2 if layer.name in blocks else 1 for layer in graph.layers})
+    plan = build_plan(cost, assignment, model=spec, gpus=2, strategy=Strategy.ILP, amplification_limit=None,
+                      solver=SolverInfo(name="hand", status="Optimal", seconds=0.0, gap=0.0),
+                      baselines=Baselines(data_parallel_ms=1.0, deeppool_ms=1.0, best_data_parallel_gpus=1,
+                                          best_data_parallel_ms=1.0))
+    assert len({layer.gpus for layer in plan.layers}) == 2, "the plan must be a burst plan"
+    plan.save(path)
+
+
+def worker(steps: int, warmup: int, repeats: int, out: Path) -> None:
+    """On every rank, ``repeats`` times: ``steps`` iterations of ``deeppool run``'s rank (``train_rank``),
+    then ``steps`` of the user loop over ``parallelize``; rank 0 writes the slowest rank's medians (ms)."""
+    import importlib.util
+
+    import torch
+    import torch.distributed as dist
+
+    import deeppool
+    from deeppool.executor.api import train_rank
+    from deeppool.executor.comm import TorchComm
+    from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
+    from deeppool.executor.program import rank_groups
+
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("cnn", MODEL)
+    assert spec is not None and spec.loader is not None
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    plan = deeppool.Plan.load(os.environ["DEEPPOOL_PLAN"])
+    torch.manual_seed(plan.model.seed)
+    bp = deeppool.parallelize(model.model(), plan)
+    opt = torch.optim.SGD(bp.parameters(), lr=LR)
+    (x,), y = model.inputs(plan.global_batch), model.targets(plan.global_batch)
+    comm = TorchComm(rank_groups(plan), timeout_s=300.0)
+    config = RunConfig(steps=steps, warmup=warmup, optimizer=OptimizerConfig(kind=OptimizerKind.SGD, lr=LR))
+    pairs = []
+    for _ in range(repeats):
+        executor = train_rank(plan, comm=comm, config=config).times.iteration_ms
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            bp.step(x, y, model.loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        library = statistics.median(times[warmup:]) * 1e3
+        gathered: list[tuple[float, float]] = [(0.0, 0.0)] * dist.get_world_size()
+        dist.all_gather_object(gathered, (executor, library))
+        pairs.append((max(g[0] for g in gathered), max(g[1] for g in gathered)))
+    if bp.is_logging_rank:
+        out.write_text(json.dumps({"pairs": pairs}))
+
+
+def measure(plan: Path, work: Path, steps: int, warmup: int, repeats: int) -> list[tuple[float, float]]:
+    """The ranks, started by ``deeppool run --script``: (``deeppool run`` ms, ``parallelize`` ms) per repeat."""
+    result = work / "pairs.json"
+    args = ["worker", str(steps), str(warmup), str(repeats), str(result)]
+    done = subprocess.run([sys.executable, "-m", "deeppool.cli", "run", "--script", __file__, str(plan),
+                           "--out", str(work / "run"), *[f"--script-arg={a}" for a in args]],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"error: the benchmark's ranks failed: {done.stderr.strip()[-2000:]}")
+    return [tuple(pair) for pair in json.loads(result.read_text())["pairs"]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32)
+    args = parser.parse_args()
+    if args.steps <= args.warmup or args.repeats < 1 or args.batch < 2:
+        raise SystemExit("error: give --steps > --warmup >= 0, --repeats >= 1 and --batch >= 2")
+    work = Path(tempfile.mkdtemp(prefix="deeppool-library-bench-"))
+    plan = work / "plan.json"
+    burst_plan(plan, args.batch)
+    load_before = os.getloadavg()
+    pairs = measure(plan, work, args.steps, args.warmup, args.repeats)
+    load_after = os.getloadavg()
+    print(f"burst plan of {MODEL.name} (batch {args.batch}, 2 gloo ranks), {args.steps} steps, "
+          f"median after {args.warmup}; slowest rank")
+    print(f"{'repeat':>6}  {'deeppool run ms':>15}  {'parallelize ms':>14}  {'ratio':>6}")
+    for index, (executor, library) in enumerate(pairs):
+        print(f"{index:>6}  {executor:>15.2f}  {library:>14.2f}  {library / executor:>6.3f}")
+    ratio = statistics.median(library / executor for executor, library in pairs)
+    print(f"median ratio parallelize / deeppool run: {ratio:.3f} (target <= 1.03)")
+    print("load average (1, 5, 15 min): before " + " ".join(f"{v:.2f}" for v in load_before)
+          + ", after " + " ".join(f"{v:.2f}" for v in load_after) + f" on {os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
+    else:
+        main()

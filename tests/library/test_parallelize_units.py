@@ -1,0 +1,87 @@
+"""``deeppool.parallelize`` in this process (a world of one rank): what it refuses in one line, what it leaves
+alone, and what it gives back."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import deeppool
+from deeppool.errors import DeeppoolError
+from deeppool.planner.modelspec import ModelSource
+from tests.executor.plans import cycle, make_plan_for
+from tests.library.user_loop import model_file
+from tests.library.test_parallelize import CNN
+
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[None]:
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def plan(world):
+    return make_plan_for(CNN, global_batch=BATCH, gpus=1, assign=cycle(1))
+
+
+def test_the_user_module_is_left_alone_and_the_state_dict_loads_into_it(plan) -> None:
+    cnn = model_file(CNN)
+    module = cnn.model()
+    before = {key: value.clone() for key, value in module.state_dict().items()}
+    bp = deeppool.parallelize(module, plan)
+    opt = torch.optim.SGD(bp.parameters(), lr=0.1)
+    (x,), y = cnn.inputs(BATCH), cnn.targets(BATCH)
+    loss = bp.step(x, y, cnn.loss)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    opt.step()
+    for key, value in module.state_dict().items():
+        torch.testing.assert_close(value, before[key])  # parallelize trained a copy
+    state = bp.state_dict()
+    assert list(state) == list(module.state_dict())
+    module.load_state_dict(state)
+    assert [name for name, _ in bp.named_parameters()] == [name for name, _ in module.named_parameters()]
+    assert bp.rank_rows(BATCH) == list(range(BATCH)) and bp.is_logging_rank
+    assert bp.last_step_s is not None and bp.last_step_s > 0
+    bp.eval()
+    module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(bp.eval_step(x), module(x))
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda bp, x, y: bp.step(x[:3], y[:3]), "the batch has 3 rows: give the plan's global batch of 4"),
+    (lambda bp, x, y: bp.rank_rows(8), "the plan's global batch is 4 samples, not 8"),
+    (lambda bp, x, y: bp.load_state_dict({}), "the state dict lacks"),
+])
+def test_mistakes_are_one_line(plan, call, message: str) -> None:
+    cnn = model_file(CNN)
+    bp = deeppool.parallelize(cnn.model(), plan)
+    (x,), y = cnn.inputs(BATCH), cnn.targets(BATCH)
+    with pytest.raises(DeeppoolError, match=message) as raised:
+        call(bp, x, y)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_plan_for_other_gpus_or_from_python_is_refused(plan) -> None:
+    cnn = model_file(CNN)
+    with pytest.raises(DeeppoolError, match="the plan is for 2 GPUs but 1 ranks were started"):
+        deeppool.parallelize(cnn.model(), dataclasses.replace(plan, gpus=2))
+    python = dataclasses.replace(plan, model=dataclasses.replace(plan.model, source=ModelSource.PYTHON))
+    with pytest.raises(DeeppoolError, match="give parallelize\\(..., example_inputs=...\\)"):
+        deeppool.parallelize(cnn.model(), python)
+    (x,) = cnn.inputs(2)
+    bp = deeppool.parallelize(cnn.model(), python, example_inputs=x)  # traced with the rows given
+    assert bp.rank_rows(BATCH) == list(range(BATCH))
+
+
+def test_another_model_is_refused(plan) -> None:
+    with pytest.raises(DeeppoolError, match="plan does not match model"):
+        deeppool.parallelize(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten()), plan)
