@@ -24,8 +24,8 @@ from deeppool.planner.cost import CostModel, check_invariants
 from deeppool.planner.graph import LayerGraph
 from deeppool.planner.hardware import DEVICES, NETWORKS, NetworkModel, Precision, known_device
 from deeppool.planner.modelspec import LoadedModel, ModelSource, ModelSpec, default_loss
-from deeppool.planner.pins import Pin
 from deeppool.planner.objective import Objective
+from deeppool.planner.pins import Pin
 from deeppool.planner.plan import ClusterShares, Plan, Strategy, build_plan
 from deeppool.planner.profile import Profile, estimated_profile
 from deeppool.planner.profiler import ProfilerConfig, intra_op_threads, measure_profile

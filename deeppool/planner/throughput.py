@@ -147,7 +147,7 @@ class ClusterSearch:
             within = f" within {self.tolerance:.1%}" if self.tolerance > 0 else ""
             return f"{head}, optimal{within} ({self.costed} plans costed, {self.solves} ILP solves)"
         if math.isinf(self.bound):
-            return f"{head}, best of {self.costed} plans costed; not proven optimal (an ILP solve timed out)"
+            return f"{head}, best of {self.costed} plans costed; not proven optimal (stopped before a bound)"
         return (f"{head}, best of {self.costed} plans costed; no plan exceeds {self.bound:.3f}x "
                 f"(stopped after {self.solves} ILP solves)")
 
@@ -176,14 +176,13 @@ def cluster_optimum(problem: ClusterProblem, seeds: list[dict[str, int]]) -> Clu
     search = _Search(problem)
     for seed in seeds:
         search.cost(seed)
-    started = time.perf_counter()
     lending = fastest = True
     while lending or fastest:
-        if search.solves >= MAX_SOLVES or time.perf_counter() - started > problem.time_limit_s:
-            return search.result(proven=False)
+        if search.solves >= MAX_SOLVES or time.perf_counter() > search.deadline:
+            return search.result(proven=False, fastest_open=fastest)
         lending = lending and search.lending_step()
         fastest = fastest and not lending and search.fastest_step()
-    return search.result(proven=not search.failed)
+    return search.result(proven=not search.failed, fastest_open=False)
 
 
 class _Search:
@@ -194,8 +193,9 @@ class _Search:
         self.costed: dict[tuple[int, ...], Shares] = {}
         self.best: tuple[dict[str, int], Shares] | None = None
         self.solves = 0
-        self.bound = float("inf")
+        self.lending_bound = float("inf")
         self.failed = False
+        self.deadline = time.perf_counter() + problem.time_limit_s
 
     @property
     def value(self) -> float:
@@ -232,7 +232,8 @@ class _Search:
         p = self.problem
         self.solves += 1
         try:
-            return solve(p.cost, p.options, memory_bytes=p.memory_bytes, time_limit_s=p.time_limit_s,
+            return solve(p.cost, p.options, memory_bytes=p.memory_bytes,
+                         time_limit_s=max(1.0, self.deadline - time.perf_counter()),
                          solver=p.solver, price=price, exclude=exclude).assignment
         except DeeppoolError as err:
             if "(Infeasible)" not in str(err):  # a time-out: nothing is proven
@@ -253,11 +254,12 @@ class _Search:
         found = self._solve(1e3 * unit / margin)
         if found is None:
             return False
-        priced = priced_gpu_ms(p.cost, found)
-        bound = peak + (p.dp_ms / slowdown - unit * priced) / p.cost.iteration_ms(found)
-        self.bound = min(self.bound, max(bound, self.target))
-        if margin * p.cost.iteration_ms(found) + unit * priced >= (p.dp_ms / slowdown) * (1 - _TOLERANCE):
+        least = margin * p.cost.iteration_ms(found) + unit * priced_gpu_ms(p.cost, found)
+        if least >= (p.dp_ms / slowdown) * (1 - _TOLERANCE):
             return False
+        # every uncosted lending plan a has U(a) ≤ target + (T_dp/s − least) / T_a, and T_a ≥ T_min
+        self.lending_bound = (self.target + (p.dp_ms / slowdown - least) / p.fastest_ms if p.fastest_ms > 0
+                              else float("inf"))
         self.cost(found)
         return True
 
@@ -274,10 +276,14 @@ class _Search:
         self.cost(found)
         return True
 
-    def result(self, *, proven: bool) -> ClusterSearch:
+    def result(self, *, proven: bool, fastest_open: bool) -> ClusterSearch:
+        """The best costed plan; unproven, with the bound on every uncosted plan: lending ones by the last
+        lending step, the others by ``T_dp / T_min`` while the fastest loop is open."""
         assert self.best is not None, "the search costs its seeds first"
         assignment, found = self.best
-        bound = found.throughput if proven else max(self.bound, found.throughput)
+        p = self.problem
+        resting = (p.dp_ms / p.fastest_ms if p.fastest_ms > 0 else float("inf")) if fastest_open else 0.0
+        bound = found.throughput if proven else max(self.lending_bound, resting, found.throughput)
         return ClusterSearch(assignment=assignment, shares=found, costed=len(self.costed), solves=self.solves,
                              proven=proven, bound=bound, tolerance=self.problem.tolerance)
 
