@@ -69,7 +69,7 @@ def measure(plan: Path, args: argparse.Namespace, index: int) -> Run:
     return Run(load_before=before, load_after=os.getloadavg()[0], figures=figures)
 
 
-def table(runs: list[Run], plan: dict, title: str) -> Table:
+def table(runs: list[Run], title: str) -> Table:
     shown = Table(title=title)
     columns = ("run", "load avg before/after", "fg alone ms", "fg shared ms", "fg slowdown", "idle rank-ms/it",
                "recovered", "taken from fg rank-ms/it", "bg samples/s", "net gain")
@@ -115,6 +115,18 @@ def layout(plan: dict) -> str:
     return ", ".join(parts) + idle
 
 
+def prediction(plan: dict) -> str:
+    """What the planner predicted for the plan: its iteration and, for a cluster plan, the two shares."""
+    line = f"planned: iteration {plan['predicted']['iteration_ms']:.1f} ms ({plan['device']})"
+    cluster = plan.get("cluster")
+    if cluster:
+        line += (f"; cluster throughput {cluster['fg_share'] + cluster['bg_share']:.3f}x data parallel on all "
+                 f"{plan['gpus']} = foreground share {cluster['fg_share']:.3f} + background share "
+                 f"{cluster['bg_share']:.3f} (lends {100 * cluster['lent_fraction']:.0f}% of rank-time, "
+                 f"efficiencies: {cluster['interference']})")
+    return line
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -135,10 +147,11 @@ def main() -> None:
     title = (f"{FOREGROUND.name} on {GPUS} ranks, batch {args.batch}, --objective {args.objective}"
              f"{''.join(f' --pin {p}' for p in args.pin)} ({layout(plan)}); background {BACKGROUND.name}, "
              f"--mux {args.mux}, {args.steps} steps")
-    shown = table(runs, plan, title)
+    shown = table(runs, title)
     Console(width=200).print(shown)
+    print(prediction(plan))
     if args.markdown:
-        print(markdown(shown))
+        print(f"{markdown(shown)}\n\n{prediction(plan)}")
 
 
 if __name__ == "__main__":
