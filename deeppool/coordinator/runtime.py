@@ -25,6 +25,13 @@ over steps asked, from rank 0's ``job-N/run/progress.json``) is recorded.
 A foreground job spans ``nodes`` machines (a Slurm launcher's allocation:
 ``gpus / nodes`` on each); a background job on whole GPUs runs on one.
 
+Everything a job writes is read defensively (:func:`read_json`): at most
+:data:`MAX_FILE_BYTES` of a file, any JSON at all (1e400, NaN, nesting,
+wrong types) gives "nothing reported", never an exception. A job is held to
+:class:`JobLimits`: its first ``max_events`` run events are relayed (the last
+says that later ones are not), and a job whose log passes ``max_log_bytes``
+is told so in its log and stopped (FAILED, with the reason).
+
 A background job lent a foreground job's idle windows (a *guest*) runs
 inside its host's ranks, so it has no process of its own: it becomes RUNNING
 with its host, and when the host ends it SUCCEEDED if it trained (the host's
@@ -34,9 +41,12 @@ with its host, and when the host ends it SUCCEEDED if it trained (the host's
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from deeppool.coordinator.jobs import Job, JobStatus
 from deeppool.coordinator.launcher import Launcher, Phase, Resources, resources_for
@@ -47,16 +57,34 @@ from deeppool.errors import DeeppoolError
 Steps = Callable[[Job, int, Sequence[Job]], list[list[str]]]
 """A job's steps for an attempt, given the guests lent its idle windows."""
 
+MAX_FILE_BYTES = 1 << 20
+"""The most the coordinator reads of a file a job wrote (progress, summary, run events)."""
+MAX_MESSAGE = 500
+"""A run event's message is cut to this many characters."""
+EXIT_CODES = range(-255, 256)
+"""Exit codes the supervisor can report (negative: killed by that signal); anything else is a damaged file."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobLimits:
+    """What one job may make the coordinator keep (``serve --max-events``, ``--max-log-mb``)."""
+
+    max_events: int = 1000
+    """run events relayed into the job's event log per attempt; the last one says later ones were cut"""
+    max_log_bytes: int = 1 << 30
+    """past this, the job is told in its log and stopped"""
+
 
 class Runtime:
     def __init__(self, store: Store, launcher: Launcher, steps: Steps, *, grace_s: float = 5.0,
-                 after_claim: Callable[[Job], None] | None = None, nodes: int = 1) -> None:
+                 after_claim: Callable[[Job], None] | None = None, nodes: int = 1,
+                 limits: JobLimits = JobLimits()) -> None:
         """``after_claim`` runs between the claim's commit and the launch: a fault-injection point for tests.
 
         ``nodes``: the machines each foreground job spans.
         """
         self.store, self.launcher, self.steps, self.grace_s = store, launcher, steps, grace_s
-        self.after_claim, self.nodes = after_claim, nodes
+        self.after_claim, self.nodes, self.limits = after_claim, nodes, limits
 
     def resources(self, job: Job) -> Resources:
         """A foreground job's GPUs over ``nodes`` machines; a background job's on one."""
@@ -107,13 +135,17 @@ class Runtime:
         seen = self.launcher.observe(job.id, attempt)
         if seen.phase in (Phase.RUNNING, Phase.EXITED) and job.state is JobStatus.RUNNING:
             self._relay(job, attempt)
+        if seen.phase is Phase.RUNNING and job.state is JobStatus.RUNNING and self._over_log_cap(job, attempt):
+            return
         if seen.phase is Phase.EXITED:
             if job.state is JobStatus.STARTING:  # it ran and ended between two looks
                 self.store.transition(job.id, JobStatus.RUNNING, f"attempt {attempt} ran")
                 self._relay(job, attempt)
-            ok = seen.exit_code == 0
+            code = seen.exit_code if seen.exit_code in EXIT_CODES else None
+            ok = code == 0
             self.store.transition(job.id, JobStatus.SUCCEEDED if ok else JobStatus.FAILED,
-                                  "finished" if ok else f"exited with code {seen.exit_code}", exit_code=seen.exit_code)
+                                  "finished" if ok else f"exited with code {code}" if code is not None
+                                  else "its exit file is damaged", exit_code=code)
         elif seen.phase is Phase.RUNNING and job.state is JobStatus.STARTING:
             self.store.transition(job.id, JobStatus.RUNNING, f"attempt {attempt} running")
         elif seen.phase is Phase.LOST:
@@ -126,10 +158,29 @@ class Runtime:
     def _relay(self, job: Job, attempt: int) -> None:
         """The run's own events so far (stragglers, a policy's actions) into the job's event log."""
         folder = self.launcher.files(job.id, attempt).folder
-        self.store.note(job.id, run_events(folder, job.id), prefix=f"attempt {attempt}: ")
+        self.store.note(job.id, capped(run_events(folder, job.id), self.limits.max_events),
+                        prefix=f"attempt {attempt}: ")
         progress = run_progress(folder, job.id)
         if progress is not None and progress != job.progress:
             self.store.set_progress(job.id, progress)
+
+    def _over_log_cap(self, job: Job, attempt: int) -> bool:
+        """A job whose log passed its cap is told (a last line in its log) and stopped: whether it was."""
+        log = self.launcher.files(job.id, attempt).log
+        try:
+            size = log.stat().st_size
+        except OSError:
+            return False
+        if size <= self.limits.max_log_bytes:
+            return False
+        reason = f"its log passed the cap of {self.limits.max_log_bytes} bytes (serve --max-log-mb): stopped"
+        if not self.store.transition(job.id, JobStatus.FAILED, reason):
+            return False
+        with log.open("a") as out:
+            out.write(f"\ndeeppool: this job's log passed the cap of {self.limits.max_log_bytes} bytes: "
+                      "the job is stopped\n")
+        self.launcher.stop(job.id, attempt, self.grace_s)
+        return True
 
     def _settle_guest(self, guest: Job) -> None:
         host = self.store.job(guest.host_id)
@@ -147,19 +198,42 @@ class Runtime:
                                                                    f"after {steps} background steps: requeued")
 
 
-def run_progress(folder: Path, job_id: int) -> float | None:
-    """Steps done over steps asked, from the job's run's ``progress.json`` (None before the first step)."""
+def read_json(path: Path) -> Any:
+    """A job's JSON file, or None when it is missing, too big, or not JSON that Python can hold (never raises)."""
     try:
-        data = json.loads((folder / f"job-{job_id}" / "run" / PROGRESS).read_text())
-        return min(1.0, int(data["steps_done"]) / max(1, int(data["steps"])))
-    except (OSError, ValueError, KeyError, TypeError):
+        with path.open("rb") as handle:
+            data = handle.read(MAX_FILE_BYTES + 1)
+        return None if len(data) > MAX_FILE_BYTES else json.loads(data)
+    except (OSError, ValueError, RecursionError):
         return None
 
 
+def count(value: Any) -> float | None:
+    """A finite, non-negative number a job reported (not a bool, NaN, 1e400 or a string), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value) if isinstance(value, float) or abs(value) < 1 << 1000 else math.inf
+    return number if math.isfinite(number) and number >= 0 else None
+
+
+def run_progress(folder: Path, job_id: int) -> float | None:
+    """Steps done over steps asked, from the job's run's ``progress.json`` (None before the first step,
+    or when what the job wrote is not two finite counts)."""
+    data = read_json(folder / f"job-{job_id}" / "run" / PROGRESS)
+    if not isinstance(data, dict):
+        return None
+    done, asked = count(data.get("steps_done")), count(data.get("steps"))
+    if done is None or asked is None:
+        return None
+    return min(1.0, done / max(1.0, asked))
+
+
 def run_events(folder: Path, job_id: int) -> list[str]:
-    """The messages of the job's run's ``events.jsonl`` (complete lines only; none when there is no file)."""
+    """The messages of the job's run's ``events.jsonl`` (complete lines of its first :data:`MAX_FILE_BYTES`;
+    none when there is no file), each cut to :data:`MAX_MESSAGE` characters."""
     try:
-        text = (folder / f"job-{job_id}" / "run" / EVENTS).read_text()
+        with (folder / f"job-{job_id}" / "run" / EVENTS).open("rb") as handle:
+            text = handle.read(MAX_FILE_BYTES).decode(errors="replace")
     except OSError:
         return []
     messages = []
@@ -167,16 +241,26 @@ def run_events(folder: Path, job_id: int) -> list[str]:
         if not line.endswith("\n"):
             break  # the run is still writing it
         try:
-            messages.append(str(json.loads(line)["message"]))
-        except (ValueError, KeyError, TypeError):
-            messages.append(line.strip())
+            message = json.loads(line)["message"]
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+            message = None
+        shown = message if isinstance(message, str) else line.strip()
+        messages.append(shown[:MAX_MESSAGE].encode(errors="replace").decode())  # a lone surrogate cannot be stored
     return messages
 
 
+def capped(messages: list[str], limit: int) -> list[str]:
+    """The first ``limit`` messages; past it, the first ``limit - 1`` and a last one saying the rest were cut
+    (so the list a job's file gives is always a prefix of the next, as :meth:`Store.note` needs)."""
+    if len(messages) <= limit:
+        return messages
+    return [*messages[:limit - 1], f"later events are not recorded: a job keeps at most {limit} "
+                                   "(serve --max-events)"]
+
+
 def guest_steps(folder: Path, host_id: int) -> int:
-    """Background steps the host's run reports (its ``summary.json``), 0 when there is none."""
-    try:
-        summary = json.loads((folder / f"job-{host_id}" / "summary.json").read_text())
-        return int(summary["multiplex"]["bg_steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
+    """Background steps the host's run reports (its ``summary.json``), 0 when there is none or it is damaged."""
+    summary = read_json(folder / f"job-{host_id}" / "summary.json")
+    multiplex = summary.get("multiplex") if isinstance(summary, dict) else None
+    steps = count(multiplex.get("bg_steps")) if isinstance(multiplex, dict) else None
+    return int(min(steps, 1 << 62)) if steps is not None else 0
