@@ -39,13 +39,17 @@ class DriverSpec:
     background_batch: int = 8
     check: bool = False
     nodes: int = 1
+    input_shape: tuple[int, ...] = ()
+    """a factory model's input (the job's ``input_shape``, ``input_dtype``, ``vocab_size``)"""
+    input_dtype: str = "float32"
+    vocab_size: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.__dict__, "out": str(self.out)}
+        return {**self.__dict__, "out": str(self.out), "input_shape": list(self.input_shape)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DriverSpec:
-        return cls(**{**data, "out": Path(data["out"])})
+        return cls(**{**data, "out": Path(data["out"]), "input_shape": tuple(data.get("input_shape", ()))})
 
 
 def drive(spec: DriverSpec) -> dict[str, Any]:
@@ -63,7 +67,9 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
 
     allocation = slurm_allocation(spec.nodes)
     spec.out.mkdir(parents=True, exist_ok=True)
-    planned = plan_model(ModelSpec.parse(spec.model),
+    model = ModelSpec.parse(spec.model, input_shape=spec.input_shape, input_dtype=spec.input_dtype,
+                            vocab_size=spec.vocab_size)
+    planned = plan_model(model,
                          PlanRequest(gpus=spec.gpus, global_batch=spec.batch, amplification=spec.amplification),
                          CostSource(device_model=spec.device_model))
     plan = planned.plan
@@ -135,7 +141,8 @@ class DriverSteps:
                           amplification=job.amplification, out=out, device_model=self.device_model,
                           background_model=guest.model if guest is not None else None,
                           background_batch=guest.batch if guest is not None else 8, check=self.check,
-                          nodes=resources_for(job, self.nodes).nodes)
+                          nodes=resources_for(job, self.nodes).nodes, input_shape=tuple(job.input_shape or ()),
+                          input_dtype=job.input_dtype or "float32", vocab_size=job.vocab_size or 0)
         path = out / f"driver-{attempt}.json"
         path.write_text(json.dumps(spec.to_json()))
         return [[sys.executable, "-m", "deeppool.coordinator.driver", str(path)]]

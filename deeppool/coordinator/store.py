@@ -104,10 +104,7 @@ class Store:
     """One database file; safe to share between the server's threads (writes are serialised)."""
 
     def __init__(self, path: Path) -> None:
-        if path.exists() and path.is_dir():
-            raise DeeppoolError(f"--db '{path}' is a directory: give a database file, e.g. deeppool.db")
-        if not path.parent.exists():
-            raise DeeppoolError(f"--db '{path}': folder '{path.parent}' does not exist")
+        self.check_path(path)
         self.path = path
         self._lock = threading.Lock()
         try:
@@ -122,6 +119,14 @@ class Store:
                 raise
             raise DeeppoolError(f"--db '{path}' is not a deeppool database, or is damaged ({err}): restore it "
                                 "from a backup, or give another --db") from None
+
+    @staticmethod
+    def check_path(path: Path) -> None:
+        """A database file may be at ``path`` (not a folder; its folder exists)."""
+        if path.exists() and path.is_dir():
+            raise DeeppoolError(f"--db '{path}' is a directory: give a database file, e.g. deeppool.db")
+        if not path.parent.exists():
+            raise DeeppoolError(f"--db '{path}': folder '{path.parent}' does not exist")
 
     def _open(self) -> None:
         self._db.row_factory = sqlite3.Row
