@@ -34,7 +34,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobStatus, differences
 from deeppool.coordinator.page import render
@@ -218,11 +218,9 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
         return job
 
     @app.get("/v1/jobs", responses=errors(401, 422))
-    def jobs(name: User, after: Annotated[int, Query(ge=0, le=MAX_ID, description="list jobs after this id")] = 0,
-             limit: Annotated[int, Query(ge=1, le=MAX_LIST, description="the most jobs to list")] = MAX_LIST
-             ) -> list[Job]:
+    def jobs(name: User, page: Annotated[JobsPage, Query()]) -> list[Job]:
         """Your jobs by id, a page at a time: the next page is after the last id listed."""
-        return store.jobs(owner=name, after=after, limit=limit)
+        return store.jobs(owner=name, after=page.after, limit=page.limit)
 
     @app.get("/v1/jobs/{job_id}", responses=errors(401, 403, 404, 422))
     def job(job_id: JobId, name: User) -> Job:
@@ -242,9 +240,10 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
               "headers": {"X-Next-Offset": {"schema": {"type": "integer"}, "description": "where to read on"},
                           "X-Log-Size": {"schema": {"type": "integer"}, "description": "the log's size now"}}},
         **errors(401, 403, 404, 416, 422)})
-    def logs(job_id: JobId, name: User, offset: Annotated[int, Query(ge=0, le=MAX_ID)] = 0) -> Response:
+    def logs(job_id: JobId, name: User, where: Annotated[LogRange, Query()]) -> Response:
         """The log's bytes from ``offset``: at most 1 MiB, ending on a whole UTF-8 character, as written."""
         owned(job_id, name)
+        offset = where.offset
         path = settings.log_dir / f"job-{job_id}.log"
         text, size = b"", 0
         if path.exists():
@@ -278,6 +277,19 @@ def allowed_methods(app: FastAPI, path: str) -> set[str]:
         if isinstance(route, APIRoute) and route.path_regex.match(path):
             methods |= route.methods
     return methods
+
+
+class JobsPage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    after: int = Field(default=0, ge=0, le=MAX_ID, description="list the jobs after this id")
+    limit: int = Field(default=MAX_LIST, ge=1, le=MAX_LIST, description="the most jobs to list")
+
+
+class LogRange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    offset: int = Field(default=0, ge=0, le=MAX_ID, description="the byte to read from")
 
 
 class Health(BaseModel):
