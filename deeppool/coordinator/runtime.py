@@ -30,7 +30,7 @@ Everything a job writes is read defensively (:func:`read_json`): at most
 wrong types) gives "nothing reported", never an exception. A job is held to
 :class:`JobLimits`: its first ``max_events`` run events are relayed (the last
 says that later ones are not), and a job whose log passes ``max_log_bytes``
-is told so in its log and stopped (FAILED, with the reason).
+is stopped (FAILED, with the reason), and its log ends with a line saying so.
 
 A background job lent a foreground job's idle windows (a *guest*) runs
 inside its host's ranks, so it has no process of its own: it becomes RUNNING
@@ -165,7 +165,7 @@ class Runtime:
             self.store.set_progress(job.id, progress)
 
     def _over_log_cap(self, job: Job, attempt: int) -> bool:
-        """A job whose log passed its cap is told (a last line in its log) and stopped: whether it was."""
+        """A job whose log passed its cap is stopped, and its log ends with a line saying so: whether it was."""
         log = self.launcher.files(job.id, attempt).log
         try:
             size = log.stat().st_size
@@ -176,10 +176,10 @@ class Runtime:
         reason = f"its log passed the cap of {self.limits.max_log_bytes} bytes (serve --max-log-mb): stopped"
         if not self.store.transition(job.id, JobStatus.FAILED, reason):
             return False
-        with log.open("a") as out:
-            out.write(f"\ndeeppool: this job's log passed the cap of {self.limits.max_log_bytes} bytes: "
-                      "the job is stopped\n")
         self.launcher.stop(job.id, attempt, self.grace_s)
+        with log.open("a") as out:  # after the stop: the notice is the log's last line
+            out.write(f"\ndeeppool: this job's log passed the cap of {self.limits.max_log_bytes} bytes: "
+                      "the job was stopped\n")
         return True
 
     def _settle_guest(self, guest: Job) -> None:
