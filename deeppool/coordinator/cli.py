@@ -47,8 +47,8 @@ def serve(
                            ] = 1024,
     max_events: Annotated[int, typer.Option(help="run events kept per job attempt; later ones are cut, "
                                             "with a notice")] = 1000,
-    max_log_mb: Annotated[int, typer.Option(help="a job whose log grows past this many MiB is told and "
-                                            "stopped")] = 1024,
+    max_log_mb: Annotated[int, typer.Option(help="a job whose log grows past this many MiB is stopped, "
+                                            "its log ending with a notice")] = 1024,
 ) -> None:
     """Run the coordinator: a REST API (OpenAPI at /docs) over an embedded database.
 
