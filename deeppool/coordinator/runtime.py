@@ -72,7 +72,7 @@ class JobLimits:
     max_events: int = 1000
     """run events relayed into the job's event log per attempt; the last one says later ones were cut"""
     max_log_bytes: int = 1 << 30
-    """past this, the job is told in its log and stopped"""
+    """past this, the job is stopped and its log ends with a line saying so"""
 
 
 class Runtime:

@@ -8,6 +8,7 @@ line each, creating nothing, and says when it starts and stops.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -19,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deeppool.coordinator.driver import DriverSteps
 from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
 from deeppool.coordinator.launcher import LocalLauncher
 from deeppool.coordinator.runtime import JobLimits, Runtime
@@ -192,3 +194,20 @@ def test_serve_refuses_a_damaged_database_a_second_server_and_a_port_in_use_with
         first.terminate()
         first.wait(10)
     assert Store(db).integrity() == "ok"
+
+
+def test_a_factory_jobs_inputs_reach_the_planner_and_the_run(tmp_path: Path) -> None:
+    store = Store(tmp_path / "db.sqlite")
+    store.create_token("alice")
+    job, _ = store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model="tests.models.token_factory:tiny_lm",
+                                              gpus=1, batch=4, steps=2, input_shape=(16,), input_dtype="int64",
+                                              vocab_size=64))
+    [argv] = DriverSteps(folder=tmp_path / "logs")(job, 1, [])
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    plan = json.loads((tmp_path / "logs" / f"job-{job.id}" / "plan.json").read_text())
+    assert plan["model"]["source"] == "factory"
+    assert (plan["model"]["input_shape"], plan["model"]["input_dtype"], plan["model"]["vocab_size"]) == ([16], "int64",
+                                                                                                         64)
+    summary = json.loads((tmp_path / "logs" / f"job-{job.id}" / "summary.json").read_text())
+    assert len(summary["losses"]) == 2
