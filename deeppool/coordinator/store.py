@@ -295,7 +295,8 @@ class Store:
         found: dict[int, list[Event]] = {job_id: [] for job_id in job_ids}
         for first in range(0, len(job_ids), 500):
             chunk = tuple(job_ids[first:first + 500])
-            rows = self._read(f"SELECT * FROM events WHERE job_id IN ({','.join('?' * len(chunk))}) AND {MOVES} "
+            marks = ",".join("?" * len(chunk))
+            rows = self._read(f"SELECT * FROM events INDEXED BY events_moves WHERE job_id IN ({marks}) AND {MOVES} "
                               "ORDER BY id", chunk)
             for row in rows:
                 found[row["job_id"]].append(_event(row))
@@ -303,8 +304,8 @@ class Store:
 
     def attempts(self, job_id: int) -> int:
         """How many times the job has been started (its moves into STARTING): the current attempt's number."""
-        rows = self._read(f"SELECT COUNT(*) FROM events WHERE job_id = ? AND to_state = ? AND {MOVES}",
-                          (job_id, JobStatus.STARTING.value))
+        rows = self._read(f"SELECT COUNT(*) FROM events INDEXED BY events_moves WHERE job_id = ? AND to_state = ? "
+                          f"AND {MOVES}", (job_id, JobStatus.STARTING.value))
         return int(rows[0][0])
 
     def integrity(self) -> str:

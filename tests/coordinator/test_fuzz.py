@@ -55,7 +55,8 @@ FUZZED = create_app(STORE, ServerSettings(gpus=4, allowed_roots=(MODELS,), log_d
 ATTACKED = schemathesis.openapi.from_asgi("/openapi.json", FUZZED)
 
 
-@pytest.mark.parametrize("body, says", ATTACKS, ids=["link-loop", "nul", "long-name", "surrogate", "nan", "-inf", "inf"])
+@pytest.mark.parametrize("body, says", ATTACKS,
+                         ids=["link-loop", "nul", "long-name", "surrogate", "nan", "-inf", "inf"])
 def test_the_issue_21_attacks_are_refused_as_documented(body: dict, says: str) -> None:
     case = ATTACKED["/v1/jobs"]["POST"].Case(body=body, media_type="application/json")
     # as written (NaN and Infinity are not JSON, but Python's and JavaScript's encoders write them)
