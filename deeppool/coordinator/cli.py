@@ -5,6 +5,7 @@ Only typer is imported here; each command loads its work when it runs.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -17,6 +18,8 @@ import typer
 from deeppool.errors import DeeppoolError
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from deeppool.coordinator.launcher import Launcher
     from deeppool.coordinator.slurm import SlurmSettings
 
@@ -84,41 +87,41 @@ def serve(
     from deeppool.scheduling import Order, Placement, Scheduler
 
     Store.check_path(db)
-    listening = _listen(host, port)  # before anything is created: a port in use changes nothing
-    try:
-        held = lock_database(db)
-    except DeeppoolError:
-        listening.close()
-        raise
-    store = Store(db)
-    logs = log_dir or db.resolve().parent / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if _gpu_count() else "cpu"
-    settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs, device=device, nodes=nodes,
-                              max_body_bytes=max_body_kb << 10)
-    slurm = SlurmSettings(partition=partition, gres=_gpu_count() > 0 if gres is None else gres)
-    runtime = Runtime(store, _launcher(launcher, logs, slurm),
-                      DriverSteps(folder=logs, device_model=device_model, check=check, nodes=nodes),
-                      after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None, nodes=nodes,
-                      limits=JobLimits(max_events=max_events, max_log_bytes=max_log_mb << 20))
-    policy = Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG)
-    service = Service(runtime, policy, slots, paused=paused)
-    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s", level=logging.WARNING)
-    server = uvicorn.Server(uvicorn.Config(create_app(store, settings, service), workers=1, log_level="warning"))
-    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-    typer.echo(f"deeppool serve: {url}, database {db.resolve()}, {slots} {'GPUs' if device == 'cuda' else 'CPU slots'}"
-               f", policy {policy.name}{' (paused)' if paused else ''}, launcher {launcher}", err=True)
+    with contextlib.ExitStack() as held:  # the port, the lock and the database, released in that order's reverse
+        listening = held.enter_context(_listen(host, port))  # before anything is created: a port in use changes nothing
+        held.enter_context(lock_database(db))
+        store = Store(db)
+        held.callback(store.close)
+        logs = log_dir or db.resolve().parent / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        device = "cuda" if _gpu_count() else "cpu"
+        settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs, device=device, nodes=nodes,
+                                  max_body_bytes=max_body_kb << 10)
+        slurm = SlurmSettings(partition=partition, gres=_gpu_count() > 0 if gres is None else gres)
+        runtime = Runtime(store, _launcher(launcher, logs, slurm),
+                          DriverSteps(folder=logs, device_model=device_model, check=check, nodes=nodes),
+                          after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None, nodes=nodes,
+                          limits=JobLimits(max_events=max_events, max_log_bytes=max_log_mb << 20))
+        policy = Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG)
+        service = Service(runtime, policy, slots, paused=paused)
+        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s", level=logging.WARNING)
+        url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+        typer.echo(f"deeppool serve: {url}, database {db.resolve()}, {slots} "
+                   f"{'GPUs' if device == 'cuda' else 'CPU slots'}, policy {policy.name}"
+                   f"{' (paused)' if paused else ''}, launcher {launcher}", err=True)
+        stopped_by = _run(uvicorn.Server(uvicorn.Config(create_app(store, settings, service), log_level="warning")),
+                          listening)
+    typer.echo(f"deeppool serve: stopped{' by ' + stopped_by if stopped_by else ''} ({url}, database "
+               f"{db.resolve()})", err=True)
+
+
+def _run(server: uvicorn.Server, listening: socket.socket) -> str | None:
+    """Serve on ``listening`` until a signal stops the server; the signal's name, if one did."""
     stopped_by: list[str] = []
     for signum in (signal.SIGINT, signal.SIGTERM):  # uvicorn raises the signal again when it has stopped: note it
         signal.signal(signum, lambda number, frame: stopped_by.append(signal.Signals(number).name))
-    try:
-        server.run(sockets=[listening])
-    finally:
-        listening.close()
-        store.close()
-        held.close()
-    typer.echo(f"deeppool serve: stopped{' by ' + stopped_by[0] if stopped_by else ''} ({url}, database "
-               f"{db.resolve()})", err=True)
+    server.run(sockets=[listening])
+    return stopped_by[0] if stopped_by else None
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -27,6 +27,7 @@ from deeppool.coordinator.runtime import JobLimits, Runtime
 from deeppool.coordinator.store import Store
 from tests.coordinator.test_durability import REPO, start
 from tests.coordinator.test_runtime import python, settle
+from tests.entry import Result, deeppool
 from tests.net import free_port
 
 pytestmark = pytest.mark.slow
@@ -161,13 +162,14 @@ def wait_for(port: int, done, timeout_s: float) -> httpx.Response:
     raise AssertionError(f"healthz stayed {health.status_code}: {health.text}")
 
 
-def serve(db: Path, port: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deeppool.cli", "serve", "--db", str(db), "--port", str(port),
-                           "--gpus", "2", "--allow", str(REPO / "examples")], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, env={**os.environ})
+def serve(capsys: pytest.CaptureFixture[str], db: Path, port: int) -> Result:
+    """``deeppool serve`` in this process: each case here is refused before it would serve."""
+    return deeppool(capsys, "serve", "--db", str(db), "--port", str(port), "--gpus", "2", "--allow",
+                    str(REPO / "examples"))
 
 
-def test_serve_refuses_a_damaged_database_a_second_server_and_a_port_in_use_with_one_line(tmp_path: Path) -> None:
+def test_serve_refuses_a_damaged_database_a_second_server_and_a_port_in_use_with_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     damaged = tmp_path / "damaged.db"
     store = Store(damaged)
     store.create_token("alice")
@@ -177,17 +179,17 @@ def test_serve_refuses_a_damaged_database_a_second_server_and_a_port_in_use_with
     with damaged.open("r+b") as raw:
         raw.seek(2 * 4096)
         raw.write(bytes(3 * 4096))  # three zeroed pages
-    refused = serve(damaged, free_port())
-    assert refused.returncode == 2 and refused.stderr.startswith("error: --db") and "damaged" in refused.stderr
+    refused = serve(capsys, damaged, free_port())
+    assert refused.code == 2 and refused.stderr.startswith("error: --db") and "damaged" in refused.stderr
     assert len(refused.stderr.splitlines()) == 1
     db, port = tmp_path / "deeppool.db", free_port()
     first = start(db, port, paused=True)
     try:
-        second = serve(db, free_port())
-        assert second.returncode == 2 and len(second.stderr.splitlines()) == 1
+        second = serve(capsys, db, free_port())
+        assert second.code == 2 and len(second.stderr.splitlines()) == 1
         assert second.stderr.startswith(f"error: --db '{db}' is in use by another server (pid {first.pid})")
-        busy = serve(tmp_path / "other.db", port)
-        assert busy.returncode == 2 and len(busy.stderr.splitlines()) == 1
+        busy = serve(capsys, tmp_path / "other.db", port)
+        assert busy.code == 2 and len(busy.stderr.splitlines()) == 1
         assert busy.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port} (Address already in use)")
         assert not list(tmp_path.glob("other.db*"))  # nothing was created
     finally:
