@@ -63,7 +63,7 @@ def load(port: int, token: str, seconds: float, clients: int, submit: bool) -> l
             start = time.perf_counter()
             if submit:
                 response = http.post("/v1/jobs", json={"kind": "fg", "gpus": 2, "batch": 64, "model": "bench.mlp:model",
-                                                       "idempotency_key": f"c{n}-{i}"})
+                                                       "input_shape": [16], "idempotency_key": f"c{n}-{i}"})
                 assert response.status_code == 201, response.text
             else:
                 http.get("/healthz").raise_for_status()

@@ -5,7 +5,11 @@ Only typer is imported here; each command loads its work when it runs.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import signal
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -15,6 +19,8 @@ import typer
 from deeppool.errors import DeeppoolError
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from deeppool.coordinator.isolation import RunAs
     from deeppool.coordinator.launcher import Launcher
     from deeppool.coordinator.slurm import SlurmSettings
@@ -45,10 +51,22 @@ def serve(
     job_user: Annotated[str | None, typer.Option(help="the OS account jobs run as: submitter (the account named "
                                                  "like the token's user) or one ACCOUNT; needed when serve runs "
                                                  "as root", show_default="this server's user")] = None,
+    max_body_kb: Annotated[int, typer.Option(help="request bodies over this many KiB are refused (413) unread")
+                           ] = 1024,
+    max_events: Annotated[int, typer.Option(help="run events kept per job attempt; later ones are cut, "
+                                            "with a notice")] = 1000,
+    max_log_mb: Annotated[int, typer.Option(help="a job whose log grows past this many MiB is stopped, "
+                                            "its log ending with a notice")] = 1024,
 ) -> None:
-    """Run the coordinator: a REST API (OpenAPI at /docs) over an embedded database."""
+    """Run the coordinator: a REST API (OpenAPI at /docs) over an embedded database.
+
+    Prints one line when it serves (URL, database, GPUs, policy, launcher) and one when it stops.
+    """
     if not 0 < port < 65536:
         raise DeeppoolError(f"--port {port} must be in 1..65535")
+    for flag, value in (("--max-body-kb", max_body_kb), ("--max-events", max_events), ("--max-log-mb", max_log_mb)):
+        if value < 1:
+            raise DeeppoolError(f"{flag} {value} must be at least 1")
     slots = _slots(gpus)
     roots = tuple(root.resolve() for root in (allow or [Path.cwd()]))
     for root in roots:
@@ -65,31 +83,74 @@ def serve(
         from deeppool.coordinator.slurm import check_slurm
 
         check_slurm()
+    import logging
+
     import uvicorn
 
     from deeppool.coordinator.app import ServerSettings, create_app
     from deeppool.coordinator.driver import DriverSteps
-    from deeppool.coordinator.runtime import Runtime
+    from deeppool.coordinator.runtime import JobLimits, Runtime
     from deeppool.coordinator.service import Service
     from deeppool.coordinator.slurm import SlurmSettings
-    from deeppool.coordinator.store import Store
+    from deeppool.coordinator.store import Store, lock_database
     from deeppool.scheduling import Order, Placement, Scheduler
 
     os.umask(0o077)  # the database, logs and files of the server: its user's alone
-    store = Store(db)
-    logs = log_dir or db.resolve().parent / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs,
-                              device="cuda" if _gpu_count() else "cpu", nodes=nodes)
-    slurm = SlurmSettings(partition=partition, gres=_gpu_count() > 0 if gres is None else gres)
-    runtime = Runtime(store, _launcher(launcher, logs, slurm),
-                      DriverSteps(folder=logs, device_model=device_model, check=check, nodes=nodes, run_as=run_as,
-                                  allowed_roots=roots),
-                      after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None, nodes=nodes,
-                      run_as=run_as)
-    service = Service(runtime, Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), slots,
-                      paused=paused)
-    uvicorn.run(create_app(store, settings, service), host=host, port=port, workers=1, log_level="warning")
+    with contextlib.ExitStack() as held:  # the port, the lock and the database, released in that order's reverse
+        listening = held.enter_context(_listen(host, port))  # before anything is created: a port in use changes nothing
+        held.enter_context(lock_database(db))
+        store = Store(db)
+        held.callback(store.close)
+        logs = log_dir or db.resolve().parent / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        device = "cuda" if _gpu_count() else "cpu"
+        settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs, device=device, nodes=nodes,
+                                  max_body_bytes=max_body_kb << 10)
+        slurm = SlurmSettings(partition=partition, gres=_gpu_count() > 0 if gres is None else gres)
+        runtime = Runtime(store, _launcher(launcher, logs, slurm),
+                          DriverSteps(folder=logs, device_model=device_model, check=check, nodes=nodes,
+                                      run_as=run_as, allowed_roots=roots),
+                          after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None, nodes=nodes,
+                          run_as=run_as, limits=JobLimits(max_events=max_events, max_log_bytes=max_log_mb << 20))
+        policy = Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG)
+        service = Service(runtime, policy, slots, paused=paused)
+        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s", level=logging.WARNING)
+        url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+        typer.echo(f"deeppool serve: {url}, database {db.resolve()}, {slots} "
+                   f"{'GPUs' if device == 'cuda' else 'CPU slots'}, policy {policy.name}"
+                   f"{' (paused)' if paused else ''}, launcher {launcher}", err=True)
+        stopped_by = _run(uvicorn.Server(uvicorn.Config(create_app(store, settings, service), log_level="warning")),
+                          listening)
+    typer.echo(f"deeppool serve: stopped{' by ' + stopped_by if stopped_by else ''} ({url}, database "
+               f"{db.resolve()})", err=True)
+
+
+def _run(server: uvicorn.Server, listening: socket.socket) -> str | None:
+    """Serve on ``listening`` until a signal stops the server; the signal's name, if one did."""
+    stopped_by: list[str] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):  # uvicorn raises the signal again when it has stopped: note it
+        signal.signal(signum, lambda number, frame: stopped_by.append(signal.Signals(number).name))
+    server.run(sockets=[listening])
+    return stopped_by[0] if stopped_by else None
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (uvicorn serves on it); a port in use is one error."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise DeeppoolError(f"--host '{host}' is not an address here ({err.strerror})") from None
+    listening = socket.socket(family, kind, proto)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listening.bind(address)
+        listening.listen(2048)
+    except OSError as err:
+        listening.close()
+        hint = ": stop what uses it, or give another --port" if err.errno == errno.EADDRINUSE else ""
+        raise DeeppoolError(f"cannot listen on {host}:{port} ({err.strerror}){hint}") from None
+    listening.set_inheritable(True)
+    return listening
 
 
 def _check_slurm_options(launcher: str, *, partition: str | None, nodes: int, gres: bool | None) -> None:
@@ -195,10 +256,16 @@ def submit(
     key: Annotated[str | None, typer.Option(help="idempotency key: resubmitting with it returns the same job")] = None,
     script: Annotated[Path | None, typer.Option(help="a foreground job's own training script, run on every rank "
                                                      "(it calls deeppool.parallelize; see docs/library.md)")] = None,
+    input_shape: Annotated[str | None, typer.Option(help="a factory's per-sample input shape, e.g. 3,224,224")] = None,
+    input_dtype: Annotated[str | None, typer.Option(help="a factory's input dtype: float32, or int64 for token ids",
+                                                    show_default="float32")] = None,
+    vocab_size: Annotated[int | None, typer.Option(help="token ids are drawn below this (an integer --input-dtype)")
+                          ] = None,
 ) -> None:
     """Submit a job; prints its id and state."""
     from pydantic import ValidationError
 
+    from deeppool.checks import positive_ints
     from deeppool.coordinator.client import Client
     from deeppool.coordinator.jobs import JobRequest
 
@@ -213,11 +280,12 @@ def submit(
         raise DeeppoolError(f"--script '{script}' does not exist")
     try:
         request = JobRequest(kind=kind, model=model, gpus=gpus, batch=batch, steps=steps,
-                             amplification=amplification, idempotency_key=key,
-                             script=None if script is None else str(script.resolve()))
+                             amplification=amplification, idempotency_key=key, input_dtype=input_dtype,
+                             input_shape=positive_ints(input_shape, "--input-shape", "3,224,224") or None,
+                             vocab_size=vocab_size, script=None if script is None else str(script.resolve()))
     except ValidationError as err:
         first = err.errors()[0]
-        raise DeeppoolError(f"--{first['loc'][0]}: {first['msg']}") from None
+        raise DeeppoolError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
     job = Client().submit(request)
     typer.echo(f"job {job.id}: {job.kind.value} {job.state.value}")
 
@@ -235,15 +303,12 @@ def logs(
     job: Annotated[int, typer.Argument(help="job id")],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing until the job ends")] = False,
 ) -> None:
-    """Print a job's log."""
+    """Print a job's log: all of it as it is now, or with -f as it grows until the job ends."""
     from deeppool.coordinator.client import Client
 
     client = Client()
-    if follow:
-        for text in client.follow(job):
-            typer.echo(text, nl=False)
-    else:
-        typer.echo(client.logs(job).text, nl=False)
+    for text in client.follow(job) if follow else client.log(job):
+        typer.echo(text, nl=False)
 
 
 def cancel(job: Annotated[int, typer.Argument(help="job id")]) -> None:

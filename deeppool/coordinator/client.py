@@ -7,6 +7,7 @@ and the token in ``DEEPPOOL_TOKEN``. A refused request raises
 
 from __future__ import annotations
 
+import codecs
 import os
 import time
 from collections.abc import Iterator
@@ -19,12 +20,21 @@ from deeppool.coordinator.jobs import Job, JobRequest
 from deeppool.errors import DeeppoolError
 
 DEFAULT_URL = "http://127.0.0.1:8470"
+PAGE = 1000
+"""Jobs asked for per ``GET /v1/jobs`` (the server's most)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class LogChunk:
-    text: str
+    data: bytes
+    """the log's bytes from the offset asked, as written (the server ends a chunk on a whole UTF-8 character)"""
     next_offset: int
+    size: int
+    """the log's size when it was read"""
+
+    @property
+    def text(self) -> str:
+        return self.data.decode(errors="replace")
 
 
 class Client:
@@ -55,7 +65,14 @@ class Client:
         return Job.model_validate(self._call("POST", "/v1/jobs", json=request.model_dump(mode="json")).json())
 
     def jobs(self) -> list[Job]:
-        return [Job.model_validate(j) for j in self._call("GET", "/v1/jobs").json()]
+        """All your jobs, read a page at a time."""
+        found: list[Job] = []
+        while True:
+            page = [Job.model_validate(j) for j in self._call("GET", "/v1/jobs", params={
+                "after": found[-1].id if found else 0, "limit": PAGE}).json()]
+            found += page
+            if len(page) < PAGE:
+                return found
 
     def job(self, job_id: int) -> Job:
         return Job.model_validate(self._call("GET", f"/v1/jobs/{job_id}").json())
@@ -64,19 +81,34 @@ class Client:
         return Job.model_validate(self._call("POST", f"/v1/jobs/{job_id}/cancel").json())
 
     def logs(self, job_id: int, offset: int = 0) -> LogChunk:
+        """One chunk of the log from byte ``offset`` (at most 1 MiB)."""
         response = self._call("GET", f"/v1/jobs/{job_id}/logs", params={"offset": offset})
-        return LogChunk(text=response.text, next_offset=int(response.headers.get("X-Next-Offset", offset)))
+        return LogChunk(data=response.content, next_offset=int(response.headers.get("X-Next-Offset", offset)),
+                        size=int(response.headers.get("X-Log-Size", 0)))
+
+    def log(self, job_id: int) -> Iterator[str]:
+        """The whole log as it is now (up to its size at the first read), in chunks of whole characters."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        chunk = self.logs(job_id)
+        end = chunk.size
+        while True:
+            yield decoder.decode(chunk.data, final=not chunk.data or chunk.next_offset >= end)
+            if not chunk.data or chunk.next_offset >= end:
+                return
+            chunk = self.logs(job_id, chunk.next_offset)
 
     def follow(self, job_id: int, poll_s: float = 1.0) -> Iterator[str]:
         """Log text as it grows, until the job is in a final state and the log is read to its end."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         offset = 0
         while True:
             chunk = self.logs(job_id, offset)
             offset = chunk.next_offset
-            if chunk.text:
-                yield chunk.text
+            if chunk.data:
+                yield decoder.decode(chunk.data)
                 continue
             if self.job(job_id).state.terminal:
+                yield decoder.decode(b"", final=True)
                 return
             time.sleep(poll_s)
 

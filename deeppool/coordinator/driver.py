@@ -51,14 +51,20 @@ class DriverSpec:
     """where model files may come from (checked again at launch); empty: anywhere"""
     script: str | None = None
     """The job's own training script, run on every rank with the plan (``deeppool run --script``)."""
+    input_shape: tuple[int, ...] = ()
+    """a factory model's input (the job's ``input_shape``, ``input_dtype``, ``vocab_size``)"""
+    input_dtype: str = "float32"
+    vocab_size: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.__dict__, "out": str(self.out), "allowed_roots": [str(r) for r in self.allowed_roots]}
+        return {**self.__dict__, "out": str(self.out), "allowed_roots": [str(r) for r in self.allowed_roots],
+                "input_shape": list(self.input_shape)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DriverSpec:
         roots = tuple(Path(r) for r in data.get("allowed_roots", ()))
-        return cls(**{**data, "out": Path(data["out"]), "allowed_roots": roots})
+        return cls(**{**data, "out": Path(data["out"]), "allowed_roots": roots,
+                      "input_shape": tuple(data.get("input_shape", ()))})
 
 
 def drive(spec: DriverSpec) -> dict[str, Any]:
@@ -76,8 +82,10 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
 
     allocation = slurm_allocation(spec.nodes)
     spec.out.mkdir(parents=True, exist_ok=True)
-    model = stage_model(spec.model, spec.allowed_roots, spec.out / "model")
-    planned = plan_model(ModelSpec.parse(model),
+    staged = stage_model(spec.model, spec.allowed_roots, spec.out / "model")
+    model = ModelSpec.parse(staged, input_shape=spec.input_shape, input_dtype=spec.input_dtype,
+                            vocab_size=spec.vocab_size)
+    planned = plan_model(model,
                          PlanRequest(gpus=spec.gpus, global_batch=spec.batch, amplification=spec.amplification),
                          CostSource(device_model=spec.device_model))
     plan = planned.plan
@@ -173,7 +181,8 @@ class DriverSteps:
                           background_model=guest.model if guest is not None else None,
                           background_batch=guest.batch if guest is not None else 8, check=self.check,
                           nodes=resources_for(job, self.nodes).nodes, allowed_roots=self.allowed_roots,
-                          script=job.script)
+                          script=job.script, input_shape=tuple(job.input_shape or ()),
+                          input_dtype=job.input_dtype or "float32", vocab_size=job.vocab_size or 0)
         path = self.folder / f"job-{job.id}.{attempt}.driver.json"
         write_private(path, json.dumps(spec.to_json()).encode(), account)
         return [[sys.executable, "-m", "deeppool.coordinator.driver", str(path)]]

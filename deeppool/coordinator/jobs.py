@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import enum
 from datetime import datetime
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 
 class JobKind(enum.Enum):
@@ -49,23 +50,47 @@ def sources(target: JobStatus) -> frozenset[JobStatus]:
     return frozenset(state for state, targets in TRANSITIONS.items() if target in targets)
 
 
+def plain_text(value: str) -> str:
+    """Text without NUL characters (no file name holds one); pydantic refuses lone surrogates already."""
+    if "\x00" in value:
+        raise ValueError("holds a NUL character")
+    return value
+
+
+PlainText = Annotated[str, AfterValidator(plain_text)]
+InputDtype = Literal["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8"]
+REQUEST_FIELDS = ("kind", "model", "gpus", "batch", "steps", "amplification", "input_shape", "input_dtype",
+                  "vocab_size")
+"""What makes two submissions the same job (an idempotency key reused with another of these is a conflict)."""
+
+
 class JobRequest(BaseModel):
-    """A submission, as the CLI and ``POST /v1/jobs`` give it. Unknown fields are refused (422)."""
+    """A submission, as the CLI and ``POST /v1/jobs`` give it. Unknown fields are refused (422).
+
+    ``input_shape``, ``input_dtype`` and ``vocab_size`` describe a factory model's one input
+    (:class:`~deeppool.planner.modelspec.ModelSpec`); a model file makes its own inputs.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     kind: JobKind
-    model: str = Field(min_length=1, max_length=4096,
-                       description="a model file path (under the server's allowed roots) or package.module:factory")
+    model: PlainText = Field(min_length=1, max_length=4096, description="a model file path (under the server's "
+                             "allowed roots) or package.module:factory")
     gpus: int = Field(default=1, ge=1, le=4096, description="GPUs for a foreground job; background jobs use 1")
     batch: int = Field(ge=1, le=1 << 24, description="global batch size")
     steps: int = Field(default=100, ge=1, le=10_000_000)
-    amplification: float | None = Field(default=None, ge=1.0, description="the plan's GPU-time amplification cap")
-    idempotency_key: str | None = Field(default=None, min_length=1, max_length=200,
-                                        description="a resubmission with the same key returns the same job")
-    script: str | None = Field(default=None, min_length=1, max_length=4096,
-                               description="a foreground job's own training script (.py under the allowed roots), "
-                               "run on every rank with the plan (it calls deeppool.parallelize)")
+    amplification: float | None = Field(
+        default=None, ge=1.0, le=1e6, allow_inf_nan=False, description="the plan's GPU-time amplification cap")
+    input_shape: tuple[Annotated[int, Field(ge=1, le=1 << 20)], ...] | None = Field(
+        default=None, min_length=1, max_length=8, description="a factory model's per-sample input shape")
+    input_dtype: InputDtype | None = Field(default=None, description="a factory model's input dtype (float32 if "
+                                           "not given; an integer dtype gives token ids below vocab_size)")
+    vocab_size: int | None = Field(default=None, ge=1, le=1 << 31, description="a factory model's token-id range")
+    idempotency_key: PlainText | None = Field(default=None, min_length=1, max_length=200,
+                                              description="a resubmission with the same key returns the same job")
+    script: PlainText | None = Field(default=None, min_length=1, max_length=4096,
+                                     description="a foreground job's own training script (.py under the allowed "
+                                     "roots), run on every rank with the plan (it calls deeppool.parallelize)")
 
 
 class Job(BaseModel):
@@ -80,6 +105,9 @@ class Job(BaseModel):
     batch: int
     steps: int
     amplification: float | None
+    input_shape: tuple[int, ...] | None = None
+    input_dtype: str | None = None
+    vocab_size: int | None = None
     created_at: datetime
     updated_at: datetime
     reason: str | None = None
@@ -96,3 +124,16 @@ class Event(BaseModel):
     to_state: JobStatus
     reason: str
     at: datetime
+
+
+def differences(job: Job, request: JobRequest) -> list[str]:
+    """How ``request`` asks for another job than ``job``: 'field: X there, Y here' for each field that differs
+    (``gpus`` as stored: 1 for a background job)."""
+    asked = {**request.model_dump(), "gpus": request.gpus if request.kind is JobKind.FOREGROUND else 1}
+    return [f"{name}: {_shown(getattr(job, name))} there, {_shown(asked[name])} here" for name in REQUEST_FIELDS
+            if asked[name] != getattr(job, name)]
+
+
+def _shown(value: object) -> str:
+    text = value.value if isinstance(value, enum.Enum) else "null" if value is None else str(value)
+    return repr(text if len(text) <= 80 else text[:77] + "...")

@@ -5,7 +5,10 @@ move into RUNNING until the next move out of it. Foreground GPUs are stacked
 below background ones. A guest in a foreground job's idle windows holds no
 GPU of its own: it is drawn as a thin band over its host's time. The page is
 plain HTML with an inline SVG, no script, so it renders anywhere. It needs no
-token, so it shows no owners and no model paths.
+token, so it shows no owners and no model paths. It shows the newest jobs, a
+page at a time (an "older jobs" link), and draws the timeline of those jobs
+from the events that moved them, so its cost does not grow with what the
+jobs report.
 """
 
 from __future__ import annotations
@@ -82,8 +85,12 @@ def timeline(spans: Sequence[Interval], total_gpus: int) -> str:
     return "".join(parts)
 
 
-def render(jobs: Sequence[Job], events: dict[int, list[Event]], total_gpus: int, now: datetime | None = None) -> str:
+def render(jobs: Sequence[Job], events: dict[int, list[Event]], total_gpus: int, now: datetime | None = None, *,
+           total: int | None = None, older: int | None = None) -> str:
+    """The page for ``jobs`` (of ``total`` in all); ``older``: the id the next page of older jobs comes before."""
     now = now or datetime.now(UTC)
+    shown = len(jobs) if total is None or total == len(jobs) else f"{len(jobs)} of {total}"
+    more = f"<p><a href='/?before={older}'>older jobs</a></p>" if older is not None else ""
     rows = "".join(
         f"<tr><td>{j.id}</td><td>{j.kind.value}</td><td class='{j.state.value.lower()}'>{j.state.value}</td>"
         f"<td>{j.gpus if j.host_id is None else 'windows of ' + str(j.host_id)}</td><td>{100 * j.progress:.0f}%</td>"
@@ -97,5 +104,5 @@ td,th{{border-bottom:1px solid #ddd;padding:4px 10px;text-align:left}} .running{
 </style></head><body><h1>deeppool coordinator</h1>
 <h2>GPUs over time</h2><p>{legend}(thin band: a background job in a foreground job's idle windows)</p>
 {timeline(intervals(jobs, events, now), total_gpus)}
-<h2>{len(jobs)} jobs</h2><table><tr><th>id</th><th>kind</th><th>state</th><th>GPUs</th><th>progress</th>
-<th>age</th><th>last change</th></tr>{rows}</table></body></html>"""
+<h2>{shown} jobs</h2><table><tr><th>id</th><th>kind</th><th>state</th><th>GPUs</th><th>progress</th>
+<th>age</th><th>last change</th></tr>{rows}</table>{more}</body></html>"""

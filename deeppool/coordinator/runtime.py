@@ -34,6 +34,13 @@ over steps asked, from rank 0's ``job-N/run/progress.json``) is recorded.
 A foreground job spans ``nodes`` machines (a Slurm launcher's allocation:
 ``gpus / nodes`` on each); a background job on whole GPUs runs on one.
 
+Everything a job writes is read defensively (:func:`read_json`): at most
+:data:`MAX_FILE_BYTES` of a file, any JSON at all (1e400, NaN, nesting,
+wrong types) gives "nothing reported", never an exception. A job is held to
+:class:`JobLimits`: its first ``max_events`` run events are relayed (the last
+says that later ones are not), and a job whose log passes ``max_log_bytes``
+is stopped (FAILED, with the reason), and its log ends with a line saying so.
+
 A background job lent a foreground job's idle windows (a *guest*) runs in
 processes its host's ranks start, as the same account (the service lends a
 host only guests whose owners' jobs run as its account), so it has no
@@ -45,9 +52,12 @@ steps), else it goes back to the queue.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from deeppool.coordinator.isolation import Account, RunAs, read_job_file
 from deeppool.coordinator.jobs import Job, JobStatus
@@ -59,16 +69,34 @@ from deeppool.errors import DeeppoolError
 Steps = Callable[[Job, int, Sequence[Job]], list[list[str]]]
 """A job's steps for an attempt, given the guests lent its idle windows."""
 
+MAX_FILE_BYTES = 1 << 20
+"""The most the coordinator reads of a file a job wrote (progress, summary, run events)."""
+MAX_MESSAGE = 500
+"""A run event's message is cut to this many characters."""
+EXIT_CODES = range(-255, 256)
+"""Exit codes the supervisor can report (negative: killed by that signal); anything else is a damaged file."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobLimits:
+    """What one job may make the coordinator keep (``serve --max-events``, ``--max-log-mb``)."""
+
+    max_events: int = 1000
+    """run events relayed into the job's event log per attempt; the last one says later ones were cut"""
+    max_log_bytes: int = 1 << 30
+    """past this, the job is stopped and its log ends with a line saying so"""
+
 
 class Runtime:
     def __init__(self, store: Store, launcher: Launcher, steps: Steps, *, grace_s: float = 5.0,
-                 after_claim: Callable[[Job], None] | None = None, nodes: int = 1, run_as: RunAs = RunAs()) -> None:
+                 after_claim: Callable[[Job], None] | None = None, nodes: int = 1, run_as: RunAs = RunAs(),
+                 limits: JobLimits = JobLimits()) -> None:
         """``after_claim`` runs between the claim's commit and the launch: a fault-injection point for tests.
 
         ``nodes``: the machines each foreground job spans; ``run_as``: the account each job runs as.
         """
         self.store, self.launcher, self.steps, self.grace_s = store, launcher, steps, grace_s
-        self.after_claim, self.nodes, self.run_as = after_claim, nodes, run_as
+        self.after_claim, self.nodes, self.run_as, self.limits = after_claim, nodes, run_as, limits
         self._ended: set[int] = set()  # cancelled jobs known to have no process left
 
     def resources(self, job: Job) -> Resources:
@@ -142,13 +170,17 @@ class Runtime:
         seen = self.launcher.observe(job.id, attempt)
         if seen.phase in (Phase.RUNNING, Phase.EXITED) and job.state is JobStatus.RUNNING:
             self._relay(job, attempt)
+        if seen.phase is Phase.RUNNING and job.state is JobStatus.RUNNING and self._over_log_cap(job, attempt):
+            return
         if seen.phase is Phase.EXITED:
             if job.state is JobStatus.STARTING:  # it ran and ended between two looks
                 self.store.transition(job.id, JobStatus.RUNNING, f"attempt {attempt} ran")
                 self._relay(job, attempt)
-            ok = seen.exit_code == 0
+            code = seen.exit_code if seen.exit_code in EXIT_CODES else None
+            ok = code == 0
             self.store.transition(job.id, JobStatus.SUCCEEDED if ok else JobStatus.FAILED,
-                                  "finished" if ok else f"exited with code {seen.exit_code}", exit_code=seen.exit_code)
+                                  "finished" if ok else f"exited with code {code}" if code is not None
+                                  else "its exit file is damaged", exit_code=code)
         elif seen.phase is Phase.RUNNING and job.state is JobStatus.STARTING:
             self.store.transition(job.id, JobStatus.RUNNING, f"attempt {attempt} running")
         elif seen.phase is Phase.LOST:
@@ -166,10 +198,29 @@ class Runtime:
     def _relay(self, job: Job, attempt: int) -> None:
         """The run's own events so far (stragglers, a policy's actions) into the job's event log."""
         folder, owner = self.launcher.files(job.id, attempt).folder, self._owner_uid(job)
-        self.store.note(job.id, run_events(folder, job.id, owner), prefix=f"attempt {attempt}: ")
+        self.store.note(job.id, capped(run_events(folder, job.id, owner), self.limits.max_events),
+                        prefix=f"attempt {attempt}: ")
         progress = run_progress(folder, job.id, owner)
         if progress is not None and progress != job.progress:
             self.store.set_progress(job.id, progress)
+
+    def _over_log_cap(self, job: Job, attempt: int) -> bool:
+        """A job whose log passed its cap is stopped, and its log ends with a line saying so: whether it was."""
+        log = self.launcher.files(job.id, attempt).log
+        try:
+            size = log.stat().st_size
+        except OSError:
+            return False
+        if size <= self.limits.max_log_bytes:
+            return False
+        reason = f"its log passed the cap of {self.limits.max_log_bytes} bytes (serve --max-log-mb): stopped"
+        if not self.store.transition(job.id, JobStatus.FAILED, reason):
+            return False
+        self.launcher.stop(job.id, attempt, self.grace_s)
+        with log.open("a") as out:  # after the stop: the notice is the log's last line
+            out.write(f"\ndeeppool: this job's log passed the cap of {self.limits.max_log_bytes} bytes: "
+                      "the job was stopped\n")
+        return True
 
     def _settle_guest(self, guest: Job) -> None:
         host = self.store.job(guest.host_id)
@@ -188,47 +239,71 @@ class Runtime:
                                                                    f"after {steps} background steps: requeued")
 
 
-def _job_text(path: Path, owner: int | None) -> str:
-    """A file the job wrote (see :func:`read_job_file`); OSError when there is none it may show."""
-    data = read_job_file(path, owner)
-    if data is None:
-        raise OSError(f"'{path}' is not a file of the job's own")
-    return data.decode(errors="replace")
-
-
-def run_progress(folder: Path, job_id: int, owner: int | None = None) -> float | None:
-    """Steps done over steps asked, from the job's run's ``progress.json`` (None before the first step).
-
-    ``owner``: the uid the job runs as (None: this server's), for this and the readers below.
-    """
+def read_json(path: Path, owner: int | None = None) -> Any:
+    """A job's JSON file, or None when it is missing, not the job's own (see
+    :func:`~deeppool.coordinator.isolation.read_job_file`), too big, or not JSON that Python can hold (never
+    raises). ``owner``: the uid the job runs as (None: this server's), for this and the readers below."""
+    data = read_job_file(path, owner, MAX_FILE_BYTES + 1)
+    if data is None or len(data) > MAX_FILE_BYTES:
+        return None
     try:
-        data = json.loads(_job_text(folder / f"job-{job_id}" / "run" / PROGRESS, owner))
-        return min(1.0, int(data["steps_done"]) / max(1, int(data["steps"])))
-    except (OSError, ValueError, KeyError, TypeError):
+        return json.loads(data)
+    except (ValueError, RecursionError):
         return None
 
 
+def count(value: Any) -> float | None:
+    """A finite, non-negative number a job reported (not a bool, NaN, 1e400 or a string), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value) if isinstance(value, float) or abs(value) < 1 << 1000 else math.inf
+    return number if math.isfinite(number) and number >= 0 else None
+
+
+def run_progress(folder: Path, job_id: int, owner: int | None = None) -> float | None:
+    """Steps done over steps asked, from the job's run's ``progress.json`` (None before the first step,
+    or when what the job wrote is not two finite counts)."""
+    data = read_json(folder / f"job-{job_id}" / "run" / PROGRESS, owner)
+    if not isinstance(data, dict):
+        return None
+    done, asked = count(data.get("steps_done")), count(data.get("steps"))
+    if done is None or asked is None:
+        return None
+    return min(1.0, done / max(1.0, asked))
+
+
 def run_events(folder: Path, job_id: int, owner: int | None = None) -> list[str]:
-    """The messages of the job's run's ``events.jsonl`` (complete lines only; none when there is no file)."""
-    try:
-        text = _job_text(folder / f"job-{job_id}" / "run" / EVENTS, owner)
-    except OSError:
+    """The messages of the job's run's ``events.jsonl`` (complete lines of its first :data:`MAX_FILE_BYTES`;
+    none when there is no file of the job's own), each cut to :data:`MAX_MESSAGE` characters."""
+    data = read_job_file(folder / f"job-{job_id}" / "run" / EVENTS, owner, MAX_FILE_BYTES)
+    if data is None:
         return []
+    text = data.decode(errors="replace")
     messages = []
     for line in text.splitlines(keepends=True):
         if not line.endswith("\n"):
             break  # the run is still writing it
         try:
-            messages.append(str(json.loads(line)["message"]))
-        except (ValueError, KeyError, TypeError):
-            messages.append(line.strip())
+            message = json.loads(line)["message"]
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+            message = None
+        shown = message if isinstance(message, str) else line.strip()
+        messages.append(shown[:MAX_MESSAGE].encode(errors="replace").decode())  # a lone surrogate cannot be stored
     return messages
 
 
+def capped(messages: list[str], limit: int) -> list[str]:
+    """The first ``limit`` messages; past it, the first ``limit - 1`` and a last one saying the rest were cut
+    (so the list a job's file gives is always a prefix of the next, as :meth:`Store.note` needs)."""
+    if len(messages) <= limit:
+        return messages
+    return [*messages[:limit - 1], f"later events are not recorded: a job keeps at most {limit} "
+                                   "(serve --max-events)"]
+
+
 def guest_steps(folder: Path, host_id: int, owner: int | None = None) -> int:
-    """Background steps the host's run reports (its ``summary.json``), 0 when there is none."""
-    try:
-        summary = json.loads(_job_text(folder / f"job-{host_id}" / "summary.json", owner))
-        return int(summary["multiplex"]["bg_steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
+    """Background steps the host's run reports (its ``summary.json``), 0 when there is none or it is damaged."""
+    summary = read_json(folder / f"job-{host_id}" / "summary.json", owner)
+    multiplex = summary.get("multiplex") if isinstance(summary, dict) else None
+    steps = count(multiplex.get("bg_steps")) if isinstance(multiplex, dict) else None
+    return int(min(steps, 1 << 62)) if steps is not None else 0

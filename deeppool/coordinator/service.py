@@ -23,11 +23,19 @@ A cancelled job holds its GPUs until its last process is gone
 
 Attained service (Tiresias' order) is GPUs × seconds in the current run; a
 requeued job starts again from 0.
+
+A tick that fails (whatever the cause) is logged with its traceback and
+retried after a growing pause (up to :data:`MAX_RETRY_S`); until a tick
+succeeds again :attr:`Service.health` says what failed, and ``/healthz``
+answers 503. The first tick, before the server serves, may fail too: the
+server starts anyway and the loop keeps trying.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,6 +44,15 @@ from deeppool.coordinator.runtime import Runtime
 from deeppool.scheduling import NOTHING, Decision, ModelChoice, Policy, SimJob, Snapshot
 
 LIVE = (JobStatus.STARTING, JobStatus.RUNNING)
+MAX_RETRY_S = 5.0
+log = logging.getLogger("deeppool.coordinator")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Health:
+    ok: bool
+    detail: str = ""
+    """what failed, and since when (empty when ok)"""
 
 
 def as_sim_job(job: Job) -> SimJob:
@@ -75,6 +92,8 @@ class Service:
         self.paused = paused
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="deeppool-coordinator", daemon=True)
+        self._failure: Health | None = Health(ok=False, detail="the scheduler has not started")
+        self._failing_since: datetime | None = None
 
     def tick(self, now: datetime | None = None) -> Decision:
         now = now or datetime.now(UTC)
@@ -102,8 +121,17 @@ class Service:
             spare = [g for g in spare if g not in guests]
             self.runtime.start(job, f"granted {start.gpus} GPUs by the {self.policy.name} policy", guests)
 
+    @property
+    def health(self) -> Health:
+        """ok while the loop runs and its last tick succeeded; else what failed."""
+        if self._failure is not None:
+            return self._failure
+        if not self._thread.is_alive():
+            return Health(ok=False, detail="the scheduler's thread has ended")
+        return Health(ok=True)
+
     def start(self) -> None:
-        self.tick()  # recover before serving: adopt, finalise or relaunch what the last run left
+        self._guarded_tick()  # recover before serving: adopt, finalise or relaunch what the last run left
         self._thread.start()
 
     def stop(self) -> None:
@@ -111,6 +139,23 @@ class Service:
         if self._thread.ident is not None:
             self._thread.join(10)
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.period_s):
+    def _guarded_tick(self) -> bool:
+        """One tick; a failure is logged and recorded, never raised. Whether it succeeded."""
+        try:
             self.tick()
+        except Exception as err:  # noqa: BLE001: any failure must leave the loop running, and say so
+            log.exception("the scheduling loop failed; retrying")
+            self._failing_since = self._failing_since or datetime.now(UTC)
+            self._failure = Health(ok=False, detail=f"the scheduling loop has failed since "
+                                                    f"{self._failing_since:%H:%M:%S} UTC ({type(err).__name__}: "
+                                                    f"{str(err)[:200]}); retrying")
+            return False
+        if self._failing_since is not None:
+            log.warning("the scheduling loop runs again")
+        self._failure = self._failing_since = None
+        return True
+
+    def _loop(self) -> None:
+        pause = self.period_s
+        while not self._stop.wait(pause):
+            pause = self.period_s if self._guarded_tick() else min(MAX_RETRY_S, max(pause, self.period_s) * 2)

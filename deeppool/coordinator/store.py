@@ -11,12 +11,20 @@ other GPUs) is an event from and to its current state (:meth:`Store.note`). A su
 an idempotency key its owner has used before returns the first job instead of
 a new one (a unique index, so two racing submissions still make one job).
 Tokens are stored only as their SHA-256.
+
+The file is checked (``PRAGMA quick_check``) when it is opened, so a damaged
+database is one message, not a failure later. One server at a time uses a
+database: :func:`lock_database` holds an exclusive ``flock`` on ``DB.lock``
+beside it for as long as the server runs.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
+import json
+import os
 import secrets
 import sqlite3
 import threading
@@ -24,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from deeppool.coordinator.isolation import private_file
 from deeppool.coordinator.jobs import Event, Job, JobKind, JobRequest, JobStatus, sources
@@ -67,11 +75,18 @@ CREATE TABLE IF NOT EXISTS events (
     at TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_job ON events(job_id);
+CREATE INDEX IF NOT EXISTS events_moves ON events(job_id, to_state) WHERE from_state IS NOT to_state;
 CREATE TRIGGER IF NOT EXISTS events_append_only BEFORE UPDATE ON events
     BEGIN SELECT RAISE(ABORT, 'events are append-only'); END;
 CREATE TRIGGER IF NOT EXISTS events_no_delete BEFORE DELETE ON events
     BEGIN SELECT RAISE(ABORT, 'events are append-only'); END;
 """
+
+
+COLUMNS_SINCE_V1 = {"input_shape": "TEXT", "input_dtype": "TEXT", "vocab_size": "INTEGER", "script": "TEXT"}
+"""Columns added to ``jobs`` after the first schema: a database from before gets them when it is opened."""
+MOVES = "from_state IS NOT to_state"
+"""The events that move a job (its submission included), as the partial index ``events_moves`` holds them."""
 
 
 def _now() -> str:
@@ -104,15 +119,32 @@ class Store:
         self._lock = threading.Lock()
         try:
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-            self._db.row_factory = sqlite3.Row
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(SCHEMA)
-            _add_script_column(self._db)
         except sqlite3.DatabaseError as err:
-            raise DeeppoolError(f"--db '{path}' is not a deeppool database ({err})") from None
+            raise DeeppoolError(f"--db '{path}' cannot be opened ({err})") from None
+        try:
+            self._open()
+        except (sqlite3.DatabaseError, DeeppoolError) as err:
+            self._db.close()
+            if isinstance(err, DeeppoolError):
+                raise
+            raise DeeppoolError(f"--db '{path}' is not a deeppool database, or is damaged ({err}): restore it "
+                                "from a backup, or give another --db") from None
         private_file(path)  # readable by the server's user only (SQLite gives its -wal and -shm the same mode)
+
+    def _open(self) -> None:
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        damage = str(self._db.execute("PRAGMA quick_check").fetchone()[0])
+        if damage != "ok":
+            raise DeeppoolError(f"--db '{self.path}' is damaged ({damage.splitlines()[0]}): restore it from a "
+                                "backup (sqlite3's .recover saves what it can)")
+        self._db.executescript(SCHEMA)
+        known = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        for column, kind in COLUMNS_SINCE_V1.items():
+            if column not in known:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         with self._lock:
@@ -164,11 +196,14 @@ class Store:
                                  (owner, request.idempotency_key)).fetchone()
                 if row is not None:
                     return _job(row), False
+            shape = json.dumps(list(request.input_shape)) if request.input_shape is not None else None
             cursor = db.execute(
-                "INSERT INTO jobs(owner, kind, state, model, gpus, batch, steps, amplification, idempotency_key, "
-                "script, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO jobs(owner, kind, state, model, gpus, batch, steps, amplification, input_shape, "
+                "input_dtype, vocab_size, idempotency_key, script, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (owner, request.kind.value, JobStatus.PENDING.value, request.model, gpus, request.batch,
-                 request.steps, request.amplification, request.idempotency_key, request.script, now, now))
+                 request.steps, request.amplification, shape, request.input_dtype, request.vocab_size,
+                 request.idempotency_key, request.script, now, now))
             job_id = int(cursor.lastrowid)
             db.execute("INSERT INTO events(job_id, from_state, to_state, reason, at) VALUES (?, NULL, ?, ?, ?)",
                        (job_id, JobStatus.PENDING.value, "submitted", now))
@@ -230,9 +265,14 @@ class Store:
         rows = self._read("SELECT * FROM jobs WHERE id = ?", (job_id,))
         return _job(rows[0]) if rows else None
 
-    def jobs(self, *, owner: str | None = None, states: tuple[JobStatus, ...] = (), host_id: int | None = None
-             ) -> list[Job]:
-        clauses, args = [], []
+    def jobs(self, *, owner: str | None = None, states: tuple[JobStatus, ...] = (), host_id: int | None = None,
+             after: int = 0, before: int | None = None, limit: int = -1, newest_first: bool = False) -> list[Job]:
+        """The jobs that match, by id (``newest_first``: descending); a page: ids in (``after``, ``before``),
+        at most ``limit`` (-1: all)."""
+        clauses, args = ["id > ?"], [after]
+        if before is not None:
+            clauses.append("id < ?")
+            args.append(before)
         if host_id is not None:
             clauses.append("host_id = ?")
             args.append(host_id)
@@ -242,35 +282,74 @@ class Store:
         if states:
             clauses.append(f"state IN ({','.join('?' * len(states))})")
             args += [s.value for s in states]
-        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
-        return [_job(row) for row in self._read(f"SELECT * FROM jobs {where} ORDER BY id", tuple(args))]
+        order = "DESC" if newest_first else "ASC"
+        return [_job(row) for row in self._read(f"SELECT * FROM jobs WHERE {' AND '.join(clauses)} ORDER BY id {order} "
+                                                "LIMIT ?", (*args, limit))]
+
+    def count(self) -> int:
+        return int(self._read("SELECT COUNT(*) FROM jobs")[0][0])
 
     def events(self, job_id: int) -> list[Event]:
         rows = self._read("SELECT * FROM events WHERE job_id = ? ORDER BY id", (job_id,))
-        return [Event(id=r["id"], job_id=r["job_id"], to_state=JobStatus(r["to_state"]), reason=r["reason"],
-                      at=datetime.fromisoformat(r["at"]),
-                      from_state=JobStatus(r["from_state"]) if r["from_state"] else None) for r in rows]
+        return [_event(r) for r in rows]
+
+    def moves(self, job_ids: Sequence[int]) -> dict[int, list[Event]]:
+        """Each job's events that moved it (no notes), in order: what a timeline needs, from an index."""
+        found: dict[int, list[Event]] = {job_id: [] for job_id in job_ids}
+        for first in range(0, len(job_ids), 500):
+            chunk = tuple(job_ids[first:first + 500])
+            marks = ",".join("?" * len(chunk))
+            rows = self._read(f"SELECT * FROM events INDEXED BY events_moves WHERE job_id IN ({marks}) AND {MOVES} "
+                              "ORDER BY id", chunk)
+            for row in rows:
+                found[row["job_id"]].append(_event(row))
+        return found
 
     def attempts(self, job_id: int) -> int:
         """How many times the job has been started (its moves into STARTING): the current attempt's number."""
-        rows = self._read("SELECT COUNT(*) FROM events WHERE job_id = ? AND to_state = ? AND from_state IS NOT to_state",
-                          (job_id, JobStatus.STARTING.value))
+        rows = self._read(f"SELECT COUNT(*) FROM events INDEXED BY events_moves WHERE job_id = ? AND to_state = ? "
+                          f"AND {MOVES}", (job_id, JobStatus.STARTING.value))
         return int(rows[0][0])
 
     def integrity(self) -> str:
         return str(self._read("PRAGMA integrity_check")[0][0])
 
 
+def lock_database(path: Path) -> IO[str]:
+    """Hold ``path``'s server lock (an exclusive ``flock`` on ``PATH.lock``) while the returned file is open."""
+    lock = path.with_name(path.name + ".lock")
+    try:
+        handle = lock.open("a+")
+    except OSError as err:
+        raise DeeppoolError(f"--db '{path}': cannot open its lock file '{lock}' ({err.strerror})") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise DeeppoolError(f"--db '{path}' is in use by another server ({holder}): stop it, or give another --db"
+                            ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def _event(row: sqlite3.Row) -> Event:
+    return Event(id=row["id"], job_id=row["job_id"], to_state=JobStatus(row["to_state"]), reason=row["reason"],
+                 at=datetime.fromisoformat(row["at"]),
+                 from_state=JobStatus(row["from_state"]) if row["from_state"] else None)
+
+
 def _job(row: sqlite3.Row) -> Job:
+    shape = row["input_shape"]
     return Job(id=row["id"], kind=JobKind(row["kind"]), state=JobStatus(row["state"]), owner=row["owner"],
                model=row["model"], gpus=row["gpus"], batch=row["batch"], steps=row["steps"],
-               amplification=row["amplification"], created_at=datetime.fromisoformat(row["created_at"]),
+               amplification=row["amplification"], input_shape=tuple(json.loads(shape)) if shape else None,
+               input_dtype=row["input_dtype"], vocab_size=row["vocab_size"],
+               created_at=datetime.fromisoformat(row["created_at"]),
                updated_at=datetime.fromisoformat(row["updated_at"]), reason=row["reason"],
                exit_code=row["exit_code"], progress=row["progress"], host_id=row["host_id"], script=row["script"])
 
-
-def _add_script_column(db: sqlite3.Connection) -> None:
-    """A database made before script jobs gets their column (empty for its jobs)."""
-    columns = {row["name"] for row in db.execute("PRAGMA table_info(jobs)").fetchall()}
-    if "script" not in columns:
-        db.execute("ALTER TABLE jobs ADD COLUMN script TEXT")

@@ -26,7 +26,7 @@ from deeppool.adaptation.policy import Policy
 from deeppool.errors import DeeppoolError
 from deeppool.executor.adapt import Adapter, EventLog, Progress, Resize
 from deeppool.executor.checkpoint import (
-    GroupShard, RunState, latest, load_group, load_own, load_run, model_keys, save, writer,
+    GroupShard, RunState, intact, latest, load_group, load_own, load_run, model_keys, save, writer,
 )
 from deeppool.executor.checkpoint import groups as checkpoint_groups
 from deeppool.executor.comm import Comm, Lane
@@ -197,7 +197,10 @@ def _resume(config: RunConfig, engine: Engine, local: LocalModel, rank: int) -> 
     fresh = Progress(accumulate=config.training.accumulate, position=0, lr=config.optimizer.lr)
     if checkpoint is None or not checkpoint.resume:
         return 0, fresh
-    done = latest(checkpoint.directory)
+    done = intact(checkpoint.directory, lambda message: _show(f"warning: {message}") if rank == 0 else None)
+    if done is None and latest(checkpoint.directory) is not None:
+        raise DeeppoolError(f"every complete checkpoint in '{checkpoint.directory}' is damaged: run without --resume "
+                            "to start over")
     if done is None:
         return 0, fresh
     run = load_run(checkpoint.directory, done)

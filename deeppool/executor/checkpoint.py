@@ -28,12 +28,20 @@ temporary file, synced and renamed into place; after every rank has written
 mid-write leaves no ``COMPLETE`` in that step's directory, so :func:`latest`
 still finds the previous checkpoint. :func:`export` joins the groups into one
 ``state_dict`` of the user's unsplit model.
+
+A complete checkpoint can still be damaged later (a disk that lost a file's
+tail, a copy cut short). :func:`intact` checks every file of the newest
+complete checkpoints (each is a zip archive whose members carry CRCs) and
+returns the newest whose files all read back whole, naming each damaged
+shard it passed over; ``--resume`` and ``deeppool export`` fall back to it
+and say so. A shard that still fails to load is one error naming it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +155,42 @@ def latest(directory: Path) -> int | None:
     return max(done, default=None)
 
 
+def damage(directory: Path, steps_done: int) -> str | None:
+    """What is wrong with a complete checkpoint's files (the first damaged one, named), or None if all are whole."""
+    step = step_dir(directory, steps_done)
+    try:
+        names = [RUN_FILE, *(group_file(g) for g in groups(directory, steps_done)),
+                 *sorted(path.name for path in step.glob("rank*.pt"))]
+    except DeeppoolError as err:
+        return str(err)
+    for name in names:
+        path = step / name
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+        except FileNotFoundError:
+            return f"shard '{path}' is missing"
+        except (OSError, zipfile.BadZipFile, EOFError, ValueError) as err:
+            return f"shard '{path}' is damaged ({err})"
+        if bad is not None:
+            return f"shard '{path}' is damaged (its part '{bad}' fails its checksum)"
+    return None
+
+
+def intact(directory: Path, warn: Callable[[str], None]) -> int | None:
+    """The steps done by the newest complete checkpoint whose files are all whole, or None; ``warn`` is told
+    of each newer one passed over, and which is used instead."""
+    done = sorted((int(path.parent.name.split("-")[1]) for path in directory.glob(f"step-*/{MARKER}")), reverse=True)
+    for position, steps in enumerate(done):
+        problem = damage(directory, steps)
+        if problem is None:
+            return steps
+        fallback = f"the one after {done[position + 1]} steps" if position + 1 < len(done) else "none is left"
+        warn(f"the checkpoint after {steps} steps is damaged: {problem}; falling back to the newest intact "
+             f"checkpoint ({fallback})")
+    return None
+
+
 def load_run(directory: Path, steps_done: int) -> RunState:
     return RunState(**_load(step_dir(directory, steps_done) / RUN_FILE))
 
@@ -164,13 +208,17 @@ def groups(directory: Path, steps_done: int) -> tuple[int, ...]:
         raise DeeppoolError(f"checkpoint marker '{marker}' is unreadable ({err}): use another checkpoint") from None
 
 
-def export(directory: Path, steps_done: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
-    """One ``state_dict`` of the whole model from a complete checkpoint (the newest, or ``steps_done``'s)."""
+def export(directory: Path, steps_done: int | None = None, warn: Callable[[str], None] = lambda message: None
+           ) -> tuple[int, dict[str, torch.Tensor]]:
+    """One ``state_dict`` of the whole model from a complete checkpoint: ``steps_done``'s, or the newest intact
+    one (``warn`` names each damaged newer one passed over)."""
     if not directory.is_dir():
         raise DeeppoolError(f"checkpoint directory '{directory}' does not exist: pass the run's --checkpoint-dir")
-    done = latest(directory) if steps_done is None else steps_done
+    done = intact(directory, warn) if steps_done is None else steps_done
     if done is None:
-        raise DeeppoolError(f"'{directory}' holds no complete checkpoint: train with --checkpoint-every N first")
+        damaged = " intact" if latest(directory) is not None else ""
+        raise DeeppoolError(f"'{directory}' holds no{damaged} complete checkpoint: train with --checkpoint-every N "
+                            "first")
     if not (step_dir(directory, done) / MARKER).is_file():
         raise DeeppoolError(f"'{directory}' has no complete checkpoint after {done} steps: "
                             f"the newest is after {latest(directory)}")
@@ -191,7 +239,11 @@ def export(directory: Path, steps_done: int | None = None) -> tuple[int, dict[st
 def _load(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise DeeppoolError(f"checkpoint '{path.parent}' has no '{path.name}': was it written by this plan?")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001: torch raises anything from EOFError to UnpicklingError for a bad file
+        raise DeeppoolError(f"checkpoint shard '{path}' is damaged ({type(err).__name__}: {str(err)[:200]}): "
+                            "use an earlier checkpoint (export --step N)") from None
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:

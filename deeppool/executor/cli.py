@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -413,7 +414,7 @@ def export(
     from deeppool.executor.checkpoint import export as joined
     from deeppool.output import console
 
-    done, state = joined(checkpoint_dir, step)
+    done, state = joined(checkpoint_dir, step, lambda message: print(f"warning: {message}", file=sys.stderr))
     if plan is not None:
         _loads_into(plan, state)
     torch.save(state, out)

@@ -22,7 +22,7 @@ from tests.net import free_port
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-JOB = {"kind": "fg", "gpus": 4, "model": "examples.mlp:model", "batch": 8}
+JOB = {"kind": "fg", "gpus": 4, "model": "examples.mlp:model", "input_shape": [16], "batch": 8}
 
 
 

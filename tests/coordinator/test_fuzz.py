@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -37,3 +38,38 @@ def test_no_server_errors_and_documented_responses(case) -> None:
     case.validate_response(response, excluded_checks=[positive_data_acceptance])
     if response.status_code >= 400:
         assert response.json()["detail"]  # every refusal says why
+
+
+MODELS = FOLDER / "models"
+MODELS.mkdir()
+(MODELS / "loop.py").symlink_to(MODELS / "loop.py")
+ATTACKS = [  # each gave a 500 before issue 21; what the refusal says
+    ({"kind": "bg", "model": str(MODELS / "loop.py"), "batch": 8}, "link loop"),
+    ({"kind": "bg", "model": str(MODELS / "a\x00.py"), "batch": 8}, "NUL"),
+    ({"kind": "bg", "model": str(MODELS / ("x" * 300 + ".py")), "batch": 8}, "too long"),
+    ({"kind": "bg", "model": str(MODELS / "\ud800.py"), "batch": 8}, "unicode"),
+    *(({"kind": "bg", "model": "a.b:c", "input_shape": [4], "batch": 8, "amplification": value}, "finite")
+      for value in (float("nan"), float("-inf"), float("inf"))),
+]
+FUZZED = create_app(STORE, ServerSettings(gpus=4, allowed_roots=(MODELS,), log_dir=FOLDER / "logs"))
+ATTACKED = schemathesis.openapi.from_asgi("/openapi.json", FUZZED)
+
+
+@pytest.mark.parametrize("body, says", ATTACKS,
+                         ids=["link-loop", "nul", "long-name", "surrogate", "nan", "-inf", "inf"])
+def test_the_issue_21_attacks_are_refused_as_documented(body: dict, says: str) -> None:
+    case = ATTACKED["/v1/jobs"]["POST"].Case(body=body, media_type="application/json")
+    # as written (NaN and Infinity are not JSON, but Python's and JavaScript's encoders write them)
+    response = case.call(headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+                         data=json.dumps(body).encode(), json=None)
+    assert 400 <= response.status_code < 500, response.text
+    case.validate_response(response, excluded_checks=[positive_data_acceptance])
+    assert says in response.text
+
+
+def test_a_far_log_offset_is_refused_as_documented() -> None:
+    case = ATTACKED["/v1/jobs/{job_id}/logs"]["GET"].Case(path_parameters={"job_id": 2},
+                                                          query={"offset": 17592186044415})
+    response = case.call(headers={"Authorization": f"Bearer {TOKEN}"})
+    assert response.status_code == 416 and response.json()["detail"]
+    case.validate_response(response, excluded_checks=[positive_data_acceptance])

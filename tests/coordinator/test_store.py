@@ -108,3 +108,41 @@ def test_bad_database_paths_are_one_line_errors(tmp_path: Path) -> None:
     junk.write_bytes(b"not a database at all" * 100)
     with pytest.raises(DeeppoolError, match="not a deeppool database"):
         Store(junk)
+
+
+def test_a_damaged_database_is_one_error(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite"
+    store = Store(path)
+    store.create_token("alice")
+    for _ in range(300):
+        store.submit("alice", request())
+    store.close()
+    with path.open("r+b") as raw:
+        raw.seek(2 * 4096)
+        raw.write(bytes(2 * 4096))  # two zeroed pages
+    with pytest.raises(DeeppoolError, match="is damaged") as refused:
+        Store(path)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_database_from_before_the_factory_inputs_gains_their_columns(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite"
+    with sqlite3.connect(path) as old:
+        old.executescript("""
+            CREATE TABLE users (name TEXT PRIMARY KEY, token_sha256 TEXT NOT NULL UNIQUE, created_at TEXT NOT NULL);
+            CREATE TABLE jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, owner TEXT NOT NULL REFERENCES users(name),
+                kind TEXT NOT NULL, state TEXT NOT NULL, model TEXT NOT NULL, gpus INTEGER NOT NULL,
+                batch INTEGER NOT NULL, steps INTEGER NOT NULL, amplification REAL, idempotency_key TEXT,
+                reason TEXT, exit_code INTEGER, progress REAL NOT NULL DEFAULT 0, host_id INTEGER REFERENCES jobs(id),
+                created_at TEXT NOT NULL, updated_at TEXT NOT NULL);
+            INSERT INTO users VALUES ('alice', 'x', '2026-01-01T00:00:00+00:00');
+            INSERT INTO jobs(owner, kind, state, model, gpus, batch, steps, created_at, updated_at)
+                VALUES ('alice', 'fg', 'PENDING', 'a.py', 2, 8, 10, '2026-01-01T00:00:00+00:00',
+                        '2026-01-01T00:00:00+00:00');
+        """)
+    store = Store(path)
+    [job] = store.jobs()
+    assert job.model == "a.py" and job.input_shape is None
+    new, _ = store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model="a.b:c", batch=8, input_shape=(3, 4),
+                                              input_dtype="int64", vocab_size=10))
+    assert (new.input_shape, new.input_dtype, new.vocab_size) == ((3, 4), "int64", 10)

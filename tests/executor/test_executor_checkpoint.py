@@ -100,3 +100,26 @@ def test_the_command_line_resumes_exactly(tmp_path: Path, capfd) -> None:
     result = deeppool(capfd, "export", ckpt, "--out", str(exported), "--plan", str(plan_path))
     assert result.code == 0 and "after 2 steps" in result.stdout, result.stderr
     Plan.load(plan_path).model.load().module.load_state_dict(torch.load(exported), strict=True)
+
+
+def test_a_damaged_shard_is_named_and_the_newest_intact_checkpoint_is_used(tmp_path: Path, capsys) -> None:
+    train(4, CheckpointConfig(directory=tmp_path, every=2))
+    shard = step_dir(tmp_path, 4) / "group2.pt"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a copy cut short; its marker still there
+    assert latest(tmp_path) == 4
+    warnings: list[str] = []
+    done, state = export(tmp_path, warn=warnings.append)
+    assert done == 2 and state
+    assert len(warnings) == 1 and str(shard) in warnings[0] and "the one after 2 steps" in warnings[0]
+    with pytest.raises(DeeppoolError, match="group2.pt' is damaged"):
+        export(tmp_path, 4)  # asked for by its step: no fallback, one error naming the shard
+    resumed = train(4, CheckpointConfig(directory=tmp_path, resume=True))
+    assert_same(resumed, train(4, None))  # resumed from step 2, as if the damaged one had never been written
+    assert "group2.pt' is damaged" in capsys.readouterr().out
+    exported = deeppool(capsys, "export", str(tmp_path), "--out", str(tmp_path / "model.pt"))
+    assert exported.code == 0 and "after 2 steps" in exported.stdout and "Traceback" not in exported.stderr
+    assert exported.stderr.startswith("warning: the checkpoint after 4 steps is damaged: shard ")
+    zeroed = step_dir(tmp_path, 2) / "run.pt"
+    zeroed.write_bytes(bytes(zeroed.stat().st_size))
+    with pytest.raises(DeeppoolError, match="every complete checkpoint .* is damaged"):
+        train(4, CheckpointConfig(directory=tmp_path, resume=True))
