@@ -22,9 +22,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import linecache
 import logging
+import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from deeppool.errors import DeeppoolError
 from deeppool.planner.graph import OUTPUT_LAYER, Layer, LayerGraph, TraceMethod
 from deeppool.planner.layer_exec import LayerRunner, floating_leaves, structured_output
-from deeppool.planner.modelspec import LoadedModel
+from deeppool.planner.modelspec import LoadedModel, ModelSpec
 from deeppool.planner.mutation import Mutation, Probe, after_mutation, functionalize, merged_groups
 from deeppool.planner.randomness import RandomSites, SampleRandomness, batched_calls
 
@@ -69,6 +72,26 @@ class _PathTracer(fx.Tracer):
             raise
 
 
+def trace_spec(spec: ModelSpec, *, meta: bool) -> tuple[LoadedModel, Traced]:
+    """Build and trace the model ``spec`` names: on the meta device when ``meta`` and torch.fx traces it there.
+
+    Planning with a device model needs shapes only, so it tries the meta device (no storage, no
+    initialisation) first; but only torch.fx's graph is the same on every device. A model that
+    fx cannot trace, or that fails on meta tensors (a constructor that reads values, autocast on
+    ``meta``), is built and traced on CPU tensors at a small batch, as ``run`` traces it: export
+    decomposes some operations differently on meta (``x[..., 0] = 0`` is ``copy_`` there,
+    ``fill_`` on CPU), so the plan's graph is the one ``run`` traces by construction.
+    """
+    if meta:
+        try:
+            loaded = spec.load(meta=True)
+            return loaded, trace(loaded, TraceMethod.FX)
+        except Exception:  # noqa: BLE001 - any failure on meta is retried on CPU, which reports its own
+            pass
+    loaded = spec.load()
+    return loaded, trace(loaded)
+
+
 def trace(loaded: LoadedModel, method: TraceMethod | None = None) -> Traced:
     """Trace ``loaded`` with ``method``, or fx then export when ``method`` is None."""
     named = loaded.named_inputs(_PROBE_BATCHES[0])
@@ -89,14 +112,44 @@ def trace(loaded: LoadedModel, method: TraceMethod | None = None) -> Traced:
 
 def _fx_trace(model: nn.Module, named: Mapping[str, Any]) -> fx.GraphModule:
     tracer = _PathTracer()
+    buffers = dict(model.named_buffers())
+    saved = {name: (buffer._version, buffer.clone()) for name, buffer in buffers.items()}
     try:
         graph = tracer.trace(model, concrete_args=_concrete_args(model, named) or None)
     except Exception as err:
-        where = tracer.failed_in or "<root>"
+        where = tracer.failed_in or type(model).__name__
         raise DeeppoolError(
-            f"torch.fx cannot trace module '{where}' ({type(err).__name__}: {_first_line(err)})"
+            f"torch.fx cannot trace module '{where}'{_at_line(err)} ({type(err).__name__}: {_first_line(err)})"
         ) from None
+    finally:
+        changed = [name for name, buffer in buffers.items() if buffer._version != saved[name][0]]
+        with torch.no_grad():
+            for name in changed:
+                buffers[name].copy_(saved[name][1])
+    if changed:  # fx ran the update eagerly on the real buffer: it is not in the graph
+        raise DeeppoolError(f"torch.fx cannot trace the update of buffer '{changed[0]}' in forward")
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _at_line(err: BaseException) -> str:
+    """`` at FILE:LINE (`source`)`` of the model's code where ``err`` was raised ('' when no such frame)."""
+    frame = user_frame(err)
+    if frame is None:
+        return ""
+    filename, lineno = frame
+    source = linecache.getline(filename, lineno).strip()
+    return f" at {filename}:{lineno}" + (f" (`{source}`)" if source else "")
+
+
+def user_frame(err: BaseException) -> tuple[str, int] | None:
+    """The innermost frame of ``err``'s traceback in the model's code (not torch's, not deeppool's)."""
+    skipped = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[1]), "<")
+    found = None
+    for frame, lineno in traceback.walk_tb(err.__traceback__):
+        filename = frame.f_code.co_filename
+        if not filename.startswith(skipped) and "/contextlib.py" not in filename:
+            found = (filename, lineno)
+    return found
 
 
 def _concrete_args(model: nn.Module, named: Mapping[str, Any]) -> dict[str, Any]:
@@ -122,10 +175,20 @@ def _export(model: nn.Module, named: Mapping[str, Any]) -> fx.GraphModule:
         with _quiet_torch_logs():
             program = torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as err:
-        raise DeeppoolError(
-            f"torch.export cannot trace the model either ({type(err).__name__}: {_first_line(err)})"
-        ) from None
+        raise DeeppoolError(_export_failure(err)) from None
     return program.module()
+
+
+def _export_failure(err: BaseException) -> str:
+    """One line: where in the model's code torch.export stopped, and why."""
+    reason = f"{type(err).__name__}: {_first_line(err)}"
+    if "data-dependent" in str(err) or "DataDependent" in type(err).__name__:
+        return (
+            f"torch.export cannot trace a branch on a tensor's value{_at_line(err)}: a branch on a random or "
+            "data-dependent value changes the layers from step to step; if it is LayerDrop, set its probability "
+            "to 0 (e.g. encoder_layerdrop=0.0) or wrap the branch in a module that always takes one way"
+        )
+    return f"torch.export cannot trace the model either{_at_line(err)} ({reason})"
 
 
 def placeholder_values(module: fx.GraphModule, named: Mapping[str, Any]) -> list[Any]:
@@ -296,6 +359,7 @@ def _probed_graph(module: fx.GraphModule, loaded: LoadedModel, method: TraceMeth
     data = _from_data(nodes, {n.name for n in placeholders}, small.values)
     heads = [n for n in nodes if n.op in _LAYER_OPS and n.name in batched and n.name in data]
     groups = _merge(_group(heads, method), mutations, nodes)
+    groups = _carry_buffer_updates(groups, nodes, module, data, small.mutated)
     with FlopCounterMode(display=False) as counter:
         builder = _LayerBuilder(module, small, {n.name for n in placeholders}, groups, shapes, counter)
         layers = [builder.build(group) for group in groups]
@@ -312,6 +376,74 @@ def _probed_graph(module: fx.GraphModule, loaded: LoadedModel, method: TraceMeth
         method=method,
     )
     return Traced(module=module, graph=graph, random=random)
+
+
+def _carry_buffer_updates(
+    groups: list[list[fx.Node]], nodes: list[fx.Node], module: fx.GraphModule, data: set[str],
+    mutated: Mapping[str, tuple[torch.Tensor, ...]],
+) -> list[list[fx.Node]]:
+    """Put every update of a buffer in forward into a layer, or refuse one that splitting would change.
+
+    An update that reads no sample (``num_batches_tracked += 1``, a step counter) joins the
+    layer after it: every rank that runs that layer updates its copy, as one process does. An
+    update computed from the batch's values (a hand-written running mean of ``x.mean(0)``) would
+    see only a rank's slice of the batch, so it is refused here, naming the buffer; BatchNorm's
+    (``torch.batch_norm``) the executor synchronises.
+    """
+    names = {id(buffer): name for name, buffer in module.named_buffers()}
+    covered = _covered(groups)
+    order = {node.name: index for index, node in enumerate(nodes)}
+    for node in nodes:
+        updated = _updated_buffers(node, module, names, mutated.get(node.name, ()))
+        if not updated or "batch_norm" in str(node.target):
+            continue
+        if any(arg.name in data for arg in node.all_input_nodes):
+            raise DeeppoolError(
+                f"buffer '{updated[0]}' is updated in forward from the batch's values ('{node.name}' in module "
+                f"'{_module_path(node) or type(module).__name__}'): split across GPUs each rank would see only "
+                "its samples; make it an nn.BatchNorm, or update it outside forward"
+            )
+        if node.name in covered:
+            continue
+        after = next((group for group in groups if order[group[-1].name] > order[node.name]), None)
+        if after is None:
+            raise DeeppoolError(f"buffer '{updated[0]}' is updated in forward after the model's last layer")
+        after.insert(next(i for i, member in enumerate(after) if order[member.name] > order[node.name]), node)
+    return groups
+
+
+def _covered(groups: list[list[fx.Node]]) -> set[str]:
+    """The groups' nodes and every node they read: what the layers will run."""
+    stack = [node for group in groups for node in group]
+    seen = {node.name for node in stack}
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg.name not in seen:
+                seen.add(arg.name)
+                stack.append(arg)
+    return seen
+
+
+def _updated_buffers(
+    node: fx.Node, module: fx.GraphModule, names: Mapping[int, str], changed: tuple[torch.Tensor, ...],
+) -> list[str]:
+    """The buffers ``node`` updates in place: seen changing in the probe, or passed to an in-place op."""
+    found = [names[id(tensor)] for tensor in changed if id(tensor) in names]
+    if node.op in ("call_function", "call_method") and _in_place(node):
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                value = _attr(module, str(arg.target))
+                if id(value) in names and not isinstance(value, nn.Parameter):
+                    found.append(names[id(value)])
+    return list(dict.fromkeys(found))
+
+
+def _in_place(node: fx.Node) -> bool:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return bool(target._schema.is_mutable)
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") or name in ("setitem", "iadd", "isub", "imul", "itruediv")
 
 
 def _from_data(nodes: list[fx.Node], inputs: set[str], values: Mapping[str, Any]) -> set[str]:
