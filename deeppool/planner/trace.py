@@ -114,6 +114,7 @@ def _fx_trace(model: nn.Module, named: Mapping[str, Any]) -> fx.GraphModule:
     tracer = _PathTracer()
     buffers = dict(model.named_buffers())
     saved = {name: (buffer._version, buffer.clone()) for name, buffer in buffers.items()}
+    rng = torch.random.get_rng_state()
     try:
         graph = tracer.trace(model, concrete_args=_concrete_args(model, named) or None)
     except Exception as err:
@@ -128,6 +129,9 @@ def _fx_trace(model: nn.Module, named: Mapping[str, Any]) -> fx.GraphModule:
                 buffers[name].copy_(saved[name][1])
     if changed:  # fx ran the update eagerly on the real buffer: it is not in the graph
         raise DeeppoolError(f"torch.fx cannot trace the update of buffer '{changed[0]}' in forward")
+    if not torch.equal(rng, torch.random.get_rng_state()):  # a value drawn while tracing would be a constant
+        torch.random.set_rng_state(rng)
+        raise DeeppoolError("torch.fx cannot trace a random draw that no traced tensor feeds (torch.rand([]))")
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
