@@ -38,6 +38,7 @@ RUNS: dict[str, tuple[int, int, Assign]] = {
     "hf_swin": (8, 4, cycle(4, 2, 1, 3)),
     "hf_regnet": (8, 4, cycle(4, 2, 1, 3)),
     "tv_regnet": (8, 4, cycle(4, 2, 1, 3)),
+    "layerdrop_zero": (8, 4, cycle(4, 2, 1, 3)),
     "tv_resnet": (8, 4, cycle(4, 2, 1, 3)),
     "tv_mobilenet": (8, 2, cycle(2, 1)),
     "tv_inception": (8, 2, cycle(2, 1)),

@@ -62,6 +62,17 @@ def check_plan_matches(plan: Plan, graph: LayerGraph) -> None:
                 f"plan does not match model '{where}': layer {index} is '{planned.name}' ({planned.op}) "
                 f"in the plan but '{layer.name}' ({layer.op}) in the model: re-plan this model"
             )
+    for planned_branch, traced in zip(plan.branches, graph.branches, strict=False):
+        if planned_branch != traced:
+            raise DeeppoolError(
+                f"the branch at {planned_branch.file}:{planned_branch.line} went "
+                f"{'in' if traced.taken else 'past'} when traced here but the other way when planned: re-plan this model"
+            )
+    if len(plan.branches) != len(graph.branches):
+        raise DeeppoolError(
+            f"the model takes {len(graph.branches)} branches on tensor values here, {len(plan.branches)} when planned: "
+            "re-plan this model"
+        )
     smallest = min(plan.global_batch, *(b - a for layer in plan.layers for a, b in layer.samples))
     if smallest < 1:
         widest = max(plan.layers, key=lambda layer: layer.gpus)

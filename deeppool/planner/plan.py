@@ -18,6 +18,7 @@ from typing import Any
 from deeppool.adaptation.goodput import GoodputSearch
 from deeppool.errors import DeeppoolError
 from deeppool.planner.cost import CostModel, Optimizer, Phase
+from deeppool.planner.graph import Branch
 from deeppool.planner.baselines import Baselines
 from deeppool.planner.combine import Combine
 from deeppool.planner.hardware import NetworkModel, Precision
@@ -123,6 +124,10 @@ class Plan:
     """How each layer group combines its gradients (``deeppool plan --combine``); absent in older plans: sum."""
     goodput: GoodputSearch | None = None
     """With ``--batch auto``: every candidate batch's figures; ``global_batch`` is the goodput-optimal one."""
+    branches: tuple[Branch, ...] = ()
+    """Branches on tensor values the tracer specialised (file, line, the way taken): ``run`` checks them."""
+    draws: tuple[Branch, ...] = ()
+    """Where the model draws random numbers outside the graph (those branches' draws)."""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -154,6 +159,8 @@ class Plan:
             "predicted": asdict(self.predicted),
             "solver": asdict(self.solver),
             **({"goodput": self.goodput.to_json()} if self.goodput is not None else {}),
+            **({"branches": [branch.to_json() for branch in self.branches]} if self.branches else {}),
+            **({"draws": [draw.to_json() for draw in self.draws]} if self.draws else {}),
         }
 
     @classmethod
@@ -178,6 +185,8 @@ class Plan:
                 predicted=Prediction(**predicted),
                 solver=SolverInfo(**field(payload, "solver", kind="plan")),
                 goodput=GoodputSearch.from_json(payload["goodput"]) if "goodput" in payload else None,
+                branches=tuple(Branch.from_json(item) for item in payload.get("branches", ())),
+                draws=tuple(Branch.from_json(item) for item in payload.get("draws", ())),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise DeeppoolError(f"plan {where} is malformed ({type(err).__name__}: {err}): regenerate it") from None
@@ -272,6 +281,8 @@ def build_plan(
         layers=layers,
         predicted=predicted,
         solver=solver,
+        branches=cost.graph.branches,
+        draws=cost.graph.draws,
     )
 
 
