@@ -151,12 +151,16 @@ class GroupBatchNorm(nn.Module):
             return bn(x)
         out, stats = _group_normalise(x, bn.weight, bn.bias, bn.eps, self._reduce)
         if bn.track_running_stats and bn.running_mean is not None and bn.running_var is not None:
-            assert bn.num_batches_tracked is not None
-            with torch.no_grad():
-                bn.num_batches_tracked.add_(1)
-            momentum = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
-            update_running(bn.running_mean, bn.running_var, momentum, *stats)
+            self._update_running(bn, *stats)
         return out
+
+    @staticmethod
+    def _update_running(bn: nn.modules.batchnorm._BatchNorm, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
+        assert bn.num_batches_tracked is not None and bn.running_mean is not None and bn.running_var is not None
+        with torch.no_grad():
+            bn.num_batches_tracked.add_(1)
+        momentum = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
+        update_running(bn.running_mean, bn.running_var, momentum, mean, var, count)
 
 
 class FunctionalGroupBatchNorm(nn.Module):
