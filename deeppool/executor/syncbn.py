@@ -173,7 +173,7 @@ class FunctionalGroupBatchNorm(nn.Module):
         super().__init__()
         self._reduce = reduce
 
-    def forward(  # noqa: PLR0913 - aten.batch_norm's signature
+    def forward(  # aten.batch_norm's signature
         self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
         running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool, momentum: float,
         eps: float, cudnn_enabled: bool,

@@ -93,7 +93,7 @@ def trace_spec(spec: ModelSpec, *, meta: bool) -> tuple[LoadedModel, Traced]:
         try:
             loaded = spec.load(meta=True)
             return loaded, trace(loaded, TraceMethod.FX)
-        except Exception:  # noqa: BLE001 - any failure on meta is retried on CPU, which reports its own
+        except Exception:  # noqa: BLE001  any failure on meta is retried on CPU, which reports its own
             pass
     loaded = spec.load()
     return loaded, trace(loaded)
