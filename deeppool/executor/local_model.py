@@ -65,8 +65,8 @@ def check_plan_matches(plan: Plan, graph: LayerGraph) -> None:
     for planned_branch, traced in zip(plan.branches, graph.branches, strict=False):
         if planned_branch != traced:
             raise DeeppoolError(
-                f"the branch at {planned_branch.file}:{planned_branch.line} went "
-                f"{'in' if traced.taken else 'past'} when traced here but the other way when planned: re-plan this model"
+                f"the branch at {planned_branch.file}:{planned_branch.line} goes the other way here than when it was "
+                f"planned (taken: {traced.taken}, planned: {planned_branch.taken}): re-plan this model"
             )
     if len(plan.branches) != len(graph.branches):
         raise DeeppoolError(
