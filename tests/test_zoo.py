@@ -28,8 +28,17 @@ REFUSED = ZOO / "refused"
 RUNS: dict[str, tuple[int, int, Assign]] = {
     "hf_gpt2": (8, 2, cycle(2, 1)),
     "hf_bert": (8, 2, cycle(2, 1)),
-    "hf_t5": (8, 2, cycle(2, 1)),
-    "hf_vit": (8, 2, cycle(2, 1)),
+    "hf_t5": (8, 4, cycle(4, 2, 1, 3)),
+    "hf_vit": (8, 4, cycle(4, 2, 1, 3)),
+    "hf_llama": (8, 4, cycle(4, 2, 1, 3)),
+    "hf_gpt_neox": (8, 4, cycle(4, 2, 1, 3)),
+    "hf_bart": (8, 4, cycle(4, 2, 1, 3)),
+    "hf_whisper": (8, 4, cycle(4, 2, 1, 3)),
+    "hf_convnext": (8, 4, cycle(4, 2, 1, 3)),
+    "hf_swin": (8, 4, cycle(4, 2, 1, 3)),
+    "hf_regnet": (8, 4, cycle(4, 2, 1, 3)),
+    "tv_regnet": (8, 4, cycle(4, 2, 1, 3)),
+    "layerdrop_zero": (8, 4, cycle(4, 2, 1, 3)),
     "tv_resnet": (8, 4, cycle(4, 2, 1, 3)),
     "tv_mobilenet": (8, 2, cycle(2, 1)),
     "tv_inception": (8, 2, cycle(2, 1)),
@@ -90,6 +99,17 @@ def test_zoo_model_plans_and_trains_burst_parallel_exactly(tmp_path: Path, capfd
     assert (out / "summary.json").is_file()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf_gpt2", "tv_regnet"])
+def test_zoo_model_plans_with_local_measurement(tmp_path: Path, capfd, name: str) -> None:
+    """Measured here, not estimated: a dict of inputs (GPT-2) and a model that cannot be built on meta (RegNet)."""
+    planned = deeppool(capfd, "plan", str(ZOO / f"{name}.py"), "--gpus", "2", "--batch", "8",
+                       "--max-measured-batch", "4", "--out", str(tmp_path / "plan.json"))
+    assert planned.code == 0, planned.stderr[-3000:]
+    assert "Traceback" not in planned.stderr
+    assert len(json.loads((tmp_path / "plan.json").read_text())["layers"]) >= 2
+
+
 def assert_refused(result: Result, module: str) -> None:
     assert result.code == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -102,6 +122,23 @@ def test_data_dependent_control_flow_is_refused_at_plan_time(tmp_path: Path, cap
     result = deeppool(capfd, "plan", str(REFUSED / "data_dependent.py"), "--gpus", "4", "--batch", "8",
                       "--device-model", "a100", "--out", str(tmp_path / "plan.json"))
     assert_refused(result, "gate")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "words"), [
+    ("layerdrop", ("layerdrop.py:", "if torch.rand([]) < self.layerdrop", "set its probability to 0")),
+    ("running_mean", ("'norm.mean'", "from the batch's values")),
+])
+def test_model_is_refused_at_plan_time_naming_the_line_or_buffer(
+    tmp_path: Path, capfd, name: str, words: tuple[str, ...]
+) -> None:
+    result = deeppool(capfd, "plan", str(REFUSED / f"{name}.py"), "--gpus", "4", "--batch", "8",
+                      "--device-model", "a100", "--out", str(tmp_path / "plan.json"))
+    assert result.code == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, lines
+    assert all(word in lines[0] for word in words), lines[0]
+    assert not (tmp_path / "plan.json").exists()
 
 
 @pytest.mark.slow

@@ -122,7 +122,8 @@ def train_rank(
     reference = None if reference_model is None else LockstepReference(
         reference_model, config.optimizer, params=local.params, buffers=local.buffers, rank=comm.rank,
         bound=config.bound, random=traced.random.mode(plan.model.seed), training=config.training,
-        precision=config.precision, scaling=config.loss_scaling,
+        precision=config.precision, scaling=config.loss_scaling, branches=plan.branches,
+        draws=plan.draws,
     )
     engine = _engine(plan, program, local, comm, loaded, config, recorder, on_idle, device, reference, precision,
                      slowdown)

@@ -51,7 +51,8 @@ Check = Annotated[bool, typer.Option(
 )]
 CheckBound = Annotated[float | None, typer.Option(
     help="largest relative difference --check accepts (per tensor: gradients and buffers against their own norm, "
-    "parameters against their module's scale; fp32 round-off stays under 5e-5)",
+    "parameters against their module's scale; measured fp32 round-off after a few steps: about 1e-6 on "
+    "transformers, up to 7e-5 on deep BatchNorm CNNs such as densenet121, and it grows with depth and steps)",
     show_default="1e-3 (fp32), 1e-2 (fp16), 5e-2 (bf16)",
 )]
 Out = Annotated[Path, typer.Option("--out", help="directory for traces, summary.json and error records")]

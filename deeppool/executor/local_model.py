@@ -22,7 +22,7 @@ from deeppool.errors import DeeppoolError
 from deeppool.executor.config import BatchNormMode
 from deeppool.executor.program import Stage
 from deeppool.executor.stage_module import StageModule
-from deeppool.executor.syncbn import GroupBatchNorm, Reduce
+from deeppool.executor.syncbn import FunctionalGroupBatchNorm, GroupBatchNorm, Reduce
 from deeppool.planner.graph import Layer, LayerGraph
 from deeppool.planner.plan import Plan
 from deeppool.planner.randomness import RandomSites, SampleRandomness
@@ -62,6 +62,17 @@ def check_plan_matches(plan: Plan, graph: LayerGraph) -> None:
                 f"plan does not match model '{where}': layer {index} is '{planned.name}' ({planned.op}) "
                 f"in the plan but '{layer.name}' ({layer.op}) in the model: re-plan this model"
             )
+    for planned_branch, traced in zip(plan.branches, graph.branches, strict=False):
+        if planned_branch != traced:
+            raise DeeppoolError(
+                f"the branch at {planned_branch.file}:{planned_branch.line} goes the other way here than when it was "
+                f"planned (taken: {traced.taken}, planned: {planned_branch.taken}): re-plan this model"
+            )
+    if len(plan.branches) != len(graph.branches):
+        raise DeeppoolError(
+            f"the model takes {len(graph.branches)} branches on tensor values here, {len(plan.branches)} when planned: "
+            "re-plan this model"
+        )
     smallest = min(plan.global_batch, *(b - a for layer in plan.layers for a, b in layer.samples))
     if smallest < 1:
         widest = max(plan.layers, key=lambda layer: layer.gpus)
@@ -187,11 +198,20 @@ def _sync_batch_norms(module: fx.GraphModule, layer: Layer, reduce: Reduce) -> N
             sub = module.get_submodule(target)
             if isinstance(sub, nn.modules.batchnorm._BatchNorm):
                 _replace(module, target, GroupBatchNorm(sub, reduce))
+        elif node.op == "call_function" and node.target is torch.ops.aten.batch_norm.default:
+            _call_module(module, node, FunctionalGroupBatchNorm(reduce))
         elif node.op == "call_function" and "batch_norm" in getattr(node.target, "__name__", str(node.target)):
             raise DeeppoolError(
-                f"layer '{layer.name}' calls batch_norm as a function on several ranks; the executor "
-                "synchronises only nn.BatchNorm modules: give this layer 1 GPU or use a module"
+                f"layer '{layer.name}' calls {getattr(node.target, '__name__', node.target)} on several ranks; "
+                "the executor synchronises nn.BatchNorm modules and torch.batch_norm: give this layer 1 GPU"
             )
+
+
+def _call_module(module: fx.GraphModule, node: fx.Node, new: nn.Module) -> None:
+    """Turn a function call node into a call of ``new`` (same arguments), held by ``module``."""
+    name = f"deeppool_{node.name}"
+    module.add_submodule(name, new)
+    node.op, node.target = "call_module", name
 
 
 def _replace(module: nn.Module, target: str, new: nn.Module) -> None:

@@ -69,10 +69,15 @@ class StageOverlap:
 
 
 def install_hooks(params: dict[str, nn.Parameter], overlaps: list[StageOverlap]) -> None:
-    """One post-accumulate-grad hook per parameter that an overlapped stage owns."""
+    """One post-accumulate-grad hook per trained parameter that an overlapped stage owns.
+
+    A frozen parameter (``requires_grad=False``: Whisper's sinusoidal positions) never gets a
+    gradient, so its layer goes at the end of the stage's backward, as a parameter the backward
+    did not reach does.
+    """
     for name, param in params.items():
         owner = next((overlap for overlap in overlaps if overlap.owns(name)), None)
-        if owner is not None:
+        if owner is not None and param.requires_grad:
             param.register_post_accumulate_grad_hook(_hook(owner, name))
 
 

@@ -86,7 +86,9 @@ from deeppool.executor.config import LossScaling, OptimizerConfig, Precision, Tr
 from deeppool.executor.data import Batch, BatchSource
 from deeppool.executor.precision import autocast, grad_scaler
 from deeppool.planner.modelspec import LoadedModel
+from deeppool.planner.graph import Branch
 from deeppool.planner.randomness import SampleRandomness
+from deeppool.planner.trace import BranchWatch, check_branches
 
 Tensors = Mapping[str, torch.Tensor]
 MaybeTensors = Mapping[str, torch.Tensor | None]
@@ -196,9 +198,12 @@ class LockstepReference:
     def __init__(
         self, loaded: LoadedModel, optimizer: OptimizerConfig, *, params: Mapping[str, nn.Parameter],
         buffers: Tensors, rank: int, bound: float, random: SampleRandomness, training: Training | None = None,
-        precision: Precision = Precision.FP32, scaling: LossScaling | None = None,
+        precision: Precision = Precision.FP32, scaling: LossScaling | None = None, branches: tuple[Branch, ...] = (),
+        draws: tuple[Branch, ...] = (),
     ) -> None:
         self._loaded = loaded
+        self._branches = branches
+        self._draws = draws
         self._model = loaded.module.train()
         self._random = random
         self._ref_params = dict(self._model.named_parameters())
@@ -225,10 +230,14 @@ class LockstepReference:
         parameters and buffers to it."""
         micros = len(batches)
         for micro, batch in enumerate(batches):
+            watch = BranchWatch(apart=self._draws) if self._branches or self._draws else contextlib.nullcontext()
             with self._random.at(step=step * micros + micro, offset=0, ordinal=0), autocast(
                     self._precision, torch.device("cpu")):
-                output = batch.run(self._model)
+                with watch:  # the branches the plan specialised must go the planned way
+                    output = batch.run(self._model)
                 loss = self._loaded.loss(output, batch.targets) / micros
+            if isinstance(watch, BranchWatch):
+                check_branches(self._branches, watch.branches)
             (loss if self._scaler is None else self._scaler.scale(loss)).backward()
         if self._scaler is not None:
             self._scaler.unscale_(self._optimizer)

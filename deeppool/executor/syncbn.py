@@ -149,20 +149,61 @@ class GroupBatchNorm(nn.Module):
         bn = self.bn
         if not bn.training:
             return bn(x)
-        stats: list[Any] = []
-        # bf16/fp16 (autocast): computed in fp32 and rounded once, as PyTorch's kernel does with its opmath type
-        wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-        out = _GroupBatchNormFn.apply(wide.contiguous(), bn.weight, bn.bias, bn.eps, self._reduce, stats)
+        out, stats = _group_normalise(x, bn.weight, bn.bias, bn.eps, self._reduce)
         if bn.track_running_stats and bn.running_mean is not None and bn.running_var is not None:
             self._update_running(bn, *stats)
-        return out.to(x.dtype)
+        return out
 
     @staticmethod
     def _update_running(bn: nn.modules.batchnorm._BatchNorm, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
         assert bn.num_batches_tracked is not None and bn.running_mean is not None and bn.running_var is not None
         with torch.no_grad():
             bn.num_batches_tracked.add_(1)
-            momentum = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
-            unbiased = var * (count / (count - 1)) if count > 1 else var
-            bn.running_mean.mul_(1 - momentum).add_(mean.to(bn.running_mean.dtype), alpha=momentum)
-            bn.running_var.mul_(1 - momentum).add_(unbiased.to(bn.running_var.dtype), alpha=momentum)
+        momentum = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
+        update_running(bn.running_mean, bn.running_var, momentum, mean, var, count)
+
+
+class FunctionalGroupBatchNorm(nn.Module):
+    """Stands in for a ``torch.batch_norm`` call of an exported graph (``aten.batch_norm``), same arguments.
+
+    The graph updates ``num_batches_tracked`` in a node of its own; the momentum is an argument.
+    """
+
+    def __init__(self, reduce: Reduce) -> None:
+        super().__init__()
+        self._reduce = reduce
+
+    def forward(  # aten.batch_norm's signature
+        self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+        running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool, momentum: float,
+        eps: float, cudnn_enabled: bool,
+    ) -> torch.Tensor:
+        if not training:
+            return torch.batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
+        out, stats = _group_normalise(x, weight, bias, eps, self._reduce)
+        if running_mean is not None and running_var is not None:
+            update_running(running_mean, running_var, momentum, *stats)
+        return out
+
+
+def _group_normalise(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, reduce: Reduce,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, int]]:
+    """The normalised ``x`` over the group's whole batch, and the batch's mean, variance and count."""
+    stats: list[Any] = []
+    # bf16/fp16 (autocast): computed in fp32 and rounded once, as PyTorch's kernel does with its opmath type
+    wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+    out = _GroupBatchNormFn.apply(wide.contiguous(), weight, bias, eps, reduce, stats)
+    mean, var, count = stats
+    return out.to(x.dtype), (mean, var, count)
+
+
+def update_running(
+    running_mean: torch.Tensor, running_var: torch.Tensor, momentum: float, mean: torch.Tensor, var: torch.Tensor,
+    count: int,
+) -> None:
+    """The running statistics updated with the global mean and unbiased variance, as ``nn.BatchNorm`` does."""
+    with torch.no_grad():
+        unbiased = var * (count / (count - 1)) if count > 1 else var
+        running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+        running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)

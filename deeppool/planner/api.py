@@ -32,7 +32,7 @@ from deeppool.planner.profiler import ProfilerConfig, intra_op_threads, measure_
 from deeppool.planner.request import LOCAL, CostSource, PlanRequest, check_precision, check_samples
 from deeppool.planner.strategies import Search, solve_all
 from deeppool.planner.throughput import right_sizing, shares
-from deeppool.planner.trace import Traced, trace
+from deeppool.planner.trace import Traced, trace, trace_spec
 
 __all__ = ["LOCAL", "CostSource", "Pin", "PlanRequest", "Planned", "batch_planner", "device_setup", "plan", "plan_graph", "plan_model"]
 
@@ -145,8 +145,7 @@ def plan_model(spec: ModelSpec, request: PlanRequest, source: CostSource) -> Pla
 def batch_planner(spec: ModelSpec, request: PlanRequest, source: CostSource) -> Callable[[int], Planned]:
     """Trace the model once; the function plans ``request`` at any global batch, each with its own profile."""
     check_precision(request, source)
-    loaded = spec.load(meta=not source.measures_locally)
-    traced = trace(loaded)
+    loaded, traced = trace_spec(spec, meta=not source.measures_locally)
     if source.measures_locally:
         with intra_op_threads(source.threads(request)):
             check_per_sample(traced, loaded, seed=spec.seed)

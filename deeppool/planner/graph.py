@@ -17,6 +17,7 @@ these nodes (see :mod:`deeppool.planner.layer_exec`).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -35,6 +36,22 @@ class TraceMethod(enum.Enum):
 
     FX = "fx"
     EXPORT = "export"
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A branch on a tensor's value that the tracer specialised: where, and which way it went."""
+
+    file: str
+    line: int
+    taken: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "line": self.line, "taken": self.taken}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Branch:
+        return cls(file=str(data["file"]), line=int(data["line"]), taken=bool(data["taken"]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +120,12 @@ class LayerGraph:
     output: str
     method: TraceMethod
     input_keys: tuple[str, ...] = ()
+    branches: tuple[Branch, ...] = ()
+    """Branches on tensor values the tracer specialised (LayerDrop 0), in the order they ran."""
+    draws: tuple[Branch, ...] = ()
+    """Where the model draws random numbers that no traced tensor feeds (``torch.rand([])`` for a
+    specialised branch): not in the graph, so ``run --check``'s reference draws them apart from the
+    per-sample streams (``taken`` is False)."""
     schema_version: int = GRAPH_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -175,6 +198,8 @@ class LayerGraph:
             "input_keys": list(self.input_keys),
             "input_shapes": [list(shape) for shape in self.input_shapes],
             "output": self.output,
+            "branches": [branch.to_json() for branch in self.branches],
+            "draws": [draw.to_json() for draw in self.draws],
             "layers": [layer.to_json() for layer in self.layers],
         }
 
@@ -190,6 +215,8 @@ class LayerGraph:
             ),
             output=str(field(payload, "output", kind="graph")),
             method=TraceMethod(field(payload, "method", kind="graph")),
+            branches=tuple(Branch.from_json(item) for item in payload.get("branches", ())),
+            draws=tuple(Branch.from_json(item) for item in payload.get("draws", ())),
         )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from deeppool.adaptation.goodput import GoodputSearch
 from deeppool.errors import DeeppoolError
 from deeppool.planner.cost import CostModel, Optimizer, Phase
+from deeppool.planner.graph import Branch
 from deeppool.planner.baselines import Baselines
 from deeppool.planner.combine import Combine
 from deeppool.planner.hardware import NetworkModel, Precision
@@ -157,6 +158,10 @@ class Plan:
     """What the ILP strategy optimised (``--objective``); absent in older plans: time."""
     cluster: ClusterShares | None = None
     """The cluster's throughput under the plan; absent in older plans."""
+    branches: tuple[Branch, ...] = ()
+    """Branches on tensor values the tracer specialised (file, line, the way taken): ``run`` checks them."""
+    draws: tuple[Branch, ...] = ()
+    """Where the model draws random numbers outside the graph (those branches' draws)."""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -191,6 +196,8 @@ class Plan:
             "objective": self.objective.value,
             **({"cluster": asdict(self.cluster)} if self.cluster is not None else {}),
             **({"goodput": self.goodput.to_json()} if self.goodput is not None else {}),
+            **({"branches": [branch.to_json() for branch in self.branches]} if self.branches else {}),
+            **({"draws": [draw.to_json() for draw in self.draws]} if self.draws else {}),
         }
 
     @classmethod
@@ -218,6 +225,8 @@ class Plan:
                 pins=tuple(Pin.from_json(item) for item in payload.get("pins", ())),
                 objective=Objective(payload.get("objective", Objective.TIME.value)),
                 cluster=ClusterShares(**payload["cluster"]) if "cluster" in payload else None,
+                branches=tuple(Branch.from_json(item) for item in payload.get("branches", ())),
+                draws=tuple(Branch.from_json(item) for item in payload.get("draws", ())),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise DeeppoolError(f"plan {where} is malformed ({type(err).__name__}: {err}): regenerate it") from None
@@ -318,6 +327,8 @@ def build_plan(
         pins=pins,
         objective=objective,
         cluster=cluster,
+        branches=cost.graph.branches,
+        draws=cost.graph.draws,
     )
 
 

@@ -426,7 +426,8 @@ def _measure_batch(
     spread within the bound, or ``config.max_repeats`` passes; each layer's medians over its kept passes.
     From the cache when every layer at this batch is there."""
     graph = passes.graph
-    inputs = dict(zip(graph.inputs, (t.to(passes.device) for t in loaded.inputs(batch)), strict=True))
+    named = loaded.named_inputs(batch)  # a dict of inputs binds by name, as the graph's input keys record
+    inputs = {name: named[key].to(passes.device) for name, key in zip(graph.inputs, graph.input_keys, strict=True)}
     keys, output = _keys(passes, inputs, batch, config)
     found = {name: cache.get(key) for name, key in keys.items()} if cache else {}
     if found and all(m is not None for m in found.values()):

@@ -246,14 +246,30 @@ def _concat(*parts: Any) -> Any:
 
 
 def _join(func: OpOverload, outputs: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The whole-batch output: written arguments as they are, other outputs concatenated on dim 0."""
+    """The whole-batch output: written arguments as they are, other outputs concatenated on dim 0.
+
+    A concatenated output shaped like the op's first tensor argument takes that argument's
+    strides, as the op's own output does (``dropout`` of a transposed tensor is transposed):
+    the model's next ``view`` may rely on them.
+    """
     sources = _written_sources(func, args, kwargs)
+    like = next(_tensors((args, kwargs)), None)
     if len(sources) == 1:
-        return sources[0] if sources[0] is not None else _concat(*outputs)
+        return sources[0] if sources[0] is not None else _laid_out(_concat(*outputs), like)
     columns = zip(*outputs, strict=True)
     return tuple(
-        source if source is not None else _concat(*column) for source, column in zip(sources, columns, strict=True)
+        source if source is not None else _laid_out(_concat(*column), like)
+        for source, column in zip(sources, columns, strict=True)
     )
+
+
+def _laid_out(joined: Any, like: torch.Tensor | None) -> Any:
+    """``joined`` in the memory layout of ``like`` when it has its shape, else as it is."""
+    if not isinstance(joined, torch.Tensor) or like is None or joined.shape != like.shape:
+        return joined
+    if joined.stride() == like.stride():
+        return joined
+    return torch.empty_like(like, dtype=joined.dtype).copy_(joined)
 
 
 def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:

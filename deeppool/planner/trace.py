@@ -22,25 +22,31 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import linecache
 import logging
+import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.graph import OUTPUT_LAYER, Layer, LayerGraph, TraceMethod
+from deeppool.planner.graph import OUTPUT_LAYER, Branch, Layer, LayerGraph, TraceMethod
 from deeppool.planner.layer_exec import LayerRunner, floating_leaves, structured_output
-from deeppool.planner.modelspec import LoadedModel
+from deeppool.planner.modelspec import LoadedModel, ModelSpec
 from deeppool.planner.mutation import Mutation, Probe, after_mutation, functionalize, merged_groups
 from deeppool.planner.randomness import RandomSites, SampleRandomness, batched_calls
 
 _PROBE_BATCHES = (2, 3)
+_SKIPPED = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[1]), "<")
+"""Frames that are not the model's code: torch's, deeppool's, generated code's."""
 _LAYER_OPS = ("call_module", "call_function", "call_method")
 
 
@@ -51,6 +57,10 @@ class Traced:
     module: fx.GraphModule
     graph: LayerGraph
     random: RandomSites
+
+
+class RandomBranchError(DeeppoolError):
+    """A branch on a random value goes both ways: no tracer can make one graph of the model."""
 
 
 class _PathTracer(fx.Tracer):
@@ -69,34 +79,184 @@ class _PathTracer(fx.Tracer):
             raise
 
 
+def trace_spec(spec: ModelSpec, *, meta: bool) -> tuple[LoadedModel, Traced]:
+    """Build and trace the model ``spec`` names: on the meta device when ``meta`` and torch.fx traces it there.
+
+    Planning with a device model needs shapes only, so it tries the meta device (no storage, no
+    initialisation) first; but only torch.fx's graph is the same on every device. A model that
+    fx cannot trace, or that fails on meta tensors (a constructor that reads values, autocast on
+    ``meta``), is built and traced on CPU tensors at a small batch, as ``run`` traces it: export
+    decomposes some operations differently on meta (``x[..., 0] = 0`` is ``copy_`` there,
+    ``fill_`` on CPU), so the plan's graph is the one ``run`` traces by construction.
+    """
+    if meta:
+        try:
+            loaded = spec.load(meta=True)
+            return loaded, trace(loaded, TraceMethod.FX)
+        except Exception:  # noqa: BLE001  any failure on meta is retried on CPU, which reports its own
+            pass
+    loaded = spec.load()
+    return loaded, trace(loaded)
+
+
 def trace(loaded: LoadedModel, method: TraceMethod | None = None) -> Traced:
     """Trace ``loaded`` with ``method``, or fx then export when ``method`` is None."""
     named = loaded.named_inputs(_PROBE_BATCHES[0])
     if method is TraceMethod.EXPORT:
         return _graph_of(_export(loaded.module, named), loaded, TraceMethod.EXPORT)
     try:
-        module = _fx_trace(loaded.module, named)
+        module, seen = _fx_trace(loaded.module, named)
     except DeeppoolError as fx_error:
-        if method is TraceMethod.FX:
+        if method is TraceMethod.FX or isinstance(fx_error, RandomBranchError):
             raise
         try:
             module = _export(loaded.module, named)
         except DeeppoolError as export_error:
             raise DeeppoolError(f"{fx_error}; {export_error}") from None
         return _graph_of(module, loaded, TraceMethod.EXPORT)
-    return _graph_of(module, loaded, TraceMethod.FX)
+    return _graph_of(module, loaded, TraceMethod.FX, (tuple(seen.branches), tuple(seen.draws)))
 
 
-def _fx_trace(model: nn.Module, named: Mapping[str, Any]) -> fx.GraphModule:
-    tracer = _PathTracer()
-    try:
-        graph = tracer.trace(model, concrete_args=_concrete_args(model, named) or None)
-    except Exception as err:
-        where = tracer.failed_in or "<root>"
+def _fx_trace(model: nn.Module, named: Mapping[str, Any]) -> tuple[fx.GraphModule, BranchWatch]:
+    """fx's graph and the branches on tensor values it specialised.
+
+    fx runs eagerly whatever no traced tensor feeds: ``torch.rand([])`` draws a real number and
+    ``if torch.rand([]) < self.layerdrop`` takes one way. Such a model is traced twice, every
+    draw forced to the smallest and then the largest value it can take: a branch that goes
+    both ways depends on the draw (LayerDrop above 0) and is refused naming its line; one that
+    goes one way (LayerDrop 0) is specialised and listed; a drawn value that reaches the graph
+    as a constant is refused.
+    """
+    low, low_seen = _fx_trace_once(model, named, 0.0)
+    if not low_seen.draws:
+        return low, low_seen
+    high, high_seen = _fx_trace_once(model, named, 1.0 - 2.0**-24)
+    for first, second in zip(low_seen.branches, high_seen.branches, strict=False):
+        if first != second:
+            raise RandomBranchError(
+                f"a branch on a random value at {first.file}:{first.line}{_source(first.file, first.line)} goes both "
+                "ways (LayerDrop above 0?): the layers would change from step to step; set its probability to 0 "
+                "or wrap the branch in a module that always takes one way"
+            )
+    if low.code != high.code or len(low_seen.branches) != len(high_seen.branches) or not _same_constants(low, high):
         raise DeeppoolError(
-            f"torch.fx cannot trace module '{where}' ({type(err).__name__}: {_first_line(err)})"
+            "a value drawn while tracing (torch.rand, no traced tensor feeding it) reaches the graph as a constant: "
+            "draw it from a traced tensor (torch.rand_like(x)) so that it is drawn every step"
+        )
+    return low, low_seen
+
+
+def _same_constants(first: fx.GraphModule, second: fx.GraphModule) -> bool:
+    """Whether the tensors fx stored as constants (not parameters or buffers) are equal."""
+    def constants(module: fx.GraphModule) -> dict[str, torch.Tensor]:
+        return {n.target: _attr(module, str(n.target)) for n in module.graph.nodes
+                if n.op == "get_attr" and str(n.target).startswith("_tensor_constant")}
+    ours, theirs = constants(first), constants(second)
+    return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+class BranchWatch(TorchDispatchMode):
+    """Watches what runs eagerly: random draws (forced to ``extreme`` when given) and branches on tensor values.
+
+    fx's tracer runs under it to find the branches it specialises; ``run --check`` runs its
+    single-process reference under it to verify they still go the planned way.
+    """
+
+    def __init__(self, extreme: float | None = None, apart: tuple[Branch, ...] = ()) -> None:
+        super().__init__()
+        self.extreme = extreme
+        self.apart = {(draw.file, draw.line) for draw in apart}
+        self.draws: list[Branch] = []
+        self.branches: list[Branch] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        where = _user_stack_frame() if seeded else None
+        if where in self.apart:  # a draw the graph does not have: outside the per-sample streams, RNG kept
+            with _disable_current_modes(), torch.random.fork_rng(devices=[]):
+                return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if seeded:
+            if where is not None:
+                self.draws.append(Branch(file=where[0], line=where[1], taken=False))
+            for leaf in pytree.tree_leaves(out) if self.extreme is not None else ():
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                    leaf.fill_(self.extreme)
+        elif func in (torch.ops.aten.is_nonzero.default, torch.ops.aten._local_scalar_dense.default):
+            where = _user_stack_frame()
+            if where is not None and isinstance(out, bool | int | float):
+                self.branches.append(Branch(file=where[0], line=where[1], taken=bool(out)))
+        return out
+
+
+def check_branches(planned: tuple[Branch, ...], seen: list[Branch]) -> None:
+    """Raise, in one line, at the first planned branch that ``seen`` took the other way."""
+    lines = {(branch.file, branch.line) for branch in planned}
+    taken = [branch for branch in seen if (branch.file, branch.line) in lines]
+    for want, got in zip(planned, taken, strict=False):
+        if want != got:
+            raise DeeppoolError(
+                f"the branch at {want.file}:{want.line}{_source(want.file, want.line)} went the other way than when "
+                "it was planned: the plan's layers are no longer the model's (LayerDrop above 0?); re-plan it"
+            )
+    if len(taken) != len(planned):
+        raise DeeppoolError(f"the model took {len(taken)} planned branches on tensor values, the plan {len(planned)}")
+
+
+def _user_stack_frame() -> tuple[str, int] | None:
+    """The innermost frame of the current stack in the model's code."""
+    for frame in reversed(traceback.extract_stack()):
+        if frame.filename and not frame.filename.startswith(_SKIPPED) and "/contextlib.py" not in frame.filename:
+            return frame.filename, frame.lineno or 0
+    return None
+
+
+def _fx_trace_once(model: nn.Module, named: Mapping[str, Any], extreme: float) -> tuple[fx.GraphModule, BranchWatch]:
+    tracer = _PathTracer()
+    buffers = dict(model.named_buffers())
+    saved = {name: (buffer._version, buffer.clone()) for name, buffer in buffers.items()}
+    rng = torch.random.get_rng_state()
+    watch = BranchWatch(extreme)
+    try:
+        with watch:
+            graph = tracer.trace(model, concrete_args=_concrete_args(model, named) or None)
+    except Exception as err:
+        where = tracer.failed_in or type(model).__name__
+        raise DeeppoolError(
+            f"torch.fx cannot trace module '{where}'{_at_line(err)} ({type(err).__name__}: {_first_line(err)})"
         ) from None
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+    finally:
+        torch.random.set_rng_state(rng)
+        changed = [name for name, buffer in buffers.items() if buffer._version != saved[name][0]]
+        with torch.no_grad():
+            for name in changed:
+                buffers[name].copy_(saved[name][1])
+    if changed:  # fx ran the update eagerly on the real buffer: it is not in the graph
+        raise DeeppoolError(f"torch.fx cannot trace the update of buffer '{changed[0]}' in forward")
+    return fx.GraphModule(tracer.root, graph, type(model).__name__), watch
+
+
+def _source(filename: str, lineno: int) -> str:
+    text = linecache.getline(filename, lineno).strip()
+    return f" (`{text}`)" if text else ""
+
+
+def _at_line(err: BaseException) -> str:
+    """`` at FILE:LINE (`source`)`` of the model's code where ``err`` was raised ('' when no such frame)."""
+    frame = user_frame(err)
+    if frame is None:
+        return ""
+    return f" at {frame[0]}:{frame[1]}{_source(*frame)}"
+
+
+def user_frame(err: BaseException) -> tuple[str, int] | None:
+    """The innermost frame of ``err``'s traceback in the model's code (not torch's, not deeppool's)."""
+    found = None
+    for frame, lineno in traceback.walk_tb(err.__traceback__):
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_SKIPPED) and "/contextlib.py" not in filename:
+            found = (filename, lineno)
+    return found
 
 
 def _concrete_args(model: nn.Module, named: Mapping[str, Any]) -> dict[str, Any]:
@@ -122,10 +282,20 @@ def _export(model: nn.Module, named: Mapping[str, Any]) -> fx.GraphModule:
         with _quiet_torch_logs():
             program = torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as err:
-        raise DeeppoolError(
-            f"torch.export cannot trace the model either ({type(err).__name__}: {_first_line(err)})"
-        ) from None
+        raise DeeppoolError(_export_failure(err)) from None
     return program.module()
+
+
+def _export_failure(err: BaseException) -> str:
+    """One line: where in the model's code torch.export stopped, and why."""
+    reason = f"{type(err).__name__}: {_first_line(err)}"
+    if "data-dependent" in str(err) or "DataDependent" in type(err).__name__:
+        return (
+            f"torch.export cannot trace a branch on a tensor's value{_at_line(err)}: a branch on a random or "
+            "data-dependent value changes the layers from step to step; if it is LayerDrop, set its probability "
+            "to 0 (e.g. encoder_layerdrop=0.0) or wrap the branch in a module that always takes one way"
+        )
+    return f"torch.export cannot trace the model either{_at_line(err)} ({reason})"
 
 
 def placeholder_values(module: fx.GraphModule, named: Mapping[str, Any]) -> list[Any]:
@@ -262,12 +432,15 @@ def _batched(small: Mapping[str, Any], large: Mapping[str, Any]) -> set[str]:
     }
 
 
-def _graph_of(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) -> Traced:
+def _graph_of(
+    module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod,
+    branches: tuple[tuple[Branch, ...], tuple[Branch, ...]] = ((), ()),
+) -> Traced:
     """Probe the graph; buffers (batch-norm running statistics) and gradients are restored after."""
     saved = {name: buffer.clone() for name, buffer in module.named_buffers()}
     grads = {name: param.grad for name, param in module.named_parameters()}
     try:
-        return _probed_graph(module, loaded, method)
+        return _probed_graph(module, loaded, method, branches)
     finally:
         with torch.no_grad():
             for name, buffer in module.named_buffers():
@@ -276,7 +449,10 @@ def _graph_of(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) 
             param.grad = grads[name]
 
 
-def _probed_graph(module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod) -> Traced:
+def _probed_graph(
+    module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod,
+    branches: tuple[tuple[Branch, ...], tuple[Branch, ...]],
+) -> Traced:
     """Shapes and FLOPs come from meta or fake tensors: no arithmetic is done."""
     shapes = _ShapeOnly(_device_of(module))
     small_inputs, large_inputs = (loaded.named_inputs(b) for b in _PROBE_BATCHES)
@@ -296,6 +472,7 @@ def _probed_graph(module: fx.GraphModule, loaded: LoadedModel, method: TraceMeth
     data = _from_data(nodes, {n.name for n in placeholders}, small.values)
     heads = [n for n in nodes if n.op in _LAYER_OPS and n.name in batched and n.name in data]
     groups = _merge(_group(heads, method), mutations, nodes)
+    groups = _carry_buffer_updates(groups, nodes, module, data, small.mutated)
     with FlopCounterMode(display=False) as counter:
         builder = _LayerBuilder(module, small, {n.name for n in placeholders}, groups, shapes, counter)
         layers = [builder.build(group) for group in groups]
@@ -310,8 +487,88 @@ def _probed_graph(module: fx.GraphModule, loaded: LoadedModel, method: TraceMeth
         input_shapes=tuple(tuple(small.values[n.name].shape[1:]) for n in placeholders),
         output=output,
         method=method,
+        branches=branches[0],
+        draws=branches[1],
     )
     return Traced(module=module, graph=graph, random=random)
+
+
+def _carry_buffer_updates(
+    groups: list[list[fx.Node]], nodes: list[fx.Node], module: fx.GraphModule, data: set[str],
+    mutated: Mapping[str, tuple[torch.Tensor, ...]],
+) -> list[list[fx.Node]]:
+    """Put every update of a buffer in forward into a layer, or refuse one that splitting would change.
+
+    An update that reads no sample (``num_batches_tracked += 1``, a step counter) joins the
+    layer after it: every rank that runs that layer updates its copy, as one process does. An
+    update computed from the batch's values (a hand-written running mean of ``x.mean(0)``) would
+    see only a rank's slice of the batch, so it is refused here, naming the buffer; BatchNorm's
+    (``torch.batch_norm``) the executor synchronises.
+    """
+    names = {id(buffer): name for name, buffer in module.named_buffers()}
+    covered = _covered(groups)
+    order = {node.name: index for index, node in enumerate(nodes)}
+    for node in nodes:
+        updated = _updated_buffers(node, module, names, mutated.get(node.name, ()))
+        if not updated or "batch_norm" in str(node.target) or _writes_back_itself(node):
+            continue
+        if any(arg.name in data for arg in node.all_input_nodes):
+            raise DeeppoolError(
+                f"buffer '{updated[0]}' is updated in forward from the batch's values ('{node.name}' in module "
+                f"'{_module_path(node) or type(module).__name__}'): split across GPUs each rank would see only "
+                "its samples; make it an nn.BatchNorm, or update it outside forward"
+            )
+        if node.name in covered:
+            continue
+        after = next((group for group in groups if order[group[-1].name] > order[node.name]), None)
+        if after is None:
+            raise DeeppoolError(f"buffer '{updated[0]}' is updated in forward after the model's last layer")
+        after.insert(next(i for i, member in enumerate(after) if order[member.name] > order[node.name]), node)
+    return groups
+
+
+def _writes_back_itself(node: fx.Node) -> bool:
+    """torch.export's closing ``copy_(buffer, value)`` where ``value`` is the buffer updated in place: a no-op."""
+    if node.target is not torch.ops.aten.copy_.default or len(node.args) < 2:
+        return False
+    value = node.args[1]
+    while isinstance(value, fx.Node) and value is not node.args[0] and _in_place(value) and value.args:
+        value = value.args[0]
+    return value is node.args[0]
+
+
+def _covered(groups: list[list[fx.Node]]) -> set[str]:
+    """The groups' nodes and every node they read: what the layers will run."""
+    stack = [node for group in groups for node in group]
+    seen = {node.name for node in stack}
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg.name not in seen:
+                seen.add(arg.name)
+                stack.append(arg)
+    return seen
+
+
+def _updated_buffers(
+    node: fx.Node, module: fx.GraphModule, names: Mapping[int, str], changed: tuple[torch.Tensor, ...],
+) -> list[str]:
+    """The buffers ``node`` updates in place: seen changing in the probe, or passed to an in-place op."""
+    found = [names[id(tensor)] for tensor in changed if id(tensor) in names]
+    if node.op in ("call_function", "call_method") and _in_place(node):
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                value = _attr(module, str(arg.target))
+                if id(value) in names and not isinstance(value, nn.Parameter):
+                    found.append(names[id(value)])
+    return list(dict.fromkeys(found))
+
+
+def _in_place(node: fx.Node) -> bool:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return bool(target._schema.is_mutable)
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") or name in ("setitem", "iadd", "isub", "imul", "itruediv")
 
 
 def _from_data(nodes: list[fx.Node], inputs: set[str], values: Mapping[str, Any]) -> set[str]:

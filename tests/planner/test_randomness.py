@@ -85,6 +85,16 @@ def test_native_dropout_is_split_invariant_with_its_mask() -> None:
     assert torch.equal(whole_out[1], split_out[1])
 
 
+def test_per_sample_outputs_keep_the_ops_memory_layout() -> None:
+    """native_dropout of a transposed tensor is transposed; code may ``view`` it as such (HF ViT's attention)."""
+    x = torch.randn(6, 4, 5).transpose(1, 2)
+    eager = torch.ops.aten.native_dropout(x, 0.5, True)
+    drawn = run(SampleRandomness(seed=SEED, batched={0: True}), lambda: torch.ops.aten.native_dropout(x, 0.5, True))
+    for ours, theirs in zip(drawn, eager, strict=True):
+        assert ours.stride() == theirs.stride()
+    drawn[0].transpose(1, 2).view(6, -1)  # raises if the layout were contiguous
+
+
 def masks(mode: SampleRandomness, step: int) -> torch.Tensor:
     return run(mode, lambda: F.dropout(torch.ones(6, 32), 0.5), step=step)
 

@@ -12,9 +12,10 @@ from deeppool.errors import DeeppoolError
 from deeppool.planner.graph import LayerGraph, TraceMethod
 from deeppool.planner.layer_exec import runners
 from deeppool.planner.modelspec import LoadedModel, ModelSpec, default_loss
-from deeppool.planner.trace import trace
+from deeppool.planner.trace import BranchWatch, check_branches, trace, trace_spec
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
+ZOO = MODELS / "zoo"
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -109,3 +110,64 @@ def test_tracing_leaves_batchnorm_statistics_and_gradients_alone():
     trace(_loaded(module))
     assert torch.equal(module[1].running_mean, before)
     assert all(param.grad is None for param in module.parameters())
+
+
+class CountsSteps(nn.Module):
+    """A buffer updated in forward from no sample (a step counter): torch.fx would run it eagerly, once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return torch.relu(self.fc(x))
+
+
+def test_buffer_update_that_reads_no_sample_runs_with_a_layer():
+    module = CountsSteps()
+    traced = trace(_loaded(module))
+    assert int(module.steps) == 0, "tracing leaves the buffer as it was"
+    assert traced.graph.method is TraceMethod.EXPORT, "fx would leave the update out of its graph"
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(_run_layers(traced, x), torch.relu(module.fc(x)))
+    assert int(module.steps) == 1, "running the layers updates the buffer once, as forward does"
+
+
+def test_buffer_update_from_the_batch_is_refused_naming_it():
+    with pytest.raises(DeeppoolError, match=r"buffer 'norm.mean' is updated in forward from the batch's values"):
+        trace(ModelSpec.parse(str(ZOO / "refused" / "running_mean.py")).load())
+
+
+def test_random_branch_is_refused_naming_its_line():
+    with pytest.raises(DeeppoolError, match=r"layerdrop.py:21 \(`if torch.rand\(\[\]\) < self.layerdrop:`\).*to 0"):
+        trace(ModelSpec.parse(str(ZOO / "refused" / "layerdrop.py")).load())
+
+
+def test_a_model_the_meta_device_cannot_build_is_traced_on_cpu():
+    spec = ModelSpec.parse(str(ZOO / "tv_regnet.py"))
+    with pytest.raises(DeeppoolError, match="Cannot copy out of meta tensor"):
+        spec.load(meta=True)
+    loaded, traced = trace_spec(spec, meta=True)
+    assert next(loaded.module.parameters()).device.type == "cpu"
+    assert traced.graph == trace(spec.load()).graph, "the graph run traces"
+
+
+def test_layerdrop_zero_is_specialised_listed_and_checked():
+    spec = ModelSpec.parse(str(ZOO / "layerdrop_zero.py"))
+    loaded = spec.load()
+    graph = trace(loaded).graph
+    assert graph.method is TraceMethod.FX
+    assert [(Path(b.file).name, b.line, b.taken) for b in graph.branches] == [("layerdrop_zero.py", 27, False)] * 3
+    assert {(Path(d.file).name, d.line) for d in graph.draws} == {("layerdrop_zero.py", 26)}
+    assert LayerGraph.from_json(graph.to_json()) == graph
+    x = loaded.named_inputs(4)["x"]
+    with BranchWatch(apart=graph.draws) as watch:
+        loaded.module(x)
+    check_branches(graph.branches, watch.branches)
+    loaded.module.encoder.layerdrop = 1.0  # every layer skipped now: the branch goes the other way
+    with BranchWatch(apart=graph.draws) as watch:
+        loaded.module(x)
+    with pytest.raises(DeeppoolError, match=r"layerdrop_zero.py:27 \(`if dropout_probability < self.layerdrop"):
+        check_branches(graph.branches, watch.branches)
