@@ -4,8 +4,8 @@
 ``deeppool.run(plan, model=module, background=...)`` runs one (``model`` for a
 plan whose module was built in Python; a background job in its idle
 windows); ``deeppool.parallelize(module, plan)`` runs one inside the user's own
-training loop (``deeppool.Plan.load(path)`` reads a plan file); the packages are ``planner``, ``executor``, ``multiplex`` and
-``cluster_sim``.
+training loop (``deeppool.Plan.load(path)`` reads a plan file); the packages
+are ``planner``, ``executor``, ``library``, ``multiplex`` and ``cluster_sim``.
 """
 
 from deeppool.errors import DeeppoolError

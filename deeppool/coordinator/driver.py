@@ -102,22 +102,23 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
             print("the plan leaves no idle window: the background job was not run", flush=True)
     config = RunConfig(steps=spec.steps, warmup=min(5, spec.steps - 1), out_dir=spec.out / "run", check=spec.check)
     if spec.script is not None:
-        return _script(spec, plan.gpus, config, allocation is None and background is None)
+        return _script(spec, plan.gpus, config, lent=background is not None, one_node=allocation is None)
     if allocation is None:
         return run(spec.out / "plan.json", background=background, config=config)
     run_across(allocation, spec.out / "plan.json", plan.gpus, config_args(config) + background_args(background))
     return json.loads((spec.out / "run" / "summary.json").read_text())
 
 
-def _script(spec: DriverSpec, gpus: int, config: Any, alone: bool) -> dict[str, Any]:
-    """A script job: the user's script on every rank, as ``deeppool run --script`` starts it (one node,
-    no background: the script's loop has no idle-window listener)."""
+def _script(spec: DriverSpec, gpus: int, config: Any, *, lent: bool, one_node: bool) -> dict[str, Any]:
+    """A script job: the user's script on every rank, as ``deeppool run --script`` starts it (one node;
+    the script's loop has no idle-window listener, so a background job lent its windows does not run)."""
     from deeppool.errors import DeeppoolError
     from deeppool.executor.launch import launch
 
-    if not alone:
-        raise DeeppoolError("a script job runs on one node and lends no idle windows: "
-                            "serve it without --launcher slurm and without background jobs on its GPUs")
+    if not one_node:
+        raise DeeppoolError("a script job runs on one node: serve it without --launcher slurm")
+    if lent:
+        print("a script job lends no idle windows: the background job was not run", flush=True)
     script = stage_model(spec.script, spec.allowed_roots, spec.out / "script")
     launch(spec.out / "plan.json", nproc=gpus, config=config, worker_args=[], script=Path(script))
     return {"script": spec.script, "gpus": gpus}

@@ -97,7 +97,7 @@ def parallel(path: str, plan_path: str) -> dict[str, Any]:
             return bp.step(x, y, model.loss)
 
     losses = train(list(bp.parameters()), step, bp.clip_grad_norm_, batches(model, plan.global_batch), fused=True)
-    (x,), _ = model.inputs(plan.global_batch), None
+    (x,) = model.inputs(plan.global_batch)
     output = bp.eval().eval_step(x)
     return {"initial": initial, "losses": losses, "state": bp.state_dict(), "rank": bp.rank,
             "names": [name for name, _ in bp.named_parameters()], "eval": output}
