@@ -39,9 +39,9 @@ from deeppool.cluster_sim.metrics import compare, table
 from deeppool.cluster_sim.models import default_mapping
 from deeppool.cluster_sim.plans import PlanBook, PlanSettings
 from deeppool.cluster_sim.runner import assign, run_policies, sim_jobs
+from deeppool.cluster_sim.shipped import PHILLY
 from deeppool.cluster_sim.workload import BackgroundRule, read_workload
 
-PHILLY = Path("/work/shared/traces/pollux-osdi21/traces/philly.csv")
 BUDGET_S = 60.0
 BUDGET_GPUS = 2048
 """The configuration the budget is for."""
