@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 
 from deeppool.errors import DeeppoolError
+from deeppool.interrupt import removed_if_interrupted
 from deeppool.planner.combine import Combine
 
 if TYPE_CHECKING:  # each command imports its work (and torch) only after its options are checked
@@ -144,15 +145,16 @@ def plan(
         model, input_shape=checks.positive_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
         vocab_size=vocab_size,
     )
-    if search is not None:
-        assert goodput_plot is not None
-        planned = _search_and_report(spec, request, source, search, goodput_plot)
-    else:
-        from deeppool.planner.api import plan_model
+    with removed_if_interrupted(out, gantt, pareto, goodput_plot):
+        if search is not None:
+            assert goodput_plot is not None
+            planned = _search_and_report(spec, request, source, search, goodput_plot)
+        else:
+            from deeppool.planner.api import plan_model
 
-        planned = plan_model(spec, request, source)
-    planned = dataclasses.replace(planned, plan=dataclasses.replace(planned.plan, combine=choice))
-    _report_plan(planned, out=out, gantt=gantt, pareto=pareto, per_layer=per_layer)
+            planned = plan_model(spec, request, source)
+        planned = dataclasses.replace(planned, plan=dataclasses.replace(planned.plan, combine=choice))
+        _report_plan(planned, out=out, gantt=gantt, pareto=pareto, per_layer=per_layer)
 
 
 def _batch_search(batch: str, gpus: int, *, gns: float | None, base_batch: int | None, batches: str | None,
@@ -263,8 +265,9 @@ def profile_command(
         model, input_shape=checks.positive_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
         vocab_size=vocab_size,
     )
-    _measure(spec, out=out, device=device, batches=measured_batches, warmup=warmup, repeats=repeats,
-             cache_dir=cache_dir)
+    with removed_if_interrupted(out):
+        _measure(spec, out=out, device=device, batches=measured_batches, warmup=warmup, repeats=repeats,
+                 cache_dir=cache_dir)
 
 
 def _measure(spec: ModelSpec, *, out: Path, device: str, batches: tuple[int, ...], warmup: int, repeats: int,

@@ -32,6 +32,7 @@ from deeppool.scheduling.policies import ADAPTIVE, BASELINE, POLICIES, policy_na
 from deeppool.scheduling.policy import SpeedModel
 from deeppool.cluster_sim.runner import DEFAULT_RESTART_PENALTY_S, assign, run_policies, sim_jobs
 from deeppool.cluster_sim.shipped import resolve, shipped
+from deeppool.cluster_sim.shipped import resolve, shipped
 from deeppool.cluster_sim.workload import (
     BackgroundRule,
     SyntheticSpec,
@@ -43,6 +44,7 @@ from deeppool.cluster_sim.workload import (
     synthetic,
 )
 from deeppool.errors import DeeppoolError
+from deeppool.interrupt import removes_if_interrupted
 from deeppool.output import console as stdout
 from deeppool.planner.hardware import KnownDevice, known_device
 
@@ -102,7 +104,20 @@ ListOpt = Annotated[bool, typer.Option(
     "--list-traces", is_eager=True, callback=_list_traces, help="List the shipped traces by name and exit.")]
 
 
+def _list_traces(wanted: bool) -> None:
+    if wanted:
+        for entry in shipped():
+            print(entry.describe())
+        print(ATTRIBUTION)
+        raise typer.Exit()
+
+
+ListOpt = Annotated[bool, typer.Option(
+    "--list-traces", is_eager=True, callback=_list_traces, help="List the shipped traces by name and exit.")]
+
+
 @app.command()
+@removes_if_interrupted("out")
 def simulate(
     trace: TraceArg,
     gpus: GpusOpt,
@@ -290,6 +305,7 @@ ScenarioGpusOpt = Annotated[list[int], typer.Option("--gpus", help="GPU counts (
 ScenarioModelOpt = Annotated[list[str], typer.Option("--model", help="Example models (repeat).")]
 
 
+@removes_if_interrupted("out")
 def simulate_deeppool(
     gpus: ScenarioGpusOpt = [8, 16, 32, 64, 128, 256],  # noqa: B006  (typer reads the default)
     model: ScenarioModelOpt = list(EXAMPLE_BATCH),  # noqa: B006

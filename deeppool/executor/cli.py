@@ -17,6 +17,7 @@ import typer
 
 from deeppool import checks
 from deeppool.errors import DeeppoolError
+from deeppool.interrupt import removed_if_interrupted
 from deeppool.executor.outputs import RESIZE
 from deeppool.executor.config import (
     DEFAULT_SIZES, DEFAULT_TIMEOUT_S, Adaptation, Backend, BatchNormMode, CheckpointConfig, DataConfig, LossScaling, LrScaling,
@@ -246,8 +247,9 @@ def run(
     )
     if model is None:
         check_model_here(loaded, plan)
-    path = plan if model is None else with_model(loaded, model, out)
-    _launch(path, ranks=ranks, config=config, background=bg, nodes=nodes)
+    with removed_if_interrupted(out):
+        path = plan if model is None else with_model(loaded, model, out)
+        _launch(path, ranks=ranks, config=config, background=bg, nodes=nodes)
     if (out / RESIZE).is_file():
         resized(Plan.load(path), config, json.loads((out / RESIZE).read_text()), model)
 
@@ -382,7 +384,8 @@ def profile_network(
     if nproc > CPU_RANKS_PER_CORE * cores:
         raise DeeppoolError(f"--nproc {nproc} is more than {CPU_RANKS_PER_CORE} processes per CPU core "
                             f"({cores} here): the probe would measure contention, not the network")
-    _probe(config, out)
+    with removed_if_interrupted(out):
+        _probe(config, out)
 
 
 def _probe(config: ProbeConfig, out: Path) -> None:
@@ -419,7 +422,8 @@ def export(
     done, state = joined(checkpoint_dir, step)
     if plan is not None:
         _loads_into(plan, state)
-    torch.save(state, out)
+    with removed_if_interrupted(out):
+        torch.save(state, out)
     console().print(f"{len(state)} tensors after {done} steps written to {out}"
                     + (f"; they load into {plan}'s model" if plan is not None else ""), highlight=False)
 
