@@ -27,8 +27,19 @@ app = typer.Typer(
 )
 
 EnumT = TypeVar("EnumT", bound=enum.Enum)
+
+
+@app.callback()
+def _options(verbose: Annotated[bool, typer.Option(
+        "--verbose", help="show solver banners and library warnings (or set DEEPPOOL_VERBOSE=1)")] = False) -> None:
+    """Plan, run and simulate burst-parallel training (per-layer GPU counts)."""
+    from deeppool.quiet import configure
+
+    configure(verbose)
 DEFAULT_CACHE = Path.home() / ".cache" / "deeppool"
 LOCAL = "local"
+NOISY_SHARE = 0.25
+"""A locally measured plan is flagged when more than this share of its measurements stayed noisy."""
 
 
 @app.command()
@@ -217,6 +228,11 @@ def _report_plan(planned: Planned, *, out: Path, gantt: Path | None, pareto: Pat
         shown.print(planned.cost.profile.fit.describe(largest=largest))
     shown.print(report.plan_table(planned.plan, per_layer=per_layer))
     shown.print(report.summary(planned.plan))
+    fit = planned.cost.profile.fit
+    if fit is not None and fit.noisy > NOISY_SHARE * fit.measurements:
+        shown.print(f"warning: do not trust this plan: {fit.noisy} of {fit.measurements} measurements stayed noisy "
+                    "(the machine was busy), so its times are not this model's; re-plan on a quieter machine with an "
+                    "empty --cache-dir, or with --device-model", style="bold red", highlight=False)
     shown.print(report.AMPLIFICATION_NOTE, style="dim")
     shown.print(f"plan written to {out}")
     if gantt is not None:

@@ -63,6 +63,25 @@ def quiet_rank() -> None:
         os._exit(EXIT_CODE)
 
 
+@contextmanager
+def children_start_deaf() -> Iterator[None]:
+    """Start worker processes inside this: they begin with Ctrl-C ignored (it would print a traceback per worker
+    while they import), and their initializer :func:`die_on_interrupt` then lets Ctrl-C end them silently."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def die_on_interrupt() -> None:
+    """A worker process's initializer: Ctrl-C ends it at once and silently; its parent reports the interrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def arm_deadline(grace_s: float = GRACE_S) -> threading.Event:
     """After Ctrl-C, end the process ``grace_s`` later if the work has not stopped by itself.
 

@@ -77,7 +77,27 @@ def serve(
                       after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None, nodes=nodes)
     service = Service(runtime, Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), slots,
                       paused=paused)
-    uvicorn.run(create_app(store, settings, service), host=host, port=port, workers=1, log_level="warning")
+    _serve_until_stopped(create_app(store, settings, service), host=host, port=port)
+
+
+def _serve_until_stopped(app: object, *, host: str, port: int) -> None:
+    """uvicorn's server until a signal stops it; Ctrl-C (which uvicorn takes quietly) is reported as such."""
+    import signal
+
+    import uvicorn
+
+    from deeppool.interrupt import Interrupted
+
+    stopped_by: list[int] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            stopped_by.append(sig)
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    Server(uvicorn.Config(app, host=host, port=port, workers=1, log_level="warning")).run()
+    if signal.SIGINT in stopped_by:
+        raise Interrupted()
 
 
 def _check_slurm_options(launcher: str, *, partition: str | None, nodes: int, gres: bool | None) -> None:
