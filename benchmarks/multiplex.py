@@ -14,7 +14,6 @@ samples/s. Goal on CPU (``gate``): slowdown <= 10% while recovering >= 30%.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -69,16 +68,22 @@ def main() -> None:
     parser.add_argument("--bg-batch", type=int, default=8)
     parser.add_argument("--modes", default="none,sched_idle,gate")
     parser.add_argument("--out", type=Path, default=Path("mux-bench"))
+    parser.add_argument("--write-docs", action="store_true",
+                        help="also write the table into docs/performance.md (region 'multiplex')")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
-    from deeppool.cli import app, _mount_package_commands
+    from deeppool.cli import app
+    from deeppool.docregions import Stamp, teed_stdout, text_block, write_region
 
+    stamp = Stamp.started()
     args.out.mkdir(parents=True, exist_ok=True)
     plan_path = args.out / "plan.json"
     burst_plan(args.batch).save(plan_path)
-    _mount_package_commands()
-    app(["multiplex", "bench", str(plan_path), "--background", str(REPO / "examples" / "background_mlp.py"),
-         "--out", str(args.out), "--modes", args.modes, "--steps", str(args.steps), "--bg-batch", str(args.bg_batch)])
+    with teed_stdout() as printed:
+        app(["multiplex", "bench", str(plan_path), "--background", str(REPO / "examples" / "background_mlp.py"),
+             "--out", str(args.out), "--modes", args.modes, "--steps", str(args.steps), "--bg-batch",
+             str(args.bg_batch)], standalone_mode=False)
+    if args.write_docs:
+        write_region(REPO / "docs" / "performance.md", "multiplex", text_block(printed.getvalue()), stamp)
 
 
 if __name__ == "__main__":

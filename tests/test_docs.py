@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from deeppool.docregions import STAMP_PREFIX, regions
+from deeppool.docregions import PENDING_PREFIX, STAMP_PREFIX, regions
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
@@ -103,8 +103,9 @@ def test_generated_regions_are_stamped_by_a_script_here() -> None:
     for doc in DOCS:
         for name, body in regions(doc.read_text()).items():
             stamp = body.strip().splitlines()[0] if body.strip() else ""
-            assert stamp.startswith(STAMP_PREFIX), f"{doc.name}: region '{name}' has no stamp line"
-            script = shlex.split(stamp.removeprefix(STAMP_PREFIX).partition("`")[0])[1]
+            prefix = next((p for p in (STAMP_PREFIX, PENDING_PREFIX) if stamp.startswith(p)), None)
+            assert prefix is not None, f"{doc.name}: region '{name}' has no stamp line"
+            script = shlex.split(stamp.removeprefix(prefix).partition("`")[0])[1]
             assert (REPO / script).is_file() and "--write-docs" in (REPO / script).read_text(), (doc.name, name)
 
 
