@@ -27,6 +27,10 @@ app = typer.Typer(
 )
 
 EnumT = TypeVar("EnumT", bound=enum.Enum)
+DEFAULT_CACHE = Path.home() / ".cache" / "deeppool"
+LOCAL = "local"
+NOISY_SHARE = 0.25
+"""A locally measured plan is flagged when more than this share of its measurements stayed noisy."""
 
 
 @app.callback()
@@ -36,10 +40,6 @@ def _options(verbose: Annotated[bool, typer.Option(
     from deeppool.quiet import configure
 
     configure(verbose)
-DEFAULT_CACHE = Path.home() / ".cache" / "deeppool"
-LOCAL = "local"
-NOISY_SHARE = 0.25
-"""A locally measured plan is flagged when more than this share of its measurements stayed noisy."""
 
 
 @app.command()

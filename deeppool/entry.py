@@ -16,7 +16,6 @@ except ImportError:  # older typer runs on click itself
     from click import exceptions as click_errors
 
 
-
 def run_app(app: typer.Typer, args: list[str] | None = None, *, prog_name: str | None = None) -> None:
     """Run ``app``; a usage mistake or a :class:`DeeppoolError` prints one line on stderr and exits with its code.
 

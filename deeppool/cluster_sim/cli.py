@@ -32,7 +32,6 @@ from deeppool.scheduling.policies import ADAPTIVE, BASELINE, POLICIES, policy_na
 from deeppool.scheduling.policy import SpeedModel
 from deeppool.cluster_sim.runner import DEFAULT_RESTART_PENALTY_S, assign, run_policies, sim_jobs
 from deeppool.cluster_sim.shipped import resolve, shipped
-from deeppool.cluster_sim.shipped import resolve, shipped
 from deeppool.cluster_sim.workload import (
     BackgroundRule,
     SyntheticSpec,
@@ -90,18 +89,6 @@ JobsOpt = Annotated[int, typer.Option(help="synthetic: number of jobs.")]
 RateOpt = Annotated[float, typer.Option(help="synthetic: arrivals per hour.")]
 MixOpt = Annotated[str, typer.Option(help="synthetic: GPUS:WEIGHT,...")]
 DurationOpt = Annotated[float, typer.Option(help="synthetic: median recorded run time (s).")]
-
-
-def _list_traces(wanted: bool) -> None:
-    if wanted:
-        for entry in shipped():
-            print(entry.describe())
-        print(ATTRIBUTION)
-        raise typer.Exit()
-
-
-ListOpt = Annotated[bool, typer.Option(
-    "--list-traces", is_eager=True, callback=_list_traces, help="List the shipped traces by name and exit.")]
 
 
 def _list_traces(wanted: bool) -> None:
