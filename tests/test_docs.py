@@ -12,6 +12,10 @@ Conventions (the fence's info string, visible in the Markdown):
   earlier ```` ```sh ```` block of the same doc) prints on stdout, compared after the named normalisation:
   ``seconds`` turns every "N s" into "# s" (a solver's time); ``numbers`` turns every number into "#" and
   ignores table borders and spacing (measured figures, whose widths move the columns).
+* An image right after ``<!-- image from: FILE -->`` is the FILE an earlier ```` ```sh ```` block wrote.
+
+``DEEPPOOL_UPDATE_DOCS=1 python -m pytest tests/test_docs.py -m slow`` runs the same commands and rewrites
+the output blocks and images with what they print and draw today, instead of comparing.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -37,6 +42,8 @@ MARKS = {"gpu": "needs a CUDA GPU", "slurm": "needs a Slurm cluster", "machines"
 _FENCE = re.compile(r"^```(?P<info>.*)$")
 _OUTPUT = re.compile(r"<!-- output of: (?P<command>.+?); varies: (?P<varies>[\w, ]+) -->")
 _NUMBER = re.compile(r"\d[\d,]*(\.\d+)?(e[-+]?\d+)?")
+_IMAGE = re.compile(r"<!-- image from: (\S+) -->\n!\[[^\]]*\]\(([^)]+)\)")
+UPDATE = "DEEPPOOL_UPDATE_DOCS"
 _BORDERS = re.compile(r"[─━│┃┏┓┗┛┡┩└┘┳┻╇┼╋┬┴├┤┌┐]")
 
 
@@ -121,12 +128,30 @@ def test_the_shell_blocks_run(doc: Path, tmp_path: Path) -> None:
         if block.runnable():
             for command in block.commands():
                 outputs[command] = _run(command, tmp_path, block)
+    if os.environ.get(UPDATE) == "1":
+        _update(doc, outputs, tmp_path)
     for block in blocks(doc):
         tied = _OUTPUT.match(block.above)
         if tied is not None:
             rules = tied["varies"].replace(" ", "").split(",")
             assert _normal(outputs[tied["command"]], rules) == _normal(block.text, rules), (
                 f"{block.where()} is not what `{tied['command']}` prints today:\n{outputs[tied['command']]}")
+    for written, shown in _IMAGE.findall(doc.read_text()):
+        assert (tmp_path / written).is_file() and (REPO / shown).is_file(), (doc.name, written, shown)
+
+
+def _update(doc: Path, outputs: dict[str, str], folder: Path) -> None:
+    """Rewrite the doc's output blocks and images with today's (``DEEPPOOL_UPDATE_DOCS=1``)."""
+    text = doc.read_text()
+    for block in reversed(blocks(doc)):
+        tied = _OUTPUT.match(block.above)
+        if tied is not None:
+            lines = text.split("\n")
+            lines[block.line:block.line + len(block.text.split("\n"))] = outputs[tied["command"]].rstrip("\n").split("\n")
+            text = "\n".join(lines)
+    doc.write_text(text)
+    for written, shown in _IMAGE.findall(text):
+        shutil.copyfile(folder / written, REPO / shown)
 
 
 def _run(command: str, folder: Path, block: Block) -> str:
