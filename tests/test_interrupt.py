@@ -105,3 +105,23 @@ def _free_port() -> int:
 
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def test_only_outputs_begun_in_the_block_are_removed_and_only_on_an_interrupt(tmp_path: Path) -> None:
+    from deeppool.interrupt import Interrupted, removed_if_interrupted
+
+    kept, begun, folder = tmp_path / "kept.json", tmp_path / "begun.json", tmp_path / "run"
+    kept.write_text("earlier")
+    with pytest.raises(KeyboardInterrupt), removed_if_interrupted(kept, begun, folder, None):
+        begun.write_text("half")
+        (folder / "sub").mkdir(parents=True)
+        raise KeyboardInterrupt
+    assert (kept.read_text(), begun.exists(), folder.exists()) == ("earlier", False, False)
+    with pytest.raises(Interrupted), removed_if_interrupted(begun):
+        begun.write_text("half")
+        raise Interrupted()
+    assert not begun.exists()
+    with pytest.raises(ValueError), removed_if_interrupted(begun):
+        begun.write_text("a failure's output is kept")
+        raise ValueError
+    assert begun.exists()
