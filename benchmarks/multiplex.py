@@ -1,6 +1,6 @@
 """Multiplexing benchmark: a 2-rank burst plan with a real idle window, and a real background job.
 
-    python benchmarks/multiplex.py [--steps 60] [--batch 256] [--modes none,sched_idle,gate] [--out mux-bench]
+    python benchmarks/multiplex.py [--steps 60] [--batch 256] [--modes none,sched_idle,gate] [--out DIR] [--write-docs]
 
 The foreground (this file is its model file) is a chain whose two middle
 layers are planned on one GPU: rank 1 idles while rank 0 runs them, every
@@ -14,6 +14,7 @@ samples/s. Goal on CPU (``gate``): slowdown <= 10% while recovering >= 30%.
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 import torch
@@ -67,7 +68,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--bg-batch", type=int, default=8)
     parser.add_argument("--modes", default="none,sched_idle,gate")
-    parser.add_argument("--out", type=Path, default=Path("mux-bench"))
+    parser.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temporary folder)")
     parser.add_argument("--write-docs", action="store_true",
                         help="also write the table into docs/performance.md (region 'multiplex')")
     args = parser.parse_args()
@@ -75,6 +76,7 @@ def main() -> None:
     from deeppool.docregions import Stamp, teed_stdout, text_block, write_region
 
     stamp = Stamp.started()
+    args.out = args.out or Path(tempfile.mkdtemp(prefix="deeppool-mux-bench-"))
     args.out.mkdir(parents=True, exist_ok=True)
     plan_path = args.out / "plan.json"
     burst_plan(args.batch).save(plan_path)
@@ -83,7 +85,8 @@ def main() -> None:
              "--out", str(args.out), "--modes", args.modes, "--steps", str(args.steps), "--bg-batch",
              str(args.bg_batch)], standalone_mode=False)
     if args.write_docs:
-        write_region(REPO / "docs" / "performance.md", "multiplex", text_block(printed.getvalue()), stamp)
+        report = [line for line in printed.getvalue().splitlines() if not line.startswith("wrote ")]
+        write_region(REPO / "docs" / "performance.md", "multiplex", text_block("\n".join(report)), stamp)
 
 
 if __name__ == "__main__":
