@@ -29,6 +29,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from deeppool.docregions import Stamp, markdown, write_region
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -92,7 +94,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--write-docs", action="store_true",
+                        help="also write the table into docs/performance.md (region 'coordinator')")
     args = parser.parse_args()
+    stamp = Stamp.started()
     with tempfile.TemporaryDirectory() as tmp:
         db, port = Path(tmp) / "bench.db", free_port()
         token = subprocess.run([sys.executable, "-m", "deeppool.cli", "token", "create", "bench", "--db", str(db)],
@@ -112,7 +117,10 @@ def main() -> None:
     baseline = row(table, "GET /healthz (baseline)", health, args.seconds)
     rate = row(table, "POST /v1/jobs (durable)", submits, args.seconds)
     Console().print(table)
-    print(f"submissions/s over the baseline: {rate / baseline:.2f}; goal >= 200/s: {'met' if rate >= 200 else 'NOT met'}")
+    verdict = f"submissions/s over the baseline: {rate / baseline:.2f}; goal >= 200/s: {'met' if rate >= 200 else 'NOT met'}"
+    print(verdict)
+    if args.write_docs:
+        write_region(REPO / "docs" / "performance.md", "coordinator", f"{markdown(table)}\n\n{verdict}", stamp)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deeppool.docregions import Stamp, teed_stdout, text_block, write_region
+
 WIDTH, HIDDEN, CLASSES = 512, 2048, 10
 
 
@@ -383,7 +385,17 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0,
                         help="(b)'s gradient buckets (0: each layer's all-reduce right after its backward)")
     parser.add_argument("--skip-dp", action="store_true", help="run only (b)")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="also write the report into docs/performance.md (region 'executor')")
     args = parser.parse_args()
+    stamp = Stamp.started()
+    with teed_stdout() as printed:
+        _measure(args)
+    if args.write_docs:
+        write_region(REPO / "docs" / "performance.md", "executor", text_block(printed.getvalue()), stamp)
+
+
+def _measure(args: argparse.Namespace) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     work = Path(tempfile.mkdtemp(prefix="deeppool-bench-"))
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())

@@ -29,6 +29,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from deeppool.docregions import REPO, Stamp, teed_stdout, text_block, write_region
+
 MODELS = Path(__file__).resolve().parent / "models"
 PRICE_FACTORS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 TERMS = ("compute", "reshard", "allreduce", "step")
@@ -260,7 +262,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--scatter", type=Path, default=Path("fidelity.png"))
+    parser.add_argument("--write-docs", action="store_true",
+                        help="also write the report into docs/performance.md (region 'fidelity') and the scatter to "
+                             "docs/images/fidelity.png")
     args = parser.parse_args()
+    if args.write_docs:
+        args.scatter = REPO / "docs" / "images" / "fidelity.png"
+    stamp = Stamp.started()
+    with teed_stdout() as printed:
+        _measure(args)
+    if args.write_docs:
+        write_region(REPO / "docs" / "performance.md", "fidelity", text_block(printed.getvalue())
+                     + "\n\n![per-stage fidelity](images/fidelity.png)", stamp)
+
+
+def _measure(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="deeppool-fidelity-"))
     print(f"machine: {os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.2f}; global batch {args.batch}, "
           f"{args.steps} steps ({args.warmup} warm-up); work in {work}")

@@ -1,7 +1,7 @@
 """Multiplexing benchmark: the planner's own plan of a new model, a real background in its idle time.
 
     python benchmarks/multiplex.py [--runs 3] [--steps 35] [--batch 32] [--objective cluster]
-                                   [--pin 'GLOB=N' ...] [--device-model local] [--out mux-bench] [--markdown]
+                                   [--pin 'GLOB=N' ...] [--device-model local] [--out DIR] [--write-docs]
 
 The foreground is ``examples/mixer.py`` (an MLP-Mixer no test contains),
 planned for 2 ranks through the public command, ``deeppool plan --objective
@@ -15,7 +15,8 @@ after it; the table gives each run's figures and their median. Goal on CPU:
 ``gate`` recovers at least 30% of the measured idle rank-time with the
 foreground slowed at most 10%; ``net gain`` is against the foreground alone.
 The machine's load (other processes) takes CPU from both sides: read every
-figure beside its load average. ``--markdown`` prints the table in Markdown.
+figure beside its load average. ``--write-docs`` writes the table into
+``docs/performance.md`` (region ``multiplex``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,15 +97,6 @@ def table(runs: list[Run], title: str) -> Table:
     return shown
 
 
-def markdown(shown: Table) -> str:
-    """The table in Markdown (cells as plain text)."""
-    headers = [str(column.header) for column in shown.columns]
-    cells = [[str(cell) for cell in column.cells] for column in shown.columns]
-    lines = [f"**{shown.title}**", "", f"| {' | '.join(headers)} |", f"|{'---|' * len(headers)}"]
-    lines += [f"| {' | '.join(row)} |" for row in zip(*cells, strict=True)]
-    return "\n".join(lines)
-
-
 def layout(plan: dict) -> str:
     """The plan's layers by GPU count, and the ranks that run no layer."""
     counts: dict[int, int] = {}
@@ -137,9 +130,14 @@ def main() -> None:
     parser.add_argument("--objective", default="cluster", help="passed to `deeppool plan --objective`")
     parser.add_argument("--pin", action="append", default=[], help="GLOB=N, passed to `deeppool plan --pin`")
     parser.add_argument("--device-model", default="local", help="local (measured here) or a GPU model")
-    parser.add_argument("--out", type=Path, default=Path("mux-bench"))
-    parser.add_argument("--markdown", action="store_true", help="print the table in Markdown too")
+    parser.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temporary folder)")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="also write the table into docs/performance.md (region 'multiplex')")
     args = parser.parse_args()
+    from deeppool.docregions import Stamp, markdown, write_region
+
+    stamp = Stamp.started()
+    args.out = args.out or Path(tempfile.mkdtemp(prefix="deeppool-mux-bench-"))
     args.out.mkdir(parents=True, exist_ok=True)
     plan_path = make_plan(args)
     plan = json.loads(plan_path.read_text())
@@ -150,8 +148,8 @@ def main() -> None:
     shown = table(runs, title)
     Console(width=200).print(shown)
     print(prediction(plan))
-    if args.markdown:
-        print(f"{markdown(shown)}\n\n{prediction(plan)}")
+    if args.write_docs:
+        write_region(REPO / "docs" / "performance.md", "multiplex", f"{markdown(shown)}\n\n{prediction(plan)}", stamp)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from rich.table import Table
 
 import torch
 
+from deeppool.docregions import REPO, Stamp, markdown, write_region
 from deeppool.planner import baselines
 from deeppool.planner.api import PlanRequest, device_setup, plan_graph
 from deeppool.planner.request import DEFAULT_MAX_CANDIDATES
@@ -42,6 +43,8 @@ from deeppool.planner.trace import trace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MODELS = ("vgg16", "resnet50", "inception", "gpt2")
+PERFORMANCE_DOC = REPO / "docs" / "performance.md"
+REGION = "planner"
 TARGETS = {("resnet50", 256): 2.0, ("gpt2", 32): 10.0}
 
 
@@ -155,7 +158,10 @@ def main() -> None:
     parser.add_argument("--gpus", default="8,32,256,1024")
     parser.add_argument("--chains", default="50,100,200,500,1000")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--write-docs", action="store_true",
+                        help=f"also write the table into {PERFORMANCE_DOC.relative_to(REPO)} (region '{REGION}')")
     args = parser.parse_args()
+    stamp = Stamp.started()
     gpu_counts = [int(g) for g in args.gpus.split(",")]
     console = Console(width=220)
     warm_up = LoadedModel(torch.nn.Linear(4, 4), lambda b: (torch.randn(b, 4),), lambda b: None, default_loss)
@@ -167,7 +173,11 @@ def main() -> None:
     for length in (int(n) for n in args.chains.split(",") if n):
         rows.append(bench_chain(length))
         console.print(f"chain-{length}: done")
-    console.print(render(rows))
+    table = render(rows)
+    console.print(table)
+    if args.write_docs:
+        write_region(PERFORMANCE_DOC, REGION, markdown(table), stamp)
+        console.print(f"wrote region '{REGION}' of {PERFORMANCE_DOC}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ new planner version traces the four examples and solves ~36 ILPs; that
 one-off cost is reported as "plans" with the number of solves). Pass
 ``--cold`` to use an empty cache and measure it.
 
-    python benchmarks/simulator.py [--trace PATH] [--gpus 2048 --gpus 256] [--cold] [--json out.json]
+    python benchmarks/simulator.py [--trace PATH] [--gpus 2048 --gpus 256] [--cold] [--json out.json] [--write-docs]
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ from deeppool.cluster_sim.metrics import compare, table
 from deeppool.cluster_sim.models import default_mapping
 from deeppool.cluster_sim.plans import PlanBook, PlanSettings
 from deeppool.cluster_sim.runner import assign, run_policies, sim_jobs
+from deeppool.cluster_sim.shipped import PHILLY
 from deeppool.cluster_sim.workload import BackgroundRule, read_workload
+from deeppool.docregions import REPO, Stamp, markdown, write_region
 
-PHILLY = Path("/work/shared/traces/pollux-osdi21/traces/philly.csv")
 BUDGET_S = 60.0
 BUDGET_GPUS = 2048
 """The configuration the budget is for."""
@@ -64,15 +65,24 @@ def main(
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node.")] = 8,
     cold: Annotated[bool, typer.Option("--cold", help="Start from an empty plan cache.")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the figures as JSON.")] = None,
+    write_docs: Annotated[bool, typer.Option(
+        "--write-docs", help="Also write the tables into docs/performance.md (region 'simulator').")] = False,
 ) -> None:
     console = Console(width=140)
+    stamp = Stamp.started()
     cache = Path(tempfile.mkdtemp(prefix="deeppool-bench-")) if cold else DEFAULT_CACHE
-    figures = [_bench(console, trace, ClusterSpec(gpus=count, gpus_per_node=gpus_per_node), cache) for count in gpus]
+    shown: list[Table | str] = []
+    figures = [_bench(console, trace, ClusterSpec(gpus=count, gpus_per_node=gpus_per_node), cache, shown)
+               for count in gpus]
     if json_out is not None:
         json_out.write_text(json.dumps(figures, indent=2) + "\n")
+    if write_docs:
+        body = "\n\n".join(markdown(item) if isinstance(item, Table) else item for item in shown)
+        write_region(REPO / "docs" / "performance.md", "simulator", body, stamp)
 
 
-def _bench(console: Console, trace: Path, cluster: ClusterSpec, cache: Path) -> dict[str, object]:
+def _bench(console: Console, trace: Path, cluster: ClusterSpec, cache: Path,
+           shown: list[Table | str]) -> dict[str, object]:
     """One configuration: every stage timed, both policies simulated; the figures as a dict."""
     gpus = cluster.gpus
     stages: dict[str, float] = {}
@@ -88,15 +98,17 @@ def _bench(console: Console, trace: Path, cluster: ClusterSpec, cache: Path) -> 
             jobs, policies=(n,), cluster=cluster, book=book, interference=InterferenceModel()))
     shared = sum(stages[s] for s in ("read trace", "map models", "plans", "job work"))
     end_to_end = shared + stages[f"simulate {POLICY}"]
-    console.print(_stage_table(stages, book.solved, len(assignment.needs())))
-    console.print(_engine_table(results))
-    console.print(table(compare(list(results.values())), f"{len(jobs):,} Philly jobs on {cluster.describe()}"))
     budget = ""
     if gpus == BUDGET_GPUS:
         budget = f" ({'within' if end_to_end <= BUDGET_S else 'OVER'} the {BUDGET_S:.0f} s budget)"
-    console.print(f"{POLICY} on {gpus} GPUs end to end: {end_to_end:.1f} s{budget}; "
-                  f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, "
-                  f"Python {platform.python_version()}")
+    verdict = (f"{POLICY} on {gpus} GPUs end to end: {end_to_end:.1f} s{budget}; "
+               f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, "
+               f"Python {platform.python_version()}")
+    tables = [_stage_table(stages, book.solved, len(assignment.needs())), _engine_table(results),
+              table(compare(list(results.values())), f"{len(jobs):,} Philly jobs on {cluster.describe()}")]
+    for item in (*tables, verdict):
+        console.print(item)
+    shown.extend((f"**{gpus:,} GPUs**", *tables, verdict))
     return {
         "jobs": len(jobs), "gpus": gpus, "stages_s": stages, "plans_solved": book.solved,
         "end_to_end_s": end_to_end, "cpus": os.cpu_count(), "load_1min": os.getloadavg()[0],

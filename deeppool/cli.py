@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 
 from deeppool.errors import DeeppoolError
+from deeppool.interrupt import removed_if_interrupted
 from deeppool.planner.combine import Combine
 
 if TYPE_CHECKING:  # each command imports its work (and torch) only after its options are checked
@@ -28,6 +29,17 @@ app = typer.Typer(
 EnumT = TypeVar("EnumT", bound=enum.Enum)
 DEFAULT_CACHE = Path.home() / ".cache" / "deeppool"
 LOCAL = "local"
+NOISY_SHARE = 0.25
+"""A locally measured plan is flagged when more than this share of its measurements stayed noisy."""
+
+
+@app.callback()
+def _options(verbose: Annotated[bool, typer.Option(
+        "--verbose", help="show solver banners and library warnings (or set DEEPPOOL_VERBOSE=1)")] = False) -> None:
+    """Plan, run and simulate burst-parallel training (per-layer GPU counts)."""
+    from deeppool.quiet import configure
+
+    configure(verbose)
 
 
 @app.command()
@@ -156,15 +168,16 @@ def plan(
         model, input_shape=checks.positive_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
         vocab_size=vocab_size,
     )
-    if search is not None:
-        assert goodput_plot is not None
-        planned = _search_and_report(spec, request, source, search, goodput_plot)
-    else:
-        from deeppool.planner.api import plan_model
+    with removed_if_interrupted(out, gantt, pareto, goodput_plot):
+        if search is not None:
+            assert goodput_plot is not None
+            planned = _search_and_report(spec, request, source, search, goodput_plot)
+        else:
+            from deeppool.planner.api import plan_model
 
-        planned = plan_model(spec, request, source)
-    planned = dataclasses.replace(planned, plan=dataclasses.replace(planned.plan, combine=choice))
-    _report_plan(planned, out=out, gantt=gantt, pareto=pareto, per_layer=per_layer)
+            planned = plan_model(spec, request, source)
+        planned = dataclasses.replace(planned, plan=dataclasses.replace(planned.plan, combine=choice))
+        _report_plan(planned, out=out, gantt=gantt, pareto=pareto, per_layer=per_layer)
 
 
 def _batch_search(batch: str, gpus: int, *, gns: float | None, base_batch: int | None, batches: str | None,
@@ -228,6 +241,11 @@ def _report_plan(planned: Planned, *, out: Path, gantt: Path | None, pareto: Pat
     shown.print(report.plan_table(planned.plan, per_layer=per_layer))
     shown.print(report.summary(planned.plan))
     shown.print(report.cluster_line(planned.plan))
+    fit = planned.cost.profile.fit
+    if fit is not None and fit.noisy > NOISY_SHARE * fit.measurements:
+        shown.print(f"warning: do not trust this plan: {fit.noisy} of {fit.measurements} measurements stayed noisy "
+                    "(the machine was busy), so its times are not this model's; re-plan on a quieter machine with an "
+                    "empty --cache-dir, or with --device-model", style="bold red", highlight=False)
     shown.print(report.AMPLIFICATION_NOTE, style="dim")
     shown.print(f"plan written to {out}")
     if gantt is not None:
@@ -276,8 +294,9 @@ def profile_command(
         model, input_shape=checks.positive_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
         vocab_size=vocab_size,
     )
-    _measure(spec, out=out, device=device, batches=measured_batches, warmup=warmup, repeats=repeats,
-             cache_dir=cache_dir)
+    with removed_if_interrupted(out):
+        _measure(spec, out=out, device=device, batches=measured_batches, warmup=warmup, repeats=repeats,
+                 cache_dir=cache_dir)
 
 
 def _measure(spec: ModelSpec, *, out: Path, device: str, batches: tuple[int, ...], warmup: int, repeats: int,

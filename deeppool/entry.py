@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import sys
+import threading
 
 import typer
 
 from deeppool.errors import DeeppoolError
+from deeppool.interrupt import EXIT_CODE, MESSAGE, Interrupted, arm_deadline
 
 try:  # typer >= 0.20 carries its own copy of click
     from typer._click import exceptions as click_errors
 except ImportError:  # older typer runs on click itself
     from click import exceptions as click_errors
 
-INTERRUPTED = 130
-
 
 def run_app(app: typer.Typer, args: list[str] | None = None, *, prog_name: str | None = None) -> None:
-    """Run ``app``; a usage mistake or a :class:`DeeppoolError` prints one line on stderr and exits with its code."""
+    """Run ``app``; a usage mistake or a :class:`DeeppoolError` prints one line on stderr and exits with its code.
+
+    Ctrl-C prints ``interrupted`` and exits 130 (typer turns a KeyboardInterrupt into that exit code).
+    """
+    reported = arm_deadline()
     try:
-        app(args=args, prog_name=prog_name, standalone_mode=False)
+        code = app(args=args, prog_name=prog_name, standalone_mode=False)
     except click_errors.NoArgsIsHelpError as shown:
         help_text = shown.format_message()  # typer's rich help has printed itself already and left this empty
         if help_text.strip():
@@ -27,12 +31,19 @@ def run_app(app: typer.Typer, args: list[str] | None = None, *, prog_name: str |
     except click_errors.UsageError as err:
         print(f"error: {usage_line(err)}", file=sys.stderr)
         sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt, Interrupted):
+        _interrupted(reported)
     except DeeppoolError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
-    except (typer.Abort, KeyboardInterrupt):
-        print("error: interrupted", file=sys.stderr)
-        sys.exit(INTERRUPTED)
+    if code == EXIT_CODE:
+        _interrupted(reported)
+
+
+def _interrupted(reported: threading.Event) -> None:
+    print(MESSAGE, file=sys.stderr, flush=True)
+    reported.set()
+    sys.exit(EXIT_CODE)
 
 
 def usage_line(err: click_errors.UsageError) -> str:

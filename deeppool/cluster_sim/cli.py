@@ -31,6 +31,7 @@ from deeppool.cluster_sim.pollux import PolluxDurations
 from deeppool.scheduling.policies import ADAPTIVE, BASELINE, POLICIES, policy_named
 from deeppool.scheduling.policy import SpeedModel
 from deeppool.cluster_sim.runner import DEFAULT_RESTART_PENALTY_S, assign, run_policies, sim_jobs
+from deeppool.cluster_sim.shipped import resolve, shipped
 from deeppool.cluster_sim.workload import (
     BackgroundRule,
     SyntheticSpec,
@@ -42,6 +43,7 @@ from deeppool.cluster_sim.workload import (
     synthetic,
 )
 from deeppool.errors import DeeppoolError
+from deeppool.interrupt import removes_if_interrupted
 from deeppool.output import console as stdout
 from deeppool.planner.hardware import KnownDevice, known_device
 from deeppool.planner.objective import Objective
@@ -55,7 +57,8 @@ ATTRIBUTION = (
 DEFAULT_CACHE = Path.home() / ".cache" / "deeppool" / "cluster_sim"
 
 
-TraceArg = Annotated[str, typer.Argument(help="Philly-derived or Pollux workload CSV, or 'synthetic'.")]
+TraceArg = Annotated[str, typer.Argument(
+    help="Philly-derived or Pollux workload CSV, a shipped trace's name (philly, workload-6...), or 'synthetic'.")]
 GpusOpt = Annotated[int, typer.Option("--gpus", help="GPUs in the cluster.")]
 NodeOpt = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="Device model of every GPU: v100, a100, h100.")]
@@ -92,7 +95,20 @@ MixOpt = Annotated[str, typer.Option(help="synthetic: GPUS:WEIGHT,...")]
 DurationOpt = Annotated[float, typer.Option(help="synthetic: median recorded run time (s).")]
 
 
+def _list_traces(wanted: bool) -> None:
+    if wanted:
+        for entry in shipped():
+            print(entry.describe())
+        print(ATTRIBUTION)
+        raise typer.Exit()
+
+
+ListOpt = Annotated[bool, typer.Option(
+    "--list-traces", is_eager=True, callback=_list_traces, help="List the shipped traces by name and exit.")]
+
+
 @app.command()
+@removes_if_interrupted("out")
 def simulate(
     trace: TraceArg,
     gpus: GpusOpt,
@@ -122,6 +138,7 @@ def simulate(
     arrival_rate: RateOpt = 20.0,
     size_mix: MixOpt = "1:0.6,2:0.1,4:0.1,8:0.1,16:0.1",
     median_duration: DurationOpt = 3600.0,
+    list_traces: ListOpt = False,
 ) -> None:
     """Replay TRACE on --gpus GPUs under each --policy; write metrics, tables and plots to --out."""
     console = stdout(stderr=True)
@@ -130,7 +147,7 @@ def simulate(
         if not no_cache:
             checks.out_folder(cache_dir, "--cache-dir")
         if trace != SYNTHETIC:
-            checks.existing_file(Path(trace), "trace file")
+            trace = str(resolve(trace))
         checks.existing_file(mapping, "--mapping")
         checks.at_least(plan_workers, 1, "--plan-workers")
         checks.positive(plan_time_limit, "--plan-time-limit")
@@ -288,6 +305,7 @@ ScenarioGpusOpt = Annotated[list[int], typer.Option("--gpus", help="GPU counts (
 ScenarioModelOpt = Annotated[list[str], typer.Option("--model", help="Example models (repeat).")]
 
 
+@removes_if_interrupted("out")
 def simulate_deeppool(
     gpus: ScenarioGpusOpt = [8, 16, 32, 64, 128, 256],  # noqa: B006  (typer reads the default)
     model: ScenarioModelOpt = list(EXAMPLE_BATCH),  # noqa: B006

@@ -23,7 +23,6 @@ import hashlib
 import json
 import multiprocessing
 from collections.abc import Callable, Iterable
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +32,7 @@ from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.models import ModelChoice
 from deeppool.errors import DeeppoolError
+from deeppool.interrupt import children_start_deaf, die_on_interrupt
 from deeppool.planner.graph import LayerGraph
 from deeppool.planner.jsonio import write_json
 from deeppool.planner.objective import Objective
@@ -196,14 +196,11 @@ class PlanBook:
 
     def _solve_in_pool(self, missing: dict[ModelChoice, list[int]], advance: Callable[[int], None], workers: int) -> None:
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(workers, len(missing)), mp_context=context) as pool:
-            futures = {
-                pool.submit(_solve_model, self.cluster, self.settings, self.cache_dir, model, tuple(counts)): model
-                for model, counts in missing.items()
-            }
-            for future in as_completed(futures):
-                model = futures[future]
-                solved = future.result()
+        tasks = [(self.cluster, self.settings, self.cache_dir, model, tuple(counts)) for model, counts in missing.items()]
+        with children_start_deaf():
+            pool = context.Pool(processes=min(workers, len(missing)), initializer=die_on_interrupt)
+        with pool:  # leaving it (an error, Ctrl-C) terminates the workers
+            for model, solved in pool.imap_unordered(_solve_task, tasks):
                 for gpus, facts in solved.items():
                     self._store(model, gpus, facts)
                 self.solved += len(solved)
@@ -305,6 +302,12 @@ class PlanBook:
             "version": FACTS_VERSION,
         }
         return self.cache_dir / "plans" / f"{_digest(key)}.json"
+
+
+def _solve_task(
+    task: tuple[ClusterSpec, PlanSettings, Path | None, ModelChoice, tuple[int, ...]],
+) -> tuple[ModelChoice, dict[int, dict[PlanMode, PlanFacts]]]:
+    return task[3], _solve_model(*task)
 
 
 def _solve_model(

@@ -1,6 +1,6 @@
 """Workloads: the jobs a simulation replays, read from a trace or generated.
 
-Two trace formats are read (see ``/work/shared/traces/README.md``; the data
+Two trace formats are read (see ``deeppool/cluster_sim/data/README.md``; the data
 are from the Pollux OSDI'21 artifact, petuum/adaptdl branch osdi21-artifact,
 Apache-2.0, and ``philly.csv`` is derived from the Microsoft Philly traces,
 msr-fiddle/philly-traces, CC-BY-4.0):

@@ -123,6 +123,10 @@ def serve(
                           listening)
     typer.echo(f"deeppool serve: stopped{' by ' + stopped_by if stopped_by else ''} ({url}, database "
                f"{db.resolve()})", err=True)
+    if stopped_by == signal.SIGINT.name:
+        from deeppool.interrupt import Interrupted
+
+        raise Interrupted()
 
 
 def _run(server: uvicorn.Server, listening: socket.socket) -> str | None:

@@ -18,6 +18,7 @@ import typer
 
 from deeppool import checks
 from deeppool.errors import DeeppoolError
+from deeppool.interrupt import removed_if_interrupted
 from deeppool.executor.outputs import RESIZE
 from deeppool.executor.worker_args import config_args
 from deeppool.executor.config import (
@@ -231,8 +232,9 @@ def run(
     )
     if model is None:
         check_model_here(loaded, plan)
-    path = plan if model is None else with_model(loaded, model, out)
-    _launch(path, ranks=ranks, config=config, background=bg, nodes=nodes)
+    with removed_if_interrupted(out):
+        path = plan if model is None else with_model(loaded, model, out)
+        _launch(path, ranks=ranks, config=config, background=bg, nodes=nodes)
     if tensorboard is not None and (out / "summary.json").is_file():
         from deeppool.executor.tensorboard import write_scalars
 
@@ -381,7 +383,8 @@ def profile_network(
     if nproc > CPU_RANKS_PER_CORE * cores:
         raise DeeppoolError(f"--nproc {nproc} is more than {CPU_RANKS_PER_CORE} processes per CPU core "
                             f"({cores} here): the probe would measure contention, not the network")
-    _probe(config, out)
+    with removed_if_interrupted(out):
+        _probe(config, out)
 
 
 def _probe(config: ProbeConfig, out: Path) -> None:
@@ -418,7 +421,8 @@ def export(
     done, state = joined(checkpoint_dir, step, lambda message: print(f"warning: {message}", file=sys.stderr))
     if plan is not None:
         _loads_into(plan, state)
-    torch.save(state, out)
+    with removed_if_interrupted(out):
+        torch.save(state, out)
     console().print(f"{len(state)} tensors after {done} steps written to {out}"
                     + (f"; they load into {plan}'s model" if plan is not None else ""), highlight=False)
 

@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from deeppool.errors import DeeppoolError
+from deeppool.interrupt import Interrupted
 from deeppool.executor.outputs import EVENTS, RESIZE
 from deeppool.executor.config import Nodes, RunConfig
 from deeppool.executor.hangwatch import HangWatch
@@ -41,6 +42,7 @@ PLAN_VARIABLE = "DEEPPOOL_PLAN"
 """The environment variable that gives a ``--script``'s ranks the plan's path."""
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """What the agent (or Ctrl-C) stops ranks with: not the cause of a failure."""
+_AGENT_LOGS = "torch.distributed.elastic"
 
 
 class RunFailed(DeeppoolError):
@@ -98,9 +100,10 @@ def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[
         rdzv_backend="c10d", rdzv_endpoint=nodes.endpoint or "127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
         rdzv_configs={"join_timeout": config.timeout_s, **_hosting(nodes)}, local_addr=_facing_address(nodes),
     )
-    agent_log = logging.getLogger("torch.distributed.elastic")
-    level = agent_log.level
-    agent_log.setLevel(logging.CRITICAL)  # the launcher names the failed rank itself
+    agent_logs = _agent_loggers()
+    levels = [log.level for log in agent_logs]
+    for log in agent_logs:
+        log.setLevel(logging.CRITICAL)  # the launcher names the failed rank itself, and says "interrupted"
     watch = HangWatch(recorded=lambda: {f.rank: f.kind for f in _recorded(out)}, nproc=plan.gpus)
     try:
         with watch:
@@ -109,9 +112,16 @@ def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[
     except ChildFailedError as err:
         raise _failure(err, out, nproc, watch.hung) from None
     except (SignalException, KeyboardInterrupt):
-        raise RunFailed("interrupted: all ranks were stopped", exit_code=130) from None
+        raise Interrupted() from None
     finally:
-        agent_log.setLevel(level)
+        for log, level in zip(agent_logs, levels, strict=True):
+            log.setLevel(level)
+
+
+def _agent_loggers() -> list[logging.Logger]:
+    """torch's elastic agent logs from one logger per module, each with its own level."""
+    names = [name for name in logging.root.manager.loggerDict if name.startswith(_AGENT_LOGS)]
+    return [logging.getLogger(name) for name in sorted({_AGENT_LOGS, *names})]
 
 
 def _hosting(nodes: Nodes) -> dict[str, bool]:
@@ -154,7 +164,7 @@ def _facing_address(nodes: Nodes) -> str | None:
         return None
 
 
-def _failure(err: ChildFailedError, out: Path, nproc: int, hung: set[int]) -> RunFailed:
+def _failure(err: ChildFailedError, out: Path, nproc: int, hung: set[int]) -> DeeppoolError:
     recorded = _recorded(out)
     primary = [f for f in recorded if f.kind in _PRIMARY]
     if primary:
@@ -179,6 +189,8 @@ def _failure(err: ChildFailedError, out: Path, nproc: int, hung: set[int]) -> Ru
     if recorded:
         first = min(recorded, key=lambda f: f.time)
         return RunFailed(f"rank {first.rank} failed: {first.message}")
+    if all(failure.exitcode == -signal.SIGINT for failure in err.failures.values()):
+        return Interrupted()  # Ctrl-C reached the ranks before the agent
     rank, failure = min(err.failures.items())
     return RunFailed(f"rank {rank} exited with code {failure.exitcode}")
 

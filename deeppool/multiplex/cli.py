@@ -9,6 +9,7 @@ import typer
 
 from deeppool import checks
 from deeppool.errors import DeeppoolError
+from deeppool.interrupt import removes_if_interrupted
 from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 
@@ -30,6 +31,7 @@ def _modes(text: str) -> tuple[MuxMode, ...]:
 
 
 @app.command("bench")
+@removes_if_interrupted("out")
 def bench_command(
     plan: Annotated[Path, typer.Argument(help="plan JSON written by `deeppool plan`")],
     background: Annotated[Path, typer.Option("--background", help="background model file")],

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import pulp
 
 from deeppool.errors import DeeppoolError
+from deeppool.quiet import native_output_hidden
 from deeppool.planner.cost import CostModel
 
 
@@ -92,11 +93,12 @@ def solve(
         if len(cut) == len(x):
             _constrain(problem, cut, pulp.LpConstraintLE, len(x) - 1.0, f"seen_{index}")
     started = time.perf_counter()
-    problem.solve(_backend(chosen, time_limit_s, mip=False))
-    relaxed_ok = problem.status == pulp.LpStatusOptimal and _integral(x)
-    if not relaxed_ok:
-        remaining = max(time_limit_s - (time.perf_counter() - started), 1.0)
-        problem.solve(_backend(chosen, remaining, mip=True))
+    with native_output_hidden():  # HiGHS prints a banner whatever its options
+        problem.solve(_backend(chosen, time_limit_s, mip=False))
+        relaxed_ok = problem.status == pulp.LpStatusOptimal and _integral(x)
+        if not relaxed_ok:
+            remaining = max(time_limit_s - (time.perf_counter() - started), 1.0)
+            problem.solve(_backend(chosen, remaining, mip=True))
     seconds = time.perf_counter() - started
     if not _has_solution(x):
         raise DeeppoolError(

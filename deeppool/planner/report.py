@@ -93,6 +93,10 @@ def _gpus(count: int) -> str:
     return f"{count} GPU" if count == 1 else f"{count} GPUs"
 
 
+SLOWER = 0.995
+"""A plan below this speedup over data parallel is reported as slower, with the limit that made it so."""
+
+
 def summary(plan: Plan) -> str:
     """One line, leading with the comparison a user would make: the best data-parallel width."""
     p = plan.predicted
@@ -104,6 +108,7 @@ def summary(plan: Plan) -> str:
         f"{p.gpu_seconds_per_iteration:.4f} GPU-s/iteration, amplification {p.amplification:.2f}, "
         f"idle {100 * p.idle_gpu_fraction:.1f}% of {_gpus(plan.gpus)}, {plan.precision.value}; "
         f"solver {plan.solver.name} {plan.solver.status} in {plan.solver.seconds:.2f} s (gap {plan.solver.gap:.2g})"
+        f"{_why_slower(plan)}"
     )
 
 
@@ -120,6 +125,16 @@ def cluster_line(plan: Plan) -> str:
         f"{shares.vs_right_sizing:.3f}x right-sizing (data parallel on {_gpus(width)}, the other {plan.gpus - width} "
         f"at full efficiency: {shares.right_sizing_throughput:.3f}x data parallel on all)"
     )
+
+
+def _why_slower(plan: Plan) -> str:
+    """Which limit rules data parallel out when the plan is slower than it (else data parallel would be chosen)."""
+    p = plan.predicted
+    if p.speedup_vs_best_data_parallel >= SLOWER or plan.amplification_limit is None:
+        return ""
+    return (f"; slower than data parallel because --amplification {plan.amplification_limit:g} rules out data "
+            f"parallel on {_gpus(p.best_data_parallel_gpus)}: some of its layers would spend more than "
+            f"{plan.amplification_limit:g}x their one-GPU time")
 
 
 def gantt(plan: Plan, cost: CostModel, path: str | Path) -> None:

@@ -9,9 +9,11 @@ import pytest
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.models import ModelChoice, load_mapping
 from deeppool.cluster_sim.plans import PlanBook, PlanSettings
+from deeppool.cluster_sim.shipped import POLLUX
 
 DATA = Path(__file__).parent / "data"
-TRACES = Path("/work/shared/traces/pollux-osdi21")
+TRACES = POLLUX
+"""The Pollux artifact as shipped in the package (``deeppool/cluster_sim/data/``)."""
 
 
 @pytest.fixture(scope="session")

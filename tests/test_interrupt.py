@@ -1,0 +1,127 @@
+"""Ctrl-C in every long-running command: one line ``interrupted``, exit 130 within 5 s, no process, no output left.
+
+Each command is started as a real process in its own session and sent SIGINT (to its whole process group,
+as a terminal's Ctrl-C is) once it has started its work.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DEADLINE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    args: tuple[str, ...]
+    outputs: tuple[str, ...]
+    after_s: float
+    """Seconds after the start to press Ctrl-C: past the imports, into the work."""
+
+
+CASES = (
+    Case("plan", ("plan", str(REPO / "examples/resnet50.py"), "--gpus", "8", "--batch", "32", "--cache-dir", "cache",
+                  "--out", "p.json", "--gantt", "p.png"), ("p.json", "p.png"), 8.0),
+    Case("profile", ("profile", str(REPO / "examples/resnet50.py"), "--out", "profile.json", "--cache-dir", "cache"),
+         ("profile.json",), 8.0),
+    Case("simulate", ("simulate", "workload-6", "--gpus", "64", "--out", "sim", "--cache-dir", "cache"), ("sim",), 6.0),
+    Case("simulate-deeppool", ("simulate-deeppool", "--out", "scenario", "--cache-dir", "cache"), ("scenario",), 6.0),
+    Case("run", ("run", "small.json", "--steps", "100000", "--out", "run"), ("run",), 12.0),
+    Case("multiplex bench", ("multiplex", "bench", "small.json", "--background", str(REPO / "examples/background_mlp.py"),
+                             "--out", "mux", "--steps", "100000"), ("mux",), 12.0),
+    Case("profile-network", ("profile-network", "--out", "net.json"), ("net.json",), 6.0),
+    Case("serve", ("serve", "--port", "PORT", "--gpus", "2"), (), 5.0),
+)
+
+
+@pytest.fixture(scope="module")
+def small_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("plan")
+    subprocess.run([sys.executable, "-m", "deeppool.cli", "plan", "tests.models.factories:small_cnn", "--input-shape",
+                    "3,32,32", "--gpus", "4", "--batch", "64", "--device-model", "a100", "--out", "small.json"],
+                   cwd=folder, check=True, capture_output=True, env=_env())
+    return folder / "small.json"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_ctrl_c_stops_the_command_says_so_and_leaves_nothing(case: Case, small_plan: Path, tmp_path: Path) -> None:
+    (tmp_path / "small.json").write_bytes(small_plan.read_bytes())
+    stderr = tmp_path / "stderr.txt"
+    with stderr.open("w") as errors:
+        args = [str(_free_port()) if arg == "PORT" else arg for arg in case.args]
+        process = subprocess.Popen([sys.executable, "-m", "deeppool.cli", *args], cwd=tmp_path, env=_env(),
+                                   stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True)
+        time.sleep(case.after_s)
+        assert process.poll() is None, f"{case.name} ended before Ctrl-C: {stderr.read_text()}"
+        pressed = time.monotonic()
+        os.killpg(process.pid, signal.SIGINT)
+        code = process.wait(timeout=30)
+        took = time.monotonic() - pressed
+    assert (code, stderr.read_text().strip().splitlines()) == (130, ["interrupted"])
+    assert took <= DEADLINE_S, f"{case.name} took {took:.1f} s to stop"
+    assert _processes_naming(tmp_path, until=pressed + DEADLINE_S) == [], "processes left running"
+    assert [name for name in case.outputs if (tmp_path / name).exists()] == []
+
+
+def _processes_naming(folder: Path, *, until: float) -> list[int]:
+    """Processes whose command line or working folder is in ``folder`` (ranks run in sessions of their own)."""
+    found = _scan(folder)
+    while found and time.monotonic() < until:
+        time.sleep(0.1)
+        found = _scan(folder)
+    return found
+
+
+def _scan(folder: Path) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if str(folder) in os.readlink(entry / "cwd") or str(folder).encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def test_only_outputs_begun_in_the_block_are_removed_and_only_on_an_interrupt(tmp_path: Path) -> None:
+    from deeppool.interrupt import Interrupted, removed_if_interrupted
+
+    kept, begun, folder = tmp_path / "kept.json", tmp_path / "begun.json", tmp_path / "run"
+    kept.write_text("earlier")
+    with pytest.raises(KeyboardInterrupt), removed_if_interrupted(kept, begun, folder, None):
+        begun.write_text("half")
+        (folder / "sub").mkdir(parents=True)
+        raise KeyboardInterrupt
+    assert (kept.read_text(), begun.exists(), folder.exists()) == ("earlier", False, False)
+    with pytest.raises(Interrupted), removed_if_interrupted(begun):
+        begun.write_text("half")
+        raise Interrupted()
+    assert not begun.exists()
+    with pytest.raises(ValueError), removed_if_interrupted(begun):
+        begun.write_text("a failure's output is kept")
+        raise ValueError
+    assert begun.exists()
