@@ -120,7 +120,8 @@ RUNNABLE_DOCS = [doc for doc in DOCS if any(block.runnable() for block in blocks
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("doc", RUNNABLE_DOCS, ids=[doc.name for doc in RUNNABLE_DOCS])
+@pytest.mark.parametrize("doc", [doc if doc.name == "README.md" else pytest.param(doc, marks=pytest.mark.heavy)
+                                 for doc in RUNNABLE_DOCS], ids=[doc.name for doc in RUNNABLE_DOCS])
 def test_the_shell_blocks_run(doc: Path, tmp_path: Path) -> None:
     (tmp_path / "examples").symlink_to(REPO / "examples")
     outputs = {}

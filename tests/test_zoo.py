@@ -78,8 +78,12 @@ def test_zoo_file_runs_eagerly(name: str) -> None:
     assert any(p.grad is not None for p in net.parameters())
 
 
+HEAVY = {"hf_bart", "hf_whisper", "hf_t5", "hf_gpt_neox", "hf_convnext", "hf_swin", "hf_regnet"}
+"""The zoo's slowest burst runs (1-5 min each on 2 cores): in the heavy tier, not the default test run."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(RUNS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.heavy) if n in HEAVY else n for n in sorted(RUNS)])
 def test_zoo_model_plans_and_trains_burst_parallel_exactly(tmp_path: Path, capfd, name: str) -> None:
     path = ZOO / f"{name}.py"
     planned = deeppool(capfd, "plan", str(path), "--gpus", "4", "--batch", "8", "--device-model", "a100",

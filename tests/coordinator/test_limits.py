@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import socket
 import threading
-from pathlib import Path
 
 import httpx
 import pytest

@@ -9,7 +9,6 @@ line each, creating nothing, and says when it starts and stops.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sqlite3
 import subprocess

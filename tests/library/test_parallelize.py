@@ -78,6 +78,7 @@ def test_a_user_loop_under_torchrun_equals_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_a_user_loop_on_two_machines_meeting_at_a_rendezvous_equals_one_process(tmp_path: Path) -> None:
     jobs = plans(tmp_path, ["cnn"])
     endpoint = f"127.0.0.1:{free_port()}"
