@@ -108,7 +108,7 @@ def left_behind(db: Path) -> None:
 def test_the_server_starts_whatever_a_job_left_behind(tmp_path: Path) -> None:
     db, port = tmp_path / "deeppool.db", free_port()
     left_behind(db)
-    server = start(db, port, paused=True)
+    server = start(db, port, paused=True, logs=db.parent / "logs", job_user=False)  # paused: no job runs
     try:
         assert httpx.get(f"http://127.0.0.1:{port}/healthz").json() == {"ok": True}
     finally:
@@ -149,7 +149,8 @@ def test_a_failing_scheduling_loop_is_retried_and_healthz_says_so(tmp_path: Path
     assert any("the scheduling loop failed; retrying" in line for line in lines)
     assert any("the scheduling loop runs again" in line for line in lines)
     assert lines[0].startswith("deeppool serve: http://127.0.0.1:") and "policy fifo-backfill" in lines[0]
-    assert lines[-1].startswith("deeppool serve: stopped by SIGINT") and server.returncode == 0
+    assert lines[-2].startswith("deeppool serve: stopped by SIGINT") and lines[-1] == "interrupted"
+    assert server.returncode == 130  # Ctrl-C: stopped cleanly, and said so (docs/executor.md, Ctrl-C)
 
 
 def wait_for(port: int, done, timeout_s: float) -> httpx.Response:
@@ -165,7 +166,7 @@ def wait_for(port: int, done, timeout_s: float) -> httpx.Response:
 def serve(capsys: pytest.CaptureFixture[str], db: Path, port: int) -> Result:
     """``deeppool serve`` in this process: each case here is refused before it would serve."""
     return deeppool(capsys, "serve", "--db", str(db), "--port", str(port), "--gpus", "2", "--allow",
-                    str(REPO / "examples"))
+                    str(REPO / "examples"), "--paused")  # paused: as root, no --job-user is needed
 
 
 def test_serve_refuses_a_damaged_database_a_second_server_and_a_port_in_use_with_one_line(
