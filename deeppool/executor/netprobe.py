@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from deeppool.errors import DeeppoolError
+from deeppool.interrupt import children_start_deaf, die_on_interrupt
 from deeppool.executor.config import DEFAULT_SIZES, ProbeConfig
 from deeppool.planner.hardware import LOCAL_NETWORK, NETWORK_SCHEMA_VERSION, NetworkModel
 from deeppool.planner.jsonio import write_json
@@ -199,12 +200,16 @@ def spawn_probe(config: ProbeConfig) -> list[Sample]:
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    mp.start_processes(_rank_main, args=(config, port, results), nprocs=config.nproc, join=True,
-                       start_method="spawn")
+    with children_start_deaf():  # a Ctrl-C while they import would print a traceback per rank
+        ranks = mp.start_processes(_rank_main, args=(config, port, results), nprocs=config.nproc, join=False,
+                                   start_method="spawn")
+    while not ranks.join():
+        pass
     return list(results.get())
 
 
 def _rank_main(rank: int, config: ProbeConfig, port: int, results: Any) -> None:
+    die_on_interrupt()
     import torch.distributed as dist
 
     from deeppool.executor.comm import Lane, TorchComm

@@ -30,7 +30,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     (models / "loop.py").symlink_to(models / "loop.py")
     db, port = folder / "deeppool.db", free_port()
     secret = token(db)
-    proc = start(db, port, allow=(models,), paused=True)
+    proc = start(db, port, allow=(models,), paused=True, logs=folder / "logs", job_user=False)  # paused: no job runs
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {secret}"},
                         timeout=30)
     yield http, port, folder, secret

@@ -45,7 +45,7 @@ def files(text: str) -> dict[str, str]:
 
 
 def shell(text: str) -> list[str]:
-    return [line.strip() for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S) for line in block.splitlines()]
+    return [line.strip() for block in re.findall(r"```sh long\n(.*?)```", text, flags=re.S) for line in block.splitlines()]
 
 
 def run(args: list[str], where: Path, **extra: str) -> subprocess.CompletedProcess[str]:
