@@ -80,4 +80,5 @@ def test_the_driver_runs_a_script_job_on_its_plan(tmp_path: Path) -> None:
     summary = drive(DriverSpec(model=str(MODEL), gpus=2, batch=8, steps=2, amplification=None, out=tmp_path / "job",
                                script=str(tmp_path / "train.py")))
     assert summary == {"script": str(tmp_path / "train.py"), "gpus": 2}
-    assert float((tmp_path / "done.txt").read_text()) > 0
+    assert float((tmp_path / "job" / "script" / "done.txt").read_text()) > 0  # the staged copy ran (checked at launch)
+    assert not (tmp_path / "done.txt").exists()
