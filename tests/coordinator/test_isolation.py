@@ -397,7 +397,7 @@ def test_a_model_file_attacking_a_live_server_does_no_harm(tmp_path: Path, users
     models = Path(tempfile.mkdtemp(dir=logs.parent))
     models.chmod(0o755)
     server = start(db, port, gpus=1, allow=(models,), logs=logs, options=("--job-user", "submitter"),
-                   env={"DEEPPOOL_ADMIN_SECRET": "hunter2-admin"})
+                   env={"DEEPPOOL_ADMIN_SECRET": "hunter2-admin", "PYTHONPATH": str(REPO)})  # staged models import examples/
     try:
         attack = models / "attack.py"
         attack.write_text(ATTACK_MODEL.format(db=str(db), logs=str(logs), server=server.pid))
