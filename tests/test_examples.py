@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
-EXAMPLES = ("vgg16", "resnet50", "inception", "gpt2", "mixer")
+EXAMPLES = ("vgg16", "resnet50", "inception", "gpt2", "mixer", "dlrm")
 BATCH = 2
 LAYER_OPS = ("call_module", "call_function", "call_method")
 
