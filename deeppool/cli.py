@@ -11,6 +11,7 @@ import typer
 from deeppool.errors import DeeppoolError
 from deeppool.interrupt import removed_if_interrupted
 from deeppool.planner.combine import Combine
+from deeppool.planner.objective import DEFAULT_CLUSTER_GAP
 
 if TYPE_CHECKING:  # each command imports its work (and torch) only after its options are checked
     from deeppool.planner.ilp import SolverName
@@ -85,6 +86,9 @@ def plan(
         help="interference.json (`deeppool multiplex bench`): background efficiency by window length and the "
              "foreground's slowdown, for the cluster throughput", show_default="the simulator's defaults")] = None,
     price: Annotated[float, typer.Option(help="with --objective time+gpu-time: ms of iteration worth one GPU-second")] = 0.0,
+    cluster_gap: Annotated[float, typer.Option(
+        help="with --objective cluster: stop once no plan can beat the chosen one by more than this share "
+             "(0: the proven best; like a MIP gap)")] = DEFAULT_CLUSTER_GAP,
     pareto: Annotated[Path | None, typer.Option(help="write a PNG of iteration time against GPU-seconds, baselines marked")] = None,
     pin: Annotated[list[str] | None, typer.Option(
         help="GLOB=N: the layers whose names match GLOB (fnmatch, e.g. 'layer4.*') run on N GPUs; the ILP solves "
@@ -145,6 +149,7 @@ def plan(
         precision=Precision.parse(precision) if precision else None,
         objective=_enum(Objective, objective, "--objective"),
         price=price,
+        cluster_gap=cluster_gap,
         pins=tuple(Pin.parse(text) for text in pin or ()),
         **_interference(interference),
     )

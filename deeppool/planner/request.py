@@ -17,7 +17,7 @@ from deeppool.errors import DeeppoolError
 from deeppool.planner.candidates import Limits
 from deeppool.planner.cost import DEFAULT_BUCKET_BYTES, Optimizer
 from deeppool.planner.hardware import LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, Precision, known_device
-from deeppool.planner.objective import Objective
+from deeppool.planner.objective import DEFAULT_CLUSTER_GAP, Objective
 from deeppool.planner.pins import Pin
 from deeppool.planner.plan import Strategy
 from deeppool.planner.profile import Profile
@@ -55,6 +55,8 @@ class PlanRequest:
     precision: Precision | None = None
     objective: Objective = Objective.TIME
     price: float = 0.0
+    cluster_gap: float = DEFAULT_CLUSTER_GAP
+    """``--cluster-gap``: the cluster objective's proven gap (0: exactly the best)."""
     pins: tuple[Pin, ...] = ()
     """Layers whose GPU counts are fixed (``--pin GLOB=N``); the ILP solves the rest."""
     interference: InterferenceModel = InterferenceModel()
@@ -74,6 +76,9 @@ class PlanRequest:
             raise DeeppoolError(f"--bucket-mb {self.bucket_mb} must be >= 0")
         Limits(amplification=self.amplification)
         check_objective(self.objective, self.price)
+        if not 0 <= self.cluster_gap < 1:
+            raise DeeppoolError(f"--cluster-gap {self.cluster_gap:g} must be at least 0 and below 1 "
+                                "(a share of the cluster's throughput, e.g. 0.002)")
         if self.pins and self.strategy is not Strategy.ILP:
             raise DeeppoolError(f"--pin fixes layers of the ILP's plan; --strategy {self.strategy.value} ignores it: "
                                 "drop --pin or use --strategy ilp")

@@ -32,7 +32,7 @@ from deeppool.planner.ilp import SolverName, default_solver, solve
 from deeppool.planner.pins import Pin, apply_pins, pinned_counts
 from deeppool.planner.plan import SolverInfo, Strategy
 from deeppool.planner.request import Objective, check_objective
-from deeppool.planner.throughput import ClusterProblem, ClusterSearch, cluster_optimum, priced_gpu_ms
+from deeppool.planner.throughput import DEFAULT_TOLERANCE, ClusterProblem, ClusterSearch, cluster_optimum, priced_gpu_ms
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +49,8 @@ class Search:
     pins: tuple[Pin, ...] = ()
     interference: InterferenceModel = InterferenceModel()
     """How background work fills idle windows, for ``Objective.CLUSTER`` and the plan's cluster shares."""
+    cluster_gap: float = DEFAULT_TOLERANCE
+    """``Objective.CLUSTER``: stop once no plan can beat the best costed one by more than this share."""
 
     def __post_init__(self) -> None:
         check_objective(self.objective, self.price)
@@ -133,11 +135,11 @@ def _for_cluster(cost: CostModel, search: Search, options: dict[str, tuple[int, 
     found = cluster_optimum(ClusterProblem(
         cost=cost, options=options, gpus=search.gpus, dp_ms=solved.baselines.data_parallel_ms,
         model=search.interference, memory_bytes=search.limits.memory_bytes, time_limit_s=search.time_limit_s,
-        solver=search.solver, fastest_ms=_fastest_ms(cost, solved)), seeds)
+        solver=search.solver, fastest_ms=_fastest_ms(cost, solved), tolerance=search.cluster_gap), seeds)
     seconds = solved.solver.seconds + time.perf_counter() - started
     thinned = solved.solver.status.partition(" over ")[2].partition(";")[0]
     status = found.status + (f" over {thinned}" if thinned else "")
-    info = replace(solved.solver, status=status, seconds=seconds, gap=0.0 if found.proven else
+    info = replace(solved.solver, status=status, seconds=seconds, gap=found.tolerance if found.proven else
                    (found.bound - found.shares.throughput) / found.bound)
     assignments = {**solved.assignments, Strategy.ILP: found.assignment}
     return replace(solved, assignments=assignments, solver=info, cluster=found)

@@ -65,14 +65,13 @@ from deeppool.errors import DeeppoolError
 from deeppool.planner.candidates import useful_counts
 from deeppool.planner.cost import CostModel, Phase
 from deeppool.planner.ilp import SolverName, solve
+from deeppool.planner.objective import DEFAULT_CLUSTER_GAP
 from deeppool.planner.plan import rank_idle_windows
 
 MAX_SOLVES = 60
 """ILP solves the exact search may spend before it stops and says how far its bound is open."""
 _TOLERANCE = 1e-9
-DEFAULT_TOLERANCE = 2e-3
-"""The planner's default: proven best to within 0.2% of the cluster's throughput. Below the cost model's
-precision; at 0 many plans that differ in one small layer by less than that are costed one by one."""
+DEFAULT_TOLERANCE = DEFAULT_CLUSTER_GAP
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -99,3 +99,21 @@ def test_a_missing_interference_file_is_one_line(capsys, tmp_path, monkeypatch):
     lines = result.stderr.strip().splitlines()
     assert result.code == 2 and len(lines) == 1 and "--interference" in lines[0], result
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("graph", [CHAIN, RESIDUAL], ids=["chain", "residual"])
+def test_cluster_gap_zero_through_the_request_is_the_enumerated_best(graph):
+    cost, profile = _problem(graph, GPUS, BATCH)
+    request = PlanRequest(gpus=GPUS, global_batch=BATCH, objective=Objective.CLUSTER, cluster_gap=0.0)
+    plan = plan_graph(graph, profile, SLOW_NETWORK, request, model=SPEC).plan
+    best = _enumerate(cost, InterferenceModel(), plan.predicted.data_parallel_iteration_ms)
+    assert plan.cluster.throughput == pytest.approx(best, rel=1e-9)
+    assert plan.solver.gap == 0.0 and "optimal (" in plan.solver.status
+
+
+def test_a_cluster_gap_out_of_range_is_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = deeppool(capsys, *A100, "--objective", "cluster", "--cluster-gap", "-0.1")
+    lines = result.stderr.strip().splitlines()
+    assert result.code == 2 and len(lines) == 1 and "--cluster-gap" in lines[0], result
+    assert list(tmp_path.iterdir()) == []
