@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 
@@ -41,6 +42,9 @@ def run_app(app: typer.Typer, args: list[str] | None = None, *, prog_name: str |
 
 
 def _interrupted(reported: threading.Event) -> None:
+    """Say so and exit 130. A later Ctrl-C is ignored: at shutdown Python puts SIGINT back to the system's
+    default, and a signal then would end the process by the signal (exit -2) instead."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     print(MESSAGE, file=sys.stderr, flush=True)
     reported.set()
     sys.exit(EXIT_CODE)

@@ -93,6 +93,8 @@ def arm_deadline(grace_s: float = GRACE_S) -> threading.Event:
     reported = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         return reported
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt_once)
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
@@ -104,6 +106,14 @@ def arm_deadline(grace_s: float = GRACE_S) -> threading.Event:
     threading.Thread(target=_watch, args=(read_end, grace_s, reported), name="interrupt-deadline",
                      daemon=True).start()
     return reported
+
+
+def _interrupt_once(signum: int, frame: object) -> None:
+    """Ctrl-C: raise KeyboardInterrupt once, and ignore the next ones while the work stops. A second
+    KeyboardInterrupt raised while the first one's clean-up runs would escape it, and Python then ends the
+    process by the signal (exit -2) with the clean-up half done; the watcher still ends it in time."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _watch(read_end: int, grace_s: float, reported: threading.Event) -> None:

@@ -1,11 +1,15 @@
 """``python -m deeppool.executor plan.json [options]``: one rank, for torchrun."""
 
 import os
+import signal
 
-from deeppool.interrupt import AGENT_ENV, quiet_rank
+if "TORCHELASTIC_RUN_ID" in os.environ:  # deeppool.interrupt.AGENT_ENV, read before that module's imports load
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # an interrupt while the imports below load ends the rank silently
+
+from deeppool.interrupt import AGENT_ENV, quiet_rank  # noqa: E402
 
 if AGENT_ENV in os.environ:
-    quiet_rank()  # before the imports below: an interrupt while they load is silent too
+    quiet_rank()
 
 from deeppool.executor.cli import worker_app  # noqa: E402
 

@@ -203,8 +203,13 @@ def spawn_probe(config: ProbeConfig) -> list[Sample]:
     with children_start_deaf():  # a Ctrl-C while they import would print a traceback per rank
         ranks = mp.start_processes(_rank_main, args=(config, port, results), nprocs=config.nproc, join=False,
                                    start_method="spawn")
-    while not ranks.join():
-        pass
+    try:
+        while not ranks.join():
+            pass
+    except BaseException:  # Ctrl-C: a rank still importing ignores it (it started deaf), so end them all here
+        for process in ranks.processes:
+            process.kill()
+        raise
     return list(results.get())
 
 
