@@ -38,7 +38,8 @@ DOCS = (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
 SHELL = "sh"
 KINDS = {SHELL, "text", "python", "json"}
 MARKS = {"gpu": "needs a CUDA GPU", "slurm": "needs a Slurm cluster", "machines": "needs several machines",
-         "long": "a long run"}
+         "long": "a long run", "operator": "an operator's set-up, as root on the server's machine (it creates "
+         "accounts and starts a server that runs until stopped; tests/coordinator/test_isolation.py does the same)"}
 _FENCE = re.compile(r"^```(?P<info>.*)$")
 _OUTPUT = re.compile(r"<!-- output of: (?P<command>.+?); varies: (?P<varies>[\w, ]+) -->")
 _NUMBER = re.compile(r"\d[\d,]*(\.\d+)?(e[-+]?\d+)?")
