@@ -7,8 +7,10 @@ a layer bound by reading its weights at small batches takes longer at large ones
 small batches (powers of two up to 8), solves, and measures every per-GPU batch that the chosen plan
 or a baseline (data parallel on all GPUs, at its best width, DeepPool's planner) uses, and the
 one-GPU batch when an amplification limit compares against it; each round measures at least one
-new batch, so the loop ends. ``--max-measured-batch`` caps the batches measured: the loop then stops
-with batches above the cap fitted, and the plan says which of its layers rest on them
+new batch, so the loop ends. ``--max-measured-batch`` caps the batches measured, and so does the memory
+free for a profiling pass (which runs the whole model at the batch, where a plan runs only some layers
+at it: :meth:`~deeppool.planner.profiler.LayerProfiler.fits`): the loop then stops with the batches
+beyond fitted, and the plan says which of its layers rest on them
 (:class:`~deeppool.planner.plan.Evidence`). The loop does not care where it measures: a CUDA device
 goes through it as the CPU does.
 """
@@ -73,11 +75,12 @@ def plan_on_measured(profiler: LayerProfiler, solve: Callable[[Profile], Planned
 
     ``targets`` are the per-GPU batches the planner may use (the profile fits the unmeasured ones);
     ``solve`` plans on a profile."""
-    profiler.measure(first_batches(cap, max(targets)))
+    first = first_batches(cap, max(targets))
+    profiler.measure([b for b in first if profiler.fits(b)] or first[:1])
     while True:
         planned = solve(profiler.profile(targets))
         used = used_batches(planned.cost, planned.assignments, one_gpu=one_gpu)
-        todo = [b for b in used if b not in profiler.batches and (cap is None or b <= cap)]
+        todo = [b for b in used if b not in profiler.batches and (cap is None or b <= cap) and profiler.fits(b)]
         if not todo:
             return planned
         profiler.measure(todo)

@@ -105,6 +105,8 @@ class ProfilerConfig:
     """How busy the host is now (its 1-minute load average): read before and after each batch is measured."""
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     """A load above this many cores means the machine was busy: such measurements are not trusted."""
+    memory_budget: int | None = None
+    """Bytes a profiling pass may take; None: :func:`memory_budget` of the device."""
 
     def untrusted(self, measured: Measured) -> bool:
         """Whether ``measured`` was taken on a busy machine, or stayed noisy (a layer above the noise floor)."""
@@ -208,6 +210,25 @@ def device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def memory_budget(device: torch.device) -> int:
+    """Bytes a profiling pass may take: most of the device's free memory, and at most half a CPU host's memory
+    (others share it)."""
+    if device.type == "cuda":
+        return int(0.8 * torch.cuda.mem_get_info(device)[0])
+    return int(min(0.5 * device_memory(device), 0.8 * _available_memory()))
+
+
+def _available_memory() -> int:
+    """The host's available memory (MemAvailable), or its free pages where /proc/meminfo is absent."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def memory_bandwidth(device: torch.device, megabytes: int = 64, repeats: int = 5) -> float:
     """Effective bytes/s of an in-place add over large tensors (what an optimizer step does)."""
     count = megabytes * 2**20 // 4
@@ -247,6 +268,17 @@ class LayerProfiler:
     def batches(self) -> tuple[int, ...]:
         """The per-GPU batches measured so far."""
         return tuple(sorted(self.measured[LOSS]))
+
+    def fits(self, batch: int) -> bool:
+        """Whether a training pass of the whole model at ``batch`` fits the memory free here for measuring:
+        its stored activations and their gradients (three times the traced per-sample bytes, as a bound) and
+        weights, gradients and momenta, within :func:`memory_budget` (a plan runs a layer at a batch on its
+        own ranks; measuring it runs every layer at that batch)."""
+        graph = self.traced.graph
+        needed = 3 * batch * sum(layer.act_bytes for layer in graph.layers) + \
+            4 * sum(layer.param_bytes for layer in graph.layers)
+        budget = self.config.memory_budget
+        return needed <= (memory_budget(self.device) if budget is None else budget)
 
     def measure(self, batches: Iterable[int]) -> None:
         """Measure every layer (and the loss) at each of ``batches`` not measured yet (from the cache where

@@ -145,12 +145,13 @@ def evidence_lines(plan: Plan, shown: int = 6) -> list[str]:
         return []
     lines = []
     if evidence.extrapolated:
-        lines.append(f"{len(evidence.extrapolated)} of {len(plan.layers)} layers rest on per-GPU batches above "
-                     f"--max-measured-batch, extrapolated from the line fitted through {list(evidence.measured_batches)}: "
+        lines.append(f"{len(evidence.extrapolated)} of {len(plan.layers)} layers rest on per-GPU batches not measured "
+                     "(above --max-measured-batch, or a whole-model pass there would not fit this machine's memory), "
+                     f"extrapolated from the line fitted through {list(evidence.measured_batches)}: "
                      f"{_names(evidence.extrapolated, shown)}")
     if evidence.unmeasured_batches:
         lines.append(f"per-GPU batches {list(evidence.unmeasured_batches)} that the plan or its baselines use were "
-                     "not measured (above --max-measured-batch)")
+                     "not measured (above --max-measured-batch, or too large to measure here)")
     if evidence.busy:
         lines.append(f"{len(evidence.busy)} of {len(plan.layers)} layers rest on measurements taken on a busy machine "
                      f"(load up to {evidence.load:.1f} on {evidence.cores} cores) or that stayed noisy: "

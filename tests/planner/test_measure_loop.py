@@ -61,6 +61,25 @@ def test_a_cap_stops_the_loop_and_the_plan_names_the_layers_it_extrapolates():
     assert any("--max-measured-batch" in line and "fc1" in line for line in lines)
 
 
+def test_a_batch_whose_profiling_pass_would_not_fit_the_memory_is_left_fitted_and_named():
+    spec = ModelSpec.parse(str(TINY))
+    loaded = spec.load()
+    traced = trace(loaded)
+    per_sample = 3 * sum(layer.act_bytes for layer in traced.graph.layers)
+    weights = 4 * sum(layer.param_bytes for layer in traced.graph.layers)
+    config = ProfilerConfig(threads=1, memory_budget=weights + 8 * per_sample, **FAST)
+    profiler = LayerProfiler(traced, loaded, config)
+    assert profiler.fits(8) and not profiler.fits(9)
+    request = PlanRequest(gpus=2, global_batch=32, strategy=Strategy.DATA_PARALLEL)
+    planned = plan_on_measured(
+        profiler, lambda profile: plan_graph(traced.graph, profile, NETWORKS[KnownDevice.A100], request, model=spec),
+        targets=(16, 32), cap=None, one_gpu=False)
+    assert profiler.batches == (2, 4, 8)
+    evidence = planned.plan.evidence
+    assert evidence is not None and 16 in evidence.unmeasured_batches and len(evidence.extrapolated) == 5
+    assert any("would not fit this machine's memory" in line for line in evidence_lines(planned.plan))
+
+
 def test_the_loop_measures_each_new_batch_once_and_ends():
     """Driven with the real profiler and planner on the CPU (the same code a --local-device cuda run takes):
     every round adds the batches the last solution used, and the profile's time at a measured batch is the
