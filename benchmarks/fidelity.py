@@ -130,23 +130,21 @@ def measure_network(nproc: int, path: Path) -> None:
 
 def burst_plan(model: Path, nproc: int, batch: int, network: Path, cache: Path, out: Path) -> str:
     """Write a plan with at least two distinct GPU counts to ``out``; say how it was found."""
-    from deeppool.planner.api import CostSource, PlanRequest, plan_graph, plan_model
+    from deeppool.planner.api import CostSource, PlanRequest, plan_model
     from deeppool.planner.modelspec import ModelSpec
     from deeppool.planner.request import Objective
 
     spec = ModelSpec.parse(str(model))
     request = PlanRequest(gpus=nproc, global_batch=batch)
-    source = CostSource(device_model="local", network_file=network, cache_dir=cache, show_progress=False,
-                        max_measured_batch=batch)  # every per-GPU batch the plan can use is measured, none fitted
-    planned = plan_model(spec, request, source)
+    source = CostSource(device_model="local", network_file=network, cache_dir=cache, show_progress=False)
+    planned = plan_model(spec, request, source)  # measures every per-GPU batch the plan and its baselines use
     if len(set(planned.plan.assignment.values())) > 1:
         planned.plan.save(out)
         return "ILP, time"
-    cost = planned.cost
     unit = planned.plan.predicted.iteration_ms / planned.plan.predicted.gpu_seconds_per_iteration
     for factor in PRICE_FACTORS:
         priced = replace(request, objective=Objective.TIME_AND_GPU_TIME, price=factor * unit)
-        plan = plan_graph(cost.graph, cost.profile, cost.network, priced, model=spec).plan
+        plan = plan_model(spec, priced, source).plan  # its own batches measured too (the rest from the cache)
         if len(set(plan.assignment.values())) > 1:
             plan.save(out)
             return f"ILP, time + {factor:g}x price"
