@@ -1,5 +1,5 @@
 """Held-out fidelity model: HF transformers BertForSequenceClassification (4 layers, hidden 128, 4 heads,
-64 tokens with an attention mask, two segments), built from its config (no download), 4 classes, dropout 0."""
+32 tokens with an attention mask, two segments), built from its config (no download), 4 classes, dropout 0."""
 
 import torch
 import torch.nn.functional as F
@@ -7,7 +7,7 @@ from torch import nn
 from transformers import BertConfig, BertForSequenceClassification
 
 VOCAB = 1000
-TOKENS = 64
+TOKENS = 32
 CLASSES = 4
 
 

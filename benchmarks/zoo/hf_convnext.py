@@ -1,4 +1,4 @@
-"""Held-out fidelity model: HF transformers ConvNextForImageClassification (stages of depths [1, 1, 2, 1],
+"""Held-out fidelity model: HF transformers ConvNextForImageClassification (stages of depths [1, 1, 1, 1],
 widths 32-64-128-256: depthwise 7×7 convolutions, channels-last LayerNorm, layer scale), built from its config
 (no download), 3×32×32 inputs, 10 classes."""
 
@@ -13,7 +13,7 @@ CLASSES = 10
 
 def model() -> nn.Module:
     config = ConvNextConfig(num_channels=3, patch_size=2, num_stages=4, hidden_sizes=[32, 64, 128, 256],
-                            depths=[1, 1, 2, 1], num_labels=CLASSES, image_size=IMAGE)
+                            depths=[1, 1, 1, 1], num_labels=CLASSES, image_size=IMAGE)
     torch.manual_seed(0)
     return ConvNextForImageClassification(config).train()
 

@@ -1,4 +1,4 @@
-"""Held-out fidelity model: HF transformers ViTForImageClassification (4 layers, hidden 128, 4 heads, 4×4
+"""Held-out fidelity model: HF transformers ViTForImageClassification (4 layers, hidden 64, 4 heads, 4×4
 patches of 3×32×32 images: 65 tokens), built from its config (no download), 10 classes, dropout 0."""
 
 import torch
@@ -11,7 +11,7 @@ CLASSES = 10
 
 
 def model() -> nn.Module:
-    config = ViTConfig(image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=128, num_hidden_layers=4,
+    config = ViTConfig(image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=4,
                        num_attention_heads=4, intermediate_size=256, num_labels=CLASSES,
                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """Held-out fidelity model: a small VGG-style CNN (two 3×3 conv-BN-ReLU per stage, max-pooling between, widths
-32-64-128, a two-layer classifier with dropout 0), 3×32×32 inputs, 10 classes."""
+16-32-64, a two-layer classifier with dropout 0), 3×32×32 inputs, 10 classes."""
 
 import torch
 import torch.nn.functional as F
@@ -15,8 +15,8 @@ def _stage(cin: int, cout: int) -> list[nn.Module]:
 
 def model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*_stage(3, 32), *_stage(32, 64), *_stage(64, 128), nn.Flatten(),
-                         nn.Linear(128 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, CLASSES))
+    return nn.Sequential(*_stage(3, 16), *_stage(16, 32), *_stage(32, 64), nn.Flatten(),
+                         nn.Linear(64 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, CLASSES))
 
 
 def inputs(batch_size: int) -> tuple[torch.Tensor, ...]:
