@@ -360,7 +360,7 @@ def zoo(args: argparse.Namespace) -> None:
     models = (args.models or ZOO_MODELS).split(",")
     counts = [int(n) for n in args.nproc.split(",")]
     print(f"machine: {os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.2f}; held-out models {models} on "
-          f"{counts} gloo ranks; global batch {args.batch}, {args.steps} steps; {args.runs} runs; work in {work}")
+          f"{counts} gloo ranks; global batch {args.batch}, {args.steps} steps; {args.runs} runs", flush=True)
     rows: list[ZooRow] = []
     for run in range(1, args.runs + 1):
         (work / f"run{run}").mkdir(parents=True)
@@ -378,7 +378,13 @@ def zoo(args: argparse.Namespace) -> None:
           f"{'met' if _in_a_row(rows, args.runs) >= 3 else 'not met'} ({_in_a_row(rows, args.runs)} such runs in a row)")
     plot_stages([(f"{row.model}, {row.nproc} ranks, run {row.run}", row.stages) for row in rows], args.scatter,
                 "per-stage fidelity on held-out models, default flags")
-    print(f"per-stage scatter written to {args.scatter}")
+    print(f"per-stage scatter written to {shown(args.scatter)}")
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the repository when inside it (figures in the docs name no machine's folders)."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
 
 
 def _in_a_row(rows: list[ZooRow], runs: int) -> int:
@@ -446,7 +452,7 @@ def _measure(args: argparse.Namespace) -> None:
     print(f"median measured/predicted {statistics.median(ratios):.2f}; {within} of {len(ratios)} within ±15%; "
           f"load at the end {os.getloadavg()[0]:.2f}")
     scatter(results, args.scatter)
-    print(f"per-stage scatter written to {args.scatter}")
+    print(f"per-stage scatter written to {shown(args.scatter)}")
 
 
 if __name__ == "__main__":
