@@ -359,6 +359,9 @@ def zoo(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="deeppool-fidelity-zoo-"))
     models = (args.models or ZOO_MODELS).split(",")
     counts = [int(n) for n in args.nproc.split(",")]
+    unknown = [model for model in models if not (ZOO / f"{model}.py").is_file()]
+    if unknown:
+        raise SystemExit(f"error: --models {unknown[0]}: no such held-out model (choose from {ZOO_MODELS})")
     print(f"machine: {os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.2f}; held-out models {models} on "
           f"{counts} gloo ranks; global batch {args.batch}, {args.steps} steps; {args.runs} runs", flush=True)
     rows: list[ZooRow] = []
