@@ -327,6 +327,7 @@ def deeppool(*args: str, cwd: Path, home: Path) -> None:
 
 def zoo_row(run: int, model: str, nproc: int, args: argparse.Namespace, work: Path) -> ZooRow:
     from deeppool.planner.plan import Plan
+    from deeppool.planner.report import Stage
 
     row = work / f"run{run}" / f"{model}-{nproc}"
     row.mkdir(parents=True)
@@ -337,20 +338,15 @@ def zoo_row(run: int, model: str, nproc: int, args: argparse.Namespace, work: Pa
     deeppool("run", "plan.json", "--steps", str(args.steps), cwd=row, home=home)
     plan = Plan.load(row / "plan.json")
     summary = json.loads((row / "deeppool-run" / "summary.json").read_text())
-    spread = {layer.name: layer for layer in plan.layers}
-    stages, spreads = [], []
-    for stage in summary["stages"]:
-        stages.append((stage["name"], stage["fwd_predicted"] + stage["bwd_predicted"],
-                       stage["fwd_measured"] + stage["bwd_measured"]))
-        layers = [spread[name] for name in stage["layers"]]
-        compute = sum(layer.fwd_ms + layer.bwd_ms for layer in layers)
-        spreads.append(sum(layer.spread * (layer.fwd_ms + layer.bwd_ms) for layer in layers) / compute
-                       if compute > 0 else 0.0)
+    planned = {layer.name: layer for layer in plan.layers}
+    stages = tuple((stage["name"], stage["fwd_predicted"] + stage["bwd_predicted"],
+                    stage["fwd_measured"] + stage["bwd_measured"]) for stage in summary["stages"])
+    spreads = tuple(Stage(tuple(planned[name] for name in stage["layers"])).spread for stage in summary["stages"])
     return ZooRow(run=run, model=model, nproc=nproc, counts=tuple(sorted(set(plan.assignment.values()))),
                   predicted_ms=summary["iteration_predicted_ms"], measured_ms=summary["iteration_measured_ms"],
                   uncertainty=plan.predicted.uncertainty,
                   busy_layers=len(plan.evidence.busy) if plan.evidence is not None else 0,
-                  stages=tuple(stages), spreads=tuple(spreads), load_before=load_before,
+                  stages=stages, spreads=spreads, load_before=load_before,
                   load_after=os.getloadavg()[0])
 
 

@@ -112,11 +112,11 @@ WEAK = 0.15
 
 @dataclass(frozen=True, kw_only=True)
 class Evidence:
-    """What a plan measured here rests on: the per-GPU batches measured, the layers whose per-GPU batch in
+    """What a plan measured here rests on: the per-GPU batches measured; the layers whose per-GPU batch in
     this plan was not measured (above ``--max-measured-batch`` or too large for a profiling pass here:
-    extrapolated from the fitted line), the
-    per-GPU batches the baselines use that were not measured, the layers resting on measurements taken on a
-    busy machine or that stayed noisy, and the highest load average seen while measuring."""
+    extrapolated from the fitted line); the per-GPU batches the plan or its baselines use that were not
+    measured; the layers resting on measurements taken on a busy machine or that stayed noisy; the highest
+    load average seen while measuring, and the host's cores."""
 
     measured_batches: tuple[int, ...]
     extrapolated: tuple[str, ...] = ()
