@@ -267,8 +267,8 @@ def burst_plan(nproc: int, batch: int, path: Path, network_file: Path) -> None:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # as each rank runs
     request = PlanRequest(gpus=nproc, global_batch=batch)
-    source = CostSource(device_model="local", network_file=network_file, show_progress=False,
-                        max_measured_batch=batch)  # every per-GPU batch the plan may use is measured, none fitted
+    source = CostSource(device_model="local", network_file=network_file,
+                        show_progress=False)  # every per-GPU batch the plan and its baselines use is measured
     plan_model(ModelSpec.parse(__file__), request, source).plan.save(path)
 
 

@@ -2,6 +2,17 @@
 
     python benchmarks/fidelity.py [--nproc 2,4] [--models cnn,branching_cnn,transformer,mlp]
                                   [--batch 32] [--steps 30] [--warmup 10] [--scatter fidelity.png]
+    python benchmarks/fidelity.py --zoo [--runs 3] [--nproc 2,4] [--models hf_resnet,...] [--batch 32]
+                                  [--steps 30] [--write-docs]
+
+``--zoo``: held-out models (``benchmarks/zoo``: HF transformers ResNet, ConvNeXt, ViT and BERT built from
+their configs, a VGG-style and a MobileNetV2-style CNN), which the cost model was not tuned on, each on 2
+and 4 gloo ranks, with the ``deeppool`` commands as a user types them, default flags: ``deeppool
+profile-network --nproc N``, ``deeppool plan MODEL --gpus N --batch B --device-model local --network-file
+net.json`` (its default layer-time cache, kept from run to run as a user's is; a fresh home folder keeps
+other caches out) and ``deeppool run plan.json --steps S``. Every run of ``--runs`` records each row's
+measured/predicted, the load average around it, the plan's uncertainty and every stage's measured/predicted
+(the per-stage scatter). Goal: every row within ±15% at load ≤ 2, in three runs in a row.
 
 For every model of ``benchmarks/models`` (a CNN, a branching CNN, a
 transformer, an MLP) and every rank count: the network is measured here with
@@ -32,6 +43,10 @@ from typing import Any
 from deeppool.docregions import REPO, Stamp, teed_stdout, text_block, write_region
 
 MODELS = Path(__file__).resolve().parent / "models"
+ZOO = Path(__file__).resolve().parent / "zoo"
+ZOO_MODELS = "hf_resnet,hf_convnext,hf_vit,hf_bert,vgg_small,mobilenet_small"
+QUIET_LOAD = 2.0
+"""The zoo's goal holds at a load average up to this."""
 PRICE_FACTORS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 TERMS = ("compute", "reshard", "allreduce", "step")
 """The terms an iteration is split into: span labels ``term:...`` (``forward``/``backward`` and the
@@ -115,23 +130,21 @@ def measure_network(nproc: int, path: Path) -> None:
 
 def burst_plan(model: Path, nproc: int, batch: int, network: Path, cache: Path, out: Path) -> str:
     """Write a plan with at least two distinct GPU counts to ``out``; say how it was found."""
-    from deeppool.planner.api import CostSource, PlanRequest, plan_graph, plan_model
+    from deeppool.planner.api import CostSource, PlanRequest, plan_model
     from deeppool.planner.modelspec import ModelSpec
     from deeppool.planner.request import Objective
 
     spec = ModelSpec.parse(str(model))
     request = PlanRequest(gpus=nproc, global_batch=batch)
-    source = CostSource(device_model="local", network_file=network, cache_dir=cache, show_progress=False,
-                        max_measured_batch=batch)  # every per-GPU batch the plan can use is measured, none fitted
-    planned = plan_model(spec, request, source)
+    source = CostSource(device_model="local", network_file=network, cache_dir=cache, show_progress=False)
+    planned = plan_model(spec, request, source)  # measures every per-GPU batch the plan and its baselines use
     if len(set(planned.plan.assignment.values())) > 1:
         planned.plan.save(out)
         return "ILP, time"
-    cost = planned.cost
     unit = planned.plan.predicted.iteration_ms / planned.plan.predicted.gpu_seconds_per_iteration
     for factor in PRICE_FACTORS:
         priced = replace(request, objective=Objective.TIME_AND_GPU_TIME, price=factor * unit)
-        plan = plan_graph(cost.graph, cost.profile, cost.network, priced, model=spec).plan
+        plan = plan_model(spec, priced, source).plan  # its own batches measured too (the rest from the cache)
         if len(set(plan.assignment.values())) > 1:
             plan.save(out)
             return f"ILP, time + {factor:g}x price"
@@ -228,18 +241,23 @@ def one(model: str, nproc: int, args: argparse.Namespace, work: Path) -> Result:
 
 
 def scatter(results: list[Result], path: Path) -> None:
+    plot_stages([(f"{r.model}, {r.nproc} ranks", r.stages) for r in results], path,
+                "per-stage fidelity of the cost model on this machine")
+
+
+def plot_stages(series: list[tuple[str, tuple[tuple[str, float, float], ...]]], path: Path, title: str) -> None:
+    """Every stage's measured against predicted forward+backward ms, one colour per (label, stages) series."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 6))
-    for result in results:
-        points = [(p, m) for _, p, m in result.stages if p > 0 and m > 0]
-        axes.scatter([p for p, _ in points], [m for _, m in points], s=12, alpha=0.7,
-                     label=f"{result.model}, {result.nproc} ranks")
-    low = min(min(p, m) for r in results for _, p, m in r.stages if p > 0 and m > 0)
-    high = max(max(p, m) for r in results for _, p, m in r.stages)
+    points = [(p, m) for _, stages in series for _, p, m in stages if p > 0 and m > 0]
+    for label, stages in series:
+        mine = [(p, m) for _, p, m in stages if p > 0 and m > 0]
+        axes.scatter([p for p, _ in mine], [m for _, m in mine], s=12, alpha=0.7, label=label)
+    low, high = min(min(p, m) for p, m in points), max(max(p, m) for p, m in points)
     axes.plot([low, high], [low, high], "k-", linewidth=1, label="measured = predicted")
     axes.fill_between([low, high], [0.85 * low, 0.85 * high], [1.15 * low, 1.15 * high], color="grey", alpha=0.2,
                       label="±15%")
@@ -247,33 +265,166 @@ def scatter(results: list[Result], path: Path) -> None:
     axes.set_yscale("log")
     axes.set_xlabel("predicted forward+backward ms per stage")
     axes.set_ylabel("measured ms (median, slowest rank)")
-    axes.set_title("per-stage fidelity of the cost model on this machine")
+    axes.set_title(title)
     axes.legend(fontsize="x-small")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ZooRow:
+    """One held-out model on ``nproc`` ranks in one run, planned and run with the default flags."""
+
+    run: int
+    model: str
+    nproc: int
+    counts: tuple[int, ...]
+    predicted_ms: float
+    measured_ms: float
+    uncertainty: float
+    busy_layers: int
+    stages: tuple[tuple[str, float, float], ...]
+    """(stage, predicted, measured forward+backward ms) for each stage of the run."""
+    spreads: tuple[float, ...]
+    """Each stage's confidence in the plan: the spread of the measurements it rests on."""
+    load_before: float
+    load_after: float
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_ms / self.predicted_ms
+
+    @property
+    def within(self) -> bool:
+        return abs(self.ratio - 1) <= 0.15
+
+    @property
+    def quiet(self) -> bool:
+        return max(self.load_before, self.load_after) <= QUIET_LOAD
+
+    def line(self) -> str:
+        ratios = ", ".join(f"{m / p:.2f}±{100 * s:.0f}%" if p > 0 else "-"
+                           for (_, p, m), s in zip(self.stages, self.spreads, strict=True))
+        return (f"run {self.run}  {self.model:<16} {self.nproc} ranks  counts {list(self.counts)!s:<8} "
+                f"predicted {self.predicted_ms:8.2f} ms ±{100 * self.uncertainty:.0f}%  measured "
+                f"{self.measured_ms:8.2f} ms  measured/predicted {self.ratio:.2f}{'' if self.within else ' (miss)'}  "
+                f"load {self.load_before:.2f} → {self.load_after:.2f}; busy-measured layers {self.busy_layers}; "
+                f"stages measured/predicted (±their spread): {ratios}")
+
+
+def deeppool(*args: str, cwd: Path, home: Path) -> None:
+    """One ``deeppool`` command as a user types it, in ``cwd``, with ``home`` as its home folder."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HOME": str(home)}
+    done = subprocess.run([sys.executable, "-m", "deeppool.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"error: deeppool {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+
+
+def zoo_row(run: int, model: str, nproc: int, args: argparse.Namespace, work: Path) -> ZooRow:
+    from deeppool.planner.plan import Plan
+    from deeppool.planner.report import Stage
+
+    row = work / f"run{run}" / f"{model}-{nproc}"
+    row.mkdir(parents=True)
+    home, network = work / "home", work / f"run{run}" / f"network-{nproc}.json"
+    load_before = os.getloadavg()[0]
+    deeppool("plan", str(ZOO / f"{model}.py"), "--gpus", str(nproc), "--batch", str(args.batch), "--device-model",
+             "local", "--network-file", str(network), "--out", "plan.json", cwd=row, home=home)
+    deeppool("run", "plan.json", "--steps", str(args.steps), cwd=row, home=home)
+    plan = Plan.load(row / "plan.json")
+    summary = json.loads((row / "deeppool-run" / "summary.json").read_text())
+    planned = {layer.name: layer for layer in plan.layers}
+    stages = tuple((stage["name"], stage["fwd_predicted"] + stage["bwd_predicted"],
+                    stage["fwd_measured"] + stage["bwd_measured"]) for stage in summary["stages"])
+    spreads = tuple(Stage(tuple(planned[name] for name in stage["layers"])).spread for stage in summary["stages"])
+    return ZooRow(run=run, model=model, nproc=nproc, counts=tuple(sorted(set(plan.assignment.values()))),
+                  predicted_ms=summary["iteration_predicted_ms"], measured_ms=summary["iteration_measured_ms"],
+                  uncertainty=plan.predicted.uncertainty,
+                  busy_layers=len(plan.evidence.busy) if plan.evidence is not None else 0,
+                  stages=stages, spreads=spreads, load_before=load_before,
+                  load_after=os.getloadavg()[0])
+
+
+def zoo(args: argparse.Namespace) -> None:
+    """Every run: the network measured for each rank count, then each model planned and run (see the module)."""
+    work = Path(tempfile.mkdtemp(prefix="deeppool-fidelity-zoo-"))
+    models = (args.models or ZOO_MODELS).split(",")
+    counts = [int(n) for n in args.nproc.split(",")]
+    unknown = [model for model in models if not (ZOO / f"{model}.py").is_file()]
+    if unknown:
+        raise SystemExit(f"error: --models {unknown[0]}: no such held-out model (choose from {ZOO_MODELS})")
+    print(f"machine: {os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.2f}; held-out models {models} on "
+          f"{counts} gloo ranks; global batch {args.batch}, {args.steps} steps; {args.runs} runs", flush=True)
+    rows: list[ZooRow] = []
+    for run in range(1, args.runs + 1):
+        (work / f"run{run}").mkdir(parents=True)
+        for nproc in counts:
+            deeppool("profile-network", "--nproc", str(nproc), "--out", str(work / f"run{run}" / f"network-{nproc}.json"),
+                     cwd=work, home=work / "home")
+            for model in models:
+                rows.append(zoo_row(run, model, nproc, args, work))
+                print(rows[-1].line(), flush=True)
+        mine = [row for row in rows if row.run == run]
+        print(f"run {run}: {sum(row.within for row in mine)} of {len(mine)} rows within ±15%, "
+              f"{sum(row.quiet for row in mine)} at load ≤ {QUIET_LOAD:g}; median measured/predicted "
+              f"{statistics.median(row.ratio for row in mine):.2f}", flush=True)
+    print(f"goal (every row within ±15% at load ≤ {QUIET_LOAD:g}, three runs in a row): "
+          f"{'met' if _in_a_row(rows, args.runs) >= 3 else 'not met'} ({_in_a_row(rows, args.runs)} such runs in a row)")
+    plot_stages([(f"{row.model}, {row.nproc} ranks, run {row.run}", row.stages) for row in rows], args.scatter,
+                "per-stage fidelity on held-out models, default flags")
+    print(f"per-stage scatter written to {shown(args.scatter)}")
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the repository when inside it (figures in the docs name no machine's folders)."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
+
+
+def _in_a_row(rows: list[ZooRow], runs: int) -> int:
+    """The longest streak of consecutive runs in which every row was within ±15% at a quiet load."""
+    best = streak = 0
+    for run in range(1, runs + 1):
+        mine = [row for row in rows if row.run == run]
+        streak = streak + 1 if mine and all(row.within and row.quiet for row in mine) else 0
+        best = max(best, streak)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--zoo", action="store_true", help="held-out models with the default flags (see the module)")
+    parser.add_argument("--runs", type=int, default=3, help="with --zoo: runs of every row")
     parser.add_argument("--nproc", default="2,4")
-    parser.add_argument("--models", default="cnn,branching_cnn,transformer,mlp")
+    parser.add_argument("--models", default=None,
+                        help=f"default: cnn,branching_cnn,transformer,mlp; with --zoo {ZOO_MODELS}")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--scatter", type=Path, default=Path("fidelity.png"))
+    parser.add_argument("--scatter", type=Path, default=None, help="default: fidelity.png (--zoo: fidelity-zoo.png)")
     parser.add_argument("--write-docs", action="store_true",
-                        help="also write the report into docs/performance.md (region 'fidelity') and the scatter to "
-                             "docs/images/fidelity.png")
+                        help="also write the report into docs/performance.md (region 'fidelity', with --zoo "
+                             "'fidelity-zoo') and the scatter to docs/images/")
     args = parser.parse_args()
-    if args.write_docs:
-        args.scatter = REPO / "docs" / "images" / "fidelity.png"
+    if args.runs < 1 or args.batch < 1 or args.steps < 2:
+        parser.error("--runs and --batch must be at least 1, --steps at least 2")
+    name = "fidelity-zoo" if args.zoo else "fidelity"
+    args.scatter = REPO / "docs" / "images" / f"{name}.png" if args.write_docs else args.scatter or Path(f"{name}.png")
     stamp = Stamp.started()
     with teed_stdout() as printed:
-        _measure(args)
+        if args.zoo:
+            zoo(args)
+        else:
+            args.models = args.models or "cnn,branching_cnn,transformer,mlp"
+            _measure(args)
     if args.write_docs:
-        write_region(REPO / "docs" / "performance.md", "fidelity", text_block(printed.getvalue())
-                     + "\n\n![per-stage fidelity](images/fidelity.png)", stamp)
+        write_region(REPO / "docs" / "performance.md", name, text_block(printed.getvalue())
+                     + f"\n\n![per-stage fidelity](images/{name}.png)", stamp)
 
 
 def _measure(args: argparse.Namespace) -> None:
@@ -300,7 +451,7 @@ def _measure(args: argparse.Namespace) -> None:
     print(f"median measured/predicted {statistics.median(ratios):.2f}; {within} of {len(ratios)} within ±15%; "
           f"load at the end {os.getloadavg()[0]:.2f}")
     scatter(results, args.scatter)
-    print(f"per-stage scatter written to {args.scatter}")
+    print(f"per-stage scatter written to {shown(args.scatter)}")
 
 
 if __name__ == "__main__":

@@ -99,8 +99,12 @@ def plan(
         "--no-memory-limit", help="do not constrain per-GPU memory (default: plans fit the device's memory)")] = False,
     max_candidates: Annotated[int, typer.Option(help="thin the GPU counts per layer to about this many (0: all)")] = 32,
     local_device: Annotated[str, typer.Option(help="cpu or cuda[:N]: where --device-model local measures")] = "cpu",
-    max_measured_batch: Annotated[int, typer.Option(help="largest per-GPU batch measured locally (the rest is fitted)")] = 8,
+    max_measured_batch: Annotated[int | None, typer.Option(
+        help="cap on the per-GPU batches measured locally (above it, fitted; the plan names the layers that rest "
+             "on them)", show_default="none: every per-GPU batch the plan and its baselines use is measured")] = None,
     cache_dir: Annotated[Path, typer.Option(help="profile cache directory")] = DEFAULT_CACHE,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="measure everything afresh: neither read nor write "
+                                           "the profile cache")] = False,
     out: Annotated[Path | None, typer.Option(
         help="where to write the plan JSON", show_default="MODEL-plan.json, e.g. resnet50-plan.json")] = None,
     gantt: Annotated[Path | None, typer.Option(help="write a Gantt chart of one iteration (.png, .pdf, .svg)")] = None,
@@ -159,7 +163,7 @@ def plan(
         profile_path=profile,
         local_device=local_device,
         max_measured_batch=max_measured_batch,
-        cache_dir=cache_dir,
+        cache_dir=None if no_cache else cache_dir,
         network=network.lower() if network else None,
         network_file=network_file,
         gpus_per_node=gpus_per_node,
@@ -167,7 +171,7 @@ def plan(
         inter_gbps=inter_gbps,
     )
     check_precision(request, source)
-    if source.measures_locally:
+    if source.measures_locally and not no_cache:
         checks.out_folder(cache_dir, "--cache-dir")
     spec = ModelSpec.parse(
         model, input_shape=checks.positive_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
@@ -241,16 +245,18 @@ def _report_plan(planned: Planned, *, out: Path, gantt: Path | None, pareto: Pat
     planned.plan.save(out)
     shown = console()
     if planned.cost.profile.fit is not None:
-        largest = max(times.batches[-1] for times in planned.cost.profile.layers.values())
-        shown.print(planned.cost.profile.fit.describe(largest=largest))
+        shown.print(planned.cost.profile.fit.describe())
     shown.print(report.plan_table(planned.plan, per_layer=per_layer))
     shown.print(report.summary(planned.plan))
     shown.print(report.cluster_line(planned.plan))
+    for line in report.evidence_lines(planned.plan):
+        shown.print(line, style="yellow", highlight=False)
     fit = planned.cost.profile.fit
     if fit is not None and fit.noisy > NOISY_SHARE * fit.measurements:
         shown.print(f"warning: do not trust this plan: {fit.noisy} of {fit.measurements} measurements stayed noisy "
-                    "(the machine was busy), so its times are not this model's; re-plan on a quieter machine with an "
-                    "empty --cache-dir, or with --device-model", style="bold red", highlight=False)
+                    "(the machine was busy), so its times are not this model's; re-plan on a quieter machine (the "
+                    "cache measures them again then), with --no-cache, or with --device-model", style="bold red",
+                    highlight=False)
     shown.print(report.AMPLIFICATION_NOTE, style="dim")
     shown.print(f"plan written to {out}")
     if gantt is not None:
@@ -271,8 +277,9 @@ def default_output(model: str, suffix: str) -> Path:
 
 @app.command("profile")
 def profile_command(
-    model: Annotated[str, typer.Argument(help="model file or package.module:factory")],
-    out: Annotated[Path, typer.Option(help="where to write the profile JSON")],
+    model: Annotated[str | None, typer.Argument(
+        help="model file or package.module:factory (optional with --clear-cache)")] = None,
+    out: Annotated[Path | None, typer.Option(help="where to write the profile JSON (needed with MODEL)")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
     batches: Annotated[str, typer.Option(help="per-GPU batch sizes to measure")] = "1,2,4,8,16,32",
     input_shape: Annotated[str | None, typer.Option(help="a factory's per-sample input shape, e.g. 3,224,224")] = None,
@@ -281,11 +288,27 @@ def profile_command(
     warmup: Annotated[int, typer.Option(help="untimed runs per layer and batch")] = 2,
     repeats: Annotated[int, typer.Option(help="timed runs (median taken)")] = 5,
     cache_dir: Annotated[Path, typer.Option(help="profile cache directory")] = DEFAULT_CACHE,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="measure everything afresh: neither read nor write "
+                                           "the profile cache")] = False,
+    clear_cache: Annotated[bool, typer.Option("--clear-cache", help="remove the layer-time cache in --cache-dir "
+                                              "(then profile MODEL, if given)")] = False,
 ) -> None:
     """Measure every layer's forward and backward time on DEVICE and write a profile."""
     from deeppool import checks
     from deeppool.planner.modelspec import ModelSpec
 
+    if model is None and not clear_cache:
+        raise DeeppoolError("give a MODEL to profile (or --clear-cache to empty the cache)")
+    if model is not None and out is None:
+        raise DeeppoolError("--out is needed: where to write the profile JSON, e.g. --out profile.json")
+    if clear_cache and no_cache:
+        raise DeeppoolError("give either --clear-cache or --no-cache, not both")
+    if not no_cache:
+        checks.out_folder(cache_dir, "--cache-dir")
+    if model is None:
+        _clear(cache_dir)
+        return
+    assert out is not None
     checks.new_file(out, "--out")
     checks.distinct({"--out": out, "MODEL": Path(model) if model.endswith(".py") else None})
     checks.device(device, "--device")
@@ -294,18 +317,28 @@ def profile_command(
         raise DeeppoolError("--batches is empty: give per-GPU batch sizes, e.g. 1,2,4,8")
     checks.at_least(warmup, 0, "--warmup")
     checks.at_least(repeats, 1, "--repeats")
-    checks.out_folder(cache_dir, "--cache-dir")
     spec = ModelSpec.parse(
         model, input_shape=checks.positive_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
         vocab_size=vocab_size,
     )
+    if clear_cache:
+        _clear(cache_dir)
     with removed_if_interrupted(out):
         _measure(spec, out=out, device=device, batches=measured_batches, warmup=warmup, repeats=repeats,
-                 cache_dir=cache_dir)
+                 cache_dir=None if no_cache else cache_dir)
+
+
+def _clear(cache_dir: Path) -> None:
+    from deeppool.output import console
+    from deeppool.planner.profiler import CACHE_FILE, clear_cache
+
+    removed = clear_cache(cache_dir)
+    console().print(f"removed {removed} cached layer times ({cache_dir / CACHE_FILE})" if removed
+                    else f"no layer-time cache in {cache_dir}", highlight=False)
 
 
 def _measure(spec: ModelSpec, *, out: Path, device: str, batches: tuple[int, ...], warmup: int, repeats: int,
-             cache_dir: Path) -> None:
+             cache_dir: Path | None) -> None:
     from deeppool.output import console
     from deeppool.planner.profiler import ProfilerConfig, measure_profile
     from deeppool.planner.trace import trace
@@ -316,7 +349,17 @@ def _measure(spec: ModelSpec, *, out: Path, device: str, batches: tuple[int, ...
     measured.save(out)
     if measured.fit is not None:
         console().print(measured.fit.describe())
+    busy = sorted(name for name, times in measured.layers.items() if any(times.busy))
+    if busy:
+        conditions = measured.conditions
+        load = f" (load up to {conditions.load:.1f} on {conditions.cores} cores)" if conditions else ""
+        console().print(f"warning: {len(busy)} of {len(measured.layers)} layers rest on measurements taken on a "
+                        f"busy machine or that stayed noisy{load}: {_names(busy)}", style="yellow", highlight=False)
     console().print(f"profiled {len(measured.layers)} layers on {measured.device} at batches {config.batches}: {out}")
+
+
+def _names(names: list[str], shown: int = 6) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _interference(path: Path | None) -> dict[str, object]:

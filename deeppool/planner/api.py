@@ -28,7 +28,8 @@ from deeppool.planner.objective import Objective
 from deeppool.planner.pins import Pin
 from deeppool.planner.plan import ClusterShares, Plan, Strategy, build_plan
 from deeppool.planner.profile import Profile, estimated_profile
-from deeppool.planner.profiler import ProfilerConfig, intra_op_threads, measure_profile
+from deeppool.planner.measure_loop import evidence, plan_on_measured
+from deeppool.planner.profiler import LayerProfiler, ProfilerConfig, intra_op_threads
 from deeppool.planner.request import LOCAL, CostSource, PlanRequest, check_precision, check_samples
 from deeppool.planner.strategies import Search, solve_all
 from deeppool.planner.throughput import right_sizing, shares
@@ -86,6 +87,7 @@ def plan_graph(
         pins=request.pins if request.strategy is Strategy.ILP else (),
         objective=request.objective if request.strategy is Strategy.ILP else Objective.TIME,
         cluster=cluster_shares(cost, chosen, request, solved.baselines.data_parallel_ms),
+        evidence=evidence(cost, chosen, solved.assignments, one_gpu=request.amplification is not None),
     )
     return Planned(plan=plan, assignments=solved.assignments, cost=cost, search=search)
 
@@ -113,28 +115,20 @@ def device_setup(
     return estimated_profile(graph, DEVICES[known], batches, precision), NETWORKS[known]
 
 
-def measured_batches(largest: int, needed: int) -> tuple[int, ...]:
-    """The per-GPU batches measured locally: powers of two up to ``largest`` and ``needed``, from 2 when 3 remain."""
-    limit = min(largest, needed)
-    powers = tuple(2**k for k in range(limit.bit_length()))
-    return powers[1:] if len(powers) > 3 else powers
-
-
-def source_profile(source: CostSource, traced: Traced, loaded: LoadedModel, request: PlanRequest) -> Profile:
-    """The layer times ``source`` names: read, estimated for a device model, or measured here."""
+def source_profile(source: CostSource, traced: Traced, request: PlanRequest) -> Profile:
+    """The layer times ``source`` names without measuring: read, or estimated for a device model."""
     if source.profile_path is not None:
         return Profile.load(source.profile_path)
-    if source.device_model != LOCAL:
-        return device_setup(
-            source.device_model, request.global_batch, request.gpus, traced.graph, request.precision
-        )[0]
-    batches = planner_batches(request.gpus, request.global_batch)
+    return device_setup(source.device_model, request.global_batch, request.gpus, traced.graph, request.precision)[0]
+
+
+def local_profiler(source: CostSource, traced: Traced, loaded: LoadedModel, request: PlanRequest) -> LayerProfiler:
+    """The profiler that measures here, on ``source.local_device`` with one rank's threads."""
     config = ProfilerConfig(
-        device=source.local_device, batches=measured_batches(source.max_measured_batch, max(batches)),
-        fit_to=batches, cache_dir=source.cache_dir, show_progress=source.show_progress,
+        device=source.local_device, cache_dir=source.cache_dir, show_progress=source.show_progress,
         threads=source.threads(request), ranks=request.gpus,
     )
-    return measure_profile(traced, loaded, config)
+    return LayerProfiler(traced, loaded, config)
 
 
 def plan_model(spec: ModelSpec, request: PlanRequest, source: CostSource) -> Planned:
@@ -146,15 +140,23 @@ def batch_planner(spec: ModelSpec, request: PlanRequest, source: CostSource) -> 
     """Trace the model once; the function plans ``request`` at any global batch, each with its own profile."""
     check_precision(request, source)
     loaded, traced = trace_spec(spec, meta=not source.measures_locally)
+    profiler = None
     if source.measures_locally:
         with intra_op_threads(source.threads(request)):
             check_per_sample(traced, loaded, seed=spec.seed)
+        profiler = local_profiler(source, traced, loaded, request)  # one for every batch: nothing measured twice
 
     def solve(batch: int) -> Planned:
         check_samples(request.gpus, batch)
         at = replace(request, global_batch=batch)
-        profile = source_profile(source, traced, loaded, at)
-        return plan_graph(traced.graph, profile, source.network_model(profile), at, model=spec)
+
+        def on(profile: Profile) -> Planned:
+            return plan_graph(traced.graph, profile, source.network_model(profile), at, model=spec)
+
+        if profiler is None:
+            return on(source_profile(source, traced, at))
+        return plan_on_measured(profiler, on, targets=planner_batches(at.gpus, batch), cap=source.max_measured_batch,
+                                one_gpu=at.amplification is not None)
 
     return solve
 

@@ -59,6 +59,9 @@ class PlannedLayer:
     step_ms: float
     amplification: float
     memory_bytes: int
+    spread: float = 0.0
+    """The relative spread of the repeated measurements its forward and backward rest on (0: not
+    measured here, e.g. a device model's estimate); absent in older plans."""
 
     @property
     def busy_ms(self) -> float:
@@ -98,6 +101,41 @@ class Prediction:
     """The optimizer's per-call cost in ``iteration_ms`` (``OPT_call`` of :mod:`deeppool.planner.cost`)."""
     loss_ms: float = 0.0
     """The loss's forward and backward, part of the output layer's ``fwd_ms`` and ``bwd_ms``."""
+    uncertainty: float = 0.0
+    """The iteration's relative uncertainty: its layers' forward and backward times weighted by the spread
+    of the measurements each rests on, over the iteration (0: not measured here)."""
+
+
+WEAK = 0.15
+"""A prediction whose uncertainty exceeds this (±15%) is reported as weak."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evidence:
+    """What a plan measured here rests on: the per-GPU batches measured; the layers whose per-GPU batch in
+    this plan was not measured (above ``--max-measured-batch`` or too large for a profiling pass here:
+    extrapolated from the fitted line); the per-GPU batches the plan or its baselines use that were not
+    measured; the layers resting on measurements taken on a busy machine or that stayed noisy; the highest
+    load average seen while measuring, and the host's cores."""
+
+    measured_batches: tuple[int, ...]
+    extrapolated: tuple[str, ...] = ()
+    unmeasured_batches: tuple[int, ...] = ()
+    busy: tuple[str, ...] = ()
+    load: float = 0.0
+    cores: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "measured_batches": list(self.measured_batches), "extrapolated": list(self.extrapolated),
+                "unmeasured_batches": list(self.unmeasured_batches), "busy": list(self.busy)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Evidence:
+        return cls(measured_batches=tuple(int(b) for b in data["measured_batches"]),
+                   extrapolated=tuple(str(n) for n in data.get("extrapolated", ())),
+                   unmeasured_batches=tuple(int(b) for b in data.get("unmeasured_batches", ())),
+                   busy=tuple(str(n) for n in data.get("busy", ())), load=float(data.get("load", 0.0)),
+                   cores=int(data.get("cores", 1)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +200,8 @@ class Plan:
     """Branches on tensor values the tracer specialised (file, line, the way taken): ``run`` checks them."""
     draws: tuple[Branch, ...] = ()
     """Where the model draws random numbers outside the graph (those branches' draws)."""
+    evidence: Evidence | None = None
+    """With layer times measured here: what the plan rests on; absent for a device model's estimate."""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -198,6 +238,7 @@ class Plan:
             **({"goodput": self.goodput.to_json()} if self.goodput is not None else {}),
             **({"branches": [branch.to_json() for branch in self.branches]} if self.branches else {}),
             **({"draws": [draw.to_json() for draw in self.draws]} if self.draws else {}),
+            **({"evidence": self.evidence.to_json()} if self.evidence is not None else {}),
         }
 
     @classmethod
@@ -227,6 +268,7 @@ class Plan:
                 cluster=ClusterShares(**payload["cluster"]) if "cluster" in payload else None,
                 branches=tuple(Branch.from_json(item) for item in payload.get("branches", ())),
                 draws=tuple(Branch.from_json(item) for item in payload.get("draws", ())),
+                evidence=Evidence.from_json(payload["evidence"]) if payload.get("evidence") else None,
             )
         except (KeyError, TypeError, ValueError) as err:
             raise DeeppoolError(f"plan {where} is malformed ({type(err).__name__}: {err}): regenerate it") from None
@@ -285,6 +327,7 @@ def build_plan(
     pins: tuple[Pin, ...] = (),
     objective: Objective = Objective.TIME,
     cluster: ClusterShares | None = None,
+    evidence: Evidence | None = None,
 ) -> Plan:
     """Everything a Plan states, derived from ``assignment`` through ``cost``."""
     rounds = cost.group_rounds_ms(assignment)
@@ -310,6 +353,8 @@ def build_plan(
         idle_windows=tuple(idle_windows(phases, gpus, iteration)),
         step_call_ms=cost.step_call_ms,
         loss_ms=sum(cost.loss_ms(cost.graph.layer(cost.graph.output), assignment[cost.graph.output])),
+        uncertainty=sum(layer.spread * (layer.fwd_ms + layer.bwd_ms) for layer in layers) / iteration
+        if iteration > 0 else 0.0,
     )
     return Plan(
         model=model,
@@ -329,6 +374,7 @@ def build_plan(
         cluster=cluster,
         branches=cost.graph.branches,
         draws=cost.graph.draws,
+        evidence=evidence,
     )
 
 
@@ -348,6 +394,7 @@ def _plan_layer(cost: CostModel, name: str, gpus: int, rounds_ms: float) -> Plan
         step_ms=cost.step_ms(layer),
         amplification=cost.amplification(layer, gpus),
         memory_bytes=cost.memory_bytes(layer, gpus),
+        spread=cost.profile.spread(name, cost.per_gpu_batch(gpus)),
     )
 
 

@@ -33,17 +33,36 @@ class LayerTimes:
     batches: tuple[int, ...]
     fwd_ms: tuple[float, ...]
     bwd_ms: tuple[float, ...]
+    spread: tuple[float, ...] = ()
+    """By batch: the relative spread (scaled MAD over the median) of the repeated measurements the time
+    rests on (at a fitted batch, the nearest measured one's); empty: not measured (an estimate)."""
+    busy: tuple[bool, ...] = ()
+    """By batch: whether the time rests on a measurement taken on a busy machine (load above the cores)
+    or one that stayed noisy; empty: none."""
 
     def __post_init__(self) -> None:
         if not self.batches or list(self.batches) != sorted(set(self.batches)):
             raise DeeppoolError("profile batch sizes must be distinct and increasing")
         if not len(self.batches) == len(self.fwd_ms) == len(self.bwd_ms):
             raise DeeppoolError("profile batch sizes and times differ in length")
+        if any(len(extra) not in (0, len(self.batches)) for extra in (self.spread, self.busy)):
+            raise DeeppoolError("profile batch sizes and spreads differ in length")
 
     def at(self, batch: int) -> tuple[float, float]:
         return _interpolate(self.batches, self.fwd_ms, batch), _interpolate(
             self.batches, self.bwd_ms, batch
         )
+
+    def _nearest(self, batch: int) -> int:
+        return min(range(len(self.batches)), key=lambda i: (abs(self.batches[i] - batch), self.batches[i]))
+
+    def spread_at(self, batch: int) -> float:
+        """The relative spread of the measurements the time at ``batch`` rests on (0: unknown)."""
+        return self.spread[self._nearest(batch)] if self.spread else 0.0
+
+    def busy_at(self, batch: int) -> bool:
+        """Whether the time at ``batch`` rests on a measurement taken on a busy machine or a noisy one."""
+        return self.busy[self._nearest(batch)] if self.busy else False
 
 
 def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:
@@ -71,6 +90,23 @@ class StepOverhead:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Conditions:
+    """What a measured profile was measured under: the highest 1-minute load average seen while measuring
+    (cached measurements included), the host's cores, the intra-op threads, torch's version, the device."""
+
+    load: float
+    cores: int
+    threads: int | None
+    torch: str
+    device: str
+
+    @property
+    def busy(self) -> bool:
+        """Whether some measurement was taken with more runnable work than cores."""
+        return self.load > self.cores
+
+
+@dataclass(frozen=True, kw_only=True)
 class FitQuality:
     """How well a measured profile's line fits held its points, and how noisy the measuring was."""
 
@@ -82,10 +118,10 @@ class FitQuality:
     spread_bound: float
     compared: int
 
-    def describe(self, bound: float = 0.25, largest: int | None = None) -> str:
-        """One line for people; it warns when the fit or the measurements are loose, and when the plan may
-        use per-GPU batches up to ``largest``, beyond the measured ones."""
-        line = f"profile measured at per-GPU batches {list(self.measured_batches)} and fitted (t = a + b·batch): "
+    def describe(self, bound: float = 0.25) -> str:
+        """One line for people; it warns when the fit or the measurements are loose."""
+        line = (f"profile measured at per-GPU batches {list(self.measured_batches)} (the times there are the "
+                "measured ones; other batches fitted, t = a + b·batch): ")
         if self.compared:
             line += f"fit error median {100 * self.error_p50:.1f}%, p90 {100 * self.error_p90:.1f}% ({self.compared} points)"
         else:
@@ -94,10 +130,6 @@ class FitQuality:
             line += f"; warning: {self.noisy} of {self.measurements} measurements stayed noisy (spread > {100 * self.spread_bound:.0f}%)"
         if self.error_p90 > bound:
             line += "; warning: the fit is loose, the machine may be busy: re-plan on a quieter machine"
-        if largest is not None and largest > max(self.measured_batches):
-            line += (f"; per-GPU batches up to {largest} are extrapolated from the line (a layer bound by reading "
-                     "its weights at small batches takes longer at large ones than the line says: "
-                     f"--max-measured-batch {largest} measures them)")
         return line
 
 
@@ -124,6 +156,8 @@ class Profile:
     loss: LayerTimes | None = None
     """The loss function's (forward, backward) ms by per-GPU batch, on the output layer's ranks; None:
     not measured (an estimated profile)."""
+    conditions: Conditions | None = None
+    """What the measurements were taken under; None: not measured here (an estimate, an older file)."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def times(self, layer: str, batch: int) -> tuple[float, float]:
@@ -131,6 +165,19 @@ class Profile:
         if batch <= 0:
             return 0.0, 0.0
         return self.layers[layer].at(batch)
+
+    def spread(self, layer: str, batch: int) -> float:
+        """The relative spread of the measurements ``layer``'s time at ``batch`` rests on (0: unknown)."""
+        return self.layers[layer].spread_at(batch) if batch > 0 else 0.0
+
+    def busy(self, layer: str, batch: int) -> bool:
+        """Whether ``layer``'s time at ``batch`` rests on a measurement taken on a busy machine, or a noisy one."""
+        return self.layers[layer].busy_at(batch) if batch > 0 else False
+
+    @property
+    def measured_batches(self) -> tuple[int, ...]:
+        """The per-GPU batches measured (the others fitted); empty for an estimate."""
+        return self.fit.measured_batches if self.fit is not None else ()
 
     def loss_times(self, batch: int) -> tuple[float, float]:
         """(fwd_ms, bwd_ms) of the loss at a per-GPU batch of ``batch`` samples (0 where not measured)."""
@@ -181,6 +228,7 @@ class Profile:
             "measured_sharing": {str(count): value for count, value in sorted(self.measured_sharing.items())},
             "step_overhead": {name: asdict(overhead) for name, overhead in sorted(self.step_overhead.items())},
             "loss": None if self.loss is None else _times_json(self.loss),
+            **({"conditions": asdict(self.conditions)} if self.conditions is not None else {}),
         }
 
     @classmethod
@@ -189,6 +237,7 @@ class Profile:
             layers = {str(name): _times(entry) for name, entry in json_field(payload, "layers", kind="profile").items()}
             loss = None if payload.get("loss") is None else _times(payload["loss"])
             overhead = {str(name): StepOverhead(**entry) for name, entry in (payload.get("step_overhead") or {}).items()}
+            conditions = Conditions(**payload["conditions"]) if payload.get("conditions") else None
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise DeeppoolError(f"profile JSON has a malformed layer entry ({err}): regenerate it") from None
         return cls(
@@ -203,6 +252,7 @@ class Profile:
             measured_sharing=_sharing(payload.get("measured_sharing") or {}),
             step_overhead=overhead,
             loss=loss,
+            conditions=conditions,
         )
 
     def save(self, path: str | Path) -> None:
@@ -213,13 +263,21 @@ class Profile:
         return cls.from_json(read_json(path, kind="profile", schema_version=PROFILE_SCHEMA_VERSION))
 
 
-def _times_json(times: LayerTimes) -> dict[str, list[float]]:
-    return {"batches": list(times.batches), "fwd_ms": list(times.fwd_ms), "bwd_ms": list(times.bwd_ms)}
+def _times_json(times: LayerTimes) -> dict[str, list[Any]]:
+    found: dict[str, list[Any]] = {"batches": list(times.batches), "fwd_ms": list(times.fwd_ms),
+                                   "bwd_ms": list(times.bwd_ms)}
+    if times.spread:
+        found["spread"] = list(times.spread)
+    if times.busy:
+        found["busy"] = list(times.busy)
+    return found
 
 
 def _times(entry: dict[str, Any]) -> LayerTimes:
     return LayerTimes(batches=tuple(int(b) for b in entry["batches"]), fwd_ms=tuple(float(t) for t in entry["fwd_ms"]),
-                      bwd_ms=tuple(float(t) for t in entry["bwd_ms"]))
+                      bwd_ms=tuple(float(t) for t in entry["bwd_ms"]),
+                      spread=tuple(float(s) for s in entry.get("spread", ())),
+                      busy=tuple(bool(b) for b in entry.get("busy", ())))
 
 
 def _concurrent(value: Any) -> int | None:

@@ -22,11 +22,16 @@ multi-threaded kernels far more than single-threaded ones).
 
 Every layer's times are then fitted by ``t(s) = a + b·s`` (least squares,
 ``a, b ≥ 0``), which is what a layer's time does once the batch fills the
-device, and stored at the measured batches and at ``fit_to`` (the planner's
-batches): so a noisy point cannot make a layer on ``g`` GPUs cost less
-GPU-time than on one, and the planner never extrapolates from two noisy
-points. The fit's relative error at the measured points is reported
-(:class:`~deeppool.planner.profile.FitQuality`).
+device. A profile holds, at every measured batch, the measured medians (a
+layer below the timer's noise floor: the line), and at the other batches of
+``fit_to`` (the planner's) the line; the per-sample time never falls as the
+batch shrinks (a smaller batch is raised to the larger one's rate), so a
+noisy point cannot make a layer on ``g`` GPUs cost less GPU-time than on one.
+The planner measures every per-GPU batch its plan uses
+(:mod:`deeppool.planner.measure_loop`), so the line only fills in batches no
+plan runs, or those above a cap the user set. The fit's relative error at the
+measured points is reported (:class:`~deeppool.planner.profile.FitQuality`),
+and every time carries the spread of its repeated measurements.
 
 Beyond the layers, the profiler measures what an iteration runs outside them:
 the model's loss function on the output layer's value at each batch (forward,
@@ -34,28 +39,36 @@ then backward, fitted as a layer is), and each optimizer's cost beyond its
 memory traffic (:func:`measure_step_overhead`: a fixed cost per ``step()`` and
 ``zero_grad()`` call and one per parameter tensor).
 
-Results are cached on disk by layer signature, input shapes, batch, dtype,
-device and torch version, and the cache is written as it goes (at most once a
-second, and when the run ends or is interrupted), so re-planning the same
-model, or resuming an interrupted run, measures nothing twice.
+Results are cached on disk by the layer's code (its fx nodes, the source of
+the modules and functions they call), its input shapes and dtypes, the batch,
+the device, torch's version and the measuring settings; each entry records
+what it was measured under (load average, cores, threads, torch, device). The
+cache is written as it goes (at most once a second, and when the run ends or
+is interrupted), so re-planning the same model, or resuming an interrupted
+run, measures nothing twice. A measurement taken on a busy machine (load
+above the cores) or one that stayed noisy is *untrusted*: it is measured
+again when the machine is quieter than it was then, and otherwise kept but
+flagged (:attr:`LayerTimes.busy`), so the plan names the layers resting on it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import asdict, dataclass, field
+from functools import cache, cached_property
 from pathlib import Path
 
 import torch
 from rich.progress import Progress
+from torch import fx
 from torch.utils import _pytree as pytree
 
 from deeppool.errors import DeeppoolError
@@ -65,8 +78,13 @@ from deeppool.planner.jsonio import write_json
 from deeppool.planner.layer_exec import LayerRunner, floating_leaves
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.cost import Optimizer
-from deeppool.planner.profile import FitQuality, LayerTimes, Profile, StepOverhead
+from deeppool.planner.profile import Conditions, FitQuality, LayerTimes, Profile, StepOverhead
 from deeppool.planner.trace import Traced
+
+
+def load_average() -> float:
+    """The host's 1-minute load average (runnable and running tasks)."""
+    return os.getloadavg()[0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +101,26 @@ class ProfilerConfig:
     """The ranks a run will start on this host: on a CPU the profiler measures how they share its cores."""
     cache_dir: Path | None = None
     show_progress: bool = True
+    load: Callable[[], float] = load_average
+    """How busy the host is now (its 1-minute load average): read before and after each batch is measured."""
+    cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+    """A load above this many cores means the machine was busy: such measurements are not trusted."""
+    memory_budget: int | None = None
+    """Bytes a profiling pass may take; None: :func:`memory_budget` of the device."""
+
+    def untrusted(self, measured: Measured) -> bool:
+        """Whether ``measured`` was taken on a busy machine, or stayed noisy (a layer above the noise floor)."""
+        noisy = measured.spread > self.spread_bound and measured.fwd_ms + measured.bwd_ms >= _NOISE_FLOOR_MS
+        return measured.load > self.cores or noisy
+
+    def remeasure(self, found: Iterable[Measured]) -> bool:
+        """Whether cached measurements are to be taken again: some are untrusted and the machine is quieter
+        now than when the loudest of them was taken (and not busy itself)."""
+        untrusted = [m.load for m in found if self.untrusted(m)]
+        if not untrusted:
+            return False
+        now = self.load()
+        return now <= self.cores and now < max(untrusted)
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1 or min(self.fit_to, default=1) < 1:
@@ -97,41 +135,67 @@ class ProfilerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class Measured:
-    """One layer at one batch: median forward and backward ms of the kept runs, and their relative spread."""
+    """One layer at one batch: median forward and backward ms of the kept runs, their relative spread,
+    and the highest 1-minute load average seen while they ran."""
 
     fwd_ms: float
     bwd_ms: float
     spread: float
+    load: float = 0.0
+
+
+CACHE_FILE = "layer-times.json"
+CACHE_SCHEMA_VERSION = 2
+"""Version 2: every entry records what it was measured under; older files are not read (not trusted)."""
 
 
 class ProfileCache:
-    """A JSON file of measurements by measurement key, written as it fills (at most once per ``every_s``)."""
+    """A JSON file of measurements by measurement key, written as it fills (at most once per ``every_s``).
+
+    Each entry holds the medians, their spread and the conditions of the measurement: load average,
+    cores, intra-op threads, torch's version, the device and when."""
 
     def __init__(self, directory: Path, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.path = directory / "layer-times.json"
-        self.entries: dict[str, list[float]] = {}
+        self.path = directory / CACHE_FILE
+        self.entries: dict[str, dict[str, object]] = {}
         self._every_s, self._clock = every_s, clock
         self._saved_at = clock()
         if self.path.is_file():
             try:
-                self.entries = json.loads(self.path.read_text())
+                payload = json.loads(self.path.read_text())
             except json.JSONDecodeError:
-                self.entries = {}
+                payload = {}
+            if isinstance(payload, dict) and payload.get("schema_version") == CACHE_SCHEMA_VERSION:
+                self.entries = dict(payload.get("entries") or {})
 
     def get(self, key: str) -> Measured | None:
         found = self.entries.get(key)
-        if not found or len(found) < 3:
+        if not isinstance(found, dict):
             return None
-        return Measured(fwd_ms=found[0], bwd_ms=found[1], spread=found[2])
+        try:
+            return Measured(fwd_ms=float(found["fwd_ms"]), bwd_ms=float(found["bwd_ms"]),
+                            spread=float(found["spread"]), load=float(found["load"]))
+        except (KeyError, TypeError, ValueError):
+            return None
 
-    def put(self, key: str, measured: Measured) -> None:
-        self.entries[key] = [measured.fwd_ms, measured.bwd_ms, measured.spread]
+    def put(self, key: str, measured: Measured, conditions: dict[str, object] | None = None) -> None:
+        self.entries[key] = {**asdict(measured), **(conditions or {}), "at": time.time()}
         if self._clock() - self._saved_at >= self._every_s:
             self.save()
 
     def save(self) -> None:
-        write_json(self.path, self.entries)
+        write_json(self.path, {"schema_version": CACHE_SCHEMA_VERSION, "entries": self.entries})
         self._saved_at = self._clock()
+
+
+def clear_cache(directory: Path) -> int:
+    """Remove the layer-time cache in ``directory``; the number of entries it held (0: there was none)."""
+    path = directory / CACHE_FILE
+    if not path.is_file():
+        return 0
+    count = len(ProfileCache(directory).entries)
+    path.unlink()
+    return count
 
 
 def device_name(device: torch.device) -> str:
@@ -144,6 +208,25 @@ def device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_budget(device: torch.device) -> int:
+    """Bytes a profiling pass may take: most of the device's free memory, and at most half a CPU host's memory
+    (others share it)."""
+    if device.type == "cuda":
+        return int(0.8 * torch.cuda.mem_get_info(device)[0])
+    return int(min(0.5 * device_memory(device), 0.8 * _available_memory()))
+
+
+def _available_memory() -> int:
+    """The host's available memory (MemAvailable), or its free pages where /proc/meminfo is absent."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def memory_bandwidth(device: torch.device, megabytes: int = 64, repeats: int = 5) -> float:
@@ -159,50 +242,117 @@ def memory_bandwidth(device: torch.device, megabytes: int = 64, repeats: int = 5
 
 def measure_profile(traced: Traced, loaded: LoadedModel, config: ProfilerConfig) -> Profile:
     """Measure every layer of ``traced`` at ``config.batches`` on ``config.device``; fit the rest."""
-    device = torch.device(config.device)
-    graph = traced.graph
-    traced.module.to(device)
-    cache = ProfileCache(config.cache_dir) if config.cache_dir else None
-    batches = tuple(sorted(set(config.batches)))
-    measured: dict[str, dict[int, Measured]] = {name: {} for name in (*graph.names, LOSS)}
-    runners = {layer.name: LayerRunner(traced.module, layer) for layer in graph.layers}
-    if device.type == "cpu":
-        steady_allocator()
-    try:
-        with intra_op_threads(config.threads), Progress(disable=not config.show_progress, transient=True) as progress:
-            task = progress.add_task(f"profiling on {device_name(device)}", total=len(batches) * (len(graph) + 1))
-            passes = Passes(module=traced.module, graph=graph, runners=runners, device=device)
-            for batch in reversed(batches):  # the largest first: smaller batches reuse its freed memory
-                for layer, sample in _measure_batch(passes, loaded, batch, config, cache):
-                    measured[layer][batch] = sample
-                progress.advance(task, len(graph) + 1)
-    finally:
-        if cache:
-            cache.save()
-    for parameter in traced.module.parameters():
-        parameter.grad = None  # timing the backward passes left gradients behind
-    targets = tuple(sorted(set(batches) | set(config.fit_to)))
-    losses = measured.pop(LOSS)
-    loss = fit_layer(batches, [losses[b] for b in batches], targets)[0]
-    ordered = {name: [samples[b] for b in batches] for name, samples in measured.items()}
-    layers = {name: fit_layer(batches, samples, targets) for name, samples in ordered.items()}
-    with intra_op_threads(config.threads):
-        overhead = measure_step_overhead(device)
-        bandwidth = memory_bandwidth(device)  # with a rank's threads, as its optimizer steps
-    return Profile(
-        device=device_name(device),
-        source="measured",
-        dtype=graph.layers[0].dtype if graph.layers else "float32",
-        memory_bytes=device_memory(device),
-        memory_bandwidth=bandwidth,
-        layers={name: times for name, (times, _) in layers.items()},
-        fit=_quality(batches, [errors for _, errors in layers.values()], ordered, config.spread_bound),
-        concurrent_ranks=_concurrent_ranks(device, config.threads),
-        measured_sharing=measure_sharing(sharing_counts(config.ranks), config.threads or 1)
-        if device.type == "cpu" and config.ranks else {},
-        step_overhead=overhead,
-        loss=loss,
-    )
+    profiler = LayerProfiler(traced, loaded, config)
+    profiler.measure(config.batches)
+    return profiler.profile(config.fit_to)
+
+
+class LayerProfiler:
+    """Measures a traced model's layers at per-GPU batches as they are asked for, and keeps them: a
+    planner that finds its plan uses a batch not measured yet asks for it (:meth:`measure`) and builds
+    a new profile (:meth:`profile`) without measuring anything twice."""
+
+    def __init__(self, traced: Traced, loaded: LoadedModel, config: ProfilerConfig) -> None:
+        self.traced, self.loaded, self.config = traced, loaded, config
+        self.device = torch.device(config.device)
+        traced.module.to(self.device)
+        graph = traced.graph
+        self.measured: dict[str, dict[int, Measured]] = {name: {} for name in (*graph.names, LOSS)}
+        runners = {layer.name: LayerRunner(traced.module, layer) for layer in graph.layers}
+        self.passes = Passes(module=traced.module, graph=graph, runners=runners, device=self.device)
+        self.code = {layer.name: layer_code(traced.module, layer) for layer in graph.layers}
+        if self.device.type == "cpu":
+            steady_allocator()
+
+    @property
+    def batches(self) -> tuple[int, ...]:
+        """The per-GPU batches measured so far."""
+        return tuple(sorted(self.measured[LOSS]))
+
+    def fits(self, batch: int) -> bool:
+        """Whether a training pass of the whole model at ``batch`` fits the memory free here for measuring:
+        its stored activations and their gradients (three times the traced per-sample bytes, as a bound) and
+        weights, gradients and momenta, within :func:`memory_budget` (a plan runs a layer at a batch on its
+        own ranks; measuring it runs every layer at that batch)."""
+        graph = self.traced.graph
+        needed = 3 * batch * sum(layer.act_bytes for layer in graph.layers) + \
+            4 * sum(layer.param_bytes for layer in graph.layers)
+        budget = self.config.memory_budget
+        return needed <= (memory_budget(self.device) if budget is None else budget)
+
+    def measure(self, batches: Iterable[int]) -> None:
+        """Measure every layer (and the loss) at each of ``batches`` not measured yet (from the cache where
+        it holds them and may be trusted)."""
+        config, graph = self.config, self.traced.graph
+        new = sorted(set(batches) - set(self.batches), reverse=True)  # the largest first: the rest reuse its memory
+        if not new:
+            return
+        cache = ProfileCache(config.cache_dir) if config.cache_dir else None
+        try:
+            with intra_op_threads(config.threads), \
+                    Progress(disable=not config.show_progress, transient=True) as progress:
+                task = progress.add_task(f"profiling on {device_name(self.device)} at per-GPU batches {new}",
+                                         total=len(new) * (len(graph) + 1))
+                for batch in new:
+                    for layer, sample in _measure_batch(self, batch, cache):
+                        self.measured[layer][batch] = sample
+                    progress.advance(task, len(graph) + 1)
+        finally:
+            if cache:
+                cache.save()
+            for parameter in self.traced.module.parameters():
+                parameter.grad = None  # timing the backward passes left gradients behind
+
+    def conditions(self) -> Conditions:
+        """What the measurements so far were taken under (the highest load among them)."""
+        loads = [m.load for samples in self.measured.values() for m in samples.values()]
+        return Conditions(load=max(loads, default=self.config.load()), cores=self.config.cores,
+                          threads=self.config.threads, torch=torch.__version__, device=device_name(self.device))
+
+    def entry(self) -> dict[str, object]:
+        """The conditions a cache entry records beside its figures."""
+        return {"cores": self.config.cores, "threads": self.config.threads, "torch": torch.__version__,
+                "device": device_name(self.device)}
+
+    def profile(self, fit_to: Iterable[int] = ()) -> Profile:
+        """The profile of what was measured: measured times at the measured batches, the fitted line at the
+        other batches of ``fit_to``."""
+        config, graph, device = self.config, self.traced.graph, self.device
+        batches = self.batches
+        if not batches:
+            raise DeeppoolError("nothing measured yet: measure some per-GPU batches first")
+        targets = tuple(sorted(set(batches) | set(fit_to)))
+        ordered = {name: [samples[b] for b in batches] for name, samples in self.measured.items()}
+        losses = ordered.pop(LOSS)
+        loss = layer_times(batches, losses, targets, config.untrusted)[0]
+        layers = {name: layer_times(batches, samples, targets, config.untrusted) for name, samples in ordered.items()}
+        overhead, bandwidth, sharing = self._device_figures
+        return Profile(
+            device=device_name(device),
+            source="measured",
+            dtype=graph.layers[0].dtype if graph.layers else "float32",
+            memory_bytes=device_memory(device),
+            memory_bandwidth=bandwidth,
+            layers={name: times for name, (times, _) in layers.items()},
+            fit=_quality(batches, [errors for _, errors in layers.values()], ordered, config.spread_bound),
+            concurrent_ranks=_concurrent_ranks(device, config.threads),
+            measured_sharing=sharing,
+            step_overhead=overhead,
+            loss=loss,
+            conditions=self.conditions(),
+        )
+
+    @cached_property
+    def _device_figures(self) -> tuple[dict[str, StepOverhead], float, dict[int, float]]:
+        """The optimizer's step overhead, the memory bandwidth (with a rank's threads, as its optimizer
+        steps) and, on a CPU, how ranks share the cores: measured once per profiler."""
+        config = self.config
+        with intra_op_threads(config.threads):
+            overhead = measure_step_overhead(self.device)
+            bandwidth = memory_bandwidth(self.device)
+        sharing = measure_sharing(sharing_counts(config.ranks), config.threads or 1) \
+            if self.device.type == "cpu" and config.ranks else {}
+        return overhead, bandwidth, sharing
 
 
 LOSS = "<loss>"
@@ -341,6 +491,48 @@ _NOISE_FLOOR_MS = 0.05
 """Layers faster than this at a batch are timer noise; the fit's error ignores them."""
 
 
+def layer_times(
+    batches: tuple[int, ...], samples: list[Measured], targets: tuple[int, ...],
+    untrusted: Callable[[Measured], bool] = lambda _: False,
+) -> tuple[LayerTimes, list[float]]:
+    """A layer's times at ``targets``: the measured medians at the measured batches (the fitted line where
+    the layer is below the timer's noise floor, and at the other targets), each with the spread of the
+    measurement it rests on (the nearest measured batch's at a fitted one) and whether that measurement
+    is ``untrusted``; the per-sample time never falls as the batch shrinks. Also the fit's relative errors."""
+    fitted, errors = fit_layer(batches, samples, targets)
+    by_batch = dict(zip(batches, samples, strict=True))
+    fwd, bwd, spread, busy = [], [], [], []
+    for index, target in enumerate(targets):
+        sample = by_batch.get(target)
+        near = by_batch[min(batches, key=lambda b: (abs(b - target), b))]
+        if sample is not None and sample.fwd_ms + sample.bwd_ms >= _NOISE_FLOOR_MS:
+            fwd.append(sample.fwd_ms)
+            bwd.append(sample.bwd_ms)
+        else:
+            fwd.append(fitted.fwd_ms[index])
+            bwd.append(fitted.bwd_ms[index])
+        spread.append(near.spread)
+        busy.append(untrusted(near))
+    _keep_gpu_time(targets, fwd, bwd)
+    return LayerTimes(batches=targets, fwd_ms=tuple(fwd), bwd_ms=tuple(bwd), spread=tuple(spread),
+                      busy=tuple(busy)), errors
+
+
+def _keep_gpu_time(batches: tuple[int, ...], fwd: list[float], bwd: list[float]) -> None:
+    """Raise, in place, a time whose per-sample rate is below a larger batch's: on ``g`` GPUs a layer then
+    never costs less GPU-time than on one (``g · t(⌈B/g⌉) ≥ t(B)``), whatever noise the medians carry."""
+    floor = 0.0
+    for index in reversed(range(len(batches))):
+        total = fwd[index] + bwd[index]
+        least = floor * batches[index]
+        if total < least:
+            if total > 0:
+                fwd[index], bwd[index] = fwd[index] * least / total, bwd[index] * least / total
+            else:
+                fwd[index], bwd[index] = least / 2, least / 2
+        floor = max(floor, (fwd[index] + bwd[index]) / batches[index])
+
+
 def _quality(
     batches: tuple[int, ...], errors: list[list[float]], measured: dict[str, list[Measured]], bound: float
 ) -> FitQuality:
@@ -418,22 +610,24 @@ class Passes:
         return _timed(self.device, lambda: torch.autograd.backward(outputs, gradients))[0]
 
 
-def _measure_batch(
-    passes: Passes, loaded: LoadedModel, batch: int, config: ProfilerConfig, cache: ProfileCache | None,
-) -> Iterator[tuple[str, Measured]]:
+def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | None) -> Iterator[tuple[str, Measured]]:
     """(layer, measured) for every layer at ``batch``, then the loss: whole passes (``config.warmup``
     untimed, then rounds of ``config.repeats``) until every layer above the timer's noise floor has a
-    spread within the bound, or ``config.max_repeats`` passes; each layer's medians over its kept passes.
-    From the cache when every layer at this batch is there."""
+    spread within the bound, or ``config.max_repeats`` passes; each layer's medians over its kept passes,
+    with the highest load average seen. From the cache when every layer at this batch is there, unless
+    some of it is untrusted and the machine is quieter now (:meth:`ProfilerConfig.remeasure`)."""
+    passes, loaded, config = profiler.passes, profiler.loaded, profiler.config
     graph = passes.graph
     named = loaded.named_inputs(batch)  # a dict of inputs binds by name, as the graph's input keys record
     inputs = {name: named[key].to(passes.device) for name, key in zip(graph.inputs, graph.input_keys, strict=True)}
-    keys, output = _keys(passes, inputs, batch, config)
+    keys, output = _keys(profiler, inputs, batch)
     found = {name: cache.get(key) for name, key in keys.items()} if cache else {}
-    if found and all(m is not None for m in found.values()):
-        yield from found.items()
-        yield LOSS, _measure_loss(loaded, output, batch, passes.device, config, cache)
+    cached = {name: m for name, m in found.items() if m is not None}
+    if cached and len(cached) == len(keys) and not config.remeasure(cached.values()):
+        yield from cached.items()
+        yield LOSS, _measure_loss(profiler, output, batch, cache)
         return
+    load = config.load()
     for _ in range(config.warmup):
         passes.run(inputs)
     runs: list[tuple[dict[str, float], dict[str, float]]] = []
@@ -441,23 +635,24 @@ def _measure_batch(
         for _ in range(config.repeats):
             fwd, bwd, _ = passes.run(inputs)
             runs.append((fwd, bwd))
-        measured = {name: _summary([f[name] for f, _ in runs], [b[name] for _, b in runs]) for name in graph.names}
+        load = max(load, config.load())
+        measured = {name: _summary([f[name] for f, _ in runs], [b[name] for _, b in runs], load)
+                    for name in graph.names}
         settled = all(m.spread <= config.spread_bound or m.fwd_ms + m.bwd_ms < _NOISE_FLOOR_MS
                       for m in measured.values())
         if settled or len(runs) + config.repeats > config.max_repeats:
             break
     for name, sample in measured.items():
         if cache:
-            cache.put(keys[name], sample)
+            cache.put(keys[name], sample, profiler.entry())
         yield name, sample
-    yield LOSS, _measure_loss(loaded, output, batch, passes.device, config, cache)
+    yield LOSS, _measure_loss(profiler, output, batch, cache)
 
 
-def _keys(
-    passes: Passes, inputs: dict[str, torch.Tensor], batch: int, config: ProfilerConfig,
-) -> tuple[dict[str, str], object]:
+def _keys(profiler: LayerProfiler, inputs: dict[str, torch.Tensor], batch: int) -> tuple[dict[str, str], object]:
     """Every layer's cache key, from the shapes of its inputs in one untimed forward (a warm-up), and the
     model's output (what the loss is timed on)."""
+    passes = profiler.passes
     graph = passes.graph
     last_use = {name: index for index, layer in enumerate(graph.layers) for name in layer.inputs}
     values: dict[str, object] = dict(inputs)
@@ -465,7 +660,7 @@ def _keys(
     with torch.no_grad():
         for index, layer in enumerate(graph.layers):
             args = [values[name] for name in layer.inputs]
-            keys[layer.name] = _key(layer, args, batch, passes.device, config)
+            keys[layer.name] = _key(layer, profiler.code[layer.name], args, batch, passes.device, profiler.config)
             values[layer.name] = passes.runners[layer.name](*args)
             for name in layer.inputs:
                 if last_use[name] == index:
@@ -473,30 +668,29 @@ def _keys(
     return keys, values[graph.output]
 
 
-def _summary(fwd: list[float], bwd: list[float]) -> Measured:
-    """Medians of the passes kept (outliers in forward+backward dropped) and their spread."""
+def _summary(fwd: list[float], bwd: list[float], load: float) -> Measured:
+    """Medians of the passes kept (outliers in forward+backward dropped), their spread, the load seen."""
     totals = [f + b for f, b in zip(fwd, bwd, strict=True)]
     kept = _inliers(totals)
     return Measured(fwd_ms=statistics.median(fwd[i] for i in kept), bwd_ms=statistics.median(bwd[i] for i in kept),
-                    spread=_spread([totals[i] for i in kept]))
+                    spread=_spread([totals[i] for i in kept]), load=load)
 
 
-def _measure_loss(
-    loaded: LoadedModel, output: object, batch: int, device: torch.device, config: ProfilerConfig,
-    cache: ProfileCache | None,
-) -> Measured:
+def _measure_loss(profiler: LayerProfiler, output: object, batch: int, cache: ProfileCache | None) -> Measured:
     """The loss function on the output layer's value at ``batch`` (targets from the model's own
     ``targets``): forward, then backward from the loss, as the executor's loss op and backward run it."""
+    loaded, device, config = profiler.loaded, profiler.device, profiler.config
     targets = loaded.targets(batch)
     targets = None if targets is None else targets.to(device)
     leaves = [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
     shapes = [(tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves]
-    text = f"loss|{getattr(loaded.loss, '__qualname__', loaded.loss)}|{shapes}|{batch}|{device_name(device)}|" \
-           f"{torch.__version__}|{config.threads}"
+    text = f"loss|{getattr(loaded.loss, '__qualname__', loaded.loss)}|{_source(loaded.loss)}|{shapes}|{batch}|" \
+           f"{device_name(device)}|{torch.__version__}|{config.threads}"
     key = hashlib.sha256(text.encode()).hexdigest()
     found = cache.get(key) if cache else None
-    if found is not None:
+    if found is not None and not config.remeasure((found,)):
         return found
+    load = config.load()
     fwd, bwd = [], []
     for repeat in range(config.warmup + max(config.repeats, 5)):
         value = pytree.tree_map(_fresh_leaf, output)
@@ -506,9 +700,10 @@ def _measure_loss(
             fwd.append(forward_ms)
             bwd.append(backward_ms)
     totals = [f + b for f, b in zip(fwd, bwd, strict=True)]
-    measured = Measured(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd), spread=_spread(totals))
+    measured = Measured(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd), spread=_spread(totals),
+                        load=max(load, config.load()))
     if cache:
-        cache.put(key, measured)
+        cache.put(key, measured, profiler.entry())
     return measured
 
 
@@ -519,13 +714,53 @@ def _fresh_leaf(value: object) -> object:
     return value
 
 
-def _key(layer: Layer, args: list[object], batch: int, device: torch.device, config: ProfilerConfig) -> str:
+def _key(layer: Layer, code: str, args: list[object], batch: int, device: torch.device,
+         config: ProfilerConfig) -> str:
     shapes = [(tuple(a.shape[1:]), str(a.dtype)) for a in args if isinstance(a, torch.Tensor)]
     text = (
-        f"{layer.signature}|{shapes}|{batch}|{device_name(device)}|{torch.__version__}|{config.warmup}|"
+        f"{layer.signature}|{code}|{shapes}|{batch}|{device_name(device)}|{torch.__version__}|{config.warmup}|"
         f"{config.repeats}|{config.max_repeats}|{config.spread_bound}|{config.threads}|in-context-passes"
     )
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def layer_code(module: fx.GraphModule, layer: Layer) -> str:
+    """A digest of the code a layer runs: each of its fx nodes (kind, target, constant arguments) and, for a
+    module or a Python function, its class's or its own source and the module's settings; a change of the
+    model's code changes it, so the cache never returns another code's times."""
+    by_name = {node.name: node for node in module.graph.nodes}
+    parts = []
+    for name in layer.nodes:
+        node = by_name[name]
+        constants = fx.node.map_arg((node.args, node.kwargs), lambda _: "%")
+        parts.append(f"{node.op}|{node.target}|{constants!r}|{_target_code(module, node)}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _target_code(module: fx.GraphModule, node: fx.Node) -> str:
+    if node.op == "call_module":
+        called = module.get_submodule(str(node.target))
+        kind = type(called)
+        return f"{kind.__module__}.{kind.__qualname__}({called.extra_repr()})|{_source(kind)}"
+    if node.op == "call_function":
+        return _source(node.target)
+    return ""
+
+
+def _source(code: object) -> str:
+    """A digest of the source of a Python class or function ('' for a builtin or one without source)."""
+    try:
+        return _cached_source(code)
+    except TypeError:  # unhashable: a callable object
+        return ""
+
+
+@cache
+def _cached_source(code: object) -> str:
+    try:
+        return hashlib.sha256(inspect.getsource(code).encode()).hexdigest()[:16]  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return ""
 
 
 def _inliers(values: list[float]) -> list[int]:

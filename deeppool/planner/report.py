@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 
 from deeppool.planner.cost import CostModel, Phase, PhaseKind
-from deeppool.planner.plan import Plan, PlannedLayer
+from deeppool.planner.plan import WEAK, Plan, PlannedLayer
 
 if TYPE_CHECKING:  # matplotlib loads only when a chart is drawn
     from matplotlib.axes import Axes
@@ -56,6 +56,13 @@ class Stage:
     def amplification(self) -> float:
         return max(layer.amplification for layer in self.layers)
 
+    @property
+    def spread(self) -> float:
+        """The stage's confidence: its layers' measurement spreads weighted by their forward+backward time."""
+        compute = sum(layer.fwd_ms + layer.bwd_ms for layer in self.layers)
+        weighted = sum(layer.spread * (layer.fwd_ms + layer.bwd_ms) for layer in self.layers)
+        return weighted / compute if compute > 0 else 0.0
+
 
 def stages(plan: Plan) -> list[Stage]:
     groups: list[list[PlannedLayer]] = []
@@ -75,18 +82,26 @@ def plan_table(plan: Plan, *, per_layer: bool = False) -> Table:
     table.add_column("GPUs", justify="right")
     table.add_column("time ms", justify="right")
     table.add_column("amplification", justify="right")
+    measured = plan.evidence is not None
+    if measured:
+        table.add_column("± spread", justify="right")
     if per_layer:
         for layer in plan.layers:
-            table.add_row(layer.name, layer.op, str(layer.gpus), f"{layer.busy_ms:.3f}", f"{layer.amplification:.2f}")
+            table.add_row(layer.name, layer.op, str(layer.gpus), f"{layer.busy_ms:.3f}", f"{layer.amplification:.2f}",
+                          *([_percent(layer.spread)] if measured else []))
         return table
     for stage in stages(plan):
         span = stage.first.name if len(stage.layers) == 1 else f"{stage.first.name} … {stage.last.name}"
         ops = ", ".join(dict.fromkeys(layer.op for layer in stage.layers))
         table.add_row(
             f"{span} ({len(stage.layers)})", ops, str(stage.gpus),
-            f"{stage.time_ms:.3f}", f"{stage.amplification:.2f}",
+            f"{stage.time_ms:.3f}", f"{stage.amplification:.2f}", *([_percent(stage.spread)] if measured else []),
         )
     return table
+
+
+def _percent(spread: float) -> str:
+    return f"{100 * spread:.1f}%"
 
 
 def _gpus(count: int) -> str:
@@ -108,8 +123,44 @@ def summary(plan: Plan) -> str:
         f"{p.gpu_seconds_per_iteration:.4f} GPU-s/iteration, amplification {p.amplification:.2f}, "
         f"idle {100 * p.idle_gpu_fraction:.1f}% of {_gpus(plan.gpus)}, {plan.precision.value}; "
         f"solver {plan.solver.name} {plan.solver.status} in {plan.solver.seconds:.2f} s (gap {plan.solver.gap:.2g})"
-        f"{_why_slower(plan)}"
+        f"{_why_slower(plan)}{_weak(plan)}"
     )
+
+
+def _weak(plan: Plan) -> str:
+    """Says so when the iteration's uncertainty (its measurements' spread) exceeds ±15%."""
+    uncertainty = plan.predicted.uncertainty
+    if uncertainty <= WEAK:
+        return ""
+    return (f"; weak prediction: the iteration is uncertain by ±{100 * uncertainty:.0f}% (the spread of its layers' "
+            f"repeated measurements exceeds ±{100 * WEAK:.0f}%): re-plan on a quieter machine")
+
+
+def evidence_lines(plan: Plan, shown: int = 6) -> list[str]:
+    """What a plan measured here rests on, when it is not only quiet, measured points: the layers whose
+    per-GPU batch was above ``--max-measured-batch`` (extrapolated) and those resting on measurements
+    taken on a busy machine or that stayed noisy."""
+    evidence = plan.evidence
+    if evidence is None:
+        return []
+    lines = []
+    if evidence.extrapolated:
+        lines.append(f"{len(evidence.extrapolated)} of {len(plan.layers)} layers rest on per-GPU batches not measured "
+                     "(above --max-measured-batch, or a whole-model pass there would not fit this machine's memory), "
+                     f"extrapolated from the line fitted through {list(evidence.measured_batches)}: "
+                     f"{_names(evidence.extrapolated, shown)}")
+    if evidence.unmeasured_batches:
+        lines.append(f"per-GPU batches {list(evidence.unmeasured_batches)} that the plan or its baselines use were "
+                     "not measured (above --max-measured-batch, or too large to measure here)")
+    if evidence.busy:
+        lines.append(f"{len(evidence.busy)} of {len(plan.layers)} layers rest on measurements taken on a busy machine "
+                     f"(load up to {evidence.load:.1f} on {evidence.cores} cores) or that stayed noisy: "
+                     f"{_names(evidence.busy, shown)} (re-planned on a quieter machine, the cache measures them again)")
+    return lines
+
+
+def _names(names: tuple[str, ...], shown: int) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def cluster_line(plan: Plan) -> str:

@@ -98,8 +98,10 @@ class CostSource:
     """Where layer times come from: a device model, a profile file, or measuring here.
 
     ``device_model`` is v100/a100/h100 (estimated) or ``local`` (measured on
-    ``local_device`` at a few per-GPU batches up to ``max_measured_batch``
-    and fitted to the planner's). ``network`` names a
+    ``local_device`` at every per-GPU batch the plan and its baselines use:
+    :mod:`deeppool.planner.measure_loop`; ``max_measured_batch``, when set,
+    caps them, the larger ones fitted). ``cache_dir`` None measures
+    everything afresh (``--no-cache``). ``network`` names a
     preset (a device model or ``local``), ``network_file`` a measured network
     (``deeppool profile-network``) instead; the three overrides replace figures.
     """
@@ -107,7 +109,7 @@ class CostSource:
     device_model: str = LOCAL
     profile_path: Path | None = None
     local_device: str = "cpu"
-    max_measured_batch: int = 8
+    max_measured_batch: int | None = None
     cache_dir: Path | None = None
     network: str | None = None
     network_file: Path | None = None
@@ -131,7 +133,7 @@ class CostSource:
             Profile.load(self.profile_path)
         if self.measures_locally:
             checks.device(self.local_device, "--local-device")
-        if self.max_measured_batch < 1:
+        if self.max_measured_batch is not None and self.max_measured_batch < 1:
             raise DeeppoolError(f"--max-measured-batch {self.max_measured_batch} must be at least 1")
         checks.at_least(self.gpus_per_node, 1, "--gpus-per-node")
         checks.positive(self.intra_gbps, "--intra-gbps")
