@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # the planner's solving half imports torch: loaded only when 
     from deeppool.planner.api import Planned
     from deeppool.planner.plan import Plan
 
-FACTS_VERSION = 5
+FACTS_VERSION = 6
 """Bumped whenever the cost model changes what a Plan predicts (4: per-group all-reduce latency rounds,
 synchronisation latency, the loss and the optimizer's fixed costs; 5: the lending plan and right-sizing),
 so cached facts are solved again."""

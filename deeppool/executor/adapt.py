@@ -27,8 +27,8 @@ import torch
 
 from deeppool.adaptation.policy import Action, Policy, RequestGpus, SetAccumulate, SetLr, Snapshot
 from deeppool.adaptation.stragglers import Straggler
-from deeppool.executor.steptimes import StepFigures, StepMonitor
-from deeppool.executor.outputs import EVENTS
+from deeppool.executor.steptimes import StepFigures, StepLine, StepMonitor
+from deeppool.executor.outputs import EVENTS, STEPS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,18 +90,32 @@ class EventLog:
                 handle.write(json.dumps(record) + "\n")
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepLog:
+    """Rank 0's per-step figures, appended to ``<out>/steps.jsonl`` as the ranks gather them."""
+
+    out_dir: Path
+
+    def write(self, lines: Sequence[StepLine]) -> None:
+        if not lines:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with (self.out_dir / STEPS).open("a") as handle:
+            handle.write("".join(json.dumps(line.to_json()) + "\n" for line in lines))
+
+
 class Adapter:
     def __init__(self, *, monitor: StepMonitor, policy: Policy | None, progress: Progress, gpus: int,
                  global_batch: int, optimizer: torch.optim.Optimizer | None,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, log: EventLog | None,
                  on_accumulate: Callable[[int], None] = lambda k: None,
-                 on_lr: Callable[[float], None] = lambda lr: None) -> None:
+                 on_lr: Callable[[float], None] = lambda lr: None, steps: StepLog | None = None) -> None:
         """``log`` is rank 0's (None elsewhere); ``on_accumulate`` hears of a new ``K`` (the noise-scale
         monitor's batch sizes follow it), ``on_lr`` of a new base LR (AdaScale's, which sets the LR itself)."""
         self.monitor, self.policy, self.progress = monitor, policy, progress
         self.on_accumulate, self.on_lr = on_accumulate, on_lr
         self.gpus, self.global_batch = gpus, global_batch
-        self.optimizer, self.scheduler, self.log = optimizer, scheduler, log
+        self.optimizer, self.scheduler, self.log, self.steps = optimizer, scheduler, log, steps
         self.requested: RequestGpus | None = None
         self.stragglers: list[Straggler] = []
         self.actions: list[dict[str, Any]] = []
@@ -116,11 +130,12 @@ class Adapter:
         if self.policy is not None:
             self._apply(step, self.policy.before_step(self.snapshot(step)))
 
-    def after_step(self, step: int, batches: int, *, last: bool, gns: float | None = None) -> bool:
-        """The step is done (``batches`` micro-batches; ``last``: the run's last step): monitor it, consult
-        the policy; whether to stop."""
+    def after_step(self, step: int, batches: int, *, last: bool, gns: float | None = None,
+                   loss: float = 0.0) -> bool:
+        """The step is done (``batches`` micro-batches; ``last``: the run's last step; ``loss``: this rank's
+        share of its mean loss): monitor it, consult the policy; whether to stop."""
         self.progress = replace(self.progress, position=self.progress.position + batches)
-        self.monitor.record(step, gns)
+        self.monitor.record(step, gns, loss, batches * self.global_batch)
         if last or self.monitor.due:
             self._found(self.monitor.gather(step))
         if self.policy is not None:
@@ -133,6 +148,8 @@ class Adapter:
         if figures is None:
             return
         self._last = figures
+        if self.steps is not None:
+            self.steps.write(figures.lines)
         for straggler in figures.found:
             self.stragglers.append(straggler)
             if self.log is not None:

@@ -24,7 +24,7 @@ import torch
 from deeppool.adaptation.adascale import AdaScale
 from deeppool.adaptation.policy import Policy
 from deeppool.errors import DeeppoolError
-from deeppool.executor.adapt import Adapter, EventLog, Progress, Resize
+from deeppool.executor.adapt import Adapter, EventLog, Progress, Resize, StepLog
 from deeppool.executor.checkpoint import (
     GroupShard, RunState, intact, latest, load_group, load_own, load_run, model_keys, save, writer,
 )
@@ -146,7 +146,7 @@ def train_rank(
             whole = batch if feed.whole is None else [feed.whole(index) for index in indices]
             checks.append(reference.step(step, whole))
         gns = readings[-1].noise_scale if readings and comm.rank == 0 else None
-        stop = adapter.after_step(step, micros, last=step + 1 == config.steps, gns=gns)
+        stop = adapter.after_step(step, micros, last=step + 1 == config.steps, gns=gns, loss=losses[-1])
         stop = stop or _epoch_ends(adapter, feed, position, position + micros, step + 1, config.steps)
         _save(_where(config, stop), step + 1, engine, local, comm, keys, adapter.progress, config.batchnorm,
               force=stop)
@@ -347,12 +347,13 @@ def _epoch_ends(adapter: Adapter, feed: Feed, start: int, end: int, done: int, s
 def _adapter(plan: Plan, program: Program, comm: Comm, recorder: Recorder, engine: Engine, config: RunConfig,
              progress: Progress, policy: Policy | None) -> Adapter:
     log = EventLog(out_dir=config.out_dir, show=_show) if comm.rank == 0 else None
+    steps = StepLog(out_dir=config.out_dir) if comm.rank == 0 and config.out_dir is not None else None
     monitor = StepMonitor(plan, program.stages, comm, recorder, every=config.monitor_every)
     adapter = Adapter(monitor=monitor, policy=policy, progress=progress,
                       gpus=plan.gpus, global_batch=plan.global_batch, optimizer=engine.p.optimizer,
                       scheduler=engine.p.scheduler, log=log,
                       on_accumulate=lambda k: _accumulating(engine, plan, comm.rank, k),
-                      on_lr=lambda lr: _base_lr(engine, lr))
+                      on_lr=lambda lr: _base_lr(engine, lr), steps=steps)
     if progress.accumulate != config.training.accumulate:
         _accumulating(engine, plan, comm.rank, progress.accumulate)  # resumed after a policy changed K
     _base_lr(engine, progress.lr)

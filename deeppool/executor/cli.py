@@ -8,6 +8,7 @@ rank under torchrun. Both take the same run options.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -98,8 +99,8 @@ DataOpt = Annotated[str | None, typer.Option(
 DataSeed = Annotated[int, typer.Option("--data-seed", help="seed of the per-epoch sample order (seed + epoch)")]
 DataWorkers = Annotated[int, typer.Option("--data-workers", help="DataLoader worker processes per rank")]
 TensorboardOpt = Annotated[Path | None, typer.Option(
-    "--tensorboard", help="write loss, throughput, GNS and background work as TensorBoard scalars here "
-    "(when the run ends; needs the tensorboard package)")]
+    "--tensorboard", help="write loss, throughput, GNS and background work as TensorBoard scalars here, live "
+    "(every --monitor-every steps; needs the tensorboard package)")]
 ScriptOpt = Annotated[Path | None, typer.Option(
     "--script", help="run this training script on every rank instead (it calls deeppool.parallelize; "
     "$DEEPPOOL_PLAN names the plan): see docs/library.md")]
@@ -232,13 +233,9 @@ def run(
     )
     if model is None:
         check_model_here(loaded, plan)
-    with removed_if_interrupted(out):
+    with removed_if_interrupted(out, tensorboard), _live_scalars(out, tensorboard):
         path = plan if model is None else with_model(loaded, model, out)
         _launch(path, ranks=ranks, config=config, background=bg, nodes=nodes)
-    if tensorboard is not None and (out / "summary.json").is_file():
-        from deeppool.executor.tensorboard import write_scalars
-
-        write_scalars(out, tensorboard)
     if (out / RESIZE).is_file():
         resized(Plan.load(path), config, json.loads((out / RESIZE).read_text()), model)
 
@@ -352,6 +349,15 @@ def with_model(plan: Plan, model: str, out: Path) -> Path:
     path = out / "plan.json"
     dataclasses.replace(plan, model=spec).save(path)
     return path
+
+
+def _live_scalars(out: Path, tensorboard: Path | None) -> contextlib.AbstractContextManager[object]:
+    """``--tensorboard``: the run's steps written as TensorBoard scalars while it goes on."""
+    if tensorboard is None:
+        return contextlib.nullcontext()
+    from deeppool.executor.tensorboard import LiveScalars
+
+    return LiveScalars(out, tensorboard)
 
 
 def _launch(plan: Path, *, ranks: int, config: RunConfig, background: BackgroundConfig | None, nodes: Nodes) -> None:

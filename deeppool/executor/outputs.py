@@ -4,8 +4,12 @@
   policy's action), written by rank 0 as it happens; the coordinator relays them into the job's events.
 * ``resize.json``: a policy asked for another GPU count; ``deeppool run`` re-plans and says how to resume.
 * ``progress.json``: the optimizer steps done and asked for, written by rank 0 at most once a second.
+* ``steps.jsonl``: one JSON object a line for each optimizer step (global mean loss, the slowest rank's
+  step time, the noise scale), appended by rank 0 each time the ranks gather their step figures
+  (``--monitor-every`` steps); ``deeppool run --tensorboard`` follows it while the run goes on.
 """
 
 EVENTS = "events.jsonl"
 RESIZE = "resize.json"
 PROGRESS = "progress.json"
+STEPS = "steps.jsonl"

@@ -1,8 +1,9 @@
 """Per-step figures of every rank, on every rank: step and compute times, and stragglers.
 
 After every ``every`` optimizer steps (``--monitor-every``, 10 by default) every
-rank all-gathers one short row per step (one collective of ``8 × (3 + stages)``
-bytes per rank and step): its step time, its compute time (the
+rank all-gathers one short row per step (one collective of ``8 × (5 + stages)``
+bytes per rank and step): its step time, its share of the step's mean loss, the step's samples, its
+compute time (the
 step's compute spans: forward, backward, loss, optimizer, less the
 communication spans inside them, SyncBatchNorm's reductions; never time spent
 waiting in communication), rank 0's gradient noise scale, and per stage its
@@ -37,12 +38,31 @@ from deeppool.executor.program import Stage
 from deeppool.executor.timing import Category, Recorder
 from deeppool.planner.plan import Plan
 
+_STAGES = 5
+"""Where a row's per-stage times begin (after step time, compute time, noise scale, loss share, samples)."""
 ALPHA = 0.05
 """The smoothing of the relative speed (an effective window of about ``2/α`` = 40 steps)."""
 PATIENCE = 30
 """Steps a rank's smoothed relative speed must stay below the threshold. With :data:`ALPHA`, long enough
 that the noise of 4 ranks sharing 2 loaded cores is never reported (the lowest smoothed speed seen over 300
 healthy steps was 0.83), short enough that a rank at half speed is reported within about 40 steps."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepLine:
+    """One optimizer step of the whole run: what ``deeppool run --tensorboard`` shows for it."""
+
+    step: int
+    loss: float
+    """The global mean loss: the sum of the ranks' shares."""
+    iteration_ms: float
+    """The slowest rank's step time."""
+    samples: int
+    gns: float | None
+
+    def to_json(self) -> dict[str, float | int | None]:
+        return {"step": self.step, "loss": self.loss, "iteration_ms": self.iteration_ms, "samples": self.samples,
+                "gns": self.gns}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +77,8 @@ class StepFigures:
     """Ranks newly reported as stragglers at this step."""
     flagged: tuple[Straggler, ...]
     """Every rank reported and not recovered."""
+    lines: tuple[StepLine, ...] = ()
+    """Every step gathered this time, in order."""
 
 
 class StepMonitor:
@@ -75,9 +97,10 @@ class StepMonitor:
         self.detectors = {gpus: StragglerDetector(alpha=ALPHA, patience=PATIENCE) for gpus in self._groups}
         self.reported: dict[int, Straggler] = {}
 
-    def record(self, step: int, gns: float | None = None) -> None:
-        """Keep this rank's row of the step just run (its spans since the last call)."""
-        self._pending.append((step, self._row(gns)))
+    def record(self, step: int, gns: float | None = None, loss: float = 0.0, samples: int = 0) -> None:
+        """Keep this rank's row of the step just run (its spans since the last call; ``loss``: its share of
+        the step's mean loss; ``samples``: the step's global batch)."""
+        self._pending.append((step, self._row(gns, loss, samples)))
 
     @property
     def due(self) -> bool:
@@ -95,16 +118,18 @@ class StepMonitor:
             gathered = self.comm.all_gather(mine)
         width = len(mine) // len(steps)
         found: list[Straggler] = []
+        lines: list[StepLine] = []
         for i, done in enumerate(steps):
             rows = [theirs[i * width:(i + 1) * width] for theirs in gathered]
             found += self._detect(done, rows)
-        first = rows[0][2]
+            lines.append(StepLine(step=done, loss=sum(row[3] for row in rows), iteration_ms=max(row[0] for row in rows),
+                                  samples=int(rows[0][4]), gns=None if math.isnan(rows[0][2]) else rows[0][2]))
         return StepFigures(
             step=step, step_ms=tuple(row[0] for row in rows), compute_ms=tuple(row[1] for row in rows),
-            gns=None if math.isnan(first) else first, found=tuple(found), flagged=tuple(self.reported.values()),
+            gns=lines[-1].gns, found=tuple(found), flagged=tuple(self.reported.values()), lines=tuple(lines),
         )
 
-    def _row(self, gns: float | None) -> list[float]:
+    def _row(self, gns: float | None, loss: float, samples: int) -> list[float]:
         spans = self.recorder.spans[self._cursor:]
         self._cursor = len(self.recorder.spans)
         comm = [span for span in spans if span.category is Category.COMM]
@@ -118,13 +143,13 @@ class StepMonitor:
                 compute_ms += span.busy_ms - inside
                 by_label[span.label] += span.busy_ms - inside
         stages = [by_label[f"forward:{s.name}"] + by_label[f"backward:{s.name}"] for s in self.stages]
-        return [step_ms, compute_ms, math.nan if gns is None else gns, *stages]
+        return [step_ms, compute_ms, math.nan if gns is None else gns, loss, float(samples), *stages]
 
     def _detect(self, step: int, rows: list[tuple[float, ...]]) -> list[Straggler]:
         flagged: set[int] = set()
         found: dict[int, Straggler] = {}
         for gpus, stages in self._groups.items():
-            times = {rank: sum(rows[rank][3 + s.index] * self._share[s.index][rank] for s in stages)
+            times = {rank: sum(rows[rank][_STAGES + s.index] * self._share[s.index][rank] for s in stages)
                      for rank in range(gpus)}
             detector = self.detectors[gpus]
             for straggler in detector.observe(step, times):

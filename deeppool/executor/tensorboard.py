@@ -1,21 +1,29 @@
-"""``deeppool run --tensorboard DIR``: a run's figures as TensorBoard scalars, written when the run ends.
+"""``deeppool run --tensorboard DIR``: a run's figures as TensorBoard scalars, live.
 
-From the run's own outputs (``summary.json`` and every rank's Chrome trace), per step: ``train/loss``
-(the global mean loss), ``train/iteration_ms`` (the slowest rank's iteration span) and
-``train/samples_per_s`` (the global batch over it); with ``--monitor gns``, ``gns/grad_sq``,
-``gns/trace`` and ``gns/noise_scale`` (rank 0's readings, one per step); with ``--background``, the
-multiplexer's figures as ``background/<name>`` at the last step (background samples per second, the
-foreground's slowdown...). ``torch.utils.tensorboard`` needs the ``tensorboard`` package.
+While the run goes on, :class:`LiveScalars` follows ``<out>/steps.jsonl`` (rank 0 appends every step's
+figures each time the ranks gather them, every ``--monitor-every`` steps) and writes, per step,
+``train/loss`` (the global mean loss), ``train/iteration_ms`` (the slowest rank's step time),
+``train/samples_per_s`` (the step's global batch over it) and, with ``--monitor gns``,
+``gns/noise_scale``. When the run ends it writes what only the end knows: ``gns/grad_sq`` and
+``gns/trace`` (rank 0's readings, from its Chrome trace) and, with ``--background``, the multiplexer's
+figures as ``background/<name>`` at the last step. ``torch.utils.tensorboard`` needs the ``tensorboard``
+package.
 """
 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+import threading
 from pathlib import Path
 from typing import Any
 
 from deeppool.errors import DeeppoolError
+from deeppool.executor.outputs import STEPS
+
+POLL_S = 1.0
+"""How often the run's step file is read for new lines."""
+_END_ONLY = ("grad_sq", "trace")
+"""The noise-scale monitor's readings that only rank 0's trace holds (written when the run ends)."""
 
 
 def check_available() -> None:
@@ -26,54 +34,92 @@ def check_available() -> None:
         raise DeeppoolError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
 
 
-def write_scalars(out_dir: Path, log_dir: Path) -> int:
-    """Write the run in ``out_dir`` as scalars under ``log_dir``; returns how many were written."""
-    from torch.utils.tensorboard import SummaryWriter
+class LiveScalars:
+    """A thread that writes each step of the run in ``out_dir`` to ``log_dir`` as soon as rank 0 logs it.
 
-    summary = json.loads((out_dir / "summary.json").read_text())
-    iterations = _iteration_ms(out_dir)
-    batch = summary["global_batch"]
-    written = 0
-    with SummaryWriter(log_dir=str(log_dir)) as writer:
-        for step, loss in enumerate(summary.get("losses", [])):
-            writer.add_scalar("train/loss", loss, step)
-            written += 1
-        for step, ms in sorted(iterations.items()):
-            writer.add_scalar("train/iteration_ms", ms, step)
-            writer.add_scalar("train/samples_per_s", batch / (ms / 1e3), step)
-            written += 2
-        for step, values in enumerate(_counters(out_dir / "trace-rank0.json", "gns")):
-            for name, value in values.items():
-                if isinstance(value, (int, float)):
-                    writer.add_scalar(f"gns/{name}", value, step)
-                    written += 1
+    Use as a context manager around the run: leaving it reads the file a last time, writes the end-of-run
+    figures (:meth:`finish`) and closes the writer."""
+
+    def __init__(self, out_dir: Path, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.out_dir = out_dir
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.written = 0
+        self._offset = 0
+        self._last_step = -1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="tensorboard", daemon=True)
+
+    def __enter__(self) -> LiveScalars:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()
+        if exc[0] is None:
+            self.finish()
+        self.writer.close()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self.poll()
+
+    def poll(self) -> None:
+        """Write the steps appended since the last read (whole lines only; each step once)."""
+        path = self.out_dir / STEPS
+        if not path.is_file():
+            return
+        with path.open("rb") as handle:
+            handle.seek(self._offset)
+            chunk = handle.read()
+        complete = chunk[:chunk.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        for raw in complete.splitlines():
+            self._write_step(json.loads(raw))
+        self.writer.flush()
+
+    def _write_step(self, line: dict[str, Any]) -> None:
+        step = int(line["step"])
+        if step <= self._last_step:
+            return
+        self._last_step = step
+        ms = float(line["iteration_ms"])
+        self.writer.add_scalar("train/loss", float(line["loss"]), step)
+        self.writer.add_scalar("train/iteration_ms", ms, step)
+        self.written += 2
+        if ms > 0:
+            self.writer.add_scalar("train/samples_per_s", int(line["samples"]) / (ms / 1e3), step)
+            self.written += 1
+        if line.get("gns") is not None:
+            self.writer.add_scalar("gns/noise_scale", float(line["gns"]), step)
+            self.written += 1
+
+    def finish(self) -> None:
+        """What only the end of the run knows: rank 0's noise-scale readings and the background's figures."""
+        for step, values in enumerate(_counters(self.out_dir / "trace-rank0.json", "gns")):
+            for name in _END_ONLY:
+                if isinstance(values.get(name), (int, float)):
+                    self.writer.add_scalar(f"gns/{name}", values[name], step)
+                    self.written += 1
+        summary_path = self.out_dir / "summary.json"
+        if not summary_path.is_file():
+            return
+        summary = json.loads(summary_path.read_text())
         last = max(len(summary.get("losses", [])), 1) - 1
         for name, value in _numbers(summary.get("multiplex") or {}).items():
-            writer.add_scalar(f"background/{name}", value, last)
-            written += 1
-    return written
-
-
-def _iteration_ms(out_dir: Path) -> dict[int, float]:
-    """Each step's slowest iteration span over every rank's trace (ms)."""
-    slowest: dict[int, float] = defaultdict(float)
-    for path in out_dir.glob("trace-rank*.json"):
-        for event in _events(path):
-            if event.get("name") == "iteration" and event.get("ph") == "X":
-                step = int(event["args"]["step"])
-                slowest[step] = max(slowest[step], float(event["dur"]) / 1e3)
-    return dict(slowest)
+            self.writer.add_scalar(f"background/{name}", value, last)
+            self.written += 1
 
 
 def _counters(path: Path, name: str) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
-    return [event.get("args", {}) for event in _events(path) if event.get("ph") == "C" and event.get("name") == name]
-
-
-def _events(path: Path) -> list[dict[str, Any]]:
     trace = json.loads(path.read_text())
-    return trace["traceEvents"] if isinstance(trace, dict) else trace
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [event.get("args", {}) for event in events if event.get("ph") == "C" and event.get("name") == name]
 
 
 def _numbers(report: dict[str, Any]) -> dict[str, float]:

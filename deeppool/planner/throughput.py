@@ -176,11 +176,13 @@ def cluster_optimum(problem: ClusterProblem, seeds: list[dict[str, int]]) -> Clu
     for seed in seeds:
         search.cost(seed)
     lending = fastest = True
-    while lending or fastest:
+    while lending or fastest:  # the lending loop to its end, then the fastest-plan loop to its end
         if search.solves >= MAX_SOLVES or time.perf_counter() > search.deadline:
             return search.result(proven=False, fastest_open=fastest)
-        lending = lending and search.lending_step()
-        fastest = fastest and not lending and search.fastest_step()
+        if lending:
+            lending = search.lending_step()
+        else:
+            fastest = search.fastest_step()
     return search.result(proven=not search.failed, fastest_open=False)
 
 

@@ -25,6 +25,10 @@ MODELS = {
     "curve": InterferenceModel(fg_slowdown=1.02, efficiency_by_window_ms=((0.5, 0.3), (2.0, 0.6), (8.0, 0.9)),
                                min_lend_fraction=0.05),
     "ideal": InterferenceModel(fg_slowdown=1.0, bg_efficiency=1.0, min_lend_fraction=0.0),
+    # lending costs more than it yields: the best plan may lend nothing, found by the loop over the fastest
+    # plans, which must run after the lending loop has proven its side (it once never ran then)
+    "costly": InterferenceModel(fg_slowdown=1.2, bg_efficiency=0.3, min_lend_fraction=0.15),
+    "slow-host": InterferenceModel(fg_slowdown=1.5, bg_efficiency=0.9, min_lend_fraction=0.15),
 }
 
 
