@@ -26,6 +26,7 @@ import contextlib
 import math
 import os
 import queue
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ from deeppool.multiplex.job import BackgroundJob, _slice, forward, load_model
 from deeppool.multiplex.metrics import RankBackground, window_samples
 
 WARMUP_STEPS = 3
+HISTORY = 5
 
 
 def require_gpu(gpu: Gpu) -> None:
@@ -68,6 +70,15 @@ class Pieces:
     static: tuple[object, object]
     rows: int
     losses: list[torch.Tensor] = field(default_factory=list)
+    history: list[list[float]] = field(default_factory=list)
+
+    def measured(self, index: int, ms: float) -> None:
+        """A piece's expected length: the median of its last few replays and the first estimate, so one
+        slow replay (longer than every window) does not keep the piece, and the background, out for good."""
+        if not self.history:
+            self.history = [[first] for first in self.ms]
+        recent = self.history[index] = [*self.history[index][-(HISTORY - 1):], ms]
+        self.ms[index] = statistics.median(recent)
 
     def step_loss(self) -> float:
         """The last replayed step's loss (read once its pieces have completed)."""
@@ -197,8 +208,9 @@ class StreamBackground:
                 pieces.graphs[index].replay()  # replays on the current stream: the low-priority one
                 end.record(self.stream)
                 end.synchronize()  # at most one piece in flight
-                pieces.ms[index] = start.elapsed_time(end)
-                busy, ran = busy + pieces.ms[index], ran + 1
+                took = start.elapsed_time(end)
+                pieces.measured(index, took)
+                busy, ran = busy + took, ran + 1
                 index = (index + 1) % len(pieces.graphs)
                 if index == 0:
                     self._step_done(job, pieces)
