@@ -286,7 +286,7 @@ class FakeGpu:
         with self.lock:
             self.wait(self.comm, self.current_stream().position())
             item = self._issue_on(self.comm, "collective", list(tensors), list(tensors), None)
-        return _FakeWork(self, launch(), item)
+        return _FakeWork(self, self._raw(launch), item)  # the item above is the collective's place in order
 
     def mps_daemon(self) -> contextlib.AbstractContextManager[Any]:
         if self._mps_run is None:
@@ -296,11 +296,11 @@ class FakeGpu:
     # -- the model: items, clocks, hazards -----------------------------------------------------
     def op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         graph = getattr(self._local, "capturing", None)
-        if getattr(self._local, "raw", False):
-            return func(*args, **kwargs)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if getattr(self._local, "raw", False) or not all(_real(t) for t in inputs):
+            return func(*args, **kwargs)  # replaying, or tracing with fake or meta tensors
         if graph is not None:
             return self._captured(graph, func, args, kwargs)
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         written = _written(func, args, kwargs)
         holder: list[Any] = []
 
@@ -442,8 +442,13 @@ class FakeGpu:
             return stream
 
 
+def _real(tensor: torch.Tensor) -> bool:
+    """A CPU tensor with memory (not a tracer's fake or meta tensor)."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type == "cpu"
+
+
 def _key(tensor: Any) -> int:
-    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
+    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided or not _real(tensor):
         return 0
     return tensor.untyped_storage().data_ptr()
 

@@ -178,3 +178,27 @@ def test_the_mps_daemon_starts_with_private_directories_exports_them_and_quits(t
     assert all(env[PIPE] == seen[PIPE] and env[LOG] == seen[LOG] for _, env in calls)
     assert PIPE not in os.environ and not Path(seen[PIPE]).exists()  # restored and removed
     assert client_env(30) == {PERCENT: "30"}
+
+
+def test_the_device_timing_paths_run_through_the_fake() -> None:
+    """The profiler's and the executor's CUDA timing: device events, settled once per iteration."""
+    import time
+
+    from deeppool.executor.timing import Category, Recorder
+    from deeppool.planner.profiler import _timed
+
+    gpu = FakeGpu()
+    with gpu.on(CPU):
+        big = torch.randn(300, 300)
+        took, out = _timed(CPU, lambda: big @ big, gpu)
+        assert took > 0 and isinstance(out, torch.Tensor)
+        recorder = Recorder(time.perf_counter, gpu.event)
+        recorder.begin(0)
+        with recorder.span(0, "matmul", Category.COMPUTE):
+            big @ big @ big
+        with recorder.span(0, "sleep", Category.COMPUTE):
+            time.sleep(0.02)  # an idle device records the event when the host issues it
+        recorder.settle()
+    matmul, sleep = recorder.spans
+    assert matmul.label == "matmul" and matmul.end_s > matmul.start_s and sleep.start_s >= matmul.end_s
+    assert sleep.end_s - sleep.start_s >= 0.02
