@@ -135,7 +135,7 @@ class StreamBackground:
         self._closed = 0
         self._closed_ms: list[float | None] = []
         self._result: dict[str, object] = {"steps": 0, "busy_s": 0.0, "tokens": 0, "dropped": 0, "losses": [],
-                                           "windows": [], "error": None, "start_step": 0}
+                                           "windows": [], "error": None, "start_step": 0, "pieces": 0}
         self._thread = threading.Thread(target=self._main, name=f"deeppool-bg-rank{rank}", daemon=True)
 
     def admit(self, deadline_s: float, window_ms: float) -> None:
@@ -149,6 +149,14 @@ class StreamBackground:
 
     def running(self, on: bool) -> None:
         del on
+
+    def result_error(self) -> str | None:
+        """The thread's error so far (None while it runs well)."""
+        return self._result["error"]  # type: ignore[return-value]
+
+    def pieces_run(self) -> int:
+        """How many graph pieces have completed so far."""
+        return int(self._result["pieces"])  # type: ignore[call-overload]
 
     def wait_ready(self, timeout_s: float) -> None:
         """Start the thread at the first shared block, once the foreground has built and seeded its model.
@@ -211,6 +219,7 @@ class StreamBackground:
                 took = start.elapsed_time(end)
                 pieces.measured(index, took)
                 busy, ran = busy + took, ran + 1
+                self._result["pieces"] = int(self._result["pieces"]) + 1  # type: ignore[call-overload]
                 index = (index + 1) % len(pieces.graphs)
                 if index == 0:
                     self._step_done(job, pieces)
