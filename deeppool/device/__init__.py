@@ -7,6 +7,3 @@ Importing this package needs no CUDA (nor torch). See ``docs/gpu.md``.
 
 GPU_BACKEND = "nccl"
 """The ``torch.distributed`` backend of GPU ranks (``--backend`` names it)."""
-
-GPU_DEVICE = "cuda"
-"""The ``torch.device`` type of a GPU."""

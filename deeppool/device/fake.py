@@ -65,10 +65,6 @@ class _Item:
     start_s: float | None = None
     end_s: float | None = None
 
-    @property
-    def done(self) -> bool:
-        return self.end_s is not None
-
 
 class FakeStream:
     def __init__(self, gpu: FakeGpu, sid: int, priority: int, name: str) -> None:
@@ -82,7 +78,8 @@ class FakeStream:
         return {**self.clock, self.id: len(self.items)}
 
     def wait_event(self, event: FakeEvent) -> None:
-        self.gpu.wait(self, event.position())
+        with self.gpu.lock:
+            self.gpu.wait(self, event.position())
 
     def wait_stream(self, other: FakeStream) -> None:
         with self.gpu.lock:

@@ -202,3 +202,18 @@ def test_the_device_timing_paths_run_through_the_fake() -> None:
     matmul, sleep = recorder.spans
     assert matmul.label == "matmul" and matmul.end_s > matmul.start_s and sleep.start_s >= matmul.end_s
     assert sleep.end_s - sleep.start_s >= 0.02
+
+
+def test_a_rank_binds_the_gpu_its_local_rank_names_and_gloo_binds_none() -> None:
+    """The worker's device choice (``--backend nccl``): GPU ``LOCAL_RANK % count``, through the seam."""
+    from deeppool.errors import DeeppoolError
+    from deeppool.executor.config import Backend
+    from deeppool.executor.worker import RankEnv, bind_device
+
+    gpu = FakeGpu(gpus=4)
+    for local_rank in (0, 3, 5):
+        bind_device(Backend.NCCL, RankEnv(rank=local_rank, local_rank=local_rank, world_size=8), gpu)
+    assert bind_device(Backend.GLOO, RankEnv(rank=0, local_rank=2, world_size=1), gpu) == CPU
+    assert gpu.bound == [0, 3, 1]
+    with pytest.raises(DeeppoolError, match="--backend nccl needs CUDA, and no GPU is visible"):
+        bind_device(Backend.NCCL, RankEnv(rank=0, local_rank=0, world_size=1), FakeGpu(gpus=0))
