@@ -101,9 +101,27 @@ class StepClock:
         return {"wall": [1e3 * (b[0] - a[0]) for a, b in pairs], "cpu": [1e3 * (b[1] - a[1]) for a, b in pairs]}
 
 
-def timed_batches(loaded, batch: int, clock: StepClock):  # noqa: ANN001, ANN201 - a generator of batches
-    """The model's synthetic global batch, every step, marking the clock at each fetch."""
+BACKEND = "DEEPPOOL_BENCH_BACKEND"
+"""The ranks' collective backend (``--backend``), passed to them in their environment."""
+
+
+def rank_device() -> tuple[str, torch.device]:
+    """(backend, device) of this rank: gloo on CPU, or the GPU backend on GPU ``LOCAL_RANK`` (``--backend nccl``,
+    through the device seam; never run on a GPU yet, ``benchmarks/gpu.py``)."""
+    from deeppool.device.cuda import CudaGpu, backend_is_gpu
+
+    backend = os.environ.get(BACKEND, "gloo")
+    if not backend_is_gpu(backend):
+        return backend, torch.device("cpu")
+    return backend, CudaGpu().bind(int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def timed_batches(loaded, batch: int, clock: StepClock, device: torch.device | None = None):  # noqa: ANN001, ANN201
+    """The model's synthetic global batch (on ``device``), every step, marking the clock at each fetch."""
     x, y = loaded.inputs(batch), loaded.targets(batch)
+    if device is not None and device.type != "cpu":
+        x = tuple(v.to(device) for v in x)
+        y = None if y is None else y.to(device)
     while True:
         clock.mark()
         yield x, y
@@ -116,18 +134,20 @@ def ddp_worker(model_file: Path, batch: int, steps: int, warmup: int, out: Path,
 
     from deeppool.planner.modelspec import ModelSpec
 
-    dist.init_process_group("gloo")
+    backend, device = rank_device()
+    dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     loaded = ModelSpec.parse(str(model_file)).load()
-    module = loaded.module.train()
+    module = loaded.module.to(device).train()
     if batchnorm == "sync":
         synchronise_batch_norms(module, dist.new_group(list(range(world))))
     # synchronised statistics leave every rank the same buffers: no per-forward broadcast of rank 0's
-    net = nn.parallel.DistributedDataParallel(module, forward_sync_buffers=batchnorm != "sync")
+    net = nn.parallel.DistributedDataParallel(module, forward_sync_buffers=batchnorm != "sync",
+                                              device_ids=None if device.type == "cpu" else [device.index])
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     start, end = rank * batch // world, (rank + 1) * batch // world
     clock = StepClock()
-    for x, y in timed_batches(loaded, batch, clock):
+    for x, y in timed_batches(loaded, batch, clock, device):
         if len(clock.marks) > steps:
             break
         loaded.loss(net(*(v[start:end] for v in x)), None if y is None else y[start:end]).backward()
@@ -148,13 +168,15 @@ def executor_worker(plan_path: Path, steps: int, warmup: int, out: Path, batchno
     from deeppool.executor.program import rank_groups
     from deeppool.planner.plan import Plan
 
-    dist.init_process_group("gloo")
+    backend, device = rank_device()
+    dist.init_process_group(backend)
     plan = Plan.load(plan_path)
     comm = TorchComm(rank_groups(plan), timeout_s=120.0)
     config = RunConfig(steps=steps, warmup=warmup, optimizer=OptimizerConfig(lr=0.01),
                        batchnorm=BatchNormMode(batchnorm))
     clock = StepClock()
-    train_rank(plan, comm=comm, config=config, data=timed_batches(plan.model.load(), plan.global_batch, clock))
+    train_rank(plan, comm=comm, config=config, data=timed_batches(plan.model.load(), plan.global_batch, clock),
+               device=device)
     clock.mark()
     _write_steps(out, comm.rank, clock.steps(warmup))
     dist.barrier()
@@ -385,9 +407,12 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0,
                         help="(b)'s gradient buckets (0: each layer's all-reduce right after its backward)")
     parser.add_argument("--skip-dp", action="store_true", help="run only (b)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="(a)'s ranks: gloo on CPU, or nccl with one GPU each (benchmarks/gpu.py)")
     parser.add_argument("--write-docs", action="store_true",
                         help="also write the report into docs/performance.md (region 'executor')")
     args = parser.parse_args()
+    os.environ[BACKEND] = args.backend
     stamp = Stamp.started()
     with teed_stdout() as printed:
         _measure(args)
@@ -399,7 +424,7 @@ def _measure(args: argparse.Namespace) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     work = Path(tempfile.mkdtemp(prefix="deeppool-bench-"))
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
-    print(f"machine: {os.cpu_count()} CPU cores, load average {load}, torch {torch.__version__}, gloo; "
+    print(f"machine: {os.cpu_count()} CPU cores, load average {load}, torch {torch.__version__}, {args.backend}; "
           f"{args.nproc} ranks, {args.steps} steps ({args.warmup} warm-up)")
 
     if not args.skip_dp:

@@ -78,9 +78,9 @@ def device(text: str, flag: str) -> None:
         raise DeeppoolError(f"{flag} '{text}' is not a device this tool measures on: use cpu or cuda[:N]")
     if text == "cpu":
         return
-    import torch
+    from deeppool.device.cuda import CudaGpu
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = CudaGpu().count()
     index = int(match.group(2)[1:]) if match.group(2) else 0
     if index >= count:
         raise DeeppoolError(

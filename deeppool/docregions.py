@@ -133,7 +133,10 @@ def machine() -> str:
     torch = sys.modules.get("torch")
     if torch is not None:
         parts.append(f"torch {torch.__version__}")
-        parts.append(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
+        from deeppool.device.cuda import CudaGpu
+
+        gpu = CudaGpu()
+        parts.append(gpu.name(gpu.current()) if gpu.available() else "no GPU")
     return ", ".join(parts)
 
 

@@ -59,31 +59,37 @@ def test_run_refuses_a_missing_model_and_names_model_flag(moved_plan: Path, caps
     assert not (moved_plan.parent / "run").exists()
 
 
-def test_run_model_override_replaces_the_plans_model(moved_plan: Path, tmp_path: Path, monkeypatch) -> None:
+def _ran(capsys: pytest.CaptureFixture[str], plan: Path, out: Path, *args: str) -> dict:
+    """``deeppool run PLAN ARGS --steps 2`` on real ranks: the run's summary, after checking it trained."""
+    code, err = deeppool_cli(capsys, "run", str(plan), *args, "--steps", "2", "--out", str(out))
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and len(summary["losses"]) == 2
+    assert all(loss == loss and 0 < loss < 1e6 for loss in summary["losses"])  # finite, positive losses
+    return summary
+
+
+@pytest.mark.slow
+def test_run_model_override_replaces_the_plans_model(moved_plan: Path, tmp_path: Path, capsys) -> None:
+    _ran(capsys, moved_plan, tmp_path / "run", "--model", str(MODELS / "tiny_mlp.py"))
+    assert Path(Plan.load(tmp_path / "run" / "plan.json").model.location) == MODELS / "tiny_mlp.py"
+
+
+@pytest.mark.slow
+def test_a_python_plan_runs_with_a_model_file_named_on_the_command_line(tmp_path: Path, capsys) -> None:
     from deeppool.executor import cli
-    from deeppool.multiplex import api
 
-    launched: list[Path] = []
-    monkeypatch.setattr(api, "launch_with_background", lambda plan, **_: launched.append(plan))
-    cli.run(moved_plan, model=str(MODELS / "tiny_mlp.py"), out=tmp_path / "run")
-    (path,) = launched
-    assert path == tmp_path / "run" / "plan.json"
-    assert Path(Plan.load(path).model.location) == MODELS / "tiny_mlp.py"
-
-
-def test_a_python_plan_runs_with_a_model_file_named_on_the_command_line(tmp_path: Path, monkeypatch) -> None:
-    from deeppool.executor import cli
-    from deeppool.multiplex import api
-
-    plan = deeppool.plan(nn.Sequential(nn.Linear(16, 4)), (torch.randn(8, 16),), gpus=2)
+    found = importlib.util.spec_from_file_location("tiny_elsewhere", MODELS / "tiny_mlp.py")
+    assert found is not None and found.loader is not None
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)  # the file's model, built in Python: the plan cannot rebuild it alone
+    plan = deeppool.plan(module.model(), module.inputs(8), gpus=2)
     assert plan.model.source is ModelSource.PYTHON
     plan.save(tmp_path / "p.json")
     with pytest.raises(DeeppoolError, match="give --model"):
         cli.run(tmp_path / "p.json", out=tmp_path / "run")
-    launched: list[Path] = []
-    monkeypatch.setattr(api, "launch_with_background", lambda plan, **_: launched.append(plan))
-    cli.run(tmp_path / "p.json", model=str(MODELS / "tiny_mlp.py"), out=tmp_path / "run")
-    assert Plan.load(launched[0]).model.source is ModelSource.FILE
+    _ran(capsys, tmp_path / "p.json", tmp_path / "run", "--model", str(MODELS / "tiny_mlp.py"))
+    assert Plan.load(tmp_path / "run" / "plan.json").model.source is ModelSource.FILE
 
 
 def test_a_factory_plan_loads_from_any_folder(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -21,7 +21,6 @@ in the job's folder; the coordinator reads the background's progress from it.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,9 +67,9 @@ class DriverSpec:
 
 
 def drive(spec: DriverSpec) -> dict[str, Any]:
-    import torch
-
     from deeppool.coordinator.slurm import run_across
+    from deeppool.device.cuda import CudaGpu
+    from deeppool.device.mps import control_available
     from deeppool.executor.cli import config_args
     from deeppool.executor.config import RunConfig
     from deeppool.multiplex.api import run
@@ -93,7 +92,7 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
     background = None
     if spec.background_model is not None:
         if plan.predicted.idle_windows:
-            mps = torch.cuda.is_available() and shutil.which("nvidia-cuda-mps-control") is not None
+            mps = CudaGpu().available() and control_available()
             mode = MuxMode.MPS if mps else MuxMode.GATE
             staged = stage_model(spec.background_model, spec.allowed_roots, spec.out / "background-model")
             background = BackgroundConfig(model=Path(staged), batch=spec.background_batch, mode=mode,

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from deeppool.device.cuda import gpu_for
+from deeppool.device.seam import Gpu, event_factory, side_stream, synchronizer
 from deeppool.adaptation.adascale import AdaScale
 from deeppool.adaptation.policy import Policy
 from deeppool.errors import DeeppoolError
@@ -51,7 +53,7 @@ from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.summary import RunSummary, summarise_run
 from deeppool.executor.steptimes import StepMonitor
 from deeppool.executor.syncbn import Reduce
-from deeppool.executor.timing import Category, Clock, Counter, EventClock, Recorder, RankTimes, Span, summarise
+from deeppool.executor.timing import Category, Clock, Counter, Recorder, RankTimes, Span, summarise
 from deeppool.output import console
 from deeppool.planner.graph import TraceMethod
 from deeppool.planner.jsonio import write_json
@@ -87,6 +89,7 @@ def train_rank(
     builder: ModelBuilder | None = None,
     policy: Policy | None = None,
     slowdown: Slowdown | None = None,
+    gpu: Gpu | None = None,
 ) -> RankResult:
     """Train rank ``comm.rank`` of ``plan``.
 
@@ -96,10 +99,12 @@ def train_rank(
     workers); None: ``config.data``'s dataset, else the model's synthetic batch. ``on_idle`` hears this
     rank's idle windows: give one on every rank or on none, since with listeners the ranks that run no
     layer follow rank 0's iterations (``EngineParts.pace``). ``policy`` adapts the
-    run (:mod:`deeppool.adaptation.policy`); ``slowdown`` injects a slow rank (tests).
+    run (:mod:`deeppool.adaptation.policy`); ``slowdown`` injects a slow rank (tests). ``gpu``: the
+    device seam (:mod:`deeppool.device`; the real GPU of a CUDA ``device`` when not given, a fake in tests).
     """
     builder = builder or ModelBuilder()
     device = device or torch.device("cpu")
+    gpu = gpu if gpu is not None else gpu_for(device)
     if comm.world_size != plan.gpus:
         raise DeeppoolError(f"the plan is for {plan.gpus} GPUs but {comm.world_size} ranks were started: "
                             f"start {plan.gpus} (--nproc {plan.gpus})")
@@ -116,7 +121,7 @@ def train_rank(
     module.zero_grad(set_to_none=True)  # tracing measures backward FLOPs and leaves gradients
     precision = _precision(config, module, traced, loaded, device, comm)
     program = build_program(plan, traced.graph, comm.rank)
-    recorder = Recorder(clock, _cuda_events(device), None if device.type == "cuda" else time.thread_time)
+    recorder = Recorder(clock, event_factory(gpu), None if gpu is not None else time.thread_time)
     local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks, recorder),
                  program.stages, traced.random, config.batchnorm)
     reference = None if reference_model is None else LockstepReference(
@@ -126,7 +131,7 @@ def train_rank(
         draws=plan.draws,
     )
     engine = _engine(plan, program, local, comm, loaded, config, recorder, on_idle, device, reference, precision,
-                     slowdown)
+                     slowdown, gpu)
     losses: list[float] = []
     checks: list[CheckResult] = []
     first, progress = _resume(config, engine, local, comm.rank)
@@ -453,27 +458,10 @@ def _group_sum(comm: Comm, ranks: tuple[int, ...], recorder: Recorder) -> Reduce
     return reduce
 
 
-def _cuda_events(device: torch.device) -> EventClock | None:
-    if device.type == "cuda":
-        return lambda: torch.cuda.Event(enable_timing=True)
-    return None
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The gradient all-reduce's own stream on a GPU (none on CPU)."""
-    return torch.cuda.Stream(device) if device.type == "cuda" else None
-
-
-def _synchronize(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
 def _engine(
     plan: Plan, program: Program, local: LocalModel, comm: Comm, loaded: LoadedModel, config: RunConfig,
     recorder: Recorder, on_idle: IdleListener | None, device: torch.device, reference: LockstepReference | None,
-    precision: MixedPrecision, slowdown: Slowdown | None,
+    precision: MixedPrecision, slowdown: Slowdown | None, gpu: Gpu | None,
 ) -> Engine:
     optimizer = config.optimizer.build(local.params.values()) if local.params else None
     training = config.training
@@ -490,8 +478,8 @@ def _engine(
             optimizer=optimizer,
             scheduler=training.schedule.build(optimizer) if optimizer is not None and scaling is None else None,
             clip_norm=training.clip_norm,
-            reducer=GradientReducer(comm, config.bucket_bytes, _side_stream(device),
-                                    first_bucket_bytes=FIRST_BUCKET_BYTES if device.type == "cuda" else None,
+            reducer=GradientReducer(comm, config.bucket_bytes, side_stream(gpu, device),
+                                    first_bucket_bytes=FIRST_BUCKET_BYTES if gpu is not None else None,
                                     meter=None if monitor is None else monitor.meter,
                                     combine=config.adaptation.combine or plan.combine,
                                     scales={share.ranks: share.scale for share in shares}),
@@ -502,7 +490,7 @@ def _engine(
             device=device,
             on_gradients=None if reference is None else reference.gradients_reduced,
             overlap=config.bucket_bytes > 0,
-            synchronize=_synchronize(device),
+            synchronize=synchronizer(gpu, device),
             monitor=monitor,
             lr_scaling=scaling,
             precision=precision,

@@ -325,10 +325,10 @@ def check_ranks(ranks: int, plan: Plan, *, given: bool, nodes: int = 1) -> None:
 
 def local_slots() -> tuple[int, str]:
     """How many ranks this machine runs, and why: its CUDA GPUs, else a few gloo ranks per CPU core."""
-    import torch
+    from deeppool.device.cuda import CudaGpu
 
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
+    count = CudaGpu().count()
+    if count:
         return count, f"{count} CUDA GPU(s), one rank each"
     cores = os.cpu_count() or 1
     return CPU_RANKS_PER_CORE * cores, f"{cores} CPU core(s), at most {CPU_RANKS_PER_CORE} gloo ranks per core"

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from deeppool.device.cuda import CudaGpu, backend_is_gpu
 from deeppool.executor.config import Backend
 
 __all__ = ["Backend", "Comm", "Done", "Lane", "PeerError", "TorchComm", "Waitable"]
@@ -171,9 +172,8 @@ class _Checked:
 
 
 def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where this rank's collectives take their tensors: the bound GPU for the GPU backend, else CPU."""
+    return CudaGpu().current() if backend_is_gpu(dist.get_backend()) else torch.device("cpu")
 
 
 def _first_line(err: BaseException) -> str:

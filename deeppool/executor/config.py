@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from deeppool.device import GPU_BACKEND
 from deeppool.errors import DeeppoolError
 from deeppool.planner.combine import Combine
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:  # torch loads when an optimizer is built: the CLI checks opti
 class Backend(enum.Enum):
     AUTO = "auto"
     GLOO = "gloo"
-    NCCL = "nccl"
+    NCCL = GPU_BACKEND
 
     def resolve(self, cuda_available: bool) -> Backend:
         """AUTO is NCCL when CUDA is available, else gloo."""

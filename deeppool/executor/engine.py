@@ -88,7 +88,7 @@ class EngineParts:
     clip_norm: float | None = None
     """Clip by the global gradient norm (``--clip-norm``), computed on rank 0, which holds every parameter."""
     synchronize: Callable[[], None] = lambda: None
-    """Waits for the device (``torch.cuda.synchronize`` on a GPU): only where an idle window closes,
+    """Waits for the device (the device seam's ``synchronize`` on a GPU): only where an idle window closes,
     and once at the end of an iteration."""
     overlap: bool = True
     """Start gradient all-reduces during the backward (:mod:`deeppool.executor.overlap`);

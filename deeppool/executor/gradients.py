@@ -15,7 +15,9 @@ only competes with the backward, and it is not capped. On a GPU the reducer is
 given a side stream: a bucket is flattened and its all-reduce launched on
 it (after the compute stream's work so far), so neither the copy nor the
 collective queues behind the rest of the backward; :meth:`finish` makes the
-compute stream wait for it. On CPU (gloo) there is no stream. With
+compute stream wait for it. On CPU (gloo) there is no stream. The streams, and
+the collective's place among them, go through the device seam
+(:mod:`deeppool.device`), whose fake runs this on CPU and checks every wait. With
 ``bucket_bytes == 0`` each layer's gradients are reduced synchronously right
 after its backward, so measured all-reduce times line up with the plan's.
 
@@ -41,6 +43,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from deeppool.adaptation.adasum import adasum_exchange
+from deeppool.device.seam import Gpu, Stream
 from deeppool.executor.comm import Comm, Waitable
 from deeppool.executor.monitor import NormMeter
 from deeppool.planner.combine import Combine
@@ -52,15 +55,16 @@ FIRST_BUCKET_BYTES = 2**20
 
 class GradientReducer:
     def __init__(
-        self, comm: Comm, bucket_bytes: int, stream: torch.cuda.Stream | None = None,
+        self, comm: Comm, bucket_bytes: int, side: tuple[Gpu, Stream] | None = None,
         first_bucket_bytes: int | None = None, meter: NormMeter | None = None, combine: Combine = Combine.SUM,
         scales: dict[tuple[int, ...], float] | None = None,
     ) -> None:
+        """``side``: the device and the side stream the buckets are flattened and reduced on (GPU only)."""
         self._comm = comm
+        self._gpu, self._stream = side if side is not None else (None, None)
         self._meter = meter
         self._combine = combine
         self._scales = scales or {}
-        self._stream = stream
         self._bucket_bytes = bucket_bytes
         self._first_bytes = bucket_bytes if first_bucket_bytes is None else min(bucket_bytes, first_bucket_bytes)
         self._flushed: set[tuple[int, ...]] = set()
@@ -93,9 +97,10 @@ class GradientReducer:
         inflight, self._inflight = self._inflight, []
         for handle, ranks, flat, grads in inflight:
             handle.wait()
-            if self._stream is not None:
-                torch.cuda.current_stream(flat.device).wait_stream(self._stream)
-                flat.record_stream(torch.cuda.current_stream(flat.device))
+            if self._gpu is not None and self._stream is not None:
+                current = self._gpu.current_stream(flat.device)
+                current.wait_stream(self._stream)
+                self._gpu.record_stream(flat, current)
             if self._meter is not None:
                 self._meter.after(ranks, flat)
             if len(grads) == 1:
@@ -108,18 +113,22 @@ class GradientReducer:
         if not grads:
             return
         self._flushed.add(ranks)
-        if self._stream is None:
+        if self._gpu is None or self._stream is None:
             self._launch(ranks, grads)
             return
-        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-        with torch.cuda.stream(self._stream):
+        self._stream.wait_stream(self._gpu.current_stream(grads[0].device))
+        with self._gpu.use(self._stream):
             self._launch(ranks, grads)
 
     def _launch(self, ranks: tuple[int, ...], grads: list[torch.Tensor]) -> None:
         flat = grads[0] if len(grads) == 1 else _flatten_dense_tensors(grads)
         if self._meter is not None:
             self._meter.before(ranks, flat)
-        self._inflight.append((self._comm.all_reduce(flat, ranks, async_op=True), ranks, flat, grads))
+        def launch() -> Waitable:
+            return self._comm.all_reduce(flat, ranks, async_op=True)
+
+        handle = launch() if self._gpu is None else self._gpu.collective(launch, [flat])
+        self._inflight.append((handle, ranks, flat, grads))
 
     def _adasum(self, ranks: tuple[int, ...], grads: list[torch.Tensor]) -> None:
         """One layer's gradients, in place: the Adasum of the ranks' own mean gradients."""

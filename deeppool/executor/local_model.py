@@ -218,9 +218,3 @@ def _replace(module: nn.Module, target: str, new: nn.Module) -> None:
     parent_path, _, leaf = target.rpartition(".")
     parent = module.get_submodule(parent_path) if parent_path else module
     setattr(parent, leaf, new)
-
-
-def device_of(backend_is_nccl: bool) -> torch.device:
-    if backend_is_nccl:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from deeppool.adaptation.policy import load_policy
+from deeppool.device.cuda import CudaGpu
+from deeppool.device.seam import Gpu
 from deeppool.errors import DeeppoolError
 from deeppool.executor.api import RankResult, train_rank
 from deeppool.executor.comm import Backend, PeerError, TorchComm
@@ -72,14 +74,17 @@ class RankEnv:
         )
 
 
-def run_worker(plan_path: Path, config: RunConfig, env: RankEnv, background: BackgroundConfig | None = None) -> None:
+def run_worker(plan_path: Path, config: RunConfig, env: RankEnv, background: BackgroundConfig | None = None,
+               gpu: Gpu | None = None) -> None:
+    """``gpu``: the device seam (the real GPU when not given)."""
+    gpu = gpu or CudaGpu()
     plan = Plan.load(plan_path)
     if env.world_size != plan.gpus:
         raise DeeppoolError(
             f"the plan is for {plan.gpus} GPUs but {env.world_size} ranks were started: start {plan.gpus}"
         )
-    backend = config.backend.resolve(torch.cuda.is_available())
-    device = _device(backend, env)
+    backend = config.backend.resolve(gpu.available())
+    device = bind_device(backend, env, gpu)
     if device.type == "cpu":
         steady_allocator()  # as the profile was measured: no page faults on every iteration's activations
     _init(backend, env, config.timeout_s)
@@ -113,14 +118,13 @@ def run_worker(plan_path: Path, config: RunConfig, env: RankEnv, background: Bac
             )
 
 
-def _device(backend: Backend, env: RankEnv) -> torch.device:
+def bind_device(backend: Backend, env: RankEnv, gpu: Gpu) -> torch.device:
+    """The rank's device: CPU for gloo; for the GPU backend, GPU ``local_rank % count``, bound."""
     if backend is not Backend.NCCL:
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise DeeppoolError("--backend nccl needs CUDA, and no GPU is visible: use --backend gloo")
-    index = env.local_rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+    if not gpu.available():
+        raise DeeppoolError(f"--backend {backend.value} needs CUDA, and no GPU is visible: use --backend gloo")
+    return gpu.bind(env.local_rank)
 
 
 def _init(backend: Backend, env: RankEnv, timeout_s: float) -> None:

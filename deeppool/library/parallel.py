@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from deeppool.device.cuda import gpu_for
+from deeppool.device.seam import event_factory, side_stream, synchronizer
 from deeppool.errors import DeeppoolError
 from deeppool.executor.checkpoint import model_keys
 from deeppool.executor.comm import Lane, TorchComm
@@ -103,7 +105,8 @@ class Parallelized:
         self._precision = UserPrecision.measured(traced_module, traced.graph, bind_inputs(own, inputs(2)), device)
         every = {**dict(traced_module.named_parameters()), **dict(traced_module.named_buffers())}
         program = build_program(plan, traced.graph, self.rank)
-        recorder = Recorder(time.perf_counter, _cuda_events(device), None if device.type == "cuda" else time.thread_time)
+        recorder = Recorder(time.perf_counter, event_factory(gpu_for(device)),
+                            None if device.type == "cuda" else time.thread_time)
         self._local = hold(plan, traced_module, traced.graph, self.rank, lambda ranks: _group_sum(comm, ranks),
                            program.stages, traced.random, options.batchnorm)
         held = {**self._local.params, **self._local.buffers}
@@ -321,11 +324,11 @@ def _engine(plan: Plan, program: Program, local: LocalModel, comm: TorchComm, re
     """The executor's engine as ``deeppool run`` wires it, without an optimizer, scheduler or monitor."""
     shares = group_shares(plan, local.graph, comm.rank)
     bucket = int(options.bucket_mb * 2**20)
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    reducer = GradientReducer(comm, bucket, stream,
-                              first_bucket_bytes=FIRST_BUCKET_BYTES if device.type == "cuda" else None,
+    gpu = gpu_for(device)
+    reducer = GradientReducer(comm, bucket, side_stream(gpu, device),
+                              first_bucket_bytes=FIRST_BUCKET_BYTES if gpu is not None else None,
                               combine=plan.combine, scales={share.ranks: share.scale for share in shares})
-    synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    synchronize = synchronizer(gpu, device)
     return Engine(EngineParts(
         plan=plan, program=program, model=local, comm=comm, loss=loss, optimizer=None, reducer=reducer,
         recorder=recorder, idle=idle_positions(program, plan.idle_windows(comm.rank)), on_idle=NoBackground(),
@@ -386,6 +389,3 @@ def _to_cpu(value: Any) -> Any:
 def _to(value: Any, device: torch.device) -> Any:
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
-
-def _cuda_events(device: torch.device) -> Callable[[], Any] | None:
-    return (lambda: torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None

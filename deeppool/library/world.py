@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deeppool.device.cuda import CudaGpu, backend_is_gpu
 from deeppool.errors import DeeppoolError
 from deeppool.planner.allocator import steady_allocator
 
@@ -29,8 +30,9 @@ def join(gpus: int, timeout_s: float) -> torch.device:
     Refuses a world whose size is not the plan's GPU count. On CPU the allocator keeps freed memory, as
     ``deeppool run``'s ranks do (:func:`~deeppool.planner.allocator.steady_allocator`).
     """
+    gpu = CudaGpu()
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = gpu.backend if gpu.available() else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
@@ -41,12 +43,10 @@ def join(gpus: int, timeout_s: float) -> torch.device:
     if world != gpus:
         raise DeeppoolError(f"the plan is for {gpus} GPUs but {world} ranks were started: "
                             f"start {gpus} (torchrun --nproc-per-node {gpus}, or deeppool run --script)")
-    if dist.get_backend() != "nccl":
+    if not backend_is_gpu(dist.get_backend()):
         steady_allocator()
         return torch.device("cpu")
-    index = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+    return gpu.bind(int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def broadcast_module(module: nn.Module) -> None:
@@ -57,7 +57,7 @@ def broadcast_module(module: nn.Module) -> None:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for tensor in unique.values():
         by_dtype[tensor.dtype].append(tensor)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = CudaGpu().current() if backend_is_gpu(dist.get_backend()) else torch.device("cpu")
     with torch.no_grad():
         for dtype in sorted(by_dtype, key=str):
             tensors = by_dtype[dtype]

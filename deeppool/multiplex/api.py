@@ -39,9 +39,9 @@ def launch_with_background(
         preflight.check(Plan.load(plan_path), background)
     daemon: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if background is not None and background.mode is MuxMode.MPS:
-        from deeppool.multiplex.mps import MpsDaemon
+        from deeppool.device.cuda import CudaGpu
 
-        daemon = MpsDaemon.running()
+        daemon = CudaGpu().mps_daemon()
     with daemon:
         launch(plan_path, nproc=nproc, config=config, worker_args=worker_args + background_args(background),
                nodes=nodes)

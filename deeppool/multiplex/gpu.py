@@ -10,10 +10,14 @@ deadline), at most one is in flight (the thread waits for its event before the
 next), none is launched when its measured length does not fit before the
 window's deadline, and none after the executor has closed the window — so
 none runs into the foreground's next op, all-reduce included. The controller shrinks the deadlines when the foreground slows.
+Each finished background step's loss (the sum of its captured micro-step losses, read
+after the step's last piece has completed) is reported, and so is each token that ran
+no piece (its window closed or too short: ``dropped``).
 
-Untested without a GPU (the ``gpu`` tests run it where one exists). Importing
-this module needs no CUDA; constructing :class:`StreamBackground` without one
-is a one-line error.
+Every device call goes through the seam (:mod:`deeppool.device`): on a GPU the real
+one; in the tests the fake (:class:`~deeppool.device.fake.FakeGpu`) runs this module
+on CPU and checks its stream order. It has never run on a GPU (``docs/gpu.md``).
+Constructing :class:`StreamBackground` without a GPU is a one-line error.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import contextlib
 import math
 import os
 import queue
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deeppool.device.cuda import CudaGpu
+from deeppool.device.seam import Event, Graph, Gpu, Stream
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import OptimizerKind
 from deeppool.multiplex.config import BackgroundConfig
@@ -36,18 +43,21 @@ from deeppool.multiplex.job import BackgroundJob, _slice, forward, load_model
 from deeppool.multiplex.metrics import RankBackground, window_samples
 
 WARMUP_STEPS = 3
+HISTORY = 5
 
 
-def require_cuda() -> None:
-    if not torch.cuda.is_available():
+def require_gpu(gpu: Gpu) -> None:
+    if not gpu.available():
         raise DeeppoolError("--mux priority needs a CUDA GPU and none is visible here: use --mux gate on CPU")
 
 
 @contextlib.contextmanager
-def foreground_stream(device: torch.device) -> Iterator[None]:
-    """Run the foreground on the highest-priority stream of ``device``."""
-    _, highest = torch.cuda.Stream.priority_range()
-    with torch.cuda.stream(torch.cuda.Stream(device=device, priority=highest)):
+def foreground_stream(gpu: Gpu, device: torch.device) -> Iterator[None]:
+    """Run the foreground on the highest-priority stream of ``device`` (after the work issued so far)."""
+    _, highest = gpu.priority_range()
+    stream = gpu.stream(device, priority=highest)
+    stream.wait_stream(gpu.current_stream(device))
+    with gpu.use(stream):
         yield
 
 
@@ -55,39 +65,55 @@ def foreground_stream(device: torch.device) -> Iterator[None]:
 class Pieces:
     """The background step as CUDA graphs: micro-step pieces then the optimizer step."""
 
-    graphs: list[torch.cuda.CUDAGraph]
+    graphs: list[Graph]
     ms: list[float]
     static: tuple[object, object]
     rows: int
     losses: list[torch.Tensor] = field(default_factory=list)
+    history: list[list[float]] = field(default_factory=list)
+
+    def measured(self, index: int, ms: float) -> None:
+        """A piece's expected length: the median of its last few replays and the first estimate, so one
+        slow replay (longer than every window) does not keep the piece, and the background, out for good."""
+        if not self.history:
+            self.history = [[first] for first in self.ms]
+        recent = self.history[index] = [*self.history[index][-(HISTORY - 1):], ms]
+        self.ms[index] = statistics.median(recent)
+
+    def step_loss(self) -> float:
+        """The last replayed step's loss (read once its pieces have completed)."""
+        return float(sum(float(loss.detach()) for loss in self.losses))
 
 
-def capture(job: BackgroundJob, stream: torch.cuda.Stream, piece_ms: float) -> Pieces:
+def capture(gpu: Gpu, job: BackgroundJob, stream: Stream, piece_ms: float) -> Pieces:
     """Warm up, size micro-steps to ``piece_ms`` and capture each piece (static shapes, no host syncs)."""
-    with torch.cuda.stream(stream):
+    stream.wait_stream(gpu.current_stream(job.device))  # the model and its data were made on the current stream
+    with gpu.use(stream):
         for _ in range(WARMUP_STEPS):
             job.train_step()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = gpu.event(), gpu.event()
         start.record(stream)
         job.train_step()
         end.record(stream)
     end.synchronize()
     rows = max(1, min(job.batch, math.floor(job.batch * piece_ms / max(start.elapsed_time(end), 1e-3))))
-    static = job._batch()
-    for p in job.module.parameters():
-        p.grad = torch.zeros_like(p)
-    graphs, losses = [], []
+    with gpu.use(stream):
+        static = job._batch()
+        for p in job.module.parameters():
+            p.grad = torch.zeros_like(p)
+    graphs: list[Graph] = []
+    losses = []
     for first in range(0, job.batch, rows):
         last = min(job.batch, first + rows)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        graph = gpu.graph()
+        with gpu.capture(graph, stream):
             out = forward(job.module, _slice(static[0], first, last))
             loss = job.loaded.loss(out, _slice(static[1], first, last)) * ((last - first) / job.batch)
             loss.backward()
         graphs.append(graph)
         losses.append(loss)
-    step = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(step, stream=stream):
+    step = gpu.graph()
+    with gpu.capture(step, stream):
         job.optimizer.step()
         job.optimizer.zero_grad(set_to_none=False)
     graphs.append(step)
@@ -97,17 +123,19 @@ def capture(job: BackgroundJob, stream: torch.cuda.Stream, piece_ms: float) -> P
 class StreamBackground:
     """The listener's background for ``--mux priority``: tokens in, graph pieces out, one in flight."""
 
-    def __init__(self, config: BackgroundConfig, *, rank: int, device: torch.device, piece_ms: float = 0.5) -> None:
-        require_cuda()
+    def __init__(self, config: BackgroundConfig, *, rank: int, device: torch.device, piece_ms: float = 0.5,
+                 gpu: Gpu | None = None) -> None:
+        self.gpu = gpu or CudaGpu()
+        require_gpu(self.gpu)
         self.config, self.rank, self.device, self.piece_ms = config, rank, device, piece_ms
-        least, _ = torch.cuda.Stream.priority_range()
-        self.stream = torch.cuda.Stream(device=device, priority=least)
+        least, _ = self.gpu.priority_range()
+        self.stream = self.gpu.stream(device, priority=least)
         self._tokens: queue.SimpleQueue[tuple[float, int] | None] = queue.SimpleQueue()
         self._opened = 0
         self._closed = 0
         self._closed_ms: list[float | None] = []
         self._result: dict[str, object] = {"steps": 0, "busy_s": 0.0, "tokens": 0, "dropped": 0, "losses": [],
-                                           "windows": [], "error": None, "start_step": 0}
+                                           "windows": [], "error": None, "start_step": 0, "pieces": 0}
         self._thread = threading.Thread(target=self._main, name=f"deeppool-bg-rank{rank}", daemon=True)
 
     def admit(self, deadline_s: float, window_ms: float) -> None:
@@ -121,6 +149,14 @@ class StreamBackground:
 
     def running(self, on: bool) -> None:
         del on
+
+    def result_error(self) -> str | None:
+        """The thread's error so far (None while it runs well)."""
+        return self._result["error"]  # type: ignore[return-value]
+
+    def pieces_run(self) -> int:
+        """How many graph pieces have completed so far."""
+        return int(self._result["pieces"])  # type: ignore[call-overload]
 
     def wait_ready(self, timeout_s: float) -> None:
         """Start the thread at the first shared block, once the foreground has built and seeded its model.
@@ -154,36 +190,45 @@ class StreamBackground:
 
     def _main(self) -> None:
         try:
-            torch.cuda.set_device(self.device)
-            job = self._job()
-            self._result["start_step"] = job.step
-            pieces = capture(job, self.stream, self.piece_ms)
-            self._serve(job, pieces)
-            job.save()
+            with self.gpu.on(self.device):
+                job = self._job()
+                self._result["start_step"] = job.step
+                pieces = capture(self.gpu, job, self.stream, self.piece_ms)
+                self._serve(job, pieces)
+                self.gpu.current_stream(self.device).wait_stream(self.stream)  # the checkpoint reads the weights
+                job.save()
         except Exception as err:  # noqa: BLE001  reported; the foreground goes on
             self._result["error"] = f"{type(err).__name__}: {err}"
 
     def _serve(self, job: BackgroundJob, pieces: Pieces) -> None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
+        start, end = self.gpu.event(), self.gpu.event()
+        with self.gpu.use(self.stream):
             self._loop(job, pieces, start, end)
 
-    def _loop(self, job: BackgroundJob, pieces: Pieces, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+    def _loop(self, job: BackgroundJob, pieces: Pieces, start: Event, end: Event) -> None:
         index = 0
         while (token := self._tokens.get()) is not None:
             deadline, window = token
             self._result["tokens"] = int(self._result["tokens"]) + 1
-            busy = 0.0
+            busy, ran = 0.0, 0
             while self._closed < window and time.perf_counter() + pieces.ms[index] / 1e3 <= deadline:
                 start.record(self.stream)
                 pieces.graphs[index].replay()  # replays on the current stream: the low-priority one
                 end.record(self.stream)
                 end.synchronize()  # at most one piece in flight
-                pieces.ms[index] = start.elapsed_time(end)
-                busy += pieces.ms[index]
+                took = start.elapsed_time(end)
+                pieces.measured(index, took)
+                busy, ran = busy + took, ran + 1
+                self._result["pieces"] = int(self._result["pieces"]) + 1  # type: ignore[call-overload]
                 index = (index + 1) % len(pieces.graphs)
                 if index == 0:
-                    job.step += 1
-                    self._result["steps"] = int(self._result["steps"]) + 1
+                    self._step_done(job, pieces)
+            if ran == 0:
+                self._result["dropped"] = int(self._result["dropped"]) + 1
             self._result["busy_s"] = float(self._result["busy_s"]) + busy / 1e3
             self._result["windows"].append(busy)  # type: ignore[union-attr]
+
+    def _step_done(self, job: BackgroundJob, pieces: Pieces) -> None:
+        job.step += 1
+        self._result["steps"] = int(self._result["steps"]) + 1
+        self._result["losses"].append(pieces.step_loss())  # type: ignore[union-attr]

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from deeppool.device.cuda import gpu_for
+from deeppool.device.seam import Gpu
 from deeppool.executor.comm import Comm
 from deeppool.executor.idle import IdleListener, NoBackground
 from deeppool.executor.timing import Span
@@ -33,26 +35,29 @@ from deeppool.planner.plan import Plan
 
 class Multiplexer:
     def __init__(self, plan: Plan, config: BackgroundConfig, rank: int, session: Session | None,
-                 device: torch.device) -> None:
+                 device: torch.device, gpu: Gpu | None) -> None:
         self.plan, self.config, self.rank, self.session, self.device = plan, config, rank, session, device
+        self.gpu = gpu
         self.background: RankBackground | None = None
 
     @classmethod
     def start(cls, plan: Plan, config: BackgroundConfig, *, rank: int, out_dir: Path | None,
-              device: torch.device) -> Multiplexer:
+              device: torch.device, gpu: Gpu | None = None) -> Multiplexer:
+        """``gpu``: the device seam (the real GPU of a CUDA ``device`` when not given; a fake in tests)."""
+        gpu = gpu if gpu is not None else gpu_for(device)
         if not any(w.length_ms > 0 for w in plan.idle_windows(rank)):
-            return cls(plan, config, rank, None, device)
+            return cls(plan, config, rank, None, device, gpu)
         folder = (out_dir or Path(tempfile.mkdtemp(prefix="deeppool-bg-"))) / "background"
-        background = _background(config, rank=rank, folder=folder, device=device)
+        background = _background(config, rank=rank, folder=folder, device=device, gpu=gpu)
         session = Session(config, background, predicted_iteration_ms=plan.predicted.iteration_ms)
-        return cls(plan, config, rank, session, device)
+        return cls(plan, config, rank, session, device, gpu)
 
     def foreground(self) -> contextlib.AbstractContextManager[None]:
-        """Where the foreground runs: a high-priority CUDA stream in ``--mux priority``."""
-        if self.session is not None and self.config.mode is MuxMode.PRIORITY and self.device.type == "cuda":
+        """Where the foreground runs: a high-priority stream in ``--mux priority``."""
+        if self.session is not None and self.config.mode is MuxMode.PRIORITY and self.gpu is not None:
             from deeppool.multiplex.gpu import foreground_stream
 
-            return foreground_stream(self.device)
+            return foreground_stream(self.gpu, self.device)
         return contextlib.nullcontext()
 
     @property
@@ -76,14 +81,15 @@ class Multiplexer:
         return report(self.config.mode, self.config.schedule, list(gathered), planned_idle_ms=planned)
 
 
-def _background(config: BackgroundConfig, *, rank: int, folder: Path, device: torch.device) -> Background:
+def _background(config: BackgroundConfig, *, rank: int, folder: Path, device: torch.device,
+                gpu: Gpu | None) -> Background:
     if config.mode is MuxMode.PRIORITY:
         from deeppool.multiplex.gpu import StreamBackground
 
-        return StreamBackground(config, rank=rank, device=device)
+        return StreamBackground(config, rank=rank, device=device, gpu=gpu)
     env = None
     if config.mode is MuxMode.MPS:
-        from deeppool.multiplex.mps import client_env
+        from deeppool.device.mps import client_env
 
         env = client_env(config.mps_percentage)
     spec = child_spec(config, rank=rank, stats=folder / f"background-rank{rank}.stats.json",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -29,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+from deeppool.device.cuda import CudaGpu
+from deeppool.device.mps import control_available
+from deeppool.device.seam import Gpu
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import OptimizerConfig, OptimizerKind
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
@@ -48,13 +50,15 @@ class Machine:
     device_bytes: int
 
     @classmethod
-    def here(cls, *, gpu: bool) -> Machine:
-        cuda = torch.cuda.is_available()
+    def here(cls, *, gpu: bool, device: Gpu | None = None) -> Machine:
+        """``device``: the seam (the real GPU when not given)."""
+        device = device or CudaGpu()
+        cuda = device.available()
         if gpu and cuda:
-            total = torch.cuda.get_device_properties(0).total_memory
+            total = device.total_memory(device.current())
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return cls(cuda=cuda, mps_control=shutil.which("nvidia-cuda-mps-control") is not None, device_bytes=total)
+        return cls(cuda=cuda, mps_control=control_available(), device_bytes=total)
 
 
 @dataclass(frozen=True, kw_only=True)

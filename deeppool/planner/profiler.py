@@ -71,6 +71,8 @@ from rich.progress import Progress
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from deeppool.device.cuda import CudaGpu, gpu_for
+from deeppool.device.seam import Gpu
 from deeppool.errors import DeeppoolError
 from deeppool.planner.allocator import steady_allocator
 from deeppool.planner.graph import Layer, LayerGraph, grad_flows
@@ -129,7 +131,7 @@ class ProfilerConfig:
             raise DeeppoolError("--repeats must be >= 1 and --warmup >= 0")
         if self.max_repeats < self.repeats or self.spread_bound <= 0:
             raise DeeppoolError("the most repeats must be >= --repeats, and the spread bound > 0")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+        if self.device.startswith("cuda") and not CudaGpu().available():
             raise DeeppoolError(f"--device {self.device}: no CUDA device here; use --device cpu or a device model")
 
 
@@ -199,14 +201,16 @@ def clear_cache(directory: Path) -> int:
 
 
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device).replace(" ", "-").lower()
+    gpu = gpu_for(device)
+    if gpu is not None:
+        return gpu.name(device).replace(" ", "-").lower()
     return f"cpu-{os.cpu_count()}c-{torch.get_num_threads()}t"
 
 
 def device_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+    gpu = gpu_for(device)
+    if gpu is not None:
+        return gpu.total_memory(device)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -779,9 +783,12 @@ def _spread(values: list[float]) -> float:
     return mad / median if median > 0 else 0.0
 
 
-def _timed(device: torch.device, work: Callable[[], object]) -> tuple[float, object]:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def _timed(device: torch.device, work: Callable[[], object], gpu: Gpu | None = None) -> tuple[float, object]:
+    """Milliseconds ``work`` takes: between two device events on a GPU (``gpu``: the seam, the real GPU
+    of a CUDA ``device`` when not given), on the host clock on CPU."""
+    gpu = gpu if gpu is not None else gpu_for(device)
+    if gpu is not None:
+        start, end = gpu.event(), gpu.event()
         start.record()
         result = work()
         end.record()

@@ -59,6 +59,7 @@ from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from deeppool.device.cuda import gpu_for
 from deeppool.errors import DeeppoolError
 
 _SEEDED = torch.Tag.nondeterministic_seeded
@@ -283,9 +284,9 @@ def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
 def _default_generator(device: torch.device) -> torch.Generator:
     if device.type == "cpu":
         return torch.default_generator
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.default_generators[index]
+    gpu = gpu_for(device)
+    if gpu is not None:
+        return gpu.generator(device)
     raise DeeppoolError(f"per-sample randomness supports cpu and cuda tensors, not '{device.type}'")
 
 

@@ -10,7 +10,7 @@ from deeppool.coordinator.launcher import LocalLauncher
 from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.service import Service, snapshot
 from deeppool.coordinator.store import Store
-from deeppool.scheduling import Order, Placement, Scheduler, policy_named
+from deeppool.scheduling import Decision, Order, PlanMode, Placement, Scheduler, Start, policy_named
 
 
 def queue(tmp_path: Path) -> Store:
@@ -27,10 +27,15 @@ def test_one_snapshot_gives_the_same_decision_to_the_simulator_and_the_coordinat
     view = snapshot(store.jobs(), 4, datetime.now(UTC))
     coordinator = Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG)
     simulator = policy_named("fifo-backfill:burst+bg")  # what `deeppool simulate --policy` runs
-    assert coordinator.decide(view) == simulator.decide(view)
-    decision = coordinator.decide(view)
-    # backfilling: the 4-GPU job waits, the 1-GPU one fits; the background job takes the last free GPU
-    assert [(s.job_id, s.gpus) for s in decision.start] == [(2, 2), (5, 1), (1, 1)]
+    # by hand, 4 free GPUs, queue [bg 1 GPU, fg 2, fg 4, bg 1, fg 1]: foreground first in submission order
+    # with backfilling, so job 2 takes 2 GPUs, job 3 (4 GPUs) waits and job 5 (1 GPU) fits; the first
+    # background job takes the last free GPU; nothing runs yet, so there is no idle rank to lend to job 4
+    # (it waits as a guest, see below), nothing to preempt or rebatch; burst+bg plans lend their idle time
+    expected = Decision(start=(Start(job_id=2, gpus=2, mode=PlanMode.LENDING),
+                               Start(job_id=5, gpus=1, mode=PlanMode.LENDING),
+                               Start(job_id=1, gpus=1, mode=PlanMode.LENDING)))
+    assert coordinator.decide(view) == expected
+    assert simulator.decide(view) == expected
 
 
 class Recorder(LocalLauncher):

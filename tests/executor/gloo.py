@@ -7,6 +7,8 @@ tensors: a tensor sent through a queue dies with its process.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import datetime
 import queue as queue_module
 import time
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deeppool.device.fake import FakeGpu
 from deeppool.executor.api import train_rank
 from deeppool.executor.comm import TorchComm
 from deeppool.executor.config import RunConfig
@@ -40,6 +43,9 @@ class Job:
     plan: Plan
     config: RunConfig
     data: Data | None = None
+    fake_gpu: bool = False
+    """Run the rank through the fake GPU (:class:`~deeppool.device.fake.FakeGpu`): side-stream all-reduce,
+    device events and synchronisation as on a GPU, each wait checked."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +58,8 @@ class Outcome:
     gns: tuple[GnsReading, ...]
     counters: tuple[Counter, ...]
     summary: dict[str, Any] | None = field(default=None)
+    device_work: dict[str, int] = field(default_factory=dict)
+    """With ``fake_gpu``: how many items of work the fake ran, by label (``replay``, ``collective``, ops)."""
 
     def counted(self, name: str) -> list[Counter]:
         return [c for c in self.counters if c.name == name]
@@ -91,11 +99,15 @@ def _rank(rank: int, world: int, port: int, jobs: list[Job], queue: mp.Queue) ->
     try:
         for index, job in enumerate(jobs):
             comm = TorchComm(rank_groups(job.plan), timeout_s=TIMEOUT_S)
-            result = train_rank(job.plan, comm=comm, config=job.config, data=job.data() if job.data else None)
+            gpu = FakeGpu() if job.fake_gpu else None
+            with gpu.on(torch.device("cpu")) if gpu is not None else contextlib.nullcontext():
+                result = train_rank(job.plan, comm=comm, config=job.config, data=job.data() if job.data else None,
+                                    gpu=gpu)
             queue.put((index, Outcome(
                 rank=rank, losses=result.losses, gns=result.gns, counters=result.counters,
                 params={name: p.numpy().copy() for name, p in result.params.items()},
                 summary=None if result.summary is None else result.summary.to_json(),
+                device_work=dict(collections.Counter(item.label for item in gpu.log)) if gpu is not None else {},
             )))
         dist.barrier()
     except BaseException:  # noqa: BLE001 - the parent raises it

@@ -7,6 +7,8 @@ import torch
 
 from deeppool.executor.timing import Category, Recorder
 
+CPU = torch.device("cpu")
+
 
 class FakeClock:
     def __init__(self) -> None:
@@ -60,16 +62,25 @@ def test_host_spans_need_no_settling() -> None:
     assert len(recorder.spans) == 1 and recorder.spans[0].ms == pytest.approx(500.0)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_events_time_a_matmul_without_a_synchronize_per_span() -> None:
+ON_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("kind", ["fake", ON_GPU])
+def test_device_events_time_a_matmul_without_a_synchronize_per_span(kind: str) -> None:
+    """On a GPU, and through the fake GPU on CPU (which refuses an event read before it completes)."""
     import time
 
-    recorder = Recorder(time.perf_counter, events=lambda: torch.cuda.Event(enable_timing=True))
-    x = torch.randn(2048, 2048, device="cuda")
-    recorder.begin()
-    with recorder.span(0, "forward:mm", Category.COMPUTE):
-        for _ in range(10):
-            x = x @ x / 2048
-    recorder.settle()
+    from deeppool.device.cuda import CudaGpu
+    from deeppool.device.fake import FakeGpu
+
+    gpu, device, size = (CudaGpu(), torch.device("cuda", 0), 2048) if kind == "cuda" else (FakeGpu(), CPU, 256)
+    recorder = Recorder(time.perf_counter, events=gpu.event)
+    with gpu.on(device):
+        x = torch.randn(size, size, device=device)
+        recorder.begin()
+        with recorder.span(0, "forward:mm", Category.COMPUTE):
+            for _ in range(10):
+                x = x @ x / size
+        recorder.settle()
     assert len(recorder.spans) == 1 and recorder.spans[0].ms > 0

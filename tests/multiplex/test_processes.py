@@ -16,6 +16,15 @@ from tests.multiplex.plans import BACKGROUND, MODELS, burst_plan
 
 pytestmark = pytest.mark.slow
 
+GATE_SLOWDOWN_LIMIT = 0.5
+GATE_SPEEDUP_LIMIT = -0.75
+GATE_RECOVERED_FLOOR = 0.1
+"""``--mux gate`` on the burst plan, 20 steps, 2 ranks on this 2-core machine at load 5-7.6 (five runs):
+foreground slowdown -0.32 to -0.06 (medians of 6 steps each side, noise dominates: the shared steps come
+after the first alone ones and run warmer), recovered 0.20 to 0.57 of the idle rank-time. A gate that let
+the child run outside windows (slowdown) or never in them (recovered) falls outside these limits; they are
+not the ≤ 5% / ≥ 50% goal, which is for a GPU (``benchmarks/gpu.py``)."""
+
 
 def alive(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie (read from /proc, no psutil)."""
@@ -78,8 +87,10 @@ def test_run_with_a_gated_background(plan_path: Path, tmp_path: Path, capfd) -> 
                     "--mux", "gate", "--steps", "20", "--out", str(out))
     assert proc.code == 0, proc.stderr[-3000:]
     mux = json.loads((out / "summary.json").read_text())["multiplex"]
-    for key in ("fg_slowdown", "recovered_fraction", "bg_samples_per_s", "fg_iteration_ms", "net_gain"):
-        assert isinstance(mux[key], float), key
+    assert mux["fg_slowdown"] == pytest.approx(mux["fg_shared_ms"] / mux["fg_alone_ms"] - 1)
+    assert GATE_SPEEDUP_LIMIT < mux["fg_slowdown"] < GATE_SLOWDOWN_LIMIT, mux
+    assert GATE_RECOVERED_FLOOR < mux["recovered_fraction"] <= 1.0, mux
+    assert mux["bg_samples_per_s"] > 0 and mux["net_gain"] > 0 and mux["fg_iteration_ms"] == mux["fg_shared_ms"]
     assert mux["bg_busy_s"] > 0 and mux["bg_errors"] == [] and mux["mode"] == "gate"
     assert "fg slowdown" in proc.stdout and "recovered" in proc.stdout
     events = json.loads((out / "trace-rank1.json").read_text())["traceEvents"]

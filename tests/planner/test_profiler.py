@@ -142,12 +142,22 @@ def test_python_api_plans_a_module():
     assert plan.predicted.iteration_ms <= plan.predicted.data_parallel_iteration_ms + 1e-9
 
 
+def _cuda_config() -> ProfilerConfig:
+    return ProfilerConfig(device="cuda", batches=(1, 64), warmup=2, repeats=5, show_progress=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_a_cuda_profile_without_a_gpu_is_refused_in_one_line():
+    """The GPU test below, up to the device: its config is refused here, naming the way out."""
+    with pytest.raises(DeeppoolError, match="no CUDA device here; use --device cpu or a device model"):
+        _cuda_config()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_profile_uses_cuda_events(tmp_path):
     loaded = ModelSpec.parse(str(TINY)).load()
-    config = ProfilerConfig(device="cuda", batches=(1, 64), warmup=2, repeats=5, show_progress=False)
-    measured = measure_profile(trace(loaded), loaded, config)
+    measured = measure_profile(trace(loaded), loaded, _cuda_config())
     assert not measured.device.startswith("cpu")
     assert all(min(t.fwd_ms) > 0 for t in measured.layers.values())
 

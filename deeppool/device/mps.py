@@ -29,6 +29,11 @@ PIPE, LOG, PERCENT = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_
 Run = Callable[..., subprocess.CompletedProcess]
 
 
+def control_available() -> bool:
+    """Is ``nvidia-cuda-mps-control`` on PATH?"""
+    return shutil.which(CONTROL) is not None
+
+
 def client_env(percentage: int) -> dict[str, str]:
     """The background client's environment: the daemon's pipe (inherited) and its share of the SMs."""
     return {PERCENT: str(percentage)}
@@ -46,7 +51,7 @@ class MpsDaemon:
         return {PIPE: str(self.pipe), LOG: str(self.log)}
 
     def start(self) -> None:
-        if shutil.which(CONTROL) is None:
+        if not control_available():
             raise DeeppoolError(f"--mux mps needs {CONTROL} on PATH: install the CUDA MPS tools or use --mux priority")
         done = self._run([CONTROL, "-d"], env={**os.environ, **self.env}, capture_output=True, text=True)
         if done.returncode != 0:

@@ -1,0 +1,52 @@
+"""``benchmarks/gpu.py``: its dry run through the fake GPU passes here, and it finds every gpu test."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_gpu_marked_test_is_in_the_checklists_files() -> None:
+    listed = set(_checklist_files())
+    marked = {str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
+              if p != Path(__file__) and "pytest.mark.gpu" in p.read_text()}
+    assert marked == listed
+
+
+def _checklist_files() -> tuple[str, ...]:
+    """``GPU_TEST_FILES`` of ``benchmarks/gpu.py`` (read, not imported: a script, not a module)."""
+    tree = ast.parse((REPO / "benchmarks" / "gpu.py").read_text())
+    (value,) = [node.value for node in tree.body if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "GPU_TEST_FILES" for t in node.targets)]
+    return ast.literal_eval(value)
+
+
+@pytest.mark.slow
+def test_the_dry_run_passes_and_writes_one_report(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--dry-run", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu-report.json").read_text())
+    status = {c["name"]: c["status"] for c in report["checks"]}
+    assert report["dry_run"] and status == {"gpu-tests": "passed", "multiplex": "passed", "nccl-vs-ddp": "skipped",
+                                            "profiles": "passed"}
+    figures = {c["name"]: c["figures"] for c in report["checks"]}
+    assert figures["gpu-tests"]["tests"] >= 7
+    assert figures["multiplex"]["drill"]["pieces_checked"] > 0 and figures["multiplex"]["drill"]["dropped"] >= 3
+    assert 0 <= figures["profiles"]["background_mlp.py"]["median_error"]
+    assert "DRY RUN" in (tmp_path / "gpu-report.md").read_text()
+
+
+def test_without_a_gpu_the_real_run_is_refused_in_one_line(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--out", str(tmp_path / "out")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and done.stderr.strip() == (
+        "error: no GPU is visible here: run on a machine with one, or give --dry-run")
+    assert not (tmp_path / "out").exists()
