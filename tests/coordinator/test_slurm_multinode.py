@@ -8,8 +8,9 @@ shares it. slurmd enters its namespace with ``nsenter --net``: ``ip netns
 exec`` would also mount a fresh /sys, without /sys/fs/cgroup, and slurmd
 stops with "Unable to initialize cgroup plugin". Host names do not tell the
 namespaces apart, so the jobs' gloo uses the interface each namespace names
-``dpnet0`` (``GLOO_SOCKET_IFNAME``). Where namespaces or Slurm cannot start,
-the tests are skipped with the reason; the daemons (munged too, if the
+``dpnet0`` (``GLOO_SOCKET_IFNAME``). Where the namespaces or Slurm cannot
+start, the tests fail, naming what did not come up (they are skipped only
+where the packages cannot be installed, or this is not root); the daemons (munged too, if the
 fixture started it), whatever still runs in the namespaces, the namespaces
 and the bridge are removed afterwards.
 """
@@ -41,7 +42,7 @@ from deeppool.errors import DeeppoolError
 from deeppool.planner.plan import Plan
 from tests.coordinator.test_durability import start
 from tests.coordinator.test_runtime import settle
-from tests.coordinator.test_slurm import _ensure_packages, _start_munge, _stop_munge
+from tests.coordinator.test_slurm import _ensure_packages, _start_munge, _stop_munge, not_up
 from tests.net import free_port
 
 pytestmark = pytest.mark.slow
@@ -91,7 +92,7 @@ def _ip(*args: str, netns: str | None = None) -> None:
     command = ["ip", "netns", "exec", netns, "ip", *args] if netns else ["ip", *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
-        pytest.skip(f"cannot make the nodes' network here: {' '.join(command)}: {done.stderr.strip()}")
+        pytest.fail(f"the nodes' network did not come up: {' '.join(command)}: {done.stderr.strip()}")
 
 
 def _network(tag: str, count: int) -> list[str]:
@@ -146,14 +147,17 @@ def _wait_idle(env: dict[str, str], daemons: list[subprocess.Popen], count: int,
         if len(states) == count and all(s in ("idle", "mix", "alloc") for s in states):
             return
         time.sleep(0.5)
-    logs = "; ".join(p.read_text()[-300:] for p in sorted(root.glob("*.log")))
-    pytest.skip(f"the namespaced Slurm nodes did not come up: {logs}")
+    states = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=env, capture_output=True, text=True).stdout
+    pytest.fail(not_up(f"the namespaced Slurm nodes ({' '.join(states.split()) or 'sinfo: no answer'})",
+                       {f"daemon {i}": d for i, d in enumerate(daemons)}, root))
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2's `ip`")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces and Slurm's daemons need root")
+    if shutil.which("ip") is None:
+        pytest.fail("iproute2's `ip` is not installed: the nodes' network namespaces cannot be made")
     _ensure_packages()
     started_munge = _start_munge()
     tag, daemons = f"dps{os.getpid() % 100000}", []
