@@ -341,7 +341,6 @@ def test_no_gpu_is_given_out_while_a_cancelled_jobs_process_is_left(shared: Path
     ((), "serve runs as root, so its jobs would too: give --job-user"),
     (("--job-user", "nosuchaccount"), "no OS account 'nosuchaccount'"),
     (("--job-user", "root"), "account 'root' is root or the server's own user"),
-    (("--job-user", ALICE, "--launcher", "slurm"), "--job-user is for --launcher local"),
     (("--job-user", ALICE, "--log-dir", "{closed}/logs"), "jobs cannot reach --log-dir"),
 ])
 def test_serve_refuses_to_run_jobs_as_root_or_where_they_cannot_reach(

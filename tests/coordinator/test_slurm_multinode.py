@@ -40,6 +40,7 @@ from deeppool.coordinator.slurm import SlurmLauncher
 from deeppool.coordinator.store import Store
 from deeppool.errors import DeeppoolError
 from deeppool.planner.plan import Plan
+from tests.coordinator.accounts import job_folder
 from tests.coordinator.test_durability import start
 from tests.coordinator.test_runtime import settle
 from tests.coordinator.test_slurm import _ensure_packages, _start_munge, _stop_munge, not_up
@@ -196,7 +197,7 @@ def test_the_coordinator_runs_a_job_over_two_slurm_nodes(cluster: Cluster, tmp_p
     A background job waits too, so the foreground job takes it as its guest: it trains in the idle windows of
     both nodes' ranks.
     """
-    db, port, folder = tmp_path / "db.sqlite", free_port(), tmp_path / "jobs"
+    db, port, folder = tmp_path / "db.sqlite", free_port(), job_folder()  # root submits as the job account
     store = Store(db)
     secret = store.create_token("alice")
     # both queued before the server starts, so its first tick (before it serves) sees them together; at batch 32
@@ -205,8 +206,7 @@ def test_the_coordinator_runs_a_job_over_two_slurm_nodes(cluster: Cluster, tmp_p
     guest, _ = store.submit("alice", JobRequest(kind=JobKind.BACKGROUND, model=str(BACKGROUND), batch=8))
     store.close()
     server = start(db, port, gpus=2, allow=(MODEL.parent, BACKGROUND.parent), env={"GLOO_SOCKET_IFNAME": INTERFACE},
-                   job_user=False,
-                   options=("--launcher", "slurm", "--nodes", "2", "--check", "--log-dir", str(folder)))
+                   logs=folder, options=("--launcher", "slurm", "--nodes", "2", "--check"))
     try:
         client = Client(f"http://127.0.0.1:{port}", secret)
         with pytest.raises(DeeppoolError, match="do not split evenly over the 2 nodes"):
