@@ -112,7 +112,8 @@ def serve(
                           DriverSteps(folder=logs, device_model=device_model, check=check, nodes=nodes,
                                       run_as=run_as, allowed_roots=roots),
                           after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None, nodes=nodes,
-                          run_as=run_as, limits=JobLimits(max_events=max_events, max_log_bytes=max_log_mb << 20))
+                          run_as=run_as, limits=JobLimits(max_events=max_events, max_log_bytes=max_log_mb << 20),
+                          allowed_roots=roots)
         policy = Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG)
         service = Service(runtime, policy, slots, paused=paused)
         logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s", level=logging.WARNING)

@@ -107,7 +107,7 @@ class RunAs:
         return Account.named(owner if self.kind is RunAsKind.SUBMITTER else str(self.account_name))
 
     def same_account(self, first: str, second: str) -> bool:
-        """Whether two owners' jobs run as the same account (a guest may share its host's GPUs only then)."""
+        """Whether two owners' jobs run as the same account (else a guest is started by its host's broker)."""
         return self.kind is not RunAsKind.SUBMITTER or first == second
 
 

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from deeppool.coordinator.guest import GuestSpec
 from deeppool.coordinator.isolation import Account, job_env, private_dir
 from deeppool.coordinator.launcher import SUPERVISOR, Observed, Phase, Resources
 from deeppool.coordinator.supervisor import JobFiles, SupervisorSpec
@@ -143,6 +144,7 @@ def check_slurm() -> None:
 class SlurmLauncher:
     def __init__(self, folder: Path, settings: SlurmSettings = SlurmSettings()) -> None:
         self.folder, self.settings = folder, settings
+        self.brokers_guests = False  # the supervisor runs as the job's account: it cannot start another's
         folder.mkdir(parents=True, exist_ok=True)
         os.chmod(folder, 0o711)  # jobs' accounts pass through it to their own files, never list it
 
@@ -160,7 +162,7 @@ class SlurmLauncher:
 
     def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None,
                resources: Resources = Resources(), account: Account | None = None,
-               workdir: Path | None = None) -> None:
+               workdir: Path | None = None, guest: GuestSpec | None = None) -> None:
         """Submit the attempt's batch script, as ``account`` when one is given (root's ``sbatch --uid --gid``:
         Slurm runs the job, supervisor and all, as that account), else as this server's user.
 
@@ -169,6 +171,8 @@ class SlurmLauncher:
         so it can neither replace the log nor write anywhere else in it. ``sbatch`` gets the job's environment
         (:func:`~deeppool.coordinator.isolation.job_env`), never the server's, and Slurm passes that on.
         """
+        if guest is not None:
+            raise DeeppoolError("a guest of another account needs the local launcher: its supervisor starts it")
         files = self.files(job_id, attempt)
         for folder in (files.state, workdir):
             if folder is not None:

@@ -38,6 +38,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from deeppool.coordinator.guest import Broker, GuestSpec
 from deeppool.coordinator.isolation import Account, job_env, private_dir, read_job_file
 from deeppool.coordinator.jobgroup import JobGroup
 from deeppool.errors import DeeppoolError
@@ -80,6 +81,11 @@ class JobFiles:
     def log(self) -> Path:
         return self.folder / f"job-{self.job_id}.log"
 
+    @property
+    def guest_socket(self) -> Path:
+        """Where the supervisor's broker of a guest of another account listens (the server's folder)."""
+        return self._path("guest.sock")
+
     def exit_code(self) -> int | None:
         return _number(self.exit)
 
@@ -110,12 +116,15 @@ class SupervisorSpec:
     account: Account | None = None
     workdir: Path | None = None
     group: JobGroup | None = None
+    guest: GuestSpec | None = None
+    """a guest of another account, whose processes this supervisor's broker starts"""
 
     def to_json(self) -> dict[str, Any]:
         return {"job_id": self.job_id, "attempt": self.attempt, "steps": self.steps, "env": self.env,
                 "account": None if self.account is None else self.account.to_json(),
                 "workdir": None if self.workdir is None else str(self.workdir),
-                "group": None if self.group is None else str(self.group.path)}
+                "group": None if self.group is None else str(self.group.path),
+                "guest": None if self.guest is None else self.guest.to_json()}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SupervisorSpec:
@@ -123,7 +132,8 @@ class SupervisorSpec:
                    env=dict(data.get("env") or {}),
                    account=Account.from_json(data["account"]) if data.get("account") else None,
                    workdir=Path(data["workdir"]) if data.get("workdir") else None,
-                   group=JobGroup(Path(data["group"])) if data.get("group") else None)
+                   group=JobGroup(Path(data["group"])) if data.get("group") else None,
+                   guest=GuestSpec.from_json(data["guest"]) if data.get("guest") else None)
 
     def write(self, files: JobFiles, reader: Account | None = None) -> None:
         """The spec beside the attempt's files, atomically, readable by the server's user only (or by
@@ -227,6 +237,7 @@ def run(files: JobFiles) -> int:
     signal.signal(signal.SIGTERM, forward)
     env = {**job_env(spec.account), **spec.env}
     code = 0
+    broker = _broker(spec, files)
     with files.log.open("ab") as log:
         for argv in spec.steps:
             log.write(f"$ {' '.join(argv)}\n".encode())
@@ -243,9 +254,26 @@ def run(files: JobFiles) -> int:
             code = current[0].wait()
             if code != 0:
                 break
+    if broker is not None:
+        broker.close()
     end_leftovers(spec.group)
     _write_exit(files, code)
     return code
+
+
+def _broker(spec: SupervisorSpec, files: JobFiles) -> Broker | None:
+    """The broker of the attempt's guest of another account, listening (None: no such guest, or no group to
+    put its processes in; the host's ranks then find no broker, and run without their guest)."""
+    if spec.guest is None or spec.group is None:
+        return None
+    broker = Broker(spec.guest, files.guest_socket, host=spec.account, group=spec.group)
+    try:
+        broker.start()
+    except (OSError, DeeppoolError) as err:
+        with files.log.open("ab") as log:
+            log.write(f"deeppool: the guest's broker did not start: {err}\n".encode())
+        return None
+    return broker
 
 
 def main() -> None:
