@@ -8,7 +8,11 @@ ones. The coordinator's folder must be visible from the compute nodes (a
 shared file system, as Slurm clusters have). ``sbatch --parsable`` gives the
 Slurm job id, kept beside the attempt's files; ``squeue`` says whether it is
 still queued or running, and the supervisor's exit file how it ended. Stopping
-is ``scancel --signal=TERM``, a grace period, then ``scancel``.
+is ``scancel --signal=TERM``, a grace period, then ``scancel``. A root
+server with ``--job-user`` submits each attempt as the job's account
+(``sbatch --uid --gid``), with the job's environment, never its own: Slurm
+runs the job, supervisor included, as that account
+(:meth:`SlurmLauncher.launch` says which files it may write).
 
 A job's :class:`~deeppool.coordinator.launcher.Resources` become the batch
 script's allocation: ``--nodes N --ntasks-per-node 1`` and, per node,

@@ -84,10 +84,10 @@ def _background(config: BackgroundConfig, *, rank: int, folder: Path, device: to
     if config.broker is not None:  # a guest of another account: its process is the host supervisor's to start
         from deeppool.multiplex.remote import BrokeredChild
 
-        broker = config.broker
+        broker, request = config.broker, {"op": "child", "rank": rank}
         spec = {**child_spec(config, rank=rank, stats=folder / "unused"), "stats": None}
         return ProcessBackground(spec, rank=rank, folder=folder,
-                                 spawn=lambda *args, **kwargs: BrokeredChild.start(broker, {"op": "child", "rank": rank}))
+                                 spawn=lambda *args, **kwargs: BrokeredChild.start(broker, request))
     env = None
     if config.mode is MuxMode.MPS:
         from deeppool.multiplex.mps import client_env
