@@ -54,6 +54,8 @@ from deeppool.multiplex.remote import as_json, recv
 
 MAX_REQUEST = 512
 """The longest request line a broker reads."""
+MAX_PROCESSES = 256
+"""The most guest processes one broker runs at once."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +113,8 @@ class Broker:
         self.spec, self.path, self.host, self.group = spec, path, host, group
         self._server: socket.socket | None = None
         self._lock = threading.Lock()
+        self._running: set[str] = set()  # one process per request name (rank) at a time
+        self._spawning = threading.Lock()
 
     def start(self) -> None:
         """Listen on ``path`` (0600, the host's account's); serve each connection on a thread of its own."""
@@ -145,20 +149,35 @@ class Broker:
         """One request: start the process, hand over its pipes, report its end; kill it if the host goes."""
         with conn:
             request = Request.parse(_line(conn, MAX_REQUEST))
-            if request is None:
-                conn.sendall(b'{"error": "not a request a host may make"}\n')
+            with self._lock:
+                refused = request is None or request.name in self._running or len(self._running) >= MAX_PROCESSES
+                if not refused:
+                    self._running.add(request.name)
+            if refused or request is None:
+                with contextlib.suppress(OSError):
+                    conn.sendall(b'{"error": "not a request a host may make, or its process runs already"}\n')
                 return
             try:
-                proc, ends, group = self._spawn(request)
-            except (OSError, subprocess.SubprocessError, DeeppoolError) as err:
-                conn.sendall(json.dumps({"error": f"the guest's process did not start: {err}"}).encode() + b"\n")
-                return
-            try:
-                socket.send_fds(conn, [json.dumps({"pid": proc.pid}).encode() + b"\n"], ends)
+                self._run(conn, request)
             finally:
-                for fd in ends:
-                    os.close(fd)
-            self._watch(conn, proc, group)
+                with self._lock:
+                    self._running.discard(request.name)
+
+    def _run(self, conn: socket.socket, request: Request) -> None:
+        try:
+            proc, ends, group = self._spawn(request)
+        except (OSError, subprocess.SubprocessError, DeeppoolError) as err:
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps({"error": f"the guest's process did not start: {err}"}).encode() + b"\n")
+            return
+        try:
+            socket.send_fds(conn, [json.dumps({"pid": proc.pid}).encode() + b"\n"], ends)
+        except OSError:
+            group.kill()  # the host is gone already
+        finally:
+            for fd in ends:
+                os.close(fd)
+        self._watch(conn, proc, group)
 
     def _spawn(self, request: Request) -> tuple[subprocess.Popen, list[int], JobGroup]:
         from deeppool.coordinator.supervisor import enter
@@ -171,7 +190,7 @@ class Broker:
         write_private(spec.folder / f"guest-{request.name}.json", json.dumps(self._task(request)).encode(),
                       spec.account)
         argv = [sys.executable, "-m", "deeppool.coordinator.guest", str(spec.folder / f"guest-{request.name}.json")]
-        with self._lock, spec.log.open("ab") as log:  # the log's header and the process's start, one at a time
+        with self._spawning, spec.log.open("ab") as log:  # the log's header and the process's start, one at a time
             log.write(f"$ guest of a foreground job: {request.name}, as {spec.account.name}\n".encode())
             log.flush()
             try:
