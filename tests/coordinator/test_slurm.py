@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,15 +104,23 @@ def _stop_munge() -> None:
         pass
 
 
+def slurm_folder() -> Path:
+    """A folder for a private Slurm's state and spool, which job accounts can pass through (slurmd runs a
+    job's batch script from its spool, as the job's account): not under pytest's 0700 base folder."""
+    root = Path(tempfile.mkdtemp(prefix="deeppool-slurm-"))
+    root.chmod(0o711)
+    return root
+
+
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def slurm() -> Iterator[dict[str, str]]:
     if os.geteuid() != 0:
         pytest.skip("the private Slurm's daemons run as root")
     _ensure_packages()
     started_munge = _start_munge()
-    root = tmp_path_factory.mktemp("slurm")
+    root = slurm_folder()
     for sub in ("state", "spool"):
-        (root / sub).mkdir()
+        (root / sub).mkdir(mode=0o755)
     conf = root / "slurm.conf"
     host = socket.gethostname().split(".")[0]
     conf.write_text(CONF.format(host=host, root=root, ctld_port=free_port(), d_port=free_port(),
@@ -133,6 +142,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
             daemon.wait(10)
         if started_munge:
             _stop_munge()
+        shutil.rmtree(root, ignore_errors=True)
         pytest.fail(message)
     old = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(conf)
@@ -144,6 +154,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     for daemon in daemons.values():
         daemon.terminate()
         daemon.wait(10)
+    shutil.rmtree(root, ignore_errors=True)
     if started_munge:
         _stop_munge()
 
@@ -228,7 +239,8 @@ def test_under_slurm_each_job_runs_as_its_submitters_account(slurm, monkeypatch:
         logs = {owner: rt.launcher.files(job_id, 1).log.read_text() for owner, job_id in done.items()}
         for owner, job_id in done.items():
             account = pwd.getpwnam(owner)
-            assert store.job(job_id).state is JobStatus.SUCCEEDED, logs[owner]
+            slurm_log = jobs / f"job-{job_id}.1.d" / "slurm.log"  # where Slurm itself says what went wrong
+            assert store.job(job_id).state is JobStatus.SUCCEEDED, (logs[owner], slurm_log.read_text())
             assert f"uid {account.pw_uid} gid {account.pw_gid}" in logs[owner], logs[owner]
             whoami = jobs / f"job-{job_id}" / "whoami"
             assert whoami.read_text() == owner and whoami.stat().st_uid == account.pw_uid

@@ -43,7 +43,7 @@ from deeppool.planner.plan import Plan
 from tests.coordinator.accounts import job_folder
 from tests.coordinator.test_durability import start
 from tests.coordinator.test_runtime import settle
-from tests.coordinator.test_slurm import _ensure_packages, _start_munge, _stop_munge, not_up
+from tests.coordinator.test_slurm import _ensure_packages, _start_munge, _stop_munge, not_up, slurm_folder
 from tests.net import free_port
 
 pytestmark = pytest.mark.slow
@@ -154,7 +154,7 @@ def _wait_idle(env: dict[str, str], daemons: list[subprocess.Popen], count: int,
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster() -> Iterator[Cluster]:
     if os.geteuid() != 0:
         pytest.skip("network namespaces and Slurm's daemons need root")
     if shutil.which("ip") is None:
@@ -163,11 +163,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     started_munge = _start_munge()
     tag, daemons = f"dps{os.getpid() % 100000}", []
     old = os.environ.get("SLURM_CONF")
+    root = slurm_folder()  # the nodes' spools (spool-%n) are made by slurmd, 0755
     try:
         namespaces = _network(tag, 2)
         nodes = tuple((f"node{i}", f"{SUBNET}.{i + 1}") for i in range(len(namespaces)))
-        root = tmp_path_factory.mktemp("slurm-multi")
-        (root / "state").mkdir()
+        (root / "state").mkdir(mode=0o755)
         conf = root / "slurm.conf"
         lines = "\n".join(f"NodeName={n} NodeAddr={a} CPUs={os.cpu_count() or 1} State=UNKNOWN" for n, a in nodes)
         conf.write_text(CONF.format(host=socket.gethostname().split(".")[0], controller=CONTROLLER, root=root,
@@ -187,6 +187,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         else:
             os.environ["SLURM_CONF"] = old
         _teardown(tag, daemons)
+        shutil.rmtree(root, ignore_errors=True)
         if started_munge:
             _stop_munge()
 
