@@ -35,7 +35,7 @@ from deeppool.multiplex.metrics import RankBackground
 
 Spawn = Callable[..., Any]
 """Starts the child: :class:`subprocess.Popen`, or a guest's broker
-(:class:`~deeppool.coordinator.guest.BrokeredChild`, whose ``send_signal`` freezes and thaws)."""
+(:class:`~deeppool.multiplex.remote.BrokeredChild`, whose ``send_signal`` freezes and thaws)."""
 MAX_PIPED = 16 << 20
 """The most read of a child's statistics line on its pipe."""
 
