@@ -136,13 +136,22 @@ class RankBackground:
             steps=int(number("steps")), samples=int(number("samples")), busy_s=number("busy_s"),
             tokens=int(number("tokens")), dropped_tokens=int(number("dropped_tokens")),
             losses=tuple(numbers("losses", 1)), spans=tuple(numbers("spans", 2)),
-            windows=window_samples(closed_ms, [max(0.0, b) for b in numbers("window_busy_ms", 1)]),
+            windows=window_samples(closed_ms, busy_ms(data.get("window_busy_ms"))),
             error=None if error is None else error[:500],
         )
 
     def trace_spans(self) -> list[Span]:
         return [Span(step=-1, label="background", category=Category.BACKGROUND, start_s=a, end_s=b)
                 for a, b in self.spans]
+
+
+def busy_ms(items: Any) -> list[float]:
+    """A guest's busy ms per window, one per token in order: anything not a finite, non-negative number is 0
+    (dropping it would pair the later windows with the wrong lengths)."""
+    if not isinstance(items, list):
+        return []
+    return [float(v) if isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e15 else 0.0
+            for v in items[:MAX_PARSED]]
 
 
 def window_samples(closed_ms: Sequence[float | None], busy_ms: Sequence[float]) -> tuple[tuple[float, float], ...]:
