@@ -50,7 +50,8 @@ def serve(
                                         "step (slow: to validate a cluster)")] = False,
     job_user: Annotated[str | None, typer.Option(help="the OS account jobs run as: submitter (the account named "
                                                  "like the token's user) or one ACCOUNT; needed when serve runs "
-                                                 "as root", show_default="this server's user")] = None,
+                                                 "as root (with slurm: sbatch --uid)",
+                                                 show_default="this server's user")] = None,
     max_body_kb: Annotated[int, typer.Option(help="request bodies over this many KiB are refused (413) unread")
                            ] = 1024,
     max_events: Annotated[int, typer.Option(help="run events kept per job attempt; later ones are cut, "
@@ -78,7 +79,7 @@ def serve(
     from deeppool.coordinator.store import check_path
 
     check_path(db)
-    run_as = _run_as(job_user, launcher, logs=log_dir or db.resolve().parent / "logs", paused=paused)
+    run_as = _run_as(job_user, logs=log_dir or db.resolve().parent / "logs", paused=paused)
     if launcher == "slurm":
         from deeppool.coordinator.slurm import check_slurm
 
@@ -111,7 +112,8 @@ def serve(
                           DriverSteps(folder=logs, device_model=device_model, check=check, nodes=nodes,
                                       run_as=run_as, allowed_roots=roots),
                           after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None, nodes=nodes,
-                          run_as=run_as, limits=JobLimits(max_events=max_events, max_log_bytes=max_log_mb << 20))
+                          run_as=run_as, limits=JobLimits(max_events=max_events, max_log_bytes=max_log_mb << 20),
+                          allowed_roots=roots)
         policy = Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG)
         service = Service(runtime, policy, slots, paused=paused)
         logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s", level=logging.WARNING)
@@ -167,21 +169,18 @@ def _check_slurm_options(launcher: str, *, partition: str | None, nodes: int, gr
         raise DeeppoolError(f"--nodes {nodes} must be at least 1")
 
 
-def _run_as(job_user: str | None, launcher: str, *, logs: Path, paused: bool) -> RunAs:
-    """``--job-user``: refused where it cannot hold (not root, Slurm, a log folder jobs cannot reach); and
-    required of a root server with the local launcher, whose jobs would otherwise run as root (unless
-    ``--paused``: it starts none)."""
+def _run_as(job_user: str | None, *, logs: Path, paused: bool) -> RunAs:
+    """``--job-user``: refused where it cannot hold (not root, a log folder jobs cannot reach); and required of
+    a root server, whose jobs would otherwise run as root (unless ``--paused``: it starts none). With
+    ``--launcher slurm``, root submits each job as its account (``sbatch --uid --gid``)."""
     from deeppool.coordinator.isolation import RunAs
 
     root = os.geteuid() == 0
     if job_user is None:
-        if root and launcher == "local" and not paused:
+        if root and not paused:
             raise DeeppoolError("serve runs as root, so its jobs would too: give --job-user submitter (each "
                                 "user's jobs as the OS account of that name) or --job-user ACCOUNT")
         return RunAs()
-    if launcher != "local":
-        raise DeeppoolError("--job-user is for --launcher local: Slurm runs a job as the user who submits it, "
-                            "so run serve as the account the jobs should run as")
     if not root:
         raise DeeppoolError("--job-user needs serve to run as root: it starts each job as its account")
     from deeppool.coordinator.isolation import closed_to_others

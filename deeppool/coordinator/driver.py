@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from deeppool.coordinator.isolation import RunAs, private_dir, stage_model, write_private
 from deeppool.coordinator.launcher import resources_for
+from deeppool.coordinator.supervisor import JobFiles
 
 if TYPE_CHECKING:
     from deeppool.coordinator.slurm import SlurmAllocation
@@ -44,6 +45,8 @@ class DriverSpec:
     device_model: str = "a100"
     background_model: str | None = None
     background_batch: int = 8
+    background_broker: str | None = None
+    """a guest of another account: its processes are the host supervisor's broker's to start (this socket)"""
     check: bool = False
     nodes: int = 1
     allowed_roots: tuple[Path, ...] = ()
@@ -68,12 +71,9 @@ class DriverSpec:
 
 def drive(spec: DriverSpec) -> dict[str, Any]:
     from deeppool.coordinator.slurm import run_across
-    from deeppool.device.cuda import CudaGpu
-    from deeppool.device.mps import control_available
-    from deeppool.executor.cli import config_args
+    from deeppool.executor.worker_args import config_args
     from deeppool.executor.config import RunConfig
     from deeppool.multiplex.api import run
-    from deeppool.multiplex.config import BackgroundConfig, MuxMode
     from deeppool.multiplex.options import background_args
     from deeppool.planner.api import plan_model
     from deeppool.planner.modelspec import ModelSpec
@@ -92,20 +92,46 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
     background = None
     if spec.background_model is not None:
         if plan.predicted.idle_windows:
-            mps = CudaGpu().available() and control_available()
-            mode = MuxMode.MPS if mps else MuxMode.GATE
-            staged = stage_model(spec.background_model, spec.allowed_roots, spec.out / "background-model")
-            background = BackgroundConfig(model=Path(staged), batch=spec.background_batch, mode=mode,
-                                          checkpoint_dir=spec.out / "background", preflight_apart=True)
+            background = _guest(spec, plan)
         else:
             print("the plan leaves no idle window: the background job was not run", flush=True)
     config = RunConfig(steps=spec.steps, warmup=min(5, spec.steps - 1), out_dir=spec.out / "run", check=spec.check)
     if spec.script is not None:
         return _script(spec, plan.gpus, config, lent=background is not None, one_node=allocation is None)
     if allocation is None:
-        return run(spec.out / "plan.json", background=background, config=config)
+        return run(spec.out / "plan.json", background=background, config=config, checked=True)
     run_across(allocation, spec.out / "plan.json", plan.gpus, config_args(config) + background_args(background))
     return json.loads((spec.out / "run" / "summary.json").read_text())
+
+
+def _guest(spec: DriverSpec, plan: Any) -> Any:
+    """The guest's background config, checked (:func:`deeppool.multiplex.preflight.check`); None, said in the
+    log, when it cannot run: a guest never fails its host. One of another account is the broker's to start
+    (``gate``, on the CPU); one of the host's account is staged and started here (``mps`` on a GPU with the MPS
+    tools, else ``gate``)."""
+    from deeppool.device.cuda import CudaGpu
+    from deeppool.device.mps import control_available
+    from deeppool.errors import DeeppoolError
+    from deeppool.multiplex import preflight
+    from deeppool.multiplex.config import BackgroundConfig, MuxMode
+
+    assert spec.background_model is not None
+    try:
+        if spec.background_broker is not None:
+            background = BackgroundConfig(model=Path(spec.background_model), batch=spec.background_batch,
+                                          mode=MuxMode.GATE, broker=Path(spec.background_broker),
+                                          checkpoint_dir=spec.out / "background")
+        else:
+            mps = CudaGpu().available() and control_available()
+            staged = stage_model(spec.background_model, spec.allowed_roots, spec.out / "background-model")
+            background = BackgroundConfig(model=Path(staged), batch=spec.background_batch,
+                                          mode=MuxMode.MPS if mps else MuxMode.GATE,
+                                          checkpoint_dir=spec.out / "background", preflight_apart=True)
+        preflight.check(plan, background)
+    except DeeppoolError as err:
+        print(f"the background job was not run: {err}", flush=True)
+        return None
+    return background
 
 
 def _script(spec: DriverSpec, gpus: int, config: Any, *, lent: bool, one_node: bool) -> dict[str, Any]:
@@ -161,7 +187,9 @@ class DriverSteps:
     ``folder/job-N.A.driver.json`` (0600, the account's: the server never writes into a job's folder).
     ``check``: every run is compared with single-process training, step by step (to validate a cluster).
     ``nodes``: the machines a foreground job spans (as the runtime's). ``run_as``: the account each job
-    runs as; ``allowed_roots``: where model files may come from, checked again when the job starts.
+    runs as; ``allowed_roots``: where model files may come from, checked again when the job starts. A guest
+    of another account is given the socket of its host supervisor's broker, which starts its processes
+    (:mod:`deeppool.coordinator.guest`).
     """
 
     folder: Path
@@ -176,10 +204,14 @@ class DriverSteps:
         account = self.run_as.account(job.owner)
         private_dir(out, account)
         guest = guests[0] if guests else None
+        broker = None
+        if guest is not None and not self.run_as.same_account(job.owner, guest.owner):
+            broker = str(JobFiles(folder=self.folder, job_id=job.id, attempt=attempt).guest_socket)
         spec = DriverSpec(model=job.model, gpus=job.gpus, batch=job.batch, steps=job.steps,
                           amplification=job.amplification, out=out, device_model=self.device_model,
                           background_model=guest.model if guest is not None else None,
-                          background_batch=guest.batch if guest is not None else 8, check=self.check,
+                          background_batch=guest.batch if guest is not None else 8, background_broker=broker,
+                          check=self.check,
                           nodes=resources_for(job, self.nodes).nodes, allowed_roots=self.allowed_roots,
                           script=job.script, input_shape=tuple(job.input_shape or ()),
                           input_dtype=job.input_dtype or "float32", vocab_size=job.vocab_size or 0)

@@ -107,7 +107,7 @@ class RunAs:
         return Account.named(owner if self.kind is RunAsKind.SUBMITTER else str(self.account_name))
 
     def same_account(self, first: str, second: str) -> bool:
-        """Whether two owners' jobs run as the same account (a guest may share its host's GPUs only then)."""
+        """Whether two owners' jobs run as the same account (else a guest is started by its host's broker)."""
         return self.kind is not RunAsKind.SUBMITTER or first == second
 
 
@@ -162,15 +162,18 @@ def private_file(path: Path) -> None:
             pass
 
 
-def read_job_file(path: Path, owner: int | None, limit: int = MAX_JOB_FILE) -> bytes | None:
-    """A file a job wrote: not through a link, owned by ``owner`` (a uid; None: the server's), else None."""
+def read_job_file(path: Path, owner: int | None, limit: int = MAX_JOB_FILE, *,
+                  any_owner: bool = False) -> bytes | None:
+    """A file a job wrote: not through a link, a regular file (never a FIFO to block on), owned by ``owner``
+    (a uid; None: the server's; ``any_owner``: either), else None."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != (os.geteuid() if owner is None else owner):
+        mine = info.st_uid == (os.geteuid() if owner is None else owner)
+        if not stat.S_ISREG(info.st_mode) or not (mine or any_owner):
             return None
         chunks, left = [], limit
         while left > 0:

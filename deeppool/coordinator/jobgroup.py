@@ -8,7 +8,10 @@ starts every step inside it, before the step drops to the job's account; an
 unprivileged process cannot move itself out (the tree is root's), so every
 rank, every grandchild and every daemonised orphan stays in the group.
 Ending a job is writing ``1`` to ``cgroup.kill``: SIGKILL to every process in
-it, stopped ones included, at once. ``cgroup.events`` says whether any process
+it, stopped ones included, at once. A guest of another account runs in a group
+nested in its host attempt's (``job-N.A/guest-M.R``,
+:mod:`deeppool.coordinator.guest`), so it ends with its host, and its host's
+GPUs are held until it is gone too. ``cgroup.events`` says whether any process
 is left (``populated``): a job holds its GPUs until that is 0.
 
 Where no writable cgroup v2 tree exists, :meth:`CgroupRoot.here` is None and
@@ -93,13 +96,19 @@ class JobGroup:
             time.sleep(0.01)
         return True
 
-    def end(self, timeout_s: float = 10.0) -> bool:
-        """Kill every process, wait until none is left, remove the group; whether it is empty."""
+    def end(self, timeout_s: float = 10.0, *, nested: bool = False) -> bool:
+        """Kill every process (in its nested groups too: a guest's), wait until none is left, remove the group
+        and its nested groups; whether it is empty. ``nested``: a guest's group, whose parent is its host's."""
         self.kill()
         empty = self.wait_empty(timeout_s)
         if empty:
-            for folder in (self.path, self.path.parent):  # the server's folder too, once no job is left in it
+            for inner in sorted((p for p in self.path.glob("*/**/") if p != self.path), key=lambda p: -len(p.parts)):
                 try:
+                    inner.rmdir()
+                except OSError:
+                    pass
+            for folder in (self.path,) if nested else (self.path, self.path.parent):  # the server's folder too,
+                try:                                                                  # once no job is left in it
                     folder.rmdir()
                 except OSError:
                     break

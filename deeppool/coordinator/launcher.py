@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from deeppool.coordinator.guest import GuestSpec
 from deeppool.coordinator.isolation import Account, job_env
 from deeppool.coordinator.jobgroup import CgroupRoot, JobGroup
 from deeppool.coordinator.jobs import Job, JobKind
@@ -87,12 +88,14 @@ class Launcher(Protocol):
     """Where jobs run: this machine's processes, or a batch system."""
 
     folder: Path
+    brokers_guests: bool
+    """whether a job's supervisor can start its guest of another account (:mod:`deeppool.coordinator.guest`)"""
 
     def files(self, job_id: int, attempt: int) -> JobFiles: ...
 
     def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None,
                resources: Resources = Resources(), account: Account | None = None,
-               workdir: Path | None = None) -> None: ...
+               workdir: Path | None = None, guest: GuestSpec | None = None) -> None: ...
 
     def observe(self, job_id: int, attempt: int) -> Observed: ...
 
@@ -109,6 +112,7 @@ class LocalLauncher:
         folder.mkdir(parents=True, exist_ok=True)
         os.chmod(folder, 0o711)
         self.cgroups = CgroupRoot.here(folder) if cgroups else None
+        self.brokers_guests = self.cgroups is not None and os.geteuid() == 0  # a guest's group, its account
         self._children: dict[tuple[int, int], subprocess.Popen] = {}
 
     def files(self, job_id: int, attempt: int) -> JobFiles:
@@ -126,14 +130,15 @@ class LocalLauncher:
 
     def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None,
                resources: Resources = Resources(), account: Account | None = None,
-               workdir: Path | None = None) -> None:
+               workdir: Path | None = None, guest: GuestSpec | None = None) -> None:
         """Start the attempt's supervisor here: its steps run as ``account`` (None: this server's user) in
-        ``workdir``; ``resources`` are the scheduler's to respect on one machine."""
+        ``workdir``; ``resources`` are the scheduler's to respect on one machine; ``guest``: a guest of
+        another account, whose processes the supervisor's broker starts."""
         del resources
         files = self.files(job_id, attempt)
         group = None if self.cgroups is None else self.cgroups.group(job_id, attempt)
         SupervisorSpec(job_id=job_id, attempt=attempt, steps=steps, env=env or {}, account=account, workdir=workdir,
-                       group=group).write(files)
+                       group=group, guest=guest).write(files)
         self._children[(job_id, attempt)] = subprocess.Popen(
             [sys.executable, "-m", SUPERVISOR, str(files.spec)], start_new_session=True, close_fds=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=job_env(None),

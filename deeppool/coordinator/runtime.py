@@ -41,12 +41,15 @@ wrong types) gives "nothing reported", never an exception. A job is held to
 says that later ones are not), and a job whose log passes ``max_log_bytes``
 is stopped (FAILED, with the reason), and its log ends with a line saying so.
 
-A background job lent a foreground job's idle windows (a *guest*) runs in
-processes its host's ranks start, as the same account (the service lends a
-host only guests whose owners' jobs run as its account), so it has no
-supervisor of its own: it becomes RUNNING with its host, and when the host
-ends it SUCCEEDED if it trained (the host's ``summary.json`` counts its
-steps), else it goes back to the queue.
+A background job lent a foreground job's idle windows (a *guest*) has no
+supervisor of its own. When it runs as its host's account, its processes are
+started by its host's ranks; when it runs as another account, by its host's
+supervisor, as the guest's account, in a cgroup nested in its host's
+(:mod:`deeppool.coordinator.guest`; the local launcher as root only, else a
+guest is lent only to a host of its own account). It becomes RUNNING with its
+host, and when the host ends it SUCCEEDED if it trained (the host's
+``summary.json`` counts its steps, and the reason gives the host's measured
+slowdown), else it goes back to the queue.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from deeppool.coordinator.guest import GuestSpec
 from deeppool.coordinator.isolation import Account, RunAs, read_job_file
 from deeppool.coordinator.jobs import Job, JobStatus
 from deeppool.coordinator.launcher import Launcher, Phase, Resources, resources_for
@@ -90,13 +94,15 @@ class JobLimits:
 class Runtime:
     def __init__(self, store: Store, launcher: Launcher, steps: Steps, *, grace_s: float = 5.0,
                  after_claim: Callable[[Job], None] | None = None, nodes: int = 1, run_as: RunAs = RunAs(),
-                 limits: JobLimits = JobLimits()) -> None:
+                 limits: JobLimits = JobLimits(), allowed_roots: tuple[Path, ...] = ()) -> None:
         """``after_claim`` runs between the claim's commit and the launch: a fault-injection point for tests.
 
-        ``nodes``: the machines each foreground job spans; ``run_as``: the account each job runs as.
+        ``nodes``: the machines each foreground job spans; ``run_as``: the account each job runs as;
+        ``allowed_roots``: where a guest of another account may take its model file from (checked at launch).
         """
         self.store, self.launcher, self.steps, self.grace_s = store, launcher, steps, grace_s
         self.after_claim, self.nodes, self.run_as, self.limits = after_claim, nodes, run_as, limits
+        self.allowed_roots = allowed_roots
         self._ended: set[int] = set()  # cancelled jobs known to have no process left
 
     def resources(self, job: Job) -> Resources:
@@ -126,10 +132,29 @@ class Runtime:
         self._launch(job, attempt, claimed, resources, account)
         return True
 
+    def can_host(self, host: Job, guest: Job) -> bool:
+        """Whether ``guest`` may be lent ``host``'s idle windows: its jobs run as the host's account, or the
+        launcher can start it as its own (:mod:`deeppool.coordinator.guest`)."""
+        return self.run_as.same_account(host.owner, guest.owner) or self.launcher.brokers_guests
+
     def _launch(self, job: Job, attempt: int, guests: Sequence[Job], resources: Resources,
                 account: Account | None) -> None:
         self.launcher.launch(job.id, attempt, self.steps(job, attempt, guests), resources=resources, account=account,
-                             workdir=self.launcher.folder / f"job-{job.id}")
+                             workdir=self.launcher.folder / f"job-{job.id}", guest=self._guest(job, guests))
+
+    def _guest(self, host: Job, guests: Sequence[Job]) -> GuestSpec | None:
+        """The first guest, when it runs as another account than its host: what the host's broker starts."""
+        if not guests or self.run_as.same_account(host.owner, guests[0].owner):
+            return None
+        guest = guests[0]
+        try:
+            account = self.run_as.account(guest.owner)
+        except DeeppoolError:
+            return None  # its account is gone: the host finds no broker, and runs alone
+        assert account is not None  # two owners' accounts differ only when each job has one
+        return GuestSpec(job_id=guest.id, account=account, folder=self.launcher.folder / f"job-{guest.id}",
+                         log=self.launcher.files(guest.id, 1).log, model=guest.model, batch=guest.batch,
+                         roots=self.allowed_roots)
 
     def _owner_uid(self, job: Job) -> int | None:
         """The uid a job's files must have to be read (None: the server's own)."""
@@ -228,12 +253,13 @@ class Runtime:
         if host.state is JobStatus.RUNNING and guest.state is JobStatus.STARTING:
             self.store.transition(guest.id, JobStatus.RUNNING, f"training in the idle windows of job {host.id}")
         elif host.state.terminal or host.state is JobStatus.PENDING:
-            steps = guest_steps(self.launcher.files(host.id, self.store.attempts(host.id)).folder, host.id,
-                                self._owner_uid(host))
+            steps, slowdown = guest_steps(self.launcher.files(host.id, self.store.attempts(host.id)).folder,
+                                          host.id, self._owner_uid(host))
             if host.state is JobStatus.SUCCEEDED and steps > 0:
                 self.store.set_progress(guest.id, steps / max(1, guest.steps))
+                cost = f" (its measured slowdown: {100 * slowdown:+.1f}%)" if slowdown is not None else ""
                 self.store.transition(guest.id, JobStatus.SUCCEEDED, f"trained {steps} steps in job {host.id}'s "
-                                                                     "idle windows", exit_code=0)
+                                                                     f"idle windows{cost}", exit_code=0)
             else:
                 self.store.transition(guest.id, JobStatus.PENDING, f"job {host.id} ended ({host.state.value}) "
                                                                    f"after {steps} background steps: requeued")
@@ -301,9 +327,14 @@ def capped(messages: list[str], limit: int) -> list[str]:
                                    "(serve --max-events)"]
 
 
-def guest_steps(folder: Path, host_id: int, owner: int | None = None) -> int:
-    """Background steps the host's run reports (its ``summary.json``), 0 when there is none or it is damaged."""
+def guest_steps(folder: Path, host_id: int, owner: int | None = None) -> tuple[int, float | None]:
+    """Background steps the host's run reports (its ``summary.json``), 0 when there is none or it is damaged;
+    and the host's measured slowdown (a finite fraction, else None)."""
     summary = read_json(folder / f"job-{host_id}" / "summary.json", owner)
     multiplex = summary.get("multiplex") if isinstance(summary, dict) else None
-    steps = count(multiplex.get("bg_steps")) if isinstance(multiplex, dict) else None
-    return int(min(steps, 1 << 62)) if steps is not None else 0
+    if not isinstance(multiplex, dict):
+        return 0, None
+    steps, slowdown = count(multiplex.get("bg_steps")), multiplex.get("fg_slowdown")
+    finite = isinstance(slowdown, float | int) and not isinstance(slowdown, bool) and math.isfinite(slowdown) \
+        and abs(slowdown) < 1e6
+    return (int(min(steps, 1 << 62)) if steps is not None else 0), (float(slowdown) if finite else None)

@@ -116,8 +116,8 @@ class Service:
                  and j.id not in started]
         for start in decision.start:
             job = jobs[start.job_id]
-            same = [g for g in spare if self.runtime.run_as.same_account(job.owner, g.owner)]
-            guests = [same[0]] if job.kind is JobKind.FOREGROUND and same else []
+            lendable = [g for g in spare if self.runtime.can_host(job, g)]
+            guests = [lendable[0]] if job.kind is JobKind.FOREGROUND and lendable else []
             spare = [g for g in spare if g not in guests]
             self.runtime.start(job, f"granted {start.gpus} GPUs by the {self.policy.name} policy", guests)
 

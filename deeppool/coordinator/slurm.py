@@ -8,7 +8,11 @@ ones. The coordinator's folder must be visible from the compute nodes (a
 shared file system, as Slurm clusters have). ``sbatch --parsable`` gives the
 Slurm job id, kept beside the attempt's files; ``squeue`` says whether it is
 still queued or running, and the supervisor's exit file how it ended. Stopping
-is ``scancel --signal=TERM``, a grace period, then ``scancel``.
+is ``scancel --signal=TERM``, a grace period, then ``scancel``. A root
+server with ``--job-user`` submits each attempt as the job's account
+(``sbatch --uid --gid``), with the job's environment, never its own: Slurm
+runs the job, supervisor included, as that account
+(:meth:`SlurmLauncher.launch` says which files it may write).
 
 A job's :class:`~deeppool.coordinator.launcher.Resources` become the batch
 script's allocation: ``--nodes N --ntasks-per-node 1`` and, per node,
@@ -33,7 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from deeppool.coordinator.isolation import Account
+from deeppool.coordinator.guest import GuestSpec
+from deeppool.coordinator.isolation import Account, job_env, private_dir
 from deeppool.coordinator.launcher import SUPERVISOR, Observed, Phase, Resources
 from deeppool.coordinator.supervisor import JobFiles, SupervisorSpec
 from deeppool.errors import DeeppoolError
@@ -143,10 +148,12 @@ def check_slurm() -> None:
 class SlurmLauncher:
     def __init__(self, folder: Path, settings: SlurmSettings = SlurmSettings()) -> None:
         self.folder, self.settings = folder, settings
+        self.brokers_guests = False  # the supervisor runs as the job's account: it cannot start another's
         folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(folder, 0o711)  # jobs' accounts pass through it to their own files, never list it
 
     def files(self, job_id: int, attempt: int) -> JobFiles:
-        return JobFiles(folder=self.folder, job_id=job_id, attempt=attempt)
+        return JobFiles(folder=self.folder, job_id=job_id, attempt=attempt, state_dir=True)
 
     def _id_file(self, job_id: int, attempt: int) -> Path:
         return self.folder / f"job-{job_id}.{attempt}.slurm"
@@ -159,27 +166,43 @@ class SlurmLauncher:
 
     def launch(self, job_id: int, attempt: int, steps: list[list[str]], env: dict[str, str] | None = None,
                resources: Resources = Resources(), account: Account | None = None,
-               workdir: Path | None = None) -> None:
-        """Submit the attempt's batch script; its job runs as the user this server submits as (``account``
-        must be None: Slurm runs a job as its submitter, so run ``serve`` as the jobs' account)."""
-        if account is not None:
-            raise DeeppoolError("--job-user is for --launcher local: Slurm runs a job as the user who submits it")
+               workdir: Path | None = None, guest: GuestSpec | None = None) -> None:
+        """Submit the attempt's batch script, as ``account`` when one is given (root's ``sbatch --uid --gid``:
+        Slurm runs the job, supervisor and all, as that account), else as this server's user.
+
+        The account's supervisor writes its lock, exit file and Slurm's output in ``job-N.A.d`` (0700, the
+        account's) and appends to ``job-N.log``, made for it here (0600, the account's) in this server's folder,
+        so it can neither replace the log nor write anywhere else in it. ``sbatch`` gets the job's environment
+        (:func:`~deeppool.coordinator.isolation.job_env`), never the server's, and Slurm passes that on.
+        """
+        if guest is not None:
+            raise DeeppoolError("a guest of another account needs the local launcher: its supervisor starts it")
         files = self.files(job_id, attempt)
-        SupervisorSpec(job_id=job_id, attempt=attempt, steps=steps, env={}, workdir=workdir).write(files)
+        for folder in (files.state, workdir):
+            if folder is not None:
+                private_dir(folder, account)
+        if account is not None:
+            _log_for(files.log, account)
+        SupervisorSpec(job_id=job_id, attempt=attempt, steps=steps, env={}, workdir=workdir).write(files, account)
         script = self.folder / f"job-{job_id}.{attempt}.sbatch"
-        script.write_text(self.script(job_id, attempt, env or {}, resources))
-        done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
+        script.write_text(self.script(job_id, attempt, env or {}, resources, workdir=workdir))
+        who = [] if account is None else [f"--uid={account.uid}", f"--gid={account.gid}"]
+        done = subprocess.run(["sbatch", "--parsable", *who, str(script)], capture_output=True, text=True,
+                              timeout=60, env={**job_env(account), **(env or {})})
         if done.returncode != 0:
             raise DeeppoolError(f"sbatch refused job {job_id}: {done.stderr.strip()[:300]}")
         self._id_file(job_id, attempt).write_text(done.stdout.strip().split(";")[0] + "\n")
 
-    def script(self, job_id: int, attempt: int, env: dict[str, str], resources: Resources) -> str:
+    def script(self, job_id: int, attempt: int, env: dict[str, str], resources: Resources,
+               workdir: Path | None = None) -> str:
         """The attempt's batch script: its allocation, then the supervisor (no user text is a shell string)."""
         files = self.files(job_id, attempt)
         slots = f"--gres=gpu:{resources.per_node}" if self.settings.gres else f"--cpus-per-task={resources.per_node}"
         lines = ["#!/bin/sh", f"#SBATCH --job-name=deeppool-{job_id}.{attempt}", f"#SBATCH --nodes={resources.nodes}",
                  "#SBATCH --ntasks-per-node=1", f"#SBATCH {slots}",
-                 f"#SBATCH --output={shlex.quote(str(self.folder / f'job-{job_id}.{attempt}.slurm.log'))}"]
+                 f"#SBATCH --output={shlex.quote(str(files.state / 'slurm.log'))}"]
+        if workdir is not None:
+            lines.append(f"#SBATCH --chdir={shlex.quote(str(workdir))}")
         if self.settings.partition:
             lines.append(f"#SBATCH --partition={shlex.quote(self.settings.partition)}")
         lines += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
@@ -219,3 +242,13 @@ class SlurmLauncher:
         while time.monotonic() < deadline and self._state(slurm_id) in LIVE:
             time.sleep(0.2)
         subprocess.run(["scancel", slurm_id], capture_output=True, timeout=30)
+
+
+def _log_for(log: Path, account: Account) -> None:
+    """The job's log, made (if new) as a regular file of ``account``'s, 0600: its supervisor appends to it."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchown(fd, account.uid, account.gid)
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)

@@ -38,7 +38,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from deeppool.coordinator.isolation import Account, job_env, private_dir
+from deeppool.coordinator.guest import Broker, GuestSpec
+from deeppool.coordinator.isolation import Account, job_env, private_dir, read_job_file
 from deeppool.coordinator.jobgroup import JobGroup
 from deeppool.errors import DeeppoolError
 
@@ -48,12 +49,21 @@ PR_SET_NO_NEW_PRIVS = 38
 
 @dataclass(frozen=True, kw_only=True)
 class JobFiles:
+    """An attempt's files in the launcher's ``folder``. With ``state_dir`` (Slurm's attempts, whose supervisor
+    runs as the job's account there), its lock and exit file are in ``job-N.A.d``, a folder of the account's."""
+
     folder: Path
     job_id: int
     attempt: int
+    state_dir: bool = False
 
     def _path(self, suffix: str) -> Path:
         return self.folder / f"job-{self.job_id}.{self.attempt}.{suffix}"
+
+    @property
+    def state(self) -> Path:
+        """Where the supervisor writes its lock and exit file (the launcher's folder, or ``job-N.A.d``)."""
+        return self._path("d") if self.state_dir else self.folder
 
     @property
     def spec(self) -> Path:
@@ -61,27 +71,36 @@ class JobFiles:
 
     @property
     def pid(self) -> Path:
-        return self._path("pid")
+        return self.state / f"job-{self.job_id}.{self.attempt}.pid"
 
     @property
     def exit(self) -> Path:
-        return self._path("exit")
+        return self.state / f"job-{self.job_id}.{self.attempt}.exit"
 
     @property
     def log(self) -> Path:
         return self.folder / f"job-{self.job_id}.log"
 
+    @property
+    def guest_socket(self) -> Path:
+        """Where the supervisor's broker of a guest of another account listens (the server's folder)."""
+        return self._path("guest.sock")
+
     def exit_code(self) -> int | None:
-        try:
-            return int(self.exit.read_text().strip())
-        except (OSError, ValueError):
-            return None
+        return _number(self.exit)
 
     def supervisor_pid(self) -> int | None:
-        try:
-            return int(self.pid.read_text().strip())
-        except (OSError, ValueError):
-            return None
+        return _number(self.pid)
+
+
+def _number(path: Path) -> int | None:
+    """The integer in a supervisor's small file: never read through a link or from a FIFO (the file may be in
+    a folder of the job's account), None when it is not one."""
+    data = read_job_file(path, None, 64, any_owner=True)
+    try:
+        return None if data is None else int(data.decode().strip())
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,12 +116,15 @@ class SupervisorSpec:
     account: Account | None = None
     workdir: Path | None = None
     group: JobGroup | None = None
+    guest: GuestSpec | None = None
+    """a guest of another account, whose processes this supervisor's broker starts"""
 
     def to_json(self) -> dict[str, Any]:
         return {"job_id": self.job_id, "attempt": self.attempt, "steps": self.steps, "env": self.env,
                 "account": None if self.account is None else self.account.to_json(),
                 "workdir": None if self.workdir is None else str(self.workdir),
-                "group": None if self.group is None else str(self.group.path)}
+                "group": None if self.group is None else str(self.group.path),
+                "guest": None if self.guest is None else self.guest.to_json()}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SupervisorSpec:
@@ -110,15 +132,19 @@ class SupervisorSpec:
                    env=dict(data.get("env") or {}),
                    account=Account.from_json(data["account"]) if data.get("account") else None,
                    workdir=Path(data["workdir"]) if data.get("workdir") else None,
-                   group=JobGroup(Path(data["group"])) if data.get("group") else None)
+                   group=JobGroup(Path(data["group"])) if data.get("group") else None,
+                   guest=GuestSpec.from_json(data["guest"]) if data.get("guest") else None)
 
-    def write(self, files: JobFiles) -> None:
-        """The spec beside the attempt's files, atomically, readable by the server's user only."""
+    def write(self, files: JobFiles, reader: Account | None = None) -> None:
+        """The spec beside the attempt's files, atomically, readable by the server's user only (or by
+        ``reader``, the account a supervisor under Slurm runs as)."""
         tmp = files.spec.with_name(files.spec.name + ".tmp")
         tmp.unlink(missing_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        if reader is not None:
+            os.fchown(fd, reader.uid, reader.gid)
         with os.fdopen(fd, "w") as out:
-            out.write(json.dumps(self.to_json()))
+            out.write(json.dumps({**self.to_json(), "state_dir": files.state_dir}))
         os.replace(tmp, files.spec)
 
 
@@ -211,6 +237,7 @@ def run(files: JobFiles) -> int:
     signal.signal(signal.SIGTERM, forward)
     env = {**job_env(spec.account), **spec.env}
     code = 0
+    broker = _broker(spec, files)
     with files.log.open("ab") as log:
         for argv in spec.steps:
             log.write(f"$ {' '.join(argv)}\n".encode())
@@ -227,16 +254,34 @@ def run(files: JobFiles) -> int:
             code = current[0].wait()
             if code != 0:
                 break
+    if broker is not None:
+        broker.close()
     end_leftovers(spec.group)
     _write_exit(files, code)
     return code
+
+
+def _broker(spec: SupervisorSpec, files: JobFiles) -> Broker | None:
+    """The broker of the attempt's guest of another account, listening (None: no such guest, or no group to
+    put its processes in; the host's ranks then find no broker, and run without their guest)."""
+    if spec.guest is None or spec.group is None:
+        return None
+    broker = Broker(spec.guest, files.guest_socket, host=spec.account, group=spec.group)
+    try:
+        broker.start()
+    except (OSError, DeeppoolError) as err:
+        with files.log.open("ab") as log:
+            log.write(f"deeppool: the guest's broker did not start: {err}\n".encode())
+        return None
+    return broker
 
 
 def main() -> None:
     os.umask(0o077)
     spec = Path(sys.argv[1])
     data = json.loads(spec.read_text())
-    files = JobFiles(folder=spec.parent, job_id=int(data["job_id"]), attempt=int(data["attempt"]))
+    files = JobFiles(folder=spec.parent, job_id=int(data["job_id"]), attempt=int(data["attempt"]),
+                     state_dir=bool(data.get("state_dir")))
     sys.exit(0 if run(files) == 0 else 1)
 
 

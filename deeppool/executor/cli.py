@@ -31,6 +31,7 @@ from deeppool.planner.combine import Combine
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.options import (
     AbBlock, BackgroundOpt, BgBatch, BgCheckpointDir, BgLr, BgOptim, MpsPercentage, MuxOpt, SlowdownTarget,
+    BgBroker,
     make_background,
 )
 
@@ -460,7 +461,7 @@ def worker(
     batchnorm: BatchNormOpt = BatchNormMode.SYNC,
     background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
     bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
-    bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
+    bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30, bg_broker: BgBroker = None,
 ) -> None:
     """Run this process's rank of PLAN (rank and world from torchrun's environment)."""
     from deeppool.executor.worker import RankEnv, run_worker
@@ -480,7 +481,7 @@ def worker(
         bg = make_background(
             background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,
             slowdown_target=slowdown_target, ab_block=ab_block, bg_checkpoint_dir=bg_checkpoint_dir,
-            mps_percentage=mps_percentage, out=out,
+            mps_percentage=mps_percentage, out=out, bg_broker=bg_broker,
         )
         run_worker(plan, config, env, bg)
     except BaseException as err:  # every failure leaves a record naming this rank

@@ -32,10 +32,11 @@ if TYPE_CHECKING:
 
 def launch_with_background(
     plan_path: Path, *, nproc: int, config: RunConfig, background: BackgroundConfig | None, worker_args: list[str],
-    nodes: Nodes = Nodes(),
+    nodes: Nodes = Nodes(), checked: bool = False,
 ) -> None:
-    """``deeppool run``'s launch: the background checked first, MPS around the ranks when asked for."""
-    if background is not None:
+    """``deeppool run``'s launch: the background checked first (unless ``checked`` already), MPS around the ranks
+    when asked for."""
+    if background is not None and not checked:
         preflight.check(Plan.load(plan_path), background)
     daemon: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if background is not None and background.mode is MuxMode.MPS:
@@ -49,14 +50,15 @@ def launch_with_background(
 
 def run(
     plan: Plan | Path | str, *, model: nn.Module | None = None, background: BackgroundConfig | None = None,
-    config: RunConfig | None = None, nproc: int | None = None, data: str | None = None,
+    config: RunConfig | None = None, nproc: int | None = None, data: str | None = None, checked: bool = False,
 ) -> dict[str, Any]:
     """Train ``plan`` on local ranks (with ``background`` in its idle windows); returns ``summary.json``.
 
     ``model`` is the module itself, for a plan made from Python (``deeppool.plan(module, ...)``): it is
     saved next to the run's copy of the plan, and every rank loads it from there. ``data`` is a
     ``package.module:factory`` (or ``file.py:factory``) returning a map-style ``Dataset``, as ``--data``:
-    every rank builds it and loads only its rows (``config.data`` for its seed and workers).
+    every rank builds it and loads only its rows (``config.data`` for its seed and workers). ``checked``: the
+    background passed :func:`deeppool.multiplex.preflight.check` already.
     """
     config = config or RunConfig(out_dir=Path(tempfile.mkdtemp(prefix="deeppool-run-")))
     if data is not None:
@@ -76,7 +78,7 @@ def run(
     else:
         path = Path(plan)
     launch_with_background(path, nproc=nproc or loaded.gpus, config=config, background=background,
-                           worker_args=config_args(config))
+                           worker_args=config_args(config), checked=checked)
     return json.loads((config.out_dir / "summary.json").read_text())
 
 

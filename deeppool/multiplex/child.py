@@ -10,7 +10,8 @@ as its parent, the rank's process, tells it over stdin, one line per message:
   also stops the process (``SIGSTOP``) when the window closes and continues
   it when the next opens; a micro-step cut by the stop resumes in that window.
 * ``go`` / ``pause`` (free modes): train continuously / stop until ``go``.
-* ``q``: save a checkpoint and the statistics, exit 0.
+* ``q``: save a checkpoint and the statistics, exit 0 (the statistics go to a
+  file, or, for a guest of another account, as one line on stdout).
 
 It runs under ``SCHED_IDLE`` except in mode ``none``, uses one torch thread,
 and dies with its parent (``PR_SET_PDEATHSIG``). At exit, whatever the cause,
@@ -169,18 +170,31 @@ def _write(path: Path, stats: Stats) -> None:
     os.replace(tmp, path)
 
 
+def _send(fd: int, stats: Stats) -> None:
+    data = (json.dumps(stats.to_json()) + "\n").encode()
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:
+        pass  # the parent is gone: nobody to tell
+
+
 def _optimizer(spec: dict[str, Any]) -> OptimizerConfig:
     return OptimizerConfig(kind=OptimizerKind(spec["kind"]), lr=spec["lr"], momentum=spec["momentum"])
 
 
 def run(spec: dict[str, Any]) -> int:
+    """Train as the parent says; the statistics go to ``stats`` (a file), or, where that is None (a guest of
+    another account, whose host cannot read its files), as the last line of stdout."""
     _die_with_parent(int(spec["parent"]))
     mode = MuxMode(spec["mode"])
     if mode is not MuxMode.NONE:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     torch.set_num_threads(1)
     stats = Stats(pid=os.getpid())
-    stats_path = Path(spec["stats"])
+    stats_path = Path(spec["stats"]) if spec.get("stats") else None
+    out = os.dup(1)  # the parent's pipe: "ready", and the statistics line where there is no file
+    os.dup2(2, 1)  # anything the model prints goes to the log, never into the parent's pipe
     try:
         checkpoint = Path(spec["checkpoint"]) if spec.get("checkpoint") else None
         job = BackgroundJob(load_model(Path(spec["model"])), batch=int(spec["batch"]),
@@ -189,8 +203,7 @@ def run(spec: dict[str, Any]) -> int:
         stats.start_step = job.step
         worker = Worker(job, stats, int(spec["checkpoint_every"]))
         lines = Lines(sys.stdin.fileno())
-        print("ready", flush=True)
-        os.dup2(2, 1)  # anything the model prints goes to the log, never into the parent's pipe
+        os.write(out, b"ready\n")
         (worker.gated if mode.gated else worker.free)(lines)
         job.save()
         return 0
@@ -199,7 +212,10 @@ def run(spec: dict[str, Any]) -> int:
         traceback.print_exc()
         return 1
     finally:
-        _write(stats_path, stats)
+        if stats_path is None:
+            _send(out, stats)
+        else:
+            _write(stats_path, stats)
 
 
 def main() -> None:

@@ -80,6 +80,9 @@ class BackgroundConfig:
     preflight_apart: bool = False
     """Load the model for the memory check in a process of its own (the coordinator: a guest's code never
     runs in its host's processes); else in this one (``deeppool run``: one user's own jobs, no start-up cost)."""
+    broker: Path | None = None
+    """A coordinator's guest of another account: the socket of the host supervisor's broker, which starts the
+    background's processes as the guest's account (:mod:`deeppool.multiplex.remote`); ``gate`` mode only."""
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -90,6 +93,8 @@ class BackgroundConfig:
             raise DeeppoolError(f"--slowdown-target {self.slowdown_target} must be in (0, 1), e.g. 0.05")
         if self.min_window_ms < 0:
             raise DeeppoolError(f"min_window_ms {self.min_window_ms} must be at least 0")
+        if self.broker is not None and self.mode is not MuxMode.GATE:
+            raise DeeppoolError(f"a guest of another account runs in --mux gate, not {self.mode.value}")
         if not 1 <= self.mps_percentage <= 100:
             raise DeeppoolError(f"--mps-percentage {self.mps_percentage} must be in [1, 100]")
 

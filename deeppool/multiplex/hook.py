@@ -87,6 +87,13 @@ def _background(config: BackgroundConfig, *, rank: int, folder: Path, device: to
         from deeppool.multiplex.gpu import StreamBackground
 
         return StreamBackground(config, rank=rank, device=device, gpu=gpu)
+    if config.broker is not None:  # a guest of another account: its process is the host supervisor's to start
+        from deeppool.multiplex.remote import BrokeredChild
+
+        broker, request = config.broker, {"op": "child", "rank": rank}
+        spec = {**child_spec(config, rank=rank, stats=folder / "unused"), "stats": None}
+        return ProcessBackground(spec, rank=rank, folder=folder,
+                                 spawn=lambda *args, **kwargs: BrokeredChild.start(broker, request))
     env = None
     if config.mode is MuxMode.MPS:
         from deeppool.device.mps import client_env

@@ -53,6 +53,9 @@ from deeppool.errors import DeeppoolError
 from deeppool.executor.timing import Category, Span
 from deeppool.multiplex.config import ABSchedule, MuxMode
 
+MAX_PARSED = 100_000
+"""The most items of a list in a guest's statistics line that are taken."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class RankBackground:
@@ -98,9 +101,57 @@ class RankBackground:
             error=error,
         )
 
+    @classmethod
+    def parse(cls, rank: int, pid: int, data: Any, exit_code: int, log: Path | None = None, *,
+              closed_ms: Sequence[float | None] = ()) -> RankBackground:
+        """Statistics another account's process sent (a coordinator's guest): only what is well formed is
+        taken (counts, finite non-negative numbers, pairs of them), the rest is as if nothing was sent."""
+        data = data if isinstance(data, dict) else {}
+
+        def number(name: str) -> float:
+            value = data.get(name)
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1e15
+            return float(value) if ok else 0.0
+
+        def numbers(name: str, width: int) -> list[Any]:
+            items = data.get(name)
+            if not isinstance(items, list):
+                return []
+            kept = []
+            for item in items[:MAX_PARSED]:
+                values = item if width > 1 and isinstance(item, list) and len(item) == width else [item]
+                if len(values) == width and all(isinstance(v, int | float) and not isinstance(v, bool)
+                                                and math.isfinite(v) for v in values):
+                    kept.append(tuple(float(v) for v in values) if width > 1 else float(values[0]))
+            return kept
+
+        error = data.get("error") if isinstance(data.get("error"), str) else None
+        if exit_code != 0 and error is None:
+            try:
+                error = describe_exit(exit_code)
+            except ValueError:  # not a signal's number
+                error = f"exited with code {exit_code}"
+        return cls(
+            rank=rank, pid=pid, exit_code=exit_code, start_step=int(number("start_step")),
+            steps=int(number("steps")), samples=int(number("samples")), busy_s=number("busy_s"),
+            tokens=int(number("tokens")), dropped_tokens=int(number("dropped_tokens")),
+            losses=tuple(numbers("losses", 1)), spans=tuple(numbers("spans", 2)),
+            windows=window_samples(closed_ms, busy_ms(data.get("window_busy_ms"))),
+            error=None if error is None else error[:500],
+        )
+
     def trace_spans(self) -> list[Span]:
         return [Span(step=-1, label="background", category=Category.BACKGROUND, start_s=a, end_s=b)
                 for a, b in self.spans]
+
+
+def busy_ms(items: Any) -> list[float]:
+    """A guest's busy ms per window, one per token in order: anything not a finite, non-negative number is 0
+    (dropping it would pair the later windows with the wrong lengths)."""
+    if not isinstance(items, list):
+        return []
+    return [float(v) if isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e15 else 0.0
+            for v in items[:MAX_PARSED]]
 
 
 def window_samples(closed_ms: Sequence[float | None], busy_ms: Sequence[float]) -> tuple[tuple[float, float], ...]:

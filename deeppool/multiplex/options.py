@@ -22,11 +22,14 @@ AbBlock = Annotated[int, typer.Option(help="A/B: steps per alone or shared block
 BgCheckpointDir = Annotated[Path | None, typer.Option(
     help="where the background job checkpoints and resumes (default: OUT/background)")]
 MpsPercentage = Annotated[int, typer.Option(help="--mux mps: the background client's active-thread percentage")]
+BgBroker = Annotated[Path | None, typer.Option(hidden=True, help="a coordinator's guest of another account: "
+                                                             "the broker that starts its processes")]
 
 
 def make_background(
     *, background: Path | None, bg_batch: int, bg_optimizer: OptimizerKind, bg_lr: float, mux: MuxMode,
     slowdown_target: float, ab_block: int, bg_checkpoint_dir: Path | None, mps_percentage: int, out: Path,
+    bg_broker: Path | None = None,
 ) -> BackgroundConfig | None:
     if background is None:
         return None
@@ -35,6 +38,7 @@ def make_background(
         model=background.resolve(), batch=bg_batch, optimizer=OptimizerConfig(kind=bg_optimizer, lr=bg_lr),
         mode=mux, slowdown_target=slowdown_target, schedule=ABSchedule(block=ab_block),
         checkpoint_dir=(bg_checkpoint_dir or out / "background").resolve(), mps_percentage=mps_percentage,
+        broker=bg_broker,
     )
 
 
@@ -48,4 +52,5 @@ def background_args(config: BackgroundConfig | None) -> list[str]:
         "--mux", config.mode.value, "--slowdown-target", repr(config.slowdown_target),
         "--ab-block", str(config.schedule.block), "--bg-checkpoint-dir", str(config.checkpoint_dir),
         "--mps-percentage", str(config.mps_percentage),
+        *(["--bg-broker", str(config.broker)] if config.broker is not None else []),
     ]

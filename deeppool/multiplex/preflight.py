@@ -78,8 +78,13 @@ def check(plan: Plan, config: BackgroundConfig, machine: Machine | None = None) 
     check_windows(plan)
     machine = machine or Machine.here(gpu=config.mode.needs_gpu)
     check_mode(config.mode, machine)
-    measure = measured_apart if config.preflight_apart else background_memory
-    memory = measure(config.model, config.batch, config.optimizer)  # a one-line error if it does not load
+    if config.broker is not None:  # a guest of another account: measured by a process of its own account's
+        from deeppool.multiplex.remote import measured
+
+        memory = BackgroundMemory(**measured(config.broker))
+    else:
+        measure = measured_apart if config.preflight_apart else background_memory
+        memory = measure(config.model, config.batch, config.optimizer)  # a one-line error if it does not load
     check_memory(plan, memory, machine, config)
     return memory
 

@@ -8,6 +8,7 @@ this process, as root.
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import signal
@@ -147,18 +148,62 @@ def test_the_server_never_reads_a_file_through_a_jobs_link(shared: Path, users) 
     assert link.is_symlink() and read_job_file(link, pwd.getpwnam(BOB).pw_uid) is None
 
 
-def test_another_users_background_job_is_never_a_guest_of_a_foreground_job(shared: Path, users) -> None:
+SPY = '''\"\"\"A background model of bob's: it says who runs it and what it can read, then trains as a small MLP.\"\"\"
+import os, pwd
+
+from examples.background_mlp import inputs, loss, model, targets  # noqa: F401
+
+print("spy: runs as", os.getuid(), pwd.getpwuid(os.getuid()).pw_name, "in", os.getcwd(), flush=True)
+for path in {targets!r}:
+    try:
+        print("spy: read", path, os.listdir(path) if os.path.isdir(path) else open(path, "rb").read()[:100])
+    except OSError as err:
+        print("spy: refused", type(err).__name__, path, flush=True)
+open("spied-" + str(os.getpid()), "w").write(pwd.getpwuid(os.getuid()).pw_name)
+'''
+BURST = REPO / "tests" / "coordinator" / "models" / "burst_cnn.py"
+
+
+def test_another_users_background_job_trains_in_a_foreground_jobs_windows_as_its_own_account(
+        shared: Path, users) -> None:
+    """bob's background job is lent alice's foreground job's idle windows: its processes are started by her
+    job's supervisor as dpbob, in a cgroup nested in hers; it trains, cannot read her files, and her slowdown
+    is reported."""
+    from deeppool.coordinator.driver import DriverSteps
+
     cluster = Cluster(shared, gpus=2)
-    who = "import os, pwd; print('ran as', pwd.getpwuid(os.getuid()).pw_name)"
-    host = cluster.submit(ALICE, who, kind=JobKind.FOREGROUND)
-    foreign = cluster.submit(BOB, who)
-    own = cluster.submit(ALICE, who)
+    models = shared / "models"
+    models.mkdir(mode=0o755)
+    folder = cluster.folder
+    spy = models / "spy.py"
+    host, _ = cluster.store.submit(ALICE, JobRequest(kind=JobKind.FOREGROUND, model=str(BURST), gpus=2, batch=32,
+                                                     steps=12))
+    targets = [str(p) for p in (folder / f"job-{host.id}.log", folder / f"job-{host.id}", shared / "db.sqlite")]
+    spy.write_text(SPY.format(targets=targets))
+    spy.chmod(0o644)
+    guest, _ = cluster.store.submit(BOB, JobRequest(kind=JobKind.BACKGROUND, model=str(spy), batch=8))
+    roots = (models, BURST.parent)
+    cluster.runtime.steps = DriverSteps(folder=folder, run_as=RunAs(kind=RunAsKind.SUBMITTER), allowed_roots=roots)
+    cluster.runtime.allowed_roots = roots
     cluster.service.tick()
-    jobs = {job.id: job for job in cluster.store.jobs()}
-    assert jobs[own.id].host_id == host.id  # alice's background job shares her foreground job's GPUs
-    assert jobs[foreign.id].host_id is None  # bob's never runs in processes alice's job starts
-    done = settle(cluster.runtime, foreign.id, lambda j: j.state.terminal)
-    assert done.state is JobStatus.SUCCEEDED and f"ran as {BOB}" in cluster.log(done)
+    assert cluster.store.job(guest.id).host_id == host.id  # lent across accounts: the launcher starts it as bob
+    group = cluster.runtime.launcher.group(host.id, 1)
+    done = settle(cluster.runtime, host.id, lambda j: j.state.terminal, timeout_s=300)
+    assert done.state is JobStatus.SUCCEEDED, cluster.log(done)[-3000:]
+    trained = settle(cluster.runtime, guest.id, lambda j: j.state.terminal)
+    log = cluster.log(trained)  # the guest's processes write to the guest's own log, never to its host's
+    bob = pwd.getpwnam(BOB)
+    assert trained.state is JobStatus.SUCCEEDED and "measured slowdown" in trained.reason, (trained.reason, log)
+    assert f"spy: runs as {bob.pw_uid} {BOB} in {folder / f'job-{guest.id}'}" in log, log[-3000:]
+    assert "spy: read" not in log and log.count("spy: refused PermissionError") >= len(targets), log[-3000:]
+    assert "spy:" not in cluster.log(done)  # nothing of bob's ran in, or wrote to, alice's job
+    spied = list((folder / f"job-{guest.id}").glob("spied-*"))
+    assert len(spied) >= 2 and all(p.stat().st_uid == bob.pw_uid for p in spied)  # measured, then each rank's
+    summary = json.loads((folder / f"job-{host.id}" / "summary.json").read_text())["multiplex"]
+    assert summary["bg_steps"] > 0 and summary["fg_slowdown"] is not None
+    assert all(pwd.getpwuid(p.stat().st_uid).pw_name == BOB
+               for p in (folder / f"job-{guest.id}" / "background").glob("*.pt"))  # its checkpoints are its own
+    assert group is not None and not group.path.exists()  # every process ended, the nested groups removed
 
 
 def test_a_background_model_is_measured_in_a_process_of_its_own(tmp_path: Path) -> None:
@@ -341,7 +386,6 @@ def test_no_gpu_is_given_out_while_a_cancelled_jobs_process_is_left(shared: Path
     ((), "serve runs as root, so its jobs would too: give --job-user"),
     (("--job-user", "nosuchaccount"), "no OS account 'nosuchaccount'"),
     (("--job-user", "root"), "account 'root' is root or the server's own user"),
-    (("--job-user", ALICE, "--launcher", "slurm"), "--job-user is for --launcher local"),
     (("--job-user", ALICE, "--log-dir", "{closed}/logs"), "jobs cannot reach --log-dir"),
 ])
 def test_serve_refuses_to_run_jobs_as_root_or_where_they_cannot_reach(

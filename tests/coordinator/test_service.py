@@ -43,7 +43,8 @@ class Recorder(LocalLauncher):
         super().__init__(folder)
         self.launched: list[int] = []
 
-    def launch(self, job_id: int, attempt: int, steps, env=None, resources=None, account=None, workdir=None) -> None:
+    def launch(self, job_id: int, attempt: int, steps, env=None, resources=None, account=None, workdir=None,
+               guest=None) -> None:
         self.launched.append(job_id)
 
 

@@ -2,29 +2,35 @@
 
 The fixture installs the packages when they are missing (root and apt-get),
 starts munged, and runs a private slurmctld and slurmd on free ports with
-their state in a temporary folder. Where any of that cannot be done, the
-tests are skipped with the reason.
+their state in a temporary folder. The tests are skipped only where the
+packages cannot be installed at all (not root, no apt-get, or apt-get
+fails); a Slurm that is installed but does not come up fails them, naming
+what did not (munged, slurmctld, slurmd) and the end of its log.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from deeppool.coordinator.isolation import RunAs, RunAsKind
 from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
 from deeppool.coordinator.launcher import Phase
 from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.slurm import SlurmLauncher
 from deeppool.coordinator.store import Store
+from tests.coordinator.accounts import accounts, job_folder
 from tests.net import free_port
 from tests.coordinator.test_runtime import settle
 
@@ -77,8 +83,17 @@ def _start_munge() -> bool:
     shutil.chown("/run/munge", "munge", "munge")
     subprocess.run(["runuser", "-u", "munge", "--", "munged"], capture_output=True, timeout=30)
     if subprocess.run(["sh", "-c", "munge -n | unmunge"], capture_output=True).returncode != 0:
-        pytest.skip("munged does not start here, so Slurm cannot authenticate")
+        log = Path("/var/log/munge/munged.log")
+        tail = log.read_text(errors="replace")[-300:] if log.exists() else "no log"
+        pytest.fail(f"munged did not come up, so Slurm cannot authenticate: {tail}")
     return True
+
+
+def not_up(what: str, daemons: dict[str, subprocess.Popen], root: Path) -> str:
+    """Why a private Slurm did not come up: which daemon exited (with its code), and the end of each log."""
+    exited = [f"{name} exited with code {proc.poll()}" for name, proc in daemons.items() if proc.poll() is not None]
+    logs = "; ".join(f"{log.name}: {log.read_text(errors='replace')[-300:]}" for log in sorted(root.glob("*.log")))
+    return f"{what} did not come up in 60 s ({', '.join(exited) or 'the daemons still run'}); {logs or 'no logs'}"
 
 
 def _stop_munge() -> None:
@@ -89,31 +104,46 @@ def _stop_munge() -> None:
         pass
 
 
+def slurm_folder() -> Path:
+    """A folder for a private Slurm's state and spool, which job accounts can pass through (slurmd runs a
+    job's batch script from its spool, as the job's account): not under pytest's 0700 base folder."""
+    root = Path(tempfile.mkdtemp(prefix="deeppool-slurm-"))
+    root.chmod(0o711)
+    return root
+
+
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def slurm() -> Iterator[dict[str, str]]:
+    if os.geteuid() != 0:
+        pytest.skip("the private Slurm's daemons run as root")
     _ensure_packages()
     started_munge = _start_munge()
-    root = tmp_path_factory.mktemp("slurm")
+    root = slurm_folder()
     for sub in ("state", "spool"):
-        (root / sub).mkdir()
+        (root / sub).mkdir(mode=0o755)
     conf = root / "slurm.conf"
     host = socket.gethostname().split(".")[0]
     conf.write_text(CONF.format(host=host, root=root, ctld_port=free_port(), d_port=free_port(),
                                 cpus=os.cpu_count() or 1))
     env = {**os.environ, "SLURM_CONF": str(conf)}
-    daemons = [subprocess.Popen([daemon, "-D", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL) for daemon in ("slurmctld", "slurmd")]
+    daemons = {daemon: subprocess.Popen([daemon, "-D", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL) for daemon in ("slurmctld", "slurmd")}
     deadline = time.monotonic() + 60
+    state = ""
     while time.monotonic() < deadline:
         state = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True).stdout.strip()
         if state in ("idle", "mix", "alloc"):
             break
         time.sleep(0.5)
     else:
-        for daemon in daemons:
+        message = not_up(f"the private Slurm's node (sinfo: {state or 'no answer'})", daemons, root)
+        for daemon in daemons.values():
             daemon.kill()
-        log = (root / "slurmctld.log").read_text()[-300:] if (root / "slurmctld.log").exists() else ""
-        pytest.skip(f"the private Slurm did not come up: {log}")
+            daemon.wait(10)
+        if started_munge:
+            _stop_munge()
+        shutil.rmtree(root, ignore_errors=True)
+        pytest.fail(message)
     old = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(conf)
     yield env
@@ -121,9 +151,10 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = old
-    for daemon in daemons:
+    for daemon in daemons.values():
         daemon.terminate()
         daemon.wait(10)
+    shutil.rmtree(root, ignore_errors=True)
     if started_munge:
         _stop_munge()
 
@@ -167,3 +198,55 @@ def test_a_failing_slurm_job_fails_and_a_cancelled_one_is_stopped(slurm, tmp_pat
     sleeping.store.transition(job.id, JobStatus.CANCELLED, "cancelled by alice")
     sleeping.reconcile()
     assert sleeping.launcher.observe(job.id, 1).phase not in (Phase.RUNNING, Phase.QUEUED)
+
+
+# -- jobs as their submitters' accounts (serve --job-user with --launcher slurm) --------------------------------
+ALICE, BOB = "dpalice", "dpbob"
+WHO = """
+import os, pwd, sys
+me = pwd.getpwuid(os.getuid()).pw_name
+print('uid', os.getuid(), 'gid', os.getgid(), 'env', sorted(os.environ))
+open('whoami', 'w').write(me)
+print(me + '-log-secret')
+for path in sys.argv[1:]:
+    try:
+        print('read', path, os.listdir(path) if os.path.isdir(path) else open(path, 'rb').read()[:100])
+    except OSError as err:
+        print('refused', type(err).__name__, path)
+"""
+
+
+def test_under_slurm_each_job_runs_as_its_submitters_account(slurm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Root submits with ``sbatch --uid --gid``: alice's job runs (supervisor and all) as dpalice, cannot read
+    the database or the server's environment; bob's cannot read her log, her folder or her attempt's files."""
+    monkeypatch.setenv("DEEPPOOL_ADMIN_SECRET", "hunter2-admin")
+    with accounts(ALICE, BOB):
+        folder = job_folder()
+        jobs, db = folder / "jobs", folder / "db.sqlite"
+        store = Store(db)
+        for name in (ALICE, BOB):
+            store.create_token(name)
+        rt = Runtime(store, SlurmLauncher(jobs), lambda job, attempt, guests: [python(WHO) + targets], grace_s=0.5,
+                     run_as=RunAs(kind=RunAsKind.SUBMITTER))
+        done = {}
+        for owner in (ALICE, BOB):  # each reads the database, alice's log, folder and attempt files, the folder
+            job, _ = store.submit(owner, JobRequest(kind=JobKind.FOREGROUND, model="x.y:z", batch=8))
+            first = done.get(ALICE, job.id)
+            targets = [str(path) for path in (db, jobs / f"job-{first}.log", jobs / f"job-{first}",
+                                              jobs / f"job-{first}.1.d", jobs)]
+            rt.start(job, "granted")
+            done[owner] = settle(rt, job.id, lambda j: j.state.terminal, timeout_s=120).id
+        logs = {owner: rt.launcher.files(job_id, 1).log.read_text() for owner, job_id in done.items()}
+        for owner, job_id in done.items():
+            account = pwd.getpwnam(owner)
+            slurm_log = jobs / f"job-{job_id}.1.d" / "slurm.log"  # where Slurm itself says what went wrong
+            assert store.job(job_id).state is JobStatus.SUCCEEDED, (logs[owner], slurm_log.read_text())
+            assert f"uid {account.pw_uid} gid {account.pw_gid}" in logs[owner], logs[owner]
+            whoami = jobs / f"job-{job_id}" / "whoami"
+            assert whoami.read_text() == owner and whoami.stat().st_uid == account.pw_uid
+            assert "hunter2" not in logs[owner] and "DEEPPOOL_ADMIN_SECRET" not in logs[owner]
+            log = rt.launcher.files(job_id, 1).log  # hers alone (0600), in the server's folder; the server reads it
+            assert log.stat().st_uid == account.pw_uid and log.stat().st_mode & 0o777 == 0o600
+        assert f"refused PermissionError {db}" in logs[ALICE] and f"{ALICE}-log-secret" in logs[ALICE], logs[ALICE]
+        assert logs[BOB].count("refused PermissionError") == 5 and "\nread " not in logs[BOB], logs[BOB]
+        assert f"{ALICE}-log-secret" not in logs[BOB]

@@ -8,8 +8,9 @@ shares it. slurmd enters its namespace with ``nsenter --net``: ``ip netns
 exec`` would also mount a fresh /sys, without /sys/fs/cgroup, and slurmd
 stops with "Unable to initialize cgroup plugin". Host names do not tell the
 namespaces apart, so the jobs' gloo uses the interface each namespace names
-``dpnet0`` (``GLOO_SOCKET_IFNAME``). Where namespaces or Slurm cannot start,
-the tests are skipped with the reason; the daemons (munged too, if the
+``dpnet0`` (``GLOO_SOCKET_IFNAME``). Where the namespaces or Slurm cannot
+start, the tests fail, naming what did not come up (they are skipped only
+where the packages cannot be installed, or this is not root); the daemons (munged too, if the
 fixture started it), whatever still runs in the namespaces, the namespaces
 and the bridge are removed afterwards.
 """
@@ -39,9 +40,10 @@ from deeppool.coordinator.slurm import SlurmLauncher
 from deeppool.coordinator.store import Store
 from deeppool.errors import DeeppoolError
 from deeppool.planner.plan import Plan
+from tests.coordinator.accounts import job_folder
 from tests.coordinator.test_durability import start
 from tests.coordinator.test_runtime import settle
-from tests.coordinator.test_slurm import _ensure_packages, _start_munge, _stop_munge
+from tests.coordinator.test_slurm import _ensure_packages, _start_munge, _stop_munge, not_up, slurm_folder
 from tests.net import free_port
 
 pytestmark = pytest.mark.slow
@@ -91,7 +93,7 @@ def _ip(*args: str, netns: str | None = None) -> None:
     command = ["ip", "netns", "exec", netns, "ip", *args] if netns else ["ip", *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
-        pytest.skip(f"cannot make the nodes' network here: {' '.join(command)}: {done.stderr.strip()}")
+        pytest.fail(f"the nodes' network did not come up: {' '.join(command)}: {done.stderr.strip()}")
 
 
 def _network(tag: str, count: int) -> list[str]:
@@ -146,23 +148,26 @@ def _wait_idle(env: dict[str, str], daemons: list[subprocess.Popen], count: int,
         if len(states) == count and all(s in ("idle", "mix", "alloc") for s in states):
             return
         time.sleep(0.5)
-    logs = "; ".join(p.read_text()[-300:] for p in sorted(root.glob("*.log")))
-    pytest.skip(f"the namespaced Slurm nodes did not come up: {logs}")
+    states = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=env, capture_output=True, text=True).stdout
+    pytest.fail(not_up(f"the namespaced Slurm nodes ({' '.join(states.split()) or 'sinfo: no answer'})",
+                       {f"daemon {i}": d for i, d in enumerate(daemons)}, root))
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2's `ip`")
+def cluster() -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces and Slurm's daemons need root")
+    if shutil.which("ip") is None:
+        pytest.fail("iproute2's `ip` is not installed: the nodes' network namespaces cannot be made")
     _ensure_packages()
     started_munge = _start_munge()
     tag, daemons = f"dps{os.getpid() % 100000}", []
     old = os.environ.get("SLURM_CONF")
+    root = slurm_folder()  # the nodes' spools (spool-%n) are made by slurmd, 0755
     try:
         namespaces = _network(tag, 2)
         nodes = tuple((f"node{i}", f"{SUBNET}.{i + 1}") for i in range(len(namespaces)))
-        root = tmp_path_factory.mktemp("slurm-multi")
-        (root / "state").mkdir()
+        (root / "state").mkdir(mode=0o755)
         conf = root / "slurm.conf"
         lines = "\n".join(f"NodeName={n} NodeAddr={a} CPUs={os.cpu_count() or 1} State=UNKNOWN" for n, a in nodes)
         conf.write_text(CONF.format(host=socket.gethostname().split(".")[0], controller=CONTROLLER, root=root,
@@ -182,6 +187,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         else:
             os.environ["SLURM_CONF"] = old
         _teardown(tag, daemons)
+        shutil.rmtree(root, ignore_errors=True)
         if started_munge:
             _stop_munge()
 
@@ -192,7 +198,7 @@ def test_the_coordinator_runs_a_job_over_two_slurm_nodes(cluster: Cluster, tmp_p
     A background job waits too, so the foreground job takes it as its guest: it trains in the idle windows of
     both nodes' ranks.
     """
-    db, port, folder = tmp_path / "db.sqlite", free_port(), tmp_path / "jobs"
+    db, port, folder = tmp_path / "db.sqlite", free_port(), job_folder()  # root submits as the job account
     store = Store(db)
     secret = store.create_token("alice")
     # both queued before the server starts, so its first tick (before it serves) sees them together; at batch 32
@@ -201,8 +207,7 @@ def test_the_coordinator_runs_a_job_over_two_slurm_nodes(cluster: Cluster, tmp_p
     guest, _ = store.submit("alice", JobRequest(kind=JobKind.BACKGROUND, model=str(BACKGROUND), batch=8))
     store.close()
     server = start(db, port, gpus=2, allow=(MODEL.parent, BACKGROUND.parent), env={"GLOO_SOCKET_IFNAME": INTERFACE},
-                   job_user=False,
-                   options=("--launcher", "slurm", "--nodes", "2", "--check", "--log-dir", str(folder)))
+                   logs=folder, options=("--launcher", "slurm", "--nodes", "2", "--check"))
     try:
         client = Client(f"http://127.0.0.1:{port}", secret)
         with pytest.raises(DeeppoolError, match="do not split evenly over the 2 nodes"):
