@@ -44,6 +44,9 @@ class CudaGpu:
     def total_memory(self, device: torch.device) -> int:
         return torch.cuda.get_device_properties(device).total_memory
 
+    def free_memory(self, device: torch.device) -> int:
+        return torch.cuda.mem_get_info(device)[0]
+
     def generator(self, device: torch.device) -> torch.Generator:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return torch.cuda.default_generators[index]

@@ -220,6 +220,9 @@ class FakeGpu:
     def total_memory(self, device: torch.device) -> int:
         return self.memory_bytes
 
+    def free_memory(self, device: torch.device) -> int:
+        return self.memory_bytes
+
     def generator(self, device: torch.device) -> torch.Generator:
         return torch.default_generator
 

@@ -217,8 +217,9 @@ def device_memory(device: torch.device) -> int:
 def memory_budget(device: torch.device) -> int:
     """Bytes a profiling pass may take: most of the device's free memory, and at most half a CPU host's memory
     (others share it)."""
-    if device.type == "cuda":
-        return int(0.8 * torch.cuda.mem_get_info(device)[0])
+    gpu = gpu_for(device)
+    if gpu is not None:
+        return int(0.8 * gpu.free_memory(device))
     return int(min(0.5 * device_memory(device), 0.8 * _available_memory()))
 
 
