@@ -103,7 +103,7 @@ def serve(
         store = Store(db)
         held.callback(store.close)
         logs = log_dir or db.resolve().parent / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        _make_passable(logs)
         device = "cuda" if _gpu_count() else "cpu"
         settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs, device=device, nodes=nodes,
                                   max_body_bytes=max_body_kb << 10)
@@ -159,6 +159,14 @@ def _listen(host: str, port: int) -> socket.socket:
     return listening
 
 
+def _make_passable(folder: Path) -> None:
+    """Create ``folder`` and its missing parents 0711 (the server's umask would make them 0700): job accounts
+    pass through them to their own folders, never list them."""
+    for missing in [path for path in (folder, *folder.parents) if not path.exists()][::-1]:
+        missing.mkdir(exist_ok=True)
+        os.chmod(missing, 0o711)
+
+
 def _check_slurm_options(launcher: str, *, partition: str | None, nodes: int, gres: bool | None) -> None:
     if launcher not in ("local", "slurm"):
         raise DeeppoolError(f"--launcher '{launcher}' must be local or slurm")
@@ -190,11 +198,14 @@ def _run_as(job_user: str | None, *, logs: Path, paused: bool) -> RunAs:
     if closed is not None:
         raise DeeppoolError(f"jobs cannot reach --log-dir '{folder}': '{closed}' is closed to other users "
                             f"(chmod o+x '{closed}', or choose another --log-dir)")
-    python = Path(os.path.realpath(sys.executable))
-    closed = closed_to_others(python)
-    if closed is not None:
-        raise DeeppoolError(f"job accounts cannot run this Python ('{python}'): '{closed}' is closed to other "
-                            "users; install deeppool where every account can run it")
+    import deeppool
+
+    for python in (Path(os.path.realpath(sys.executable)), Path(sys.executable).absolute(),
+                   Path(deeppool.__file__).resolve().parent):  # the interpreter, a venv's, the package jobs import
+        closed = closed_to_others(python)
+        if closed is not None:
+            raise DeeppoolError(f"job accounts cannot run this Python ('{python}'): '{closed}' is closed to other "
+                                "users; install deeppool where every account can run it")
     return RunAs.parse(job_user)
 
 

@@ -189,7 +189,7 @@ class Broker:
         host_out, child_out = os.pipe()
         write_private(spec.folder / f"guest-{request.name}.json", json.dumps(self._task(request)).encode(),
                       spec.account)
-        argv = [sys.executable, "-m", "deeppool.coordinator.guest", str(spec.folder / f"guest-{request.name}.json")]
+        argv = [sys.executable, "-P", "-m", "deeppool.coordinator.guest", str(spec.folder / f"guest-{request.name}.json")]
         with self._spawning, spec.log.open("ab") as log:  # the log's header and the process's start, one at a time
             log.write(f"$ guest of a foreground job: {request.name}, as {spec.account.name}\n".encode())
             log.flush()

@@ -42,6 +42,10 @@ MAX_JOB_FILE = 64 << 20
 """The most the server reads of one file a job wrote."""
 
 
+class AccountError(DeeppoolError):
+    """A job's OS account is missing or unfit; the message names the account."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Account:
     """An OS account a job runs as."""
@@ -58,10 +62,10 @@ class Account:
         try:
             entry = pwd.getpwnam(name)
         except KeyError:
-            raise DeeppoolError(f"no OS account '{name}' to run the job as: create it (useradd --system "
+            raise AccountError(f"no OS account '{name}' to run the job as: create it (useradd --system "
                                 f"{name}) or serve with another --job-user") from None
         if entry.pw_uid == 0 or entry.pw_uid == os.geteuid():
-            raise DeeppoolError(f"account '{name}' is root or the server's own user: jobs must run as an "
+            raise AccountError(f"account '{name}' is root or the server's own user: jobs must run as an "
                                 "unprivileged account of their own")
         groups = tuple(sorted(set(os.getgrouplist(name, entry.pw_gid))))
         return cls(name=name, uid=entry.pw_uid, gid=entry.pw_gid, groups=groups, home=entry.pw_dir)

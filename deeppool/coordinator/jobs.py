@@ -60,7 +60,7 @@ def plain_text(value: str) -> str:
 PlainText = Annotated[str, AfterValidator(plain_text)]
 InputDtype = Literal["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8"]
 REQUEST_FIELDS = ("kind", "model", "gpus", "batch", "steps", "amplification", "input_shape", "input_dtype",
-                  "vocab_size")
+                  "vocab_size", "script")
 """What makes two submissions the same job (an idempotency key reused with another of these is a conflict)."""
 
 

@@ -140,7 +140,8 @@ class LocalLauncher:
         SupervisorSpec(job_id=job_id, attempt=attempt, steps=steps, env=env or {}, account=account, workdir=workdir,
                        group=group, guest=guest).write(files)
         self._children[(job_id, attempt)] = subprocess.Popen(
-            [sys.executable, "-m", SUPERVISOR, str(files.spec)], start_new_session=True, close_fds=True,
+            [sys.executable, "-P", "-m", SUPERVISOR, str(files.spec)], start_new_session=True, close_fds=True,
+            cwd=self.folder,  # -P and a folder of the server's: nothing is imported from where serve started
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=job_env(None),
         )
 

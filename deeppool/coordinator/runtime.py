@@ -55,6 +55,7 @@ slowdown), else it goes back to the queue.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,12 +64,14 @@ from pathlib import Path
 from typing import Any
 
 from deeppool.coordinator.guest import GuestSpec
-from deeppool.coordinator.isolation import Account, RunAs, read_job_file
+from deeppool.coordinator.isolation import Account, AccountError, RunAs, read_job_file
 from deeppool.coordinator.jobs import Job, JobStatus
 from deeppool.coordinator.launcher import Launcher, Phase, Resources, resources_for
 from deeppool.coordinator.store import Store
 from deeppool.executor.outputs import EVENTS, PROGRESS
 from deeppool.errors import DeeppoolError
+
+log = logging.getLogger("deeppool.coordinator")
 
 Steps = Callable[[Job, int, Sequence[Job]], list[list[str]]]
 """A job's steps for an attempt, given the guests lent its idle windows."""
@@ -119,7 +122,7 @@ class Runtime:
             resources = self.resources(job)
             account = self.run_as.account(job.owner)
         except DeeppoolError as err:
-            self.store.transition(job.id, JobStatus.FAILED, str(err))
+            self.store.transition(job.id, JobStatus.FAILED, _public(err, job))
             return False
         if not self.store.transition(job.id, JobStatus.STARTING, reason):
             return False
@@ -216,7 +219,7 @@ class Runtime:
             try:
                 account = self.run_as.account(job.owner)
             except DeeppoolError as err:
-                self.store.transition(job.id, JobStatus.FAILED, str(err))
+                self.store.transition(job.id, JobStatus.FAILED, _public(err, job))
                 return
             self._launch(job, attempt, guests, self.resources(job), account)
 
@@ -318,10 +321,21 @@ def run_events(folder: Path, job_id: int, owner: int | None = None) -> list[str]
     return messages
 
 
+def _public(err: DeeppoolError, job: Job) -> str:
+    """A reason the public status page may show: an account error names the owner's account, so it goes to
+    the server's log and the job says only what is wrong."""
+    if not isinstance(err, AccountError):
+        return str(err)
+    log.warning("job %d cannot start: %s", job.id, err)
+    return "its owner has no OS account jobs may run as: the operator creates one (docs/coordinator.md)"
+
+
 def capped(messages: list[str], limit: int) -> list[str]:
-    """The first ``limit`` messages; past it, the first ``limit - 1`` and a last one saying the rest were cut
-    (so the list a job's file gives is always a prefix of the next, as :meth:`Store.note` needs)."""
-    if len(messages) <= limit:
+    """Fewer than ``limit`` messages as they are; from ``limit`` on, the first ``limit - 1`` and a last one
+    saying the rest were cut (so the list a job's file gives is always a prefix of the next, as
+    :meth:`Store.note` needs: with exactly ``limit`` kept as they were, the notice of the next could never
+    be stored)."""
+    if len(messages) < limit:
         return messages
     return [*messages[:limit - 1], f"later events are not recorded: a job keeps at most {limit} "
                                    "(serve --max-events)"]

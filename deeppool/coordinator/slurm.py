@@ -206,7 +206,7 @@ class SlurmLauncher:
         if self.settings.partition:
             lines.append(f"#SBATCH --partition={shlex.quote(self.settings.partition)}")
         lines += [f"export {name}={shlex.quote(value)}" for name, value in env.items()]
-        lines.append(shlex.join(["exec", sys.executable, "-m", SUPERVISOR, str(files.spec)]))
+        lines.append(shlex.join(["exec", sys.executable, "-P", "-m", SUPERVISOR, str(files.spec)]))
         return "\n".join(lines) + "\n"
 
     def _state(self, slurm_id: str) -> str | None:

@@ -154,11 +154,12 @@ def _write_exit(files: JobFiles, code: int) -> None:
     os.replace(tmp, files.exit)
 
 
-def _prctl(option: int, value: int) -> None:
+def _prctl(option: int, value: int) -> bool:
+    """Whether the kernel took the setting."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
     except (OSError, AttributeError):
-        pass
+        return False
 
 
 def enter(group: JobGroup | None, account: Account | None) -> Callable[[], None]:
@@ -171,7 +172,8 @@ def enter(group: JobGroup | None, account: Account | None) -> Callable[[], None]
             os.setgroups(list(account.groups))
             os.setresgid(account.gid, account.gid, account.gid)
             os.setresuid(account.uid, account.uid, account.uid)
-        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        if not _prctl(PR_SET_NO_NEW_PRIVS, 1):
+            raise OSError("the job's step could not set no_new_privs: it does not start")
 
     return step
 

@@ -29,7 +29,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from deeppool.errors import DeeppoolError
 from deeppool.interrupt import Interrupted
-from deeppool.executor.outputs import EVENTS, RESIZE
+from deeppool.executor.outputs import EVENTS, RESIZE, STEPS
 from deeppool.executor.config import Nodes, RunConfig
 from deeppool.executor.hangwatch import HangWatch
 from deeppool.executor.local_model import check_plan_matches
@@ -89,7 +89,7 @@ def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[
     out = config.out_dir
     assert out is not None
     out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("error-rank*.json"), out / EVENTS, out / RESIZE]:
+    for stale in [*out.glob("error-rank*.json"), out / EVENTS, out / RESIZE, out / STEPS]:
         stale.unlink(missing_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     if nodes.count > 1:

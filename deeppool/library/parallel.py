@@ -102,7 +102,9 @@ class Parallelized:
         """Each key of the module's ``state_dict``, and the name the traced model holds its tensor by."""
         self._signature_module = own  # binds inputs to ``forward``'s argument names
         traced_module = traced.module.to(device)
-        self._precision = UserPrecision.measured(traced_module, traced.graph, bind_inputs(own, inputs(2)), device)
+        with torch.random.fork_rng(devices=[]):  # a model file's inputs() may draw from the user's stream
+            example = bind_inputs(own, inputs(2))
+        self._precision = UserPrecision.measured(traced_module, traced.graph, example, device)
         every = {**dict(traced_module.named_parameters()), **dict(traced_module.named_buffers())}
         program = build_program(plan, traced.graph, self.rank)
         recorder = Recorder(time.perf_counter, event_factory(gpu_for(device)),

@@ -214,3 +214,24 @@ def test_a_factory_jobs_inputs_reach_the_planner_and_the_run(tmp_path: Path) -> 
                                                                                                          64)
     summary = json.loads((tmp_path / "logs" / f"job-{job.id}" / "summary.json").read_text())
     assert len(summary["losses"]) == 2
+
+
+def test_the_cut_notice_is_stored_when_a_job_reaches_exactly_the_cap() -> None:
+    from deeppool.coordinator.runtime import capped
+
+    limit = 3
+    lists = [capped([f"m{i}" for i in range(n)], limit) for n in range(1, 7)]
+    for shorter, longer in zip(lists, lists[1:]):
+        assert longer[:len(shorter)] == shorter, "each list must be a prefix of the next (Store.note keeps prefixes)"
+    assert lists[-1] == ["m0", "m1", lists[-1][-1]] and "later events are not recorded" in lists[-1][-1]
+
+
+def test_an_idempotency_key_reused_with_another_script_is_a_conflict(tmp_path: Path) -> None:
+    from deeppool.coordinator.jobs import differences
+
+    store = Store(tmp_path / "db.sqlite")
+    store.create_token("alice")
+    first = JobRequest(kind=JobKind.FOREGROUND, model="m.py", gpus=2, batch=8, steps=5, script="a.py")
+    job, _ = store.submit("alice", first)
+    assert differences(job, first) == []
+    assert differences(job, first.model_copy(update={"script": "b.py"})) == ["script: 'a.py' there, 'b.py' here"]
