@@ -165,10 +165,11 @@ BURST = REPO / "tests" / "coordinator" / "models" / "burst_cnn.py"
 
 
 def test_another_users_background_job_trains_in_a_foreground_jobs_windows_as_its_own_account(
-        shared: Path, users) -> None:
+        shared: Path, users, monkeypatch) -> None:
     """bob's background job is lent alice's foreground job's idle windows: its processes are started by her
     job's supervisor as dpbob, in a cgroup nested in hers; it trains, cannot read her files, and her slowdown
     is reported."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the server's environment: staged models import examples/
     from deeppool.coordinator.driver import DriverSteps
 
     cluster = Cluster(shared, gpus=2)
