@@ -77,7 +77,7 @@ def _shares(spec: ModelSpec) -> dict[str, float]:
     profiler.enable()
     trace_spec(spec, meta=True)
     profiler.disable()
-    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    stats = pstats.Stats(profiler).stats
     cumulative: dict[str, float] = dict.fromkeys(PHASES, 0.0)
     whole = 0.0
     for (filename, _, function), (_, _, _, cum, _) in stats.items():
@@ -126,7 +126,7 @@ def _table(timings: list[Timing]) -> Table:
 
 def _import_seconds() -> float:
     start = time.perf_counter()
-    import transformers  # noqa: F401, PLC0415  the zoo's HF models import it: a one-time cost, timed apart
+    import transformers  # noqa: F401  the zoo's HF models import it: a one-time cost, timed apart
 
     return time.perf_counter() - start
 
@@ -142,8 +142,11 @@ def main() -> None:
     trace_spec(ModelSpec.parse(str(ZOO / "attn_shapes.py")), meta=True)  # torch's one-time dispatch set-up
     imported = _import_seconds()
     before = _load()
-    timings = [_timing(name) for name in args.models.split(",")]
     console = Console(width=200)
+    timings: list[Timing] = []
+    for name in args.models.split(","):
+        timings.append(_timing(name))
+        console.print(f"{name}: {timings[-1].total_s:.2f} s (CPU {timings[-1].cpu_s:.2f} s), load {_load()}")
     console.print(_table(timings))
     note = (f"One-time, not in the table: `import transformers` {imported:.2f} s. Phases are shares of a second, "
             "profiled trace: build (`model()`, the meta attempt included), fx, export, probe (shapes and FLOPs at "
