@@ -91,6 +91,10 @@ LOCAL = {"hf_gpt2", "tv_regnet"}
 """Planned from a local measurement in the default test run (a dict of inputs; a model that cannot be
 built on meta); the others' local plans (1-3 min each on 2 cores) are in the heavy tier."""
 
+LOCAL_BUGS = {"tv_inception": (pytest.mark.xfail(strict=True, raises=ValueError, reason=(
+    "open bug: measuring the aux head's BatchNorm at per-GPU batch 1 (1x1 spatial) raises torch's ValueError "
+    "'Expected more than 1 value per channel when training' out of `deeppool plan`, a traceback, not an error line")),)}
+
 
 def _counts(plan: Path) -> set[int]:
     return {layer["gpus"] for layer in json.loads(plan.read_text())["layers"]}
@@ -128,7 +132,8 @@ def test_zoo_model_plans_and_trains_burst_parallel_exactly(tmp_path: Path, capfd
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n if n in LOCAL else pytest.param(n, marks=pytest.mark.heavy) for n in sorted(RUNS)])
+@pytest.mark.parametrize("name", [n if n in LOCAL else pytest.param(n, marks=[pytest.mark.heavy, *LOCAL_BUGS.get(n, ())])
+                                  for n in sorted(RUNS)])
 def test_zoo_model_plans_with_local_measurement(tmp_path: Path, capfd, name: str) -> None:
     """Measured here, not estimated: every zoo model, with a short measurement (batch 4 on 2 GPUs)."""
     planned = deeppool(capfd, "plan", str(ZOO / f"{name}.py"), "--gpus", "2", "--batch", "4",
