@@ -1,14 +1,17 @@
 """The zoo end to end: models written the way public zoos write them plan and train unchanged.
 
-Every file under ``tests/models/zoo/`` is planned through the CLI's entry point (in this process), then
-run for real on gloo ranks with a hand-made burst plan (at least two distinct
-GPU counts) and ``--check`` against one process. The files under
-``tests/models/zoo/refused/`` must be refused up front: exit 2, one line
-``error: ...`` naming the module at fault, no traceback.
+Every file under ``tests/models/zoo/`` is planned through the CLI's entry point (in this process) as a
+user plans it: with A100 estimates on 4 GPUs, then, when the ILP gives every layer one GPU count, again
+with ``--pin`` on two layer globs at two counts, so that the plan runs burst parallel; that plan is run
+for real with ``deeppool run --nproc 4 --check`` against one process. Each model is also planned from a
+local measurement (a short one: batch 4, per-GPU batches up to 2). The files under
+``tests/models/zoo/refused/`` must be refused up front: exit 2, one line ``error: ...`` naming the module
+at fault, no traceback.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import json
 from pathlib import Path
@@ -18,33 +21,36 @@ import pytest
 import torch
 
 from tests.entry import Result, deeppool
-from tests.executor.plans import Assign, cycle, make_plan_for
+from tests.executor.plans import cycle, make_plan_for
 
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "tests" / "models" / "zoo"
 REFUSED = ZOO / "refused"
 
-# file stem -> (global batch, ranks, GPU counts cycled over the layers)
-RUNS: dict[str, tuple[int, int, Assign]] = {
-    "hf_gpt2": (8, 2, cycle(2, 1)),
-    "hf_bert": (8, 2, cycle(2, 1)),
-    "hf_t5": (8, 4, cycle(4, 2, 1, 3)),
-    "hf_vit": (8, 4, cycle(4, 2, 1, 3)),
-    "hf_llama": (8, 4, cycle(4, 2, 1, 3)),
-    "hf_gpt_neox": (8, 4, cycle(4, 2, 1, 3)),
-    "hf_bart": (8, 4, cycle(4, 2, 1, 3)),
-    "hf_whisper": (8, 4, cycle(4, 2, 1, 3)),
-    "hf_convnext": (8, 4, cycle(4, 2, 1, 3)),
-    "hf_swin": (8, 4, cycle(4, 2, 1, 3)),
-    "hf_regnet": (8, 4, cycle(4, 2, 1, 3)),
-    "tv_regnet": (8, 4, cycle(4, 2, 1, 3)),
-    "layerdrop_zero": (8, 4, cycle(4, 2, 1, 3)),
-    "tv_resnet": (8, 4, cycle(4, 2, 1, 3)),
-    "tv_mobilenet": (8, 2, cycle(2, 1)),
-    "tv_inception": (8, 2, cycle(2, 1)),
-    "tv_densenet": (8, 2, cycle(2, 1)),
-    "attn_shapes": (8, 4, cycle(4, 2, 1, 3)),
+# file stem -> the `--pin GLOB=N` options a user would add when the ILP gives every layer one count
+# (two globs, two counts: the traced layer names are export's op names or fx's module paths)
+RUNS: dict[str, tuple[str, str]] = {
+    "hf_gpt2": ("layer_norm*=4", "linear=2"),
+    "hf_bert": ("linear*=2", "layer_norm*=4"),
+    "hf_t5": ("linear*=2", "pow_*=4"),
+    "hf_vit": ("linear*=2", "layer_norm*=4"),
+    "hf_llama": ("linear*=2", "embedding=4"),
+    "hf_gpt_neox": ("linear*=2", "layer_norm*=4"),
+    "hf_bart": ("linear*=2", "layer_norm*=4"),
+    "hf_whisper": ("linear*=2", "layer_norm*=4"),
+    "hf_convnext": ("conv2d*=2", "linear*=4"),
+    "hf_swin": ("linear*=2", "layer_norm*=4"),
+    "hf_regnet": ("conv2d*=2", "relu*=4"),
+    "tv_regnet": ("trunk_output_0_*=2", "stem_*=4"),
+    "layerdrop_zero": ("encoder_layers_*=2", "head=4"),
+    "tv_resnet": ("layer1_*=2", "layer2_*=4"),
+    "tv_mobilenet": ("features_1_*=2", "features_0_*=4"),
+    "tv_inception": ("mixed_5b_*=2", "conv2d_1a_3x3_conv=4"),
+    "tv_densenet": ("features_denseblock1_*=2", "features_conv0=4"),
+    "attn_shapes": ("linear*=2", "layer_norm*=4"),
 }
+RANKS = 4
+BATCH = 8
 
 
 def load(path: Path) -> ModuleType:
@@ -81,22 +87,44 @@ def test_zoo_file_runs_eagerly(name: str) -> None:
 HEAVY = {"hf_bart", "hf_whisper", "hf_t5", "hf_gpt_neox", "hf_convnext", "hf_swin", "hf_regnet"}
 """The zoo's slowest burst runs (1-5 min each on 2 cores): in the heavy tier, not the default test run."""
 
+LOCAL = {"hf_gpt2", "tv_regnet"}
+"""Planned from a local measurement in the default test run (a dict of inputs; a model that cannot be
+built on meta); the others' local plans (1-3 min each on 2 cores) are in the heavy tier."""
+
+LOCAL_BUGS = {"tv_inception": (pytest.mark.xfail(strict=True, raises=ValueError, reason=(
+    "open bug: measuring the aux head's BatchNorm at per-GPU batch 1 (1x1 spatial) raises torch's ValueError "
+    "'Expected more than 1 value per channel when training' out of `deeppool plan`, a traceback, not an error line")),)}
+
+
+def _counts(plan: Path) -> set[int]:
+    return {layer["gpus"] for layer in json.loads(plan.read_text())["layers"]}
+
+
+def plan_burst(capfd, name: str, out: Path) -> None:
+    """``deeppool plan`` with A100 estimates; again with :data:`RUNS`' pins when the ILP picks one count."""
+    args = ["plan", str(ZOO / f"{name}.py"), "--gpus", str(RANKS), "--batch", str(BATCH), "--device-model", "a100"]
+    planned = deeppool(capfd, *args, "--out", str(out))
+    assert planned.code == 0, planned.stderr[-3000:]
+    assert len(json.loads(out.read_text())["layers"]) >= 2
+    if len(_counts(out)) >= 2:
+        return
+    pinned = deeppool(capfd, *args, *(option for pin in RUNS[name] for option in ("--pin", pin)), "--out", str(out))
+    assert pinned.code == 0, pinned.stderr[-3000:]
+    layers = json.loads(out.read_text())["layers"]
+    for pin in RUNS[name]:
+        pattern, count = pin.rsplit("=", 1)
+        matched = [layer for layer in layers if fnmatch.fnmatchcase(layer["name"], pattern)]
+        assert matched and all(layer["gpus"] == int(count) for layer in matched), (pin, matched)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.heavy) if n in HEAVY else n for n in sorted(RUNS)])
 def test_zoo_model_plans_and_trains_burst_parallel_exactly(tmp_path: Path, capfd, name: str) -> None:
-    path = ZOO / f"{name}.py"
-    planned = deeppool(capfd, "plan", str(path), "--gpus", "4", "--batch", "8", "--device-model", "a100",
-                       "--out", str(tmp_path / "plan.json"))
-    assert planned.code == 0, planned.stderr[-3000:]
-    assert len(json.loads((tmp_path / "plan.json").read_text())["layers"]) >= 2
-
-    batch, ranks, assign = RUNS[name]
-    plan = make_plan_for(path, global_batch=batch, gpus=ranks, assign=assign)
-    assert len(set(plan.assignment.values())) >= 2  # a burst plan, not data parallel
-    plan.save(tmp_path / "burst.json")
+    plan = tmp_path / "plan.json"
+    plan_burst(capfd, name, plan)
+    assert len(_counts(plan)) >= 2  # a burst plan, not data parallel
     out = tmp_path / "run"
-    ran = deeppool(capfd, "run", str(tmp_path / "burst.json"), "--nproc", str(ranks), "--steps", "2", "--warmup", "0",
+    ran = deeppool(capfd, "run", str(plan), "--nproc", str(RANKS), "--steps", "2", "--warmup", "0",
                    "--check", "--out", str(out))
     assert ran.code == 0, ran.stderr[-3000:]
     assert "max relative difference" in ran.stdout, ran.stdout[-3000:]
@@ -104,11 +132,13 @@ def test_zoo_model_plans_and_trains_burst_parallel_exactly(tmp_path: Path, capfd
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hf_gpt2", "tv_regnet"])
+@pytest.mark.parametrize("name", [n if n in LOCAL else pytest.param(n, marks=[pytest.mark.heavy, *LOCAL_BUGS.get(n, ())])
+                                  for n in sorted(RUNS)])
 def test_zoo_model_plans_with_local_measurement(tmp_path: Path, capfd, name: str) -> None:
-    """Measured here, not estimated: a dict of inputs (GPT-2) and a model that cannot be built on meta (RegNet)."""
-    planned = deeppool(capfd, "plan", str(ZOO / f"{name}.py"), "--gpus", "2", "--batch", "8",
-                       "--max-measured-batch", "4", "--out", str(tmp_path / "plan.json"))
+    """Measured here, not estimated: every zoo model, with a short measurement (batch 4 on 2 GPUs)."""
+    planned = deeppool(capfd, "plan", str(ZOO / f"{name}.py"), "--gpus", "2", "--batch", "4",
+                       "--max-measured-batch", "2", "--cache-dir", str(tmp_path / "cache"),
+                       "--out", str(tmp_path / "plan.json"))
     assert planned.code == 0, planned.stderr[-3000:]
     assert "Traceback" not in planned.stderr
     assert len(json.loads((tmp_path / "plan.json").read_text())["layers"]) >= 2
