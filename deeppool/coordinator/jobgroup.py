@@ -1,4 +1,5 @@
-"""A job is all its processes: one cgroup (v2) per attempt, which a job cannot leave.
+"""A job is all its processes: one cgroup (v2) per attempt, which a job run as an account of its own
+(``serve --job-user``, the server root) cannot leave; a job run as the server's own user could.
 
 :class:`CgroupRoot` is this server's folder in the cgroup v2 tree: under the
 server's own cgroup, ``deeppool-HASH`` (the hash of the launcher's folder, so
