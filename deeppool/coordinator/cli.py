@@ -96,8 +96,9 @@ def serve(
     from deeppool.coordinator.store import Store, lock_database
     from deeppool.scheduling import Order, Placement, Scheduler
 
-    os.umask(0o077)  # the database, logs and files of the server: its user's alone
+    before = os.umask(0o077)  # the database, logs and files of the server: its user's alone
     with contextlib.ExitStack() as held:  # the port, the lock and the database, released in that order's reverse
+        held.callback(os.umask, before)  # serve called in a process that goes on (tests) leaves its umask as it was
         listening = held.enter_context(_listen(host, port))  # before anything is created: a port in use changes nothing
         held.enter_context(lock_database(db))
         store = Store(db)

@@ -120,11 +120,13 @@ def slurm() -> Iterator[dict[str, str]]:
     started_munge = _start_munge()
     root = slurm_folder()
     for sub in ("state", "spool"):
-        (root / sub).mkdir(mode=0o755)
+        (root / sub).mkdir()
+        (root / sub).chmod(0o755)  # explicitly: a server run in this process earlier left its umask 077
     conf = root / "slurm.conf"
     host = socket.gethostname().split(".")[0]
     conf.write_text(CONF.format(host=host, root=root, ctld_port=free_port(), d_port=free_port(),
                                 cpus=os.cpu_count() or 1))
+    conf.chmod(0o644)  # every job account's Slurm commands read it
     env = {**os.environ, "SLURM_CONF": str(conf)}
     daemons = {daemon: subprocess.Popen([daemon, "-D", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL) for daemon in ("slurmctld", "slurmd")}

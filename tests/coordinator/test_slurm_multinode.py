@@ -167,12 +167,14 @@ def cluster() -> Iterator[Cluster]:
     try:
         namespaces = _network(tag, 2)
         nodes = tuple((f"node{i}", f"{SUBNET}.{i + 1}") for i in range(len(namespaces)))
-        (root / "state").mkdir(mode=0o755)
+        (root / "state").mkdir()
+        (root / "state").chmod(0o755)  # explicitly: a server run in this process earlier left its umask 077
         conf = root / "slurm.conf"
         lines = "\n".join(f"NodeName={n} NodeAddr={a} CPUs={os.cpu_count() or 1} State=UNKNOWN" for n, a in nodes)
         conf.write_text(CONF.format(host=socket.gethostname().split(".")[0], controller=CONTROLLER, root=root,
                                     ctld_port=free_port(), d_port=free_port(), nodes=lines,
                                     names=",".join(n for n, _ in nodes)))
+        conf.chmod(0o644)  # every job account's Slurm commands read it
         env = {**os.environ, "SLURM_CONF": str(conf)}
         quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
         daemons.append(subprocess.Popen(["slurmctld", "-D", "-f", str(conf)], **quiet))
