@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from deeppool.coordinator.launcher import Launcher
     from deeppool.coordinator.slurm import SlurmSettings
 
+REQUESTS_GRACE_S = 1.0
+"""At a stop, how long requests in flight may take to finish: a client that stalls in its body must not hold the
+server past the Ctrl-C deadline (:data:`deeppool.interrupt.GRACE_S`), which would end it before it said so."""
 token_app = typer.Typer(help="API tokens for the coordinator.", no_args_is_help=True)
 
 
@@ -122,8 +125,9 @@ def serve(
         typer.echo(f"deeppool serve: {url}, database {db.resolve()}, {slots} "
                    f"{'GPUs' if device == 'cuda' else 'CPU slots'}, policy {policy.name}"
                    f"{' (paused)' if paused else ''}, launcher {launcher}", err=True)
-        stopped_by = _run(uvicorn.Server(uvicorn.Config(create_app(store, settings, service), log_level="warning")),
-                          listening)
+        config = uvicorn.Config(create_app(store, settings, service), log_level="warning",
+                                timeout_graceful_shutdown=REQUESTS_GRACE_S)
+        stopped_by = _run(uvicorn.Server(config), listening)
     typer.echo(f"deeppool serve: stopped{' by ' + stopped_by if stopped_by else ''} ({url}, database "
                f"{db.resolve()})", err=True)
     if stopped_by == signal.SIGINT.name:

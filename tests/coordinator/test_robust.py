@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -151,6 +152,28 @@ def test_a_failing_scheduling_loop_is_retried_and_healthz_says_so(tmp_path: Path
     assert lines[0].startswith("deeppool serve: http://127.0.0.1:") and "policy fifo-backfill" in lines[0]
     assert lines[-2].startswith("deeppool serve: stopped by SIGINT") and lines[-1] == "interrupted"
     assert server.returncode == 130  # Ctrl-C: stopped cleanly, and said so (docs/executor.md, Ctrl-C)
+
+
+def test_a_request_stalled_in_its_body_does_not_hold_serve_past_ctrl_c(tmp_path: Path) -> None:
+    db, port = tmp_path / "deeppool.db", free_port()
+    Store(db).close()
+    server = start(db, port, paused=True)
+    try:
+        wait_for(port, lambda h: h.status_code == 200, 30)
+        stalled = socket.create_connection(("127.0.0.1", port))
+        stalled.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 1000\r\n\r\n{\"kind\"")  # a body that never comes
+        time.sleep(0.5)
+        began = time.monotonic()
+        server.send_signal(signal.SIGINT)
+        _, stderr = server.communicate(timeout=20)
+        took = time.monotonic() - began
+        stalled.close()
+    finally:
+        server.kill()
+    lines = stderr.decode().splitlines()
+    assert lines[-2].startswith("deeppool serve: stopped by SIGINT") and lines[-1] == "interrupted", lines
+    assert server.returncode == 130 and took < 5, (server.returncode, took)
 
 
 def wait_for(port: int, done, timeout_s: float) -> httpx.Response:
