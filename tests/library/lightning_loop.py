@@ -28,12 +28,12 @@ class Classifier(pl.LightningModule):
         x, y = batch
         loss = self.loss_fn(self.model(x), y)
         self.log("train_loss", loss)
-        self.losses.append(float(loss))
+        self.losses.append(float(loss.detach()))
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
-        self.log("val_loss", self.loss_fn(self.model(x), y))
+        self.log("val_loss", self.loss_fn(self.model(x), y), sync_dist=True)  # the strategy's reduce
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.01)
