@@ -354,7 +354,8 @@ class _PlanBackward(torch.autograd.Function):
     engine, not through this node."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, whole: torch.Tensor, finish: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    def forward(ctx: Any, anchor: torch.Tensor, whole: torch.Tensor,
+                finish: Callable[[torch.Tensor], None]) -> torch.Tensor:
         del anchor
         ctx.finish = finish
         return whole
