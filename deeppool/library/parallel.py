@@ -125,6 +125,8 @@ class Parallelized:
                                self._precision)
         self._calls = 0
         self._sync = True
+        self._output_kind: str | None = None
+        """The output's type when it is not one tensor ("" when it is; None until :meth:`forward` ran)."""
         self.training = True
         self.last_step_s: float | None = None
         """The wall-clock seconds of the last :meth:`step` (the engine's iteration span)."""
@@ -183,9 +185,7 @@ class Parallelized:
         self._calls += 1
         rows = self._output_rows()
         mine = pending.output
-        if mine is not None and not isinstance(mine, torch.Tensor):
-            raise DeeppoolError(f"the model's output is a {type(mine).__name__}, not one tensor: bp.forward needs a "
-                                "tensor output; give bp.step a loss_fn instead")
+        self._check_tensor_output(mine)
         whole = self._gathered(mine, rows)
 
         def finish(grad: torch.Tensor) -> None:
@@ -195,6 +195,18 @@ class Parallelized:
             self._settle()
 
         return _PlanBackward.apply(torch.zeros((), requires_grad=True), whole, finish)
+
+    def _check_tensor_output(self, mine: Any) -> None:
+        """Refuse, on every rank alike, a model whose output is not one tensor: rank 0 (which computes rows of
+        every layer) tells the others, once."""
+        if self._output_kind is None:
+            kind = [type(mine).__name__ if mine is not None and not isinstance(mine, torch.Tensor) else ""]
+            if self.world_size > 1:
+                dist.broadcast_object_list(kind, src=0)
+            self._output_kind = kind[0]
+        if self._output_kind:
+            raise DeeppoolError(f"the model's output is a {self._output_kind}, not one tensor: bp.forward needs a "
+                                "tensor output; give bp.step a loss_fn instead")
 
     def _output_rows(self) -> tuple[int, int]:
         """The global rows of the output this rank computes (``(0, 0)`` where none)."""
