@@ -29,7 +29,7 @@ from torch import nn
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import DEFAULT_TIMEOUT_S, BatchNormMode
-from deeppool.library.parallel import Parallelized, parallelize
+from deeppool.library.parallel import Options, Parallelized, parallelize
 from deeppool.library.world import join
 from deeppool.planner.plan import Plan
 
@@ -62,8 +62,8 @@ class DeeppoolStrategy(ParallelStrategy):
         super().__init__()
         self._plan = plan if isinstance(plan, Plan) else Plan.load(Path(plan))
         self._attribute = module
-        self._options: dict[str, Any] = {"example_inputs": example_inputs, "bucket_mb": bucket_mb,
-                                         "timeout_s": timeout_s, "batchnorm": batchnorm}
+        self._example_inputs = example_inputs
+        self._options = Options(bucket_mb=bucket_mb, timeout_s=timeout_s, batchnorm=batchnorm)
         self._device: torch.device | None = None
         self._bp: Parallelized | None = None
 
@@ -102,7 +102,7 @@ class DeeppoolStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
 
     def setup_environment(self) -> None:
-        self._device = join(self._plan.gpus, self._options["timeout_s"])
+        self._device = join(self._plan.gpus, self._options.timeout_s)
         super().setup_environment()
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -148,7 +148,9 @@ class DeeppoolStrategy(ParallelStrategy):
         if not isinstance(net, nn.Module):
             raise DeeppoolError(f"the LightningModule has no module '{self._attribute}': give DeeppoolStrategy(plan, "
                                 "module=NAME), NAME the attribute that holds the model the plan was made for")
-        bp = parallelize(net, self._plan, **self._options)
+        options = self._options
+        bp = parallelize(net, self._plan, example_inputs=self._example_inputs, bucket_mb=options.bucket_mb,
+                         timeout_s=options.timeout_s, batchnorm=options.batchnorm)
         _adopt(net, bp)
         return bp
 

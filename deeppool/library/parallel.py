@@ -176,10 +176,14 @@ class Parallelized:
 
         Every rank must compute the same loss from the same output and targets (the same global batch on
         every rank). The output's rows are gathered in one all-reduce, and each rank takes its rows of the
-        output's gradient. Without gradients (``torch.no_grad()``), this is :meth:`eval_step`. A model whose
-        output is not one tensor (a Hugging Face ``ModelOutput``) is refused: use :meth:`step`."""
+        output's gradient. Without gradients (``torch.no_grad()``), this is :meth:`eval_step`. It runs in
+        32-bit: under ``torch.autocast`` (whose backward would run outside it, with other reshard dtypes) and
+        for a model whose output is not one tensor (a Hugging Face ``ModelOutput``), use :meth:`step`."""
         if not torch.is_grad_enabled():
             return self.eval_step(inputs)
+        if torch.is_autocast_enabled(self.device.type):
+            raise DeeppoolError("bp.forward runs in 32-bit: under torch.autocast, give bp.step a loss_fn (and "
+                                "scaler=) instead")
         batch = self._batch(inputs, None)
         pending = self._engine.begin(self._calls, batch, self._calls, sync=self._sync)
         self._calls += 1

@@ -57,6 +57,8 @@ def test_the_strategy_refuses_what_it_cannot_run(tmp_path: Path) -> None:
     plan = make_plan_for(CNN, global_batch=2, gpus=1, assign=cycle(1))
     with pytest.raises(DeeppoolError, match="32-bit precision, not with MixedPrecision"):
         DeeppoolStrategy(plan).precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    with pytest.raises(DeeppoolError, match="bucket_mb=-1 is negative"):
+        DeeppoolStrategy(plan, bucket_mb=-1)
     model = lightning_loop.Classifier(user_loop.model_file(CNN).model(), torch.nn.functional.cross_entropy)
     strategy = DeeppoolStrategy(plan, module="net")
     strategy.connect(model)

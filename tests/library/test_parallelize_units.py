@@ -139,3 +139,5 @@ def test_forward_refuses_an_output_that_is_not_one_tensor(world, tmp_path) -> No
     bp = deeppool.parallelize(model_file(str(path)).model(), plan)
     with pytest.raises(DeeppoolError, match="the model's output is a dict, not one tensor: bp.forward needs"):
         bp.forward(torch.randn(BATCH, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(DeeppoolError, match="runs in 32-bit"):
+        bp.forward(torch.randn(BATCH, 4))
