@@ -140,13 +140,14 @@ def main() -> None:
 
 
 def report(steps: int, warmup: int, repeats: int, batch: int) -> None:
-    """Measure and print the table."""
-    work = Path(tempfile.mkdtemp(prefix="deeppool-library-bench-"))
-    plan = work / "plan.json"
-    burst_plan(plan, batch)
-    load_before = os.getloadavg()
-    pairs = measure(plan, work, steps, warmup, repeats)
-    load_after = os.getloadavg()
+    """Measure and print the table (the plan and the ranks' outputs in a temporary folder, removed after)."""
+    with tempfile.TemporaryDirectory(prefix="deeppool-library-bench-") as folder:
+        work = Path(folder)
+        plan = work / "plan.json"
+        burst_plan(plan, batch)
+        load_before = os.getloadavg()
+        pairs = measure(plan, work, steps, warmup, repeats)
+        load_after = os.getloadavg()
     print(f"burst plan of {MODEL.name} (batch {batch}, 2 gloo ranks), {steps} steps, "
           f"median after {warmup}; slowest rank")
     print(f"{'repeat':>6}  {'deeppool run ms':>15}  {'parallelize ms':>14}  {'ratio':>6}  {'engine ms':>9}  "
