@@ -5,6 +5,7 @@ rank's parameters and buffers, and rank 0's checkpoint, which loads into the pla
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_a_lightning_trainer_on_a_burst_plan_equals_one_process(tmp_path: Path) -> None:
     names = ["cnn", "transformer"]
     jobs = plans(tmp_path, names)
-    done = subprocess.run(["torchrun", "--nproc-per-node", "4", "--master-port", str(free_port()),
-                           str(REPO / "tests/library/lightning_loop.py"), str(tmp_path), *jobs],
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+                           str(free_port()), str(REPO / "tests/library/lightning_loop.py"), str(tmp_path), *jobs],
                           cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"lightning-rank{r}.pt", weights_only=False) for r in range(4)]
@@ -49,7 +50,7 @@ def test_a_lightning_trainer_on_a_burst_plan_equals_one_process(tmp_path: Path) 
             torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5, msg=f"{name} checkpoint {key}")
 
 
-def test_the_strategy_refuses_what_it_cannot_run(tmp_path: Path) -> None:
+def test_the_strategy_refuses_what_it_cannot_run() -> None:
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     from deeppool.integrations.lightning import DeeppoolStrategy
