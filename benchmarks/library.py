@@ -1,6 +1,6 @@
 """Library-mode overhead: a user loop over ``deeppool.parallelize`` against ``deeppool run``, same plan.
 
-    python benchmarks/library.py [--steps 30] [--warmup 5] [--repeats 3] [--batch 32]
+    python benchmarks/library.py [--steps 30] [--warmup 5] [--repeats 3] [--batch 32] [--write-docs]
 
 Both run a burst plan of ``benchmarks/models/cnn.py`` (the conv blocks on 2 ranks, the head on 1:
 two distinct GPU counts) with SGD (lr 0.01) on the model's synthetic batch, in the same 2 gloo
@@ -13,7 +13,8 @@ most 1.03) and the load average before and after, since the machine may be share
 one after the other, so on a loaded machine their ratio wanders; the loop's time over its own engine
 span (``bp.last_step_s``, the same engine code ``deeppool run`` times) is measured on the same steps
 and bounds what the library layer adds (it includes the user's ``opt.step()``, which ``deeppool
-run``'s span includes too).
+run``'s span includes too). ``--write-docs`` puts the printed report in ``docs/performance.md``
+(region ``library``).
 
 This file is also the user's training script (``worker`` mode, run by ``deeppool run --script``).
 """
@@ -29,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from deeppool.docregions import REPO, Stamp, teed_stdout, text_block, write_region
 
 HERE = Path(__file__).resolve().parent
 MODEL = HERE / "models" / "cnn.py"
@@ -124,17 +127,29 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--write-docs", action="store_true",
+                        help="put the report in docs/performance.md (region 'library')")
     args = parser.parse_args()
     if args.steps <= args.warmup or args.repeats < 1 or args.batch < 2:
         raise SystemExit("error: give --steps > --warmup >= 0, --repeats >= 1 and --batch >= 2")
-    work = Path(tempfile.mkdtemp(prefix="deeppool-library-bench-"))
-    plan = work / "plan.json"
-    burst_plan(plan, args.batch)
-    load_before = os.getloadavg()
-    pairs = measure(plan, work, args.steps, args.warmup, args.repeats)
-    load_after = os.getloadavg()
-    print(f"burst plan of {MODEL.name} (batch {args.batch}, 2 gloo ranks), {args.steps} steps, "
-          f"median after {args.warmup}; slowest rank")
+    stamp = Stamp.started()
+    with teed_stdout() as printed:
+        report(args.steps, args.warmup, args.repeats, args.batch)
+    if args.write_docs:
+        write_region(REPO / "docs" / "performance.md", "library", text_block(printed.getvalue()), stamp)
+
+
+def report(steps: int, warmup: int, repeats: int, batch: int) -> None:
+    """Measure and print the table (the plan and the ranks' outputs in a temporary folder, removed after)."""
+    with tempfile.TemporaryDirectory(prefix="deeppool-library-bench-") as folder:
+        work = Path(folder)
+        plan = work / "plan.json"
+        burst_plan(plan, batch)
+        load_before = os.getloadavg()
+        pairs = measure(plan, work, steps, warmup, repeats)
+        load_after = os.getloadavg()
+    print(f"burst plan of {MODEL.name} (batch {batch}, 2 gloo ranks), {steps} steps, "
+          f"median after {warmup}; slowest rank")
     print(f"{'repeat':>6}  {'deeppool run ms':>15}  {'parallelize ms':>14}  {'ratio':>6}  {'engine ms':>9}  "
           f"{'loop/engine':>11}")
     for index, (executor, library, engine) in enumerate(pairs):

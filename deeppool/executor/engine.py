@@ -34,6 +34,7 @@ from deeppool.planner.plan import IdleWindow, Plan, PlannedLayer
 LossFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 _COMM = {OpKind.RESHARD, OpKind.RESHARD_GRAD, OpKind.ALLREDUCE}
+_FORWARD = {OpKind.RESHARD, OpKind.FORWARD}
 
 
 @dataclass
@@ -64,6 +65,16 @@ class _State:
     def draw(self) -> int:
         """The position of this micro-batch's random draws: one per global batch trained on."""
         return self.position + self.micro
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pending:
+    """An iteration between :meth:`Engine.begin` and :meth:`Engine.end`."""
+
+    state: _State
+    start_s: float
+    output: Any
+    """This rank's rows of the model's output (None on a rank that computes none)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +133,9 @@ class Engine:
         self._open_idle: IdleWindowEvent | None = None
         self.overlaps = self._overlaps() if parts.overlap else {}
         steps = [op for op in parts.program.ops if op.kind is OpKind.STEP]
+        self._backward_from = next((i for i, op in enumerate(parts.program.ops) if op.kind not in _FORWARD),
+                                   len(parts.program.ops))
+        """The first op that is not a forward one: every forward op comes before it (:mod:`.program`)."""
         self._last_step: Op | None = steps[-1] if steps else None
         self._handlers: dict[OpKind, Callable[[Op, _State], None]] = {
             OpKind.RESHARD: self._reshard,
@@ -149,8 +163,38 @@ class Engine:
         first = step * len(batches) if position is None else position
         for micro, batch in enumerate(batches):
             state = _State(batch=batch, step=step, micro=micro, micros=len(batches), position=first, sync=sync)
-            self._run(state, start)
+            self._fire(None, step, start)
+            self._run(state, self.p.program.ops, start)
             loss += float(state.loss.detach()) if state.loss is not None else 0.0
+        self._end_iteration(step, start, sync)
+        return loss
+
+    def begin(self, step: int, batch: Batch, position: int, *, sync: bool = True) -> Pending:
+        """The forward half of a one-batch :meth:`step` whose loss is computed outside the engine (a user's
+        ``loss.backward()`` through :meth:`deeppool.library.Parallelized.forward`): the reshards and stage
+        forwards, with autograd recording. :attr:`Pending.output` is this rank's rows of the model's output;
+        :meth:`end` runs the rest of the iteration, from the output's gradient."""
+        recorder = self.p.recorder
+        recorder.begin(step)
+        state = _State(batch=batch, step=step, position=position, sync=sync)
+        start = recorder.clock()
+        self._fire(None, step, start)
+        self._run(state, self.p.program.ops[: self._backward_from], start)
+        return Pending(state=state, start_s=start, output=state.outputs.get(self.p.model.graph.output))
+
+    def end(self, pending: Pending, output_grad: torch.Tensor | None) -> None:
+        """The backward half: ``output_grad`` is the loss's gradient for this rank's rows of the output (None
+        on a rank that computes none); the backwards, gradient reshards and all-reduces then run as in
+        :meth:`step` (no loss op: the loss was the caller's)."""
+        state = pending.state
+        if output_grad is not None:
+            state.grads[self.p.model.graph.output] = output_grad
+        ops = [op for op in self.p.program.ops[self._backward_from :] if op.kind is not OpKind.LOSS]
+        self._run(state, ops, pending.start_s)
+        self._end_iteration(state.step, pending.start_s, state.sync)
+
+    def _end_iteration(self, step: int, start: float, sync: bool) -> None:
+        recorder = self.p.recorder
         if self._last_step is None and sync:
             self._optimizer_step(step)  # a rank with no step op still joins the clipping collective
         self._pace()
@@ -158,7 +202,6 @@ class Engine:
         self.p.synchronize()
         recorder.settle()
         recorder.add(Span(step=step, label="iteration", category=Category.ITERATION, start_s=start, end_s=recorder.clock()))
-        return loss
 
     def forward(self, batch: Batch, position: int = 0) -> dict[str, Any]:
         """The forward ops alone (reshards and stage forwards, no loss, no backward): every layer output
@@ -169,10 +212,10 @@ class Engine:
                 self._handlers[op.kind](op, state)
         return state.outputs
 
-    def _run(self, state: _State, start: float) -> None:
+    def _run(self, state: _State, ops: Sequence[Op], start: float) -> None:
+        """``ops`` in order (``start``: the iteration's start, for the idle windows they open)."""
         step, recorder = state.step, self.p.recorder
-        self._fire(None, step, start)
-        for op in self.p.program.ops:
+        for op in ops:
             if op is self._last_step and state.last:
                 self._optimizer_step(step)
             category = Category.COMM if op.kind in _COMM else Category.COMPUTE

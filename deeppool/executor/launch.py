@@ -12,6 +12,7 @@ a rank that died by a signal, else the earliest communication failure.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -20,6 +21,7 @@ import signal
 import socket
 import sys
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,14 +86,37 @@ def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[
     plan = Plan.load(plan_path)
     if script is None:
         preflight(plan, nproc, nodes)
-    else:
-        os.environ[PLAN_VARIABLE] = str(plan_path.resolve())
+    ranks_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))}
+    if script is not None:
+        ranks_env[PLAN_VARIABLE] = str(plan_path.resolve())
+    with _environment(ranks_env):
+        _launch(plan, plan_path, nproc=nproc, config=config, worker_args=worker_args, nodes=nodes, script=script)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` (the ranks inherit them) while the block runs; the variables as they
+    were afterwards, so that a caller in the same process (the coordinator's driver, a test) is not left
+    with a finished run's plan."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _launch(plan: Plan, plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[str], nodes: Nodes,
+            script: Path | None) -> None:
     out = config.out_dir
     assert out is not None
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("error-rank*.json"), out / EVENTS, out / RESIZE, out / STEPS]:
         stale.unlink(missing_ok=True)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     if nodes.count > 1:
         print(f"machine {socket.gethostname()} ({_facing_address(nodes)}): {nproc} of the {plan.gpus} ranks, "
               f"meeting {nodes.count - 1} other machine(s) at {nodes.endpoint}", flush=True)

@@ -125,6 +125,8 @@ class Parallelized:
                                self._precision)
         self._calls = 0
         self._sync = True
+        self._output_kind: str | None = None
+        """The output's type when it is not one tensor ("" when it is; None until :meth:`forward` ran)."""
         self.training = True
         self.last_step_s: float | None = None
         """The wall-clock seconds of the last :meth:`step` (the engine's iteration span)."""
@@ -163,6 +165,69 @@ class Parallelized:
             spread_overflow(grads)
         self._settle()
         return torch.tensor(total, dtype=torch.float32)
+
+    def forward(self, inputs: Any) -> torch.Tensor:
+        """The model's output for a global batch (or this rank's rows of it), on every rank, as a tensor that
+        autograd follows back into the plan: ``loss_fn(bp.forward(x), y).backward()`` runs the plan's backward
+        and gradient all-reduces, leaving on this rank's parameters the gradient of that loss, as
+        :meth:`step` does for the global mean loss. For loops that compute the loss themselves (a Lightning
+        ``training_step``, :mod:`deeppool.integrations.lightning`); :meth:`step` saves the output's
+        all-reduce and keeps the output where it was computed.
+
+        Every rank must compute the same loss from the same output and targets (the same global batch on
+        every rank). The output's rows are gathered in one all-reduce, and each rank takes its rows of the
+        output's gradient. Without gradients (``torch.no_grad()``), this is :meth:`eval_step`. It runs in
+        32-bit: under ``torch.autocast`` (whose backward would run outside it, with other reshard dtypes) and
+        for a model whose output is not one tensor (a Hugging Face ``ModelOutput``), use :meth:`step`."""
+        if not torch.is_grad_enabled():
+            return self.eval_step(inputs)
+        if torch.is_autocast_enabled(self.device.type):
+            raise DeeppoolError("bp.forward runs in 32-bit: under torch.autocast, give bp.step a loss_fn (and "
+                                "scaler=) instead")
+        batch = self._batch(inputs, None)
+        pending = self._engine.begin(self._calls, batch, self._calls, sync=self._sync)
+        self._calls += 1
+        rows = self._output_rows()
+        mine = pending.output
+        self._check_tensor_output(mine)
+        whole = self._gathered(mine, rows)
+
+        def finish(grad: torch.Tensor) -> None:
+            self._engine.end(pending, None if mine is None else grad[rows[0] : rows[1]].to(mine.dtype).contiguous())
+            if self._placeholder is not None and self._placeholder.grad is None:
+                self._placeholder.grad = torch.zeros_like(self._placeholder)
+            self._settle()
+
+        return _PlanBackward.apply(torch.zeros((), requires_grad=True), whole, finish)
+
+    def _check_tensor_output(self, mine: Any) -> None:
+        """Refuse, on every rank alike, a model whose output is not one tensor: rank 0 (which computes rows of
+        every layer) tells the others, once."""
+        if self._output_kind is None:
+            kind = [type(mine).__name__ if mine is not None and not isinstance(mine, torch.Tensor) else ""]
+            if self.world_size > 1:
+                dist.broadcast_object_list(kind, src=0)
+            self._output_kind = kind[0]
+        if self._output_kind:
+            raise DeeppoolError(f"the model's output is a {self._output_kind}, not one tensor: bp.forward needs a "
+                                "tensor output; give bp.step a loss_fn instead")
+
+    def _output_rows(self) -> tuple[int, int]:
+        """The global rows of the output this rank computes (``(0, 0)`` where none)."""
+        name = self._local.graph.output
+        samples = next(layer.samples for layer in self.plan.layers if layer.name == name)
+        return samples[self.rank] if self.rank < len(samples) else (0, 0)
+
+    def _gathered(self, mine: torch.Tensor | None, rows: tuple[int, int]) -> torch.Tensor:
+        """Every rank's rows of the output, in row order, on every rank (an all-reduce of disjoint rows)."""
+        layer = next(layer for layer in self._local.graph.layers if layer.name == self._local.graph.output)
+        dtype = getattr(torch, layer.dtype) if mine is None else mine.dtype
+        whole = torch.zeros((self.plan.global_batch, *layer.output_shape), dtype=dtype, device=self.device)
+        if mine is not None:
+            whole[rows[0] : rows[1]] = mine.detach()
+        if self.world_size > 1:
+            dist.all_reduce(whole)
+        return whole
 
     def _settle(self) -> None:
         """Keep the last iteration's time; the engine's spans are not kept (a user loop has no end)."""
@@ -222,14 +287,15 @@ class Parallelized:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors this rank holds, under the original module's ``state_dict`` keys: on rank 0 the
         whole model's, which ``module.load_state_dict`` takes unchanged."""
+        held = self.held_tensors()
+        return {key: held[key].detach() if key in held else self._unplaced[key]
+                for key in self._keys if key in held or key in self._unplaced}
+
+    def held_tensors(self) -> dict[str, torch.Tensor]:
+        """The live parameters and buffers this rank trains, under the original module's ``state_dict`` keys
+        (a tied tensor under each of its keys): what an integration puts back in the user's module."""
         held = {**self._local.params, **self._local.buffers}
-        found: dict[str, torch.Tensor] = {}
-        for key, name in self._keys.items():
-            if name in held:
-                found[key] = held[name].detach()
-            elif key in self._unplaced:
-                found[key] = self._unplaced[key]
-        return found
+        return {key: held[name] for key, name in self._keys.items() if name in held}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Copy ``state`` (a whole model's, e.g. rank 0's :meth:`state_dict` or the plain module's) into
@@ -295,6 +361,25 @@ class Parallelized:
             return Batch(named, targets, self._spans())
         raise DeeppoolError(f"the batch has {rows} rows: give the plan's global batch of {whole} "
                             f"(a DataLoader with drop_last=True) or this rank's {mine} rows (bp.rank_rows)")
+
+
+class _PlanBackward(torch.autograd.Function):
+    """The gathered output as a node of the caller's graph: its backward runs the engine's backward half.
+
+    ``anchor`` (a fresh leaf) makes the output require gradients; the plan's parameters get theirs from the
+    engine, not through this node."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, whole: torch.Tensor,
+                finish: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        del anchor
+        ctx.finish = finish
+        return whole
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.finish(grad)
+        return None, None, None
 
 
 class _LossSlot:

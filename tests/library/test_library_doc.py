@@ -1,5 +1,6 @@
 """docs/library.md runs: its files are written out, planned, and trained by `deeppool run --script` and by
-plain torchrun; the mixed-precision step it shows trains with every rank skipping the same steps."""
+plain torchrun; the mixed-precision step it shows trains with every rank skipping the same steps; its
+Lightning script trains under `deeppool run --script` and its checkpoint loads into the plain module."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_the_guide_runs(tmp_path: Path) -> None:
     text = GUIDE.read_text()
     for name, body in files(text).items():
         (tmp_path / name).write_text(body)
-    assert {"model.py", "train.py", "amp_step.py"} <= set(files(text))
+    assert {"model.py", "train.py", "amp_step.py", "lightning_train.py"} <= set(files(text))
     commands = shell(text)
     plan_command = next(c for c in commands if c.startswith("deeppool plan"))
     assert "deeppool run --script train.py plan.json" in commands
@@ -74,6 +75,13 @@ def test_the_guide_runs(tmp_path: Path) -> None:
     exec((tmp_path / "model.py").read_text(), namespace)  # noqa: S102 - the guide's own model file
     plain = namespace["model"]()
     plain.load_state_dict(torch.load(tmp_path / "model.pt"))  # the checkpoint loads into the plain module
+    assert "deeppool run --script lightning_train.py plan.json" in commands
+    lightning = run([*deeppool, "run", "--script", "lightning_train.py", "plan.json", "--out", "lightning"], tmp_path)
+    assert lightning.returncode == 0, lightning.stdout[-2000:] + lightning.stderr[-2000:]
+    final = re.search(r"lightning: loss (\d+\.\d+) after 20 steps", lightning.stdout)
+    assert final is not None and float(final[1]) < 2.0, lightning.stdout[-2000:]  # it learned (from ~2.3)
+    checkpoint = torch.load(tmp_path / "lightning.ckpt", weights_only=False)["state_dict"]
+    plain.load_state_dict({key.removeprefix("model."): value for key, value in checkpoint.items()})
     (tmp_path / "amp_check.py").write_text(AMP_CHECK)
     checked = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                    str(free_port()), "amp_check.py"], tmp_path, DEEPPOOL_PLAN=str(tmp_path / "plan.json"))

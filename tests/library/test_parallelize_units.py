@@ -85,3 +85,59 @@ def test_a_plan_for_other_gpus_or_from_python_is_refused(plan) -> None:
 def test_another_model_is_refused(plan) -> None:
     with pytest.raises(DeeppoolError, match="plan does not match model"):
         deeppool.parallelize(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten()), plan)
+
+
+def test_forward_gives_the_output_and_the_loss_backward_the_plans_gradients(plan) -> None:
+    cnn = model_file(CNN)
+    module = cnn.model()
+    bp = deeppool.parallelize(module, plan)
+    (x,), y = cnn.inputs(BATCH), cnn.targets(BATCH)
+    output = bp.forward(x)
+    assert output.requires_grad
+    cnn.loss(output, y).backward()  # the user's own loss and backward
+    through_forward = {name: param.grad.clone() for name, param in bp.named_parameters()}
+    cnn.loss(module(x), y).backward()
+    for name, param in module.named_parameters():
+        torch.testing.assert_close(through_forward[name], param.grad, msg=name)
+    for param in bp.parameters():
+        param.grad = None
+    bp.step(x, y, cnn.loss)
+    for name, param in bp.named_parameters():
+        torch.testing.assert_close(param.grad, through_forward[name], msg=name)
+    with torch.no_grad():
+        assert not bp.forward(x).requires_grad  # without gradients: eval_step
+
+
+TWO_HEADS = """import torch
+from torch import nn
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.left, self.right = nn.Linear(8, 2), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return {"left": self.left(h), "right": self.right(h)}
+
+
+def model():
+    return TwoHeads()
+
+
+def inputs(batch_size):
+    return (torch.randn(batch_size, 4),)
+"""
+
+
+def test_forward_refuses_an_output_that_is_not_one_tensor(world, tmp_path) -> None:
+    path = tmp_path / "two_heads.py"
+    path.write_text(TWO_HEADS)
+    plan = make_plan_for(path, global_batch=BATCH, gpus=1, assign=cycle(1))
+    bp = deeppool.parallelize(model_file(str(path)).model(), plan)
+    with pytest.raises(DeeppoolError, match="the model's output is a dict, not one tensor: bp.forward needs"):
+        bp.forward(torch.randn(BATCH, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(DeeppoolError, match="runs in 32-bit"):
+        bp.forward(torch.randn(BATCH, 4))
