@@ -44,7 +44,7 @@ from deeppool.executor.program import Program, build_program, idle_positions, ra
 from deeppool.executor.syncbn import GroupBatchNorm, Reduce
 from deeppool.executor.timing import Category, Recorder
 from deeppool.library.amp import UserPrecision, non_finite, spread_overflow
-from deeppool.library.world import broadcast_module, join, world_sum
+from deeppool.library.world import broadcast_module, join, world_sum, world_sum_lazy
 from deeppool.planner.graph import TraceMethod
 from deeppool.planner.modelspec import LoadedModel, ModelSource, bind_inputs, default_loss
 from deeppool.planner.plan import Plan
@@ -134,7 +134,9 @@ class Parallelized:
     # -- the training step ----------------------------------------------------------------------
     def step(self, inputs: Any, targets: torch.Tensor | None = None, loss_fn: LossFn | None = None, *,
              scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
-        """Forward and backward of one global batch; returns the global mean loss (on every rank).
+        """Forward and backward of one global batch; returns the global mean loss (on every rank), a 0-dim
+        tensor whose all-reduce finishes in the background and is waited for when the loss is first read
+        (with ``scaler``, at once: every rank must agree on overflows before the optimizer steps).
 
         ``inputs`` are ``forward``'s arguments (a tensor, tuple or dict) for the plan's whole global
         batch, or only for the rows :meth:`rank_rows` names (``targets`` alike). ``loss_fn(output,
@@ -158,12 +160,14 @@ class Parallelized:
         if self._placeholder is not None and self._placeholder.grad is None:
             self._placeholder.grad = torch.zeros_like(self._placeholder)
         scaling = scaler is not None and scaler.is_enabled() and self._sync
-        grads = [p.grad for p in self.parameters() if p.grad is not None] if scaling else []
-        overflow = scaling and non_finite(grads)
-        total, overflows = world_sum([share, 1.0 if overflow else 0.0], self.device)
-        if overflows > 0 and not overflow and scaling:
-            spread_overflow(grads)
         self._settle()
+        if not scaling:
+            return world_sum_lazy(share, self.device)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        overflow = non_finite(grads)
+        total, overflows = world_sum([share, 1.0 if overflow else 0.0], self.device)
+        if overflows > 0 and not overflow:
+            spread_overflow(grads)
         return torch.tensor(total, dtype=torch.float32)
 
     def forward(self, inputs: Any) -> torch.Tensor:

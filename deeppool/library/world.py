@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from deeppool.device.cuda import CudaGpu, backend_is_gpu
@@ -73,6 +74,17 @@ def world_sum(values: list[float], device: torch.device) -> list[float]:
     if dist.get_world_size() > 1:
         dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def world_sum_lazy(value: float, device: torch.device) -> torch.Tensor:
+    """The sum of ``value`` over every rank as a 0-dim float32 tensor whose all-reduce runs in the
+    background: it is waited for when the tensor is first read (``loss.item()``, printing, arithmetic),
+    so a loop that reads the loss only now and then never waits for the other ranks on it, as
+    ``deeppool run``'s ranks do not (torch's functional collectives: an ``AsyncCollectiveTensor``)."""
+    tensor = torch.tensor([value], dtype=torch.float32, device=device)
+    if dist.get_world_size() == 1:
+        return tensor[0]
+    return funcol.all_reduce(tensor, "sum", dist.group.WORLD)[0]
 
 
 def _free_port() -> int:
