@@ -34,7 +34,6 @@ from rich.table import Table
 
 from deeppool.cluster_sim.cli import DEFAULT_CACHE
 from deeppool.cluster_sim.cluster import ClusterSpec
-from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.metrics import compare, table
 from deeppool.cluster_sim.models import default_mapping
 from deeppool.cluster_sim.plans import PlanBook, PlanSettings
@@ -42,6 +41,7 @@ from deeppool.cluster_sim.runner import assign, run_policies, sim_jobs
 from deeppool.cluster_sim.shipped import PHILLY
 from deeppool.cluster_sim.workload import BackgroundRule, read_workload
 from deeppool.docregions import REPO, Stamp, markdown, write_region
+from deeppool.planner.interference import InterferenceModel
 
 BUDGET_S = 60.0
 BUDGET_GPUS = 2048

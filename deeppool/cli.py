@@ -366,7 +366,7 @@ def _interference(path: Path | None) -> dict[str, object]:
     """``--interference`` as the request's model and its source (the simulator's defaults without it)."""
     if path is None:
         return {}
-    from deeppool.cluster_sim.interference import InterferenceModel
+    from deeppool.planner.interference import InterferenceModel
 
     return {"interference": InterferenceModel.measured(path), "interference_source": str(path)}
 

@@ -18,12 +18,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from deeppool import checks
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.engine import SimResult
-from deeppool.cluster_sim.interference import (
-    DEFAULT_BG_EFFICIENCY,
-    DEFAULT_FG_SLOWDOWN,
-    DEFAULT_MIN_LEND_FRACTION,
-    InterferenceModel,
-)
 from deeppool.cluster_sim.metrics import compare, scenario_table, table, write_jobs, write_metrics
 from deeppool.cluster_sim.models import EXAMPLE_BATCH, default_mapping, example, load_mapping
 from deeppool.cluster_sim.plans import BurstStrategy, PlanBook, PlanSettings
@@ -46,6 +40,12 @@ from deeppool.errors import DeeppoolError
 from deeppool.interrupt import removes_if_interrupted
 from deeppool.output import console as stdout
 from deeppool.planner.hardware import KnownDevice, known_device
+from deeppool.planner.interference import (
+    DEFAULT_BG_EFFICIENCY,
+    DEFAULT_FG_SLOWDOWN,
+    DEFAULT_MIN_LEND_FRACTION,
+    InterferenceModel,
+)
 from deeppool.planner.objective import Objective
 
 app = typer.Typer(add_completion=False, help="Simulate a GPU cluster running a job trace.")

@@ -9,7 +9,7 @@ of one instant the engine hands the policy a :class:`Snapshot` and applies its
 :class:`Decision`, asking again until the policy has nothing more to do. The
 same inputs give the same run: ties break by event kind, then insertion order.
 
-Rates (see :mod:`deeppool.cluster_sim.interference`):
+Rates (see :mod:`deeppool.planner.interference`):
 
 * a job on whole GPUs runs one iteration per ``Plan.iteration_ms`` of its Plan
   on those GPUs, times ``fg_slowdown`` while it hosts a background job; it
@@ -42,9 +42,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from deeppool.cluster_sim.cluster import ClusterSpec
-from deeppool.cluster_sim.interference import InterferenceModel
-from deeppool.cluster_sim.models import ModelChoice
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
+from deeppool.planner.interference import InterferenceModel
+from deeppool.scheduling.choice import ModelChoice
 from deeppool.scheduling.policy import Adaptive, Decision, Lend, Policy, Rebatch, SimJob, Slot, Snapshot, Start
 
 FactsLookup = Callable[[ModelChoice, int, PlanMode], PlanFacts]

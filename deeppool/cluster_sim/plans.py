@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING
 
 import deeppool.planner
 from deeppool.cluster_sim.cluster import ClusterSpec
-from deeppool.cluster_sim.interference import InterferenceModel
-from deeppool.cluster_sim.models import ModelChoice
 from deeppool.errors import DeeppoolError
 from deeppool.interrupt import children_start_deaf, die_on_interrupt
 from deeppool.planner.graph import LayerGraph
+from deeppool.planner.interference import InterferenceModel
 from deeppool.planner.jsonio import write_json
 from deeppool.planner.objective import Objective
+from deeppool.scheduling.choice import ModelChoice
 from deeppool.scheduling.policy import PlanMode
 
 if TYPE_CHECKING:  # the planner's solving half imports torch: loaded only when a Plan must be solved

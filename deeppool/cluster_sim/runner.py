@@ -8,13 +8,14 @@ from dataclasses import dataclass, replace
 
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.engine import Engine, SimResult
-from deeppool.cluster_sim.interference import InterferenceModel
-from deeppool.cluster_sim.models import ModelChoice, ModelMapping
+from deeppool.cluster_sim.models import ModelMapping
 from deeppool.cluster_sim.plans import PlanBook, PlanMode
 from deeppool.scheduling.policies import policy_named
 from deeppool.scheduling.policy import SimJob, SpeedModel
 from deeppool.cluster_sim.workload import BackgroundRule, TraceJob, Workload
 from deeppool.errors import DeeppoolError
+from deeppool.planner.interference import InterferenceModel
+from deeppool.scheduling.choice import ModelChoice
 
 DEFAULT_RESTART_PENALTY_S = 30.0
 """Time lost each time a preempted or evicted job runs again: the Pollux artifact simulator's restart delay."""

@@ -35,9 +35,9 @@ from dataclasses import dataclass, replace
 
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.engine import Engine
-from deeppool.cluster_sim.interference import InterferenceModel
-from deeppool.cluster_sim.models import ModelChoice
 from deeppool.cluster_sim.plans import PlanBook, PlanMode
+from deeppool.planner.interference import InterferenceModel
+from deeppool.scheduling.choice import ModelChoice
 from deeppool.scheduling.policies import POLICIES
 from deeppool.scheduling.policy import SimJob
 

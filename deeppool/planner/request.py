@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deeppool import checks
-from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.errors import DeeppoolError
 from deeppool.planner.candidates import Limits
 from deeppool.planner.cost import DEFAULT_BUCKET_BYTES, Optimizer
 from deeppool.planner.hardware import LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, Precision, known_device
+from deeppool.planner.interference import InterferenceModel
 from deeppool.planner.objective import DEFAULT_CLUSTER_GAP, Objective
 from deeppool.planner.pins import Pin
 from deeppool.planner.plan import Strategy

@@ -22,13 +22,13 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.errors import DeeppoolError
 from deeppool.planner import baselines
 from deeppool.planner.baselines import Baselines
 from deeppool.planner.candidates import Limits, allowed_counts, check_memory, thinned_counts, useful_counts
 from deeppool.planner.cost import CostModel
 from deeppool.planner.ilp import SolverName, default_solver, solve
+from deeppool.planner.interference import InterferenceModel
 from deeppool.planner.pins import Pin, apply_pins, pinned_counts
 from deeppool.planner.plan import SolverInfo, Strategy
 from deeppool.planner.request import Objective, check_objective

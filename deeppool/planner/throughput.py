@@ -60,7 +60,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deeppool.cluster_sim.interference import InterferenceModel
+from deeppool.planner.interference import InterferenceModel
 from deeppool.errors import DeeppoolError
 from deeppool.planner.candidates import useful_counts
 from deeppool.planner.cost import CostModel, Phase

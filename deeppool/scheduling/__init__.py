@@ -12,7 +12,7 @@ engine (:mod:`deeppool.cluster_sim.engine`) and the coordinator's service
 decisions, so the same code decides in both.
 """
 
-from deeppool.cluster_sim.models import ModelChoice
+from deeppool.scheduling.choice import ModelChoice
 from deeppool.scheduling.policies import BASELINE, POLICIES, Order, Placement, Scheduler, policy_named
 from deeppool.scheduling.pollux import PolluxPolicy
 from deeppool.scheduling.policy import (

@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping, Reversible, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from deeppool.cluster_sim.models import ModelChoice
+from deeppool.scheduling.choice import ModelChoice
 
 
 class SpeedModel(Protocol):

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from deeppool.cluster_sim.cluster import ClusterSpec
-from deeppool.cluster_sim.models import ModelChoice, load_mapping
+from deeppool.cluster_sim.models import load_mapping
 from deeppool.cluster_sim.plans import PlanBook, PlanSettings
 from deeppool.cluster_sim.shipped import POLLUX
+from deeppool.scheduling.choice import ModelChoice
 
 DATA = Path(__file__).parent / "data"
 TRACES = POLLUX

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deeppool.cluster_sim.models import ModelChoice
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
+from deeppool.scheduling.choice import ModelChoice
 from deeppool.scheduling.policy import SimJob
 
 DATA = Path(__file__).parent / "data"

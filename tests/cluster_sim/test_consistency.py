@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from deeppool.cluster_sim.engine import Engine
-from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.models import ModelMapping
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
 from deeppool.scheduling.policies import POLICIES
 from deeppool.cluster_sim.runner import assign, sim_jobs
 from deeppool.cluster_sim.workload import BackgroundRule, TraceJob, Workload, TraceFormat
 from deeppool.planner.api import PlanRequest, device_setup, plan_graph
+from deeppool.planner.interference import InterferenceModel
 
 
 def _alone(tiny, gpus: int, duration_s: float) -> Workload:

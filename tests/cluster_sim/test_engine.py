@@ -8,8 +8,8 @@ import pytest
 
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.engine import Engine, PolicyError
-from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
+from deeppool.planner.interference import InterferenceModel
 from deeppool.scheduling.policies import ADAPTIVE, POLICIES
 from deeppool.scheduling.policy import NOTHING, Decision, Lend, Snapshot, Start
 

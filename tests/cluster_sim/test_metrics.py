@@ -9,9 +9,9 @@ import pytest
 
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.engine import Engine
-from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.metrics import compare, measure, write_metrics
 from deeppool.cluster_sim.plots import binned, utilisation_series, write_plots
+from deeppool.planner.interference import InterferenceModel
 from deeppool.scheduling.policies import POLICIES
 
 from .fakes import fake_facts, make_job

@@ -13,10 +13,10 @@ import pytest
 
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.engine import Engine, PolicyError
-from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.plans import PlanMode
 from deeppool.cluster_sim.pollux import PolluxDurations
 from deeppool.cluster_sim.workload import read_workload
+from deeppool.planner.interference import InterferenceModel
 from deeppool.scheduling.pollux import PolluxPolicy
 from deeppool.scheduling.policies import POLICIES
 from deeppool.scheduling.policy import NOTHING, Adaptive, Decision, Rebatch, Snapshot, Start

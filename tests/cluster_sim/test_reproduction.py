@@ -12,11 +12,11 @@ import pytest
 
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.engine import Engine
-from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.plans import PlanMode
 from deeppool.scheduling.policies import POLICIES
 from deeppool.cluster_sim.runner import DEFAULT_RESTART_PENALTY_S
 from deeppool.cluster_sim.workload import read_workload
+from deeppool.planner.interference import InterferenceModel
 
 from .conftest import TRACES
 from .fakes import fake_facts, make_job

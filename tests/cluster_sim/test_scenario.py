@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.cluster_sim.plans import PlanMode
 from deeppool.cluster_sim.scenario import evaluate, scenario_models
+from deeppool.planner.interference import InterferenceModel
 
 
 @pytest.mark.parametrize("gpus", [4, 8])

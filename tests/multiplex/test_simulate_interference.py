@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from deeppool.cluster_sim.cli import app
-from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.errors import DeeppoolError
+from deeppool.planner.interference import InterferenceModel
 
 DATA = Path(__file__).resolve().parents[1] / "cluster_sim" / "data"
 

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.planner import baselines
 from deeppool.planner.api import PlanRequest, plan_graph
 from deeppool.planner.candidates import useful_counts
+from deeppool.planner.interference import InterferenceModel
 from deeppool.planner.plan import Plan
 from deeppool.planner.request import Objective
 from deeppool.planner.throughput import ClusterProblem, cluster_optimum, right_sizing, shares

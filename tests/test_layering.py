@@ -1,0 +1,74 @@
+"""Imports flow one way: a lower layer never imports a layer built on it.
+
+Every ``import`` and ``from ... import`` in ``deeppool/**/*.py`` counts, those inside functions and under
+``TYPE_CHECKING`` included: a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import deeppool
+
+PACKAGE = Path(deeppool.__file__).parent
+FORBIDDEN = {
+    "deeppool.planner": ("deeppool.cluster_sim", "deeppool.coordinator", "deeppool.executor", "deeppool.multiplex"),
+    "deeppool.scheduling": ("deeppool.cluster_sim",),
+}
+"""Layer -> the layers above it, which it must not import."""
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level == 0:
+        base = node.module or ""
+    else:
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+    return [base] + [f"{base}.{alias.name}" for alias in node.names]
+
+
+def _within(name: str, layer: str) -> bool:
+    return name == layer or name.startswith(layer + ".")
+
+
+def _offences(path: Path, root: Path, rules: dict[str, tuple[str, ...]]) -> list[str]:
+    module = _module_name(path, root)
+    banned = [above for layer, aboves in rules.items() if _within(module, layer) for above in aboves]
+    if not banned:
+        return []
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names = _imported(node, module, path.name == "__init__.py")
+        hits = sorted({above for name in names for above in banned if _within(name, above)})
+        found += [f"{path.relative_to(root)}:{node.lineno}: {module} imports {above}" for above in hits]
+    return found
+
+
+def test_no_layer_imports_a_layer_above_it() -> None:
+    files = sorted(PACKAGE.rglob("*.py"))
+    offences = [line for path in files for line in _offences(path, PACKAGE.parent, FORBIDDEN)]
+    assert not offences, "\n".join(offences)
+
+
+def test_the_check_finds_what_it_looks_for(tmp_path: Path) -> None:
+    low = tmp_path / "pkg" / "low"
+    low.mkdir(parents=True)
+    (low / "__init__.py").write_text("from pkg.high import thing\n")
+    (low / "a.py").write_text("import pkg.high.engine\nfrom pkg import high\nfrom pkg.highway import ok\n"
+                              "def f():\n    from ..high.models import Choice\n    from . import b\n")
+    rules = {"pkg.low": ("pkg.high",)}
+    found = [line for path in sorted(low.glob("*.py")) for line in _offences(path, tmp_path, rules)]
+    assert [line.split(":", 1)[1] for line in found] == [
+        "1: pkg.low imports pkg.high",
+        "1: pkg.low.a imports pkg.high", "2: pkg.low.a imports pkg.high", "5: pkg.low.a imports pkg.high",
+    ]
