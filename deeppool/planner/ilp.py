@@ -27,25 +27,39 @@ on entry and exit. Minimise the cost model's iteration time::
 The flow is the exact transport cost between the two layers' choices, so the
 LP relaxation is the local-polytope relaxation (integral on chains) with
 O(K) variables per edge instead of K² pair variables; with the cross-node
-ladder beside the in-node one it was still integral on every example
+ladder beside the in-node one it was still integral on most examples
 (``benchmarks/planner.py``), and branch and bound covers the rest.
 The amplification limit is hard: counts above it are not offered
-(:mod:`deeppool.planner.candidates`). CBC solves by default; HiGHS when
-``highspy`` is installed.
+(:mod:`deeppool.planner.candidates`).
+
+**Build and solve.** The model is built once as a sparse row-wise matrix
+(:class:`_Matrix`: plain lists, no per-variable objects) whose objective is
+split as ``time + price · gpu_time``. With ``highspy`` installed it is passed to
+HiGHS in one call and kept: :class:`Ilp` re-solves it at another ``price`` by
+changing the costs (the simplex warm-starts from the last basis) and turns
+no-good cuts on and off by their row bounds, which is what the cluster
+objective's exact search (:mod:`deeppool.planner.throughput`) does dozens of
+times. Without ``highspy`` the same matrix goes through pulp to CBC.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib.util
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-
-import pulp
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from deeppool.errors import DeeppoolError
 from deeppool.quiet import native_output_hidden
 from deeppool.planner.cost import CostModel
+
+if TYPE_CHECKING:
+    import pulp as pulp_types
+
+_INF = float("inf")
 
 
 class SolverName(enum.Enum):
@@ -54,7 +68,7 @@ class SolverName(enum.Enum):
 
 
 def default_solver() -> SolverName:
-    return SolverName.HIGHS if pulp.HiGHS().available() else SolverName.CBC
+    return SolverName.HIGHS if importlib.util.find_spec("highspy") is not None else SolverName.CBC
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,120 +100,148 @@ def solve(
     trade-off of time against GPU-time). ``exclude`` rules out those assignments (one no-good cut each,
     ``Σ_l x[l, a_l] ≤ L − 1``), which :mod:`deeppool.planner.throughput` uses to search past plans it has costed.
     """
-    chosen = solver or default_solver()
-    problem, x = _formulate(cost, options, memory_bytes, price)
-    for index, assignment in enumerate(exclude):
-        cut = {x[name][g]: 1.0 for name, g in assignment.items() if g in x[name]}
-        if len(cut) == len(x):
-            _constrain(problem, cut, pulp.LpConstraintLE, len(x) - 1.0, f"seen_{index}")
-    started = time.perf_counter()
-    with native_output_hidden():  # HiGHS prints a banner whatever its options
-        problem.solve(_backend(chosen, time_limit_s, mip=False))
-        relaxed_ok = problem.status == pulp.LpStatusOptimal and _integral(x)
-        if not relaxed_ok:
-            remaining = max(time_limit_s - (time.perf_counter() - started), 1.0)
-            problem.solve(_backend(chosen, remaining, mip=True))
-    seconds = time.perf_counter() - started
-    if not _has_solution(x):
-        raise DeeppoolError(
-            f"the ILP found no plan ({pulp.LpStatus[problem.status]}) within {time_limit_s:g} s: "
-            "raise --time-limit or relax --amplification"
-        )
-    assignment = {
-        name: max(choice, key=lambda g: choice[g].varValue or 0.0) for name, choice in x.items()
-    }
-    return IlpResult(
-        assignment=assignment,
-        solver=chosen,
-        status=_status(problem, relaxed_ok),
-        optimal=relaxed_ok or problem.sol_status == pulp.LpSolutionOptimal,
-        seconds=seconds,
-        gap=0.0 if relaxed_ok else _gap(problem, chosen),
-    )
+    return Ilp(cost, options, memory_bytes=memory_bytes, solver=solver).solve(
+        price=price, exclude=exclude, time_limit_s=time_limit_s)
+
+
+class Ilp:
+    """The ILP of ``options`` built once, solved at any ``price`` with any set of no-good cuts."""
+
+    def __init__(self, cost: CostModel, options: dict[str, tuple[int, ...]], *, memory_bytes: int | None,
+                 solver: SolverName | None = None) -> None:
+        self.solver = solver or default_solver()
+        self.matrix, self.x = _formulate(cost, options, memory_bytes)
+        self.names = tuple(layer.name for layer in cost.graph.layers)
+        self.cuts: dict[tuple[int, ...], tuple[int, float]] = {}
+        """Each no-good cut's row and right-hand side, by the assignment it excludes."""
+        self.backend = _Highs(self.matrix) if self.solver is SolverName.HIGHS else _Cbc(self.matrix)
+
+    def solve(self, *, price: float = 0.0, exclude: Iterable[Mapping[str, int]] = (),
+              time_limit_s: float) -> IlpResult:
+        """The cheapest assignment at ``price`` other than those of ``exclude`` (see :func:`solve`)."""
+        active = {self._cut(assignment) for assignment in exclude} - {None}
+        self.backend.bound_rows({row: rhs if row in active else _INF for row, rhs in self.cuts.values()})
+        started = time.perf_counter()
+        outcome = self.backend.run(self.matrix.costs(price), self.matrix.binaries, time_limit_s)
+        seconds = time.perf_counter() - started
+        values = outcome.values
+        if values is None or not all(any(values[j] > 0.5 for j in choice.values()) for choice in self.x.values()):
+            raise DeeppoolError(
+                f"the ILP found no plan ({outcome.status}) within {time_limit_s:g} s: "
+                "raise --time-limit or relax --amplification"
+            )
+        assignment = {name: max(choice, key=lambda g: values[choice[g]]) for name, choice in self.x.items()}
+        return IlpResult(assignment=assignment, solver=self.solver, status=outcome.description,
+                         optimal=outcome.optimal, seconds=seconds, gap=outcome.gap)
+
+    def _cut(self, assignment: Mapping[str, int]) -> int | None:
+        """The row of the no-good cut ``Σ_l x[l, a_l] ≤ L − 1`` (added on first use); None outside the options."""
+        key = tuple(assignment[name] for name in self.names)
+        if key not in self.cuts:
+            if any(g not in self.x[name] for name, g in zip(self.names, key, strict=True)):
+                return None
+            terms = [(self.x[name][g], 1.0) for name, g in zip(self.names, key, strict=True)]
+            self.cuts[key] = (self.backend.add_row(terms, -_INF, len(terms) - 1.0), len(terms) - 1.0)
+        return self.cuts[key][0]
+
+
+@dataclass(kw_only=True)
+class _Matrix:
+    """The model as lists: per column its time and GPU-time cost and upper bound; rows in CSR form."""
+
+    time_cost: list[float] = field(default_factory=list)
+    gpu_cost: list[float] = field(default_factory=list)
+    upper: list[float] = field(default_factory=list)
+    binaries: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=lambda: [0])
+    index: list[int] = field(default_factory=list)
+    value: list[float] = field(default_factory=list)
+    row_lower: list[float] = field(default_factory=list)
+    row_upper: list[float] = field(default_factory=list)
+
+    def column(self, *, upper: float = _INF, binary: bool = False) -> int:
+        self.time_cost.append(0.0)
+        self.gpu_cost.append(0.0)
+        self.upper.append(upper)
+        if binary:
+            self.binaries.append(len(self.upper) - 1)
+        return len(self.upper) - 1
+
+    def row(self, terms: Iterable[tuple[int, float]], lower: float, upper: float) -> int:
+        for column, coefficient in terms:
+            self.index.append(column)
+            self.value.append(coefficient)
+        self.starts.append(len(self.index))
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+        return len(self.row_lower) - 1
+
+    def costs(self, price: float) -> list[float]:
+        if price == 0:
+            return list(self.time_cost)
+        return [t + price * g for t, g in zip(self.time_cost, self.gpu_cost, strict=True)]
 
 
 def _formulate(
-    cost: CostModel, options: dict[str, tuple[int, ...]], memory_bytes: int | None, price: float
-) -> tuple[pulp.LpProblem, dict[str, dict[int, pulp.LpVariable]]]:
-    problem = pulp.LpProblem("burst_parallel_plan", pulp.LpMinimize)
-    x = {
-        layer.name: {g: problem.add_variable(f"x_{i}_{g}", cat=pulp.LpBinary) for g in options[layer.name]}
-        for i, layer in enumerate(cost.graph.layers)
-    }
-    objective: dict[pulp.LpVariable, float] = {}
-    for i, layer in enumerate(cost.graph.layers):
-        _constrain(problem, {var: 1.0 for var in x[layer.name].values()}, pulp.LpConstraintEQ, 1.0, f"one_{i}")
-        objective.update({var: cost.layer_ms(layer, g) * (1 + price * g / 1e3) for g, var in x[layer.name].items()})
-    for index, (src, dst) in enumerate(cost.graph.edges()):
-        objective.update(_edge(problem, cost, index, src, x[src], x[dst]))
-    for index, group in enumerate(cost.graph.tied()):
-        _tie(problem, index, [x[name] for name in group])
-    objective.update(_rounds(problem, cost, x, price))
-    problem.setObjective(pulp.LpAffineExpression(objective))
+    cost: CostModel, options: dict[str, tuple[int, ...]], memory_bytes: int | None
+) -> tuple[_Matrix, dict[str, dict[int, int]]]:
+    m = _Matrix()
+    x = {layer.name: {g: m.column(upper=1.0, binary=True) for g in options[layer.name]} for layer in cost.graph.layers}
+    for layer in cost.graph.layers:
+        m.row(((j, 1.0) for j in x[layer.name].values()), 1.0, 1.0)
+        for g, j in x[layer.name].items():
+            ms = cost.layer_ms(layer, g)
+            m.time_cost[j] = ms
+            m.gpu_cost[j] = ms * g / 1e3
+    for src, dst in cost.graph.edges():
+        _edge(m, cost, src, x[src], x[dst])
+    for group in cost.graph.tied():
+        _tie(m, [x[name] for name in group])
+    _rounds(m, cost, x)
     if memory_bytes is not None:
-        usage = {
-            var: cost.memory_bytes(layer, g) / 2**20
-            for layer in cost.graph.layers
-            for g, var in x[layer.name].items()
-        }
-        _constrain(problem, usage, pulp.LpConstraintLE, memory_bytes / 2**20, "memory")
-    return problem, x
+        usage = [(j, cost.memory_bytes(layer, g) / 2**20) for layer in cost.graph.layers
+                 for g, j in x[layer.name].items()]
+        m.row(usage, -_INF, memory_bytes / 2**20)
+    return m, x
 
 
-def _rounds(
-    problem: pulp.LpProblem, cost: CostModel, x: dict[str, dict[int, pulp.LpVariable]], price: float
-) -> dict[pulp.LpVariable, float]:
+def _rounds(m: _Matrix, cost: CostModel, x: dict[str, dict[int, int]]) -> None:
     """Each rank group's all-reduce latency rounds, ``ROUNDS(g) = L(g)·max(1, (1 − ω)·S_g/b)`` when some
     layer with parameters runs on ``g > 1`` ranks: ``used_g ≥ x[l,g]`` for those layers, ``z_g ≥ used_g``,
     ``z_g ≥ (1 − ω)·Σ_l x[l,g]·W_l/b``, cost ``L(g)·z_g`` (the cost model's :meth:`CostModel.rounds_ms`)."""
-    objective: dict[pulp.LpVariable, float] = {}
     holders = [layer for layer in cost.graph.layers if cost.param_bytes(layer) > 0]
     share = 1 - cost.network.allreduce_overlap
     for g in sorted({g for layer in holders for g in x[layer.name] if g > 1}):
         latency = cost.round_ms(g)
         if latency <= 0:
             continue
-        used = problem.add_variable(f"used_{g}", lowBound=0, upBound=1)
-        rounds = problem.add_variable(f"rounds_{g}", lowBound=0)
+        used = m.column(upper=1.0)
+        rounds = m.column()
         members = [layer for layer in holders if g in x[layer.name]]
-        for k, layer in enumerate(members):
-            _constrain(problem, {used: 1.0, x[layer.name][g]: -1.0}, pulp.LpConstraintGE, 0.0, f"used_{g}_{k}")
-        _constrain(problem, {rounds: 1.0, used: -1.0}, pulp.LpConstraintGE, 0.0, f"rounds_{g}")
+        for layer in members:
+            m.row(((used, 1.0), (x[layer.name][g], -1.0)), 0.0, _INF)
+        m.row(((rounds, 1.0), (used, -1.0)), 0.0, _INF)
         if share > 0:
-            bytes_in = {x[layer.name][g]: -share * cost.param_bytes(layer) / cost.bucket_bytes for layer in members}
-            _constrain(problem, {rounds: 1.0, **bytes_in}, pulp.LpConstraintGE, 0.0, f"buckets_{g}")
-        objective[rounds] = latency * (1 + price * g / 1e3)
-    return objective
+            bytes_in = [(x[layer.name][g], -share * cost.param_bytes(layer) / cost.bucket_bytes) for layer in members]
+            m.row([(rounds, 1.0), *bytes_in], 0.0, _INF)
+        m.time_cost[rounds] = latency
+        m.gpu_cost[rounds] = latency * g / 1e3
 
 
-def _tie(problem: pulp.LpProblem, index: int, choices: list[dict[int, pulp.LpVariable]]) -> None:
+def _tie(m: _Matrix, choices: list[dict[int, int]]) -> None:
     """The layers of ``choices`` pick the same count (a count one of them lacks is ruled out)."""
     common = set.intersection(*(set(choice) for choice in choices))
     first = choices[0]
     for k, choice in enumerate(choices):
-        for g, var in choice.items():
+        for g, j in choice.items():
             if g not in common:
-                _constrain(problem, {var: 1.0}, pulp.LpConstraintEQ, 0.0, f"untied_{index}_{k}_{g}")
+                m.row(((j, 1.0),), 0.0, 0.0)
             elif k:
-                _constrain(problem, {var: 1.0, first[g]: -1.0}, pulp.LpConstraintEQ, 0.0, f"tie_{index}_{k}_{g}")
+                m.row(((j, 1.0), (first[g], -1.0)), 0.0, 0.0)
 
 
-def _constrain(
-    problem: pulp.LpProblem, terms: dict[pulp.LpVariable, float], sense: int, rhs: float, name: str
-) -> None:
-    """Add ``Σ coef·var (sense) rhs`` without building intermediate expressions."""
-    problem.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), sense=sense, rhs=rhs, name=name))
-
-
-def _edge(
-    problem: pulp.LpProblem,
-    cost: CostModel,
-    index: int,
-    src: str,
-    xu: dict[int, pulp.LpVariable],
-    xv: dict[int, pulp.LpVariable],
-) -> dict[pulp.LpVariable, float]:
-    """Add edge ``index``'s ladders; return their objective coefficients (both directions).
+def _edge(m: _Matrix, cost: CostModel, src: str, xu: dict[int, int], xv: dict[int, int]) -> None:
+    """Add an edge's ladders and their costs (both directions).
 
     The unit of flow from u's count to v's goes straight (equal counts, free)
     or through one ladder: the in-node ladder (only the counts within a node,
@@ -208,99 +250,193 @@ def _edge(
     cheapest route is exactly the cost model's ``R(g_u, g_v)``.
     """
     if len(xu) == 1 and xu.keys() == xv.keys():
-        return {}
+        return
     producer = cost.graph.layer(src)
     counts = sorted(set(xu) | set(xv))
     inside = [g for g in counts if g <= cost.network.gpus_per_node]
     sync = {g: cost.sync_ms(g) for g in counts}
     rails = []
     if len(inside) > 1:
-        rails.append(_ladder(problem, f"{index}", {g: cost.reshard_side_ms(producer, g) for g in inside}, sync))
+        rails.append(_ladder(m, {g: cost.reshard_side_ms(producer, g) for g in inside}, sync))
     if len(inside) < len(counts):
-        rails.append(_ladder(problem, f"{index}x", {g: cost.reshard_side_ms(producer, g, across=True) for g in counts},
-                             sync))
-    objective: dict[pulp.LpVariable, float] = {}
-    for k, g in enumerate(counts):
-        stay = problem.add_variable(f"s_{index}_{k}", lowBound=0) if g in xu and g in xv else None
-        for end, port, name in ((xu, 0, "from"), (xv, 1, "to")):
+        rails.append(_ladder(m, {g: cost.reshard_side_ms(producer, g, across=True) for g in counts}, sync))
+    for g in counts:
+        stay = m.column() if g in xu and g in xv else None
+        for end, port in ((xu, 0), (xv, 1)):
             if g not in end:
                 continue
-            terms = {end[g]: -1.0, **({stay: 1.0} if stay is not None else {})}
-            for rail in rails:
-                if g in rail.ports[port]:
-                    terms[rail.ports[port][g]] = 1.0
-            _constrain(problem, terms, pulp.LpConstraintEQ, 0.0, f"{name}_{index}_{k}")
-    for rail in rails:
-        objective.update(rail.objective)
-    return objective
+            terms = [(end[g], -1.0)] + ([(stay, 1.0)] if stay is not None else [])
+            terms += [(rail[port][g], 1.0) for rail in rails if g in rail[port]]
+            m.row(terms, 0.0, 0.0)
 
 
-@dataclass(frozen=True)
-class _Rail:
-    """A ladder's entry and exit variables by count, and its objective coefficients."""
-
-    ports: tuple[dict[int, pulp.LpVariable], dict[int, pulp.LpVariable]]
-    objective: dict[pulp.LpVariable, float]
-
-
-def _ladder(problem: pulp.LpProblem, tag: str, side: dict[int, float], sync: dict[int, float]) -> _Rail:
+def _ladder(m: _Matrix, side: dict[int, float], sync: dict[int, float]) -> tuple[dict[int, int], dict[int, int]]:
     """Levels sorted by side descending: enter at ``σ_i``, go down free, up at ``σ_k − σ_{k+1}``, leave free;
-    entering from and leaving to count ``g`` adds ``sync[g]`` (the direction that count sends)."""
+    entering from and leaving to count ``g`` adds ``sync[g]`` (the direction that count sends). Returns the
+    entry and exit columns by count."""
     levels = sorted(side, key=lambda g: (-side[g], g))
     sides = [side[g] for g in levels]
-
-    def flow(name: str, k: int) -> pulp.LpVariable:
-        return problem.add_variable(f"{name}_{tag}_{k}", lowBound=0)
-
-    down = [flow("d", k) for k in range(len(levels) - 1)]
-    up = [flow("u", k) for k in range(len(levels) - 1)]
-    objective = {var: 2 * (sides[k] - sides[k + 1]) for k, var in enumerate(up)}
-    enter: dict[int, pulp.LpVariable] = {}
-    leave: dict[int, pulp.LpVariable] = {}
+    down = [m.column() for _ in range(len(levels) - 1)]
+    up = [m.column() for _ in range(len(levels) - 1)]
+    for k, j in enumerate(up):
+        m.time_cost[j] = 2 * (sides[k] - sides[k + 1])
+    enter: dict[int, int] = {}
+    leave: dict[int, int] = {}
     for k, g in enumerate(levels):
-        enter[g], leave[g] = flow("e", k), flow("l", k)
-        objective[enter[g]] = 2 * sides[k] + sync[g]
-        objective[leave[g]] = sync[g]
-        ladder = {enter[g]: 1.0, leave[g]: -1.0}
+        enter[g], leave[g] = m.column(), m.column()
+        m.time_cost[enter[g]] = 2 * sides[k] + sync[g]
+        m.time_cost[leave[g]] = sync[g]
+        ladder = [(enter[g], 1.0), (leave[g], -1.0)]
         if k:
-            ladder[down[k - 1]] = 1.0
-            ladder[up[k - 1]] = -1.0
+            ladder += [(down[k - 1], 1.0), (up[k - 1], -1.0)]
         if k < len(up):
-            ladder[up[k]] = 1.0
-            ladder[down[k]] = -1.0
-        _constrain(problem, ladder, pulp.LpConstraintEQ, 0.0, f"ladder_{tag}_{k}")
-    return _Rail(ports=(enter, leave), objective=objective)
+            ladder += [(up[k], 1.0), (down[k], -1.0)]
+        m.row(ladder, 0.0, 0.0)
+    return enter, leave
 
 
-def _backend(solver: SolverName, time_limit_s: float, *, mip: bool) -> pulp.LpSolver:
-    if solver is SolverName.HIGHS:
-        options = {} if mip else {"presolve": "off"}
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1, mip=mip, **options)
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, mip=mip)
+@dataclass(frozen=True, kw_only=True)
+class _Outcome:
+    """One solve: the column values (None without a solution) and what the solver proved."""
+
+    values: list[float] | None
+    status: str
+    description: str
+    optimal: bool
+    gap: float
 
 
-def _integral(x: dict[str, dict[int, pulp.LpVariable]]) -> bool:
-    return all(
-        min(abs(value), abs(1 - value)) < 1e-6
-        for choice in x.values()
-        for value in (var.varValue or 0.0 for var in choice.values())
-    )
+def _integral(values: list[float], binaries: list[int]) -> bool:
+    return all(min(abs(values[j]), abs(1 - values[j])) < 1e-6 for j in binaries)
 
 
-def _has_solution(x: dict[str, dict[int, pulp.LpVariable]]) -> bool:
-    return all(any((var.varValue or 0) > 0.5 for var in choice.values()) for choice in x.values())
+class _Highs:
+    """The matrix in one HiGHS instance: the LP relaxation first (warm-started), branch and bound if fractional."""
+
+    def __init__(self, matrix: _Matrix) -> None:
+        import highspy
+        import numpy as np
+
+        self.highspy, self.np = highspy, np
+        with native_output_hidden():  # HiGHS prints a banner whatever its options
+            self.highs = highspy.Highs()
+        self.highs.setOptionValue("output_flag", False)
+        self.highs.setOptionValue("threads", 1)
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = len(matrix.upper), len(matrix.row_lower)
+        lp.col_cost_ = np.array(matrix.time_cost)
+        lp.col_lower_ = np.zeros(lp.num_col_)
+        lp.col_upper_ = np.array(matrix.upper)
+        lp.row_lower_ = np.array(matrix.row_lower)
+        lp.row_upper_ = np.array(matrix.row_upper)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = lp.num_col_, lp.num_row_
+        lp.a_matrix_.start_ = np.array(matrix.starts, dtype=np.int32)
+        lp.a_matrix_.index_ = np.array(matrix.index, dtype=np.int32)
+        lp.a_matrix_.value_ = np.array(matrix.value)
+        self.highs.passModel(lp)
+        self.columns = lp.num_col_
+        self.integer = False
+
+    def add_row(self, terms: list[tuple[int, float]], lower: float, upper: float) -> int:
+        columns, coefficients = zip(*terms, strict=True)
+        self.highs.addRow(lower, upper, len(columns), self.np.array(columns, dtype=self.np.int32),
+                          self.np.array(coefficients))
+        return self.highs.getNumRow() - 1
+
+    def bound_rows(self, upper: dict[int, float]) -> None:
+        """Set these rows' upper bounds (no lower bound)."""
+        for row, bound in upper.items():
+            self.highs.changeRowBounds(row, -_INF, bound)
+
+    def run(self, costs: list[float], binaries: list[int], time_limit_s: float) -> _Outcome:
+        np, highs, started = self.np, self.highs, time.perf_counter()
+        highs.changeColsCost(self.columns, np.arange(self.columns, dtype=np.int32), np.array(costs))
+        self._integer(binaries, False)
+        highs.setOptionValue("presolve", "off")
+        highs.setOptionValue("time_limit", float(time_limit_s))
+        highs.run()
+        optimal_lp = highs.getModelStatus() == self.highspy.HighsModelStatus.kOptimal
+        values = list(highs.getSolution().col_value) if optimal_lp else None
+        if values is not None and _integral(values, binaries):
+            return _Outcome(values=values, status="Optimal", description="optimal (integral LP relaxation)",
+                            optimal=True, gap=0.0)
+        self._integer(binaries, True)
+        highs.setOptionValue("presolve", "choose")
+        highs.setOptionValue("time_limit", max(time_limit_s - (time.perf_counter() - started), 1.0))
+        highs.run()
+        return self._mip_outcome()
+
+    def _mip_outcome(self) -> _Outcome:
+        status, info = self.highs.getModelStatus(), self.highs.getInfo()
+        statuses = self.highspy.HighsModelStatus
+        found = info.primal_solution_status == 2  # kSolutionStatusFeasible
+        values = list(self.highs.getSolution().col_value) if found else None
+        if status == statuses.kOptimal:
+            return _Outcome(values=values, status="Optimal", description="optimal", optimal=True,
+                            gap=max(0.0, float(info.mip_gap)))
+        if status in (statuses.kInfeasible, statuses.kUnboundedOrInfeasible):
+            return _Outcome(values=None, status="Infeasible", description="infeasible", optimal=False, gap=1.0)
+        described = "solution found" if found else "no solution found"
+        return _Outcome(values=values, status="Not Solved", description=f"{described} (time limit)",
+                        optimal=False, gap=max(0.0, float(info.mip_gap)) if found else 1.0)
+
+    def _integer(self, binaries: list[int], integer: bool) -> None:
+        if integer == self.integer:
+            return
+        kind = self.highspy.HighsVarType.kInteger if integer else self.highspy.HighsVarType.kContinuous
+        self.highs.changeColsIntegrality(len(binaries), self.np.array(binaries, dtype=self.np.int32),
+                                         self.np.array([kind] * len(binaries), dtype=self.np.uint8))
+        self.integer = integer
 
 
-def _status(problem: pulp.LpProblem, relaxed_ok: bool) -> str:
-    if relaxed_ok:
-        return "optimal (integral LP relaxation)"
-    if problem.sol_status == pulp.LpSolutionOptimal:
-        return "optimal"
-    return f"{pulp.LpSolution[problem.sol_status].lower()} (time limit)"
+class _Cbc:
+    """The matrix through pulp to CBC, rebuilt each solve: the LP relaxation first, branch and bound if fractional."""
 
+    def __init__(self, matrix: _Matrix) -> None:
+        self.matrix = matrix
 
-def _gap(problem: pulp.LpProblem, solver: SolverName) -> float:
-    """Relative MIP gap: HiGHS reports it; for CBC 0 when proven optimal, else 1 (unknown)."""
-    if solver is SolverName.HIGHS:
-        return max(0.0, float(problem.solverModel.getInfo().mip_gap))
-    return 0.0 if problem.sol_status == pulp.LpSolutionOptimal else 1.0
+    def add_row(self, terms: list[tuple[int, float]], lower: float, upper: float) -> int:
+        return self.matrix.row(terms, lower, upper)
+
+    def bound_rows(self, upper: dict[int, float]) -> None:
+        for row, bound in upper.items():
+            self.matrix.row_upper[row] = bound
+
+    def run(self, costs: list[float], binaries: list[int], time_limit_s: float) -> _Outcome:
+        import pulp
+
+        problem, columns = self._problem(pulp, costs, set(binaries))
+        started = time.perf_counter()
+        problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, mip=False))
+        values = [var.varValue or 0.0 for var in columns]
+        if problem.status == pulp.LpStatusOptimal and _integral(values, binaries):
+            return _Outcome(values=values, status="Optimal", description="optimal (integral LP relaxation)",
+                            optimal=True, gap=0.0)
+        remaining = max(time_limit_s - (time.perf_counter() - started), 1.0)
+        problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=remaining, mip=True))
+        optimal = problem.sol_status == pulp.LpSolutionOptimal
+        found = problem.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+        description = "optimal" if optimal else f"{pulp.LpSolution[problem.sol_status].lower()} (time limit)"
+        return _Outcome(values=[var.varValue or 0.0 for var in columns] if found else None,
+                        status=pulp.LpStatus[problem.status], description=description, optimal=optimal,
+                        gap=0.0 if optimal else 1.0)
+
+    def _problem(self, pulp: ModuleType, costs: list[float], binaries: set[int]
+                 ) -> tuple[pulp_types.LpProblem, list[pulp_types.LpVariable]]:
+        m = self.matrix
+        problem = pulp.LpProblem("burst_parallel_plan", pulp.LpMinimize)
+        columns = [problem.add_variable(f"c{j}", lowBound=0, upBound=None if upper == _INF else upper,
+                                        cat=pulp.LpBinary if j in binaries else pulp.LpContinuous)
+                   for j, upper in enumerate(m.upper)]
+        problem.setObjective(pulp.LpAffineExpression([(columns[j], c) for j, c in enumerate(costs) if c]))
+        for r, (lower, upper) in enumerate(zip(m.row_lower, m.row_upper, strict=True)):
+            expression = pulp.LpAffineExpression(
+                [(columns[m.index[k]], m.value[k]) for k in range(m.starts[r], m.starts[r + 1])])
+            if lower == upper:
+                problem.addConstraint(pulp.LpConstraint(expression, pulp.LpConstraintEQ, f"r{r}", lower))
+            if lower != upper and lower > -_INF:
+                problem.addConstraint(pulp.LpConstraint(expression, pulp.LpConstraintGE, f"r{r}", lower))
+            if lower != upper and upper < _INF:
+                problem.addConstraint(pulp.LpConstraint(expression, pulp.LpConstraintLE, f"r{r}", upper))
+        return problem, columns
