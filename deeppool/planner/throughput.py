@@ -55,6 +55,7 @@ at the solve cap or the time limit, and the status then says how far the bound i
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Mapping
@@ -64,7 +65,7 @@ from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.errors import DeeppoolError
 from deeppool.planner.candidates import useful_counts
 from deeppool.planner.cost import CostModel, Phase
-from deeppool.planner.ilp import SolverName, solve
+from deeppool.planner.ilp import Ilp, IlpResult, SolverName
 from deeppool.planner.objective import DEFAULT_CLUSTER_GAP
 from deeppool.planner.plan import rank_idle_windows
 
@@ -194,9 +195,31 @@ class _Search:
         self.costed: dict[tuple[int, ...], Shares] = {}
         self.best: tuple[dict[str, int], Shares] | None = None
         self.solves = 0
-        self.lending_bound = float("inf")
+        self.open = self._families()
+        """The lending families still open (lowest lent rank ``R``), the last one searched first."""
+        self.bounds: dict[int, float] = {}
+        """What the last solve of each open family bounds its uncosted plans by."""
         self.failed = False
         self.deadline = time.perf_counter() + problem.time_limit_s
+
+    @functools.cached_property
+    def ilp(self) -> Ilp:
+        """Built on the first solve, kept: each solve changes its prices and cuts."""
+        p = self.problem
+        return Ilp(p.cost, p.options, memory_bytes=p.memory_bytes, solver=p.solver, busy_floor=True)
+
+    def _families(self) -> list[int]:
+        """The families, the first searched last: ``0``, every plan (priced from rank 1: rank 0 runs every
+        layer, so it is never lent), then ``R`` for every count below ``G``. Only ``0`` when the efficiency
+        depends on the window: a rank with idle time may then lend nothing, and the restrictions do not hold."""
+        p = self.problem
+        if p.model.efficiency_by_window_ms:
+            return [0]
+        return [*sorted({g for counts in p.options.values() for g in counts if g < p.gpus}), 0]
+
+    @property
+    def lending_bound(self) -> float:
+        return max((self.bounds.get(above, float("inf")) for above in self.open), default=0.0)
 
     @property
     def value(self) -> float:
@@ -221,21 +244,21 @@ class _Search:
         names = self.problem.cost.graph.names
         return tuple(dict(zip(names, key, strict=True)) for key in self.costed)
 
-    def _solve(self, price: float) -> dict[str, int] | None:
+    def _solve(self, price: float, cutoff: float, above: int = 0, *, restricted: bool = False) -> IlpResult | None:
         """The ILP's minimiser over the uncosted plans: solved without cuts first (its LP relaxation stays
         integral, so this is fast), and with one no-good cut per costed plan only when that one is costed."""
-        found = self._solve_once(price, ())
-        if found is None or self._key(found) not in self.costed:
+        short = self.problem.model.min_lend_fraction if restricted else None
+        found = self._solve_once(price, (), above, short, cutoff)
+        if found is None or self._key(found.assignment) not in self.costed:
             return found
-        return self._solve_once(price, self._excluded())
+        return self._solve_once(price, self._excluded(), above, short, cutoff)
 
-    def _solve_once(self, price: float, exclude: tuple[dict[str, int], ...]) -> dict[str, int] | None:
-        p = self.problem
+    def _solve_once(self, price: float, exclude: tuple[dict[str, int], ...], above: int, short: float | None,
+                    cutoff: float) -> IlpResult | None:
         self.solves += 1
         try:
-            return solve(p.cost, p.options, memory_bytes=p.memory_bytes,
-                         time_limit_s=max(1.0, self.deadline - time.perf_counter()),
-                         solver=p.solver, price=price, exclude=exclude).assignment
+            return self.ilp.solve(price=price, exclude=exclude, above=above, short_below=short, cutoff=cutoff,
+                                  time_limit_s=max(1.0, self.deadline - time.perf_counter()))
         except DeeppoolError as err:
             if "(Infeasible)" not in str(err):  # a time-out: nothing is proven
                 self.failed = True
@@ -245,23 +268,34 @@ class _Search:
         return tuple(assignment[name] for name in self.problem.cost.graph.names)
 
     def lending_step(self) -> bool:
-        """Cost the plan minimising ``(λ − ē)·T + c·B'`` if it may beat ``λ``; False once none can."""
+        """Search the last open family ``R``: cost the plan minimising ``(λ − ē·(G − R)/G)·T + c·B_R`` if it may
+        beat ``λ``, else close the family; False once every family is closed."""
         p, slowdown = self.problem, self.problem.model.fg_slowdown
         peak = p.model.max_efficiency
-        if peak <= 0:
+        if peak <= 0 or not self.open:
             return False
-        unit = peak / p.gpus
-        margin = max(self.target - peak, _TOLERANCE)
-        found = self._solve(1e3 * unit / margin)
-        if found is None:
-            return False
-        least = margin * p.cost.iteration_ms(found) + unit * priced_gpu_ms(p.cost, found)
-        if least >= (p.dp_ms / slowdown) * (1 - _TOLERANCE):
-            return False
-        # every uncosted lending plan a has U(a) ≤ target + (T_dp/s − least) / T_a, and T_a ≥ T_min
-        self.lending_bound = (self.target + (p.dp_ms / slowdown - least) / p.fastest_ms if p.fastest_ms > 0
+        family, unit = self.open[-1], peak / p.gpus
+        above = max(family, 1)
+        margin = max(self.target - unit * (p.gpus - above), _TOLERANCE)
+        limit = (p.dp_ms / slowdown) * (1 - _TOLERANCE)
+
+        def least(result: IlpResult) -> float:
+            return margin * (result.objective + p.cost.step_call_ms)  # + OPT_call, not in the ILP's objective
+
+        found = self._solve(1e3 * unit / margin, limit / margin - p.cost.step_call_ms, above, restricted=family > 0)
+        if found is None or least(found) >= limit:  # closed; family 0 holds every plan, so it closes them all
+            del self.open[0 if family == 0 else -1:]
+            self.bounds.pop(family, None)
+            return bool(self.open)
+        if family == 0 and len(self.open) > 1:  # not closed at once: the families R, which hold its plans, go on
+            self.open.pop()
+            self.bounds.pop(family, None)
+            self.cost(found.assignment)
+            return True
+        # every uncosted plan a of the family has U_R(a) ≤ target + (T_dp/s − least) / T_a, and T_a ≥ T_min
+        self.bounds[family] = (self.target + (p.dp_ms / slowdown - least(found)) / p.fastest_ms if p.fastest_ms > 0
                               else float("inf"))
-        self.cost(found)
+        self.cost(found.assignment)
         return True
 
     def fastest_step(self) -> bool:
@@ -271,10 +305,10 @@ class _Search:
         limit = self.problem.dp_ms / self.target * (1 - _TOLERANCE)
         if self.problem.fastest_ms >= limit:
             return False
-        found = self._solve(0.0)
-        if found is None or self.problem.cost.iteration_ms(found) >= limit:
+        found = self._solve(0.0, limit - self.problem.cost.step_call_ms)
+        if found is None or self.problem.cost.iteration_ms(found.assignment) >= limit:
             return False
-        self.cost(found)
+        self.cost(found.assignment)
         return True
 
     def result(self, *, proven: bool, fastest_open: bool) -> ClusterSearch:
