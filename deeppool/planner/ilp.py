@@ -210,9 +210,6 @@ class _Matrix:
     ports: list[tuple[int, int, float]] = field(default_factory=list)
     """(column, count, ms): a reshard ladder's entry or exit at that count, and a floor of the time the reshard
     through it holds that many ranks or more (:meth:`Ilp._family`)."""
-    top: int | None = None
-    """The column ``≥ max_l g_l`` (the optimizer call's ranks), when the busy floor is priced."""
-    call_ms: float = 0.0
     upper: list[float] = field(default_factory=list)
     binaries: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=lambda: [0])
@@ -246,8 +243,6 @@ class _Matrix:
             costs[j] += price * max(0, ranks - above) * ms / 1e3
         for floor in self.floors:
             floor.price(costs, price, above)
-        if self.top is not None and above == 0:
-            costs[self.top] += price * self.call_ms / 1e3
         return costs
 
 
@@ -389,9 +384,8 @@ def _busy_floor(m: _Matrix, cost: CostModel, x: dict[str, dict[int, int]]) -> No
       ``max(g_u, g_v)·(2·side(min(g_u, g_v)) + ω_{g_u} + ω_{g_v})`` when the counts differ. With
       ``s(g)`` the cheaper rail's side at ``g`` and ``s̃(g) = min_{h ≤ g} s(h)`` (over the edge's counts),
       ``max(g_u, g_v)·side(min) ≥ max(g_u·s̃(g_u), g_v·s̃(g_v))``: a ladder of sides ``a_g = g·s̃(g)``
-      (its own unit of flow from u's count to v's), with ``g·ω_g`` on entry and exit.
-    * The optimizer call holds ``max_l g_l`` ranks: ``top ≥ Σ_g g·x[l,g]`` for every layer, cost
-      ``top · OPT_call``.
+      (its own unit of flow from u's count to v's), with ``g·ω_g`` on entry and exit. Priced from rank
+      ``R`` up, ``g`` becomes ``(g − R)⁺`` (:class:`_Floor`).
     """
     for src, dst in cost.graph.edges():
         xu, xv = x[src], x[dst]
@@ -404,11 +398,6 @@ def _busy_floor(m: _Matrix, cost: CostModel, x: dict[str, dict[int, int]]) -> No
         rungs = _ladder(m, {g: g * side[g] for g in counts}, sync, timed=False)
         m.floors.append(_Floor(rungs=rungs, side=side, sync=sync))
         _ports(m, counts, xu, xv, [rungs.ports])
-    m.call_ms = cost.step_call_ms
-    if cost.step_call_ms > 0:
-        m.top = m.column()
-        for choice in x.values():
-            m.row([(m.top, 1.0), *((j, -float(g)) for g, j in choice.items())], 0.0, _INF)
 
 
 def _ladder(m: _Matrix, side: dict[int, float], sync: dict[int, float], *, timed: bool = True) -> _Rungs:

@@ -22,35 +22,45 @@ at the model's efficiency.
 
 **Exact search** (:func:`cluster_optimum`), over the same candidate counts as the
 time objective. ``J`` is not linear (windows, thresholds, ``1/T``), but it is
-bounded by what the ILP optimises exactly. With ``B'`` the GPU-time the ILP
-prices (``Σ_l g_l·layer_ms_l(g_l) + Σ_g g·ROUNDS(g)``, never more than the plan's
-busy GPU-time ``B``, which adds reshards and the optimizer call), ``ē`` the
-largest efficiency of any window and ``c = ē / G``:
+bounded by what the ILP optimises exactly. Rank ``r`` is busy in the phases that
+hold more than ``r`` ranks, so idle time grows with the rank, and rank 0, busy in
+every phase, is never lent. Let ``R_a`` be plan ``a``'s lowest lent rank, ``ē`` the
+largest efficiency of any window, ``c = ē / G`` and ``B_R`` a floor of the busy
+GPU-time on ranks ``R`` and up that the ILP prices (``Σ_l (g_l − R)⁺·layer_ms_l(g_l)``,
+the latency rounds alike, and a floor of the reshards':
+:func:`deeppool.planner.ilp._busy_floor`). For every ``R ≤ R_a``:
 
-* a plan that lends has ``usable_r ≤ ē · idle_r / T`` and ``Σ_r idle_r = G·T − B``, so
-  ``J ≤ T_dp/(s·T) + ē·(1 − B/(G·T)) ≤ ē + (T_dp/s − c·B')/T =: U``;
+* ``usable_r ≤ ē · idle_r / T`` and ``Σ_{r ≥ R} idle_r ≤ (G − R)·T − B_R``, so
+  ``J(a) ≤ ē·(G − R)/G + (T_dp/s − c·B_R)/T =: U_R(a)``;
 * a plan that lends nothing has ``J = T_dp / T``.
 
 Let ``λ`` be the best ``J`` among the plans costed so far (``λ ≥ 1``: data parallel
-on all GPUs is costed first, and ``ē ≤ 1``). A lending plan can beat ``λ`` only if
-``U > λ``, i.e. ``(λ − ē)·T + c·B' < T_dp/s``: the ILP minimises exactly that
-(``T + price·B'`` with ``price = c/(λ − ē)``) over the plans not yet costed (no-good
-cuts). If its minimum is ``≥ T_dp/s``, no uncosted lending plan beats ``λ``; else
-its plan is costed, cut off, and the step repeats. A plan that lends nothing can
-beat ``λ`` only if ``T < T_dp/λ``: the time ILP over the uncosted plans finds the
-fastest; once it is ``≥ T_dp/λ`` none can. Both loops end (finitely many plans,
-each costed once), and when both have stopped no uncosted plan beats the best
-costed one: **the returned plan maximises J**. ``tests/planner/test_throughput.py``
-checks it against enumerating every assignment.
+on all GPUs is costed first). A lending plan with ``R_a ≥ R`` can beat ``λ`` only if
+``U_R > λ``, i.e. ``(λ − ē·(G − R)/G)·T + c·B_R < T_dp/s``: the ILP minimises exactly
+that (``T + price·B_R``) over the plans not yet costed (no-good cuts), and the
+search first asks it with ``R`` = 1, which holds every plan. If its minimum (or
+already its LP relaxation's) is ``≥ T_dp/s``, no uncosted lending plan beats ``λ``.
+Else the plan is costed and the search splits the plans into *families*, one per
+candidate count ``R < G``: the plans with ``R_a = R``. The ILP of family ``R`` adds
+three rows true of each of them (:meth:`deeppool.planner.ilp.Ilp._family`): rank
+``R − 1`` idles less than ``θ·T`` (``θ`` = ``min_lend_fraction``), rank ``R`` at least
+that, and some layer runs on exactly ``R`` ranks; its bound ``U_R`` no longer counts
+the idle time of the ranks below ``R``, which cannot be lent: that slack is what
+made the single bound admit dozens of near-identical plans. Each family is
+searched like the single bound (cost, cut, repeat) until its minimum is
+``≥ T_dp/s``; the families together hold every plan. (With an efficiency curve
+a rank with idle time may lend nothing, the rows do not hold, and the single
+bound is searched to its end.) A plan that lends nothing can beat ``λ`` only if
+``T < T_dp/λ``: the time ILP over the uncosted plans finds the fastest; once it is
+``≥ T_dp/λ`` none can. Every loop ends (finitely many plans, each costed once), and
+when all have stopped no uncosted plan beats the best costed one: **the returned
+plan maximises J**. ``tests/planner/test_throughput.py`` checks it against
+enumerating every assignment.
 
-With a tolerance ``ε`` (the planner's default, 0.2%) both tests use ``λ·(1 + ε)`` in
-place of ``λ``: the plan returned is then proven within ``ε`` of the best. The
-bound is loose only where idle time cannot be lent (ranks idle for less than
-``min_lend_fraction``, windows shorter than the efficiency curve's first bin,
-reshard GPU-time); on ResNet-50 at 64 GPUs it admits dozens of plans that differ
-from the best in one small layer by less than 0.05%, each costing one ILP solve
-with cuts, and ``ε`` = 0.2% ends the search after one. The loops stop early only
-at the solve cap or the time limit, and the status then says how far the bound is open.
+With a tolerance ``ε`` (``--cluster-gap``) the tests use ``λ·(1 + ε)`` in place of ``λ``:
+the plan returned is then proven within ``ε`` of the best. The loops stop early
+only at the solve cap or the time limit, and the status then says how far the
+bound is open.
 """
 
 from __future__ import annotations
