@@ -209,6 +209,8 @@ class _Search:
         """The lending families still open (lowest lent rank ``R``), the last one searched first."""
         self.bounds: dict[int, float] = {}
         """What the last solve of each open family bounds its uncosted plans by."""
+        self.overall = float("inf")
+        """What family 0's solve bounds every uncosted plan by, once it has split into the families."""
         self.failed = False
         self.deadline = time.perf_counter() + problem.time_limit_s
 
@@ -229,7 +231,7 @@ class _Search:
 
     @property
     def lending_bound(self) -> float:
-        return max((self.bounds.get(above, float("inf")) for above in self.open), default=0.0)
+        return min(self.overall, max((self.bounds.get(family, float("inf")) for family in self.open), default=0.0))
 
     @property
     def value(self) -> float:
@@ -297,14 +299,14 @@ class _Search:
             del self.open[0 if family == 0 else -1:]
             self.bounds.pop(family, None)
             return bool(self.open)
+        # every uncosted plan a of the family has U_R(a) ≤ target + (T_dp/s − least) / T_a, and T_a ≥ T_min
+        bound = (self.target + (p.dp_ms / slowdown - least(found)) / p.fastest_ms if p.fastest_ms > 0
+                 else float("inf"))
         if family == 0 and len(self.open) > 1:  # not closed at once: the families R, which hold its plans, go on
             self.open.pop()
-            self.bounds.pop(family, None)
-            self.cost(found.assignment)
-            return True
-        # every uncosted plan a of the family has U_R(a) ≤ target + (T_dp/s − least) / T_a, and T_a ≥ T_min
-        self.bounds[family] = (self.target + (p.dp_ms / slowdown - least(found)) / p.fastest_ms if p.fastest_ms > 0
-                              else float("inf"))
+            self.overall = bound
+        else:
+            self.bounds[family] = bound
         self.cost(found.assignment)
         return True
 
