@@ -11,7 +11,7 @@ from deeppool.cluster_sim.interference import InterferenceModel
 from deeppool.planner import baselines
 from deeppool.planner.api import PlanRequest, plan_graph
 from deeppool.planner.candidates import useful_counts
-from deeppool.planner.ilp import Ilp
+from deeppool.planner.ilp import Ilp, SolverName
 from deeppool.planner.plan import Plan, rank_idle_windows
 from deeppool.planner.request import Objective
 from deeppool.planner.throughput import ClusterProblem, cluster_optimum, right_sizing, shares
@@ -41,9 +41,10 @@ def _enumerate(cost, model: InterferenceModel, dp_ms: float) -> float:
     )
 
 
-@pytest.mark.parametrize("model", list(MODELS), ids=list(MODELS))
+@pytest.mark.parametrize(("model", "solver"), [*((m, SolverName.HIGHS) for m in MODELS), ("defaults", SolverName.CBC)],
+                         ids=[*MODELS, "defaults-cbc"])
 @pytest.mark.parametrize("graph", [CHAIN, RESIDUAL], ids=["chain", "residual"])
-def test_exact_search_equals_enumeration_of_every_assignment(graph, model):
+def test_exact_search_equals_enumeration_of_every_assignment(graph, model, solver):
     assert useful_counts(GPUS, BATCH) == tuple(range(1, GPUS + 1))
     cost, _ = _problem(graph, GPUS, BATCH)
     interference = MODELS[model]
@@ -52,7 +53,7 @@ def test_exact_search_equals_enumeration_of_every_assignment(graph, model):
     fastest = min(cost.iteration_ms(dict(zip(graph.names, c, strict=True)))
                   for c in itertools.product(range(1, GPUS + 1), repeat=len(graph.names)))
     problem = ClusterProblem(cost=cost, options=options, gpus=GPUS, dp_ms=dp_ms, model=interference,
-                             memory_bytes=None, time_limit_s=60.0, solver=None, fastest_ms=fastest, tolerance=0.0)
+                             memory_bytes=None, time_limit_s=60.0, solver=solver, fastest_ms=fastest, tolerance=0.0)
     found = cluster_optimum(problem, [baselines.data_parallel(cost, g) for g in range(1, GPUS + 1)])
     assert found.proven and "optimal (" in found.status
     assert found.shares.throughput == pytest.approx(_enumerate(cost, interference, dp_ms), rel=1e-9)
