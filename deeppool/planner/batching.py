@@ -24,7 +24,7 @@ from torch import fx, nn
 
 from deeppool.errors import DeeppoolError
 from deeppool.planner.graph import OUTPUT_LAYER, Layer
-from deeppool.planner.layer_exec import LayerRunner
+from deeppool.planner.layer_exec import LayerRunner, run_at
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.trace import Traced
 
@@ -68,7 +68,7 @@ def _layer_values(traced: Traced, named: Mapping[str, Any], *, seed: int, offset
     with torch.no_grad(), mode.at(step=0, offset=offset, ordinal=0):
         for layer in graph.layers:
             runner = LayerRunner(traced.module, layer, (traced.random, mode))
-            env[layer.name] = runner(*(env[name] for name in layer.inputs))
+            env[layer.name] = run_at(runner, [env[name] for name in layer.inputs], PROBE_SAMPLES - offset)
     return env
 
 
