@@ -52,7 +52,7 @@ def check_per_sample(traced: Traced, loaded: LoadedModel, *, seed: int) -> None:
             continue
         if _same(whole[layer.name][1:], part[layer.name]):
             matched.add(layer.name)
-        elif all(name in matched for name in layer.inputs) and not _normalises_batch(module, layer):
+        elif all(name in matched for name in layer.inputs) and not normalises_batch(module, layer):
             raise DeeppoolError(
                 f"layer '{layer.name}' ({layer.op} in module '{layer.target}') mixes the samples of a batch: "
                 "its output for one sample changes with the others, so it cannot be split across GPUs; "
@@ -88,7 +88,7 @@ def _same(expected: Any, got: Any) -> bool:
     return float(gap.max()) <= RELATIVE_TOLERANCE * max(scale, 1e-6)
 
 
-def _normalises_batch(module: fx.GraphModule, layer: Layer) -> bool:
+def normalises_batch(module: fx.GraphModule, layer: Layer) -> bool:
     """Whether the layer contains batch normalisation (which the executor synchronises)."""
     by_name = {node.name: node for node in module.graph.nodes}
     for name in layer.nodes:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from deeppool.errors import DeeppoolError
+from deeppool.planner.batching import normalises_batch
 from deeppool.planner.cost import CostModel
 from deeppool.planner.layer_exec import LayerFailed
 from deeppool.planner.plan import Evidence
@@ -91,14 +92,17 @@ def plan_on_measured(profiler: LayerProfiler, solve: Callable[[Profile], Planned
 
 
 def measure_each(profiler: LayerProfiler, batches: list[int], failed: dict[int, LayerFailed]) -> None:
-    """Measure ``batches``, the largest first; a batch at which some layer cannot run on its own (BatchNorm
-    in training with one value per channel) is left to the fit and noted in ``failed``. The executor
-    runs such a layer on its GPUs as one group (BatchNorm over the layer's whole batch), so the count is
-    not refused; only a model that no measurable batch runs is, with the layer's error."""
+    """Measure ``batches``, the largest first; a batch at which a BatchNorm layer cannot run on its own (one
+    value per channel) is left to the fit and noted in ``failed``: the executor runs such a layer on its
+    GPUs as one group (BatchNorm over the layer's whole batch), so the count is not refused; only a model
+    that no measurable batch runs is, with the layer's error. Any other op that fails at a batch is that
+    error, one line naming the layer and op."""
     for batch in sorted(set(batches), reverse=True):
         try:
             profiler.measure([batch])
         except LayerFailed as err:
+            if not normalises_batch(profiler.traced.module, err.layer):
+                raise  # another op: the executor would fail there too, so no plan may use this batch
             failed[batch] = err
     if not profiler.batches:
         smallest = min(failed)

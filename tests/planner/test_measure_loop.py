@@ -292,3 +292,15 @@ def test_a_model_no_measurable_batch_runs_is_one_error_line_naming_the_layer_and
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert "at per-GPU batch 1" in lines[0] and "op norm raised ValueError" in lines[0], lines[0]
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_another_op_that_fails_at_a_measured_batch_is_one_error_line_not_a_fitted_batch(tmp_path, capfd):
+    """Only BatchNorm is run over the layer's whole batch by the executor; a plan may not use a batch at which any
+    other op fails, so measuring it there is the error (the model fails eagerly at that batch too)."""
+    result = deeppool(capfd, "plan", str(TINY.parent / "squeezed.py"), "--gpus", "2", "--batch", "4",
+                      "--max-measured-batch", "2", "--no-cache", "--out", str(tmp_path / "plan.json"))
+    assert result.code == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: layer 'unsqueeze'"), lines
+    assert "at per-GPU batch 1: op unsqueeze raised IndexError" in lines[0], lines[0]
+    assert not (tmp_path / "plan.json").exists()
