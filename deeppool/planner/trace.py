@@ -402,7 +402,9 @@ class _ShapeOnly:
         return self.fake.from_tensor(value)
 
 
-def _record(module: fx.GraphModule, named: Mapping[str, Any], shapes: _ShapeOnly, until: str | None = None) -> _Recorder:
+def _record(
+    module: fx.GraphModule, named: Mapping[str, Any], shapes: _ShapeOnly, until: str | None = None,
+) -> _Recorder:
     with FlopCounterMode(display=False) as counter:
         recorder = _Recorder(module, counter, until)
         _run(recorder, placeholder_values(module, named), shapes)
