@@ -91,11 +91,6 @@ LOCAL = {"hf_gpt2", "tv_regnet"}
 """Planned from a local measurement in the default test run (a dict of inputs; a model that cannot be
 built on meta); the others' local plans (1-3 min each on 2 cores) are in the heavy tier."""
 
-LOCAL_BUGS = {"tv_inception": (pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "open bug: measuring the aux head's BatchNorm at per-GPU batch 1 (1x1 spatial) raises torch's ValueError "
-    "'Expected more than 1 value per channel when training' out of `deeppool plan`, a traceback, not an error line")),)}
-
-
 def _counts(plan: Path) -> set[int]:
     return {layer["gpus"] for layer in json.loads(plan.read_text())["layers"]}
 
@@ -132,8 +127,7 @@ def test_zoo_model_plans_and_trains_burst_parallel_exactly(tmp_path: Path, capfd
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n if n in LOCAL else pytest.param(n, marks=[pytest.mark.heavy, *LOCAL_BUGS.get(n, ())])
-                                  for n in sorted(RUNS)])
+@pytest.mark.parametrize("name", [n if n in LOCAL else pytest.param(n, marks=pytest.mark.heavy) for n in sorted(RUNS)])
 def test_zoo_model_plans_with_local_measurement(tmp_path: Path, capfd, name: str) -> None:
     """Measured here, not estimated: every zoo model, with a short measurement (batch 4 on 2 GPUs)."""
     planned = deeppool(capfd, "plan", str(ZOO / f"{name}.py"), "--gpus", "2", "--batch", "4",
@@ -142,6 +136,22 @@ def test_zoo_model_plans_with_local_measurement(tmp_path: Path, capfd, name: str
     assert planned.code == 0, planned.stderr[-3000:]
     assert "Traceback" not in planned.stderr
     assert len(json.loads((tmp_path / "plan.json").read_text())["layers"]) >= 2
+
+
+@pytest.mark.slow
+def test_inception_aux_batchnorm_at_one_sample_per_gpu_trains_exactly(tmp_path: Path, capfd) -> None:
+    """The aux head's BatchNorm on a 1x1 map cannot train on one sample alone; on 4 GPUs at batch 4 it runs as
+    one group over the layer's 4 samples, as in one process, so that count is a plan the executor takes."""
+    plan = tmp_path / "plan.json"
+    planned = deeppool(capfd, "plan", str(ZOO / "tv_inception.py"), "--gpus", "4", "--batch", "4", "--device-model",
+                       "a100", "--pin", "aux_logits_*=4", "--pin", "mixed_5b_*=2", "--out", str(plan))
+    assert planned.code == 0, planned.stderr[-3000:]
+    aux = [layer for layer in json.loads(plan.read_text())["layers"] if layer["name"].startswith("aux_logits_conv1_")]
+    assert aux and all(layer["gpus"] == 4 and all(b - a == 1 for a, b in layer["samples"]) for layer in aux), aux
+    ran = deeppool(capfd, "run", str(plan), "--nproc", "4", "--steps", "2", "--warmup", "0", "--check",
+                   "--out", str(tmp_path / "run"))
+    assert ran.code == 0 and "Traceback" not in ran.stderr, ran.stderr[-3000:]
+    assert "max relative difference" in ran.stdout, ran.stdout[-3000:]
 
 
 def assert_refused(result: Result, module: str) -> None:

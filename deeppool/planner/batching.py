@@ -24,7 +24,7 @@ from torch import fx, nn
 
 from deeppool.errors import DeeppoolError
 from deeppool.planner.graph import OUTPUT_LAYER, Layer
-from deeppool.planner.layer_exec import LayerRunner
+from deeppool.planner.layer_exec import LayerRunner, run_at
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.trace import Traced
 
@@ -52,7 +52,7 @@ def check_per_sample(traced: Traced, loaded: LoadedModel, *, seed: int) -> None:
             continue
         if _same(whole[layer.name][1:], part[layer.name]):
             matched.add(layer.name)
-        elif all(name in matched for name in layer.inputs) and not _normalises_batch(module, layer):
+        elif all(name in matched for name in layer.inputs) and not normalises_batch(module, layer):
             raise DeeppoolError(
                 f"layer '{layer.name}' ({layer.op} in module '{layer.target}') mixes the samples of a batch: "
                 "its output for one sample changes with the others, so it cannot be split across GPUs; "
@@ -68,7 +68,7 @@ def _layer_values(traced: Traced, named: Mapping[str, Any], *, seed: int, offset
     with torch.no_grad(), mode.at(step=0, offset=offset, ordinal=0):
         for layer in graph.layers:
             runner = LayerRunner(traced.module, layer, (traced.random, mode))
-            env[layer.name] = runner(*(env[name] for name in layer.inputs))
+            env[layer.name] = run_at(runner, [env[name] for name in layer.inputs], PROBE_SAMPLES - offset)
     return env
 
 
@@ -88,7 +88,7 @@ def _same(expected: Any, got: Any) -> bool:
     return float(gap.max()) <= RELATIVE_TOLERANCE * max(scale, 1e-6)
 
 
-def _normalises_batch(module: fx.GraphModule, layer: Layer) -> bool:
+def normalises_batch(module: fx.GraphModule, layer: Layer) -> bool:
     """Whether the layer contains batch normalisation (which the executor synchronises)."""
     by_name = {node.name: node for node in module.graph.nodes}
     for name in layer.nodes:

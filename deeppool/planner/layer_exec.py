@@ -16,6 +16,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from deeppool.errors import DeeppoolError
 from deeppool.planner.graph import Layer
 from deeppool.planner.randomness import RandomSites, SampleRandomness
 
@@ -54,11 +55,14 @@ class LayerRunner:
         self._inputs = [by_name[name] for name in layer.inputs]
         self._interpreter = fx.Interpreter(module)
         self._random = random
+        self.at: fx.Node | None = None
+        """The node running now (the one at fault when a call raises)."""
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         env: dict[fx.Node, object] = dict(zip(self._inputs, inputs, strict=True))
         self._interpreter.env = env
         for node in self._nodes:
+            self.at = node
             if self._random is not None and node.name in self._random[0].first:
                 self._random[1].ordinal = self._random[0].first[node.name]
             env[node] = self._interpreter.run_node(node)
@@ -69,3 +73,27 @@ class LayerRunner:
 def runners(module: fx.GraphModule, layers: tuple[Layer, ...]) -> dict[str, LayerRunner]:
     """One runner per layer, by layer name."""
     return {layer.name: LayerRunner(module, layer) for layer in layers}
+
+
+class LayerFailed(DeeppoolError):
+    """A layer that raised when it ran at a per-GPU batch (an op that needs more samples than it got)."""
+
+    def __init__(self, layer: Layer, node: fx.Node | None, batch: int, err: BaseException) -> None:
+        self.layer, self.batch = layer, batch
+        op = getattr(node.target, "__name__", str(node.target)) if node is not None else layer.op
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        super().__init__(
+            f"layer '{layer.name}' ({layer.op} in module '{layer.target}') fails at per-GPU batch {batch}: "
+            f"op {op} raised {type(err).__name__}: {first}"
+        )
+
+
+def run_at(runner: LayerRunner, args: list[Any], batch: int) -> Any:
+    """``runner(*args)`` at per-GPU ``batch``; an op that raises there is a :class:`LayerFailed` naming the layer
+    and the op, not a traceback."""
+    try:
+        return runner(*args)
+    except DeeppoolError:
+        raise
+    except Exception as err:  # noqa: BLE001  any op of the user's model: named, with its layer and batch
+        raise LayerFailed(runner.layer, runner.at, batch, err) from None

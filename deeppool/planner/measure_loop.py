@@ -20,7 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from deeppool.errors import DeeppoolError
+from deeppool.planner.batching import normalises_batch
 from deeppool.planner.cost import CostModel
+from deeppool.planner.layer_exec import LayerFailed
 from deeppool.planner.plan import Evidence
 from deeppool.planner.profile import Profile
 from deeppool.planner.profiler import LayerProfiler
@@ -76,11 +79,32 @@ def plan_on_measured(profiler: LayerProfiler, solve: Callable[[Profile], Planned
     ``targets`` are the per-GPU batches the planner may use (the profile fits the unmeasured ones);
     ``solve`` plans on a profile."""
     first = first_batches(cap, max(targets))
-    profiler.measure([b for b in first if profiler.fits(b)] or first[:1])
+    failed: dict[int, LayerFailed] = {}
+    measure_each(profiler, [b for b in first if profiler.fits(b)] or first[:1], failed)
     while True:
         planned = solve(profiler.profile(targets))
         used = used_batches(planned.cost, planned.assignments, one_gpu=one_gpu)
-        todo = [b for b in used if b not in profiler.batches and (cap is None or b <= cap) and profiler.fits(b)]
+        todo = [b for b in used if b not in profiler.batches and b not in failed and (cap is None or b <= cap)
+                and profiler.fits(b)]
         if not todo:
             return planned
-        profiler.measure(todo)
+        measure_each(profiler, todo, failed)
+
+
+def measure_each(profiler: LayerProfiler, batches: list[int], failed: dict[int, LayerFailed]) -> None:
+    """Measure ``batches``, the largest first; a batch at which a BatchNorm layer cannot run on its own (one
+    value per channel) is left to the fit and noted in ``failed``: the executor runs such a layer on its
+    GPUs as one group (BatchNorm over the layer's whole batch), so the count is not refused; only a model
+    that no measurable batch runs is, with the layer's error. Any other op that fails at a batch is that
+    error, one line naming the layer and op."""
+    for batch in sorted(set(batches), reverse=True):
+        try:
+            profiler.measure([batch])
+        except LayerFailed as err:
+            if not normalises_batch(profiler.traced.module, err.layer):
+                raise  # another op: the executor would fail there too, so no plan may use this batch
+            failed[batch] = err
+    if not profiler.batches:
+        smallest = min(failed)
+        raise DeeppoolError(f"{failed[smallest]}; nothing could be measured at per-GPU batches {sorted(failed)}: "
+                            "raise --max-measured-batch or --batch")

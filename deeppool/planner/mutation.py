@@ -130,15 +130,34 @@ def merged_groups(mutations: list[Mutation]) -> list[set[str]]:
     return groups
 
 
-def functionalize(module: fx.GraphModule, probe: Callable[[], Probe]) -> tuple[Probe, list[Mutation]]:
-    """Rewrite ``module`` until every mutation can live inside one layer; the last probe and its mutations."""
+def functionalize(module: fx.GraphModule, probe: Callable[[str | None], Probe]) -> tuple[Probe, list[Mutation]]:
+    """Rewrite ``module`` until every mutation can live inside one layer; the last probe and its mutations.
+
+    ``probe(until)`` runs the graph up to node ``until`` (all of it for None). A rewrite needs only the values
+    up to the mutations it fixes, so while they all lie in the graph's first half (HF's ``shift_tokens_right``
+    writes one tensor three times: three rewrites) the probes after a rewrite stop at the last of them; the
+    result is always a whole run that needed no rewrite."""
+    until: str | None = None
     for _ in range(MAX_REWRITES):
-        recorded = probe()
+        recorded = probe(until)
         mutations = find_mutations(module.graph, recorded)
-        if not _rewrite(module.graph, mutations, recorded):
+        if _rewrite(module.graph, mutations, recorded):
+            module.recompile()
+            until = _early_cut(module.graph, mutations)
+        elif until is None:
             return recorded, mutations
-        module.recompile()
+        else:
+            until = None
     raise DeeppoolError(f"the model's in-place operations need more than {MAX_REWRITES} rewrites")
+
+
+def _early_cut(graph: fx.Graph, mutations: list[Mutation]) -> str | None:
+    """The last mutating node when it lies in the first half of the graph's ops, else None (a whole run costs
+    about as much)."""
+    calls = [node.name for node in graph.nodes if node.op.startswith("call")]
+    order = {name: index for index, name in enumerate(calls)}
+    last = max(mutations, key=lambda m: order[m.node]).node
+    return last if order[last] < len(calls) // 2 else None
 
 
 def _rewrite(graph: fx.Graph, mutations: list[Mutation], probe: Probe) -> bool:

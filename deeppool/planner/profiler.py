@@ -77,7 +77,7 @@ from deeppool.errors import DeeppoolError
 from deeppool.planner.allocator import steady_allocator
 from deeppool.planner.graph import Layer, LayerGraph, grad_flows
 from deeppool.planner.jsonio import write_json
-from deeppool.planner.layer_exec import LayerRunner, floating_leaves
+from deeppool.planner.layer_exec import LayerRunner, floating_leaves, run_at
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.cost import Optimizer
 from deeppool.planner.profile import Conditions, FitQuality, LayerTimes, Profile, StepOverhead
@@ -666,7 +666,7 @@ def _keys(profiler: LayerProfiler, inputs: dict[str, torch.Tensor], batch: int) 
         for index, layer in enumerate(graph.layers):
             args = [values[name] for name in layer.inputs]
             keys[layer.name] = _key(layer, profiler.code[layer.name], args, batch, passes.device, profiler.config)
-            values[layer.name] = passes.runners[layer.name](*args)
+            values[layer.name] = run_at(passes.runners[layer.name], args, batch)  # LayerFailed: not measurable here
             for name in layer.inputs:
                 if last_use[name] == index:
                     values.pop(name, None)

@@ -254,23 +254,43 @@ def _join(func: OpOverload, outputs: list[Any], args: tuple[Any, ...], kwargs: d
     the model's next ``view`` may rely on them.
     """
     sources = _written_sources(func, args, kwargs)
-    like = next(_tensors((args, kwargs)), None)
+    expected = _expected_outputs(func, args, kwargs, len(sources))
     if len(sources) == 1:
-        return sources[0] if sources[0] is not None else _laid_out(_concat(*outputs), like)
+        return sources[0] if sources[0] is not None else _laid_out(_concat(*outputs), expected[0])
     columns = zip(*outputs, strict=True)
     return tuple(
         source if source is not None else _laid_out(_concat(*column), like)
-        for source, column in zip(sources, columns, strict=True)
+        for source, column, like in zip(sources, columns, expected, strict=True)
     )
 
 
-def _laid_out(joined: Any, like: torch.Tensor | None) -> Any:
+def _expected_outputs(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], count: int) -> list[Any]:
+    """The op's own outputs on the whole batch as meta tensors (their strides are the eager op's), one per
+    return; without a meta kernel, the first tensor argument, the layout that ops like ``dropout`` keep.
+
+    The model's next ``view`` may rely on the op's layout: ``randn_like(x, memory_format=contiguous_format)``
+    of a transposed ``x`` is contiguous, flash attention's logsumexp is not."""
+    like = next(_tensors((args, kwargs)), None)
+    if like is None:  # drawn from a size alone (``torch.rand(shape)``): contiguous, as joined
+        return [None] * count
+    try:
+        result = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+    except Exception:  # noqa: BLE001  no meta kernel for this op: keep the argument's layout
+        return [like] * count
+    return list(result) if count > 1 else [result]
+
+
+def _meta(value: Any) -> Any:
+    return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+
+def _laid_out(joined: Any, like: Any) -> Any:
     """``joined`` in the memory layout of ``like`` when it has its shape, else as it is."""
-    if not isinstance(joined, torch.Tensor) or like is None or joined.shape != like.shape:
+    if not isinstance(joined, torch.Tensor) or not isinstance(like, torch.Tensor) or joined.shape != like.shape:
         return joined
     if joined.stride() == like.stride():
         return joined
-    return torch.empty_like(like, dtype=joined.dtype).copy_(joined)
+    return torch.empty_strided(joined.shape, like.stride(), dtype=joined.dtype, device=joined.device).copy_(joined)
 
 
 def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:

@@ -146,12 +146,14 @@ def evidence_lines(plan: Plan, shown: int = 6) -> list[str]:
     lines = []
     if evidence.extrapolated:
         lines.append(f"{len(evidence.extrapolated)} of {len(plan.layers)} layers rest on per-GPU batches not measured "
-                     "(above --max-measured-batch, or a whole-model pass there would not fit this machine's memory), "
+                     "(above --max-measured-batch, a whole-model pass there would not fit this machine's memory, "
+                     "or a layer cannot run there alone), "
                      f"extrapolated from the line fitted through {list(evidence.measured_batches)}: "
                      f"{_names(evidence.extrapolated, shown)}")
     if evidence.unmeasured_batches:
         lines.append(f"per-GPU batches {list(evidence.unmeasured_batches)} that the plan or its baselines use were "
-                     "not measured (above --max-measured-batch, or too large to measure here)")
+                     "not measured (above --max-measured-batch, too large to measure here, or a layer cannot run there "
+                     "alone, such as BatchNorm with one value per channel)")
     if evidence.busy:
         lines.append(f"{len(evidence.busy)} of {len(plan.layers)} layers rest on measurements taken on a busy machine "
                      f"(load up to {evidence.load:.1f} on {evidence.cores} cores) or that stayed noisy: "

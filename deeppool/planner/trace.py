@@ -338,12 +338,18 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else "no message"
 
 
-class _Recorder(fx.Interpreter):
-    """Runs the graph and keeps every node's value, forward FLOPs and the tensors it mutated."""
+class _Stopped(Exception):
+    """A recorder reached the node it was asked to stop after."""
 
-    def __init__(self, module: fx.GraphModule, counter: FlopCounterMode) -> None:
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph (up to and including node ``until``, when given) and keeps every node's value, forward
+    FLOPs and the tensors it mutated."""
+
+    def __init__(self, module: fx.GraphModule, counter: FlopCounterMode, until: str | None = None) -> None:
         super().__init__(module)
         self.counter = counter
+        self.until = until
         self.random = SampleRandomness(seed=0)
         self.values: dict[str, Any] = {}
         self.flops: dict[str, int] = {}
@@ -364,6 +370,8 @@ class _Recorder(fx.Interpreter):
         changed = tuple(t for t, version in zip(inputs, versions, strict=True) if t._version != version)
         if changed and n.op != "output":
             self.mutated[n.name] = changed
+        if n.name == self.until:
+            raise _Stopped
         return value
 
     @property
@@ -394,9 +402,11 @@ class _ShapeOnly:
         return self.fake.from_tensor(value)
 
 
-def _record(module: fx.GraphModule, named: Mapping[str, Any], shapes: _ShapeOnly) -> _Recorder:
+def _record(
+    module: fx.GraphModule, named: Mapping[str, Any], shapes: _ShapeOnly, until: str | None = None,
+) -> _Recorder:
     with FlopCounterMode(display=False) as counter:
-        recorder = _Recorder(module, counter)
+        recorder = _Recorder(module, counter, until)
         _run(recorder, placeholder_values(module, named), shapes)
     return recorder
 
@@ -407,6 +417,8 @@ def _run(recorder: _Recorder, inputs: list[Any], shapes: _ShapeOnly) -> None:
             fed = [shapes.tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
             with recorder.random:
                 recorder.run(*fed, enable_io_processing=False)
+        except _Stopped:
+            pass
         except Exception as err:
             raise DeeppoolError(
                 f"the traced model fails on its own inputs ({type(err).__name__}: {_first_line(err)}): "
@@ -458,8 +470,8 @@ def _probed_graph(
     small_inputs, large_inputs = (loaded.named_inputs(b) for b in _PROBE_BATCHES)
     probes: list[_Recorder] = []
 
-    def probe() -> Probe:
-        probes.append(_record(module, small_inputs, shapes))
+    def probe(until: str | None) -> Probe:
+        probes.append(_record(module, small_inputs, shapes, until))
         return probes[-1].probe
 
     _, mutations = functionalize(module, probe)

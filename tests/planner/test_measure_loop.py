@@ -262,3 +262,45 @@ def test_profile_clear_cache_and_no_cache_from_the_command_line(capsys, tmp_path
     assert {2, 4} <= set(evidence["measured_batches"])
     refused = deeppool(capsys, "profile", "--cache-dir", str(cache))
     assert refused.code == 2 and refused.stderr.startswith("error:") and "MODEL" in refused.stderr
+
+
+POOLED = TINY.parent / "pooled_batchnorm.py"
+
+
+def test_a_batch_some_layer_cannot_run_at_alone_is_left_fitted_not_a_traceback():
+    """BatchNorm on a 1x1 map cannot train on one sample (the executor runs it over the layer's whole batch,
+    so counts giving one sample per GPU stay allowed): batch 1 is fitted, named among the unmeasured."""
+    spec = ModelSpec.parse(str(POOLED))
+    loaded = spec.load()
+    traced = trace(loaded)
+    profiler = LayerProfiler(traced, loaded, ProfilerConfig(threads=1, **FAST))
+    request = PlanRequest(gpus=4, global_batch=4, strategy=Strategy.DATA_PARALLEL)
+    planned = plan_on_measured(
+        profiler, lambda profile: plan_graph(traced.graph, profile, NETWORKS[KnownDevice.A100], request, model=spec),
+        targets=(1, 2, 4), cap=None, one_gpu=False)
+    assert profiler.batches == (2, 4)
+    evidence = planned.plan.evidence
+    assert evidence is not None and evidence.unmeasured_batches == (1,)
+    assert any("cannot run there alone" in line for line in evidence_lines(planned.plan))
+
+
+def test_a_model_no_measurable_batch_runs_is_one_error_line_naming_the_layer_and_op(tmp_path, capfd):
+    result = deeppool(capfd, "plan", str(POOLED), "--gpus", "4", "--batch", "4", "--max-measured-batch", "1",
+                      "--no-cache", "--out", str(tmp_path / "plan.json"))
+    assert result.code == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "at per-GPU batch 1" in lines[0] and "op norm raised ValueError" in lines[0], lines[0]
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_another_op_that_fails_at_a_measured_batch_is_one_error_line_not_a_fitted_batch(tmp_path, capfd):
+    """Only BatchNorm is run over the layer's whole batch by the executor; a plan may not use a batch at which any
+    other op fails, so measuring it there is the error (the model fails eagerly at that batch too)."""
+    result = deeppool(capfd, "plan", str(TINY.parent / "squeezed.py"), "--gpus", "2", "--batch", "4",
+                      "--max-measured-batch", "2", "--no-cache", "--out", str(tmp_path / "plan.json"))
+    assert result.code == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: layer 'unsqueeze'"), lines
+    assert "at per-GPU batch 1: op unsqueeze raised IndexError" in lines[0], lines[0]
+    assert not (tmp_path / "plan.json").exists()

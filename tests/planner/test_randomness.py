@@ -95,6 +95,29 @@ def test_per_sample_outputs_keep_the_ops_memory_layout() -> None:
     drawn[0].transpose(1, 2).view(6, -1)  # raises if the layout were contiguous
 
 
+def test_per_sample_outputs_take_the_ops_layout_not_their_arguments() -> None:
+    """An op whose output is laid out unlike its first argument: ``randn_like`` asked for a contiguous tensor of a
+    transposed one is contiguous, so the model's ``view`` of it works eagerly (issue 22 item 3: "view size is not
+    compatible with input tensor's size and stride" in the pre-training check)."""
+    x = torch.randn(6, 4, 5).transpose(1, 2)
+    mode = SampleRandomness(seed=SEED, batched={0: True})
+    noise = run(mode, lambda: torch.randn_like(x, memory_format=torch.contiguous_format))
+    assert noise.stride() == torch.randn_like(x, memory_format=torch.contiguous_format).stride()
+    assert noise.view(6, -1).shape == (6, 20)
+
+
+def test_per_sample_attention_keeps_every_output_layout() -> None:
+    """Flash attention on the CPU (dropout 0) is seeded: its output follows the query, its logsumexp is laid out
+    [batch, sequence, heads] whatever the query."""
+    q = torch.randn(6, 5, 2, 8).transpose(1, 2)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    eager = op(q, q, q, 0.0, False)
+    drawn = run(SampleRandomness(seed=SEED, batched={0: True}), lambda: op(q, q, q, 0.0, False))
+    for ours, theirs in zip(drawn, eager, strict=True):
+        assert ours.stride() == theirs.stride()
+        torch.testing.assert_close(ours, theirs)
+
+
 def masks(mode: SampleRandomness, step: int) -> torch.Tensor:
     return run(mode, lambda: F.dropout(torch.ones(6, 32), 0.5), step=step)
 
