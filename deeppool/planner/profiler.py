@@ -62,7 +62,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cache, cached_property
 from pathlib import Path
 
@@ -80,7 +80,9 @@ from deeppool.planner.jsonio import write_json
 from deeppool.planner.layer_exec import LayerRunner, floating_leaves
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.cost import Optimizer
-from deeppool.planner.profile import Conditions, FitQuality, LayerTimes, Profile, StepOverhead
+from deeppool.planner.profile import (
+    CALIBRATION_FLOOR, Calibration, Conditions, FitQuality, LayerTimes, Profile, StepOverhead,
+)
 from deeppool.planner.trace import Traced
 
 
@@ -262,7 +264,7 @@ class LayerProfiler:
         self.device = torch.device(config.device)
         traced.module.to(self.device)
         graph = traced.graph
-        self.measured: dict[str, dict[int, Measured]] = {name: {} for name in (*graph.names, LOSS)}
+        self.measured: dict[str, dict[int, Measured]] = {name: {} for name in (*graph.names, LOSS, WHOLE)}
         runners = {layer.name: LayerRunner(traced.module, layer) for layer in graph.layers}
         self.passes = Passes(module=traced.module, graph=graph, runners=runners, device=self.device)
         self.code = {layer.name: layer_code(traced.module, layer) for layer in graph.layers}
@@ -327,8 +329,11 @@ class LayerProfiler:
         if not batches:
             raise DeeppoolError("nothing measured yet: measure some per-GPU batches first")
         targets = tuple(sorted(set(batches) | set(fit_to)))
-        ordered = {name: [samples[b] for b in batches] for name, samples in self.measured.items()}
-        losses = ordered.pop(LOSS)
+        calibration = tuple(calibrate(b, {name: self.measured[name][b] for name in graph.names},
+                                      self.measured[WHOLE][b]) for b in batches)
+        ordered = {name: [calibrated(samples[b], entry) for b, entry in zip(batches, calibration, strict=True)]
+                   for name, samples in self.measured.items() if name not in (LOSS, WHOLE)}
+        losses = [self.measured[LOSS][b] for b in batches]
         loss = layer_times(batches, losses, targets, config.untrusted)[0]
         layers = {name: layer_times(batches, samples, targets, config.untrusted) for name, samples in ordered.items()}
         overhead, bandwidth, sharing = self._device_figures
@@ -345,6 +350,7 @@ class LayerProfiler:
             step_overhead=overhead,
             loss=loss,
             conditions=self.conditions(),
+            calibration=calibration,
         )
 
     @cached_property
@@ -362,6 +368,30 @@ class LayerProfiler:
 
 LOSS = "<loss>"
 """The loss function's key among the measured entries (no layer name has angle brackets)."""
+WHOLE = "<whole>"
+"""The whole pass's key among the measured entries (:meth:`Passes.whole`): what calibrates the layers."""
+
+
+def calibrate(batch: int, layers: dict[str, Measured], whole: Measured) -> Calibration:
+    """The per-layer overhead at ``batch``: what timing each layer alone adds (or, negative, takes away)
+    over the whole pass, shared evenly among the layers that take time in that direction."""
+    def per_layer(times: list[float], total: float) -> float:
+        timed = [t for t in times if t > 0]
+        return (sum(timed) - total) / len(timed) if timed and total > 0 else 0.0
+
+    fwd, bwd = [m.fwd_ms for m in layers.values()], [m.bwd_ms for m in layers.values()]
+    return Calibration(batch=batch, layers_fwd_ms=sum(fwd), layers_bwd_ms=sum(bwd), whole_fwd_ms=whole.fwd_ms,
+                       whole_bwd_ms=whole.bwd_ms, per_layer_fwd_ms=per_layer(fwd, whole.fwd_ms),
+                       per_layer_bwd_ms=per_layer(bwd, whole.bwd_ms))
+
+
+def calibrated(measured: Measured, calibration: Calibration) -> Measured:
+    """``measured`` less the per-layer overhead (a time never below :data:`CALIBRATION_FLOOR` of itself)."""
+    def less(time: float, overhead: float) -> float:
+        return max(time - overhead, CALIBRATION_FLOOR * time) if time > 0 else time
+
+    return replace(measured, fwd_ms=less(measured.fwd_ms, calibration.per_layer_fwd_ms),
+                   bwd_ms=less(measured.bwd_ms, calibration.per_layer_bwd_ms))
 
 
 def measure_step_overhead(device: torch.device, repeats: int = 15, tensors: int = 33) -> dict[str, StepOverhead]:
@@ -601,6 +631,26 @@ class Passes:
                     grads[name] = grads[name] + grad if name in grads else grad
         return fwd, bwd, {name: values[name] for name in keep}
 
+    def whole(self, inputs: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """One pass as a one-stage plan runs it, timed whole: every layer's forward on the values before it
+        (one autograd graph, no leaves between layers), then one backward from the model's output;
+        (fwd_ms, bwd_ms)."""
+        for param in self.module.parameters():
+            param.grad = None
+
+        def forward() -> object:
+            values: dict[str, object] = dict(inputs)
+            for layer in self.graph.layers:
+                values[layer.name] = self.runners[layer.name](*[values[name] for name in layer.inputs])
+            return values[self.graph.output]
+
+        fwd, output = _timed(self.device, forward)
+        outputs = [t for t in floating_leaves(output) if t.requires_grad]
+        if not outputs:
+            return fwd, 0.0
+        gradients = [torch.ones_like(t) for t in outputs]
+        return fwd, _timed(self.device, lambda: torch.autograd.backward(outputs, gradients))[0]
+
     def _backward(self, layer: Layer, value: object, grads: dict[str, torch.Tensor]) -> float:
         """The layer's backward from the gradients its consumers sent (ones for the model's output)."""
         outputs = floating_leaves(value)
@@ -635,11 +685,14 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
     load = config.load()
     for _ in range(config.warmup):
         passes.run(inputs)
+    passes.whole(inputs)
     runs: list[tuple[dict[str, float], dict[str, float]]] = []
+    wholes: list[tuple[float, float]] = []
     while True:
-        for _ in range(config.repeats):
+        for _ in range(config.repeats):  # layer by layer, then whole, in turns: load that comes and goes hits both
             fwd, bwd, _ = passes.run(inputs)
             runs.append((fwd, bwd))
+            wholes.append(passes.whole(inputs))
         load = max(load, config.load())
         measured = {name: _summary([f[name] for f, _ in runs], [b[name] for _, b in runs], load)
                     for name in graph.names}
@@ -647,6 +700,7 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
                       for m in measured.values())
         if settled or len(runs) + config.repeats > config.max_repeats:
             break
+    measured[WHOLE] = _summary([f for f, _ in wholes], [b for _, b in wholes], load)
     for name, sample in measured.items():
         if cache:
             cache.put(keys[name], sample, profiler.entry())
@@ -670,6 +724,7 @@ def _keys(profiler: LayerProfiler, inputs: dict[str, torch.Tensor], batch: int) 
             for name in layer.inputs:
                 if last_use[name] == index:
                     values.pop(name, None)
+    keys[WHOLE] = hashlib.sha256(("whole|" + "|".join(keys.values())).encode()).hexdigest()
     return keys, values[graph.output]
 
 

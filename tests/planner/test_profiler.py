@@ -15,11 +15,11 @@ from deeppool.planner.cost import CostModel, check_invariants
 from deeppool.planner.graph import TraceMethod
 from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice, Precision
 from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.profile import LayerTimes, Profile, estimate_ms
+from deeppool.planner.profile import CALIBRATION_FLOOR, LayerTimes, Profile, estimate_ms
 from deeppool.planner.layer_exec import LayerRunner
 from deeppool.planner.profiler import (
-    Measured, Passes, ProfileCache, ProfilerConfig, fit_layer, fit_line, measure_profile, measure_sharing,
-    sharing_counts,
+    WHOLE, LayerProfiler, Measured, Passes, ProfileCache, ProfilerConfig, calibrate, calibrated, fit_layer, fit_line,
+    measure_profile, measure_sharing, sharing_counts,
 )
 from deeppool.planner.trace import trace
 from tests.planner import synthetic
@@ -35,7 +35,8 @@ def test_measure_then_cache_round_trip(tmp_path):
     assert set(first.layers) == set(traced.graph.names)
     assert all(len(t.fwd_ms) == 2 and min(t.fwd_ms) > 0 for t in first.layers.values())
     assert first.layers["fc1"].bwd_ms[0] > 0
-    assert len(ProfileCache(tmp_path).entries) == 2 * (len(traced.graph) + 1), "every layer and the loss, per batch"
+    assert len(ProfileCache(tmp_path).entries) == 2 * (len(traced.graph) + 2), \
+        "every layer, the whole pass and the loss, per batch"
     assert first.loss is not None and first.loss.batches == (1, 4) and min(first.loss.fwd_ms) > 0
     assert min(first.loss.bwd_ms) > 0, "the loss's backward is timed"
     assert set(first.step_overhead) == {"sgd", "adam"}
@@ -202,3 +203,49 @@ def test_a_plan_whose_figures_break_the_invariants_is_refused():
     with pytest.raises(DeeppoolError, match="layer 'a' on 4 GPUs would use .* its one-GPU GPU-time"):
         check_invariants(cost, {"a": 4, "b": 4})
 
+
+
+def test_layer_times_are_calibrated_against_a_whole_pass(tmp_path):
+    """A pass timed layer by layer and the same pass timed whole: the profile's layer times are the
+    former less the per-layer difference."""
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    config = ProfilerConfig(batches=(2, 8), warmup=1, repeats=3, cache_dir=tmp_path, show_progress=False)
+    profiler = LayerProfiler(traced, loaded, config)
+    profiler.measure(config.batches)
+    profile = profiler.profile()
+    assert [entry.batch for entry in profile.calibration] == [2, 8]
+    for index, entry in enumerate(profile.calibration):
+        whole = profiler.measured[WHOLE][entry.batch]
+        assert (entry.whole_fwd_ms, entry.whole_bwd_ms) == (whole.fwd_ms, whole.bwd_ms) and whole.fwd_ms > 0
+        raw = [profiler.measured[name][entry.batch] for name in traced.graph.names]
+        assert entry.layers_fwd_ms == pytest.approx(sum(m.fwd_ms for m in raw))
+        floored = any(m.fwd_ms * CALIBRATION_FLOOR >= m.fwd_ms - entry.per_layer_fwd_ms for m in raw if m.fwd_ms > 0)
+        if not floored:
+            assert sum(calibrated(m, entry).fwd_ms for m in raw) == pytest.approx(whole.fwd_ms), \
+                "the calibrated layers sum to the whole pass"
+        name = traced.graph.names[0]
+        if raw[0].fwd_ms + raw[0].bwd_ms >= 0.05:
+            assert profile.layers[name].fwd_ms[index] == pytest.approx(calibrated(raw[0], entry).fwd_ms)
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert Profile.load(path).calibration == profile.calibration
+
+
+def test_calibration_takes_the_per_layer_overhead_off_each_layer_within_a_floor():
+    layers = {"a": Measured(fwd_ms=1.0, bwd_ms=2.0, spread=0.0), "b": Measured(fwd_ms=3.0, bwd_ms=0.0, spread=0.0),
+              "c": Measured(fwd_ms=0.2, bwd_ms=4.0, spread=0.0)}
+    entry = calibrate(4, layers, Measured(fwd_ms=2.7, bwd_ms=6.6, spread=0.0))
+    assert entry.per_layer_fwd_ms == pytest.approx(0.5) and entry.per_layer_bwd_ms == pytest.approx(-0.3)
+    assert calibrated(layers["a"], entry).fwd_ms == pytest.approx(0.5)
+    assert calibrated(layers["c"], entry).fwd_ms == pytest.approx(0.2 * CALIBRATION_FLOOR), "a layer keeps its floor"
+    assert calibrated(layers["b"], entry).bwd_ms == 0.0, "a layer without a backward gets none"
+    assert calibrated(layers["c"], entry).bwd_ms == pytest.approx(4.3), "a whole pass slower than its layers adds"
+
+
+def test_a_profile_without_calibration_or_model_sharing_still_loads(tmp_path):
+    graph = synthetic.graph([("a", ("x",), 64, 32)])
+    payload = synthetic.profile(graph, {"a": 0.1}, 0.01, (1, 2)).to_json()
+    del payload["calibration"], payload["model_sharing"]
+    loaded = Profile.from_json(payload)
+    assert loaded.calibration == () and loaded.model_sharing == {}
