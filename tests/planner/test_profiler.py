@@ -224,9 +224,14 @@ def test_layer_times_are_calibrated_against_a_whole_pass(tmp_path):
         if not floored:
             assert sum(calibrated(m, entry).fwd_ms for m in raw) == pytest.approx(whole.fwd_ms), \
                 "the calibrated layers sum to the whole pass"
-        name = traced.graph.names[0]
-        if raw[0].fwd_ms + raw[0].bwd_ms >= 0.05:
-            assert profile.layers[name].fwd_ms[index] == pytest.approx(calibrated(raw[0], entry).fwd_ms)
+    largest = profile.calibration[-1]  # at the largest batch no time is raised to keep GPU-time
+    checked = 0
+    for name in traced.graph.names:
+        timed = calibrated(profiler.measured[name][largest.batch], largest)
+        if timed.fwd_ms + timed.bwd_ms >= 0.05:
+            assert profile.layers[name].fwd_ms[-1] == pytest.approx(timed.fwd_ms), "the profile holds calibrated times"
+            checked += 1
+    assert checked, "some layer is above the timer's noise floor"
     path = tmp_path / "profile.json"
     profile.save(path)
     assert Profile.load(path).calibration == profile.calibration
