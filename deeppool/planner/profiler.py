@@ -56,6 +56,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import multiprocessing
 import os
 import statistics
 import threading
@@ -64,6 +65,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache, cached_property
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import torch
@@ -268,6 +271,7 @@ class LayerProfiler:
         runners = {layer.name: LayerRunner(traced.module, layer) for layer in graph.layers}
         self.passes = Passes(module=traced.module, graph=graph, runners=runners, device=self.device)
         self.code = {layer.name: layer_code(traced.module, layer) for layer in graph.layers}
+        self._sharing: dict[tuple[int, int], float | None] = {}
         if self.device.type == "cpu":
             steady_allocator()
 
@@ -321,9 +325,10 @@ class LayerProfiler:
         return {"cores": self.config.cores, "threads": self.config.threads, "torch": torch.__version__,
                 "device": device_name(self.device)}
 
-    def profile(self, fit_to: Iterable[int] = ()) -> Profile:
+    def profile(self, fit_to: Iterable[int] = (), *, global_batch: int | None = None) -> Profile:
         """The profile of what was measured: measured times at the measured batches, the fitted line at the
-        other batches of ``fit_to``."""
+        other batches of ``fit_to``; on a CPU with ``config.ranks``, and a ``global_batch`` to plan, also
+        how the model's own pass slows when ranks share the cores (:meth:`model_sharing`)."""
         config, graph, device = self.config, self.traced.graph, self.device
         batches = self.batches
         if not batches:
@@ -351,7 +356,30 @@ class LayerProfiler:
             loss=loss,
             conditions=self.conditions(),
             calibration=calibration,
+            model_sharing=self.model_sharing(global_batch) if global_batch else {},
         )
+
+    def model_sharing(self, global_batch: int) -> dict[int, float]:
+        """On a CPU, for each rank count ``g`` of :func:`sharing_counts`: how much slower ``g`` processes
+        each running the model's whole training pass at the per-GPU batch ``⌈B/g⌉`` at once run than one
+        alone (:func:`measure_model_sharing`), as the ``g`` ranks of a stage do; measured once per count
+        and batch. Empty on a GPU, without ``config.ranks``, or where the workers did not report in time."""
+        if self.device.type != "cpu" or not self.config.ranks:
+            return {}
+        found = {}
+        for ranks in sharing_counts(self.config.ranks):
+            batch = -(-global_batch // ranks)
+            if (ranks, batch) not in self._sharing:
+                named = self.loaded.named_inputs(batch)
+                graph = self.traced.graph
+                inputs = {name: named[key] for name, key in zip(graph.inputs, graph.input_keys, strict=True)}
+                self._sharing[(ranks, batch)] = measure_model_sharing(self.passes, inputs, ranks,
+                                                                      self.config.threads or 1)
+            if self._sharing[(ranks, batch)] is not None:
+                found[ranks] = self._sharing[(ranks, batch)]
+        for parameter in self.traced.module.parameters():
+            parameter.grad = None
+        return found
 
     @cached_property
     def _device_figures(self) -> tuple[dict[str, StepOverhead], float, dict[int, float]]:
@@ -468,6 +496,79 @@ def _concurrent_work(workers: int, matmuls: int) -> float:
     for thread in pool:
         thread.join()
     return max(finished)
+
+
+def measure_model_sharing(passes: Passes, inputs: dict[str, torch.Tensor], ranks: int, threads: int,
+                          repeats: int = 3, turn_s: float = 0.3, timeout_s: float = 60.0) -> float | None:
+    """How much slower the model's whole training pass (:meth:`Passes.whole` on ``inputs``) runs in each of
+    ``ranks`` processes at once than in one alone, each with ``threads`` intra-op threads: in turns (alone,
+    then together, ``repeats`` times: load that comes and goes weighs on both), the slowest worker's time
+    over the lone worker's, the median of the turns. A turn runs as many passes as take about ``turn_s``
+    alone.
+
+    Workers are processes forked from this one, which holds the model (as ranks are processes: threads
+    would share one interpreter's lock); each is killed when its turn ends, or fails, or is interrupted.
+    None where a turn did not report within ``timeout_s``."""
+    with intra_op_threads(threads):
+        passes.whole(inputs)
+        began = time.perf_counter()
+        passes.whole(inputs)
+        once = time.perf_counter() - began
+    count = max(2, min(50, round(turn_s / max(once, 1e-4))))
+    ratios = []
+    try:
+        for _ in range(repeats):
+            alone = _concurrent_passes(passes, inputs, 1, threads, count, timeout_s)
+            together = _concurrent_passes(passes, inputs, ranks, threads, count, timeout_s)
+            ratios.append(together / alone)
+    except TimeoutError:
+        return None
+    finally:
+        for parameter in passes.module.parameters():
+            parameter.grad = None
+    return statistics.median(ratios)
+
+
+def _concurrent_passes(passes: Passes, inputs: dict[str, torch.Tensor], workers: int, threads: int, count: int,
+                       timeout_s: float) -> float:
+    """Seconds until the last of ``workers`` forked processes has run ``count`` whole passes, all started
+    together (after one untimed pass each)."""
+    context = multiprocessing.get_context("fork")
+    start = context.Barrier(workers)
+    pipes = [context.Pipe(duplex=False) for _ in range(workers)]
+    pool = [context.Process(target=_pass_worker, args=(passes, inputs, threads, count, start, sender), daemon=True)
+            for _, sender in pipes]
+    try:
+        for process in pool:
+            process.start()
+        deadline = time.monotonic() + timeout_s
+        finished = []
+        for receiver, _ in pipes:
+            if not receiver.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError("a worker measuring how ranks share the cores did not report")
+            finished.append(float(receiver.recv()))
+        return max(finished)
+    finally:
+        for process in pool:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        for receiver, sender in pipes:
+            receiver.close()
+            sender.close()
+
+
+def _pass_worker(passes: Passes, inputs: dict[str, torch.Tensor], threads: int, count: int,
+                 start: Barrier, report: Connection) -> None:
+    """A forked worker: one untimed pass, then, once every worker is ready, ``count`` timed ones; it sends
+    the seconds they took."""
+    torch.set_num_threads(threads)
+    passes.whole(inputs)
+    start.wait()
+    began = time.perf_counter()
+    for _ in range(count):
+        passes.whole(inputs)
+    report.send(time.perf_counter() - began)
 
 
 def _concurrent_ranks(device: torch.device, threads: int | None) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +20,7 @@ from deeppool.planner.profile import CALIBRATION_FLOOR, LayerTimes, Profile, est
 from deeppool.planner.layer_exec import LayerRunner
 from deeppool.planner.profiler import (
     WHOLE, LayerProfiler, Measured, Passes, ProfileCache, ProfilerConfig, calibrate, calibrated, fit_layer, fit_line,
-    measure_profile, measure_sharing, sharing_counts,
+    measure_model_sharing, measure_profile, measure_sharing, sharing_counts,
 )
 from deeppool.planner.trace import trace
 from tests.planner import synthetic
@@ -254,3 +255,30 @@ def test_a_profile_without_calibration_or_model_sharing_still_loads(tmp_path):
     del payload["calibration"], payload["model_sharing"]
     loaded = Profile.from_json(payload)
     assert loaded.calibration == () and loaded.model_sharing == {}
+
+
+def test_core_sharing_is_measured_on_the_models_own_pass_in_processes():
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    cores = os.cpu_count() or 1
+    profiler = LayerProfiler(traced, loaded, ProfilerConfig(batches=(2,), threads=1, ranks=2 * cores,
+                                                            show_progress=False))
+    inputs = {name: loaded.named_inputs(8)[key] for name, key in zip(traced.graph.inputs, traced.graph.input_keys)}
+    factor = measure_model_sharing(profiler.passes, inputs, 2 * cores, 1, repeats=1, turn_s=0.2)
+    assert factor is not None and factor > 1.2, "twice as many processes as cores cannot run at full speed"
+    assert not multiprocessing.active_children(), "every worker is gone"
+    assert measure_model_sharing(profiler.passes, inputs, 2, 1, repeats=1, timeout_s=0.0) is None
+    assert not multiprocessing.active_children(), "workers that did not report in time are killed"
+    assert all(parameter.grad is None for parameter in traced.module.parameters())
+
+
+def test_a_ranked_cpu_profile_carries_the_models_own_sharing_at_each_count():
+    loaded = ModelSpec.parse(str(TINY)).load()
+    config = ProfilerConfig(batches=(2, 4), warmup=0, repeats=1, threads=1, ranks=2, show_progress=False)
+    profiler = LayerProfiler(trace(loaded), loaded, config)
+    profiler.measure(config.batches)
+    assert profiler.profile((2, 4)).model_sharing == {}, "no global batch: nothing to measure at"
+    profile = profiler.profile((2, 4), global_batch=4)
+    assert set(profile.model_sharing) == {2} and profile.model_sharing[2] > 0
+    assert profile.sharing(2) == profile.model_sharing[2], "the model's own sharing comes before the synthetic one"
+    assert profiler.profile((2, 4), global_batch=4).model_sharing == profile.model_sharing, "measured once"
