@@ -58,6 +58,7 @@ import inspect
 import json
 import multiprocessing
 import os
+import signal
 import statistics
 import threading
 import time
@@ -561,7 +562,8 @@ def _concurrent_passes(passes: Passes, inputs: dict[str, torch.Tensor], workers:
 def _pass_worker(passes: Passes, inputs: dict[str, torch.Tensor], threads: int, count: int,
                  start: Barrier, report: Connection) -> None:
     """A forked worker: one untimed pass, then, once every worker is ready, ``count`` timed ones; it sends
-    the seconds they took."""
+    the seconds they took. Ctrl-C is the parent's to handle: it kills the workers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     passes.whole(inputs)
     start.wait()
