@@ -438,7 +438,8 @@ def zoo(args: argparse.Namespace) -> None:
                 print(rows[-1].line(), flush=True)
         mine = [row for row in rows if row.run == run]
         print(f"run {run}: {sum(row.within for row in mine)} of {len(mine)} rows within ±15%, "
-              f"{sum(row.quiet for row in mine)} quiet (other work ≤ {QUIET_SHARE:g} of the cores); median measured/predicted "
+              f"{sum(row.quiet for row in mine)} quiet (other work ≤ {QUIET_SHARE:g} of the cores); "
+              "median measured/predicted "
               f"{statistics.median(row.ratio for row in mine):.2f}", flush=True)
     print(f"goal (every row within ±15% while other work keeps ≤ {QUIET_SHARE:g} of the cores runnable, three runs "
           "in a row): "

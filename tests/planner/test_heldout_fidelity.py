@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-ROW = re.compile(r"measured/predicted (?P<ratio>[\d.]+).*other work (?P<other>[\d.]+) runnable \((?P<quiet>quiet|busy)\)")
+ROW = re.compile(r"measured/predicted (?P<ratio>[\d.]+).*"
+                 r"other work (?P<other>[\d.]+) runnable \((?P<quiet>quiet|busy)\)")
 
 
 @pytest.mark.slow
