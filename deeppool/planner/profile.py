@@ -240,6 +240,18 @@ class Profile:
             return 1.0
         return max(1.0, ranks / self.concurrent_ranks)
 
+    def measuring_lines(self) -> list[str]:
+        """For people: how the layer times were calibrated and how the model's own pass shared the cores."""
+        lines = []
+        if self.calibration:
+            lines.append("layer times calibrated against whole passes (one forward, one backward), "
+                         + "; ".join(entry.describe() for entry in self.calibration))
+        if self.model_sharing:
+            lines.append("ranks sharing the cores, measured on the model's own pass: "
+                         + ", ".join(f"{count} at once {value:.2f}x slower" for count, value in
+                                     sorted(self.model_sharing.items())))
+        return lines
+
     def check_covers(self, graph: LayerGraph) -> None:
         missing = [name for name in graph.names if name not in self.layers]
         if missing:

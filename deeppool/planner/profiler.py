@@ -20,6 +20,18 @@ counted as noisy and the profile says how many there were. On the CPU
 this host gets ``cores / ranks`` of them; a busy machine stalls
 multi-threaded kernels far more than single-threaded ones).
 
+Timing each layer has its own cost (a host timer and a backward call per layer, inputs detached into
+fresh leaves), which a stage that runs as one forward and one backward does not pay: so each timed pass
+alternates with the same pass run whole (:meth:`Passes.whole`), and at each batch the difference of the
+layers' sum from the whole pass, shared evenly among the layers, is taken off every layer (forward and
+backward apart; a layer keeps at least a quarter of its time), recorded in the profile
+(:class:`~deeppool.planner.profile.Calibration`).
+
+On a CPU, the ranks of a stage compute at once on the host's cores. For a plan at a global batch the
+profiler measures how much slower the model's own whole pass runs in ``g`` forked processes at once than
+in one, at the per-GPU batch of ``g`` ranks (:func:`measure_model_sharing`; memory-bound layers slow
+more than the synthetic matmuls of :func:`measure_sharing` say).
+
 Every layer's times are then fitted by ``t(s) = a + b·s`` (least squares,
 ``a, b ≥ 0``), which is what a layer's time does once the batch fills the
 device. A profile holds, at every measured batch, the measured medians (a

@@ -282,3 +282,7 @@ def test_a_ranked_cpu_profile_carries_the_models_own_sharing_at_each_count():
     assert set(profile.model_sharing) == {2} and profile.model_sharing[2] > 0
     assert profile.sharing(2) == profile.model_sharing[2], "the model's own sharing comes before the synthetic one"
     assert profiler.profile((2, 4), global_batch=4).model_sharing == profile.model_sharing, "measured once"
+    lines = profile.measuring_lines()
+    assert lines[0].startswith("layer times calibrated against whole passes") and "batch 4:" in lines[0]
+    assert lines[1] == f"ranks sharing the cores, measured on the model's own pass: 2 at once " \
+                       f"{profile.model_sharing[2]:.2f}x slower"
