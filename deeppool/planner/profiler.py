@@ -72,6 +72,7 @@ import multiprocessing
 import os
 import signal
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -375,13 +376,16 @@ class LayerProfiler:
     def model_sharing(self, global_batch: int) -> dict[int, float]:
         """On a CPU, for each rank count ``g`` of :func:`sharing_counts`: how much slower ``g`` processes
         each running the model's whole training pass at the per-GPU batch ``⌈B/g⌉`` at once run than one
-        alone (:func:`measure_model_sharing`), as the ``g`` ranks of a stage do; measured once per count
-        and batch. Empty on a GPU, without ``config.ranks``, or where the workers did not report in time."""
+        alone (:func:`measure_model_sharing`), as the ``g`` ranks of a stage do, where that batch has been
+        measured; once per count and batch. Empty on a GPU, without ``config.ranks``, or where the workers
+        did not report."""
         if self.device.type != "cpu" or not self.config.ranks:
             return {}
         found = {}
         for ranks in sharing_counts(self.config.ranks):
             batch = -(-global_batch // ranks)
+            if batch not in self.batches:
+                continue  # where the layers were measured (some cannot run at every batch); the loop measures the rest
             if (ranks, batch) not in self._sharing:
                 named = self.loaded.named_inputs(batch)
                 graph = self.traced.graph
@@ -521,7 +525,7 @@ def measure_model_sharing(passes: Passes, inputs: dict[str, torch.Tensor], ranks
 
     Workers are processes forked from this one, which holds the model (as ranks are processes: threads
     would share one interpreter's lock); each is killed when its turn ends, or fails, or is interrupted.
-    None where a turn did not report within ``timeout_s``."""
+    None where a worker of a turn ended without reporting, or did not report within ``timeout_s``."""
     with intra_op_threads(threads):
         passes.whole(inputs)
         began = time.perf_counter()
@@ -556,9 +560,10 @@ def _concurrent_passes(passes: Passes, inputs: dict[str, torch.Tensor], workers:
             process.start()
         deadline = time.monotonic() + timeout_s
         finished = []
-        for receiver, _ in pipes:
-            if not receiver.poll(max(0.0, deadline - time.monotonic())):
-                raise TimeoutError("a worker measuring how ranks share the cores did not report")
+        for (receiver, _), process in zip(pipes, pool, strict=True):
+            while not receiver.poll(0.05):
+                if process.exitcode is not None and not receiver.poll(0) or time.monotonic() > deadline:
+                    raise TimeoutError("a worker measuring how ranks share the cores did not report")
             finished.append(float(receiver.recv()))
         return max(finished)
     finally:
@@ -574,14 +579,18 @@ def _concurrent_passes(passes: Passes, inputs: dict[str, torch.Tensor], workers:
 def _pass_worker(passes: Passes, inputs: dict[str, torch.Tensor], threads: int, count: int,
                  start: Barrier, report: Connection) -> None:
     """A forked worker: one untimed pass, then, once every worker is ready, ``count`` timed ones; it sends
-    the seconds they took. Ctrl-C is the parent's to handle: it kills the workers."""
+    the seconds they took. Ctrl-C is the parent's to handle: it kills the workers. A worker whose pass
+    fails ends with exit code 1 and no report (the parent goes on without the figure)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
-    passes.whole(inputs)
-    start.wait()
-    began = time.perf_counter()
-    for _ in range(count):
+    try:
         passes.whole(inputs)
+        start.wait()
+        began = time.perf_counter()
+        for _ in range(count):
+            passes.whole(inputs)
+    except Exception:  # noqa: BLE001 - the parent sees no report and measures nothing here
+        sys.exit(1)
     report.send(time.perf_counter() - began)
 
 
