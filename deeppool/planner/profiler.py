@@ -561,8 +561,8 @@ def _concurrent_passes(passes: Passes, inputs: dict[str, torch.Tensor], workers:
         deadline = time.monotonic() + timeout_s
         finished = []
         for (receiver, _), process in zip(pipes, pool, strict=True):
-            while not receiver.poll(0.05):
-                if process.exitcode is not None and not receiver.poll(0) or time.monotonic() > deadline:
+            while not receiver.poll(min(0.05, max(0.0, deadline - time.monotonic()))):
+                if process.exitcode is not None and not receiver.poll(0) or time.monotonic() >= deadline:
                     raise TimeoutError("a worker measuring how ranks share the cores did not report")
             finished.append(float(receiver.recv()))
         return max(finished)
