@@ -110,8 +110,8 @@ class Conditions:
 class Calibration:
     """One measured batch's per-layer timing overhead: the layers' times summed over a pass timed layer by
     layer, the same pass timed whole (one forward, one backward over the model's autograd graph, as a
-    one-stage plan runs it), and the constant taken off each timed layer's time (negative: added) so that
-    the layers sum to the whole pass (a layer keeps at least :data:`CALIBRATION_FLOOR` of its own time)."""
+    one-stage plan runs it), and the constant taken off each timed layer's time so that the layers sum to
+    the whole pass (0 where the whole pass took longer) (a layer keeps at least :data:`CALIBRATION_FLOOR` of its own time)."""
 
     batch: int
     layers_fwd_ms: float

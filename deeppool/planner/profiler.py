@@ -23,8 +23,9 @@ multi-threaded kernels far more than single-threaded ones).
 Timing each layer has its own cost (a host timer and a backward call per layer, inputs detached into
 fresh leaves), which a stage that runs as one forward and one backward does not pay: so each timed pass
 alternates with the same pass run whole (:meth:`Passes.whole`), and at each batch the difference of the
-layers' sum from the whole pass, shared evenly among the layers, is taken off every layer (forward and
-backward apart; a layer keeps at least a quarter of its time), recorded in the profile
+layers' sum over the whole pass, shared evenly among the layers, is taken off every layer (forward and
+backward apart; a layer keeps at least a quarter of its time; nothing where the whole pass took longer),
+recorded in the profile
 (:class:`~deeppool.planner.profile.Calibration`).
 
 On a CPU, the ranks of a stage compute at once on the host's cores. For a plan at a global batch the
@@ -418,11 +419,12 @@ WHOLE = "<whole>"
 
 
 def calibrate(batch: int, layers: dict[str, Measured], whole: Measured) -> Calibration:
-    """The per-layer overhead at ``batch``: what timing each layer alone adds (or, negative, takes away)
-    over the whole pass, shared evenly among the layers that take time in that direction."""
+    """The per-layer overhead at ``batch``: what timing each layer alone adds over the whole pass, shared
+    evenly among the layers that take time in that direction; 0 where the whole pass took longer (on a
+    busy machine a long whole pass is preempted more often than a short layer, whose median drops it)."""
     def per_layer(times: list[float], total: float) -> float:
         timed = [t for t in times if t > 0]
-        return (sum(timed) - total) / len(timed) if timed and total > 0 else 0.0
+        return max(0.0, (sum(timed) - total) / len(timed)) if timed and total > 0 else 0.0
 
     fwd, bwd = [m.fwd_ms for m in layers.values()], [m.bwd_ms for m in layers.values()]
     return Calibration(batch=batch, layers_fwd_ms=sum(fwd), layers_bwd_ms=sum(bwd), whole_fwd_ms=whole.fwd_ms,
