@@ -11,8 +11,10 @@ and 4 gloo ranks, with the ``deeppool`` commands as a user types them, default f
 profile-network --nproc N``, ``deeppool plan MODEL --gpus N --batch B --device-model local --network-file
 net.json`` (its default layer-time cache, kept from run to run as a user's is; a fresh home folder keeps
 other caches out) and ``deeppool run plan.json --steps S``. Every run of ``--runs`` records each row's
-measured/predicted, the load average around it, the plan's uncertainty and every stage's measured/predicted
-(the per-stage scatter). Goal: every row within ±15% at load ≤ 2, in three runs in a row.
+measured/predicted, the load average around it, the other work on the machine during it (tasks runnable
+outside the benchmark's own processes, sampled from /proc: the load average counts the row's own ranks), the
+plan's uncertainty and every stage's measured/predicted (the per-stage scatter). Goal: every row within ±15%
+on a quiet machine (other work ≤ a quarter of the cores), in three runs in a row.
 
 For every model of ``benchmarks/models`` (a CNN, a branching CNN, a
 transformer, an MLP) and every rank count: the network is measured here with
@@ -36,6 +38,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,8 +48,10 @@ from deeppool.docregions import REPO, Stamp, teed_stdout, text_block, write_regi
 MODELS = Path(__file__).resolve().parent / "models"
 ZOO = Path(__file__).resolve().parent / "zoo"
 ZOO_MODELS = "hf_resnet,hf_convnext,hf_vit,hf_bert,vgg_small,mobilenet_small"
-QUIET_LOAD = 2.0
-"""The zoo's goal holds at a load average up to this."""
+QUIET_SHARE = 0.25
+"""The zoo's goal holds where other work (every task outside the benchmark's own processes) kept on average
+at most this share of the cores runnable during the row (:class:`OtherWork`); the load average cannot say
+so, since a row's own ranks raise it (4 ranks on 2 cores read 2.5 on an idle machine)."""
 PRICE_FACTORS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 TERMS = ("compute", "reshard", "allreduce", "step")
 """The terms an iteration is split into: span labels ``term:...`` (``forward``/``backward`` and the
@@ -290,6 +295,8 @@ class ZooRow:
     """Each stage's confidence in the plan: the spread of the measurements it rests on."""
     load_before: float
     load_after: float
+    other_work: float
+    """Tasks outside the benchmark's process tree runnable at once, on average over the row."""
 
     @property
     def ratio(self) -> float:
@@ -301,7 +308,7 @@ class ZooRow:
 
     @property
     def quiet(self) -> bool:
-        return max(self.load_before, self.load_after) <= QUIET_LOAD
+        return self.other_work <= QUIET_SHARE * (os.cpu_count() or 1)
 
     def line(self) -> str:
         ratios = ", ".join(f"{m / p:.2f}±{100 * s:.0f}%" if p > 0 else "-"
@@ -309,7 +316,8 @@ class ZooRow:
         return (f"run {self.run}  {self.model:<16} {self.nproc} ranks  counts {list(self.counts)!s:<8} "
                 f"predicted {self.predicted_ms:8.2f} ms ±{100 * self.uncertainty:.0f}%  measured "
                 f"{self.measured_ms:8.2f} ms  measured/predicted {self.ratio:.2f}{'' if self.within else ' (miss)'}  "
-                f"load {self.load_before:.2f} → {self.load_after:.2f}; busy-measured layers {self.busy_layers}; "
+                f"load {self.load_before:.2f} → {self.load_after:.2f}, other work {self.other_work:.2f} runnable "
+                f"({'quiet' if self.quiet else 'busy'}); busy-measured layers {self.busy_layers}; "
                 f"stages measured/predicted (±their spread): {ratios}")
 
 
@@ -333,9 +341,10 @@ def zoo_row(run: int, model: str, nproc: int, args: argparse.Namespace, work: Pa
     row.mkdir(parents=True)
     home, network = work / "home", work / f"run{run}" / f"network-{nproc}.json"
     load_before = os.getloadavg()[0]
-    deeppool("plan", str(ZOO / f"{model}.py"), "--gpus", str(nproc), "--batch", str(args.batch), "--device-model",
-             "local", "--network-file", str(network), "--out", "plan.json", cwd=row, home=home)
-    deeppool("run", "plan.json", "--steps", str(args.steps), cwd=row, home=home)
+    with OtherWork() as other:
+        deeppool("plan", str(ZOO / f"{model}.py"), "--gpus", str(nproc), "--batch", str(args.batch),
+                 "--device-model", "local", "--network-file", str(network), "--out", "plan.json", cwd=row, home=home)
+        deeppool("run", "plan.json", "--steps", str(args.steps), cwd=row, home=home)
     plan = Plan.load(row / "plan.json")
     summary = json.loads((row / "deeppool-run" / "summary.json").read_text())
     planned = {layer.name: layer for layer in plan.layers}
@@ -347,7 +356,65 @@ def zoo_row(run: int, model: str, nproc: int, args: argparse.Namespace, work: Pa
                   uncertainty=plan.predicted.uncertainty,
                   busy_layers=len(plan.evidence.busy) if plan.evidence is not None else 0,
                   stages=stages, spreads=spreads, load_before=load_before,
-                  load_after=os.getloadavg()[0])
+                  load_after=os.getloadavg()[0], other_work=other.mean)
+
+
+class OtherWork:
+    """While the block runs: the tasks (threads) runnable outside this process's tree, sampled from /proc
+    every ``every_s`` seconds (the benchmark's own ranks are its descendants, so they do not count)."""
+
+    def __init__(self, every_s: float = 1.0, proc: Path = Path("/proc")) -> None:
+        self._every_s, self._proc = every_s, proc
+        self._samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> OtherWork:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self._samples) if self._samples else 0.0
+
+    def _sample(self) -> None:
+        while True:
+            self._samples.append(runnable_outside(os.getpid(), self._proc))
+            if self._stop.wait(self._every_s):
+                return
+
+
+def runnable_outside(root: int, proc: Path = Path("/proc")) -> int:
+    """Tasks in state R (running or runnable) whose process is neither ``root`` nor a descendant of it."""
+    parents, states = {}, {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            found = _stat(entry / "stat")
+            if found is not None:
+                parents[int(entry.name)] = found[1]
+                states[int(entry.name)] = [state for state, _ in filter(None, map(_stat, entry.glob("task/*/stat")))]
+    tree, frontier = {root}, [root]
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    while frontier:
+        for child in children.get(frontier.pop(), ()):
+            tree.add(child)
+            frontier.append(child)
+    return sum(state == "R" for pid, tasks in states.items() if pid not in tree for state in tasks)
+
+
+def _stat(path: Path) -> tuple[str, int] | None:
+    """(state, parent pid) from a /proc stat file; None where the task has gone."""
+    try:
+        fields = path.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1])
 
 
 def zoo(args: argparse.Namespace) -> None:
@@ -371,9 +438,11 @@ def zoo(args: argparse.Namespace) -> None:
                 print(rows[-1].line(), flush=True)
         mine = [row for row in rows if row.run == run]
         print(f"run {run}: {sum(row.within for row in mine)} of {len(mine)} rows within ±15%, "
-              f"{sum(row.quiet for row in mine)} at load ≤ {QUIET_LOAD:g}; median measured/predicted "
+              f"{sum(row.quiet for row in mine)} quiet (other work ≤ {QUIET_SHARE:g} of the cores); "
+              "median measured/predicted "
               f"{statistics.median(row.ratio for row in mine):.2f}", flush=True)
-    print(f"goal (every row within ±15% at load ≤ {QUIET_LOAD:g}, three runs in a row): "
+    print(f"goal (every row within ±15% while other work keeps ≤ {QUIET_SHARE:g} of the cores runnable, three runs "
+          "in a row): "
           f"{'met' if _in_a_row(rows, args.runs) >= 3 else 'not met'} ({_in_a_row(rows, args.runs)} such runs in a row)")
     plot_stages([(f"{row.model}, {row.nproc} ranks, run {row.run}", row.stages) for row in rows], args.scatter,
                 "per-stage fidelity on held-out models, default flags")
@@ -387,7 +456,7 @@ def shown(path: Path) -> str:
 
 
 def _in_a_row(rows: list[ZooRow], runs: int) -> int:
-    """The longest streak of consecutive runs in which every row was within ±15% at a quiet load."""
+    """The longest streak of consecutive runs in which every row was within ±15% while the machine was quiet."""
     best = streak = 0
     for run in range(1, runs + 1):
         mine = [row for row in rows if row.run == run]
