@@ -28,6 +28,9 @@ class Case:
     outputs: tuple[str, ...]
     after_s: float
     """Seconds after the start to press Ctrl-C: past the imports, into the work."""
+    ready: str = ""
+    """A glob under the command's folder that appears once the work has begun: Ctrl-C as soon as it does
+    (within ``after_s``), instead of after a fixed wait."""
 
 
 CASES = (
@@ -37,9 +40,9 @@ CASES = (
          ("profile.json",), 8.0),
     Case("simulate", ("simulate", "workload-6", "--gpus", "64", "--out", "sim", "--cache-dir", "cache"), ("sim",), 6.0),
     Case("simulate-deeppool", ("simulate-deeppool", "--out", "scenario", "--cache-dir", "cache"), ("scenario",), 6.0),
-    Case("run", ("run", "small.json", "--steps", "100000", "--out", "run"), ("run",), 12.0),
+    Case("run", ("run", "small.json", "--steps", "100000", "--out", "run"), ("run",), 60.0, "run/progress.json"),
     Case("multiplex bench", ("multiplex", "bench", "small.json", "--background", str(REPO / "examples/background_mlp.py"),
-                             "--out", "mux", "--steps", "100000"), ("mux",), 12.0),
+                             "--out", "mux", "--steps", "100000"), ("mux",), 60.0, "mux/*/progress.json"),
     Case("profile-network", ("profile-network", "--out", "net.json"), ("net.json",), 6.0),
     Case("serve", ("serve", "--port", "PORT", "--gpus", "2", "--paused"), (), 5.0),  # paused: root needs no --job-user
 )
@@ -75,7 +78,7 @@ def _press_ctrl_c(case: Case, small_plan: Path, tmp_path: Path, *, presses: int)
         args = [str(_free_port()) if arg == "PORT" else arg for arg in case.args]
         process = subprocess.Popen([sys.executable, "-m", "deeppool.cli", *args], cwd=tmp_path, env=_env(),
                                    stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True)
-        time.sleep(case.after_s)
+        _wait_for_work(case, process, tmp_path)
         assert process.poll() is None, f"{case.name} ended before Ctrl-C: {stderr.read_text()}"
         pressed = time.monotonic()
         os.killpg(process.pid, signal.SIGINT)
@@ -91,6 +94,17 @@ def _press_ctrl_c(case: Case, small_plan: Path, tmp_path: Path, *, presses: int)
     assert took <= DEADLINE_S, f"{case.name} took {took:.1f} s to stop"
     assert _processes_naming(tmp_path, until=pressed + DEADLINE_S) == [], "processes left running"
     assert [name for name in case.outputs if (tmp_path / name).exists()] == []
+
+
+def _wait_for_work(case: Case, process: subprocess.Popen, folder: Path) -> None:
+    """``case.after_s`` seconds; or, for a case with a ``ready`` glob, until it matches (at most that long)."""
+    if not case.ready:
+        time.sleep(case.after_s)
+        return
+    deadline = time.monotonic() + case.after_s
+    while not list(folder.glob(case.ready)) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list(folder.glob(case.ready)), f"{case.name}: no {case.ready} within {case.after_s:.0f} s"
 
 
 def _processes_naming(folder: Path, *, until: float) -> list[int]:

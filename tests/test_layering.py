@@ -15,8 +15,12 @@ PACKAGE = Path(deeppool.__file__).parent
 FORBIDDEN = {
     "deeppool.planner": ("deeppool.cluster_sim", "deeppool.coordinator", "deeppool.executor", "deeppool.multiplex"),
     "deeppool.scheduling": ("deeppool.cluster_sim",),
+    "deeppool.executor": ("deeppool.multiplex",),
 }
 """Layer -> the layers above it, which it must not import."""
+NOT_YET = {"deeppool.executor.cli": ("deeppool.multiplex",)}
+"""Known faults to mend: ``deeppool run``'s command (``executor/cli.py``) still wires the multiplexer in; it
+belongs above both. The worker itself gets its background work through the ``StartLender`` seam."""
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -41,9 +45,12 @@ def _within(name: str, layer: str) -> bool:
     return name == layer or name.startswith(layer + ".")
 
 
-def _offences(path: Path, root: Path, rules: dict[str, tuple[str, ...]]) -> list[str]:
+def _offences(path: Path, root: Path, rules: dict[str, tuple[str, ...]],
+              not_yet: dict[str, tuple[str, ...]] | None = None) -> list[str]:
     module = _module_name(path, root)
-    banned = [above for layer, aboves in rules.items() if _within(module, layer) for above in aboves]
+    excused = (not_yet or {}).get(module, ())
+    banned = [above for layer, aboves in rules.items() if _within(module, layer) for above in aboves
+              if above not in excused]
     if not banned:
         return []
     found = []
@@ -56,7 +63,7 @@ def _offences(path: Path, root: Path, rules: dict[str, tuple[str, ...]]) -> list
 
 def test_no_layer_imports_a_layer_above_it() -> None:
     files = sorted(PACKAGE.rglob("*.py"))
-    offences = [line for path in files for line in _offences(path, PACKAGE.parent, FORBIDDEN)]
+    offences = [line for path in files for line in _offences(path, PACKAGE.parent, FORBIDDEN, NOT_YET)]
     assert not offences, "\n".join(offences)
 
 
@@ -66,8 +73,9 @@ def test_the_check_finds_what_it_looks_for(tmp_path: Path) -> None:
     (low / "__init__.py").write_text("from pkg.high import thing\n")
     (low / "a.py").write_text("import pkg.high.engine\nfrom pkg import high\nfrom pkg.highway import ok\n"
                               "def f():\n    from ..high.models import Choice\n    from . import b\n")
-    rules = {"pkg.low": ("pkg.high",)}
-    found = [line for path in sorted(low.glob("*.py")) for line in _offences(path, tmp_path, rules)]
+    (low / "excused.py").write_text("import pkg.high\n")
+    rules, not_yet = {"pkg.low": ("pkg.high",)}, {"pkg.low.excused": ("pkg.high",)}
+    found = [line for path in sorted(low.glob("*.py")) for line in _offences(path, tmp_path, rules, not_yet)]
     assert [line.split(":", 1)[1] for line in found] == [
         "1: pkg.low imports pkg.high",
         "1: pkg.low.a imports pkg.high", "2: pkg.low.a imports pkg.high", "5: pkg.low.a imports pkg.high",

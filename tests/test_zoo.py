@@ -84,8 +84,11 @@ def test_zoo_file_runs_eagerly(name: str) -> None:
     assert any(p.grad is not None for p in net.parameters())
 
 
-HEAVY = {"hf_bart", "hf_whisper", "hf_t5", "hf_gpt_neox", "hf_convnext", "hf_swin", "hf_regnet"}
-"""The zoo's slowest burst runs (1-5 min each on 2 cores): in the heavy tier, not the default test run."""
+HEAVY = {"hf_bart", "hf_whisper", "hf_t5", "hf_gpt_neox", "hf_convnext", "hf_swin", "hf_regnet",
+         "hf_bert", "tv_mobilenet"}
+"""The zoo's slowest burst runs (1-5 min each on 2 cores), and two (20-30 s each) whose kind a faster default run
+covers (hf_bert: hf_gpt2's dict inputs and hf_vit's encoder; tv_mobilenet: tv_resnet's convolutions and BatchNorm):
+in the heavy tier, not the default test run."""
 
 LOCAL = {"hf_gpt2", "tv_regnet"}
 """Planned from a local measurement in the default test run (a dict of inputs; a model that cannot be

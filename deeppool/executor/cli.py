@@ -9,6 +9,7 @@ rank under torchrun. Both take the same run options.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -465,6 +466,7 @@ def worker(
 ) -> None:
     """Run this process's rank of PLAN (rank and world from torchrun's environment)."""
     from deeppool.executor.worker import RankEnv, run_worker
+    from deeppool.multiplex.hook import Multiplexer
     from deeppool.planner.plan import Plan
 
     env = RankEnv.from_environ()
@@ -483,7 +485,7 @@ def worker(
             slowdown_target=slowdown_target, ab_block=ab_block, bg_checkpoint_dir=bg_checkpoint_dir,
             mps_percentage=mps_percentage, out=out, bg_broker=bg_broker,
         )
-        run_worker(plan, config, env, bg)
+        run_worker(plan, config, env, functools.partial(Multiplexer.start, config=bg) if bg is not None else None)
     except BaseException as err:  # every failure leaves a record naming this rank
         if isinstance(err, (SystemExit, typer.Exit)):
             raise

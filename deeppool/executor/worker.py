@@ -20,6 +20,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,13 +33,10 @@ from deeppool.executor.api import RankResult, train_rank
 from deeppool.executor.comm import Backend, PeerError, TorchComm
 from deeppool.executor.config import RunConfig
 from deeppool.executor.faults import Slowdown
+from deeppool.executor.idle import StartLender
 from deeppool.executor.program import rank_groups
 from deeppool.executor.report import print_summary
 from deeppool.executor.timing import Span, chrome_trace
-from deeppool.multiplex.config import BackgroundConfig
-from deeppool.multiplex.hook import Multiplexer
-from deeppool.multiplex.metrics import MultiplexReport
-from deeppool.multiplex.report import print_report
 from deeppool.output import console
 from deeppool.planner.allocator import steady_allocator
 from deeppool.planner.jsonio import write_json
@@ -74,9 +72,10 @@ class RankEnv:
         )
 
 
-def run_worker(plan_path: Path, config: RunConfig, env: RankEnv, background: BackgroundConfig | None = None,
+def run_worker(plan_path: Path, config: RunConfig, env: RankEnv, lender: StartLender | None = None,
                gpu: Gpu | None = None) -> None:
-    """``gpu``: the device seam (the real GPU when not given)."""
+    """``lender``: what starts background work in this rank's idle windows (none when not given);
+    ``gpu``: the device seam (the real GPU when not given)."""
     gpu = gpu or CudaGpu()
     plan = Plan.load(plan_path)
     if env.world_size != plan.gpus:
@@ -89,7 +88,7 @@ def run_worker(plan_path: Path, config: RunConfig, env: RankEnv, background: Bac
         steady_allocator()  # as the profile was measured: no page faults on every iteration's activations
     _init(backend, env, config.timeout_s)
     comm = TorchComm(rank_groups(plan), timeout_s=config.timeout_s)
-    mux = Multiplexer.start(plan, background, rank=env.rank, out_dir=config.out_dir, device=device) if background else None
+    mux = lender(plan, rank=env.rank, out_dir=config.out_dir, device=device) if lender is not None else None
     try:
         with mux.foreground() if mux is not None else contextlib.nullcontext():
             on_idle = mux.listener if mux is not None else None
@@ -99,16 +98,16 @@ def run_worker(plan_path: Path, config: RunConfig, env: RankEnv, background: Bac
     finally:
         if mux is not None:
             mux.stop()
-    report = mux.gather(comm, result.spans) if mux is not None else None
-    _write_outputs(result, config.out_dir, mux.trace_spans() if mux else [], report)
+    sections = mux.gather(comm, result.spans) if mux is not None else {}
+    _write_outputs(result, config.out_dir, mux.trace_spans() if mux else [], sections)
     dist.barrier()  # no rank tears its groups down while another still talks in them (gloo aborts on that)
     comm.close()
     dist.destroy_process_group()
     if result.summary is not None:
         shown = console()
         print_summary(result.summary, shown)
-        if report is not None:
-            print_report(report, shown)
+        if mux is not None:
+            mux.show(shown)
         check = result.summary.check
         if check is not None and not check.passed:
             where = f" ({check.worst.describe()})" if check.worst is not None else ""
@@ -141,7 +140,7 @@ def _init(backend: Backend, env: RankEnv, timeout_s: float) -> None:
 
 
 def _write_outputs(
-    result: RankResult, out_dir: Path | None, extra: list[Span], report: MultiplexReport | None
+    result: RankResult, out_dir: Path | None, extra: list[Span], sections: dict[str, Any]
 ) -> None:
     if out_dir is None:
         return
@@ -149,8 +148,7 @@ def _write_outputs(
     write_json(out_dir / f"trace-rank{result.rank}.json", chrome_trace([*result.spans, *extra], rank=result.rank,
                                                                              counters=result.counters))
     if result.summary is not None:
-        extras = {"multiplex": report.to_json()} if report is not None else {}
-        write_json(out_dir / "summary.json", {**result.summary.to_json(), **extras})
+        write_json(out_dir / "summary.json", {**result.summary.to_json(), **sections})
 
 
 def classify(err: BaseException) -> Failure:

@@ -5,7 +5,11 @@
         result = train_rank(plan, ..., on_idle=mux.listener)
     finally:
         mux.stop()
-    report = mux.gather(comm, result.spans)   # every rank; the report on rank 0
+    sections = mux.gather(comm, result.spans)   # every rank; {"multiplex": ...} on rank 0
+    mux.show(console)                           # rank 0: the table
+
+It is the executor's :class:`~deeppool.executor.idle.IdleLender`: the command that starts the ranks hands the
+worker :meth:`Multiplexer.start` (with the ``BackgroundConfig`` bound), and the worker knows no more than that.
 
 A rank the plan never leaves idle hosts nothing (its listener is never called). A rank that runs no
 layer of the plan hosts a background like any other: its one window is the whole iteration (it opens
@@ -18,8 +22,10 @@ import contextlib
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
+from rich.console import Console
 
 from deeppool.device.cuda import gpu_for
 from deeppool.device.seam import Gpu
@@ -29,6 +35,7 @@ from deeppool.executor.timing import Span
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.cpu import ProcessBackground, child_spec
 from deeppool.multiplex.metrics import MultiplexReport, RankBackground, RankSteps, report
+from deeppool.multiplex.report import print_report
 from deeppool.multiplex.session import Background, Session
 from deeppool.planner.plan import Plan
 
@@ -39,6 +46,7 @@ class Multiplexer:
         self.plan, self.config, self.rank, self.session, self.device = plan, config, rank, session, device
         self.gpu = gpu
         self.background: RankBackground | None = None
+        self.report: MultiplexReport | None = None
 
     @classmethod
     def start(cls, plan: Plan, config: BackgroundConfig, *, rank: int, out_dir: Path | None,
@@ -73,12 +81,19 @@ class Multiplexer:
     def trace_spans(self) -> list[Span]:
         return self.background.trace_spans() if self.background is not None else []
 
-    def gather(self, comm: Comm, spans: Iterable[Span]) -> MultiplexReport | None:
+    def gather(self, comm: Comm, spans: Iterable[Span]) -> dict[str, Any]:
+        """Every rank's steps and background on rank 0: its report, as ``summary.json``'s ``multiplex``."""
         gathered = comm.gather(RankSteps.of(self.rank, spans, self.stop()))
         if gathered is None:
-            return None
+            return {}
         planned = sum(w.length_ms for w in self.plan.predicted.idle_windows)
-        return report(self.config.mode, self.config.schedule, list(gathered), planned_idle_ms=planned)
+        self.report = report(self.config.mode, self.config.schedule, list(gathered), planned_idle_ms=planned)
+        return {"multiplex": self.report.to_json()}
+
+    def show(self, console: Console) -> None:
+        """Rank 0: the report :meth:`gather` made (nothing on the other ranks)."""
+        if self.report is not None:
+            print_report(self.report, console)
 
 
 def _background(config: BackgroundConfig, *, rank: int, folder: Path, device: torch.device,

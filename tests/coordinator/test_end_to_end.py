@@ -36,7 +36,7 @@ def test_a_foreground_burst_job_hosts_a_background_job_and_both_finish(tmp_path:
             jobs = {job.id: job for job in client.jobs()}
             if jobs[fg.id].state.terminal and jobs[bg.id].state.terminal:
                 break
-            time.sleep(1)
+            time.sleep(0.2)
         log = client.logs(fg.id).text
         assert jobs[fg.id].state is JobStatus.SUCCEEDED, log[-3000:]
         assert jobs[bg.id].state is JobStatus.SUCCEEDED and jobs[bg.id].host_id == fg.id, jobs[bg.id]

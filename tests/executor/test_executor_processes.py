@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from deeppool.executor.outputs import PROGRESS
 from deeppool.executor.reference import CheckResult
 from tests.entry import Result, deeppool
 from tests.executor.plans import Assign, cycle, make_plan, model_path
@@ -97,7 +98,10 @@ def test_ctrl_c_stops_all_ranks(faulty_plan: Path, tmp_path: Path) -> None:
         [sys.executable, "-m", "deeppool.executor.cli", "run", str(faulty_plan), "--steps", "100000", "--out", str(tmp_path)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
-    time.sleep(12)  # the ranks are training by now
+    deadline = time.monotonic() + 120
+    while not (tmp_path / PROGRESS).is_file() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # rank 0 writes its progress after its first step: every rank is training
+    assert launcher.poll() is None and (tmp_path / PROGRESS).is_file(), "the ranks never started training"
     os.killpg(launcher.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     _, stderr = launcher.communicate(timeout=60)
     assert launcher.returncode != 0
