@@ -211,11 +211,11 @@ def test_layer_times_are_calibrated_against_a_whole_pass(tmp_path):
     former less the per-layer difference."""
     loaded = ModelSpec.parse(str(TINY)).load()
     traced = trace(loaded)
-    config = ProfilerConfig(batches=(2, 8), warmup=1, repeats=3, cache_dir=tmp_path, show_progress=False)
+    config = ProfilerConfig(batches=(2, 512), warmup=1, repeats=3, cache_dir=tmp_path, show_progress=False)
     profiler = LayerProfiler(traced, loaded, config)
     profiler.measure(config.batches)
     profile = profiler.profile()
-    assert [entry.batch for entry in profile.calibration] == [2, 8]
+    assert [entry.batch for entry in profile.calibration] == [2, 512]
     for index, entry in enumerate(profile.calibration):
         whole = profiler.measured[WHOLE][entry.batch]
         assert (entry.whole_fwd_ms, entry.whole_bwd_ms) == (whole.fwd_ms, whole.bwd_ms) and whole.fwd_ms > 0
