@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deeppool.device.cuda import CudaGpu
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import DEFAULT_TIMEOUT_S, BatchNormMode
 from deeppool.library.parallel import Options, Parallelized, parallelize
@@ -80,7 +81,7 @@ class DeeppoolStrategy(ParallelStrategy):
         if self._device is not None:
             return self._device
         local = int(os.environ.get("LOCAL_RANK", 0))
-        return torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+        return torch.device("cuda", local) if CudaGpu().available() else torch.device("cpu")
 
     @property
     def is_distributed(self) -> bool:
