@@ -246,8 +246,6 @@ def _report_plan(planned: Planned, *, out: Path, gantt: Path | None, pareto: Pat
     shown = console()
     if planned.cost.profile.fit is not None:
         shown.print(planned.cost.profile.fit.describe())
-    for line in planned.cost.profile.measuring_lines():
-        shown.print(line)
     shown.print(report.plan_table(planned.plan, per_layer=per_layer))
     shown.print(report.summary(planned.plan))
     shown.print(report.cluster_line(planned.plan))
@@ -351,8 +349,6 @@ def _measure(spec: ModelSpec, *, out: Path, device: str, batches: tuple[int, ...
     measured.save(out)
     if measured.fit is not None:
         console().print(measured.fit.describe())
-    for line in measured.measuring_lines():
-        console().print(line)
     busy = sorted(name for name, times in measured.layers.items() if any(times.busy))
     if busy:
         conditions = measured.conditions

@@ -76,14 +76,13 @@ def plan_on_measured(profiler: LayerProfiler, solve: Callable[[Profile], Planned
                      cap: int | None, one_gpu: bool) -> Planned:
     """Measure, solve, and measure what the solution uses until it uses nothing unmeasured (at most ``cap``).
 
-    ``targets`` are the per-GPU batches the planner may use (the profile fits the unmeasured ones; the
-    largest, the one-GPU batch, is the global batch, at whose per-GPU batches ranks' core sharing is measured);
+    ``targets`` are the per-GPU batches the planner may use (the profile fits the unmeasured ones);
     ``solve`` plans on a profile."""
     first = first_batches(cap, max(targets))
     failed: dict[int, LayerFailed] = {}
     measure_each(profiler, [b for b in first if profiler.fits(b)] or first[:1], failed)
     while True:
-        planned = solve(profiler.profile(targets, global_batch=max(targets)))
+        planned = solve(profiler.profile(targets))
         used = used_batches(planned.cost, planned.assignments, one_gpu=one_gpu)
         todo = [b for b in used if b not in profiler.batches and b not in failed and (cap is None or b <= cap)
                 and profiler.fits(b)]

@@ -107,31 +107,6 @@ class Conditions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Calibration:
-    """One measured batch's per-layer timing overhead: the layers' times summed over a pass timed layer by
-    layer, the same pass timed whole (one forward, one backward over the model's autograd graph, as a
-    one-stage plan runs it), and the constant taken off each timed layer's time so that the layers sum to
-    the whole pass (0 where the whole pass took longer) (a layer keeps at least :data:`CALIBRATION_FLOOR` of its own time)."""
-
-    batch: int
-    layers_fwd_ms: float
-    layers_bwd_ms: float
-    whole_fwd_ms: float
-    whole_bwd_ms: float
-    per_layer_fwd_ms: float
-    per_layer_bwd_ms: float
-
-    def describe(self) -> str:
-        return (f"batch {self.batch}: layers {self.layers_fwd_ms:.2f}+{self.layers_bwd_ms:.2f} ms, whole pass "
-                f"{self.whole_fwd_ms:.2f}+{self.whole_bwd_ms:.2f} ms (forward+backward), "
-                f"{1e3 * self.per_layer_fwd_ms:+.0f}/{1e3 * self.per_layer_bwd_ms:+.0f} µs a layer taken off")
-
-
-CALIBRATION_FLOOR = 0.25
-"""A calibrated layer keeps at least this share of its timed time."""
-
-
-@dataclass(frozen=True, kw_only=True)
 class FitQuality:
     """How well a measured profile's line fits held its points, and how noisy the measuring was."""
 
@@ -183,13 +158,6 @@ class Profile:
     not measured (an estimated profile)."""
     conditions: Conditions | None = None
     """What the measurements were taken under; None: not measured here (an estimate, an older file)."""
-    calibration: tuple[Calibration, ...] = ()
-    """By measured batch: the per-layer overhead taken off the layer times (:class:`Calibration`); empty:
-    the times are as timed layer by layer (an estimate, an older file)."""
-    model_sharing: dict[int, float] = field(default_factory=dict)
-    """On a CPU, by rank count ``g``: how much slower the model's own training pass at the per-GPU batch of
-    ``g`` ranks ran with ``g`` copies at once (each in its own process) than alone; it takes the place of
-    :attr:`measured_sharing` at those counts. Empty: not measured."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def times(self, layer: str, batch: int) -> tuple[float, float]:
@@ -224,14 +192,11 @@ class Profile:
     def sharing(self, ranks: int) -> float:
         """How much slower each of ``ranks`` ranks computing at once runs than one measured alone.
 
-        Measured on the model's own pass (:attr:`model_sharing`) or a synthetic one (:attr:`measured_sharing`),
-        with ``sharing(1) = 1``: interpolated linearly between the measured counts, and beyond the largest
-        ``m``, ``sharing(m) · g / m`` (time-slicing is linear); else ``max(1, g / concurrent_ranks)`` (ranks
-        beyond the cores share them); 1 on GPUs."""
-        if ranks in self.model_sharing:
-            return self.model_sharing[ranks]
-        if self.measured_sharing or self.model_sharing:
-            points = sorted({1: 1.0, **self.measured_sharing, **self.model_sharing}.items())
+        Measured (:attr:`measured_sharing`, with ``sharing(1) = 1``): interpolated linearly between the
+        measured counts, and beyond the largest ``m``, ``sharing(m) · g / m`` (time-slicing is linear);
+        else ``max(1, g / concurrent_ranks)`` (ranks beyond the cores share them); 1 on GPUs."""
+        if self.measured_sharing:
+            points = sorted({1: 1.0, **self.measured_sharing}.items())
             counts = tuple(count for count, _ in points)
             if ranks >= counts[-1]:
                 return points[-1][1] * ranks / counts[-1]
@@ -239,18 +204,6 @@ class Profile:
         if self.concurrent_ranks is None:
             return 1.0
         return max(1.0, ranks / self.concurrent_ranks)
-
-    def measuring_lines(self) -> list[str]:
-        """For people: how the layer times were calibrated and how the model's own pass shared the cores."""
-        lines = []
-        if self.calibration:
-            lines.append("layer times calibrated against whole passes (one forward, one backward), "
-                         + "; ".join(entry.describe() for entry in self.calibration))
-        if self.model_sharing:
-            lines.append("ranks sharing the cores, measured on the model's own pass: "
-                         + ", ".join(f"{count} at once {value:.2f}x slower" for count, value in
-                                     sorted(self.model_sharing.items())))
-        return lines
 
     def check_covers(self, graph: LayerGraph) -> None:
         missing = [name for name in graph.names if name not in self.layers]
@@ -276,8 +229,6 @@ class Profile:
             "step_overhead": {name: asdict(overhead) for name, overhead in sorted(self.step_overhead.items())},
             "loss": None if self.loss is None else _times_json(self.loss),
             **({"conditions": asdict(self.conditions)} if self.conditions is not None else {}),
-            "calibration": [asdict(entry) for entry in self.calibration],
-            "model_sharing": {str(count): value for count, value in sorted(self.model_sharing.items())},
         }
 
     @classmethod
@@ -287,7 +238,6 @@ class Profile:
             loss = None if payload.get("loss") is None else _times(payload["loss"])
             overhead = {str(name): StepOverhead(**entry) for name, entry in (payload.get("step_overhead") or {}).items()}
             conditions = Conditions(**payload["conditions"]) if payload.get("conditions") else None
-            calibration = tuple(Calibration(**entry) for entry in payload.get("calibration") or ())
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise DeeppoolError(f"profile JSON has a malformed layer entry ({err}): regenerate it") from None
         return cls(
@@ -303,8 +253,6 @@ class Profile:
             step_overhead=overhead,
             loss=loss,
             conditions=conditions,
-            calibration=calibration,
-            model_sharing=_sharing(payload.get("model_sharing") or {}),
         )
 
     def save(self, path: str | Path) -> None:

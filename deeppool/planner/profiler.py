@@ -20,19 +20,6 @@ counted as noisy and the profile says how many there were. On the CPU
 this host gets ``cores / ranks`` of them; a busy machine stalls
 multi-threaded kernels far more than single-threaded ones).
 
-Timing each layer has its own cost (a host timer and a backward call per layer, inputs detached into
-fresh leaves), which a stage that runs as one forward and one backward does not pay: so each timed pass
-alternates with the same pass run whole (:meth:`Passes.whole`), and at each batch the difference of the
-layers' sum over the whole pass, shared evenly among the layers, is taken off every layer (forward and
-backward apart; a layer keeps at least a quarter of its time; nothing where the whole pass took longer),
-recorded in the profile
-(:class:`~deeppool.planner.profile.Calibration`).
-
-On a CPU, the ranks of a stage compute at once on the host's cores. For a plan at a global batch the
-profiler measures how much slower the model's own whole pass runs in ``g`` forked processes at once than
-in one, at the per-GPU batch of ``g`` ranks (:func:`measure_model_sharing`; memory-bound layers slow
-more than the synthetic matmuls of :func:`measure_sharing` say).
-
 Every layer's times are then fitted by ``t(s) = a + b·s`` (least squares,
 ``a, b ≥ 0``), which is what a layer's time does once the batch fills the
 device. A profile holds, at every measured batch, the measured medians (a
@@ -69,19 +56,14 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import multiprocessing
 import os
-import signal
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import cache, cached_property
-from multiprocessing.connection import Connection
-from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import torch
@@ -98,9 +80,7 @@ from deeppool.planner.jsonio import write_json
 from deeppool.planner.layer_exec import LayerRunner, floating_leaves, run_at
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.cost import Optimizer
-from deeppool.planner.profile import (
-    CALIBRATION_FLOOR, Calibration, Conditions, FitQuality, LayerTimes, Profile, StepOverhead,
-)
+from deeppool.planner.profile import Conditions, FitQuality, LayerTimes, Profile, StepOverhead
 from deeppool.planner.trace import Traced
 
 
@@ -282,11 +262,10 @@ class LayerProfiler:
         self.device = torch.device(config.device)
         traced.module.to(self.device)
         graph = traced.graph
-        self.measured: dict[str, dict[int, Measured]] = {name: {} for name in (*graph.names, LOSS, WHOLE)}
+        self.measured: dict[str, dict[int, Measured]] = {name: {} for name in (*graph.names, LOSS)}
         runners = {layer.name: LayerRunner(traced.module, layer) for layer in graph.layers}
         self.passes = Passes(module=traced.module, graph=graph, runners=runners, device=self.device)
         self.code = {layer.name: layer_code(traced.module, layer) for layer in graph.layers}
-        self._sharing: dict[tuple[int, int], float | None] = {}
         if self.device.type == "cpu":
             steady_allocator()
 
@@ -340,20 +319,16 @@ class LayerProfiler:
         return {"cores": self.config.cores, "threads": self.config.threads, "torch": torch.__version__,
                 "device": device_name(self.device)}
 
-    def profile(self, fit_to: Iterable[int] = (), *, global_batch: int | None = None) -> Profile:
+    def profile(self, fit_to: Iterable[int] = ()) -> Profile:
         """The profile of what was measured: measured times at the measured batches, the fitted line at the
-        other batches of ``fit_to``; on a CPU with ``config.ranks``, and a ``global_batch`` to plan, also
-        how the model's own pass slows when ranks share the cores (:meth:`model_sharing`)."""
+        other batches of ``fit_to``."""
         config, graph, device = self.config, self.traced.graph, self.device
         batches = self.batches
         if not batches:
             raise DeeppoolError("nothing measured yet: measure some per-GPU batches first")
         targets = tuple(sorted(set(batches) | set(fit_to)))
-        calibration = tuple(calibrate(b, {name: self.measured[name][b] for name in graph.names},
-                                      self.measured[WHOLE][b]) for b in batches)
-        ordered = {name: [calibrated(samples[b], entry) for b, entry in zip(batches, calibration, strict=True)]
-                   for name, samples in self.measured.items() if name not in (LOSS, WHOLE)}
-        losses = [self.measured[LOSS][b] for b in batches]
+        ordered = {name: [samples[b] for b in batches] for name, samples in self.measured.items()}
+        losses = ordered.pop(LOSS)
         loss = layer_times(batches, losses, targets, config.untrusted)[0]
         layers = {name: layer_times(batches, samples, targets, config.untrusted) for name, samples in ordered.items()}
         overhead, bandwidth, sharing = self._device_figures
@@ -370,34 +345,7 @@ class LayerProfiler:
             step_overhead=overhead,
             loss=loss,
             conditions=self.conditions(),
-            calibration=calibration,
-            model_sharing=self.model_sharing(global_batch) if global_batch else {},
         )
-
-    def model_sharing(self, global_batch: int) -> dict[int, float]:
-        """On a CPU, for each rank count ``g`` of :func:`sharing_counts`: how much slower ``g`` processes
-        each running the model's whole training pass at the per-GPU batch ``⌈B/g⌉`` at once run than one
-        alone (:func:`measure_model_sharing`), as the ``g`` ranks of a stage do, where that batch has been
-        measured; once per count and batch. Empty on a GPU, without ``config.ranks``, or where the workers
-        did not report."""
-        if self.device.type != "cpu" or not self.config.ranks:
-            return {}
-        found = {}
-        for ranks in sharing_counts(self.config.ranks):
-            batch = -(-global_batch // ranks)
-            if batch not in self.batches:
-                continue  # where the layers were measured (some cannot run at every batch); the loop measures the rest
-            if (ranks, batch) not in self._sharing:
-                named = self.loaded.named_inputs(batch)
-                graph = self.traced.graph
-                inputs = {name: named[key] for name, key in zip(graph.inputs, graph.input_keys, strict=True)}
-                self._sharing[(ranks, batch)] = measure_model_sharing(self.passes, inputs, ranks,
-                                                                      self.config.threads or 1)
-            if self._sharing[(ranks, batch)] is not None:
-                found[ranks] = self._sharing[(ranks, batch)]
-        for parameter in self.traced.module.parameters():
-            parameter.grad = None
-        return found
 
     @cached_property
     def _device_figures(self) -> tuple[dict[str, StepOverhead], float, dict[int, float]]:
@@ -414,31 +362,6 @@ class LayerProfiler:
 
 LOSS = "<loss>"
 """The loss function's key among the measured entries (no layer name has angle brackets)."""
-WHOLE = "<whole>"
-"""The whole pass's key among the measured entries (:meth:`Passes.whole`): what calibrates the layers."""
-
-
-def calibrate(batch: int, layers: dict[str, Measured], whole: Measured) -> Calibration:
-    """The per-layer overhead at ``batch``: what timing each layer alone adds over the whole pass, shared
-    evenly among the layers that take time in that direction; 0 where the whole pass took longer (on a
-    busy machine a long whole pass is preempted more often than a short layer, whose median drops it)."""
-    def per_layer(times: list[float], total: float) -> float:
-        timed = [t for t in times if t > 0]
-        return max(0.0, (sum(timed) - total) / len(timed)) if timed and total > 0 else 0.0
-
-    fwd, bwd = [m.fwd_ms for m in layers.values()], [m.bwd_ms for m in layers.values()]
-    return Calibration(batch=batch, layers_fwd_ms=sum(fwd), layers_bwd_ms=sum(bwd), whole_fwd_ms=whole.fwd_ms,
-                       whole_bwd_ms=whole.bwd_ms, per_layer_fwd_ms=per_layer(fwd, whole.fwd_ms),
-                       per_layer_bwd_ms=per_layer(bwd, whole.bwd_ms))
-
-
-def calibrated(measured: Measured, calibration: Calibration) -> Measured:
-    """``measured`` less the per-layer overhead (a time never below :data:`CALIBRATION_FLOOR` of itself)."""
-    def less(time: float, overhead: float) -> float:
-        return max(time - overhead, CALIBRATION_FLOOR * time) if time > 0 else time
-
-    return replace(measured, fwd_ms=less(measured.fwd_ms, calibration.per_layer_fwd_ms),
-                   bwd_ms=less(measured.bwd_ms, calibration.per_layer_bwd_ms))
 
 
 def measure_step_overhead(device: torch.device, repeats: int = 15, tensors: int = 33) -> dict[str, StepOverhead]:
@@ -515,85 +438,6 @@ def _concurrent_work(workers: int, matmuls: int) -> float:
     for thread in pool:
         thread.join()
     return max(finished)
-
-
-def measure_model_sharing(passes: Passes, inputs: dict[str, torch.Tensor], ranks: int, threads: int,
-                          repeats: int = 3, turn_s: float = 0.3, timeout_s: float = 60.0) -> float | None:
-    """How much slower the model's whole training pass (:meth:`Passes.whole` on ``inputs``) runs in each of
-    ``ranks`` processes at once than in one alone, each with ``threads`` intra-op threads: in turns (alone,
-    then together, ``repeats`` times: load that comes and goes weighs on both), the slowest worker's time
-    over the lone worker's, the median of the turns. A turn runs as many passes as take about ``turn_s``
-    alone.
-
-    Workers are processes forked from this one, which holds the model (as ranks are processes: threads
-    would share one interpreter's lock); each is killed when its turn ends, or fails, or is interrupted.
-    None where a worker of a turn ended without reporting, or did not report within ``timeout_s``."""
-    with intra_op_threads(threads):
-        passes.whole(inputs)
-        began = time.perf_counter()
-        passes.whole(inputs)
-        once = time.perf_counter() - began
-    count = max(2, min(50, round(turn_s / max(once, 1e-4))))
-    ratios = []
-    try:
-        for _ in range(repeats):
-            alone = _concurrent_passes(passes, inputs, 1, threads, count, timeout_s)
-            together = _concurrent_passes(passes, inputs, ranks, threads, count, timeout_s)
-            ratios.append(together / alone)
-    except TimeoutError:
-        return None
-    finally:
-        for parameter in passes.module.parameters():
-            parameter.grad = None
-    return statistics.median(ratios)
-
-
-def _concurrent_passes(passes: Passes, inputs: dict[str, torch.Tensor], workers: int, threads: int, count: int,
-                       timeout_s: float) -> float:
-    """Seconds until the last of ``workers`` forked processes has run ``count`` whole passes, all started
-    together (after one untimed pass each)."""
-    context = multiprocessing.get_context("fork")
-    start = context.Barrier(workers)
-    pipes = [context.Pipe(duplex=False) for _ in range(workers)]
-    pool = [context.Process(target=_pass_worker, args=(passes, inputs, threads, count, start, sender), daemon=True)
-            for _, sender in pipes]
-    try:
-        for process in pool:
-            process.start()
-        deadline = time.monotonic() + timeout_s
-        finished = []
-        for (receiver, _), process in zip(pipes, pool, strict=True):
-            while not receiver.poll(min(0.05, max(0.0, deadline - time.monotonic()))):
-                if process.exitcode is not None and not receiver.poll(0) or time.monotonic() >= deadline:
-                    raise TimeoutError("a worker measuring how ranks share the cores did not report")
-            finished.append(float(receiver.recv()))
-        return max(finished)
-    finally:
-        for process in pool:
-            if process.is_alive():
-                process.kill()
-            process.join()
-        for receiver, sender in pipes:
-            receiver.close()
-            sender.close()
-
-
-def _pass_worker(passes: Passes, inputs: dict[str, torch.Tensor], threads: int, count: int,
-                 start: Barrier, report: Connection) -> None:
-    """A forked worker: one untimed pass, then, once every worker is ready, ``count`` timed ones; it sends
-    the seconds they took. Ctrl-C is the parent's to handle: it kills the workers. A worker whose pass
-    fails ends with exit code 1 and no report (the parent goes on without the figure)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(threads)
-    try:
-        passes.whole(inputs)
-        start.wait()
-        began = time.perf_counter()
-        for _ in range(count):
-            passes.whole(inputs)
-    except Exception:  # noqa: BLE001 - the parent sees no report and measures nothing here
-        sys.exit(1)
-    report.send(time.perf_counter() - began)
 
 
 def _concurrent_ranks(device: torch.device, threads: int | None) -> int | None:
@@ -757,26 +601,6 @@ class Passes:
                     grads[name] = grads[name] + grad if name in grads else grad
         return fwd, bwd, {name: values[name] for name in keep}
 
-    def whole(self, inputs: dict[str, torch.Tensor]) -> tuple[float, float]:
-        """One pass as a one-stage plan runs it, timed whole: every layer's forward on the values before it
-        (one autograd graph, no leaves between layers), then one backward from the model's output;
-        (fwd_ms, bwd_ms)."""
-        for param in self.module.parameters():
-            param.grad = None
-
-        def forward() -> object:
-            values: dict[str, object] = dict(inputs)
-            for layer in self.graph.layers:
-                values[layer.name] = self.runners[layer.name](*[values[name] for name in layer.inputs])
-            return values[self.graph.output]
-
-        fwd, output = _timed(self.device, forward)
-        outputs = [t for t in floating_leaves(output) if t.requires_grad]
-        if not outputs:
-            return fwd, 0.0
-        gradients = [torch.ones_like(t) for t in outputs]
-        return fwd, _timed(self.device, lambda: torch.autograd.backward(outputs, gradients))[0]
-
     def _backward(self, layer: Layer, value: object, grads: dict[str, torch.Tensor]) -> float:
         """The layer's backward from the gradients its consumers sent (ones for the model's output)."""
         outputs = floating_leaves(value)
@@ -811,14 +635,11 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
     load = config.load()
     for _ in range(config.warmup):
         passes.run(inputs)
-    passes.whole(inputs)
     runs: list[tuple[dict[str, float], dict[str, float]]] = []
-    wholes: list[tuple[float, float]] = []
     while True:
-        for _ in range(config.repeats):  # layer by layer, then whole, in turns: load that comes and goes hits both
+        for _ in range(config.repeats):
             fwd, bwd, _ = passes.run(inputs)
             runs.append((fwd, bwd))
-            wholes.append(passes.whole(inputs))
         load = max(load, config.load())
         measured = {name: _summary([f[name] for f, _ in runs], [b[name] for _, b in runs], load)
                     for name in graph.names}
@@ -826,7 +647,6 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
                       for m in measured.values())
         if settled or len(runs) + config.repeats > config.max_repeats:
             break
-    measured[WHOLE] = _summary([f for f, _ in wholes], [b for _, b in wholes], load)
     for name, sample in measured.items():
         if cache:
             cache.put(keys[name], sample, profiler.entry())
@@ -850,7 +670,6 @@ def _keys(profiler: LayerProfiler, inputs: dict[str, torch.Tensor], batch: int) 
             for name in layer.inputs:
                 if last_use[name] == index:
                     values.pop(name, None)
-    keys[WHOLE] = hashlib.sha256(("whole|" + "|".join(keys.values())).encode()).hexdigest()
     return keys, values[graph.output]
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -16,11 +15,11 @@ from deeppool.planner.cost import CostModel, check_invariants
 from deeppool.planner.graph import TraceMethod
 from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice, Precision
 from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.profile import CALIBRATION_FLOOR, LayerTimes, Profile, estimate_ms
+from deeppool.planner.profile import LayerTimes, Profile, estimate_ms
 from deeppool.planner.layer_exec import LayerRunner
 from deeppool.planner.profiler import (
-    WHOLE, LayerProfiler, Measured, Passes, ProfileCache, ProfilerConfig, calibrate, calibrated, fit_layer, fit_line,
-    measure_model_sharing, measure_profile, measure_sharing, sharing_counts,
+    Measured, Passes, ProfileCache, ProfilerConfig, fit_layer, fit_line, measure_profile, measure_sharing,
+    sharing_counts,
 )
 from deeppool.planner.trace import trace
 from tests.planner import synthetic
@@ -36,8 +35,7 @@ def test_measure_then_cache_round_trip(tmp_path):
     assert set(first.layers) == set(traced.graph.names)
     assert all(len(t.fwd_ms) == 2 and min(t.fwd_ms) > 0 for t in first.layers.values())
     assert first.layers["fc1"].bwd_ms[0] > 0
-    assert len(ProfileCache(tmp_path).entries) == 2 * (len(traced.graph) + 2), \
-        "every layer, the whole pass and the loss, per batch"
+    assert len(ProfileCache(tmp_path).entries) == 2 * (len(traced.graph) + 1), "every layer and the loss, per batch"
     assert first.loss is not None and first.loss.batches == (1, 4) and min(first.loss.fwd_ms) > 0
     assert min(first.loss.bwd_ms) > 0, "the loss's backward is timed"
     assert set(first.step_overhead) == {"sgd", "adam"}
@@ -204,87 +202,3 @@ def test_a_plan_whose_figures_break_the_invariants_is_refused():
     with pytest.raises(DeeppoolError, match="layer 'a' on 4 GPUs would use .* its one-GPU GPU-time"):
         check_invariants(cost, {"a": 4, "b": 4})
 
-
-
-def test_layer_times_are_calibrated_against_a_whole_pass(tmp_path):
-    """A pass timed layer by layer and the same pass timed whole: the profile's layer times are the
-    former less the per-layer difference."""
-    loaded = ModelSpec.parse(str(TINY)).load()
-    traced = trace(loaded)
-    config = ProfilerConfig(batches=(2, 512), warmup=1, repeats=3, cache_dir=tmp_path, show_progress=False)
-    profiler = LayerProfiler(traced, loaded, config)
-    profiler.measure(config.batches)
-    profile = profiler.profile()
-    assert [entry.batch for entry in profile.calibration] == [2, 512]
-    for index, entry in enumerate(profile.calibration):
-        whole = profiler.measured[WHOLE][entry.batch]
-        assert (entry.whole_fwd_ms, entry.whole_bwd_ms) == (whole.fwd_ms, whole.bwd_ms) and whole.fwd_ms > 0
-        raw = [profiler.measured[name][entry.batch] for name in traced.graph.names]
-        assert entry.layers_fwd_ms == pytest.approx(sum(m.fwd_ms for m in raw))
-        floored = any(m.fwd_ms * CALIBRATION_FLOOR >= m.fwd_ms - entry.per_layer_fwd_ms for m in raw if m.fwd_ms > 0)
-        total = sum(calibrated(m, entry).fwd_ms for m in raw)
-        if entry.layers_fwd_ms <= whole.fwd_ms:
-            assert entry.per_layer_fwd_ms == 0 and total == pytest.approx(entry.layers_fwd_ms), "nothing to take off"
-        elif not floored:
-            assert total == pytest.approx(whole.fwd_ms), "the calibrated layers sum to the whole pass"
-    largest = profile.calibration[-1]  # at the largest batch no time is raised to keep GPU-time
-    checked = 0
-    for name in traced.graph.names:
-        timed = calibrated(profiler.measured[name][largest.batch], largest)
-        if timed.fwd_ms + timed.bwd_ms >= 0.05:
-            assert profile.layers[name].fwd_ms[-1] == pytest.approx(timed.fwd_ms), "the profile holds calibrated times"
-            checked += 1
-    assert checked, "some layer is above the timer's noise floor"
-    path = tmp_path / "profile.json"
-    profile.save(path)
-    assert Profile.load(path).calibration == profile.calibration
-
-
-def test_calibration_takes_the_per_layer_overhead_off_each_layer_within_a_floor():
-    layers = {"a": Measured(fwd_ms=1.0, bwd_ms=2.0, spread=0.0), "b": Measured(fwd_ms=3.0, bwd_ms=0.0, spread=0.0),
-              "c": Measured(fwd_ms=0.2, bwd_ms=4.0, spread=0.0)}
-    entry = calibrate(4, layers, Measured(fwd_ms=2.7, bwd_ms=6.6, spread=0.0))
-    assert entry.per_layer_fwd_ms == pytest.approx(0.5) and entry.per_layer_bwd_ms == 0.0
-    assert calibrated(layers["a"], entry).fwd_ms == pytest.approx(0.5)
-    assert calibrated(layers["c"], entry).fwd_ms == pytest.approx(0.2 * CALIBRATION_FLOOR), "a layer keeps its floor"
-    assert calibrated(layers["b"], entry).bwd_ms == 0.0, "a layer without a backward gets none"
-    assert calibrated(layers["c"], entry).bwd_ms == 4.0, "a whole pass slower than its layers changes nothing"
-
-
-def test_a_profile_without_calibration_or_model_sharing_still_loads(tmp_path):
-    graph = synthetic.graph([("a", ("x",), 64, 32)])
-    payload = synthetic.profile(graph, {"a": 0.1}, 0.01, (1, 2)).to_json()
-    del payload["calibration"], payload["model_sharing"]
-    loaded = Profile.from_json(payload)
-    assert loaded.calibration == () and loaded.model_sharing == {}
-
-
-def test_core_sharing_is_measured_on_the_models_own_pass_in_processes():
-    loaded = ModelSpec.parse(str(TINY)).load()
-    traced = trace(loaded)
-    cores = os.cpu_count() or 1
-    profiler = LayerProfiler(traced, loaded, ProfilerConfig(batches=(2,), threads=1, ranks=2 * cores,
-                                                            show_progress=False))
-    inputs = {name: loaded.named_inputs(8)[key] for name, key in zip(traced.graph.inputs, traced.graph.input_keys)}
-    factor = measure_model_sharing(profiler.passes, inputs, 2 * cores, 1, repeats=1, turn_s=0.2)
-    assert factor is not None and factor > 1.2, "twice as many processes as cores cannot run at full speed"
-    assert not multiprocessing.active_children(), "every worker is gone"
-    assert measure_model_sharing(profiler.passes, inputs, 2, 1, repeats=1, timeout_s=0.0) is None
-    assert not multiprocessing.active_children(), "workers that did not report in time are killed"
-    assert all(parameter.grad is None for parameter in traced.module.parameters())
-
-
-def test_a_ranked_cpu_profile_carries_the_models_own_sharing_at_each_count():
-    loaded = ModelSpec.parse(str(TINY)).load()
-    config = ProfilerConfig(batches=(2, 4), warmup=0, repeats=1, threads=1, ranks=2, show_progress=False)
-    profiler = LayerProfiler(trace(loaded), loaded, config)
-    profiler.measure(config.batches)
-    assert profiler.profile((2, 4)).model_sharing == {}, "no global batch: nothing to measure at"
-    profile = profiler.profile((2, 4), global_batch=4)
-    assert set(profile.model_sharing) == {2} and profile.model_sharing[2] > 0
-    assert profile.sharing(2) == profile.model_sharing[2], "the model's own sharing comes before the synthetic one"
-    assert profiler.profile((2, 4), global_batch=4).model_sharing == profile.model_sharing, "measured once"
-    lines = profile.measuring_lines()
-    assert lines[0].startswith("layer times calibrated against whole passes") and "batch 4:" in lines[0]
-    assert lines[1] == f"ranks sharing the cores, measured on the model's own pass: 2 at once " \
-                       f"{profile.model_sharing[2]:.2f}x slower"
