@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # the planner's solving half imports torch: loaded only when 
 FACTS_VERSION = 7
 """Bumped whenever the cost model changes what a Plan predicts (4: per-group all-reduce latency rounds,
 synchronisation latency, the loss and the optimizer's fixed costs; 5: the lending plan and right-sizing;
-7: the cluster objective's search by families of the lowest lent rank), so cached facts are solved again."""
+7: the ILP built as one sparse matrix for HiGHS), so cached facts are solved again."""
 
 
 @dataclass(frozen=True, kw_only=True)

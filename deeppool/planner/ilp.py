@@ -55,7 +55,6 @@ from typing import TYPE_CHECKING
 from deeppool.errors import DeeppoolError
 from deeppool.quiet import native_output_hidden
 from deeppool.planner.cost import CostModel
-from deeppool.planner.graph import Layer
 
 if TYPE_CHECKING:
     import pulp as pulp_types
@@ -80,8 +79,6 @@ class IlpResult:
     optimal: bool
     seconds: float
     gap: float
-    objective: float
-    """The ILP's objective at the assignment, ``Σ time + price · Σ GPU-time`` as formulated (ms)."""
 
 
 def solve(
@@ -103,51 +100,29 @@ def solve(
     trade-off of time against GPU-time). ``exclude`` rules out those assignments (one no-good cut each,
     ``Σ_l x[l, a_l] ≤ L − 1``), which :mod:`deeppool.planner.throughput` uses to search past plans it has costed.
     """
-    result = Ilp(cost, options, memory_bytes=memory_bytes, solver=solver).solve(
+    return Ilp(cost, options, memory_bytes=memory_bytes, solver=solver).solve(
         price=price, exclude=exclude, time_limit_s=time_limit_s)
-    assert result is not None, "only a cutoff returns no result"
-    return result
 
 
 class Ilp:
     """The ILP of ``options`` built once, solved at any ``price`` with any set of no-good cuts."""
 
     def __init__(self, cost: CostModel, options: dict[str, tuple[int, ...]], *, memory_bytes: int | None,
-                 solver: SolverName | None = None, busy_floor: bool = False) -> None:
-        """``busy_floor`` adds to the priced GPU-time a floor of what the plan's busy GPU-time adds to it
-        (:func:`_busy_floor`): the cluster objective's bound, never the time objectives'."""
+                 solver: SolverName | None = None) -> None:
         self.solver = solver or default_solver()
         self.matrix, self.x = _formulate(cost, options, memory_bytes)
-        if busy_floor:
-            _busy_floor(self.matrix, cost, self.x)
         self.names = tuple(layer.name for layer in cost.graph.layers)
-        self.call_ms = cost.step_call_ms
-        self.families: dict[tuple[int, float], tuple[tuple[int, float], ...]] = {}
-        """The rows and right-hand sides of each ``(above, θ)`` restriction of :meth:`solve`, added on first use."""
         self.cuts: dict[tuple[int, ...], tuple[int, float]] = {}
         """Each no-good cut's row and right-hand side, by the assignment it excludes."""
         self.backend = _Highs(self.matrix) if self.solver is SolverName.HIGHS else _Cbc(self.matrix)
 
-    def solve(self, *, price: float = 0.0, exclude: Iterable[Mapping[str, int]] = (), time_limit_s: float,
-              above: int = 0, short_below: float | None = None, cutoff: float | None = None) -> IlpResult | None:
-        """The cheapest assignment at ``price`` other than those of ``exclude`` (see :func:`solve`).
-
-        ``above`` prices only the GPU-time of ranks ``above`` and up (``(g − above)⁺`` ranks of a layer on
-        ``g``). ``short_below`` θ, with ``above`` > 0, keeps only the plans that may have ``above`` as their
-        lowest rank idle for at least θ of the iteration (:meth:`_family`). With ``cutoff``, None when no
-        assignment's objective is below it (HiGHS proves it from the LP relaxation or in branch and bound)."""
+    def solve(self, *, price: float = 0.0, exclude: Iterable[Mapping[str, int]] = (),
+              time_limit_s: float) -> IlpResult:
+        """The cheapest assignment at ``price`` other than those of ``exclude`` (see :func:`solve`)."""
         active = {self._cut(assignment) for assignment in exclude} - {None}
-        bounds = {row: rhs if row in active else _INF for row, rhs in self.cuts.values()}
-        for key, rows in self.families.items():
-            bounds.update((row, _INF) for row, _ in rows)
-        if short_below is not None and above > 0:
-            bounds.update(self._family(above, short_below))
-        self.backend.bound_rows(bounds)
-        costs = self.matrix.costs(price, above)
+        self.backend.bound_rows({row: rhs if row in active else _INF for row, rhs in self.cuts.values()})
         started = time.perf_counter()
-        outcome = self.backend.run(costs, self.matrix.binaries, time_limit_s, cutoff)
-        if outcome.status == _CUTOFF:
-            return None
+        outcome = self.backend.run(self.matrix.costs(price), self.matrix.binaries, time_limit_s)
         seconds = time.perf_counter() - started
         values = outcome.values
         if values is None or not all(any(values[j] > 0.5 for j in choice.values()) for choice in self.x.values()):
@@ -156,37 +131,8 @@ class Ilp:
                 "raise --time-limit or relax --amplification"
             )
         assignment = {name: max(choice, key=lambda g: values[choice[g]]) for name, choice in self.x.items()}
-        objective = sum(c * v for c, v in zip(costs, values, strict=True))
         return IlpResult(assignment=assignment, solver=self.solver, status=outcome.description,
-                         optimal=outcome.optimal, seconds=seconds, gap=outcome.gap, objective=objective)
-
-    def _family(self, above: int, share: float) -> tuple[tuple[int, float], ...]:
-        """Rows (upper bounds) true of every plan whose lowest rank idle for ``θ·T`` or more is ``R = above``:
-
-        * rank ``R − 1`` idles less than θ·T, and it idles at least while the layers on fewer than ``R`` ranks
-          run (with their latency rounds): ``Σ_{g < R} time ≤ θ·T``;
-        * rank ``R`` idles θ·T or more, at most while no layer on more than ``R`` ranks runs and no reshard
-          holds more than ``R``: ``Σ_{g > R} time + Σ_ports [g > R]·(s̃(g) + ω_g)·port ≤ (1 − θ)·T`` (a reshard
-          between ``g_u`` and ``g_v`` takes at least ``Σ_{ends} [g > R]·(s̃(g) + ω_g)`` while it holds more than
-          ``R`` ranks: ``m.ports``);
-        * the two ranks differ, so some phase, hence some layer, holds exactly ``R`` ranks: ``Σ_l x[l,R] ≥ 1``.
-
-        ``T`` is every column's time plus ``OPT_call`` (a constant)."""
-        key = (above, share)
-        if key not in self.families:
-            m = self.matrix
-            ranks = {j: g for j, g, _ in m.busy}
-            fewer = [(j, (ranks.get(j, above) < above) * t - share * t) for j, t in enumerate(m.time_cost) if t]
-            held = dict.fromkeys(range(len(m.time_cost)), 0.0)
-            for j, g, ms in m.ports:
-                held[j] += (g > above) * ms
-            more = [(j, (ranks.get(j, above) > above) * t + held[j] - (1 - share) * t)
-                    for j, t in enumerate(m.time_cost) if t or held[j]]
-            exact = [(choice[above], -1.0) for choice in self.x.values() if above in choice]
-            rows = [(fewer, share * self.call_ms), (more, (1 - share) * self.call_ms)]
-            rows += [(exact, -1.0)] if exact else [([(0, 0.0)], -1.0)]  # no layer offers R: the family is empty
-            self.families[key] = tuple((self.backend.add_row(terms, -_INF, _INF), rhs) for terms, rhs in rows)
-        return self.families[key]
+                         optimal=outcome.optimal, seconds=seconds, gap=outcome.gap)
 
     def _cut(self, assignment: Mapping[str, int]) -> int | None:
         """The row of the no-good cut ``Σ_l x[l, a_l] ≤ L − 1`` (added on first use); None outside the options."""
@@ -204,12 +150,7 @@ class _Matrix:
     """The model as lists: per column its time and GPU-time cost and upper bound; rows in CSR form."""
 
     time_cost: list[float] = field(default_factory=list)
-    busy: list[tuple[int, int, float]] = field(default_factory=list)
-    """(column, ranks, ms): the column holds ``ranks`` ranks for ``ms`` (its GPU-time, priced)."""
-    floors: list[_Floor] = field(default_factory=list)
-    ports: list[tuple[int, int, float]] = field(default_factory=list)
-    """(column, count, ms): a reshard ladder's entry or exit at that count, and a floor of the time the reshard
-    through it holds that many ranks or more (:meth:`Ilp._family`)."""
+    gpu_cost: list[float] = field(default_factory=list)
     upper: list[float] = field(default_factory=list)
     binaries: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=lambda: [0])
@@ -220,6 +161,7 @@ class _Matrix:
 
     def column(self, *, upper: float = _INF, binary: bool = False) -> int:
         self.time_cost.append(0.0)
+        self.gpu_cost.append(0.0)
         self.upper.append(upper)
         if binary:
             self.binaries.append(len(self.upper) - 1)
@@ -234,40 +176,10 @@ class _Matrix:
         self.row_upper.append(upper)
         return len(self.row_lower) - 1
 
-    def costs(self, price: float, above: int = 0) -> list[float]:
-        """``time + price · GPU-time / 1000`` per column, GPU-time counted on ranks ``above`` and up."""
-        costs = list(self.time_cost)
+    def costs(self, price: float) -> list[float]:
         if price == 0:
-            return costs
-        for j, ranks, ms in self.busy:
-            costs[j] += price * max(0, ranks - above) * ms / 1e3
-        for floor in self.floors:
-            floor.price(costs, price, above)
-        return costs
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Floor:
-    """A reshard floor ladder (:func:`_busy_floor`): its levels' counts, sides ``s̃`` and syncs, and columns."""
-
-    rungs: _Rungs
-    side: dict[int, float]
-    sync: dict[int, float]
-
-    def price(self, costs: list[float], price: float, above: int) -> None:
-        """Add ``price ·`` the ladder of sides ``a_g = (g − above)⁺·s̃(g)`` (made non-increasing down the levels
-        by a running minimum, so the route still costs no more than ``max`` of its ends) and ports
-        ``(g − above)⁺·ω_g``, in GPU-ms / 1000."""
-        rungs, sides, running = self.rungs, [], _INF
-        for g in rungs.levels:
-            running = min(running, max(0, g - above) * self.side[g] / 1e3)
-            sides.append(running)
-        for k, j in enumerate(rungs.up):
-            costs[j] += price * 2 * (sides[k] - sides[k + 1])
-        for k, g in enumerate(rungs.levels):
-            port = price * max(0, g - above) * self.sync[g] / 1e3
-            costs[rungs.enter[g]] += price * 2 * sides[k] + port
-            costs[rungs.leave[g]] += port
+            return list(self.time_cost)
+        return [t + price * g for t, g in zip(self.time_cost, self.gpu_cost, strict=True)]
 
 
 def _formulate(
@@ -278,8 +190,9 @@ def _formulate(
     for layer in cost.graph.layers:
         m.row(((j, 1.0) for j in x[layer.name].values()), 1.0, 1.0)
         for g, j in x[layer.name].items():
-            m.time_cost[j] = cost.layer_ms(layer, g)
-            m.busy.append((j, g, m.time_cost[j]))
+            ms = cost.layer_ms(layer, g)
+            m.time_cost[j] = ms
+            m.gpu_cost[j] = ms * g / 1e3
     for src, dst in cost.graph.edges():
         _edge(m, cost, src, x[src], x[dst])
     for group in cost.graph.tied():
@@ -312,7 +225,7 @@ def _rounds(m: _Matrix, cost: CostModel, x: dict[str, dict[int, int]]) -> None:
             bytes_in = [(x[layer.name][g], -share * cost.param_bytes(layer) / cost.bucket_bytes) for layer in members]
             m.row([(rounds, 1.0), *bytes_in], 0.0, _INF)
         m.time_cost[rounds] = latency
-        m.busy.append((rounds, g, latency))
+        m.gpu_cost[rounds] = latency * g / 1e3
 
 
 def _tie(m: _Matrix, choices: list[dict[int, int]]) -> None:
@@ -342,31 +255,11 @@ def _edge(m: _Matrix, cost: CostModel, src: str, xu: dict[int, int], xv: dict[in
     counts = sorted(set(xu) | set(xv))
     inside = [g for g in counts if g <= cost.network.gpus_per_node]
     sync = {g: cost.sync_ms(g) for g in counts}
-    floor = _side_floor(cost, producer, counts)
-    rails: list[tuple[dict[int, int], dict[int, int]]] = []
+    rails = []
     if len(inside) > 1:
-        rails.append(_ladder(m, {g: cost.reshard_side_ms(producer, g) for g in inside}, sync).ports)
+        rails.append(_ladder(m, {g: cost.reshard_side_ms(producer, g) for g in inside}, sync))
     if len(inside) < len(counts):
-        rails.append(_ladder(m, {g: cost.reshard_side_ms(producer, g, across=True) for g in counts}, sync).ports)
-    for enter, leave in rails:
-        m.ports += [(j, g, floor[g] + sync[g]) for g, j in (*enter.items(), *leave.items())]
-    _ports(m, counts, xu, xv, rails)
-
-
-def _side_floor(cost: CostModel, producer: Layer, counts: list[int]) -> dict[int, float]:
-    """``s̃(g) = min_{h ≤ g} s(h)`` over ``counts`` (ascending), ``s`` the cheaper rail's side at a count: a
-    reshard between counts ``g_u``, ``g_v`` has ``side(min(g_u, g_v)) ≥ max(s̃(g_u), s̃(g_v))``."""
-    floor, running = {}, _INF
-    for g in counts:
-        inside = cost.reshard_side_ms(producer, g) if g <= cost.network.gpus_per_node else _INF
-        running = min(running, inside, cost.reshard_side_ms(producer, g, across=True))
-        floor[g] = running
-    return floor
-
-
-def _ports(m: _Matrix, counts: list[int], xu: dict[int, int], xv: dict[int, int],
-           rails: list[tuple[dict[int, int], dict[int, int]]]) -> None:
-    """One unit of flow from u's count to v's: straight when they are equal, else through one of ``rails``."""
+        rails.append(_ladder(m, {g: cost.reshard_side_ms(producer, g, across=True) for g in counts}, sync))
     for g in counts:
         stay = m.column() if g in xu and g in xv else None
         for end, port in ((xu, 0), (xv, 1)):
@@ -377,70 +270,29 @@ def _ports(m: _Matrix, counts: list[int], xu: dict[int, int], xv: dict[int, int]
             m.row(terms, 0.0, 0.0)
 
 
-def _busy_floor(m: _Matrix, cost: CostModel, x: dict[str, dict[int, int]]) -> None:
-    """Price a floor of the busy GPU-time the ILP's GPU-time leaves out (GPU-ms / 1000, like the rest).
-
-    * Reshards: an edge ``u→v`` holds ``max(g_u, g_v)`` ranks for ``R(g_u→g_v) + R(g_v→g_u)``, i.e.
-      ``max(g_u, g_v)·(2·side(min(g_u, g_v)) + ω_{g_u} + ω_{g_v})`` when the counts differ. With
-      ``s(g)`` the cheaper rail's side at ``g`` and ``s̃(g) = min_{h ≤ g} s(h)`` (over the edge's counts),
-      ``max(g_u, g_v)·side(min) ≥ max(g_u·s̃(g_u), g_v·s̃(g_v))``: a ladder of sides ``a_g = g·s̃(g)``
-      (its own unit of flow from u's count to v's), with ``g·ω_g`` on entry and exit. Priced from rank
-      ``R`` up, ``g`` becomes ``(g − R)⁺`` (:class:`_Floor`).
-    """
-    for src, dst in cost.graph.edges():
-        xu, xv = x[src], x[dst]
-        if len(xu) == 1 and xu.keys() == xv.keys():
-            continue
-        producer = cost.graph.layer(src)
-        counts = sorted(set(xu) | set(xv))
-        side = _side_floor(cost, producer, counts)
-        sync = {g: cost.sync_ms(g) for g in counts}
-        rungs = _ladder(m, {g: g * side[g] for g in counts}, sync, timed=False)
-        m.floors.append(_Floor(rungs=rungs, side=side, sync=sync))
-        _ports(m, counts, xu, xv, [rungs.ports])
-
-
-def _ladder(m: _Matrix, side: dict[int, float], sync: dict[int, float], *, timed: bool = True) -> _Rungs:
+def _ladder(m: _Matrix, side: dict[int, float], sync: dict[int, float]) -> tuple[dict[int, int], dict[int, int]]:
     """Levels sorted by side descending: enter at ``σ_i``, go down free, up at ``σ_k − σ_{k+1}``, leave free;
-    entering from and leaving to count ``g`` adds ``sync[g]`` (the direction that count sends). These are its
-    time costs; with ``timed`` False it has none (its costs are set per solve, :class:`_Floor`)."""
-    costs: list[float] | dict[int, float] = m.time_cost if timed else {}
+    entering from and leaving to count ``g`` adds ``sync[g]`` (the direction that count sends). Returns the
+    entry and exit columns by count."""
     levels = sorted(side, key=lambda g: (-side[g], g))
     sides = [side[g] for g in levels]
     down = [m.column() for _ in range(len(levels) - 1)]
     up = [m.column() for _ in range(len(levels) - 1)]
     for k, j in enumerate(up):
-        costs[j] = 2 * (sides[k] - sides[k + 1])
+        m.time_cost[j] = 2 * (sides[k] - sides[k + 1])
     enter: dict[int, int] = {}
     leave: dict[int, int] = {}
     for k, g in enumerate(levels):
         enter[g], leave[g] = m.column(), m.column()
-        costs[enter[g]] = 2 * sides[k] + sync[g]
-        costs[leave[g]] = sync[g]
+        m.time_cost[enter[g]] = 2 * sides[k] + sync[g]
+        m.time_cost[leave[g]] = sync[g]
         ladder = [(enter[g], 1.0), (leave[g], -1.0)]
         if k:
             ladder += [(down[k - 1], 1.0), (up[k - 1], -1.0)]
         if k < len(up):
             ladder += [(up[k], 1.0), (down[k], -1.0)]
         m.row(ladder, 0.0, 0.0)
-    return _Rungs(levels=tuple(levels), enter=enter, leave=leave, up=tuple(up))
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Rungs:
-    """A ladder's levels (counts, top first) and its entry, exit and up columns."""
-
-    levels: tuple[int, ...]
-    enter: dict[int, int]
-    leave: dict[int, int]
-    up: tuple[int, ...]
-
-    @property
-    def ports(self) -> tuple[dict[int, int], dict[int, int]]:
-        return self.enter, self.leave
-
-
-_CUTOFF = "Cutoff"
+    return enter, leave
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -497,7 +349,7 @@ class _Highs:
         for row, bound in upper.items():
             self.highs.changeRowBounds(row, -_INF, bound)
 
-    def run(self, costs: list[float], binaries: list[int], time_limit_s: float, cutoff: float | None) -> _Outcome:
+    def run(self, costs: list[float], binaries: list[int], time_limit_s: float) -> _Outcome:
         np, highs, started = self.np, self.highs, time.perf_counter()
         highs.changeColsCost(self.columns, np.arange(self.columns, dtype=np.int32), np.array(costs))
         self._integer(binaries, False)
@@ -506,20 +358,14 @@ class _Highs:
         highs.run()
         optimal_lp = highs.getModelStatus() == self.highspy.HighsModelStatus.kOptimal
         values = list(highs.getSolution().col_value) if optimal_lp else None
-        if optimal_lp and cutoff is not None and highs.getInfo().objective_function_value >= cutoff:
-            return _Outcome(values=None, status=_CUTOFF, description="cut off", optimal=True, gap=0.0)
         if values is not None and _integral(values, binaries):
             return _Outcome(values=values, status="Optimal", description="optimal (integral LP relaxation)",
                             optimal=True, gap=0.0)
         self._integer(binaries, True)
         highs.setOptionValue("presolve", "choose")
         highs.setOptionValue("time_limit", max(time_limit_s - (time.perf_counter() - started), 1.0))
-        highs.setOptionValue("objective_bound", _INF if cutoff is None else cutoff)
         highs.run()
-        outcome = self._mip_outcome()
-        if cutoff is not None and outcome.values is None and outcome.status != "Not Solved":
-            return _Outcome(values=None, status=_CUTOFF, description="cut off", optimal=True, gap=0.0)
-        return outcome
+        return self._mip_outcome()
 
     def _mip_outcome(self) -> _Outcome:
         status, info = self.highs.getModelStatus(), self.highs.getInfo()
@@ -557,7 +403,7 @@ class _Cbc:
         for row, bound in upper.items():
             self.matrix.row_upper[row] = bound
 
-    def run(self, costs: list[float], binaries: list[int], time_limit_s: float, cutoff: float | None) -> _Outcome:
+    def run(self, costs: list[float], binaries: list[int], time_limit_s: float) -> _Outcome:
         import pulp
 
         problem, columns = self._problem(pulp, costs, set(binaries))

@@ -6,8 +6,8 @@ import enum
 
 DEFAULT_CLUSTER_GAP = 2e-3
 """``--cluster-gap``'s default: the cluster objective's plan is proven best to within 0.2% of the cluster's
-throughput, below the cost model's precision; at 0 the search (:mod:`deeppool.planner.throughput`) closes its
-families of small lowest lent rank only by branch and bound, minutes on the large examples."""
+throughput, below the cost model's precision; at 0 the search costs, one ILP solve each, the many plans that
+differ from the best in one small layer by less than that."""
 
 
 class Objective(enum.Enum):
