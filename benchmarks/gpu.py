@@ -72,17 +72,18 @@ def shell(check: Check, args: list[str], timeout_s: float = 3600.0) -> subproces
     """Run ``args`` from the repository, record it on ``check``, fail the check on a non-zero exit."""
     check.commands.append(" ".join(args))
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})
     if done.returncode != 0:
         check.fail(f"`{' '.join(args[:4])} ...` exited {done.returncode}: {(done.stderr or done.stdout)[-500:]}")
     return done
 
 
 # -- 1. the gpu-marked tests ------------------------------------------------------------------------------
-def gpu_tests(dry: bool) -> Check:
+def gpu_tests(dry: bool, out: Path) -> Check:
     check = Check(name="gpu-tests")
-    args = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TEST_FILES]
+    args = [sys.executable, "-m", "pytest", "-q", "-rA", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TEST_FILES]
     done = shell(check, [*args, "--collect-only"] if dry else args)
+    (out / "gpu-tests.log").write_text(done.stdout + done.stderr)
     found = [line for line in done.stdout.splitlines() if "::" in line]
     check.figures = {"tests": len(found)} if dry else {"summary": done.stdout.strip().splitlines()[-1:]}
     if dry and not found:
@@ -189,13 +190,14 @@ def nccl_vs_ddp(dry: bool, gpus: int, steps: int) -> Check:
 
 
 # -- 4. profiles against the device model ------------------------------------------------------------------
-def profiles(dry: bool, gpu_name: str) -> Check:
+def profiles(dry: bool, gpu_name: str, named: str | None) -> Check:
     from deeppool.planner.hardware import DEVICES, KnownDevice
 
     check = Check(name="profiles")
-    model = next((k for k in KnownDevice if k.value in gpu_name.lower()), KnownDevice.A100 if dry else None)
+    model = KnownDevice(named) if named else next((k for k in KnownDevice if k.value in gpu_name.lower()),
+                                                  KnownDevice.A100 if dry else None)
     if model is None:
-        check.skip(f"no device model for {gpu_name!r} (h100, a100, v100)")
+        check.skip(f"no device model for {gpu_name!r}: name one with --device-model (h100, a100, v100)")
         return check
     examples = (DRY_EXAMPLE,) if dry else EXAMPLES
     for name in examples:
@@ -240,17 +242,17 @@ def markdown(checks: list[Check], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_checks(dry: bool, out: Path, steps: int) -> list[Check]:
+def run_checks(dry: bool, out: Path, steps: int, device_model: str | None) -> list[Check]:
     from deeppool.device.cuda import CudaGpu
 
     real = CudaGpu()
     gpus = 0 if dry else real.count()
     name = "fake-gpu (dry run)" if dry else real.name(real.current())
     steps_in_order: list[Callable[[], Check]] = [
-        lambda: gpu_tests(dry),
+        lambda: gpu_tests(dry, out),
         lambda: multiplex(dry, gpus, out, steps),
         lambda: nccl_vs_ddp(dry, gpus, steps),
-        lambda: profiles(dry, name),
+        lambda: profiles(dry, name, device_model),
     ]
     checks = []
     for step in steps_in_order:
@@ -267,6 +269,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="where the report and runs go (default: a temporary folder)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--dry-run", action="store_true", help="on CPU, through the fake GPU (CI)")
+    parser.add_argument("--device-model", choices=("h100", "a100", "v100"), default=None,
+                        help="the device model the profiles are compared with (default: the one named in the GPU's name)")
     args = parser.parse_args()
     from deeppool.device.cuda import CudaGpu
 
@@ -277,7 +281,7 @@ def main() -> None:
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     header = (f"{'DRY RUN through the fake GPU on CPU: no figure here is a GPU figure. ' if args.dry_run else ''}"
               f"Machine: {os.cpu_count()} CPU cores, load average {load}.")
-    checks = run_checks(args.dry_run, out, args.steps)
+    checks = run_checks(args.dry_run, out, args.steps, args.device_model)
     (out / "gpu-report.json").write_text(json.dumps({"dry_run": args.dry_run, "header": header,
                                                      "checks": [asdict(c) for c in checks]}, indent=2, default=str))
     (out / "gpu-report.md").write_text(markdown(checks, header))
