@@ -15,8 +15,11 @@ or skipped (with why), with its figures and the command it ran:
 3. ``nccl-vs-ddp``: ``benchmarks/executor.py --backend nccl --skip-burst`` (data-parallel plans
    through the executor against DDP; target executor / DDP <= 1.10). Needs 2 GPUs.
 4. ``profiles``: each example profiled on the GPU (``measure_profile``, CUDA events) against the
-   device model of this GPU (``h100``, ``a100`` or ``v100`` by name): the per-layer relative error
-   of forward + backward at the largest batch, median and worst.
+   device model of this GPU (``h100``, ``a100`` or ``v100`` by name, or ``--device-model``): the
+   per-layer relative error of forward + backward at the largest batch, median and worst.
+5. ``fidelity``: each example planned for one GPU at batch 64 from a local CUDA profile
+   (``--device-model local --local-device cuda``) and run for 30 steps: measured over predicted
+   iteration time. Goal: within ±15%.
 
 ``--dry-run`` (on CPU; ``tests/test_gpu_checklist.py`` runs it in CI) takes the same steps through
 the fake GPU (:class:`~deeppool.device.fake.FakeGpu`), smaller: the gpu tests are collected (they
@@ -49,7 +52,7 @@ DRY_EXAMPLE = "background_mlp.py"
 GPU_TEST_FILES = ("tests/executor/test_executor_gpu.py", "tests/executor/test_executor_timing.py",
                   "tests/multiplex/test_gpu.py", "tests/planner/test_profiler.py", "tests/planner/test_randomness.py")
 """Where the gpu-marked tests are (``tests/test_gpu_checklist.py`` checks that no other file has one)."""
-SLOWDOWN_GOAL, RECOVERED_GOAL, DDP_RATIO_GOAL = 0.05, 0.50, 1.10
+SLOWDOWN_GOAL, RECOVERED_GOAL, DDP_RATIO_GOAL, FIDELITY_GOAL = 0.05, 0.50, 1.10, 0.15
 
 
 @dataclass(kw_only=True)
@@ -232,6 +235,30 @@ def layer_errors(path: Path, device_model: object, device: str, batches: tuple[i
             "worst_error": round(max(errors), 3)}
 
 
+# -- 5. one-GPU fidelity of a local CUDA profile -------------------------------------------------------------
+def fidelity(dry: bool, out: Path) -> Check:
+    check = Check(name="fidelity")
+    if dry:
+        check.skip("dry run: needs a GPU")
+        return check
+    for name in EXAMPLES:
+        stem = Path(name).stem
+        plan, run = out / f"plan-{stem}.json", out / f"run-{stem}"
+        shell(check, [sys.executable, "-m", "deeppool.cli", "plan", str(REPO / "examples" / name), "--gpus", "1",
+                      "--batch", "64", "--device-model", "local", "--local-device", "cuda", "--out", str(plan)])
+        shell(check, [sys.executable, "-m", "deeppool.cli", "run", str(plan), "--nproc", "1", "--steps", "30",
+                      "--out", str(run)])
+        summary = run / "summary.json"
+        if summary.exists():
+            found = json.loads(summary.read_text())
+            ratio = found["iteration_measured_ms"] / found["iteration_predicted_ms"]
+            check.figures[stem] = {"measured_ms": round(found["iteration_measured_ms"], 2),
+                                   "predicted_ms": round(found["iteration_predicted_ms"], 2), "ratio": round(ratio, 2)}
+            if abs(ratio - 1) > FIDELITY_GOAL:
+                check.fail(f"{stem}: measured/predicted {ratio:.2f} (goal within ±{100 * FIDELITY_GOAL:.0f}%)")
+    return check
+
+
 # -- the report --------------------------------------------------------------------------------------------
 def markdown(checks: list[Check], header: str) -> str:
     lines = [f"# GPU checklist\n\n{header}\n", "| check | status | why | figures |", "|---|---|---|---|"]
@@ -253,6 +280,7 @@ def run_checks(dry: bool, out: Path, steps: int, device_model: str | None) -> li
         lambda: multiplex(dry, gpus, out, steps),
         lambda: nccl_vs_ddp(dry, gpus, steps),
         lambda: profiles(dry, name, device_model),
+        lambda: fidelity(dry, out),
     ]
     checks = []
     for step in steps_in_order:

@@ -36,7 +36,7 @@ def test_the_dry_run_passes_and_writes_one_report(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "gpu-report.json").read_text())
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert report["dry_run"] and status == {"gpu-tests": "passed", "multiplex": "passed", "nccl-vs-ddp": "skipped",
-                                            "profiles": "passed"}
+                                            "profiles": "passed", "fidelity": "skipped"}
     figures = {c["name"]: c["figures"] for c in report["checks"]}
     assert figures["gpu-tests"]["tests"] >= 7
     assert figures["multiplex"]["drill"]["pieces_checked"] > 0 and figures["multiplex"]["drill"]["dropped"] >= 3
