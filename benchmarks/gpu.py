@@ -1,9 +1,9 @@
-"""The GPU checklist: on the first machine with a GPU, everything deeppool has never run, into one report.
+"""The GPU checklist: on a machine with GPUs, everything of deeppool that needs one, into one report.
 
-    python benchmarks/gpu.py [--out DIR] [--steps 40] [--dry-run]
+    python benchmarks/gpu.py [--out DIR] [--steps 40] [--dry-run] [--device-model h100]
 
-NOTHING OF DEEPPOOL HAS RUN ON A GPU YET (``docs/gpu.md``). The checks, in order, each passed, failed
-or skipped (with why), with its figures and the command it ran:
+deeppool has run on one GPU once, a single H200 (``docs/gpu.md``); nothing with two GPUs has run. The
+checks, in order, each passed, failed or skipped (with why), with its figures and the command it ran:
 
 1. ``gpu-tests``: ``pytest -m gpu`` (priority mode on the real GPU, the NCCL ``--check``, the
    single-rank NCCL collective, CUDA events, the CUDA profile, dropout's CUDA RNG).
@@ -19,7 +19,8 @@ or skipped (with why), with its figures and the command it ran:
    per-layer relative error of forward + backward at the largest batch, median and worst.
 5. ``fidelity``: each example planned for one GPU at batch 64 from a local CUDA profile
    (``--device-model local --local-device cuda``) and run for 30 steps: measured over predicted
-   iteration time. Goal: within ±15%.
+   iteration time (goal: within ±15%), and the same over what the device model predicts for
+   that plan.
 
 ``--dry-run`` (on CPU; ``tests/test_gpu_checklist.py`` runs it in CI) takes the same steps through
 the fake GPU (:class:`~deeppool.device.fake.FakeGpu`), smaller: the gpu tests are collected (they
@@ -236,11 +237,12 @@ def layer_errors(path: Path, device_model: object, device: str, batches: tuple[i
 
 
 # -- 5. one-GPU fidelity of a local CUDA profile -------------------------------------------------------------
-def fidelity(dry: bool, out: Path) -> Check:
+def fidelity(dry: bool, out: Path, gpu_name: str, named: str | None) -> Check:
     check = Check(name="fidelity")
     if dry:
         check.skip("dry run: needs a GPU")
         return check
+    model = named or next((m for m in ("h100", "a100", "v100") if m in gpu_name.lower()), None)
     for name in EXAMPLES:
         stem = Path(name).stem
         plan, run = out / f"plan-{stem}.json", out / f"run-{stem}"
@@ -256,7 +258,20 @@ def fidelity(dry: bool, out: Path) -> Check:
                                    "predicted_ms": round(found["iteration_predicted_ms"], 2), "ratio": round(ratio, 2)}
             if abs(ratio - 1) > FIDELITY_GOAL:
                 check.fail(f"{stem}: measured/predicted {ratio:.2f} (goal within ±{100 * FIDELITY_GOAL:.0f}%)")
+            if model is not None:
+                check.figures[stem]["device_model_ratio"] = device_model_ratio(check, name, model, out, found)
     return check
+
+
+def device_model_ratio(check: Check, name: str, model: str, out: Path, measured: dict) -> float | None:
+    """Measured iteration over the one the device model ``model`` predicts for the same 1-GPU plan."""
+    plan = out / f"plan-{Path(name).stem}-{model}.json"
+    shell(check, [sys.executable, "-m", "deeppool.cli", "plan", str(REPO / "examples" / name), "--gpus", "1",
+                  "--batch", "64", "--device-model", model, "--out", str(plan)])
+    if not plan.exists():
+        return None
+    predicted = json.loads(plan.read_text())["predicted"]["iteration_ms"]
+    return round(measured["iteration_measured_ms"] / predicted, 2)
 
 
 # -- the report --------------------------------------------------------------------------------------------
@@ -280,7 +295,7 @@ def run_checks(dry: bool, out: Path, steps: int, device_model: str | None) -> li
         lambda: multiplex(dry, gpus, out, steps),
         lambda: nccl_vs_ddp(dry, gpus, steps),
         lambda: profiles(dry, name, device_model),
-        lambda: fidelity(dry, out),
+        lambda: fidelity(dry, out, name, device_model),
     ]
     checks = []
     for step in steps_in_order:
