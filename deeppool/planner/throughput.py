@@ -59,11 +59,12 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 from deeppool.errors import DeeppoolError
 from deeppool.planner.candidates import useful_counts
 from deeppool.planner.cost import CostModel, Phase
-from deeppool.planner.ilp import SolverName, solve
+from deeppool.planner.ilp import Ilp, SolverName
 from deeppool.planner.interference import InterferenceModel
 from deeppool.planner.objective import DEFAULT_CLUSTER_GAP
 from deeppool.planner.plan import rank_idle_windows
@@ -197,6 +198,14 @@ class _Search:
         self.lending_bound = float("inf")
         self.failed = False
         self.deadline = time.perf_counter() + problem.time_limit_s
+        self.uncut_price: float | None = None
+        """The price of the last solve without cuts whose minimiser was already costed (None: none yet)."""
+
+    @cached_property
+    def ilp(self) -> Ilp:
+        """One model for every solve of the search: each solve changes only the price and which cuts bind."""
+        p = self.problem
+        return Ilp(p.cost, p.options, memory_bytes=p.memory_bytes, solver=p.solver)
 
     @property
     def value(self) -> float:
@@ -223,19 +232,24 @@ class _Search:
 
     def _solve(self, price: float) -> dict[str, int] | None:
         """The ILP's minimiser over the uncosted plans: solved without cuts first (its LP relaxation stays
-        integral, so this is fast), and with one no-good cut per costed plan only when that one is costed."""
-        found = self._solve_once(price, ())
-        if found is None or self._key(found) not in self.costed:
-            return found
+        integral, so this is fast), and with one no-good cut per costed plan only when that one is costed.
+
+        The solve without cuts is skipped at the price of an earlier one whose minimiser was costed: the
+        model is the same, so its minimum is the same and is reached only by costed plans or by plans no
+        cheaper than them; the solve with cuts, which decides, is run either way."""
+        if price != self.uncut_price:
+            found = self._solve_once(price, ())
+            if found is None or self._key(found) not in self.costed:
+                return found
+            self.uncut_price = price
         return self._solve_once(price, self._excluded())
 
     def _solve_once(self, price: float, exclude: tuple[dict[str, int], ...]) -> dict[str, int] | None:
         p = self.problem
         self.solves += 1
         try:
-            return solve(p.cost, p.options, memory_bytes=p.memory_bytes,
-                         time_limit_s=max(1.0, self.deadline - time.perf_counter()),
-                         solver=p.solver, price=price, exclude=exclude).assignment
+            return self.ilp.solve(price=price, exclude=exclude,
+                                  time_limit_s=max(1.0, self.deadline - time.perf_counter())).assignment
         except DeeppoolError as err:
             if "(Infeasible)" not in str(err):  # a time-out: nothing is proven
                 self.failed = True
