@@ -72,6 +72,9 @@ from deeppool.planner.plan import rank_idle_windows
 MAX_SOLVES = 60
 """ILP solves the exact search may spend before it stops and says how far its bound is open."""
 _TOLERANCE = 1e-9
+_CUTOFF_SLACK = 1e-5
+"""The ILP's cutoff sits this share above the search's threshold: the ILP's time and the cost model's agree
+to rounding (``tests/planner/test_ilp.py``), so no plan under the threshold is pruned."""
 DEFAULT_TOLERANCE = DEFAULT_CLUSTER_GAP
 
 
@@ -230,25 +233,29 @@ class _Search:
         names = self.problem.cost.graph.names
         return tuple(dict(zip(names, key, strict=True)) for key in self.costed)
 
-    def _solve(self, price: float) -> dict[str, int] | None:
+    def _solve(self, price: float, cutoff: float) -> dict[str, int] | None:
         """The ILP's minimiser over the uncosted plans: solved without cuts first (its LP relaxation stays
         integral, so this is fast), and with one no-good cut per costed plan only when that one is costed.
 
         The solve without cuts is skipped at the price of an earlier one whose minimiser was costed: the
         model is the same, so its minimum is the same and is reached only by costed plans or by plans no
-        cheaper than them; the solve with cuts, which decides, is run either way."""
+        cheaper than them; the solve with cuts, which decides, is run either way.
+
+        ``cutoff`` (in the ILP's objective, ``T + price·B'/1000``): the caller stops at any minimum at or
+        above it, so branch and bound prunes there, and None (infeasible) means no uncosted plan is below
+        it, which is what the caller's stopping test would have concluded from the minimum itself."""
+        cutoff *= 1 + _CUTOFF_SLACK
         if price != self.uncut_price:
-            found = self._solve_once(price, ())
+            found = self._solve_once(price, (), cutoff)
             if found is None or self._key(found) not in self.costed:
                 return found
             self.uncut_price = price
-        return self._solve_once(price, self._excluded())
+        return self._solve_once(price, self._excluded(), cutoff)
 
-    def _solve_once(self, price: float, exclude: tuple[dict[str, int], ...]) -> dict[str, int] | None:
-        p = self.problem
+    def _solve_once(self, price: float, exclude: tuple[dict[str, int], ...], cutoff: float) -> dict[str, int] | None:
         self.solves += 1
         try:
-            return self.ilp.solve(price=price, exclude=exclude,
+            return self.ilp.solve(price=price, exclude=exclude, cutoff=cutoff,
                                   time_limit_s=max(1.0, self.deadline - time.perf_counter())).assignment
         except DeeppoolError as err:
             if "(Infeasible)" not in str(err):  # a time-out: nothing is proven
@@ -266,7 +273,7 @@ class _Search:
             return False
         unit = peak / p.gpus
         margin = max(self.target - peak, _TOLERANCE)
-        found = self._solve(1e3 * unit / margin)
+        found = self._solve(1e3 * unit / margin, cutoff=p.dp_ms / slowdown / margin)
         if found is None:
             return False
         least = margin * p.cost.iteration_ms(found) + unit * priced_gpu_ms(p.cost, found)
@@ -285,7 +292,7 @@ class _Search:
         limit = self.problem.dp_ms / self.target * (1 - _TOLERANCE)
         if self.problem.fastest_ms >= limit:
             return False
-        found = self._solve(0.0)
+        found = self._solve(0.0, cutoff=limit)
         if found is None or self.problem.cost.iteration_ms(found) >= limit:
             return False
         self.cost(found)
