@@ -51,6 +51,13 @@ reshard GPU-time); on ResNet-50 at 64 GPUs it admits dozens of plans that differ
 from the best in one small layer by less than 0.05%, each costing one ILP solve
 with cuts, and ``ε`` = 0.2% ends the search after one. The loops stop early only
 at the solve cap or the time limit, and the status then says how far the bound is open.
+
+**Its solves.** Every solve of a search is one HiGHS model (:class:`deeppool.planner.ilp.Ilp`, built once):
+a step changes the price and which no-good cuts bind. Each solve carries the step's stopping threshold as a
+cutoff, so branch and bound prunes every node whose bound reaches it, and "infeasible" is exactly the stop.
+Neither changes what a step concludes, so the proof above holds as it stands. On ResNet-50 at 64 A100s
+nearly all the time is the solves with cuts (about 2 s each, branch and bound over a relaxation the cuts
+weaken); building the model took 4% of it.
 """
 
 from __future__ import annotations
