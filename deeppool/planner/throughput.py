@@ -50,7 +50,7 @@ bound is loose only where idle time cannot be lent (ranks idle for less than
 reshard GPU-time); on ResNet-50 at 64 GPUs it admits dozens of plans that differ
 from the best in one small layer by less than 0.05%, each costing one ILP solve
 with cuts, and ``ε`` = 0.2% ends the search after one. The loops stop early only
-at the solve cap or the time limit, and the status then says how far the bound is open.
+at the step cap or the time limit, and the status then says how far the bound is open.
 
 **Its solves.** Every solve of a search is one HiGHS model (:class:`deeppool.planner.ilp.Ilp`, built once):
 a step changes the price and which no-good cuts bind. Each solve carries the step's stopping threshold as a
@@ -76,8 +76,9 @@ from deeppool.planner.interference import InterferenceModel
 from deeppool.planner.objective import DEFAULT_CLUSTER_GAP
 from deeppool.planner.plan import rank_idle_windows
 
-MAX_SOLVES = 60
-"""ILP solves the exact search may spend before it stops and says how far its bound is open."""
+MAX_STEPS = 30
+"""Bounding steps (one or two ILP solves each) the exact search may take before it stops and says how far its
+bound is open: the 60 solves of the search that always solved without cuts first."""
 _TOLERANCE = 1e-9
 _CUTOFF_SLACK = 1e-5
 """The ILP's cutoff sits this share above the search's threshold: the ILP's time and the cost model's agree
@@ -188,7 +189,7 @@ def cluster_optimum(problem: ClusterProblem, seeds: list[dict[str, int]]) -> Clu
         search.cost(seed)
     lending = fastest = True
     while lending or fastest:  # the lending loop to its end, then the fastest-plan loop to its end
-        if search.solves >= MAX_SOLVES or time.perf_counter() > search.deadline:
+        if search.steps >= MAX_STEPS or time.perf_counter() > search.deadline:
             return search.result(proven=False, fastest_open=fastest)
         if lending:
             lending = search.lending_step()
@@ -205,6 +206,7 @@ class _Search:
         self.costed: dict[tuple[int, ...], Shares] = {}
         self.best: tuple[dict[str, int], Shares] | None = None
         self.solves = 0
+        self.steps = 0
         self.lending_bound = float("inf")
         self.failed = False
         self.deadline = time.perf_counter() + problem.time_limit_s
@@ -251,6 +253,7 @@ class _Search:
         ``cutoff`` (in the ILP's objective, ``T + price·B'/1000``): the caller stops at any minimum at or
         above it, so branch and bound prunes there, and None (infeasible) means no uncosted plan is below
         it, which is what the caller's stopping test would have concluded from the minimum itself."""
+        self.steps += 1
         cutoff *= 1 + _CUTOFF_SLACK
         if price != self.uncut_price:
             found = self._solve_once(price, (), cutoff)
