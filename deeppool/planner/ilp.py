@@ -117,12 +117,18 @@ class Ilp:
         self.backend = _Highs(self.matrix) if self.solver is SolverName.HIGHS else _Cbc(self.matrix)
 
     def solve(self, *, price: float = 0.0, exclude: Iterable[Mapping[str, int]] = (),
-              time_limit_s: float) -> IlpResult:
-        """The cheapest assignment at ``price`` other than those of ``exclude`` (see :func:`solve`)."""
+              time_limit_s: float, cutoff: float = _INF) -> IlpResult:
+        """The cheapest assignment at ``price`` other than those of ``exclude`` (see :func:`solve`).
+
+        ``cutoff``: only an objective below it is of use to the caller. Branch and bound (HiGHS) prunes
+        every node whose bound reaches it (the LP relaxation's minimum too) and may then end on an
+        incumbent above it, which is reported as infeasible: no assignment is below the cutoff. A solve that
+        ends optimal returns the same minimum as without it.
+        CBC ignores it and returns the minimum."""
         active = {self._cut(assignment) for assignment in exclude} - {None}
         self.backend.bound_rows({row: rhs if row in active else _INF for row, rhs in self.cuts.values()})
         started = time.perf_counter()
-        outcome = self.backend.run(self.matrix.costs(price), self.matrix.binaries, time_limit_s)
+        outcome = self.backend.run(self.matrix.costs(price), self.matrix.binaries, time_limit_s, cutoff)
         seconds = time.perf_counter() - started
         values = outcome.values
         if values is None or not all(any(values[j] > 0.5 for j in choice.values()) for choice in self.x.values()):
@@ -349,7 +355,7 @@ class _Highs:
         for row, bound in upper.items():
             self.highs.changeRowBounds(row, -_INF, bound)
 
-    def run(self, costs: list[float], binaries: list[int], time_limit_s: float) -> _Outcome:
+    def run(self, costs: list[float], binaries: list[int], time_limit_s: float, cutoff: float) -> _Outcome:
         np, highs, started = self.np, self.highs, time.perf_counter()
         highs.changeColsCost(self.columns, np.arange(self.columns, dtype=np.int32), np.array(costs))
         self._integer(binaries, False)
@@ -358,14 +364,23 @@ class _Highs:
         highs.run()
         optimal_lp = highs.getModelStatus() == self.highspy.HighsModelStatus.kOptimal
         values = list(highs.getSolution().col_value) if optimal_lp else None
+        if values is not None and highs.getInfo().objective_function_value >= cutoff:  # a lower bound of all
+            return _Outcome(values=None, status="Infeasible", description="infeasible below the cutoff",
+                            optimal=False, gap=1.0)
         if values is not None and _integral(values, binaries):
             return _Outcome(values=values, status="Optimal", description="optimal (integral LP relaxation)",
                             optimal=True, gap=0.0)
         self._integer(binaries, True)
         highs.setOptionValue("presolve", "choose")
         highs.setOptionValue("time_limit", max(time_limit_s - (time.perf_counter() - started), 1.0))
+        highs.setOptionValue("objective_bound", float(cutoff))
         highs.run()
-        return self._mip_outcome()
+        highs.setOptionValue("objective_bound", _INF)
+        outcome = self._mip_outcome()
+        if outcome.optimal and highs.getInfo().objective_function_value >= cutoff:  # pruned down to one above it
+            return _Outcome(values=None, status="Infeasible", description="infeasible below the cutoff",
+                            optimal=False, gap=1.0)
+        return outcome
 
     def _mip_outcome(self) -> _Outcome:
         status, info = self.highs.getModelStatus(), self.highs.getInfo()
@@ -403,7 +418,8 @@ class _Cbc:
         for row, bound in upper.items():
             self.matrix.row_upper[row] = bound
 
-    def run(self, costs: list[float], binaries: list[int], time_limit_s: float) -> _Outcome:
+    def run(self, costs: list[float], binaries: list[int], time_limit_s: float, cutoff: float) -> _Outcome:
+        """``cutoff`` is not passed on: CBC solves to the minimum, which the caller compares with its cutoff."""
         import pulp
 
         problem, columns = self._problem(pulp, costs, set(binaries))

@@ -13,7 +13,7 @@ from deeppool.planner.api import PlanRequest, plan_graph
 from deeppool.planner.candidates import useful_counts
 from deeppool.planner.cost import CostModel
 from deeppool.planner.hardware import NETWORKS, KnownDevice, NetworkModel
-from deeppool.planner.ilp import SolverName
+from deeppool.planner.ilp import Ilp, SolverName
 from deeppool.planner.modelspec import ModelSource, ModelSpec
 from deeppool.planner.pareto import front, plot
 from deeppool.planner.plan import Strategy
@@ -176,3 +176,21 @@ def test_pricing_gpu_time_trades_iteration_time_for_gpu_seconds_and_the_front_is
     assert (tmp_path / "front.png").stat().st_size > 10_000
     with pytest.raises(DeeppoolError, match="needs a --price"):
         PlanRequest(gpus=gpus, global_batch=batch, objective=Objective.TIME_AND_GPU_TIME)
+
+
+def test_a_cutoff_prunes_only_what_lies_above_it():
+    """HiGHS with a cutoff: just above the best plan outside the cut it returns that plan's time; just
+    below it, no plan is left (infeasible), the answer the cluster search stops on."""
+    gpus, batch = 6, 12
+    cost, _ = _problem(RESIDUAL, gpus, batch)
+    options = {name: tuple(range(1, gpus + 1)) for name in RESIDUAL.names}
+    ilp = Ilp(cost, options, memory_bytes=None, solver=SolverName.HIGHS)
+    first = ilp.solve(time_limit_s=30).assignment
+    times = sorted(cost.iteration_ms(dict(zip(RESIDUAL.names, counts, strict=True)))
+                   for counts in itertools.product(range(1, gpus + 1), repeat=len(RESIDUAL.names)))
+    second = next(t for t in times if t > cost.iteration_ms(first) * (1 + 1e-9))
+    found = ilp.solve(exclude=[first], cutoff=second * (1 + 1e-6), time_limit_s=30).assignment
+    assert cost.iteration_ms(found) == pytest.approx(second, rel=1e-6)
+    with pytest.raises(DeeppoolError, match="Infeasible"):
+        ilp.solve(exclude=[first], cutoff=second * (1 - 1e-6), time_limit_s=30)
+    assert cost.iteration_ms(ilp.solve(time_limit_s=30).assignment) == pytest.approx(cost.iteration_ms(first))
