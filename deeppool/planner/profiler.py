@@ -77,7 +77,7 @@ from deeppool.errors import DeeppoolError
 from deeppool.planner.allocator import steady_allocator
 from deeppool.planner.graph import Layer, LayerGraph, grad_flows
 from deeppool.planner.jsonio import write_json
-from deeppool.planner.layer_exec import LayerRunner, floating_leaves, run_at
+from deeppool.planner.layer_exec import LayerFailed, LayerRunner, floating_leaves, run_at
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.cost import Optimizer
 from deeppool.planner.profile import Conditions, FitQuality, LayerTimes, Profile, StepOverhead
@@ -568,13 +568,14 @@ class Passes:
         """Which layers' outputs take gradients (:func:`grad_flows`), once per model."""
         return grad_flows(self.graph)
 
-    def run(self, inputs: dict[str, torch.Tensor], *, keep: frozenset[str] = frozenset()
+    def run(self, inputs: dict[str, torch.Tensor], *, batch: int, keep: frozenset[str] = frozenset()
             ) -> tuple[dict[str, float], dict[str, float], dict[str, object]]:
         """One pass: every layer's forward in order, then every backward in reverse, each on its own
         leaves (as the executor's stages: inputs take gradients where :func:`grad_flows` says, the
         gradients of a layer's output summed over its consumers); (fwd_ms, bwd_ms) by layer, and the
         values of the layers in ``keep`` (each other value and gradient is dropped once its backward
-        has run, so a pass holds what a training step holds)."""
+        has run, so a pass holds what a training step holds). A layer whose forward or backward raises at
+        this per-GPU ``batch`` is a :class:`LayerFailed` naming it."""
         flows = self.flows
         for param in self.module.parameters():
             param.grad = None  # the executor's optimizer steps with zero_grad(set_to_none=True)
@@ -588,12 +589,13 @@ class Passes:
                 leaf = value.detach().requires_grad_(flows.get(name, False) and value.is_floating_point())
                 leaves[(layer.name, name)] = leaf
                 args.append(leaf)
-            fwd[layer.name], values[layer.name] = _timed(self.device, lambda r=self.runners[layer.name], a=args: r(*a))
+            fwd[layer.name], values[layer.name] = _timed(self.device,
+                                                         lambda r=self.runners[layer.name], a=args: run_at(r, a, batch))
         grads: dict[str, torch.Tensor] = {}
         bwd: dict[str, float] = {}
         for layer in reversed(self.graph.layers):
             value = values[layer.name] if layer.name in keep else values.pop(layer.name)
-            bwd[layer.name] = self._backward(layer, value, grads)
+            bwd[layer.name] = self._backward(layer, value, grads, batch)
             del value
             for name in layer.inputs:
                 grad = leaves.pop((layer.name, name)).grad
@@ -601,8 +603,9 @@ class Passes:
                     grads[name] = grads[name] + grad if name in grads else grad
         return fwd, bwd, {name: values[name] for name in keep}
 
-    def _backward(self, layer: Layer, value: object, grads: dict[str, torch.Tensor]) -> float:
-        """The layer's backward from the gradients its consumers sent (ones for the model's output)."""
+    def _backward(self, layer: Layer, value: object, grads: dict[str, torch.Tensor], batch: int) -> float:
+        """The layer's backward from the gradients its consumers sent (ones for the model's output); a
+        backward that raises (an op needing more samples than ``batch``) is a :class:`LayerFailed`."""
         outputs = floating_leaves(value)
         if layer.name == self.graph.output and layer.name not in grads:
             gradients = [torch.ones_like(t) for t in outputs]
@@ -612,7 +615,12 @@ class Passes:
             return 0.0
         if not outputs:
             return 0.0
-        return _timed(self.device, lambda: torch.autograd.backward(outputs, gradients))[0]
+        try:
+            return _timed(self.device, lambda: torch.autograd.backward(outputs, gradients))[0]
+        except DeeppoolError:
+            raise
+        except Exception as err:  # noqa: BLE001  any backward of the user's model: named, with its layer and batch
+            raise LayerFailed(layer, None, batch, err) from None
 
 
 def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | None) -> Iterator[tuple[str, Measured]]:
@@ -634,11 +642,11 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
         return
     load = config.load()
     for _ in range(config.warmup):
-        passes.run(inputs)
+        passes.run(inputs, batch=batch)
     runs: list[tuple[dict[str, float], dict[str, float]]] = []
     while True:
         for _ in range(config.repeats):
-            fwd, bwd, _ = passes.run(inputs)
+            fwd, bwd, _ = passes.run(inputs, batch=batch)
             runs.append((fwd, bwd))
         load = max(load, config.load())
         measured = {name: _summary([f[name] for f, _ in runs], [b[name] for _, b in runs], load)

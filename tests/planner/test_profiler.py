@@ -16,7 +16,7 @@ from deeppool.planner.graph import TraceMethod
 from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice, Precision
 from deeppool.planner.modelspec import ModelSpec
 from deeppool.planner.profile import LayerTimes, Profile, estimate_ms
-from deeppool.planner.layer_exec import LayerRunner
+from deeppool.planner.layer_exec import LayerFailed, LayerRunner
 from deeppool.planner.profiler import (
     Measured, Passes, ProfileCache, ProfilerConfig, fit_layer, fit_line, measure_profile, measure_sharing,
     sharing_counts,
@@ -71,7 +71,7 @@ def test_a_profiling_pass_trains_layer_by_layer_as_the_whole_model_would():
     passes = Passes(module=traced.module, graph=graph, device=torch.device("cpu"),
                     runners={layer.name: LayerRunner(traced.module, layer) for layer in graph.layers})
     x = loaded.inputs(4)[0]
-    fwd, bwd, values = passes.run(dict(zip(graph.inputs, (x,), strict=True)), keep=frozenset({graph.output}))
+    fwd, bwd, values = passes.run(dict(zip(graph.inputs, (x,), strict=True)), batch=4, keep=frozenset({graph.output}))
     assert set(fwd) == set(bwd) == set(graph.names) and min(fwd.values()) > 0
     assert bwd[graph.layers[0].name] > 0, "the first layer's weight gradient is computed"
     by_pass = {name: p.grad.clone() for name, p in traced.module.named_parameters()}
@@ -81,6 +81,46 @@ def test_a_profiling_pass_trains_layer_by_layer_as_the_whole_model_would():
     for name, param in loaded.module.named_parameters():
         assert torch.allclose(by_pass[name], param.grad, atol=1e-6), name
     assert torch.equal(values[graph.output], reference.detach())
+
+
+class _PairwiseGrad(torch.autograd.Function):
+    """A hand-written backward that needs two samples (the forward runs at any batch)."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        if grad.shape[0] < 2:
+            raise ValueError("the pairwise gradient needs at least two samples")
+        return grad * 2
+
+
+class _PairwiseRunner(LayerRunner):
+    def __call__(self, *args):  # noqa: ANN002, ANN204
+        return _PairwiseGrad.apply(super().__call__(*args))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_layer_whose_backward_fails_at_a_batch_is_named_not_a_traceback(batch):
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    graph = traced.graph
+    first = graph.layers[0]
+    runners = {layer.name: LayerRunner(traced.module, layer) for layer in graph.layers}
+    runners[first.name] = _PairwiseRunner(traced.module, first)
+    passes = Passes(module=traced.module, graph=graph, device=torch.device("cpu"), runners=runners)
+    inputs = dict(zip(graph.inputs, loaded.inputs(batch), strict=True))
+    if batch >= 2:
+        fwd, bwd, _ = passes.run(inputs, batch=batch)
+        assert bwd[first.name] > 0
+        return
+    with pytest.raises(LayerFailed) as failed:
+        passes.run(inputs, batch=batch)
+    message = str(failed.value)
+    assert message.startswith(f"layer '{first.name}'") and "at per-GPU batch 1" in message, message
+    assert "ValueError: the pairwise gradient needs at least two samples" in message and "\n" not in message
 
 
 def test_a_cpu_profile_knows_how_many_ranks_its_cores_hold(tmp_path):
