@@ -35,7 +35,7 @@ from deeppool.executor.outputs import EVENTS, RESIZE, STEPS
 from deeppool.executor.config import Nodes, RunConfig
 from deeppool.executor.hangwatch import HangWatch
 from deeppool.executor.local_model import check_plan_matches
-from deeppool.planner.batching import check_per_sample
+from deeppool.planner.batching import check_per_sample, check_plan_batches
 from deeppool.planner.plan import Plan
 from deeppool.planner.trace import trace
 
@@ -74,6 +74,8 @@ def preflight(plan: Plan, nproc: int, nodes: Nodes = Nodes()) -> None:
     traced = trace(loaded)
     check_plan_matches(plan, traced.graph)
     check_per_sample(traced, loaded, seed=plan.model.seed)
+    smallest = {layer.name: min(end - start for start, end in layer.samples) for layer in plan.layers if layer.samples}
+    check_plan_batches(traced, loaded, smallest, seed=plan.model.seed)
 
 
 def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[str], nodes: Nodes = Nodes(),

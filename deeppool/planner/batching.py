@@ -16,7 +16,8 @@ a sample's position (``arange(batch)`` used as data).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from torch import fx, nn
 
 from deeppool.errors import DeeppoolError
 from deeppool.planner.graph import OUTPUT_LAYER, Layer
-from deeppool.planner.layer_exec import LayerRunner, run_at
+from deeppool.planner.layer_exec import LayerFailed, LayerRunner, run_at
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.trace import Traced
 
@@ -38,14 +39,9 @@ def check_per_sample(traced: Traced, loaded: LoadedModel, *, seed: int) -> None:
     named = loaded.named_inputs(PROBE_SAMPLES)
     suffix = {key: value[1:] if isinstance(value, torch.Tensor) else value for key, value in named.items()}
     module = traced.module
-    saved = {name: buffer.clone() for name, buffer in module.named_buffers()}
-    try:
+    with _buffers_kept(module):
         whole = _layer_values(traced, named, seed=seed, offset=0)
         part = _layer_values(traced, suffix, seed=seed, offset=1)
-    finally:
-        with torch.no_grad():
-            for name, buffer in module.named_buffers():
-                buffer.copy_(saved[name])
     matched: set[str] = set(traced.graph.inputs)
     for layer in traced.graph.layers:
         if layer.name == OUTPUT_LAYER:
@@ -60,15 +56,49 @@ def check_per_sample(traced: Traced, loaded: LoadedModel, *, seed: int) -> None:
             )
 
 
-def _layer_values(traced: Traced, named: Mapping[str, Any], *, seed: int, offset: int) -> dict[str, Any]:
-    """Every layer's output when the model runs on ``named`` (rows from ``offset`` of the batch)."""
+def check_plan_batches(traced: Traced, loaded: LoadedModel, batches: Mapping[str, int], *, seed: int) -> None:
+    """Refuse a plan that gives a layer a per-GPU batch (``batches``, by layer) at which its ops raise.
+
+    :func:`check_per_sample` has run every layer at 2 and 3 samples; a plan that gives some layer fewer
+    (a device model's plan, which measured nothing) runs the model at that batch, forward, layer by layer.
+    A layer that fails there is refused only if the plan gives it that batch and it is no BatchNorm (the
+    executor runs those over the layer's whole batch); a layer given more samples that fails stops the probe,
+    since nothing after it can run."""
+    smallest = min(batches.values(), default=PROBE_SAMPLES)
+    if smallest >= PROBE_SAMPLES - 1:
+        return
+    try:
+        with _buffers_kept(traced.module):
+            _layer_values(traced, loaded.named_inputs(smallest), seed=seed, offset=0, samples=smallest)
+    except LayerFailed as err:
+        if batches.get(err.layer.name) == smallest and not normalises_batch(traced.module, err.layer):
+            raise DeeppoolError(f"{err}; the plan gives it per-GPU batch {smallest}: re-plan with fewer GPUs or a "
+                                "larger --batch, or with --device-model local, which measures such batches and "
+                                "does not use them") from None
+
+
+@contextmanager
+def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Buffers (BatchNorm's running statistics) as they were before the probe."""
+    saved = {name: buffer.clone() for name, buffer in module.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                buffer.copy_(saved[name])
+
+
+def _layer_values(traced: Traced, named: Mapping[str, Any], *, seed: int, offset: int,
+                  samples: int = PROBE_SAMPLES) -> dict[str, Any]:
+    """Every layer's output when the model runs on ``named`` (rows from ``offset`` of ``samples``)."""
     graph = traced.graph
     env: dict[str, Any] = {name: named[key] for name, key in zip(graph.inputs, graph.input_keys, strict=True)}
     mode = traced.random.mode(seed)
     with torch.no_grad(), mode.at(step=0, offset=offset, ordinal=0):
         for layer in graph.layers:
             runner = LayerRunner(traced.module, layer, (traced.random, mode))
-            env[layer.name] = run_at(runner, [env[name] for name in layer.inputs], PROBE_SAMPLES - offset)
+            env[layer.name] = run_at(runner, [env[name] for name in layer.inputs], samples - offset)
     return env
 
 

@@ -304,3 +304,21 @@ def test_another_op_that_fails_at_a_measured_batch_is_one_error_line_not_a_fitte
     assert len(lines) == 1 and lines[0].startswith("error: layer 'unsqueeze'"), lines
     assert "at per-GPU batch 1: op unsqueeze raised IndexError" in lines[0], lines[0]
     assert not (tmp_path / "plan.json").exists()
+
+
+@pytest.mark.parametrize("batch", [2, 4])
+def test_run_refuses_a_device_model_plan_whose_per_gpu_batch_breaks_an_op_in_one_line(tmp_path, capfd, batch):
+    """A device model measures nothing, so its plan may give a layer a batch its ops cannot run: ``run`` probes
+    that batch before any rank starts (at global batch 4 each rank gets 2 samples, which the op runs)."""
+    plan = tmp_path / "plan.json"
+    made = deeppool(capfd, "plan", str(TINY.parent / "squeezed.py"), "--gpus", "2", "--batch", str(batch),
+                    "--device-model", "a100", "--strategy", "dp", "--out", str(plan))
+    assert made.code == 0, made.stderr[-2000:]
+    result = deeppool(capfd, "run", str(plan), "--nproc", "2", "--steps", "1", "--out", str(tmp_path / "run"))
+    if batch == 4:
+        assert result.code == 0, result.stderr[-3000:]
+        return
+    assert result.code != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: layer 'unsqueeze'"), lines
+    assert "the plan gives it per-GPU batch 1" in lines[0], lines[0]
