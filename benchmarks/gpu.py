@@ -75,8 +75,9 @@ class Check:
 def shell(check: Check, args: list[str], timeout_s: float = 3600.0) -> subprocess.CompletedProcess:
     """Run ``args`` from the repository, record it on ``check``, fail the check on a non-zero exit."""
     check.commands.append(" ".join(args))
+    paths = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
     done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})
+                          env={**os.environ, "PYTHONPATH": paths})
     if done.returncode != 0:
         check.fail(f"`{' '.join(args[:4])} ...` exited {done.returncode}: {(done.stderr or done.stdout)[-500:]}")
     return done
@@ -313,7 +314,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--dry-run", action="store_true", help="on CPU, through the fake GPU (CI)")
     parser.add_argument("--device-model", choices=("h100", "a100", "v100"), default=None,
-                        help="the device model the profiles are compared with (default: the one named in the GPU's name)")
+                        help="the device model the profiles are compared with (default: the one the GPU's name names)")
     args = parser.parse_args()
     from deeppool.device.cuda import CudaGpu
 

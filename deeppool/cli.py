@@ -254,8 +254,8 @@ def _report_plan(planned: Planned, *, out: Path, gantt: Path | None, pareto: Pat
     fit = planned.cost.profile.fit
     if fit is not None and fit.noisy > NOISY_SHARE * fit.measurements:
         shown.print(f"warning: do not trust this plan: {fit.noisy} of {fit.measurements} measurements stayed noisy "
-                    f"(spread above {100 * fit.spread_bound:.0f}% over repeats: a busy machine, or layers too short to time), so its "
-                    "times are not this model's; re-plan on a quieter machine (the "
+                    f"(spread above {100 * fit.spread_bound:.0f}% over repeats: a busy machine, or layers too short "
+                    "to time), so its times are not this model's; re-plan on a quieter machine (the "
                     "cache measures them again then), with --no-cache, or with --device-model", style="bold red",
                     highlight=False)
     shown.print(report.AMPLIFICATION_NOTE, style="dim")
