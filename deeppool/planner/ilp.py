@@ -312,6 +312,11 @@ class _Outcome:
     gap: float
 
 
+_BELOW_CUTOFF = _Outcome(values=None, status="Infeasible", description="infeasible below the cutoff", optimal=False,
+                         gap=1.0)
+"""What a solve with a cutoff reports when no assignment lies below it."""
+
+
 def _integral(values: list[float], binaries: list[int]) -> bool:
     return all(min(abs(values[j]), abs(1 - values[j])) < 1e-6 for j in binaries)
 
@@ -365,8 +370,7 @@ class _Highs:
         optimal_lp = highs.getModelStatus() == self.highspy.HighsModelStatus.kOptimal
         values = list(highs.getSolution().col_value) if optimal_lp else None
         if values is not None and highs.getInfo().objective_function_value >= cutoff:  # a lower bound of all
-            return _Outcome(values=None, status="Infeasible", description="infeasible below the cutoff",
-                            optimal=False, gap=1.0)
+            return _BELOW_CUTOFF
         if values is not None and _integral(values, binaries):
             return _Outcome(values=values, status="Optimal", description="optimal (integral LP relaxation)",
                             optimal=True, gap=0.0)
@@ -378,8 +382,7 @@ class _Highs:
         highs.setOptionValue("objective_bound", _INF)
         outcome = self._mip_outcome()
         if outcome.optimal and highs.getInfo().objective_function_value >= cutoff:  # pruned down to one above it
-            return _Outcome(values=None, status="Infeasible", description="infeasible below the cutoff",
-                            optimal=False, gap=1.0)
+            return _BELOW_CUTOFF
         return outcome
 
     def _mip_outcome(self) -> _Outcome:
