@@ -48,6 +48,7 @@ RUNS: dict[str, tuple[str, str]] = {
     "tv_inception": ("mixed_5b_*=2", "conv2d_1a_3x3_conv=4"),
     "tv_densenet": ("features_denseblock1_*=2", "features_conv0=4"),
     "attn_shapes": ("linear*=2", "layer_norm*=4"),
+    "fake_quant": ("blocks_*=2", "stem=4"),
 }
 RANKS = 4
 BATCH = 8

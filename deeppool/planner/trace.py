@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.flop_counter import FlopCounterMode
 
 from deeppool.errors import DeeppoolError
+from deeppool.planner.functions import functions_as_nodes, functions_called, refuse_traced_through
 from deeppool.planner.graph import OUTPUT_LAYER, Branch, Layer, LayerGraph, TraceMethod
 from deeppool.planner.layer_exec import LayerRunner, floating_leaves, structured_output
 from deeppool.planner.modelspec import LoadedModel, ModelSpec
@@ -218,7 +219,7 @@ def _fx_trace_once(model: nn.Module, named: Mapping[str, Any], extreme: float) -
     rng = torch.random.get_rng_state()
     watch = BranchWatch(extreme)
     try:
-        with watch:
+        with watch, functions_as_nodes(tracer, _where_now):
             graph = tracer.trace(model, concrete_args=_concrete_args(model, named) or None)
     except Exception as err:
         where = tracer.failed_in or type(model).__name__
@@ -234,6 +235,12 @@ def _fx_trace_once(model: nn.Module, named: Mapping[str, Any], extreme: float) -
     if changed:  # fx ran the update eagerly on the real buffer: it is not in the graph
         raise DeeppoolError(f"torch.fx cannot trace the update of buffer '{changed[0]}' in forward")
     return fx.GraphModule(tracer.root, graph, type(model).__name__), watch
+
+
+def _where_now() -> str:
+    """`` at FILE:LINE (`source`)`` of the model's code running now ('' when none is on the stack)."""
+    frame = _user_stack_frame()
+    return f" at {frame[0]}:{frame[1]}{_source(*frame)}" if frame is not None else ""
 
 
 def _source(filename: str, lineno: int) -> str:
@@ -279,10 +286,11 @@ def _export(model: nn.Module, named: Mapping[str, Any]) -> fx.GraphModule:
     dynamic = {name: {0: batch} if isinstance(value, torch.Tensor) else None for name, value in kwargs.items()}
     model.train()  # the exported graph keeps training behaviour: dropout on, BatchNorm on batch statistics
     try:
-        with _quiet_torch_logs():
+        with _quiet_torch_logs(), functions_called(_where_now) as calls:
             program = torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as err:
         raise DeeppoolError(_export_failure(err)) from None
+    refuse_traced_through(calls)
     return program.module()
 
 

@@ -43,6 +43,34 @@ class ShapeLoop(nn.Module):
         return self.second(x)
 
 
+class Straight(torch.autograd.Function):
+    """A straight-through estimator: ``round`` forward, the identity's gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class Rounded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Straight.apply(self.fc(x)) * 2
+
+
+class RoundedLoop(ShapeLoop):
+    """Only torch.export can trace it, and export traces through the Function."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Straight.apply(super().forward(x))
+
+
 def _loaded(module: nn.Module) -> LoadedModel:
     return LoadedModel(module, lambda b: (torch.randn(b, 8),), lambda b: None, default_loss)
 
@@ -78,6 +106,23 @@ def test_export_fallback_groups_nodes_by_module():
     assert first.op == "Linear" and first.param_bytes == (32 + 4) * 4
     x = torch.randn(3, 8)
     torch.testing.assert_close(_run_layers(traced, x), module(x))
+
+
+def test_a_custom_autograd_function_is_one_layer_that_trains_with_its_own_backward():
+    module = Rounded()
+    traced = trace(_loaded(module))
+    assert traced.graph.names == ("fc", "straight_apply", "mul")
+    assert traced.graph.layer("straight_apply").op == "Straight_apply"
+    x = torch.randn(5, 8, requires_grad=True)
+    _run_layers(traced, x).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * module.fc.weight.sum(0).expand(5, 8).detach())  # round's own is 0
+    assert vars(torch.autograd.Function)["apply"].__func__.__qualname__ == "Function.apply", "restored after"
+
+
+def test_a_custom_autograd_function_only_export_can_trace_is_refused_naming_it():
+    with pytest.raises(DeeppoolError, match=r"torch.export traces through the custom autograd Function 'Straight' "
+                       r"at .*test_trace.py:\d+ .*Straight.apply\(super\(\).forward\(x\)\)"):
+        trace(_loaded(RoundedLoop()))
 
 
 def test_export_fallback_on_the_meta_device():
