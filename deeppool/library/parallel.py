@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ from deeppool.executor.program import Program, build_program, idle_positions, ra
 from deeppool.executor.syncbn import GroupBatchNorm, Reduce
 from deeppool.executor.timing import Category, Recorder
 from deeppool.library.amp import UserPrecision, non_finite, spread_overflow
-from deeppool.library.world import broadcast_module, join, world_sum, world_sum_lazy
+from deeppool.library.world import LazyTotals, broadcast_module, join, world_sum
 from deeppool.planner.graph import TraceMethod
 from deeppool.planner.modelspec import LoadedModel, ModelSource, bind_inputs, default_loss
 from deeppool.planner.plan import Plan
@@ -130,6 +131,8 @@ class Parallelized:
         self.training = True
         self.last_step_s: float | None = None
         """The wall-clock seconds of the last :meth:`step` (the engine's iteration span)."""
+        self._losses = LazyTotals()
+        weakref.finalize(self, self._losses.settle)
 
     # -- the training step ----------------------------------------------------------------------
     def step(self, inputs: Any, targets: torch.Tensor | None = None, loss_fn: LossFn | None = None, *,
@@ -162,7 +165,7 @@ class Parallelized:
         scaling = scaler is not None and scaler.is_enabled() and self._sync
         self._settle()
         if not scaling:
-            return world_sum_lazy(share, self.device)
+            return self._losses.total(share, self.device)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         overflow = non_finite(grads)
         total, overflows = world_sum([share, 1.0 if overflow else 0.0], self.device)

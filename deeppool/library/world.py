@@ -80,11 +80,29 @@ def world_sum_lazy(value: float, device: torch.device) -> torch.Tensor:
     """The sum of ``value`` over every rank as a 0-dim float32 tensor whose all-reduce runs in the
     background: it is waited for when the tensor is first read (``loss.item()``, printing, arithmetic),
     so a loop that reads the loss only now and then never waits for the other ranks on it, as
-    ``deeppool run``'s ranks do not (torch's functional collectives: an ``AsyncCollectiveTensor``)."""
-    tensor = torch.tensor([value], dtype=torch.float32, device=device)
+    ``deeppool run``'s ranks do not (torch's functional collectives: an ``AsyncCollectiveTensor``). The
+    tensor is reduced as it is: indexing a one-element result would dispatch through the subclass again."""
+    tensor = torch.tensor(value, dtype=torch.float32, device=device)
     if dist.get_world_size() == 1:
-        return tensor[0]
-    return funcol.all_reduce(tensor, "sum", dist.group.WORLD)[0]
+        return tensor
+    return funcol.all_reduce(tensor, "sum", dist.group.WORLD)
+
+
+class LazyTotals:
+    """A loop's :func:`world_sum_lazy` totals, each waited for once the next is asked for (finished long since)
+    and the last at exit: collectives never waited for pile up in torch's registry, which warns of each at exit."""
+
+    def __init__(self) -> None:
+        self.last: torch.Tensor | None = None
+
+    def total(self, value: float, device: torch.device) -> torch.Tensor:
+        self.settle()
+        self.last = world_sum_lazy(value, device)
+        return self.last
+
+    def settle(self) -> None:
+        if isinstance(self.last, funcol.AsyncCollectiveTensor) and dist.is_initialized():
+            self.last.trigger_wait()
 
 
 def _free_port() -> int:
