@@ -5,18 +5,21 @@
 Both run a burst plan of ``benchmarks/models/cnn.py`` (the conv blocks on 2 ranks, the head on 1:
 two distinct GPU counts) with SGD (lr 0.01) on the model's synthetic batch, in the same 2 gloo
 ranks (one thread each) started by ``deeppool run --script``, so both see the same machine: each
-repeat runs ``--steps`` iterations of what a ``deeppool run`` rank runs (``train_rank``: its median
-iteration span, optimizer step included), then ``--steps`` of the user loop, timed the same way
-(``bp.step`` + ``opt.step()`` + ``opt.zero_grad()``, wall clock, median after ``--warmup``). Each
-figure is the slowest rank's median. The ranks are started ``--launches`` times, and within a start the
-two loops alternate which runs first: one start's own memory layout moves both loops by several percent,
-so a single start cannot tell 3%. The table shows every repeat, each launch's median ratio, the median
-ratio over all of them (target: at most 1.03) and the load average before and after, since the
-machine may be shared. The two loops run one after the other, so on a loaded machine their ratio wanders; the loop's time over its own engine
-span (``bp.last_step_s``, the same engine code ``deeppool run`` times) is measured on the same steps
-and bounds what the library layer adds (it includes the user's ``opt.step()``, which ``deeppool
-run``'s span includes too). ``--write-docs`` puts the printed report in ``docs/performance.md``
-(region ``library``).
+repeat runs ``--steps`` iterations of what a ``deeppool run`` rank runs (``train_rank``), then
+``--steps`` of the user loop (``bp.step`` + ``opt.step()`` + ``opt.zero_grad()``). Both are timed as
+whole loop bodies, wall clock, median after ``--warmup``: ``deeppool run``'s from one iteration's start
+to the next (its iteration span, optimizer step included, plus what its loop does between iterations:
+the step monitor's all-gather of times and losses every 10 steps, the progress file), the user loop's
+around its three calls (``bp.step`` returns the global loss, its all-reduce launched every step). The
+span alone is shown beside. Each figure is the slowest rank's median. The ranks are started
+``--launches`` times, and within a start the two loops alternate which runs first: one start's own
+memory layout moves both loops by several percent, so a single start cannot tell 3%. The table shows
+every repeat, each launch's median ratio, the median ratio over all of them (target: at most 1.03) and
+the load average before and after, since the machine may be shared. The two loops run one after the
+other, so on a loaded machine their ratio wanders; the loop's time over its own engine span
+(``bp.last_step_s``, the same engine code ``deeppool run`` times) is measured on the same steps and
+bounds what the library layer adds (with the user's ``opt.step()``, which ``deeppool run``'s span
+includes too). ``--write-docs`` puts the printed report in ``docs/performance.md`` (region ``library``).
 
 This file is also the user's training script (``worker`` mode, run by ``deeppool run --script``).
 """
@@ -77,6 +80,7 @@ def worker(steps: int, warmup: int, repeats: int, out: Path) -> None:
     from deeppool.executor.comm import TorchComm
     from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
     from deeppool.executor.program import rank_groups
+    from deeppool.executor.timing import Category
 
     torch.set_num_threads(1)
     spec = importlib.util.spec_from_file_location("cnn", MODEL)
@@ -101,24 +105,31 @@ def worker(steps: int, warmup: int, repeats: int, out: Path) -> None:
             spans.append(bp.last_step_s)
         return statistics.median(times[warmup:]) * 1e3, statistics.median(spans[warmup:]) * 1e3
 
+    def run_loop() -> tuple[float, float]:
+        """``deeppool run``'s rank: median ms from one iteration's start to the next, and of the span."""
+        result = train_rank(plan, comm=comm, config=config)
+        starts = sorted((s.step, s.start_s) for s in result.spans if s.category is Category.ITERATION)
+        gaps = [(b - a) * 1e3 for (step, a), (_, b) in zip(starts, starts[1:], strict=False) if step >= warmup]
+        return statistics.median(gaps), result.times.iteration_ms
+
     pairs = []
     for repeat in range(repeats):
         if repeat % 2:  # odd repeats run the user loop first: neither side always runs on a warmer process
             library, engine = user_loop()
-            executor = train_rank(plan, comm=comm, config=config).times.iteration_ms
+            executor, span = run_loop()
         else:
-            executor = train_rank(plan, comm=comm, config=config).times.iteration_ms
+            executor, span = run_loop()
             library, engine = user_loop()
-        gathered: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)] * dist.get_world_size()
-        dist.all_gather_object(gathered, (executor, library, engine))
-        pairs.append(tuple(max(g[i] for g in gathered) for i in range(3)))
+        gathered: list[tuple[float, ...]] = [(0.0,) * 4] * dist.get_world_size()
+        dist.all_gather_object(gathered, (executor, library, engine, span))
+        pairs.append(tuple(max(g[i] for g in gathered) for i in range(4)))
     if bp.is_logging_rank:
         out.write_text(json.dumps({"pairs": pairs}))
 
 
 def measure(plan: Path, work: Path, steps: int, warmup: int, repeats: int) -> list[tuple[float, ...]]:
     """The ranks, started by ``deeppool run --script``: (``deeppool run`` ms, ``parallelize`` ms, its
-    engine span ms) per repeat."""
+    engine span ms, ``deeppool run``'s iteration span ms) per repeat."""
     work.mkdir(parents=True, exist_ok=True)
     result = work / "pairs.json"
     args = ["worker", str(steps), str(warmup), str(repeats), str(result)]
@@ -162,17 +173,19 @@ def report(steps: int, warmup: int, repeats: int, batch: int, launches: int) -> 
     print(f"burst plan of {MODEL.name} (batch {batch}, 2 gloo ranks), {steps} steps, "
           f"median after {warmup}; slowest rank; {launches} launches of the ranks, {repeats} repeats each")
     print(f"{'launch':>6}  {'repeat':>6}  {'deeppool run ms':>15}  {'parallelize ms':>14}  {'ratio':>6}  "
-          f"{'engine ms':>9}  {'loop/engine':>11}")
+          f"{'engine ms':>9}  {'loop/engine':>11}  {'run span ms':>11}")
     for launch, pairs in enumerate(launched):
-        for index, (executor, library, engine) in enumerate(pairs):
+        for index, (executor, library, engine, span) in enumerate(pairs):
             print(f"{launch:>6}  {index:>6}  {executor:>15.2f}  {library:>14.2f}  {library / executor:>6.3f}  "
-                  f"{engine:>9.2f}  {library / engine:>11.3f}")
-    medians = [statistics.median(library / executor for executor, library, _ in pairs) for pairs in launched]
+                  f"{engine:>9.2f}  {library / engine:>11.3f}  {span:>11.2f}")
+    medians = [statistics.median(pair[1] / pair[0] for pair in pairs) for pairs in launched]
     pairs = [pair for launch in launched for pair in launch]
-    ratio = statistics.median(library / executor for executor, library, _ in pairs)
-    outside = statistics.median(library / engine for _, library, engine in pairs)
+    ratio = statistics.median(pair[1] / pair[0] for pair in pairs)
+    outside = statistics.median(pair[1] / pair[2] for pair in pairs)
+    spans = statistics.median(pair[1] / pair[3] for pair in pairs)
     print("median ratio of each launch: " + ", ".join(f"{m:.3f}" for m in medians))
     print(f"median ratio parallelize / deeppool run, every repeat of every launch: {ratio:.3f} (target <= 1.03)")
+    print(f"median ratio parallelize / deeppool run's iteration span alone (without its loop's own work): {spans:.3f}")
     print(f"median ratio of the loop to its engine span (what the library and the user's optimizer add, "
           f"measured on the same steps): {outside:.3f}")
     print("load average (1, 5, 15 min): before " + " ".join(f"{v:.2f}" for v in load_before)
