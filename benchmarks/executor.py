@@ -376,7 +376,7 @@ def _cpu(measured: Measured) -> float:
 
 def run_other(source: Path, plan: Path, steps: int, warmup: int, out: Path) -> None:
     """``deeppool run`` from another source tree (e.g. a `git archive` of main), same options as :func:`run_plan`."""
-    command = [sys.executable, "-m", "deeppool.executor.cli", "run", str(plan), "--steps", str(steps), "--warmup",
+    command = [sys.executable, "-m", "deeppool.run_command", "run", str(plan), "--steps", str(steps), "--warmup",
                str(warmup), "--optimizer", "sgd", "--lr", "0.01", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(source.resolve())}
     subprocess.run(command, cwd=source, env=env, check=True, capture_output=True)
