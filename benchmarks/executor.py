@@ -249,11 +249,12 @@ def run_plan(plan_path: Path, nproc: int, steps: int, warmup: int, out: Path, bu
     from deeppool.executor.comm import Backend
     from deeppool.executor.config import OptimizerKind
     from deeppool.executor.launch import launch
+    from deeppool.planner.plan import Plan
 
     config = make_config(steps=steps, warmup=warmup, optimizer=OptimizerKind.SGD, lr=0.01, momentum=0.0,
                          backend=Backend.AUTO, timeout=60.0, bucket_mb=bucket_mb, check=False, check_bound=1e-5,
                          out=out)
-    launch(plan_path, nproc=nproc, config=config, worker_args=config_args(config))
+    launch(Plan.load(plan_path), plan_path, nproc=nproc, config=config, worker_args=config_args(config))
     return json.loads((out / "summary.json").read_text())
 
 

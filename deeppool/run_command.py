@@ -13,7 +13,7 @@ import contextlib
 import functools
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -37,6 +37,9 @@ from deeppool.multiplex.options import (
     AbBlock, BackgroundOpt, BgBatch, BgBroker, BgCheckpointDir, BgLr, BgOptim, MpsPercentage, MuxOpt, SlowdownTarget,
     make_background,
 )
+
+if TYPE_CHECKING:
+    from deeppool.planner.plan import Plan
 
 app = typer.Typer(add_completion=False, help="Run a plan on torch.distributed.")
 worker_app = typer.Typer(add_completion=False, help="One rank of a plan (start it with torchrun).")
@@ -88,7 +91,7 @@ def run(
         checks.out_folder(tensorboard, "--tensorboard")
         check_available()
     if script is not None:
-        run_script(plan, script, script_arg or [], ranks=ranks, out=out, timeout=timeout, nodes=nodes)
+        run_script(loaded, plan, script, script_arg or [], ranks=ranks, out=out, timeout=timeout, nodes=nodes)
         return
     config = make_config(
         steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
@@ -112,10 +115,10 @@ def run(
     if model is None:
         check_model_here(loaded, plan)
     with removed_if_interrupted(out, tensorboard), _live_scalars(out, tensorboard):
-        path = plan if model is None else with_model(loaded, model, out)
-        _launch(path, ranks=ranks, config=config, background=bg, nodes=nodes)
+        launched, path = (loaded, plan) if model is None else with_model(loaded, model, out)
+        _launch(launched, path, ranks=ranks, config=config, background=bg, nodes=nodes)
     if (out / RESIZE).is_file():
-        resized(Plan.load(path), config, json.loads((out / RESIZE).read_text()), model)
+        resized(launched, config, json.loads((out / RESIZE).read_text()), model)
 
 
 def _live_scalars(out: Path, tensorboard: Path | None) -> contextlib.AbstractContextManager[object]:
@@ -127,11 +130,12 @@ def _live_scalars(out: Path, tensorboard: Path | None) -> contextlib.AbstractCon
     return LiveScalars(out, tensorboard)
 
 
-def _launch(plan: Path, *, ranks: int, config: RunConfig, background: BackgroundConfig | None, nodes: Nodes) -> None:
+def _launch(plan: Plan, path: Path, *, ranks: int, config: RunConfig, background: BackgroundConfig | None,
+            nodes: Nodes) -> None:
     from deeppool.multiplex.api import launch_with_background
 
-    launch_with_background(plan, nproc=ranks, config=config, background=background, worker_args=config_args(config),
-                           nodes=nodes)
+    launch_with_background(plan, path, nproc=ranks, config=config, background=background,
+                           worker_args=config_args(config), nodes=nodes)
 
 
 @worker_app.command()
@@ -159,8 +163,9 @@ def worker(
 
     env = RankEnv.from_environ()
     try:
+        loaded = Plan.load(plan)  # this process's one read: the launcher's Plan stays in the launcher
         config = make_config(
-            steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(Plan.load(plan)), lr=lr,
+            steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr,
             momentum=momentum, backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check,
             check_bound=check_bound, out=out, accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule,
             lr_warmup=lr_warmup, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
@@ -173,7 +178,7 @@ def worker(
             slowdown_target=slowdown_target, ab_block=ab_block, bg_checkpoint_dir=bg_checkpoint_dir,
             mps_percentage=mps_percentage, out=out, bg_broker=bg_broker,
         )
-        run_worker(plan, config, env, functools.partial(Multiplexer.start, config=bg) if bg is not None else None)
+        run_worker(loaded, config, env, functools.partial(Multiplexer.start, config=bg) if bg is not None else None)
     except BaseException as err:  # every failure leaves a record naming this rank
         if isinstance(err, (SystemExit, typer.Exit)):
             raise

@@ -152,14 +152,14 @@ def _located(factory: str) -> str:
     return f"{Path(location).resolve()}:{attr}"
 
 
-def run_script(plan: Path, script: Path, args: list[str], *, ranks: int, out: Path, timeout: float,
-               nodes: Nodes) -> None:
+def run_script(plan: Plan, plan_path: Path, script: Path, args: list[str], *, ranks: int, out: Path,
+               timeout: float, nodes: Nodes) -> None:
     """``--script``: the user's training script on every rank, as torchrun would start it."""
     from deeppool.executor.launch import launch
 
     checks.existing_file(script, "--script")
-    launch(plan, nproc=ranks, config=RunConfig(out_dir=out, timeout_s=timeout), worker_args=args, nodes=nodes,
-           script=script)
+    launch(plan, plan_path, nproc=ranks, config=RunConfig(out_dir=out, timeout_s=timeout), worker_args=args,
+           nodes=nodes, script=script)
 
 
 def resized(plan: Plan, config: RunConfig, request: dict[str, object], model: str | None) -> Path:
@@ -246,8 +246,9 @@ def local_slots() -> tuple[int, str]:
     return CPU_RANKS_PER_CORE * cores, f"{cores} CPU core(s), at most {CPU_RANKS_PER_CORE} gloo ranks per core"
 
 
-def with_model(plan: Plan, model: str, out: Path) -> Path:
-    """A copy of ``plan`` in ``out`` whose model is rebuilt from ``model`` (the plan's inputs and seed kept)."""
+def with_model(plan: Plan, model: str, out: Path) -> tuple[Plan, Path]:
+    """A copy of ``plan`` whose model is rebuilt from ``model`` (the plan's inputs and seed kept), and the file in
+    ``out`` it is saved to."""
     import dataclasses
 
     from deeppool.planner.modelspec import ModelSpec
@@ -258,9 +259,9 @@ def with_model(plan: Plan, model: str, out: Path) -> Path:
         spec = ModelSpec.parse(model, input_shape=plan.model.input_shape, input_dtype=plan.model.input_dtype,
                                vocab_size=plan.model.vocab_size, seed=plan.model.seed)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "plan.json"
-    dataclasses.replace(plan, model=spec).save(path)
-    return path
+    path, copy = out / "plan.json", dataclasses.replace(plan, model=spec)
+    copy.save(path)
+    return copy, path
 
 
 def plan_optimizer(plan: Plan) -> OptimizerKind:

@@ -207,7 +207,7 @@ def test_run_defaults_to_the_optimizer_the_plan_was_made_for(tmp_path, monkeypat
     launched = []
     monkeypatch.setattr(
         api, "launch_with_background",
-        lambda plan, *, nproc, config, background, worker_args, nodes: launched.append((config, worker_args)),
+        lambda plan, path, *, nproc, config, background, worker_args, nodes: launched.append((config, worker_args)),
     )
     run_command.run(path, out=tmp_path)
     run_command.run(path, optimizer=OptimizerKind.SGD, out=tmp_path)
