@@ -249,11 +249,12 @@ def run_plan(plan_path: Path, nproc: int, steps: int, warmup: int, out: Path, bu
     from deeppool.executor.comm import Backend
     from deeppool.executor.config import OptimizerKind
     from deeppool.executor.launch import launch
+    from deeppool.planner.plan import Plan
 
     config = make_config(steps=steps, warmup=warmup, optimizer=OptimizerKind.SGD, lr=0.01, momentum=0.0,
                          backend=Backend.AUTO, timeout=60.0, bucket_mb=bucket_mb, check=False, check_bound=1e-5,
                          out=out)
-    launch(plan_path, nproc=nproc, config=config, worker_args=config_args(config))
+    launch(Plan.load(plan_path), plan_path, nproc=nproc, config=config, worker_args=config_args(config))
     return json.loads((out / "summary.json").read_text())
 
 
@@ -376,7 +377,7 @@ def _cpu(measured: Measured) -> float:
 
 def run_other(source: Path, plan: Path, steps: int, warmup: int, out: Path) -> None:
     """``deeppool run`` from another source tree (e.g. a `git archive` of main), same options as :func:`run_plan`."""
-    command = [sys.executable, "-m", "deeppool.executor.cli", "run", str(plan), "--steps", str(steps), "--warmup",
+    command = [sys.executable, "-m", "deeppool.run_command", "run", str(plan), "--steps", str(steps), "--warmup",
                str(warmup), "--optimizer", "sgd", "--lr", "0.01", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(source.resolve())}
     subprocess.run(command, cwd=source, env=env, check=True, capture_output=True)

@@ -184,11 +184,12 @@ def run_plan(plan: Path, nproc: int, steps: int, warmup: int, out: Path) -> dict
     from deeppool.executor.comm import Backend
     from deeppool.executor.config import OptimizerKind
     from deeppool.executor.launch import launch
+    from deeppool.planner.plan import Plan
 
     config = make_config(steps=steps, warmup=warmup, optimizer=OptimizerKind.SGD, lr=0.01, momentum=0.0,
                          backend=Backend.AUTO, timeout=300.0, bucket_mb=25.0, check=False, check_bound=1e-5,
                          out=out)
-    launch(plan, nproc=nproc, config=config, worker_args=config_args(config))
+    launch(Plan.load(plan), plan, nproc=nproc, config=config, worker_args=config_args(config))
     return json.loads((out / "summary.json").read_text())
 
 

@@ -77,7 +77,7 @@ def test_run_model_override_replaces_the_plans_model(moved_plan: Path, tmp_path:
 
 @pytest.mark.slow
 def test_a_python_plan_runs_with_a_model_file_named_on_the_command_line(tmp_path: Path, capsys) -> None:
-    from deeppool.executor import cli
+    from deeppool import run_command
 
     found = importlib.util.spec_from_file_location("tiny_elsewhere", MODELS / "tiny_mlp.py")
     assert found is not None and found.loader is not None
@@ -87,7 +87,7 @@ def test_a_python_plan_runs_with_a_model_file_named_on_the_command_line(tmp_path
     assert plan.model.source is ModelSource.PYTHON
     plan.save(tmp_path / "p.json")
     with pytest.raises(DeeppoolError, match="give --model"):
-        cli.run(tmp_path / "p.json", out=tmp_path / "run")
+        run_command.run(tmp_path / "p.json", out=tmp_path / "run")
     _ran(capsys, tmp_path / "p.json", tmp_path / "run", "--model", str(MODELS / "tiny_mlp.py"))
     assert Plan.load(tmp_path / "run" / "plan.json").model.source is ModelSource.FILE
 

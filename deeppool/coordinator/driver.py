@@ -97,7 +97,7 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
             print("the plan leaves no idle window: the background job was not run", flush=True)
     config = RunConfig(steps=spec.steps, warmup=min(5, spec.steps - 1), out_dir=spec.out / "run", check=spec.check)
     if spec.script is not None:
-        return _script(spec, plan.gpus, config, lent=background is not None, one_node=allocation is None)
+        return _script(spec, plan, config, lent=background is not None, one_node=allocation is None)
     if allocation is None:
         return run(spec.out / "plan.json", background=background, config=config, checked=True)
     run_across(allocation, spec.out / "plan.json", plan.gpus, config_args(config) + background_args(background))
@@ -134,7 +134,7 @@ def _guest(spec: DriverSpec, plan: Any) -> Any:
     return background
 
 
-def _script(spec: DriverSpec, gpus: int, config: Any, *, lent: bool, one_node: bool) -> dict[str, Any]:
+def _script(spec: DriverSpec, plan: Any, config: Any, *, lent: bool, one_node: bool) -> dict[str, Any]:
     """A script job: the user's script on every rank, as ``deeppool run --script`` starts it (one node;
     the script's loop has no idle-window listener, so a background job lent its windows does not run)."""
     from deeppool.errors import DeeppoolError
@@ -145,8 +145,8 @@ def _script(spec: DriverSpec, gpus: int, config: Any, *, lent: bool, one_node: b
     if lent:
         print("a script job lends no idle windows: the background job was not run", flush=True)
     script = stage_model(spec.script, spec.allowed_roots, spec.out / "script")
-    launch(spec.out / "plan.json", nproc=gpus, config=config, worker_args=[], script=Path(script))
-    return {"script": spec.script, "gpus": gpus}
+    launch(plan, spec.out / "plan.json", nproc=plan.gpus, config=config, worker_args=[], script=Path(script))
+    return {"script": spec.script, "gpus": plan.gpus}
 
 
 def slurm_allocation(nodes: int) -> SlurmAllocation | None:

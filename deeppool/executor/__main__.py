@@ -1,4 +1,8 @@
-"""``python -m deeppool.executor plan.json [options]``: one rank, for torchrun."""
+"""``python -m deeppool.executor plan.json [options]``: one rank, for torchrun.
+
+The program, not a module of the executor's layer: it starts the worker of the command layer above
+(:mod:`deeppool.run_command`), which wires the multiplexer into the executor.
+"""
 
 import os
 import signal
@@ -11,6 +15,6 @@ from deeppool.interrupt import AGENT_ENV, quiet_rank  # noqa: E402
 if AGENT_ENV in os.environ:
     quiet_rank()
 
-from deeppool.executor.cli import worker_app  # noqa: E402
+from deeppool.run_command import worker_app  # noqa: E402
 
 worker_app(prog_name="python -m deeppool.executor")

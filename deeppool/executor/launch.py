@@ -78,14 +78,15 @@ def preflight(plan: Plan, nproc: int, nodes: Nodes = Nodes()) -> None:
     check_plan_batches(traced, loaded, smallest, seed=plan.model.seed)
 
 
-def launch(plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[str], nodes: Nodes = Nodes(),
-           script: Path | None = None) -> None:
+def launch(plan: Plan, plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[str],
+           nodes: Nodes = Nodes(), script: Path | None = None) -> None:
     """Start ``nproc`` ranks here; with several ``nodes``, this machine's share of the run (see :class:`Nodes`).
 
-    With ``script`` the ranks run the user's script (``worker_args`` its arguments; ``deeppool run
-    --script``), which finds the plan's path in ``$DEEPPOOL_PLAN`` and calls ``deeppool.parallelize``.
+    ``plan`` is the caller's, loaded once; ``plan_path`` is the file it was loaded from (or saved to), which
+    every rank reads. With ``script`` the ranks run the user's script (``worker_args`` its arguments;
+    ``deeppool run --script``), which finds the plan's path in ``$DEEPPOOL_PLAN`` and calls
+    ``deeppool.parallelize``.
     """
-    plan = Plan.load(plan_path)
     if script is None:
         preflight(plan, nproc, nodes)
     ranks_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))}

@@ -72,12 +72,11 @@ class RankEnv:
         )
 
 
-def run_worker(plan_path: Path, config: RunConfig, env: RankEnv, lender: StartLender | None = None,
+def run_worker(plan: Plan, config: RunConfig, env: RankEnv, lender: StartLender | None = None,
                gpu: Gpu | None = None) -> None:
     """``lender``: what starts background work in this rank's idle windows (none when not given);
     ``gpu``: the device seam (the real GPU when not given)."""
     gpu = gpu or CudaGpu()
-    plan = Plan.load(plan_path)
     if env.world_size != plan.gpus:
         raise DeeppoolError(
             f"the plan is for {plan.gpus} GPUs but {env.world_size} ranks were started: start {plan.gpus}"

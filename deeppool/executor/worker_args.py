@@ -1,8 +1,8 @@
 """The ranks' command-line options for a :class:`RunConfig`: what ``deeppool run`` passes to every worker.
 
-One spelling of the options, below the command line: ``deeppool run`` (:mod:`deeppool.executor.cli`) and
+One spelling of the options, below the command line: ``deeppool run`` (:mod:`deeppool.run_command`) and
 :func:`deeppool.run` (:mod:`deeppool.multiplex.api`) both use it, so the multiplexer's Python API does not
-import the executor's command line (which imports it back).
+import a command line.
 """
 
 from __future__ import annotations

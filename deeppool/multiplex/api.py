@@ -31,20 +31,20 @@ if TYPE_CHECKING:
 
 
 def launch_with_background(
-    plan_path: Path, *, nproc: int, config: RunConfig, background: BackgroundConfig | None, worker_args: list[str],
-    nodes: Nodes = Nodes(), checked: bool = False,
+    plan: Plan, plan_path: Path, *, nproc: int, config: RunConfig, background: BackgroundConfig | None,
+    worker_args: list[str], nodes: Nodes = Nodes(), checked: bool = False,
 ) -> None:
-    """``deeppool run``'s launch: the background checked first (unless ``checked`` already), MPS around the ranks
-    when asked for."""
+    """``deeppool run``'s launch of ``plan`` (loaded from, or saved to, ``plan_path``): the background checked
+    first (unless ``checked`` already), MPS around the ranks when asked for."""
     if background is not None and not checked:
-        preflight.check(Plan.load(plan_path), background)
+        preflight.check(plan, background)
     daemon: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if background is not None and background.mode is MuxMode.MPS:
         from deeppool.device.cuda import CudaGpu
 
         daemon = CudaGpu().mps_daemon()
     with daemon:
-        launch(plan_path, nproc=nproc, config=config, worker_args=worker_args + background_args(background),
+        launch(plan, plan_path, nproc=nproc, config=config, worker_args=worker_args + background_args(background),
                nodes=nodes)
 
 
@@ -77,7 +77,7 @@ def run(
         loaded.save(path)
     else:
         path = Path(plan)
-    launch_with_background(path, nproc=nproc or loaded.gpus, config=config, background=background,
+    launch_with_background(loaded, path, nproc=nproc or loaded.gpus, config=config, background=background,
                            worker_args=config_args(config), checked=checked)
     return json.loads((config.out_dir / "summary.json").read_text())
 

@@ -95,7 +95,7 @@ def test_nproc_other_than_the_plan_is_refused_in_one_line(faulty_plan: Path, cap
 
 def test_ctrl_c_stops_all_ranks(faulty_plan: Path, tmp_path: Path) -> None:
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "deeppool.executor.cli", "run", str(faulty_plan), "--steps", "100000", "--out", str(tmp_path)],
+        [sys.executable, "-m", "deeppool.run_command", "run", str(faulty_plan), "--steps", "100000", "--out", str(tmp_path)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     deadline = time.monotonic() + 120

@@ -197,7 +197,7 @@ def test_chrome_trace_and_medians() -> None:
 def test_run_defaults_to_the_optimizer_the_plan_was_made_for(tmp_path, monkeypatch) -> None:
     import dataclasses
 
-    from deeppool.executor import cli
+    from deeppool import run_command
     from deeppool.executor.config import OptimizerKind
     from deeppool.multiplex import api
     from deeppool.planner.cost import Optimizer
@@ -207,10 +207,10 @@ def test_run_defaults_to_the_optimizer_the_plan_was_made_for(tmp_path, monkeypat
     launched = []
     monkeypatch.setattr(
         api, "launch_with_background",
-        lambda plan, *, nproc, config, background, worker_args, nodes: launched.append((config, worker_args)),
+        lambda plan, path, *, nproc, config, background, worker_args, nodes: launched.append((config, worker_args)),
     )
-    cli.run(path, out=tmp_path)
-    cli.run(path, optimizer=OptimizerKind.SGD, out=tmp_path)
+    run_command.run(path, out=tmp_path)
+    run_command.run(path, optimizer=OptimizerKind.SGD, out=tmp_path)
     (adam, args), (sgd, _) = launched
     assert adam.optimizer.kind is OptimizerKind.ADAM and args[args.index("--optimizer") + 1] == "adam"
     assert sgd.optimizer.kind is OptimizerKind.SGD

@@ -23,21 +23,23 @@ sys.exit(int(sys.argv[2]))
 
 @pytest.mark.slow
 def test_the_plan_variable_is_the_ranks_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    make_plan_for(MODEL, global_batch=2, gpus=1, assign=cycle(1)).save(tmp_path / "plan.json")
+    plan = make_plan_for(MODEL, global_batch=2, gpus=1, assign=cycle(1))
+    plan.save(tmp_path / "plan.json")
     (tmp_path / "script.py").write_text(SCRIPT)
     monkeypatch.delenv(PLAN_VARIABLE, raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     config = RunConfig(out_dir=tmp_path / "out")
     seen = tmp_path / "seen.txt"
 
-    launch(tmp_path / "plan.json", nproc=1, config=config, worker_args=[str(seen), "0"], script=tmp_path / "script.py")
+    launch(plan, tmp_path / "plan.json", nproc=1, config=config, worker_args=[str(seen), "0"],
+           script=tmp_path / "script.py")
     assert seen.read_text().splitlines() == [str((tmp_path / "plan.json").resolve()), "1"]
     assert PLAN_VARIABLE not in os.environ
 
     monkeypatch.setenv(PLAN_VARIABLE, "the user's own")
     monkeypatch.delenv("OMP_NUM_THREADS")
     with pytest.raises(RunFailed, match="rank 0 exited with code 3"):
-        launch(tmp_path / "plan.json", nproc=1, config=config, worker_args=[str(seen), "3"],
+        launch(plan, tmp_path / "plan.json", nproc=1, config=config, worker_args=[str(seen), "3"],
                script=tmp_path / "script.py")
     assert seen.read_text().splitlines()[0] == str((tmp_path / "plan.json").resolve())
     assert os.environ[PLAN_VARIABLE] == "the user's own"  # restored after a failed run too

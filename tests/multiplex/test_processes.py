@@ -10,6 +10,7 @@ import pytest
 
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.cpu import ProcessBackground, child_spec
+from deeppool.planner.plan import Plan
 from tests.entry import deeppool
 from tests.executor.plans import cycle, make_plan
 from tests.multiplex.plans import BACKGROUND, MODELS, burst_plan
@@ -81,11 +82,14 @@ def test_gated_child_trains_only_inside_windows_and_leaves_nothing(tmp_path: Pat
     assert not alive(result.pid)
 
 
-def test_run_with_a_gated_background(plan_path: Path, tmp_path: Path, capfd) -> None:
-    out = tmp_path / "out"
+def test_run_with_a_gated_background(plan_path: Path, tmp_path: Path, capfd, monkeypatch) -> None:
+    """It trains in the windows, and the launching process reads the plan file once (each rank once itself)."""
+    out, loads, load = tmp_path / "out", [], Plan.load
+    monkeypatch.setattr(Plan, "load", lambda path: loads.append(Path(path)) or load(path))
     proc = deeppool(capfd, "run", str(plan_path), "--nproc", "2", "--background", str(BACKGROUND), "--bg-batch", "8",
                     "--mux", "gate", "--steps", "20", "--out", str(out))
     assert proc.code == 0, proc.stderr[-3000:]
+    assert loads == [plan_path]
     mux = json.loads((out / "summary.json").read_text())["multiplex"]
     assert mux["fg_slowdown"] == pytest.approx(mux["fg_shared_ms"] / mux["fg_alone_ms"] - 1)
     assert GATE_SPEEDUP_LIMIT < mux["fg_slowdown"] < GATE_SLOWDOWN_LIMIT, mux
