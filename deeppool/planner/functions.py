@@ -34,7 +34,8 @@ class FunctionCall:
 
 
 def _is_users(cls: type) -> bool:
-    return not cls.__module__.startswith("torch")
+    module = cls.__module__
+    return module != "torch" and not module.startswith("torch.")
 
 
 @functools.cache
@@ -50,7 +51,7 @@ def _applier(cls: type[Function]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def _patched_apply(replacement: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+def _patched_apply(replacement: Callable[..., Any]) -> Iterator[None]:
     """``Function.apply`` replaced by ``replacement(cls, original, *args, **kwargs)`` for the block."""
     original = Function.__dict__["apply"]
 
@@ -59,7 +60,7 @@ def _patched_apply(replacement: Callable[..., Any]) -> Iterator[Callable[..., An
 
     Function.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
     try:
-        yield original
+        yield
     finally:
         Function.apply = original  # type: ignore[method-assign]
 
@@ -77,7 +78,7 @@ def functions_as_nodes(tracer: fx.Tracer, where: Callable[[], str]) -> Iterator[
         except (NotImplementedError, TypeError) as err:
             raise DeeppoolError(
                 f"the autograd Function '{cls.__name__}'{where()} takes an argument torch.fx cannot record "
-                f"({err}); pass it tensors and constants only, or make it a module attribute it reads"
+                f"({err}); pass it tensors and constants only"
             ) from None
 
     with _patched_apply(apply):
