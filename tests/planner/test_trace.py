@@ -71,6 +71,21 @@ class RoundedLoop(ShapeLoop):
         return Straight.apply(super().forward(x))
 
 
+class Applies(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fn) -> torch.Tensor:
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class GivesAFunction(Rounded):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Applies.apply(self.fc(x), torch.round)
+
+
 def _loaded(module: nn.Module) -> LoadedModel:
     return LoadedModel(module, lambda b: (torch.randn(b, 8),), lambda b: None, default_loss)
 
@@ -123,6 +138,12 @@ def test_a_custom_autograd_function_only_export_can_trace_is_refused_naming_it()
     with pytest.raises(DeeppoolError, match=r"torch.export traces through the custom autograd Function 'Straight' "
                        r"at .*test_trace.py:\d+ .*Straight.apply\(super\(\).forward\(x\)\)"):
         trace(_loaded(RoundedLoop()))
+
+
+def test_a_custom_autograd_function_given_what_fx_cannot_record_is_refused_naming_it():
+    with pytest.raises(DeeppoolError, match=r"the autograd Function 'Applies' at .*test_trace.py:\d+ .* takes an "
+                       r"argument torch.fx cannot record .*pass it tensors and constants only"):
+        trace(_loaded(GivesAFunction()))
 
 
 def test_export_fallback_on_the_meta_device():
