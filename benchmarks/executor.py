@@ -163,9 +163,9 @@ def executor_worker(plan_path: Path, steps: int, warmup: int, out: Path, batchno
     import torch.distributed as dist
 
     from deeppool.executor.api import train_rank
-    from deeppool.executor.comm import TorchComm
+    from deeppool.executor.engine.comm import TorchComm
     from deeppool.executor.config import BatchNormMode, OptimizerConfig, RunConfig
-    from deeppool.executor.program import rank_groups
+    from deeppool.executor.engine.program import rank_groups
     from deeppool.planner.plan import Plan
 
     backend, device = rank_device()
@@ -191,7 +191,7 @@ def synchronise_batch_norms(module: nn.Module, group: object) -> None:
     """The executor's synchronised BatchNorm in DDP (torch's ``SyncBatchNorm`` refuses CPU tensors)."""
     import torch.distributed as dist
 
-    from deeppool.executor.syncbn import GroupBatchNorm
+    from deeppool.executor.engine.syncbn import GroupBatchNorm
 
     def reduce(tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=group)
@@ -246,7 +246,7 @@ def quartile(values: list[float]) -> float:
 # -- the executor side --------------------------------------------------------------------------
 def run_plan(plan_path: Path, nproc: int, steps: int, warmup: int, out: Path, bucket_mb: float = 25.0) -> dict:
     from deeppool.executor.cli import config_args, make_config
-    from deeppool.executor.comm import Backend
+    from deeppool.executor.engine.comm import Backend
     from deeppool.executor.config import OptimizerKind
     from deeppool.executor.launch import launch
     from deeppool.planner.plan import Plan

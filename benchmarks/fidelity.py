@@ -181,7 +181,7 @@ def split_burst(planned: Any, nproc: int) -> Any:
 
 def run_plan(plan: Path, nproc: int, steps: int, warmup: int, out: Path) -> dict:
     from deeppool.executor.cli import config_args, make_config
-    from deeppool.executor.comm import Backend
+    from deeppool.executor.engine.comm import Backend
     from deeppool.executor.config import OptimizerKind
     from deeppool.executor.launch import launch
     from deeppool.planner.plan import Plan

@@ -1,7 +1,7 @@
 """``deeppool run`` and its ranks' worker: the executor with the multiplexer wired in.
 
 The one place above both layers where they meet: the executor runs a plan and offers its idle windows
-through a :class:`~deeppool.executor.idle.StartLender`; the multiplexer lends them to a background job.
+through a :class:`~deeppool.executor.engine.idle.StartLender`; the multiplexer lends them to a background job.
 ``app`` holds the ``run`` command, which the main CLI mounts as ``deeppool run``; ``worker_app`` is what
 ``python -m deeppool.executor plan.json`` runs on every rank under torchrun. Both take the same run options
 (:mod:`deeppool.executor.cli`) and the background's (:mod:`deeppool.multiplex.options`).

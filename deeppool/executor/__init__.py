@@ -14,9 +14,9 @@ _HOMES = {
     "ModelBuilder": "api", "RankResult": "api", "train_rank": "api",
     "Backend": "config", "OptimizerConfig": "config", "OptimizerKind": "config", "RunConfig": "config",
     "Adaptation": "config", "LrScaling": "config", "Monitor": "config",
-    "GnsReading": "monitor", "GradientMonitor": "monitor",
-    "Comm": "comm", "TorchComm": "comm",
-    "IdleListener": "idle", "IdleWindowEvent": "idle",
+    "GnsReading": "engine.monitor", "GradientMonitor": "engine.monitor",
+    "Comm": "engine.comm", "TorchComm": "engine.comm",
+    "IdleListener": "engine.idle", "IdleWindowEvent": "engine.idle",
     "RunSummary": "summary",
 }
 """Where each public name lives: imported on first use, so ``deeppool --help`` never loads torch."""

@@ -34,7 +34,7 @@ from deeppool.interrupt import Interrupted
 from deeppool.executor.outputs import EVENTS, RESIZE, STEPS
 from deeppool.executor.config import Nodes, RunConfig
 from deeppool.executor.hangwatch import HangWatch
-from deeppool.executor.local_model import check_plan_matches
+from deeppool.executor.engine.local_model import check_plan_matches
 from deeppool.planner.batching import check_per_sample, check_plan_batches
 from deeppool.planner.plan import Plan
 from deeppool.planner.trace import trace

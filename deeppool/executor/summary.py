@@ -6,10 +6,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from deeppool.executor.adapt import AdaptationReport
-from deeppool.executor.data import DataReport
-from deeppool.executor.program import Stage
+from deeppool.executor.engine.data import DataReport
+from deeppool.executor.engine.program import Stage
 from deeppool.executor.reference import CheckResult, worst_of
-from deeppool.executor.timing import RankTimes
+from deeppool.executor.engine.timing import RankTimes
 from deeppool.planner.plan import Plan
 
 

@@ -184,7 +184,7 @@ def test_the_device_timing_paths_run_through_the_fake() -> None:
     """The profiler's and the executor's CUDA timing: device events, settled once per iteration."""
     import time
 
-    from deeppool.executor.timing import Category, Recorder
+    from deeppool.executor.engine.timing import Category, Recorder
     from deeppool.planner.profiler import _timed
 
     gpu = FakeGpu()
