@@ -30,7 +30,7 @@ from deeppool.executor.config import (
     DEFAULT_TIMEOUT_S, Backend, BatchNormMode, LossScaling, LrScaling, Monitor, Nodes, OptimizerKind, Precision,
     RunConfig, ScheduleKind, check_adaptation,
 )
-from deeppool.executor.outputs import RESIZE
+from deeppool.executor.training.outputs import RESIZE
 from deeppool.executor.worker_args import config_args
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.options import (
@@ -86,7 +86,7 @@ def run(
     ranks = nproc if nproc is not None else loaded.gpus // nodes.count
     check_ranks(ranks, loaded, given=nproc is not None, nodes=nodes.count)
     if tensorboard is not None:
-        from deeppool.executor.tensorboard import check_available
+        from deeppool.executor.training.tensorboard import check_available
 
         checks.out_folder(tensorboard, "--tensorboard")
         check_available()
@@ -125,7 +125,7 @@ def _live_scalars(out: Path, tensorboard: Path | None) -> contextlib.AbstractCon
     """``--tensorboard``: the run's steps written as TensorBoard scalars while it goes on."""
     if tensorboard is None:
         return contextlib.nullcontext()
-    from deeppool.executor.tensorboard import LiveScalars
+    from deeppool.executor.training.tensorboard import LiveScalars
 
     return LiveScalars(out, tensorboard)
 

@@ -17,7 +17,7 @@ _HOMES = {
     "GnsReading": "engine.monitor", "GradientMonitor": "engine.monitor",
     "Comm": "engine.comm", "TorchComm": "engine.comm",
     "IdleListener": "engine.idle", "IdleWindowEvent": "engine.idle",
-    "RunSummary": "summary",
+    "RunSummary": "training.summary",
 }
 """Where each public name lives: imported on first use, so ``deeppool --help`` never loads torch."""
 

@@ -5,7 +5,7 @@
 rebuilds and checks the model, runs ``config.steps`` iterations (with ``check``,
 each followed by the same step of single-process training; gradients, buffers
 and parameters are compared, then realigned:
-:class:`~deeppool.executor.reference.LockstepReference`) and
+:class:`~deeppool.executor.training.reference.LockstepReference`) and
 returns this rank's result;
 rank 0's result carries the :class:`RunSummary` of all ranks.
 """
@@ -26,11 +26,11 @@ from deeppool.device.seam import Gpu, event_factory, side_stream, synchronizer
 from deeppool.adaptation.adascale import AdaScale
 from deeppool.adaptation.policy import Policy
 from deeppool.errors import DeeppoolError
-from deeppool.executor.adapt import Adapter, EventLog, Progress, Resize, StepLog
-from deeppool.executor.checkpoint import (
+from deeppool.executor.training.adapt import Adapter, EventLog, Progress, Resize, StepLog
+from deeppool.executor.training.checkpoint import (
     GroupShard, RunState, intact, latest, load_group, load_own, load_run, model_keys, save, writer,
 )
-from deeppool.executor.checkpoint import groups as checkpoint_groups
+from deeppool.executor.training.checkpoint import groups as checkpoint_groups
 from deeppool.executor.engine.comm import Comm, Lane
 from deeppool.executor.config import (
     BatchNormMode, CheckpointConfig, LrScaling, OptimizerKind, Precision, RunConfig, check_adaptation,
@@ -45,13 +45,13 @@ from deeppool.executor.engine.gradients import FIRST_BUCKET_BYTES, GradientReduc
 from deeppool.executor.engine.idle import IdleListener, NoBackground
 from deeppool.executor.engine.local_model import LocalModel, check_plan_matches, hold
 from deeppool.executor.engine.monitor import AdaScaleLr, GnsReading, GradientMonitor, group_shares, single_groups
-from deeppool.executor.outputs import RESIZE
+from deeppool.executor.training.outputs import RESIZE
 from deeppool.executor.engine.precision import AgreedScaler, MixedPrecision, output_dtypes
 from deeppool.executor.engine.program import Program, build_program, idle_positions, pace_group
-from deeppool.executor.progress import ProgressFile
-from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
-from deeppool.executor.summary import RunSummary, summarise_run
-from deeppool.executor.steptimes import StepMonitor
+from deeppool.executor.training.progress import ProgressFile
+from deeppool.executor.training.reference import CheckResult, LockstepReference, worst_of
+from deeppool.executor.training.summary import RunSummary, summarise_run
+from deeppool.executor.training.steptimes import StepMonitor
 from deeppool.executor.engine.syncbn import Reduce
 from deeppool.executor.engine.timing import Category, Clock, Counter, Recorder, RankTimes, Span, summarise
 from deeppool.output import console

@@ -318,7 +318,7 @@ def export(
     checks.existing_file(plan, "--plan")
     import torch
 
-    from deeppool.executor.checkpoint import export as joined
+    from deeppool.executor.training.checkpoint import export as joined
     from deeppool.output import console
 
     done, state = joined(checkpoint_dir, step, lambda message: print(f"warning: {message}", file=sys.stderr))

@@ -238,7 +238,7 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """Where checkpoints go (:mod:`deeppool.executor.checkpoint`), how often, and whether to resume."""
+    """Where checkpoints go (:mod:`deeppool.executor.training.checkpoint`), how often, and whether to resume."""
 
     directory: Path
     every: int = 0
@@ -270,7 +270,7 @@ class RunConfig:
     policy: str | None = None
     """``--policy``: a built-in adaptation policy or ``module:factory`` (:mod:`deeppool.adaptation.policy`)."""
     monitor_every: int = 10
-    """Steps per all-gather of the ranks' step and compute times (:mod:`deeppool.executor.steptimes`)."""
+    """Steps per all-gather of the ranks' step and compute times (:mod:`deeppool.executor.training.steptimes`)."""
     adaptation: Adaptation = field(default_factory=Adaptation)
     precision: Precision = Precision.FP32
     loss_scaling: LossScaling = field(default_factory=LossScaling)

@@ -31,7 +31,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from deeppool.errors import DeeppoolError
 from deeppool.interrupt import Interrupted
-from deeppool.executor.outputs import EVENTS, RESIZE, STEPS
+from deeppool.executor.training.outputs import EVENTS, RESIZE, STEPS
 from deeppool.executor.config import Nodes, RunConfig
 from deeppool.executor.hangwatch import HangWatch
 from deeppool.executor.engine.local_model import check_plan_matches

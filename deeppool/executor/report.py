@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from deeppool.executor.netprobe import NetworkFit
-from deeppool.executor.summary import RunSummary
+from deeppool.executor.training.summary import RunSummary
 
 
 def _ratio(measured: float, predicted: float) -> str:

@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from deeppool.device.cuda import gpu_for
 from deeppool.device.seam import event_factory, side_stream, synchronizer
 from deeppool.errors import DeeppoolError
-from deeppool.executor.checkpoint import model_keys
+from deeppool.executor.training.checkpoint import model_keys
 from deeppool.executor.engine.comm import Lane, TorchComm
 from deeppool.executor.config import DEFAULT_TIMEOUT_S, BatchNormMode
 from deeppool.executor.engine.data import Batch, needed_rows

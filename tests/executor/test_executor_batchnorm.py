@@ -17,7 +17,7 @@ import torch
 from torch.func import functional_call
 
 from deeppool.executor.api import RankResult, train_rank
-from deeppool.executor.checkpoint import export, step_dir
+from deeppool.executor.training.checkpoint import export, step_dir
 from deeppool.executor.config import BatchNormMode, CheckpointConfig, OptimizerConfig, RunConfig
 from deeppool.executor.engine.syncbn import GroupBatchNorm
 from deeppool.planner.modelspec import LoadedModel

@@ -15,7 +15,7 @@ from deeppool.executor.api import RankResult, train_rank
 from deeppool.executor.engine.comm import Lane
 from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
 from deeppool.executor.engine.data import SyntheticBatches
-from deeppool.executor.reference import compare, train_reference
+from deeppool.executor.training.reference import compare, train_reference
 from deeppool.planner.plan import Plan
 from tests.executor.fakes import SerialBuilder, ThreadComm, ThreadWorld, run_threads
 from tests.executor.plans import Assign, cycle, make_plan

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.checkpoint import load_run
+from deeppool.executor.training.checkpoint import load_run
 from deeppool.executor.engine.comm import TorchComm
 from deeppool.executor.config import CheckpointConfig, LossScaling, OptimizerConfig, Precision, RunConfig
 from deeppool.executor.engine.precision import AgreedScaler, grad_scaler, output_dtypes

@@ -16,8 +16,8 @@ from deeppool.executor.config import OptimizerConfig, RunConfig
 from deeppool.executor.engine.gradients import GradientReducer
 from deeppool.executor.launch import preflight
 from deeppool.executor.engine.local_model import check_plan_matches
-from deeppool.executor.outputs import PROGRESS
-from deeppool.executor.progress import ProgressFile
+from deeppool.executor.training.outputs import PROGRESS
+from deeppool.executor.training.progress import ProgressFile
 from deeppool.executor.engine.syncbn import GroupBatchNorm
 from deeppool.executor.engine.timing import Category, Span, chrome_trace, summarise
 from deeppool.planner.modelspec import ModelSpec

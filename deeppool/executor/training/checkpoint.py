@@ -82,7 +82,7 @@ class RunState:
     (tied weights are stored once; tensors tracing made up are stored but not exported)."""
     progress: dict[str, Any]
     """The data position (global batches consumed) and what a policy may have changed, accumulation and
-    base LR (:class:`~deeppool.executor.adapt.Progress`)."""
+    base LR (:class:`~deeppool.executor.training.adapt.Progress`)."""
     scaler: dict[str, Any] | None = None
     """The fp16 loss scaler's state (:class:`~deeppool.executor.engine.precision.AgreedScaler`)."""
     adaptation: dict[str, Any] | None = None
