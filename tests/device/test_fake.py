@@ -208,7 +208,7 @@ def test_a_rank_binds_the_gpu_its_local_rank_names_and_gloo_binds_none() -> None
     """The worker's device choice (``--backend nccl``): GPU ``LOCAL_RANK % count``, through the seam."""
     from deeppool.errors import DeeppoolError
     from deeppool.executor.config import Backend
-    from deeppool.executor.worker import RankEnv, bind_device
+    from deeppool.executor.launch.worker import RankEnv, bind_device
 
     gpu = FakeGpu(gpus=4)
     for local_rank in (0, 3, 5):

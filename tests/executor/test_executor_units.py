@@ -14,7 +14,7 @@ from deeppool.errors import DeeppoolError
 from deeppool.executor.api import train_rank
 from deeppool.executor.config import OptimizerConfig, RunConfig
 from deeppool.executor.engine.gradients import GradientReducer
-from deeppool.executor.launch import preflight
+from deeppool.executor.launch.launch import preflight
 from deeppool.executor.engine.local_model import check_plan_matches
 from deeppool.executor.training.outputs import PROGRESS
 from deeppool.executor.training.progress import ProgressFile

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from deeppool.executor.netprobe import NetworkFit
+from deeppool.executor.launch.netprobe import NetworkFit
 from deeppool.executor.training.summary import RunSummary
 
 

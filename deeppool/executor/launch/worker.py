@@ -35,7 +35,7 @@ from deeppool.executor.config import RunConfig
 from deeppool.executor.engine.faults import Slowdown
 from deeppool.executor.engine.idle import StartLender
 from deeppool.executor.engine.program import rank_groups
-from deeppool.executor.report import print_summary
+from deeppool.executor.launch.report import print_summary
 from deeppool.executor.engine.timing import Span, chrome_trace
 from deeppool.output import console
 from deeppool.planner.allocator import steady_allocator
