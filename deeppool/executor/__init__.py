@@ -5,6 +5,11 @@
 any number of machines; :func:`train_rank` is the Python API (a user data
 loader, an idle-window listener, injected communication). See
 ``docs/executor.md``.
+
+Its rooms, imports going one way from the top down: ``launch`` (the launcher, the
+worker process, the commands) over ``api`` over ``training`` (checkpoints, the
+``--check`` reference, step figures, adaptation, the summary) over ``engine`` (one
+rank's iteration), all over ``config``.
 """
 
 import importlib
