@@ -163,9 +163,9 @@ def executor_worker(plan_path: Path, steps: int, warmup: int, out: Path, batchno
     import torch.distributed as dist
 
     from deeppool.executor.api import train_rank
-    from deeppool.executor.comm import TorchComm
+    from deeppool.executor.engine.comm import TorchComm
     from deeppool.executor.config import BatchNormMode, OptimizerConfig, RunConfig
-    from deeppool.executor.program import rank_groups
+    from deeppool.executor.engine.program import rank_groups
     from deeppool.planner.plan import Plan
 
     backend, device = rank_device()
@@ -191,7 +191,7 @@ def synchronise_batch_norms(module: nn.Module, group: object) -> None:
     """The executor's synchronised BatchNorm in DDP (torch's ``SyncBatchNorm`` refuses CPU tensors)."""
     import torch.distributed as dist
 
-    from deeppool.executor.syncbn import GroupBatchNorm
+    from deeppool.executor.engine.syncbn import GroupBatchNorm
 
     def reduce(tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=group)
@@ -245,10 +245,10 @@ def quartile(values: list[float]) -> float:
 
 # -- the executor side --------------------------------------------------------------------------
 def run_plan(plan_path: Path, nproc: int, steps: int, warmup: int, out: Path, bucket_mb: float = 25.0) -> dict:
-    from deeppool.executor.cli import config_args, make_config
-    from deeppool.executor.comm import Backend
+    from deeppool.executor.launch.cli import config_args, make_config
+    from deeppool.executor.engine.comm import Backend
     from deeppool.executor.config import OptimizerKind
-    from deeppool.executor.launch import launch
+    from deeppool.executor.launch.launch import launch
     from deeppool.planner.plan import Plan
 
     config = make_config(steps=steps, warmup=warmup, optimizer=OptimizerKind.SGD, lr=0.01, momentum=0.0,
@@ -270,7 +270,7 @@ def data_parallel_plan(model_file: Path, nproc: int, batch: int, path: Path) -> 
 
 
 def measure_network(nproc: int, path: Path) -> None:
-    from deeppool.executor.netprobe import ProbeConfig, probe_network
+    from deeppool.executor.launch.netprobe import ProbeConfig, probe_network
 
     fitted = probe_network(ProbeConfig(nproc=nproc))
     fitted.save(path)

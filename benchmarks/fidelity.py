@@ -128,7 +128,7 @@ def contention(nproc: int) -> float:
 
 
 def measure_network(nproc: int, path: Path) -> None:
-    from deeppool.executor.netprobe import ProbeConfig, probe_network
+    from deeppool.executor.launch.netprobe import ProbeConfig, probe_network
 
     probe_network(ProbeConfig(nproc=nproc)).save(path)
 
@@ -180,10 +180,10 @@ def split_burst(planned: Any, nproc: int) -> Any:
 
 
 def run_plan(plan: Path, nproc: int, steps: int, warmup: int, out: Path) -> dict:
-    from deeppool.executor.cli import config_args, make_config
-    from deeppool.executor.comm import Backend
+    from deeppool.executor.launch.cli import config_args, make_config
+    from deeppool.executor.engine.comm import Backend
     from deeppool.executor.config import OptimizerKind
-    from deeppool.executor.launch import launch
+    from deeppool.executor.launch.launch import launch
     from deeppool.planner.plan import Plan
 
     config = make_config(steps=steps, warmup=warmup, optimizer=OptimizerKind.SGD, lr=0.01, momentum=0.0,

@@ -77,10 +77,10 @@ def worker(steps: int, warmup: int, repeats: int, out: Path) -> None:
 
     import deeppool
     from deeppool.executor.api import train_rank
-    from deeppool.executor.comm import TorchComm
+    from deeppool.executor.engine.comm import TorchComm
     from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
-    from deeppool.executor.program import rank_groups
-    from deeppool.executor.timing import Category
+    from deeppool.executor.engine.program import rank_groups
+    from deeppool.executor.engine.timing import Category
 
     torch.set_num_threads(1)
     spec = importlib.util.spec_from_file_location("cnn", MODEL)

@@ -393,7 +393,7 @@ def _mount_package_commands() -> None:
     """
     from deeppool.cluster_sim.cli import simulate, simulate_deeppool
     from deeppool.coordinator import cli as coordinator
-    from deeppool.executor.cli import export, profile_network
+    from deeppool.executor.launch.cli import export, profile_network
     from deeppool.multiplex.cli import app as multiplex_app
     from deeppool.run_command import run
 

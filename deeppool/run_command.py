@@ -1,10 +1,10 @@
 """``deeppool run`` and its ranks' worker: the executor with the multiplexer wired in.
 
 The one place above both layers where they meet: the executor runs a plan and offers its idle windows
-through a :class:`~deeppool.executor.idle.StartLender`; the multiplexer lends them to a background job.
+through a :class:`~deeppool.executor.engine.idle.StartLender`; the multiplexer lends them to a background job.
 ``app`` holds the ``run`` command, which the main CLI mounts as ``deeppool run``; ``worker_app`` is what
 ``python -m deeppool.executor plan.json`` runs on every rank under torchrun. Both take the same run options
-(:mod:`deeppool.executor.cli`) and the background's (:mod:`deeppool.multiplex.options`).
+(:mod:`deeppool.executor.launch.cli`) and the background's (:mod:`deeppool.multiplex.options`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import typer
 
 from deeppool import checks
 from deeppool.interrupt import removed_if_interrupted
-from deeppool.executor.cli import (
+from deeppool.executor.launch.cli import (
     Accumulate, BackendOpt, BaseBatch, BatchNormOpt, BucketMb, Check, CheckBound, CheckpointDir, CheckpointEvery,
     ClipNorm, CombineOpt, DataOpt, DataSeed, DataWorkers, LossScale, Lr, LrSchedule, LrScalingFlag, LrWarmup,
     ModelOpt, Momentum, MonitorEvery, MonitorOpt, NNodes, Optim, Out, PlanArg, PolicyOpt, PrecisionOpt,
@@ -30,8 +30,8 @@ from deeppool.executor.config import (
     DEFAULT_TIMEOUT_S, Backend, BatchNormMode, LossScaling, LrScaling, Monitor, Nodes, OptimizerKind, Precision,
     RunConfig, ScheduleKind, check_adaptation,
 )
-from deeppool.executor.outputs import RESIZE
-from deeppool.executor.worker_args import config_args
+from deeppool.executor.training.outputs import RESIZE
+from deeppool.executor.launch.worker_args import config_args
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.options import (
     AbBlock, BackgroundOpt, BgBatch, BgBroker, BgCheckpointDir, BgLr, BgOptim, MpsPercentage, MuxOpt, SlowdownTarget,
@@ -86,7 +86,7 @@ def run(
     ranks = nproc if nproc is not None else loaded.gpus // nodes.count
     check_ranks(ranks, loaded, given=nproc is not None, nodes=nodes.count)
     if tensorboard is not None:
-        from deeppool.executor.tensorboard import check_available
+        from deeppool.executor.training.tensorboard import check_available
 
         checks.out_folder(tensorboard, "--tensorboard")
         check_available()
@@ -125,7 +125,7 @@ def _live_scalars(out: Path, tensorboard: Path | None) -> contextlib.AbstractCon
     """``--tensorboard``: the run's steps written as TensorBoard scalars while it goes on."""
     if tensorboard is None:
         return contextlib.nullcontext()
-    from deeppool.executor.tensorboard import LiveScalars
+    from deeppool.executor.training.tensorboard import LiveScalars
 
     return LiveScalars(out, tensorboard)
 
@@ -157,7 +157,7 @@ def worker(
     bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30, bg_broker: BgBroker = None,
 ) -> None:
     """Run this process's rank of PLAN (rank and world from torchrun's environment)."""
-    from deeppool.executor.worker import RankEnv, run_worker
+    from deeppool.executor.launch.worker import RankEnv, run_worker
     from deeppool.multiplex.hook import Multiplexer
     from deeppool.planner.plan import Plan
 
@@ -182,7 +182,7 @@ def worker(
     except BaseException as err:  # every failure leaves a record naming this rank
         if isinstance(err, (SystemExit, typer.Exit)):
             raise
-        from deeppool.executor.worker import report_failure
+        from deeppool.executor.launch.worker import report_failure
 
         kind = report_failure(err, env, out)
         raise SystemExit(kind.value) from None

@@ -12,14 +12,21 @@ from pathlib import Path
 import deeppool
 
 PACKAGE = Path(deeppool.__file__).parent
+_API, _ENGINE, _TRAINING, _LAUNCH = (f"deeppool.executor.{room}" for room in ("api", "engine", "training", "launch"))
 FORBIDDEN = {
     "deeppool.planner": ("deeppool.cluster_sim", "deeppool.coordinator", "deeppool.executor", "deeppool.multiplex"),
     "deeppool.scheduling": ("deeppool.cluster_sim",),
     "deeppool.executor": ("deeppool.multiplex", "deeppool.run_command"),
+    "deeppool.executor.config": (_API, _ENGINE, _TRAINING, _LAUNCH),
+    "deeppool.executor.engine": (_API, _TRAINING, _LAUNCH),
+    "deeppool.executor.training": (_API, _LAUNCH),
+    "deeppool.executor.api": (_LAUNCH,),
 }
 """Layer -> the layers above it, which it must not import. ``deeppool.run_command`` is the command layer where
 the executor and the multiplexer are wired together: the worker gets its background work through the
-``StartLender`` seam."""
+``StartLender`` seam. Inside the executor the rooms stack one way: ``launch`` (processes, the worker, its
+commands) over ``api`` (``train_rank``) over ``training`` (the features around the engine) over ``engine`` (one
+rank's iteration), all over ``config``."""
 ENTRIES = {"deeppool.executor.__main__": ("deeppool.run_command",)}
 """Programs, not modules of their layer: ``python -m deeppool.executor`` (what torchrun starts) runs the command
 layer's worker."""

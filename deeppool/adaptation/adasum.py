@@ -56,7 +56,7 @@ def adasum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 Exchange = Callable[[Sequence[tuple[int, torch.Tensor]], Sequence[tuple[int, torch.Tensor]]], None]
-"""Sends and receives ``(peer, tensor)`` pairs and waits for all (:meth:`deeppool.executor.comm.Comm.exchange`)."""
+"""Sends and receives ``(peer, tensor)`` pairs and waits for all (:meth:`deeppool.executor.engine.comm.Comm.exchange`)."""
 
 
 def adasum_exchange(tensor: torch.Tensor, ranks: Sequence[int], rank: int, exchange: Exchange) -> None:

@@ -71,7 +71,7 @@ class DriverSpec:
 
 def drive(spec: DriverSpec) -> dict[str, Any]:
     from deeppool.coordinator.slurm import run_across
-    from deeppool.executor.worker_args import config_args
+    from deeppool.executor.launch.worker_args import config_args
     from deeppool.executor.config import RunConfig
     from deeppool.multiplex.api import run
     from deeppool.multiplex.options import background_args
@@ -138,7 +138,7 @@ def _script(spec: DriverSpec, plan: Any, config: Any, *, lent: bool, one_node: b
     """A script job: the user's script on every rank, as ``deeppool run --script`` starts it (one node;
     the script's loop has no idle-window listener, so a background job lent its windows does not run)."""
     from deeppool.errors import DeeppoolError
-    from deeppool.executor.launch import launch
+    from deeppool.executor.launch.launch import launch
 
     if not one_node:
         raise DeeppoolError("a script job runs on one node: serve it without --launcher slurm")

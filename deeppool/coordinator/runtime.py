@@ -68,7 +68,7 @@ from deeppool.coordinator.isolation import Account, AccountError, RunAs, read_jo
 from deeppool.coordinator.jobs import Job, JobStatus
 from deeppool.coordinator.launcher import Launcher, Phase, Resources, resources_for
 from deeppool.coordinator.store import Store
-from deeppool.executor.outputs import EVENTS, PROGRESS
+from deeppool.executor.training.outputs import EVENTS, PROGRESS
 from deeppool.errors import DeeppoolError
 
 log = logging.getLogger("deeppool.coordinator")

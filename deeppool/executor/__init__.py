@@ -5,6 +5,11 @@
 any number of machines; :func:`train_rank` is the Python API (a user data
 loader, an idle-window listener, injected communication). See
 ``docs/executor.md``.
+
+Its rooms, imports going one way from the top down: ``launch`` (the launcher, the
+worker process, the commands) over ``api`` over ``training`` (checkpoints, the
+``--check`` reference, step figures, adaptation, the summary) over ``engine`` (one
+rank's iteration), all over ``config``.
 """
 
 import importlib
@@ -14,10 +19,10 @@ _HOMES = {
     "ModelBuilder": "api", "RankResult": "api", "train_rank": "api",
     "Backend": "config", "OptimizerConfig": "config", "OptimizerKind": "config", "RunConfig": "config",
     "Adaptation": "config", "LrScaling": "config", "Monitor": "config",
-    "GnsReading": "monitor", "GradientMonitor": "monitor",
-    "Comm": "comm", "TorchComm": "comm",
-    "IdleListener": "idle", "IdleWindowEvent": "idle",
-    "RunSummary": "summary",
+    "GnsReading": "engine.monitor", "GradientMonitor": "engine.monitor",
+    "Comm": "engine.comm", "TorchComm": "engine.comm",
+    "IdleListener": "engine.idle", "IdleWindowEvent": "engine.idle",
+    "RunSummary": "training.summary",
 }
 """Where each public name lives: imported on first use, so ``deeppool --help`` never loads torch."""
 

@@ -1,11 +1,11 @@
 """The Python API: train one rank of a plan with injected communication.
 
 :func:`train_rank` is what every rank runs (the worker calls it with a
-:class:`~deeppool.executor.comm.TorchComm`; tests call it with a fake). It
+:class:`~deeppool.executor.engine.comm.TorchComm`; tests call it with a fake). It
 rebuilds and checks the model, runs ``config.steps`` iterations (with ``check``,
 each followed by the same step of single-process training; gradients, buffers
 and parameters are compared, then realigned:
-:class:`~deeppool.executor.reference.LockstepReference`) and
+:class:`~deeppool.executor.training.reference.LockstepReference`) and
 returns this rank's result;
 rank 0's result carries the :class:`RunSummary` of all ranks.
 """
@@ -26,34 +26,34 @@ from deeppool.device.seam import Gpu, event_factory, side_stream, synchronizer
 from deeppool.adaptation.adascale import AdaScale
 from deeppool.adaptation.policy import Policy
 from deeppool.errors import DeeppoolError
-from deeppool.executor.adapt import Adapter, EventLog, Progress, Resize, StepLog
-from deeppool.executor.checkpoint import (
+from deeppool.executor.training.adapt import Adapter, EventLog, Progress, Resize, StepLog
+from deeppool.executor.training.checkpoint import (
     GroupShard, RunState, intact, latest, load_group, load_own, load_run, model_keys, save, writer,
 )
-from deeppool.executor.checkpoint import groups as checkpoint_groups
-from deeppool.executor.comm import Comm, Lane
+from deeppool.executor.training.checkpoint import groups as checkpoint_groups
+from deeppool.executor.engine.comm import Comm, Lane
 from deeppool.executor.config import (
     BatchNormMode, CheckpointConfig, LrScaling, OptimizerKind, Precision, RunConfig, check_adaptation,
     default_base_batch,
 )
-from deeppool.executor.data import (
+from deeppool.executor.engine.data import (
     BatchSource, DataReport, DatasetBatches, EpochOrder, LoaderBatches, SyntheticBatches, load_dataset, needed_rows,
 )
-from deeppool.executor.engine import Engine, EngineParts
-from deeppool.executor.faults import Slowdown
-from deeppool.executor.gradients import FIRST_BUCKET_BYTES, GradientReducer
-from deeppool.executor.idle import IdleListener, NoBackground
-from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
-from deeppool.executor.monitor import AdaScaleLr, GnsReading, GradientMonitor, group_shares, single_groups
-from deeppool.executor.outputs import RESIZE
-from deeppool.executor.precision import AgreedScaler, MixedPrecision, output_dtypes
-from deeppool.executor.program import Program, build_program, idle_positions, pace_group
-from deeppool.executor.progress import ProgressFile
-from deeppool.executor.reference import CheckResult, LockstepReference, worst_of
-from deeppool.executor.summary import RunSummary, summarise_run
-from deeppool.executor.steptimes import StepMonitor
-from deeppool.executor.syncbn import Reduce
-from deeppool.executor.timing import Category, Clock, Counter, Recorder, RankTimes, Span, summarise
+from deeppool.executor.engine.engine import Engine, EngineParts
+from deeppool.executor.engine.faults import Slowdown
+from deeppool.executor.engine.gradients import FIRST_BUCKET_BYTES, GradientReducer
+from deeppool.executor.engine.idle import IdleListener, NoBackground
+from deeppool.executor.engine.local_model import LocalModel, check_plan_matches, hold
+from deeppool.executor.engine.monitor import AdaScaleLr, GnsReading, GradientMonitor, group_shares, single_groups
+from deeppool.executor.training.outputs import RESIZE
+from deeppool.executor.engine.precision import AgreedScaler, MixedPrecision, output_dtypes
+from deeppool.executor.engine.program import Program, build_program, idle_positions, pace_group
+from deeppool.executor.training.progress import ProgressFile
+from deeppool.executor.training.reference import CheckResult, LockstepReference, worst_of
+from deeppool.executor.training.summary import RunSummary, summarise_run
+from deeppool.executor.training.steptimes import StepMonitor
+from deeppool.executor.engine.syncbn import Reduce
+from deeppool.executor.engine.timing import Category, Clock, Counter, Recorder, RankTimes, Span, summarise
 from deeppool.output import console
 from deeppool.planner.graph import TraceMethod
 from deeppool.planner.jsonio import write_json
@@ -95,7 +95,7 @@ def train_rank(
 
     ``data``: an iterable of global ``(inputs, targets)`` batches (every rank reads them all), or a
     map-style ``torch.utils.data.Dataset`` of ``(input, target)`` samples, of which the rank loads
-    only its rows (:class:`~deeppool.executor.data.DatasetBatches`, ``config.data``'s seed and
+    only its rows (:class:`~deeppool.executor.engine.data.DatasetBatches`, ``config.data``'s seed and
     workers); None: ``config.data``'s dataset, else the model's synthetic batch. ``on_idle`` hears this
     rank's idle windows: give one on every rank or on none, since with listeners the ranks that run no
     layer follow rank 0's iterations (``EngineParts.pace``). ``policy`` adapts the

@@ -65,7 +65,7 @@ class BatchNormMode(enum.Enum):
     """Whose statistics a BatchNorm layer on several ranks normalises with."""
 
     SYNC = "sync"
-    """The layer's whole batch, summed over its ranks (:mod:`deeppool.executor.syncbn`): exact to
+    """The layer's whole batch, summed over its ranks (:mod:`deeppool.executor.engine.syncbn`): exact to
     single-process training, at three small blocking all-reduces per BatchNorm per iteration."""
     LOCAL = "local"
     """Each rank's own samples, as ``DistributedDataParallel`` with ``nn.BatchNorm`` computes: no
@@ -134,7 +134,7 @@ class Monitor(enum.Enum):
 
     NONE = "none"
     GNS = "gns"
-    """The gradient noise scale (:mod:`deeppool.executor.monitor`)."""
+    """The gradient noise scale (:mod:`deeppool.executor.engine.monitor`)."""
 
 
 class LrScaling(enum.Enum):
@@ -238,7 +238,7 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """Where checkpoints go (:mod:`deeppool.executor.checkpoint`), how often, and whether to resume."""
+    """Where checkpoints go (:mod:`deeppool.executor.training.checkpoint`), how often, and whether to resume."""
 
     directory: Path
     every: int = 0
@@ -270,7 +270,7 @@ class RunConfig:
     policy: str | None = None
     """``--policy``: a built-in adaptation policy or ``module:factory`` (:mod:`deeppool.adaptation.policy`)."""
     monitor_every: int = 10
-    """Steps per all-gather of the ranks' step and compute times (:mod:`deeppool.executor.steptimes`)."""
+    """Steps per all-gather of the ranks' step and compute times (:mod:`deeppool.executor.training.steptimes`)."""
     adaptation: Adaptation = field(default_factory=Adaptation)
     precision: Precision = Precision.FP32
     loss_scaling: LossScaling = field(default_factory=LossScaling)

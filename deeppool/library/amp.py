@@ -4,7 +4,7 @@
 torch.autocast(...)`` opened; a reshard's receive buffer must then have the dtype the producing layer
 outputs under that autocast, not its traced fp32. :class:`UserPrecision` reads the autocast state at
 each reshard; every layer's output dtype under bf16 and fp16 autocast is computed once, before the rank
-drops the layers it does not run (:func:`~deeppool.executor.precision.output_dtypes`, on fake tensors).
+drops the layers it does not run (:func:`~deeppool.executor.engine.precision.output_dtypes`, on fake tensors).
 
 **GradScaler.** ``bp.step(..., scaler=scaler)`` starts the backward from ``scaler.scale(loss)``; the
 user then calls ``scaler.step(opt)`` and ``scaler.update()`` unchanged. Those look for an inf or NaN
@@ -14,7 +14,7 @@ that overflowed on rank 0 alone is never seen by rank 3. So after the reduction 
 whether it holds a non-finite gradient (in the same all-reduce as the global loss), and a rank whose
 gradients are finite while some rank's are not sets one of its gradient elements to inf: its scaler
 then skips the step and backs off exactly as every other rank's does, as the executor's
-:class:`~deeppool.executor.precision.AgreedScaler` agrees.
+:class:`~deeppool.executor.engine.precision.AgreedScaler` agrees.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import fx
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import Precision
-from deeppool.executor.precision import MixedPrecision, output_dtypes
+from deeppool.executor.engine.precision import MixedPrecision, output_dtypes
 from deeppool.planner.graph import LayerGraph
 
 _PRECISIONS = {torch.bfloat16: Precision.BF16, torch.float16: Precision.FP16}

@@ -2,7 +2,7 @@
 
 :func:`parallelize` does what ``deeppool run``'s ranks do before their first step (trace the model,
 check it is the plan's, keep this rank's layers, compile its stages, make the process groups) and
-wires the same :class:`~deeppool.executor.engine.Engine`, with no optimizer: ``bp.step`` runs the
+wires the same :class:`~deeppool.executor.engine.engine.Engine`, with no optimizer: ``bp.step`` runs the
 rank's program (forwards, reshards, backwards, gradient all-reduces, overlapped as in ``deeppool
 run``) and leaves the summed gradients on :meth:`Parallelized.parameters`, for the user's optimizer,
 scheduler, clipping and logging. The gradients are those of the *global* mean loss: ``loss_fn`` is a
@@ -32,18 +32,18 @@ from torch.utils import _pytree as pytree
 from deeppool.device.cuda import gpu_for
 from deeppool.device.seam import event_factory, side_stream, synchronizer
 from deeppool.errors import DeeppoolError
-from deeppool.executor.checkpoint import model_keys
-from deeppool.executor.comm import Lane, TorchComm
+from deeppool.executor.training.checkpoint import model_keys
+from deeppool.executor.engine.comm import Lane, TorchComm
 from deeppool.executor.config import DEFAULT_TIMEOUT_S, BatchNormMode
-from deeppool.executor.data import Batch, needed_rows
-from deeppool.executor.engine import Engine, EngineParts
-from deeppool.executor.gradients import FIRST_BUCKET_BYTES, GradientReducer
-from deeppool.executor.idle import NoBackground
-from deeppool.executor.local_model import LocalModel, check_plan_matches, hold
-from deeppool.executor.monitor import group_shares
-from deeppool.executor.program import Program, build_program, idle_positions, rank_groups
-from deeppool.executor.syncbn import GroupBatchNorm, Reduce
-from deeppool.executor.timing import Category, Recorder
+from deeppool.executor.engine.data import Batch, needed_rows
+from deeppool.executor.engine.engine import Engine, EngineParts
+from deeppool.executor.engine.gradients import FIRST_BUCKET_BYTES, GradientReducer
+from deeppool.executor.engine.idle import NoBackground
+from deeppool.executor.engine.local_model import LocalModel, check_plan_matches, hold
+from deeppool.executor.engine.monitor import group_shares
+from deeppool.executor.engine.program import Program, build_program, idle_positions, rank_groups
+from deeppool.executor.engine.syncbn import GroupBatchNorm, Reduce
+from deeppool.executor.engine.timing import Category, Recorder
 from deeppool.library.amp import UserPrecision, non_finite, spread_overflow
 from deeppool.library.world import LazyTotals, broadcast_module, join, world_sum
 from deeppool.planner.graph import TraceMethod

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deeppool.executor.config import DataConfig, Nodes, RunConfig
-from deeppool.executor.launch import launch
-from deeppool.executor.worker_args import config_args
+from deeppool.executor.launch.launch import launch
+from deeppool.executor.launch.worker_args import config_args
 from deeppool.multiplex import preflight
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.options import background_args

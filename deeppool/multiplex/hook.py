@@ -8,7 +8,7 @@
     sections = mux.gather(comm, result.spans)   # every rank; {"multiplex": ...} on rank 0
     mux.show(console)                           # rank 0: the table
 
-It is the executor's :class:`~deeppool.executor.idle.IdleLender`: the command that starts the ranks hands the
+It is the executor's :class:`~deeppool.executor.engine.idle.IdleLender`: the command that starts the ranks hands the
 worker :meth:`Multiplexer.start` (with the ``BackgroundConfig`` bound), and the worker knows no more than that.
 
 A rank the plan never leaves idle hosts nothing (its listener is never called). A rank that runs no
@@ -29,9 +29,9 @@ from rich.console import Console
 
 from deeppool.device.cuda import gpu_for
 from deeppool.device.seam import Gpu
-from deeppool.executor.comm import Comm
-from deeppool.executor.idle import IdleListener, NoBackground
-from deeppool.executor.timing import Span
+from deeppool.executor.engine.comm import Comm
+from deeppool.executor.engine.idle import IdleListener, NoBackground
+from deeppool.executor.engine.timing import Span
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.cpu import ProcessBackground, child_spec
 from deeppool.multiplex.metrics import MultiplexReport, RankBackground, RankSteps, report

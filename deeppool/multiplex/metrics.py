@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.timing import Category, Span
+from deeppool.executor.engine.timing import Category, Span
 from deeppool.multiplex.config import ABSchedule, MuxMode
 
 MAX_PARSED = 100_000

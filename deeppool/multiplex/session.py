@@ -27,7 +27,7 @@ import statistics
 from dataclasses import replace
 from typing import Protocol
 
-from deeppool.executor.idle import IdleWindowEvent
+from deeppool.executor.engine.idle import IdleWindowEvent
 from deeppool.multiplex.config import BackgroundConfig
 from deeppool.multiplex.controller import ControllerConfig, SlowdownController, relative_noise
 from deeppool.multiplex.metrics import RankBackground
@@ -51,7 +51,7 @@ class Background(Protocol):
 
 
 class Session:
-    """The :class:`~deeppool.executor.idle.IdleListener` of one hosting rank."""
+    """The :class:`~deeppool.executor.engine.idle.IdleListener` of one hosting rank."""
 
     def __init__(self, config: BackgroundConfig, background: Background, *, predicted_iteration_ms: float) -> None:
         self.config = config

@@ -184,7 +184,7 @@ def test_the_device_timing_paths_run_through_the_fake() -> None:
     """The profiler's and the executor's CUDA timing: device events, settled once per iteration."""
     import time
 
-    from deeppool.executor.timing import Category, Recorder
+    from deeppool.executor.engine.timing import Category, Recorder
     from deeppool.planner.profiler import _timed
 
     gpu = FakeGpu()
@@ -208,7 +208,7 @@ def test_a_rank_binds_the_gpu_its_local_rank_names_and_gloo_binds_none() -> None
     """The worker's device choice (``--backend nccl``): GPU ``LOCAL_RANK % count``, through the seam."""
     from deeppool.errors import DeeppoolError
     from deeppool.executor.config import Backend
-    from deeppool.executor.worker import RankEnv, bind_device
+    from deeppool.executor.launch.worker import RankEnv, bind_device
 
     gpu = FakeGpu(gpus=4)
     for local_rank in (0, 3, 5):

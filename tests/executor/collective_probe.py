@@ -2,7 +2,7 @@
 
 With the GPU backend on a one-GPU host this is the documented single-rank check (NCCL refuses two
 ranks on one GPU): a world of one, bound through the device seam, runs a real all-reduce, and an
-asynchronous one launched on a side stream and waited for as :mod:`deeppool.executor.gradients` does.
+asynchronous one launched on a side stream and waited for as :mod:`deeppool.executor.engine.gradients` does.
 With gloo (CI) the same code runs up to the device. Prints ``collective ok <backend> <device>``.
 """
 
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from deeppool.device.cuda import CudaGpu, backend_is_gpu
-from deeppool.executor.comm import TorchComm
-from deeppool.executor.gradients import GradientReducer
+from deeppool.executor.engine.comm import TorchComm
+from deeppool.executor.engine.gradients import GradientReducer
 from deeppool.device.seam import side_stream
 from tests.net import free_port
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from deeppool.executor.comm import Done, Lane, PeerError
+from deeppool.executor.engine.comm import Done, Lane, PeerError
 from deeppool.executor.api import ModelBuilder
 from deeppool.planner.modelspec import LoadedModel, ModelSpec
 from deeppool.planner.trace import Traced, trace

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from deeppool.executor.checkpoint import latest, load_run
-from deeppool.executor.outputs import EVENTS, RESIZE
+from deeppool.executor.training.checkpoint import latest, load_run
+from deeppool.executor.training.outputs import EVENTS, RESIZE
 from deeppool.planner.plan import Plan
 from tests.entry import deeppool
 from tests.executor.plans import Assign, cycle, make_plan

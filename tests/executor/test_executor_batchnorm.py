@@ -17,9 +17,9 @@ import torch
 from torch.func import functional_call
 
 from deeppool.executor.api import RankResult, train_rank
-from deeppool.executor.checkpoint import export, step_dir
+from deeppool.executor.training.checkpoint import export, step_dir
 from deeppool.executor.config import BatchNormMode, CheckpointConfig, OptimizerConfig, RunConfig
-from deeppool.executor.syncbn import GroupBatchNorm
+from deeppool.executor.engine.syncbn import GroupBatchNorm
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.plan import Plan
 from tests.entry import deeppool

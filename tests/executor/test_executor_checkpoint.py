@@ -10,7 +10,7 @@ import torch
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.api import RankResult
-from deeppool.executor.checkpoint import MARKER, export, latest, step_dir
+from deeppool.executor.training.checkpoint import MARKER, export, latest, step_dir
 from deeppool.executor.config import (
     CheckpointConfig,
     OptimizerConfig,

@@ -12,8 +12,8 @@ from torch.utils.data import TensorDataset
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import CheckpointConfig, DataConfig, OptimizerConfig, RunConfig, Training
-from deeppool.executor.data import DatasetBatches, EpochOrder, load_dataset, needed_rows
-from deeppool.executor.checkpoint import load_run
+from deeppool.executor.engine.data import DatasetBatches, EpochOrder, load_dataset, needed_rows
+from deeppool.executor.training.checkpoint import load_run
 from deeppool.planner.plan import Plan
 from tests.executor.plans import cycle, make_plan, traced_graph
 from tests.executor.test_executor_checkpoint import assert_same

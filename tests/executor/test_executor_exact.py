@@ -12,10 +12,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from deeppool.executor.api import RankResult, train_rank
-from deeppool.executor.comm import Lane
+from deeppool.executor.engine.comm import Lane
 from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
-from deeppool.executor.data import SyntheticBatches
-from deeppool.executor.reference import compare, train_reference
+from deeppool.executor.engine.data import SyntheticBatches
+from deeppool.executor.training.reference import compare, train_reference
 from deeppool.planner.plan import Plan
 from tests.executor.fakes import SerialBuilder, ThreadComm, ThreadWorld, run_threads
 from tests.executor.plans import Assign, cycle, make_plan

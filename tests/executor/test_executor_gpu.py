@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from deeppool.device.fake import FakeGpu, FakeStream, StreamOrderError
-from deeppool.executor.comm import Done, Waitable
+from deeppool.executor.engine.comm import Done, Waitable
 from deeppool.executor.config import RunConfig
-from deeppool.executor.gradients import GradientReducer
+from deeppool.executor.engine.gradients import GradientReducer
 from deeppool.device.seam import side_stream
 from tests.executor.gloo import Job, train_gloo
 from tests.executor.plans import cycle, make_plan

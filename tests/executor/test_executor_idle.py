@@ -10,9 +10,9 @@ import pytest
 
 from deeppool.executor.api import train_rank
 from deeppool.executor.config import RunConfig
-from deeppool.executor.idle import IdleWindowEvent
-from deeppool.executor.program import Program, build_program
-from deeppool.executor.timing import Category
+from deeppool.executor.engine.idle import IdleWindowEvent
+from deeppool.executor.engine.program import Program, build_program
+from deeppool.executor.engine.timing import Category
 from tests.executor.fakes import SerialBuilder, ThreadComm, ThreadWorld, run_threads
 from deeppool.planner.trace import trace
 from tests.executor.plans import Assign, cycle, make_plan

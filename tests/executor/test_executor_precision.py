@@ -13,10 +13,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.checkpoint import load_run
-from deeppool.executor.comm import TorchComm
+from deeppool.executor.training.checkpoint import load_run
+from deeppool.executor.engine.comm import TorchComm
 from deeppool.executor.config import CheckpointConfig, LossScaling, OptimizerConfig, Precision, RunConfig
-from deeppool.executor.precision import AgreedScaler, grad_scaler, output_dtypes
+from deeppool.executor.engine.precision import AgreedScaler, grad_scaler, output_dtypes
 from deeppool.planner.modelspec import ModelSpec
 from deeppool.planner.trace import trace
 from tests.executor.plans import Assign, cycle, make_plan, model_path

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from deeppool.executor.outputs import PROGRESS
-from deeppool.executor.reference import CheckResult
+from deeppool.executor.training.outputs import PROGRESS
+from deeppool.executor.training.reference import CheckResult
 from tests.entry import Result, deeppool
 from tests.executor.plans import Assign, cycle, make_plan, model_path
 

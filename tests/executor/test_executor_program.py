@@ -3,7 +3,7 @@
 import pytest
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.program import OpKind, Transfer, build_program, idle_positions, transfers
+from deeppool.executor.engine.program import OpKind, Transfer, build_program, idle_positions, transfers
 from deeppool.planner.graph import grad_flows
 from deeppool.planner.plan import IdleWindow, sample_ranges
 from deeppool.planner.trace import trace

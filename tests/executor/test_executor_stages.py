@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from deeppool.executor.config import OptimizerConfig, RunConfig
-from deeppool.executor.engine import Engine
-from deeppool.executor.overlap import StageOverlap
-from deeppool.executor.program import OpKind, Stage, build_program, partition
-from deeppool.executor.stage_module import StageModule
+from deeppool.executor.engine.engine import Engine
+from deeppool.executor.engine.overlap import StageOverlap
+from deeppool.executor.engine.program import OpKind, Stage, build_program, partition
+from deeppool.executor.engine.stage_module import StageModule
 from deeppool.planner.trace import trace
 from tests.executor.plans import Assign, cycle, make_plan, make_plan_for
 from tests.executor.test_executor_exact import train_threads

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from deeppool.executor.steptimes import StepMonitor
-from deeppool.executor.program import build_program
-from deeppool.executor.timing import Category, Recorder, Span
+from deeppool.executor.training.steptimes import StepMonitor
+from deeppool.executor.engine.program import build_program
+from deeppool.executor.engine.timing import Category, Recorder, Span
 from tests.executor.fakes import ThreadComm, ThreadWorld, run_threads
 from tests.executor.plans import cycle, make_plan, traced_graph
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deeppool.executor.timing import Category, Recorder
+from deeppool.executor.engine.timing import Category, Recorder
 
 CPU = torch.device("cpu")
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import OptimizerConfig, RunConfig, Schedule, ScheduleKind, Training
-from deeppool.executor.reference import CheckResult
+from deeppool.executor.training.reference import CheckResult
 from deeppool.planner.plan import Plan
 from tests.executor.plans import cycle, make_plan
 from tests.executor.test_executor_exact import train_threads

@@ -13,13 +13,13 @@ from torch import nn
 from deeppool.errors import DeeppoolError
 from deeppool.executor.api import train_rank
 from deeppool.executor.config import OptimizerConfig, RunConfig
-from deeppool.executor.gradients import GradientReducer
-from deeppool.executor.launch import preflight
-from deeppool.executor.local_model import check_plan_matches
-from deeppool.executor.outputs import PROGRESS
-from deeppool.executor.progress import ProgressFile
-from deeppool.executor.syncbn import GroupBatchNorm
-from deeppool.executor.timing import Category, Span, chrome_trace, summarise
+from deeppool.executor.engine.gradients import GradientReducer
+from deeppool.executor.launch.launch import preflight
+from deeppool.executor.engine.local_model import check_plan_matches
+from deeppool.executor.training.outputs import PROGRESS
+from deeppool.executor.training.progress import ProgressFile
+from deeppool.executor.engine.syncbn import GroupBatchNorm
+from deeppool.executor.engine.timing import Category, Span, chrome_trace, summarise
 from deeppool.planner.modelspec import ModelSpec
 from deeppool.planner.plan import Plan
 from deeppool.planner.trace import trace

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from deeppool.executor.config import RunConfig
-from deeppool.executor.launch import PLAN_VARIABLE, RunFailed, launch
+from deeppool.executor.launch.launch import PLAN_VARIABLE, RunFailed, launch
 from tests.executor.plans import cycle, make_plan_for
 
 MODEL = Path(__file__).resolve().parents[1] / "library" / "models" / "cnn.py"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.netprobe import (
+from deeppool.executor.launch.netprobe import (
     NetworkFit, Pattern, ProbeConfig, Sample, fit, measure_network, probe_network,
 )
 from deeppool.planner.api import CostSource
@@ -155,7 +155,7 @@ def test_measuring_this_machine_with_two_gloo_processes() -> None:
 
 
 def test_fit_table_lists_every_sample() -> None:
-    from deeppool.executor.report import fit_table
+    from deeppool.executor.launch.report import fit_table
 
     fitted: NetworkFit = probe_network(ProbeConfig(nproc=3, sizes=(4096, 2**20)), launcher=synthetic)
     assert fit_table(fitted).row_count == 2 * (1 + 2)

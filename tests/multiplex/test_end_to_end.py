@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from deeppool.executor.program import whole_idle_ranks
+from deeppool.executor.engine.program import whole_idle_ranks
 from deeppool.multiplex.metrics import net_gain
 from deeppool.planner.plan import Plan
 from tests.entry import deeppool

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.idle import IdleWindowEvent
-from deeppool.executor.timing import Category, Span
+from deeppool.executor.engine.idle import IdleWindowEvent
+from deeppool.executor.engine.timing import Category, Span
 from deeppool.multiplex.config import ABSchedule, BackgroundConfig, MuxMode
 from deeppool.multiplex.metrics import RankBackground, RankSteps, efficiency_curve, report
 from deeppool.multiplex.session import Session

@@ -4,7 +4,7 @@ Six blocks of three conv-BN-ReLU branches joined by torch.cat: a one-ulp change
 in a normalised activation flips ReLUs downstream. Free-running fp32 training
 for 4 steps (lr 0.1, momentum 0.9) on 3 ranks differed from single-process
 training by 6e-3 (relative) on the development machine, which is why `--check`
-compares step by step (deeppool/executor/reference.py).
+compares step by step (deeppool/executor/training/reference.py).
 """
 
 import torch

@@ -2,7 +2,7 @@
 
 A layer group is the rank set ``(0 … g−1)`` a layer's gradients are summed
 over. Before its all-reduce, rank ``r`` holds ``ℓ_r = (n_r/B)·ḡ_r``: the loss
-is pre-scaled by ``n_r/B`` (:mod:`deeppool.executor.engine`), and ``ḡ_r`` is
+is pre-scaled by ``n_r/B`` (:mod:`deeppool.executor.engine.engine`), and ``ḡ_r`` is
 the mean gradient over the rank's ``n_r`` samples. After it, every member
 holds the mean gradient over the global batch, ``G_B = Σ_r ℓ_r``. With ``K``
 micro-batches per step (``--accumulate``) the loss is also divided by ``K``
@@ -40,7 +40,7 @@ import torch
 
 from deeppool.adaptation.adascale import AdaScale
 from deeppool.adaptation.gns import GroupNorms, NoiseScale, StepEstimate
-from deeppool.executor.comm import Comm
+from deeppool.executor.engine.comm import Comm
 from deeppool.executor.config import Schedule
 from deeppool.planner.graph import LayerGraph
 from deeppool.planner.plan import Plan, sample_ranges
@@ -83,7 +83,7 @@ def single_groups(plan: Plan, graph: LayerGraph) -> int:
 class NormMeter:
     """Squared gradient norms per group in one step: this rank's before the all-reduce, the reduced after.
 
-    :class:`~deeppool.executor.gradients.GradientReducer` calls :meth:`before` on every bucket it
+    :class:`~deeppool.executor.engine.gradients.GradientReducer` calls :meth:`before` on every bucket it
     launches and :meth:`after` on every bucket it has waited for.
     """
 

@@ -6,7 +6,7 @@ the samples of a batch: :mod:`deeppool.planner.batching`), then runs ``nproc``
 workers with ``torch.distributed.launcher.elastic_launch`` (what torchrun runs
 underneath; no restarts). If any worker fails, the agent stops the others, and
 the launcher names the rank at fault: the earliest error a rank raised itself,
-else a rank that stopped responding (:mod:`deeppool.executor.hangwatch`), else
+else a rank that stopped responding (:mod:`deeppool.executor.launch.hangwatch`), else
 a rank that died by a signal, else the earliest communication failure.
 """
 
@@ -31,10 +31,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from deeppool.errors import DeeppoolError
 from deeppool.interrupt import Interrupted
-from deeppool.executor.outputs import EVENTS, RESIZE, STEPS
+from deeppool.executor.training.outputs import EVENTS, RESIZE, STEPS
 from deeppool.executor.config import Nodes, RunConfig
-from deeppool.executor.hangwatch import HangWatch
-from deeppool.executor.local_model import check_plan_matches
+from deeppool.executor.launch.hangwatch import HangWatch
+from deeppool.executor.engine.local_model import check_plan_matches
 from deeppool.planner.batching import check_per_sample, check_plan_batches
 from deeppool.planner.plan import Plan
 from deeppool.planner.trace import trace

@@ -6,7 +6,7 @@ names); the plan is refused if its layers are not this model's. The rank then
 keeps only the parameters of the layers it runs, and a layer on ``g > 1``
 ranks gets its BatchNorm modules replaced by :class:`GroupBatchNorm` over
 ranks ``0..g-1``, and each stage it runs is compiled into one
-:class:`~deeppool.executor.stage_module.StageModule`.
+:class:`~deeppool.executor.engine.stage_module.StageModule`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from torch import fx, nn
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import BatchNormMode
-from deeppool.executor.program import Stage
-from deeppool.executor.stage_module import StageModule
-from deeppool.executor.syncbn import FunctionalGroupBatchNorm, GroupBatchNorm, Reduce
+from deeppool.executor.engine.program import Stage
+from deeppool.executor.engine.stage_module import StageModule
+from deeppool.executor.engine.syncbn import FunctionalGroupBatchNorm, GroupBatchNorm, Reduce
 from deeppool.planner.graph import Layer, LayerGraph
 from deeppool.planner.plan import Plan
 from deeppool.planner.randomness import RandomSites, SampleRandomness

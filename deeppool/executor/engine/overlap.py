@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from deeppool.executor.program import Stage
+from deeppool.executor.engine.program import Stage
 
 HandOver = Callable[[str, tuple[int, ...]], None]
 """Hands one layer's gradients to the reducer over a group of ranks."""

@@ -5,7 +5,7 @@ optimizer step ``K`` (``--accumulate``), the base learning rate, and the data
 position (global batches trained on, ``Σ K`` over the steps, which indexes
 the data and the per-sample random draws, so changing ``K`` keeps the run
 exact). After every optimizer step it gathers the step's figures
-(:class:`~deeppool.executor.steptimes.StepMonitor`), reports new stragglers and
+(:class:`~deeppool.executor.training.steptimes.StepMonitor`), reports new stragglers and
 calls the policy (:mod:`deeppool.adaptation.policy`).
 
 Rank 0 reports what happens (stragglers, actions) on the console and as one
@@ -27,8 +27,8 @@ import torch
 
 from deeppool.adaptation.policy import Action, Policy, RequestGpus, SetAccumulate, SetLr, Snapshot
 from deeppool.adaptation.stragglers import Straggler
-from deeppool.executor.steptimes import StepFigures, StepLine, StepMonitor
-from deeppool.executor.outputs import EVENTS, STEPS
+from deeppool.executor.training.steptimes import StepFigures, StepLine, StepMonitor
+from deeppool.executor.training.outputs import EVENTS, STEPS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,7 +17,7 @@ import typer
 from deeppool import checks
 from deeppool.errors import DeeppoolError
 from deeppool.interrupt import removed_if_interrupted
-from deeppool.executor.worker_args import config_args
+from deeppool.executor.launch.worker_args import config_args
 from deeppool.executor.config import (
     DEFAULT_SIZES, Adaptation, Backend, BatchNormMode, CheckpointConfig, DataConfig, LossScaling, LrScaling,
     Monitor, Nodes, OptimizerConfig, OptimizerKind, Precision, ProbeConfig, RunConfig, Schedule, ScheduleKind,
@@ -155,7 +155,7 @@ def _located(factory: str) -> str:
 def run_script(plan: Plan, plan_path: Path, script: Path, args: list[str], *, ranks: int, out: Path,
                timeout: float, nodes: Nodes) -> None:
     """``--script``: the user's training script on every rank, as torchrun would start it."""
-    from deeppool.executor.launch import launch
+    from deeppool.executor.launch.launch import launch
 
     checks.existing_file(script, "--script")
     launch(plan, plan_path, nproc=ranks, config=RunConfig(out_dir=out, timeout_s=timeout), worker_args=args,
@@ -291,8 +291,8 @@ def profile_network(
 
 
 def _probe(config: ProbeConfig, out: Path) -> None:
-    from deeppool.executor.netprobe import probe_network
-    from deeppool.executor.report import fit_table
+    from deeppool.executor.launch.netprobe import probe_network
+    from deeppool.executor.launch.report import fit_table
     from deeppool.output import console
 
     fitted = probe_network(config)
@@ -318,7 +318,7 @@ def export(
     checks.existing_file(plan, "--plan")
     import torch
 
-    from deeppool.executor.checkpoint import export as joined
+    from deeppool.executor.training.checkpoint import export as joined
     from deeppool.output import console
 
     done, state = joined(checkpoint_dir, step, lambda message: print(f"warning: {message}", file=sys.stderr))

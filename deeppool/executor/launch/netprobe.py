@@ -2,7 +2,7 @@
 
 The planner never imports ``torch.distributed``, so the probe lives here.
 :func:`probe_network` starts ``nproc`` processes (``torch.multiprocessing``,
-spawn) that talk through the executor's own :class:`~deeppool.executor.comm.TorchComm`
+spawn) that talk through the executor's own :class:`~deeppool.executor.engine.comm.TorchComm`
 over gloo and time, at each message size:
 
 - point-to-point: a ping-pong between ranks 0 and 1 (``batch_isend_irecv``, as a
@@ -217,7 +217,7 @@ def _rank_main(rank: int, config: ProbeConfig, port: int, results: Any) -> None:
     die_on_interrupt()
     import torch.distributed as dist
 
-    from deeppool.executor.comm import Lane, TorchComm
+    from deeppool.executor.engine.comm import Lane, TorchComm
 
     torch.set_num_threads(1)
     dist.init_process_group(

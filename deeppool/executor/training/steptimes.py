@@ -33,9 +33,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from deeppool.adaptation.stragglers import Straggler, StragglerDetector
-from deeppool.executor.comm import Comm
-from deeppool.executor.program import Stage
-from deeppool.executor.timing import Category, Recorder
+from deeppool.executor.engine.comm import Comm
+from deeppool.executor.engine.program import Stage
+from deeppool.executor.engine.timing import Category, Recorder
 from deeppool.planner.plan import Plan
 
 _STAGES = 5

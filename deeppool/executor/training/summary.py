@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from deeppool.executor.adapt import AdaptationReport
-from deeppool.executor.data import DataReport
-from deeppool.executor.program import Stage
-from deeppool.executor.reference import CheckResult, worst_of
-from deeppool.executor.timing import RankTimes
+from deeppool.executor.training.adapt import AdaptationReport
+from deeppool.executor.engine.data import DataReport
+from deeppool.executor.engine.program import Stage
+from deeppool.executor.training.reference import CheckResult, worst_of
+from deeppool.executor.engine.timing import RankTimes
 from deeppool.planner.plan import Plan
 
 
@@ -46,7 +46,7 @@ class RunSummary:
     data: DataReport | None = None
     """``--data``: the dataset's size, epochs and position (None for the synthetic batch or a loader)."""
     adapted: AdaptationReport | None = None
-    """Stragglers and a policy's actions (:mod:`deeppool.executor.adapt`)."""
+    """Stragglers and a policy's actions (:mod:`deeppool.executor.training.adapt`)."""
 
     @property
     def iterations_per_s(self) -> float:

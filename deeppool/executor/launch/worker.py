@@ -30,13 +30,13 @@ from deeppool.device.cuda import CudaGpu
 from deeppool.device.seam import Gpu
 from deeppool.errors import DeeppoolError
 from deeppool.executor.api import RankResult, train_rank
-from deeppool.executor.comm import Backend, PeerError, TorchComm
+from deeppool.executor.engine.comm import Backend, PeerError, TorchComm
 from deeppool.executor.config import RunConfig
-from deeppool.executor.faults import Slowdown
-from deeppool.executor.idle import StartLender
-from deeppool.executor.program import rank_groups
-from deeppool.executor.report import print_summary
-from deeppool.executor.timing import Span, chrome_trace
+from deeppool.executor.engine.faults import Slowdown
+from deeppool.executor.engine.idle import StartLender
+from deeppool.executor.engine.program import rank_groups
+from deeppool.executor.launch.report import print_summary
+from deeppool.executor.engine.timing import Span, chrome_trace
 from deeppool.output import console
 from deeppool.planner.allocator import steady_allocator
 from deeppool.planner.jsonio import write_json

@@ -19,7 +19,7 @@ BatchNorm statistics. So a checkpoint stores each group once:
   agrees on it), the noise scale's moving averages and AdaScale's τ, and
   the data position: the global batches consumed (with ``--data``, epoch
   ``⌊n / N_e⌋``, batch ``n mod N_e`` of
-  :class:`~deeppool.executor.data.EpochOrder`); written by rank 0.
+  :class:`~deeppool.executor.engine.data.EpochOrder`); written by rank 0.
 
 Per-sample random draws are seeded by the step, so a resumed run continues
 exactly where the interrupted one was. Every file is written to a
@@ -82,9 +82,9 @@ class RunState:
     (tied weights are stored once; tensors tracing made up are stored but not exported)."""
     progress: dict[str, Any]
     """The data position (global batches consumed) and what a policy may have changed, accumulation and
-    base LR (:class:`~deeppool.executor.adapt.Progress`)."""
+    base LR (:class:`~deeppool.executor.training.adapt.Progress`)."""
     scaler: dict[str, Any] | None = None
-    """The fp16 loss scaler's state (:class:`~deeppool.executor.precision.AgreedScaler`)."""
+    """The fp16 loss scaler's state (:class:`~deeppool.executor.engine.precision.AgreedScaler`)."""
     adaptation: dict[str, Any] | None = None
     """The noise scale's moving averages (rank 0's, which writes this file) and AdaScale's τ and gain
     (``--monitor gns``, ``--lr-scaling adascale``)."""

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     import torch
     from rich.console import Console
 
-    from deeppool.executor.comm import Comm
-    from deeppool.executor.timing import Span
+    from deeppool.executor.engine.comm import Comm
+    from deeppool.executor.engine.timing import Span
     from deeppool.planner.plan import Plan
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from deeppool.executor.comm import Comm
+from deeppool.executor.engine.comm import Comm
 from deeppool.executor.config import LossScaling, Precision
 from deeppool.planner.graph import LayerGraph
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deeppool.executor.outputs import PROGRESS
+from deeppool.executor.training.outputs import PROGRESS
 from deeppool.planner.jsonio import write_json
 
 

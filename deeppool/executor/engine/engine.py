@@ -17,18 +17,18 @@ from typing import Any
 
 import torch
 
-from deeppool.executor.data import Batch
-from deeppool.executor.faults import Slowdown
-from deeppool.executor.gradients import GradientReducer
-from deeppool.executor.idle import IdleListener, IdleWindowEvent
-from deeppool.executor.local_model import LocalModel
-from deeppool.executor.monitor import AdaScaleLr, GradientMonitor
-from deeppool.executor.overlap import StageOverlap, install_hooks
-from deeppool.executor.precision import MixedPrecision
-from deeppool.executor.program import Op, OpKind, Program, Stage, Transfer
+from deeppool.executor.engine.data import Batch
+from deeppool.executor.engine.faults import Slowdown
+from deeppool.executor.engine.gradients import GradientReducer
+from deeppool.executor.engine.idle import IdleListener, IdleWindowEvent
+from deeppool.executor.engine.local_model import LocalModel
+from deeppool.executor.engine.monitor import AdaScaleLr, GradientMonitor
+from deeppool.executor.engine.overlap import StageOverlap, install_hooks
+from deeppool.executor.engine.precision import MixedPrecision
+from deeppool.executor.engine.program import Op, OpKind, Program, Stage, Transfer
 from deeppool.planner.graph import grad_flows
-from deeppool.executor.comm import Comm
-from deeppool.executor.timing import Category, Recorder, Span
+from deeppool.executor.engine.comm import Comm
+from deeppool.executor.engine.timing import Category, Recorder, Span
 from deeppool.planner.plan import IdleWindow, Plan, PlannedLayer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -102,19 +102,19 @@ class EngineParts:
     """Waits for the device (the device seam's ``synchronize`` on a GPU): only where an idle window closes,
     and once at the end of an iteration."""
     overlap: bool = True
-    """Start gradient all-reduces during the backward (:mod:`deeppool.executor.overlap`);
+    """Start gradient all-reduces during the backward (:mod:`deeppool.executor.engine.overlap`);
     off, each stage's gradients are handed over after its backward."""
     slowdown: Slowdown | None = None
-    """An injected slow rank (``DEEPPOOL_FAULT=slow-rank:R``, :mod:`deeppool.executor.faults`)."""
+    """An injected slow rank (``DEEPPOOL_FAULT=slow-rank:R``, :mod:`deeppool.executor.engine.faults`)."""
     monitor: GradientMonitor | None = None
     """Measures the gradient noise scale once gradients are reduced (``--monitor gns``); its meter is the
     reducer's."""
     lr_scaling: AdaScaleLr | None = None
     """Sets the learning rate before the optimizer steps (``--lr-scaling adascale``; then no ``scheduler``)."""
     precision: MixedPrecision = field(default_factory=MixedPrecision.fp32)
-    """Autocast, the reshard dtypes it gives and fp16 loss scaling (:mod:`deeppool.executor.precision`)."""
+    """Autocast, the reshard dtypes it gives and fp16 loss scaling (:mod:`deeppool.executor.engine.precision`)."""
     pace: tuple[int, ...] | None = None
-    """Rank 0 and the ranks that run no layer (:func:`~deeppool.executor.program.pace_group`), when an idle
+    """Rank 0 and the ranks that run no layer (:func:`~deeppool.executor.engine.program.pace_group`), when an idle
     listener is given: at each iteration's end rank 0 sends each of them one element and each waits for it,
     so its whole-iteration window closes when rank 0's iteration ends and its idle time is measured. None:
     no rank waits (a wholly idle rank runs ahead of the others)."""
@@ -413,7 +413,7 @@ class Engine:
                 scaler = self.p.lr_scaling.scaler
                 recorder.count(step, "adascale", {"gain": scaler.gain, "tau": scaler.tau, "lr": lr})
             if self.p.optimizer is not None:
-                if not skip:  # an fp16 overflow on some rank: every rank skips (deeppool.executor.precision)
+                if not skip:  # an fp16 overflow on some rank: every rank skips (deeppool.executor.engine.precision)
                     self.p.optimizer.step()
                 self.p.optimizer.zero_grad(set_to_none=True)
             if self.p.scheduler is not None:

@@ -7,7 +7,7 @@ all-reduce, overlapping the rest of the backward (as DDP does);
 step. A group's buckets fill and flush only at that group's layers, which all
 its ranks run in the same order, so every member issues the group's
 collectives (these and synchronised BatchNorm's) in one order. Gradients
-are handed over while the backward runs (:mod:`deeppool.executor.overlap`).
+are handed over while the backward runs (:mod:`deeppool.executor.engine.overlap`).
 On a GPU, as in DDP, a group's first bucket of an iteration is capped at
 1 MiB (``first_bucket_bytes``), so the first all-reduce starts early; on CPU
 the ranks share the cores with gloo's threads, an early small all-reduce
@@ -21,7 +21,7 @@ the collective's place among them, go through the device seam
 ``bucket_bytes == 0`` each layer's gradients are reduced synchronously right
 after its backward, so measured all-reduce times line up with the plan's.
 
-With a :class:`~deeppool.executor.monitor.NormMeter` (``--monitor gns``), each
+With a :class:`~deeppool.executor.engine.monitor.NormMeter` (``--monitor gns``), each
 bucket's squared norm is taken before its all-reduce is launched and after it
 has been waited for. With :attr:`Combine.ADASUM <deeppool.planner.combine.Combine>`
 the layer's gradients are not bucketed: :meth:`GradientReducer.add` combines
@@ -44,8 +44,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from deeppool.adaptation.adasum import adasum_exchange
 from deeppool.device.seam import Gpu, Stream
-from deeppool.executor.comm import Comm, Waitable
-from deeppool.executor.monitor import NormMeter
+from deeppool.executor.engine.comm import Comm, Waitable
+from deeppool.executor.engine.monitor import NormMeter
 from deeppool.planner.combine import Combine
 
 

@@ -24,7 +24,7 @@ The plan's schedule has one phase per layer and kind (``forward:conv1``...);
 :attr:`Program.phases` lists them all in order, and an :class:`Op` carries the
 indices of the phases it covers. Idle windows (``plan.predicted.idle_windows``)
 are tied to the phase after which they begin (see
-:mod:`deeppool.executor.idle`); a rank's participation changes only between
+:mod:`deeppool.executor.engine.idle`); a rank's participation changes only between
 stages, so a window always begins after the last phase an op covers.
 """
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.outputs import STEPS
+from deeppool.executor.training.outputs import STEPS
 
 POLL_S = 1.0
 """How often the run's step file is read for new lines."""
