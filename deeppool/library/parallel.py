@@ -15,10 +15,10 @@ is the part it holds (merging every rank's by key gives rank 0's, as a tensor he
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import time
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,7 +132,7 @@ class Parallelized:
         self.last_step_s: float | None = None
         """The wall-clock seconds of the last :meth:`step` (the engine's iteration span)."""
         self._losses = LazyTotals()
-        weakref.finalize(self, self._losses.settle)
+        atexit.register(self._losses.settle)
 
     # -- the training step ----------------------------------------------------------------------
     def step(self, inputs: Any, targets: torch.Tensor | None = None, loss_fn: LossFn | None = None, *,
