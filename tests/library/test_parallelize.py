@@ -89,3 +89,34 @@ def test_a_user_loop_on_two_machines_meeting_at_a_rendezvous_equals_one_process(
     outputs = [agent.communicate(timeout=300)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], [output[-3000:] for output in outputs]
     check_against_reference(tmp_path, ["cnn"])
+
+
+UNREAD_LOSSES = """
+import importlib.util, sys
+import torch
+import deeppool
+spec = importlib.util.spec_from_file_location("cnn", sys.argv[1])
+cnn = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cnn)
+plan = deeppool.Plan.load(sys.argv[2])
+bp = deeppool.parallelize(cnn.model(), plan)
+opt = torch.optim.SGD(bp.parameters(), lr=0.1)
+(x,), y = cnn.inputs(plan.global_batch), cnn.targets(plan.global_batch)
+for _ in range(3):
+    bp.step(x, y, cnn.loss)  # the loss is never read: its all-reduce is never waited for by the loop
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.slow
+def test_a_loop_that_never_reads_its_losses_leaves_no_collective_unwaited(tmp_path: Path) -> None:
+    """Each step's loss all-reduce runs in the background; the library waits for every one (the last at exit),
+    so torch does not warn of unwaited collectives when the script ends."""
+    make_plan_for(CNN, global_batch=4, gpus=2, assign=cycle(2, 1)).save(tmp_path / "plan.json")
+    (tmp_path / "unread.py").write_text(UNREAD_LOSSES)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(tmp_path / "unread.py"), CNN, str(tmp_path / "plan.json")],
+                          cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "unwaited collective" not in done.stderr, done.stderr[-3000:]
