@@ -20,11 +20,12 @@ pytestmark = pytest.mark.slow
 GATE_SLOWDOWN_LIMIT = 0.5
 GATE_SPEEDUP_LIMIT = -0.75
 GATE_RECOVERED_FLOOR = 0.1
-"""``--mux gate`` on the burst plan, 20 steps, 2 ranks on this 2-core machine at load 5-7.6 (five runs):
-foreground slowdown -0.32 to -0.06 (medians of 6 steps each side, noise dominates: the shared steps come
-after the first alone ones and run warmer), recovered 0.20 to 0.57 of the idle rank-time. A gate that let
-the child run outside windows (slowdown) or never in them (recovered) falls outside these limits; they are
-not the ≤ 5% / ≥ 50% goal, which is for a GPU (``benchmarks/gpu.py``)."""
+"""``--mux gate`` on the burst plan, 60 steps, 2 ranks on this 2-core machine, quiet (six runs): foreground
+slowdown -0.06 to 0.31 (medians of 21 steps each side, noise dominates), recovered 0.19 to 0.37 of the
+idle rank-time, 4 to 15 background steps. With 20 steps (6 a side) a quiet machine's few short windows
+admitted 0 to 3 background steps, and recovered fell to 0 in some runs: too few windows to test the gate
+on. A gate that let the child run outside windows (slowdown) or never in them (recovered) falls outside
+these limits; they are not the ≤ 5% / ≥ 50% goal, which is for a GPU (``benchmarks/gpu.py``)."""
 
 
 def alive(pid: int) -> bool:
@@ -87,7 +88,7 @@ def test_run_with_a_gated_background(plan_path: Path, tmp_path: Path, capfd, mon
     out, loads, load = tmp_path / "out", [], Plan.load
     monkeypatch.setattr(Plan, "load", lambda path: loads.append(Path(path)) or load(path))
     proc = deeppool(capfd, "run", str(plan_path), "--nproc", "2", "--background", str(BACKGROUND), "--bg-batch", "8",
-                    "--mux", "gate", "--steps", "20", "--out", str(out))
+                    "--mux", "gate", "--steps", "60", "--out", str(out))
     assert proc.code == 0, proc.stderr[-3000:]
     assert loads == [plan_path]
     mux = json.loads((out / "summary.json").read_text())["multiplex"]
