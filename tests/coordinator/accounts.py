@@ -35,7 +35,10 @@ def accounts(*names: str) -> Iterator[tuple[str, ...]]:
     if not can_make_accounts():
         pytest.skip("creating job accounts needs root and useradd")
     made = []
-    opened = _open_to_others(Path(os.path.realpath(sys.executable)).parents)  # e.g. a Python under /root
+    # the interpreter as jobs start it (a venv's bin/python, e.g. in a clone under a private mkdtemp folder)
+    # and the one it links to (e.g. a Python under /root)
+    opened = _open_to_others(dict.fromkeys([*Path(sys.executable).parents,
+                                            *Path(os.path.realpath(sys.executable)).parents]))
     try:
         for name in names:
             try:
