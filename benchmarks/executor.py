@@ -191,7 +191,7 @@ def synchronise_batch_norms(module: nn.Module, group: object) -> None:
     """The executor's synchronised BatchNorm in DDP (torch's ``SyncBatchNorm`` refuses CPU tensors)."""
     import torch.distributed as dist
 
-    from deeppool.executor.engine.syncbn import GroupBatchNorm
+    from deeppool.planner.syncbn import GroupBatchNorm
 
     def reduce(tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=group)

@@ -52,7 +52,7 @@ from deeppool.executor.training.progress import ProgressFile
 from deeppool.executor.training.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.training.summary import RunSummary, summarise_run
 from deeppool.executor.training.steptimes import StepMonitor
-from deeppool.executor.engine.syncbn import Reduce
+from deeppool.planner.syncbn import Reduce
 from deeppool.executor.engine.timing import Category, Clock, Counter, Recorder, RankTimes, Span, summarise
 from deeppool.output import console
 from deeppool.planner.graph import TraceMethod

@@ -65,7 +65,7 @@ class BatchNormMode(enum.Enum):
     """Whose statistics a BatchNorm layer on several ranks normalises with."""
 
     SYNC = "sync"
-    """The layer's whole batch, summed over its ranks (:mod:`deeppool.executor.engine.syncbn`): exact to
+    """The layer's whole batch, summed over its ranks (:mod:`deeppool.planner.syncbn`): exact to
     single-process training, at three small blocking all-reduces per BatchNorm per iteration."""
     LOCAL = "local"
     """Each rank's own samples, as ``DistributedDataParallel`` with ``nn.BatchNorm`` computes: no

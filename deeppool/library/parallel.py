@@ -42,7 +42,7 @@ from deeppool.executor.engine.idle import NoBackground
 from deeppool.executor.engine.local_model import LocalModel, check_plan_matches, hold
 from deeppool.executor.engine.monitor import group_shares
 from deeppool.executor.engine.program import Program, build_program, idle_positions, rank_groups
-from deeppool.executor.engine.syncbn import GroupBatchNorm, Reduce
+from deeppool.planner.syncbn import GroupBatchNorm, Reduce
 from deeppool.executor.engine.timing import Category, Recorder
 from deeppool.library.amp import UserPrecision, non_finite, spread_overflow
 from deeppool.library.world import LazyTotals, broadcast_module, join, world_sum

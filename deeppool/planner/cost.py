@@ -39,7 +39,10 @@ each node across). The predicted iteration time is
               for an ``nn.BatchNorm`` layer on g > 1 ranks (C channels): the executor's
               synchronised BatchNorm reduces count and sum, then squared deviations,
               then Σdy and Σdy·(x−μ), in float64, synchronously; a plan's
-              ``fwd_ms``/``bwd_ms`` include these.
+              ``fwd_ms``/``bwd_ms`` include these. The group BatchNorm's own arithmetic (float64
+              sums, several passes over the activations where the fused kernel makes one) is
+              in ``fwd_l``/``bwd_l`` on ``g > 1``: a measured profile times the layer that way
+              (:attr:`Profile.grouped`, up to 2.4x the fused kernel on this CPU); an estimate does not.
     R_u(a → b) = 0 if a = b, else σ(min(a, b)) + ω_w(a)·[a > 1]
               (``u``'s activations resharded forward from ``g_u`` to ``g_v`` ranks, their
               gradients backward from ``g_v`` to ``g_u``; the busiest rank moves one shard of
@@ -170,10 +173,11 @@ class CostModel:
     def compute_ms(self, layer: Layer, gpus: int) -> tuple[float, float]:
         """(fwd_ms, bwd_ms) of ``layer`` on the busiest of ``gpus`` ranks.
 
-        The profile's time at the per-GPU batch ``⌈B/g⌉``, times ``profile.sharing(g)`` where ranks
+        The profile's time at the per-GPU batch ``⌈B/g⌉`` (on ``g > 1``, with BatchNorm synchronised, where the
+        profile measured it: :attr:`Profile.grouped`), times ``profile.sharing(g)`` where ranks
         share a host's cores (measured by the profiler, or ``g / concurrent_ranks`` with more ranks than
         cores: the layer's ``g`` ranks compute at once while the others wait for it)."""
-        fwd, bwd = self.profile.times(layer.name, self.per_gpu_batch(gpus))
+        fwd, bwd = self.profile.times(layer.name, self.per_gpu_batch(gpus), grouped=gpus > 1)
         share = self.profile.sharing(gpus)
         return fwd * share, bwd * share
 

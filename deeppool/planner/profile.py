@@ -143,6 +143,10 @@ class Profile:
     memory_bytes: int
     memory_bandwidth: float = 100e9
     layers: dict[str, LayerTimes] = field(default_factory=dict)
+    grouped: dict[str, LayerTimes] = field(default_factory=dict)
+    """The layers that normalise the batch, timed as they run on ``g > 1`` ranks: their BatchNorm synchronised
+    over the group (:mod:`deeppool.planner.group_times`), its collectives apart; empty: not measured (an
+    estimate prices those layers' arithmetic as on one rank)."""
     fit: FitQuality | None = None
     concurrent_ranks: int | None = None
     """Ranks that compute at once at the measured speed: on a CPU, the host's cores over the
@@ -160,11 +164,12 @@ class Profile:
     """What the measurements were taken under; None: not measured here (an estimate, an older file)."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
-    def times(self, layer: str, batch: int) -> tuple[float, float]:
-        """(fwd_ms, bwd_ms) of ``layer`` at a per-GPU batch of ``batch`` samples."""
+    def times(self, layer: str, batch: int, *, grouped: bool = False) -> tuple[float, float]:
+        """(fwd_ms, bwd_ms) of ``layer`` at a per-GPU batch of ``batch`` samples; with ``grouped``, as the layer
+        runs on several ranks (its BatchNorm synchronised, where measured)."""
         if batch <= 0:
             return 0.0, 0.0
-        return self.layers[layer].at(batch)
+        return (self.grouped if grouped and layer in self.grouped else self.layers)[layer].at(batch)
 
     def spread(self, layer: str, batch: int) -> float:
         """The relative spread of the measurements ``layer``'s time at ``batch`` rests on (0: unknown)."""
@@ -223,6 +228,7 @@ class Profile:
             "memory_bytes": self.memory_bytes,
             "memory_bandwidth": self.memory_bandwidth,
             "layers": {name: _times_json(t) for name, t in self.layers.items()},
+            "grouped": {name: _times_json(t) for name, t in self.grouped.items()},
             "fit": None if self.fit is None else {**asdict(self.fit), "measured_batches": list(self.fit.measured_batches)},
             "concurrent_ranks": self.concurrent_ranks,
             "measured_sharing": {str(count): value for count, value in sorted(self.measured_sharing.items())},
@@ -235,6 +241,7 @@ class Profile:
     def from_json(cls, payload: dict[str, Any]) -> Profile:
         try:
             layers = {str(name): _times(entry) for name, entry in json_field(payload, "layers", kind="profile").items()}
+            grouped = {str(name): _times(entry) for name, entry in (payload.get("grouped") or {}).items()}
             loss = None if payload.get("loss") is None else _times(payload["loss"])
             overhead = {str(name): StepOverhead(**entry) for name, entry in (payload.get("step_overhead") or {}).items()}
             conditions = Conditions(**payload["conditions"]) if payload.get("conditions") else None
@@ -247,6 +254,7 @@ class Profile:
             memory_bytes=int(json_field(payload, "memory_bytes", kind="profile")),
             memory_bandwidth=float(json_field(payload, "memory_bandwidth", kind="profile")),
             layers=layers,
+            grouped=grouped,
             fit=_fit(payload.get("fit")),
             concurrent_ranks=_concurrent(payload.get("concurrent_ranks")),
             measured_sharing=_sharing(payload.get("measured_sharing") or {}),

@@ -62,7 +62,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cache, cached_property
 from pathlib import Path
 
@@ -76,6 +76,7 @@ from deeppool.device.seam import Gpu
 from deeppool.errors import DeeppoolError
 from deeppool.planner.allocator import steady_allocator
 from deeppool.planner.graph import Layer, LayerGraph, grad_flows
+from deeppool.planner.group_times import GroupedLayers
 from deeppool.planner.jsonio import write_json
 from deeppool.planner.layer_exec import LayerFailed, LayerRunner, floating_leaves, run_at
 from deeppool.planner.modelspec import LoadedModel
@@ -265,6 +266,8 @@ class LayerProfiler:
         self.measured: dict[str, dict[int, Measured]] = {name: {} for name in (*graph.names, LOSS)}
         runners = {layer.name: LayerRunner(traced.module, layer) for layer in graph.layers}
         self.passes = Passes(module=traced.module, graph=graph, runners=runners, device=self.device)
+        self.grouped: dict[str, dict[int, Measured]] = {}
+        """The batch-normalising layers' times as they run on ``g > 1`` ranks (:mod:`~deeppool.planner.group_times`)."""
         self.code = {layer.name: layer_code(traced.module, layer) for layer in graph.layers}
         if self.device.type == "cpu":
             steady_allocator()
@@ -301,12 +304,25 @@ class LayerProfiler:
                 for batch in new:
                     for layer, sample in _measure_batch(self, batch, cache):
                         self.measured[layer][batch] = sample
+                    self._measure_grouped(batch)
                     progress.advance(task, len(graph) + 1)
         finally:
             if cache:
                 cache.save()
             for parameter in self.traced.module.parameters():
                 parameter.grad = None  # timing the backward passes left gradients behind
+
+    @cached_property
+    def _grouped_layers(self) -> GroupedLayers:
+        return GroupedLayers.of(self.traced.module, self.traced.graph, self.passes.runners)
+
+    def _measure_grouped(self, batch: int) -> None:
+        """The batch-normalising layers' in-context times at ``batch`` scaled by their grouped-over-fused ratios."""
+        ratios = self._grouped_layers.ratios(_inputs(self, batch), batch, lambda work: _timed(self.device, work))
+        for name, ratio in ratios.items():
+            fused = self.measured[name][batch]
+            self.grouped.setdefault(name, {})[batch] = replace(fused, fwd_ms=fused.fwd_ms * ratio.fwd,
+                                                               bwd_ms=fused.bwd_ms * ratio.bwd)
 
     def conditions(self) -> Conditions:
         """What the measurements so far were taken under (the highest load among them)."""
@@ -331,6 +347,8 @@ class LayerProfiler:
         losses = ordered.pop(LOSS)
         loss = layer_times(batches, losses, targets, config.untrusted)[0]
         layers = {name: layer_times(batches, samples, targets, config.untrusted) for name, samples in ordered.items()}
+        grouped = {name: layer_times(batches, [samples[b] for b in batches], targets, config.untrusted)[0]
+                   for name, samples in self.grouped.items() if all(b in samples for b in batches)}
         overhead, bandwidth, sharing = self._device_figures
         return Profile(
             device=device_name(device),
@@ -339,6 +357,7 @@ class LayerProfiler:
             memory_bytes=device_memory(device),
             memory_bandwidth=bandwidth,
             layers={name: times for name, (times, _) in layers.items()},
+            grouped=grouped,
             fit=_quality(batches, [errors for _, errors in layers.values()], ordered, config.spread_bound),
             concurrent_ranks=_concurrent_ranks(device, config.threads),
             measured_sharing=sharing,
@@ -629,10 +648,9 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
     spread within the bound, or ``config.max_repeats`` passes; each layer's medians over its kept passes,
     with the highest load average seen. From the cache when every layer at this batch is there, unless
     some of it is untrusted and the machine is quieter now (:meth:`ProfilerConfig.remeasure`)."""
-    passes, loaded, config = profiler.passes, profiler.loaded, profiler.config
+    passes, config = profiler.passes, profiler.config
     graph = passes.graph
-    named = loaded.named_inputs(batch)  # a dict of inputs binds by name, as the graph's input keys record
-    inputs = {name: named[key].to(passes.device) for name, key in zip(graph.inputs, graph.input_keys, strict=True)}
+    inputs = _inputs(profiler, batch)
     keys, output = _keys(profiler, inputs, batch)
     found = {name: cache.get(key) for name, key in keys.items()} if cache else {}
     cached = {name: m for name, m in found.items() if m is not None}
@@ -660,6 +678,13 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
             cache.put(keys[name], sample, profiler.entry())
         yield name, sample
     yield LOSS, _measure_loss(profiler, output, batch, cache)
+
+
+def _inputs(profiler: LayerProfiler, batch: int) -> dict[str, torch.Tensor]:
+    """The model's inputs at ``batch`` on the profiling device, by graph input (a dict binds by name, as the
+    graph's input keys record)."""
+    graph, named = profiler.traced.graph, profiler.loaded.named_inputs(batch)
+    return {name: named[key].to(profiler.device) for name, key in zip(graph.inputs, graph.input_keys, strict=True)}
 
 
 def _keys(profiler: LayerProfiler, inputs: dict[str, torch.Tensor], batch: int) -> tuple[dict[str, str], object]:

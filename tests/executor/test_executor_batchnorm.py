@@ -19,7 +19,7 @@ from torch.func import functional_call
 from deeppool.executor.api import RankResult, train_rank
 from deeppool.executor.training.checkpoint import export, step_dir
 from deeppool.executor.config import BatchNormMode, CheckpointConfig, OptimizerConfig, RunConfig
-from deeppool.executor.engine.syncbn import GroupBatchNorm
+from deeppool.planner.syncbn import GroupBatchNorm
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.plan import Plan
 from tests.entry import deeppool

@@ -16,7 +16,7 @@ from deeppool.executor.config import OptimizerConfig, RunConfig
 from deeppool.executor.engine.engine import Engine, _State
 from deeppool.executor.engine.program import Op
 from deeppool.executor.training.reference import CheckResult, Difference, Kind, worst_of
-from deeppool.executor.engine.syncbn import GroupBatchNorm
+from deeppool.planner.syncbn import GroupBatchNorm
 from deeppool.planner.plan import Plan
 from tests.executor.plans import Assign, cycle, make_plan
 from tests.executor.test_executor_exact import train_threads

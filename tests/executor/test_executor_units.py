@@ -18,7 +18,7 @@ from deeppool.executor.launch.launch import preflight
 from deeppool.executor.engine.local_model import check_plan_matches
 from deeppool.executor.training.outputs import PROGRESS
 from deeppool.executor.training.progress import ProgressFile
-from deeppool.executor.engine.syncbn import GroupBatchNorm
+from deeppool.planner.syncbn import GroupBatchNorm
 from deeppool.executor.engine.timing import Category, Span, chrome_trace, summarise
 from deeppool.planner.modelspec import ModelSpec
 from deeppool.planner.plan import Plan

@@ -16,11 +16,13 @@ from deeppool.planner.graph import TraceMethod
 from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice, Precision
 from deeppool.planner.modelspec import ModelSpec
 from deeppool.planner.profile import LayerTimes, Profile, estimate_ms
-from deeppool.planner.layer_exec import LayerFailed, LayerRunner
+from deeppool.planner.group_times import GroupedLayers
+from deeppool.planner.layer_exec import LayerFailed, LayerRunner, runners
 from deeppool.planner.profiler import (
     Measured, Passes, ProfileCache, ProfilerConfig, fit_layer, fit_line, measure_profile, measure_sharing,
     sharing_counts,
 )
+from deeppool.planner.syncbn import GroupBatchNorm
 from deeppool.planner.trace import trace
 from tests.planner import synthetic
 
@@ -242,3 +244,40 @@ def test_a_plan_whose_figures_break_the_invariants_is_refused():
     with pytest.raises(DeeppoolError, match="layer 'a' on 4 GPUs would use .* its one-GPU GPU-time"):
         check_invariants(cost, {"a": 4, "b": 4})
 
+
+
+POOLED_BATCHNORM = Path(__file__).resolve().parents[1] / "models" / "pooled_batchnorm.py"
+
+
+def test_a_batch_normalising_layer_is_also_timed_as_it_runs_on_several_ranks(tmp_path):
+    """On ``g > 1`` ranks the executor runs BatchNorm synchronised (GroupBatchNorm), not the fused kernel: the
+    profile times the layer that way too, the cost model prices it so on several ranks (and fused on one),
+    and the profile's file keeps it."""
+    loaded = ModelSpec.parse(str(POOLED_BATCHNORM)).load()
+    traced = trace(loaded)
+    profile = measure_profile(traced, loaded, ProfilerConfig(batches=(2, 4), warmup=1, repeats=3, show_progress=False))
+    norm = next(layer for layer in traced.graph.layers if "BatchNorm" in layer.op)
+    assert set(profile.grouped) == {norm.name}, "only the layer that normalises the batch runs differently"
+    assert profile.grouped[norm.name].batches == profile.layers[norm.name].batches == (2, 4)
+    assert profile.times(norm.name, 4, grouped=True) == profile.grouped[norm.name].at(4) != profile.times(norm.name, 4)
+    other = next(layer.name for layer in traced.graph.layers if layer.name != norm.name)
+    assert profile.times(other, 4, grouped=True) == profile.times(other, 4)
+    cost = CostModel(graph=traced.graph, profile=profile, network=NETWORKS[KnownDevice.A100], global_batch=8)
+    assert cost.compute_ms(norm, 2) == pytest.approx(tuple(t * profile.sharing(2) for t in profile.grouped[norm.name].at(4)))
+    assert cost.compute_ms(norm, 1) == pytest.approx(profile.layers[norm.name].at(8))
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+
+
+def test_the_grouped_layer_timed_is_the_executors_and_leaves_the_model_alone():
+    """The grouped runner swaps in the executor's GroupBatchNorm on a copy: same output as the fused layer
+    (its sum over one rank is the identity), and the profiled model keeps its nn.BatchNorm."""
+    loaded = ModelSpec.parse(str(POOLED_BATCHNORM)).load()
+    traced = trace(loaded)
+    layers = GroupedLayers.of(traced.module, traced.graph, runners(traced.module, traced.graph.layers))
+    (name,) = layers.grouped
+    x = torch.randn(4, 8, 1, 1, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(layers.grouped[name](x), layers.runners[name](x), rtol=1e-5, atol=1e-6)
+    assert any(isinstance(m, GroupBatchNorm) for m in layers.module.modules())
+    assert isinstance(traced.module.get_submodule("norm"), torch.nn.BatchNorm2d)

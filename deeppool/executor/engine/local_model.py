@@ -22,10 +22,10 @@ from deeppool.errors import DeeppoolError
 from deeppool.executor.config import BatchNormMode
 from deeppool.executor.engine.program import Stage
 from deeppool.executor.engine.stage_module import StageModule
-from deeppool.executor.engine.syncbn import FunctionalGroupBatchNorm, GroupBatchNorm, Reduce
 from deeppool.planner.graph import Layer, LayerGraph
 from deeppool.planner.plan import Plan
 from deeppool.planner.randomness import RandomSites, SampleRandomness
+from deeppool.planner.syncbn import Reduce, sync_batch_norms
 
 GroupReduce = Callable[[tuple[int, ...]], Reduce]
 """Makes the in-place sum over a group of ranks."""
@@ -100,7 +100,7 @@ def hold(
     for layer in mine:
         gpus = plan_gpus(plan, layer.name)
         if gpus > 1 and batchnorm is BatchNormMode.SYNC:
-            _sync_batch_norms(module, layer, reduce(tuple(range(gpus))))
+            sync_batch_norms(module, layer, reduce(tuple(range(gpus))))
     mode = random.mode(plan.model.seed) if random else None
     drawing = (random, mode) if random is not None and mode is not None else None
     compiled = {stage.index: _compile(module, graph, stage, drawing) for stage in stages if rank < stage.gpus}
@@ -187,34 +187,3 @@ def _drop_others(module: nn.Module, keep: set[str]) -> None:
             owner_path, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_path) if owner_path else module
             owner._parameters[leaf] = None
-
-
-def _sync_batch_norms(module: fx.GraphModule, layer: Layer, reduce: Reduce) -> None:
-    by_name = {node.name: node for node in module.graph.nodes}
-    for node_name in layer.nodes:
-        node = by_name[node_name]
-        if node.op == "call_module":
-            target = str(node.target)
-            sub = module.get_submodule(target)
-            if isinstance(sub, nn.modules.batchnorm._BatchNorm):
-                _replace(module, target, GroupBatchNorm(sub, reduce))
-        elif node.op == "call_function" and node.target is torch.ops.aten.batch_norm.default:
-            _call_module(module, node, FunctionalGroupBatchNorm(reduce))
-        elif node.op == "call_function" and "batch_norm" in getattr(node.target, "__name__", str(node.target)):
-            raise DeeppoolError(
-                f"layer '{layer.name}' calls {getattr(node.target, '__name__', node.target)} on several ranks; "
-                "the executor synchronises nn.BatchNorm modules and torch.batch_norm: give this layer 1 GPU"
-            )
-
-
-def _call_module(module: fx.GraphModule, node: fx.Node, new: nn.Module) -> None:
-    """Turn a function call node into a call of ``new`` (same arguments), held by ``module``."""
-    name = f"deeppool_{node.name}"
-    module.add_submodule(name, new)
-    node.op, node.target = "call_module", name
-
-
-def _replace(module: nn.Module, target: str, new: nn.Module) -> None:
-    parent_path, _, leaf = target.rpartition(".")
-    parent = module.get_submodule(parent_path) if parent_path else module
-    setattr(parent, leaf, new)

@@ -27,7 +27,7 @@ difference in some updates — single-process PyTorch training of Inception or
 ResNet-50 for 3 steps on 1 and on 2 CPU threads differs by more than 100% in
 some BatchNorm biases. One step from equal parameters is reproducible to
 round-off (the synchronised BatchNorm computes the single-process forward
-bit for bit, see :mod:`deeppool.executor.engine.syncbn`).
+bit for bit, see :mod:`deeppool.planner.syncbn`).
 
 **Gradients and buffers** are measured per tensor against their own size
 (:func:`relative_differences`): ``‖t − t_ref‖ / max(‖t_ref‖, FLOOR · max_u ‖u_ref‖)``,

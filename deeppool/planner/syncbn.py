@@ -37,7 +37,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
+
+from deeppool.errors import DeeppoolError
+from deeppool.planner.graph import Layer
 
 Reduce = Callable[[torch.Tensor], None]
 """Sums a tensor in place over the layer's group."""
@@ -207,3 +210,36 @@ def update_running(
         unbiased = var * (count / (count - 1)) if count > 1 else var
         running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
         running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+
+
+def sync_batch_norms(module: fx.GraphModule, layer: Layer, reduce: Reduce) -> None:
+    """Swap ``layer``'s BatchNorm modules and ``torch.batch_norm`` calls in ``module`` for their group versions
+    summing with ``reduce`` (what a layer on ``g > 1`` ranks runs); another batch-norm call is refused."""
+    by_name = {node.name: node for node in module.graph.nodes}
+    for node_name in layer.nodes:
+        node = by_name[node_name]
+        if node.op == "call_module":
+            target = str(node.target)
+            sub = module.get_submodule(target)
+            if isinstance(sub, nn.modules.batchnorm._BatchNorm):
+                _replace(module, target, GroupBatchNorm(sub, reduce))
+        elif node.op == "call_function" and node.target is torch.ops.aten.batch_norm.default:
+            _call_module(module, node, FunctionalGroupBatchNorm(reduce))
+        elif node.op == "call_function" and "batch_norm" in getattr(node.target, "__name__", str(node.target)):
+            raise DeeppoolError(
+                f"layer '{layer.name}' calls {getattr(node.target, '__name__', node.target)} on several ranks; "
+                "the executor synchronises nn.BatchNorm modules and torch.batch_norm: give this layer 1 GPU"
+            )
+
+
+def _call_module(module: fx.GraphModule, node: fx.Node, new: nn.Module) -> None:
+    """Turn a function call node into a call of ``new`` (same arguments), held by ``module``."""
+    name = f"deeppool_{node.name}"
+    module.add_submodule(name, new)
+    node.op, node.target = "call_module", name
+
+
+def _replace(module: nn.Module, target: str, new: nn.Module) -> None:
+    parent_path, _, leaf = target.rpartition(".")
+    parent = module.get_submodule(parent_path) if parent_path else module
+    setattr(parent, leaf, new)
