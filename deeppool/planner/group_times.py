@@ -23,7 +23,7 @@ from torch import fx
 
 from deeppool.planner.batching import normalises_batch
 from deeppool.planner.graph import Layer, LayerGraph, grad_flows
-from deeppool.planner.layer_exec import LayerRunner, floating_leaves, run_at
+from deeppool.planner.layer_exec import CompiledLayerRunner, LayerRunner, floating_leaves, run_at
 from deeppool.planner.syncbn import sync_batch_norms
 
 Timer = Callable[[Callable[[], object]], tuple[float, object]]
@@ -60,7 +60,7 @@ class GroupedLayers:
         copied = copy.deepcopy(module) if layers else module
         for layer in layers:
             sync_batch_norms(copied, layer, _one_rank)
-        return cls(graph=graph, runners=runners, grouped={layer.name: LayerRunner(copied, layer) for layer in layers},
+        return cls(graph=graph, runners=runners, grouped={layer.name: CompiledLayerRunner(copied, layer) for layer in layers},
                    module=copied)
 
     def ratios(self, inputs: dict[str, torch.Tensor], batch: int, timed: Timer) -> dict[str, Ratio]:

@@ -1,7 +1,7 @@
 """The per-layer profiler: forward and backward time of every layer, measured, then fitted.
 
 Layers are timed in context, as they run in training: a *pass* runs every
-layer's forward in order (:class:`LayerRunner`, each on detached inputs that
+layer's forward in order (:class:`CompiledLayerRunner`: generated code, as the executor runs a stage; each on detached inputs that
 take gradients where the executor's do: not the model's inputs, nor outputs
 no parameter feeds), then every layer's backward in reverse with the
 gradient its consumers sent (:class:`Passes`), so a layer finds its input
@@ -78,7 +78,7 @@ from deeppool.planner.allocator import steady_allocator
 from deeppool.planner.graph import Layer, LayerGraph, grad_flows
 from deeppool.planner.group_times import GroupedLayers
 from deeppool.planner.jsonio import write_json
-from deeppool.planner.layer_exec import LayerFailed, LayerRunner, floating_leaves, run_at
+from deeppool.planner.layer_exec import LayerFailed, LayerRunner, floating_leaves, run_at, runners
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.cost import Optimizer
 from deeppool.planner.profile import Conditions, FitQuality, LayerTimes, Profile, StepOverhead
@@ -264,8 +264,8 @@ class LayerProfiler:
         traced.module.to(self.device)
         graph = traced.graph
         self.measured: dict[str, dict[int, Measured]] = {name: {} for name in (*graph.names, LOSS)}
-        runners = {layer.name: LayerRunner(traced.module, layer) for layer in graph.layers}
-        self.passes = Passes(module=traced.module, graph=graph, runners=runners, device=self.device)
+        self.passes = Passes(module=traced.module, graph=graph, runners=runners(traced.module, graph.layers),
+                             device=self.device)
         self.grouped: dict[str, dict[int, Measured]] = {}
         """The batch-normalising layers' times as they run on ``g > 1`` ranks (:mod:`~deeppool.planner.group_times`)."""
         self.code = {layer.name: layer_code(traced.module, layer) for layer in graph.layers}
@@ -757,7 +757,7 @@ def _key(layer: Layer, code: str, args: list[object], batch: int, device: torch.
     shapes = [(tuple(a.shape[1:]), str(a.dtype)) for a in args if isinstance(a, torch.Tensor)]
     text = (
         f"{layer.signature}|{code}|{shapes}|{batch}|{device_name(device)}|{torch.__version__}|{config.warmup}|"
-        f"{config.repeats}|{config.max_repeats}|{config.spread_bound}|{config.threads}|in-context-passes"
+        f"{config.repeats}|{config.max_repeats}|{config.spread_bound}|{config.threads}|in-context-passes|compiled"
     )
     return hashlib.sha256(text.encode()).hexdigest()
 

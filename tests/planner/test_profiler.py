@@ -17,9 +17,9 @@ from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice, Precision
 from deeppool.planner.modelspec import ModelSpec
 from deeppool.planner.profile import LayerTimes, Profile, estimate_ms
 from deeppool.planner.group_times import GroupedLayers
-from deeppool.planner.layer_exec import LayerFailed, LayerRunner, runners
+from deeppool.planner.layer_exec import CompiledLayerRunner, LayerFailed, LayerRunner, runners
 from deeppool.planner.profiler import (
-    Measured, Passes, ProfileCache, ProfilerConfig, fit_layer, fit_line, measure_profile, measure_sharing,
+    LayerProfiler, Measured, Passes, ProfileCache, ProfilerConfig, fit_layer, fit_line, measure_profile, measure_sharing,
     sharing_counts,
 )
 from deeppool.planner.syncbn import GroupBatchNorm
@@ -281,3 +281,21 @@ def test_the_grouped_layer_timed_is_the_executors_and_leaves_the_model_alone():
     assert torch.allclose(layers.grouped[name](x), layers.runners[name](x), rtol=1e-5, atol=1e-6)
     assert any(isinstance(m, GroupBatchNorm) for m in layers.module.modules())
     assert isinstance(traced.module.get_submodule("norm"), torch.nn.BatchNorm2d)
+
+
+def test_the_profiler_runs_each_layer_as_generated_code_computing_what_interpreting_it_does():
+    """The profiler's runners are compiled, as the executor's stages are (interpreting a node costs tens of
+    microseconds the executor never pays); every layer's value is the interpreted one's."""
+    for path in (TINY, POOLED_BATCHNORM):
+        loaded = ModelSpec.parse(str(path)).load()
+        traced = trace(loaded)
+        graph = traced.graph
+        profiler = LayerProfiler(traced, loaded, ProfilerConfig(batches=(4,), show_progress=False))
+        assert all(isinstance(r, CompiledLayerRunner) for r in profiler.passes.runners.values())
+        named = loaded.named_inputs(4)
+        values = {name: named[key] for name, key in zip(graph.inputs, graph.input_keys, strict=True)}
+        with torch.no_grad():
+            for layer in graph.layers:
+                args = [values[name] for name in layer.inputs]
+                values[layer.name] = profiler.passes.runners[layer.name](*args)
+                assert torch.equal(values[layer.name], LayerRunner(traced.module, layer)(*args)), layer.name

@@ -17,7 +17,6 @@ samples.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,15 +24,8 @@ import torch
 from torch import fx
 
 from deeppool.planner.graph import Layer
-from deeppool.planner.layer_exec import structured_output
+from deeppool.planner.layer_exec import compile_layers, outside_inputs, structured_output
 from deeppool.planner.randomness import RandomSites, SampleRandomness
-
-_MODE = "deeppool_random_mode"
-
-
-def set_ordinal(mode: SampleRandomness, ordinal: int) -> None:
-    """Position the per-sample randomness mode at a node's first random call."""
-    mode.ordinal = ordinal
 
 
 class StageModule:
@@ -47,10 +39,10 @@ class StageModule:
         random: tuple[RandomSites, SampleRandomness] | None = None,
     ) -> None:
         self._module = module
-        self.inputs = _outside_inputs(layers)
+        self.inputs = outside_inputs(layers)
         self.outputs = tuple(outputs)
         self._structured = {name for name in outputs if _is_output(module, name)}
-        self.graph_module = self._compile(module, layers, random)
+        self.graph_module = compile_layers(module, layers, self.outputs, random, name="Stage")
 
     def __call__(self, *inputs: torch.Tensor) -> dict[str, Any]:
         values = self.graph_module(*inputs)
@@ -58,35 +50,6 @@ class StageModule:
             name: structured_output(self._module, value) if name in self._structured else value
             for name, value in zip(self.outputs, values, strict=True)
         }
-
-    def _compile(
-        self, module: fx.GraphModule, layers: Sequence[Layer], random: tuple[RandomSites, SampleRandomness] | None
-    ) -> fx.GraphModule:
-        by_name = {node.name: node for node in module.graph.nodes}
-        graph = fx.Graph()
-        env: dict[str, Any] = {name: graph.placeholder(name) for name in self.inputs}
-        attrs: dict[str, Any] = {}
-        mode = graph.get_attr(_MODE) if random is not None else None
-        for layer in layers:
-            for node in (by_name[name] for name in layer.nodes):
-                if random is not None and node.name in random[0].first:
-                    graph.call_function(set_ordinal, (mode, random[0].first[node.name]))
-                if node.op in ("call_module", "get_attr"):
-                    attrs[str(node.target)] = operator.attrgetter(str(node.target))(module)
-                if node.op == "output":
-                    env[node.name] = fx.node.map_arg(node.args[0], lambda n: env[n.name])
-                else:
-                    env[node.name] = graph.node_copy(node, lambda n: env[n.name])
-        graph.output(tuple(env[name] for name in self.outputs))
-        if random is not None:
-            attrs[_MODE] = random[1]
-        return fx.GraphModule(attrs, graph, class_name="Stage")
-
-
-def _outside_inputs(layers: Sequence[Layer]) -> tuple[str, ...]:
-    """The values the layers read that none of them computes, in first-use order."""
-    inside = {node for layer in layers for node in layer.nodes}
-    return tuple(dict.fromkeys(src for layer in layers for src in layer.inputs if src not in inside))
 
 
 def _is_output(module: fx.GraphModule, name: str) -> bool:
