@@ -2,7 +2,7 @@
 
 A layer on several ranks runs its BatchNorm as :class:`~deeppool.planner.syncbn.GroupBatchNorm` (statistics
 over the group's whole batch, in float64, bit for bit the single-process result), not PyTorch's fused
-kernel that the profiler's in-context passes time. On this CPU that layer's own arithmetic takes 1.4 to 2.4
+kernel that the profiler's in-context passes time. On this CPU that layer's own arithmetic takes 1.4 to 3
 times the fused kernel's at per-GPU batches 16 and 32, beside the collectives the cost model prices apart
 (``BN_l(g)``). So a plan must price it as it runs: for every layer that normalises the batch, the profiler
 times the layer standalone both ways, alternating (fused, then grouped with the sum over one rank, which is
@@ -60,8 +60,8 @@ class GroupedLayers:
         copied = copy.deepcopy(module) if layers else module
         for layer in layers:
             sync_batch_norms(copied, layer, _one_rank)
-        return cls(graph=graph, runners=runners, grouped={layer.name: CompiledLayerRunner(copied, layer) for layer in layers},
-                   module=copied)
+        grouped = {layer.name: CompiledLayerRunner(copied, layer) for layer in layers}
+        return cls(graph=graph, runners=runners, grouped=grouped, module=copied)
 
     def ratios(self, inputs: dict[str, torch.Tensor], batch: int, timed: Timer) -> dict[str, Ratio]:
         """Every grouped layer's ratio at per-GPU ``batch``, on its arguments in one forward of ``inputs``."""

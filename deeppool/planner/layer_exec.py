@@ -94,7 +94,8 @@ class CompiledLayerRunner(LayerRunner):
     def __call__(self, *inputs: torch.Tensor) -> Any:
         by_name = dict(zip(self.layer.inputs, inputs, strict=True))
         try:
-            (value,) = self._compiled.forward(*(by_name[name] for name in self._order))  # fx's wrapper prints tracebacks
+            # forward itself: GraphModule's call wrapper prints the generated code's traceback
+            (value,) = self._compiled.forward(*(by_name[name] for name in self._order))
         except Exception:
             super().__call__(*inputs)  # raises again at its node, naming it in ``at``
             raise

@@ -1,8 +1,8 @@
 """The per-layer profiler: forward and backward time of every layer, measured, then fitted.
 
 Layers are timed in context, as they run in training: a *pass* runs every
-layer's forward in order (:class:`CompiledLayerRunner`: generated code, as the executor runs a stage; each on detached inputs that
-take gradients where the executor's do: not the model's inputs, nor outputs
+layer's forward in order (:class:`CompiledLayerRunner`: generated code, as the executor runs a stage),
+each on detached inputs that take gradients where the executor's do (not the model's inputs, nor outputs
 no parameter feeds), then every layer's backward in reverse with the
 gradient its consumers sent (:class:`Passes`), so a layer finds its input
 activations and output gradient fresh in the cache and its weights and saved
