@@ -5,9 +5,10 @@ rank ``r`` its idle windows ``len_w`` (:func:`deeppool.planner.plan.rank_idle_wi
 a rank that runs no layer has one window, the whole iteration). Background
 work fills them as the simulator's one interference model says
 (:class:`deeppool.planner.interference.InterferenceModel`, read from
-``--interference interference.json`` or its documented defaults):
+``--interference interference.json`` or its documented defaults; ``fit(len)`` is
+``len`` in whole pieces of the background's ``bg_piece_ms``, all of ``len`` when 0):
 
-    usable_r = min(1, Σ_w e(len_w) · len_w / T)             (InterferenceModel.usable_fraction)
+    usable_r = min(1, Σ_w e(len_w) · fit(len_w) / T)        (InterferenceModel.usable_fraction)
     lent     = {r : idle_r / T ≥ min_lend_fraction and usable_r > 0}
     fg_share = T_dp / (T · s),   s = fg_slowdown if lent ≠ ∅ else 1
     bg_share = Σ_{r ∈ lent} usable_r / G
@@ -30,7 +31,7 @@ busy GPU-time ``B``, which adds the whole reshards and the optimizer call,
 ``tests/planner/test_ilp.py``), ``ē`` the largest efficiency of any window and
 ``c = ē / G``:
 
-* a plan that lends has ``usable_r ≤ ē · idle_r / T`` and ``Σ_r idle_r = G·T − B``, so
+* a plan that lends has ``usable_r ≤ ē · idle_r / T`` (``fit(len) ≤ len``) and ``Σ_r idle_r = G·T − B``, so
   ``J ≤ T_dp/(s·T) + ē·(1 − B/(G·T)) ≤ ē + (T_dp/s − c·B')/T =: U``;
 * a plan that lends nothing has ``J = T_dp / T``.
 
@@ -122,7 +123,7 @@ def shares(
     for rank, count in _rank_groups(phases, gpus):
         windows = tuple(w.length_ms for w in rank_idle_windows(phases, rank, iteration))
         idle = sum(windows)
-        fraction = model.usable_fraction(windows, iteration)
+        fraction = model.usable_fraction(windows, iteration, piece_ms=model.bg_piece_ms)
         if idle / iteration >= model.min_lend_fraction and fraction > 0:
             usable += count * fraction
             lent_idle += count * idle
