@@ -56,7 +56,10 @@ place of ``λ``: the plan returned is then proven within ``ε`` of the best. The
 bound is loose where idle time cannot be lent (ranks idle for less than
 ``min_lend_fraction``, windows shorter than the efficiency curve's first bin) and by
 the reshard GPU-time the floor misses (a ladder's costs add per count, so a reshard
-between ``p < q`` GPUs is priced about ``(2 + ln(q/p))/(2·q/p)`` of its ``q·R``).
+between ``p < q`` GPUs is priced about ``(2 + ln(q/p))/(2·q/p)`` of its ``q·R``), and by
+pieces: ``fit(len)`` falls short of ``len`` by up to a piece in every window, so a rank idle
+for the whole iteration loses ``T mod bg_piece_ms``, which no linear price bounds (the
+searches of the simulator's larger examples then end at the time limit, ``docs/planner.md``).
 Without the floor, reshards were most of ``U − J`` on the plans the bound let in
 (0.011 of 0.012 on ResNet-50 at 128 A100s, 0.0055 on VGG-16 at 64); near-tie plans
 still cost one ILP solve with cuts each, and ``ε`` = 0.2% ends most searches after
