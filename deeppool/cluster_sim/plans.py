@@ -163,6 +163,18 @@ class PlanBook:
         self._fingerprint = planner_fingerprint(PLANNER_SOURCES)
         self._tracer_fingerprint = planner_fingerprint(TRACER_SOURCES)
 
+    def hosting(self, piece_ms: float) -> PlanBook:
+        """This book with its lending plans chosen for background work in indivisible pieces of ``piece_ms``
+        (the guest's longest layer phase): a window shorter than a piece holds none of it. Traced graphs are
+        shared; the plans are cached apart (the piece is part of the settings' key)."""
+        interference = self.settings.interference
+        if piece_ms == interference.bg_piece_ms:
+            return self
+        book = PlanBook(cluster=self.cluster, settings=replace(
+            self.settings, interference=replace(interference, bg_piece_ms=piece_ms)), cache_dir=self.cache_dir)
+        book._graphs = self._graphs
+        return book
+
     def facts(self, model: ModelChoice, gpus: int, mode: PlanMode) -> PlanFacts:
         key = (model, gpus, mode)
         if key not in self._facts:

@@ -19,7 +19,9 @@ own one-GPU runs) up to the foreground's finish ``t``:
     cluster_throughput_vs_dp = fg_share + bg_share   (data parallel alone: 1).
 
 The foreground runs the plan ``burst+bg`` lends (``PlanMode.LENDING``: by default the
-one maximising this very throughput, :mod:`deeppool.planner.throughput`). Beside data
+one maximising this very throughput, :mod:`deeppool.planner.throughput`, for the guests
+it hosts: their steps come in pieces of their longest layer phase, and a window holds
+only whole pieces, as the engine counts them). Beside data
 parallel on all GPUs (DeepPool's baseline) each point gives the strong baseline,
 *right-sizing*: data parallel at the width ``w`` maximising ``T_dp/T_w + (G − w)/G``,
 the ``G − w`` GPUs it leaves running background work at full efficiency.
@@ -86,6 +88,7 @@ def evaluate(
     cluster = ClusterSpec(gpus=gpus, gpus_per_node=min(gpus_per_node, gpus), device=book.cluster.device)
     foreground, background = scenario_models(model, gpus)
     own = book.facts(background, 1, PlanMode.DATA_PARALLEL)
+    book = book.hosting(own.granularity_ms)
     jobs = [SimJob(job_id=0, name="foreground", arrival_s=0.0, gpus=gpus, background=False, model=foreground,
                    iterations=FOREGROUND_ITERATIONS, recorded_duration_s=0.0)]
     jobs += [

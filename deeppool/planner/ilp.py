@@ -79,6 +79,8 @@ class IlpResult:
     optimal: bool
     seconds: float
     gap: float
+    objective: float = 0.0
+    """The ILP's objective at ``assignment`` (``time + price · gpu_time``, the model's own terms)."""
 
 
 def solve(
@@ -105,12 +107,17 @@ def solve(
 
 
 class Ilp:
-    """The ILP of ``options`` built once, solved at any ``price`` with any set of no-good cuts."""
+    """The ILP of ``options`` built once, solved at any ``price`` with any set of no-good cuts.
+
+    ``reshard_floor``: the price also multiplies a floor of each reshard's GPU-time, carried by the edge
+    ladders (:func:`_ladder`), so ``price · gpu_time`` never exceeds ``price`` times the plan's busy GPU-time
+    with its reshards (the cluster search's bound, :mod:`deeppool.planner.throughput`). Off, the price
+    multiplies the layers' and rounds' GPU-time alone (DeepPool's trade-off, exact)."""
 
     def __init__(self, cost: CostModel, options: dict[str, tuple[int, ...]], *, memory_bytes: int | None,
-                 solver: SolverName | None = None) -> None:
+                 solver: SolverName | None = None, reshard_floor: bool = False) -> None:
         self.solver = solver or default_solver()
-        self.matrix, self.x = _formulate(cost, options, memory_bytes)
+        self.matrix, self.x = _formulate(cost, options, memory_bytes, reshard_floor=reshard_floor)
         self.names = tuple(layer.name for layer in cost.graph.layers)
         self.cuts: dict[tuple[int, ...], tuple[int, float]] = {}
         """Each no-good cut's row and right-hand side, by the assignment it excludes."""
@@ -128,7 +135,8 @@ class Ilp:
         active = {self._cut(assignment) for assignment in exclude} - {None}
         self.backend.bound_rows({row: rhs if row in active else _INF for row, rhs in self.cuts.values()})
         started = time.perf_counter()
-        outcome = self.backend.run(self.matrix.costs(price), self.matrix.binaries, time_limit_s, cutoff)
+        costs = self.matrix.costs(price)
+        outcome = self.backend.run(costs, self.matrix.binaries, time_limit_s, cutoff)
         seconds = time.perf_counter() - started
         values = outcome.values
         if values is None or not all(any(values[j] > 0.5 for j in choice.values()) for choice in self.x.values()):
@@ -138,7 +146,8 @@ class Ilp:
             )
         assignment = {name: max(choice, key=lambda g: values[choice[g]]) for name, choice in self.x.items()}
         return IlpResult(assignment=assignment, solver=self.solver, status=outcome.description,
-                         optimal=outcome.optimal, seconds=seconds, gap=outcome.gap)
+                         optimal=outcome.optimal, seconds=seconds, gap=outcome.gap,
+                         objective=sum(c * v for c, v in zip(costs, values, strict=True)))
 
     def _cut(self, assignment: Mapping[str, int]) -> int | None:
         """The row of the no-good cut ``Σ_l x[l, a_l] ≤ L − 1`` (added on first use); None outside the options."""
@@ -189,7 +198,7 @@ class _Matrix:
 
 
 def _formulate(
-    cost: CostModel, options: dict[str, tuple[int, ...]], memory_bytes: int | None
+    cost: CostModel, options: dict[str, tuple[int, ...]], memory_bytes: int | None, *, reshard_floor: bool = False
 ) -> tuple[_Matrix, dict[str, dict[int, int]]]:
     m = _Matrix()
     x = {layer.name: {g: m.column(upper=1.0, binary=True) for g in options[layer.name]} for layer in cost.graph.layers}
@@ -200,7 +209,7 @@ def _formulate(
             m.time_cost[j] = ms
             m.gpu_cost[j] = ms * g / 1e3
     for src, dst in cost.graph.edges():
-        _edge(m, cost, src, x[src], x[dst])
+        _edge(m, cost, src, x[src], x[dst], floor=reshard_floor)
     for group in cost.graph.tied():
         _tie(m, [x[name] for name in group])
     _rounds(m, cost, x)
@@ -246,7 +255,7 @@ def _tie(m: _Matrix, choices: list[dict[int, int]]) -> None:
                 m.row(((j, 1.0), (first[g], -1.0)), 0.0, 0.0)
 
 
-def _edge(m: _Matrix, cost: CostModel, src: str, xu: dict[int, int], xv: dict[int, int]) -> None:
+def _edge(m: _Matrix, cost: CostModel, src: str, xu: dict[int, int], xv: dict[int, int], *, floor: bool) -> None:
     """Add an edge's ladders and their costs (both directions).
 
     The unit of flow from u's count to v's goes straight (equal counts, free)
@@ -263,9 +272,10 @@ def _edge(m: _Matrix, cost: CostModel, src: str, xu: dict[int, int], xv: dict[in
     sync = {g: cost.sync_ms(g) for g in counts}
     rails = []
     if len(inside) > 1:
-        rails.append(_ladder(m, {g: cost.reshard_side_ms(producer, g) for g in inside}, sync))
+        rails.append(_ladder(m, {g: cost.reshard_side_ms(producer, g) for g in inside}, sync, floor=floor))
     if len(inside) < len(counts):
-        rails.append(_ladder(m, {g: cost.reshard_side_ms(producer, g, across=True) for g in counts}, sync))
+        rails.append(_ladder(m, {g: cost.reshard_side_ms(producer, g, across=True) for g in counts}, sync,
+                             floor=floor))
     for g in counts:
         stay = m.column() if g in xu and g in xv else None
         for end, port in ((xu, 0), (xv, 1)):
@@ -276,22 +286,34 @@ def _edge(m: _Matrix, cost: CostModel, src: str, xu: dict[int, int], xv: dict[in
             m.row(terms, 0.0, 0.0)
 
 
-def _ladder(m: _Matrix, side: dict[int, float], sync: dict[int, float]) -> tuple[dict[int, int], dict[int, int]]:
+def _ladder(m: _Matrix, side: dict[int, float], sync: dict[int, float], *, floor: bool
+            ) -> tuple[dict[int, int], dict[int, int]]:
     """Levels sorted by side descending: enter at ``σ_i``, go down free, up at ``σ_k − σ_{k+1}``, leave free;
     entering from and leaving to count ``g`` adds ``sync[g]`` (the direction that count sends). Returns the
-    entry and exit columns by count."""
+    entry and exit columns by count.
+
+    With ``floor``, GPU-time costs that never exceed the round trip's, ``max(g_u, g_v)·(2σ(p) + ω_u + ω_v)``
+    with ``p = min(g_u, g_v)``, ``q = max``: ``σ`` does not grow with the count (``⌈batch/g⌉``), so the levels
+    are the counts ascending; entering or leaving at ``g`` costs ``g·(σ(g) + ω_g)``, and each rung between
+    counts ``n_k < n_{k+1}``, either way, ``(n_{k+1} − n_k)·σ(n_{k+1})``. The path from ``p`` to ``q`` then
+    costs at most ``p·σ(p) + q·σ(q) + (q − p)·σ(p) + p·ω_p + q·ω_q ≤ q·(2σ(p) + ω_u + ω_v)``."""
     levels = sorted(side, key=lambda g: (-side[g], g))
     sides = [side[g] for g in levels]
     down = [m.column() for _ in range(len(levels) - 1)]
     up = [m.column() for _ in range(len(levels) - 1)]
     for k, j in enumerate(up):
         m.time_cost[j] = 2 * (sides[k] - sides[k + 1])
+        if floor:
+            rung = abs(levels[k + 1] - levels[k]) * min(sides[k], sides[k + 1]) / 1e3
+            m.gpu_cost[j] = m.gpu_cost[down[k]] = rung
     enter: dict[int, int] = {}
     leave: dict[int, int] = {}
     for k, g in enumerate(levels):
         enter[g], leave[g] = m.column(), m.column()
         m.time_cost[enter[g]] = 2 * sides[k] + sync[g]
         m.time_cost[leave[g]] = sync[g]
+        if floor:
+            m.gpu_cost[enter[g]] = m.gpu_cost[leave[g]] = g * (sides[k] + sync[g]) / 1e3
         ladder = [(enter[g], 1.0), (leave[g], -1.0)]
         if k:
             ladder += [(down[k - 1], 1.0), (up[k - 1], -1.0)]

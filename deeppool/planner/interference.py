@@ -47,6 +47,9 @@ class InterferenceModel:
     min_lend_fraction: float = DEFAULT_MIN_LEND_FRACTION
     efficiency_by_window_ms: tuple[tuple[float, float], ...] = ()
     """(bin's lower edge in ms, efficiency), sorted by edge; empty: ``bg_efficiency`` for every window."""
+    bg_piece_ms: float = 0.0
+    """The background job's indivisible step piece, for the plans chosen to host it (``--objective cluster``):
+    a window holds only whole pieces (:meth:`usable_fraction`); 0: any length is filled."""
 
     def __post_init__(self) -> None:
         if self.fg_slowdown < 1:
@@ -55,6 +58,8 @@ class InterferenceModel:
             raise DeeppoolError(f"--bg-efficiency {self.bg_efficiency} must be in (0, 1]")
         if not 0 <= self.min_lend_fraction <= 1:
             raise DeeppoolError(f"--min-lend-fraction {self.min_lend_fraction} must be in [0, 1]")
+        if not self.bg_piece_ms >= 0:
+            raise DeeppoolError(f"background piece of {self.bg_piece_ms} ms must be at least 0")
         edges = [edge for edge, _ in self.efficiency_by_window_ms]
         if edges != sorted(set(edges)) or any(not 0 <= e <= 1 for _, e in self.efficiency_by_window_ms):
             raise DeeppoolError("efficiency_by_window_ms needs increasing window lengths and efficiencies in [0, 1]")

@@ -5,9 +5,10 @@ rank ``r`` its idle windows ``len_w`` (:func:`deeppool.planner.plan.rank_idle_wi
 a rank that runs no layer has one window, the whole iteration). Background
 work fills them as the simulator's one interference model says
 (:class:`deeppool.planner.interference.InterferenceModel`, read from
-``--interference interference.json`` or its documented defaults):
+``--interference interference.json`` or its documented defaults; ``fit(len)`` is
+``len`` in whole pieces of the background's ``bg_piece_ms``, all of ``len`` when 0):
 
-    usable_r = min(1, Σ_w e(len_w) · len_w / T)             (InterferenceModel.usable_fraction)
+    usable_r = min(1, Σ_w e(len_w) · fit(len_w) / T)        (InterferenceModel.usable_fraction)
     lent     = {r : idle_r / T ≥ min_lend_fraction and usable_r > 0}
     fg_share = T_dp / (T · s),   s = fg_slowdown if lent ≠ ∅ else 1
     bg_share = Σ_{r ∈ lent} usable_r / G
@@ -23,11 +24,14 @@ at the model's efficiency.
 **Exact search** (:func:`cluster_optimum`), over the same candidate counts as the
 time objective. ``J`` is not linear (windows, thresholds, ``1/T``), but it is
 bounded by what the ILP optimises exactly. With ``B'`` the GPU-time the ILP
-prices (``Σ_l g_l·layer_ms_l(g_l) + Σ_g g·ROUNDS(g)``, never more than the plan's
-busy GPU-time ``B``, which adds reshards and the optimizer call), ``ē`` the
-largest efficiency of any window and ``c = ē / G``:
+prices (``Σ_l g_l·layer_ms_l(g_l) + Σ_g g·ROUNDS(g)`` plus, on every edge whose
+counts differ, a floor of its reshards' GPU-time carried by the edge's ladders,
+:class:`deeppool.planner.ilp.Ilp`'s ``reshard_floor``; never more than the plan's
+busy GPU-time ``B``, which adds the whole reshards and the optimizer call,
+``tests/planner/test_ilp.py``), ``ē`` the largest efficiency of any window and
+``c = ē / G``:
 
-* a plan that lends has ``usable_r ≤ ē · idle_r / T`` and ``Σ_r idle_r = G·T − B``, so
+* a plan that lends has ``usable_r ≤ ē · idle_r / T`` (``fit(len) ≤ len``) and ``Σ_r idle_r = G·T − B``, so
   ``J ≤ T_dp/(s·T) + ē·(1 − B/(G·T)) ≤ ē + (T_dp/s − c·B')/T =: U``;
 * a plan that lends nothing has ``J = T_dp / T``.
 
@@ -43,14 +47,24 @@ each costed once), and when both have stopped no uncosted plan beats the best
 costed one: **the returned plan maximises J**. ``tests/planner/test_throughput.py``
 checks it against enumerating every assignment.
 
+The stopping test reads the ILP's own minimum (its objective, not the cost model's
+``B'`` of the plan it returns), which lies below every uncosted plan's
+``(λ − ē)·T + c·B``.
+
 With a tolerance ``ε`` (the planner's default, 0.2%) both tests use ``λ·(1 + ε)`` in
 place of ``λ``: the plan returned is then proven within ``ε`` of the best. The
-bound is loose only where idle time cannot be lent (ranks idle for less than
-``min_lend_fraction``, windows shorter than the efficiency curve's first bin,
-reshard GPU-time); on ResNet-50 at 64 GPUs it admits dozens of plans that differ
-from the best in one small layer by less than 0.05%, each costing one ILP solve
-with cuts, and ``ε`` = 0.2% ends the search after one. The loops stop early only
-at the step cap or the time limit, and the status then says how far the bound is open.
+bound is loose where idle time cannot be lent (ranks idle for less than
+``min_lend_fraction``, windows shorter than the efficiency curve's first bin) and by
+the reshard GPU-time the floor misses (a ladder's costs add per count, so a reshard
+between ``p < q`` GPUs is priced about ``(2 + ln(q/p))/(2·q/p)`` of its ``q·R``), and by
+pieces: ``fit(len)`` falls short of ``len`` by up to a piece in every window, so a rank idle
+for the whole iteration loses ``T mod bg_piece_ms``, which no linear price bounds (the
+searches of the simulator's larger examples then end at the time limit, ``docs/planner.md``).
+Without the floor, reshards were most of ``U − J`` on the plans the bound let in
+(0.011 of 0.012 on ResNet-50 at 128 A100s, 0.0055 on VGG-16 at 64); near-tie plans
+still cost one ILP solve with cuts each, and ``ε`` = 0.2% ends most searches after
+one. The loops stop early only at the step cap or the time limit, and the status
+then says how far the bound is open.
 
 **Its solves.** Every solve of a search is one HiGHS model (:class:`deeppool.planner.ilp.Ilp`, built once):
 a step changes the price and which no-good cuts bind. Each solve carries the step's stopping threshold as a
@@ -71,7 +85,7 @@ from functools import cached_property
 from deeppool.errors import DeeppoolError
 from deeppool.planner.candidates import useful_counts
 from deeppool.planner.cost import CostModel, Phase
-from deeppool.planner.ilp import Ilp, SolverName
+from deeppool.planner.ilp import Ilp, IlpResult, SolverName
 from deeppool.planner.interference import InterferenceModel
 from deeppool.planner.objective import DEFAULT_CLUSTER_GAP
 from deeppool.planner.plan import rank_idle_windows
@@ -112,7 +126,7 @@ def shares(
     for rank, count in _rank_groups(phases, gpus):
         windows = tuple(w.length_ms for w in rank_idle_windows(phases, rank, iteration))
         idle = sum(windows)
-        fraction = model.usable_fraction(windows, iteration)
+        fraction = model.usable_fraction(windows, iteration, piece_ms=model.bg_piece_ms)
         if idle / iteration >= model.min_lend_fraction and fraction > 0:
             usable += count * fraction
             lent_idle += count * idle
@@ -217,7 +231,7 @@ class _Search:
     def ilp(self) -> Ilp:
         """One model for every solve of the search: each solve changes only the price and which cuts bind."""
         p = self.problem
-        return Ilp(p.cost, p.options, memory_bytes=p.memory_bytes, solver=p.solver)
+        return Ilp(p.cost, p.options, memory_bytes=p.memory_bytes, solver=p.solver, reshard_floor=True)
 
     @property
     def value(self) -> float:
@@ -242,7 +256,7 @@ class _Search:
         names = self.problem.cost.graph.names
         return tuple(dict(zip(names, key, strict=True)) for key in self.costed)
 
-    def _solve(self, price: float, cutoff: float) -> dict[str, int] | None:
+    def _solve(self, price: float, cutoff: float) -> IlpResult | None:
         """The ILP's minimiser over the uncosted plans: solved without cuts first (its LP relaxation stays
         integral, so this is fast), and with one no-good cut per costed plan only when that one is costed.
 
@@ -257,16 +271,16 @@ class _Search:
         cutoff *= 1 + _CUTOFF_SLACK
         if price != self.uncut_price:
             found = self._solve_once(price, (), cutoff)
-            if found is None or self._key(found) not in self.costed:
+            if found is None or self._key(found.assignment) not in self.costed:
                 return found
             self.uncut_price = price
         return self._solve_once(price, self._excluded(), cutoff)
 
-    def _solve_once(self, price: float, exclude: tuple[dict[str, int], ...], cutoff: float) -> dict[str, int] | None:
+    def _solve_once(self, price: float, exclude: tuple[dict[str, int], ...], cutoff: float) -> IlpResult | None:
         self.solves += 1
         try:
             return self.ilp.solve(price=price, exclude=exclude, cutoff=cutoff,
-                                  time_limit_s=max(1.0, self.deadline - time.perf_counter())).assignment
+                                  time_limit_s=max(1.0, self.deadline - time.perf_counter()))
         except DeeppoolError as err:
             if "(Infeasible)" not in str(err):  # a time-out: nothing is proven
                 self.failed = True
@@ -286,13 +300,13 @@ class _Search:
         found = self._solve(1e3 * unit / margin, cutoff=p.dp_ms / slowdown / margin)
         if found is None:
             return False
-        least = margin * p.cost.iteration_ms(found) + unit * priced_gpu_ms(p.cost, found)
+        least = margin * found.objective  # the least (λ − ē)·T + c·B' over the uncosted plans
         if least >= (p.dp_ms / slowdown) * (1 - _TOLERANCE):
             return False
         # every uncosted lending plan a has U(a) ≤ target + (T_dp/s − least) / T_a, and T_a ≥ T_min
         self.lending_bound = (self.target + (p.dp_ms / slowdown - least) / p.fastest_ms if p.fastest_ms > 0
                               else float("inf"))
-        self.cost(found)
+        self.cost(found.assignment)
         return True
 
     def fastest_step(self) -> bool:
@@ -303,9 +317,9 @@ class _Search:
         if self.problem.fastest_ms >= limit:
             return False
         found = self._solve(0.0, cutoff=limit)
-        if found is None or self.problem.cost.iteration_ms(found) >= limit:
+        if found is None or self.problem.cost.iteration_ms(found.assignment) >= limit:
             return False
-        self.cost(found)
+        self.cost(found.assignment)
         return True
 
     def result(self, *, proven: bool, fastest_open: bool) -> ClusterSearch:
@@ -321,6 +335,7 @@ class _Search:
 
 
 def priced_gpu_ms(cost: CostModel, assignment: Mapping[str, int]) -> float:
-    """``B'``: the GPU-time (ms) the ILP's price multiplies, ``Σ_l g_l·layer_ms_l(g_l) + Σ_g g·ROUNDS(g)``."""
+    """The GPU-time (ms) the ILP's price multiplies without the reshard floor, ``Σ_l g_l·layer_ms_l(g_l) +
+    Σ_g g·ROUNDS(g)`` (``--objective time+gpu-time``; the cluster search's ``B'`` adds the floor)."""
     layers = sum(assignment[layer.name] * cost.layer_ms(layer, assignment[layer.name]) for layer in cost.graph.layers)
     return layers + sum(assignment[name] * ms for name, ms in cost.group_rounds_ms(assignment).items())

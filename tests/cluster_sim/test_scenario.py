@@ -13,8 +13,11 @@ from deeppool.planner.interference import InterferenceModel
 def test_cluster_throughput_is_foreground_plus_work_in_lent_windows(book, tiny, gpus) -> None:
     generous = InterferenceModel(fg_slowdown=1.0, bg_efficiency=1.0, min_lend_fraction=0.0)
     point = evaluate(tiny, gpus, gpus_per_node=4, book=book, interference=generous)
-    foreground, _ = scenario_models(tiny, gpus)
-    dp, burst = (book.facts(foreground, gpus, mode) for mode in (PlanMode.DATA_PARALLEL, PlanMode.LENDING))
+    foreground, background = scenario_models(tiny, gpus)
+    piece = book.facts(background, 1, PlanMode.DATA_PARALLEL).granularity_ms
+    hosting = book.hosting(piece)  # the lent plan is chosen for the guests' pieces
+    assert piece > 0 and hosting.settings.interference.bg_piece_ms == piece
+    dp, burst = (hosting.facts(foreground, gpus, mode) for mode in (PlanMode.DATA_PARALLEL, PlanMode.LENDING))
     assert point.fg_share == pytest.approx(dp.iteration_s / burst.iteration_s)  # no slowdown: the lent plan's speed
     assert point.cluster_throughput_vs_dp == pytest.approx(point.fg_share + point.bg_share)
     assert 0 <= point.bg_share <= point.lent_fraction <= 1

@@ -18,6 +18,7 @@ from deeppool.planner.modelspec import ModelSource, ModelSpec
 from deeppool.planner.pareto import front, plot
 from deeppool.planner.plan import Strategy
 from deeppool.planner.request import Objective
+from deeppool.planner.throughput import priced_gpu_ms
 from tests.planner import synthetic
 
 SPEC = ModelSpec(source=ModelSource.FACTORY, location="tests.models.factories:small_cnn", input_shape=(3, 8, 8))
@@ -194,3 +195,26 @@ def test_a_cutoff_prunes_only_what_lies_above_it():
     with pytest.raises(DeeppoolError, match="Infeasible"):
         ilp.solve(exclude=[first], cutoff=second * (1 - 1e-6), time_limit_s=30)
     assert cost.iteration_ms(ilp.solve(time_limit_s=30).assignment) == pytest.approx(cost.iteration_ms(first))
+
+
+@pytest.mark.parametrize("network", [SLOW_NETWORK, SYNCING_NETWORK], ids=["network", "sync-latency"])
+@pytest.mark.parametrize("graph", [CHAIN, RESIDUAL], ids=["chain", "residual"])
+def test_the_reshard_floor_never_exceeds_a_plans_busy_gpu_time(graph, network):
+    """With ``reshard_floor`` the ILP's ``time + price · gpu_time`` of every assignment lies between the
+    layers' and rounds' GPU-time alone and the plan's whole busy GPU-time (reshards and the optimizer
+    call too): the cluster search's bound stays a bound, and it is tighter wherever a plan reshards."""
+    gpus, batch, price = 4, 12, 50.0
+    cost, _ = _problem(graph, gpus, batch, network)
+    raised = 0
+    for counts in itertools.product(range(1, gpus + 1), repeat=len(graph.names)):
+        assignment = dict(zip(graph.names, counts, strict=True))
+        fixed = {name: (g,) for name, g in assignment.items()}
+        found = Ilp(cost, fixed, memory_bytes=None, solver=SolverName.HIGHS, reshard_floor=True).solve(
+            price=price, time_limit_s=30)
+        layers_only = cost.iteration_ms(assignment) + price * priced_gpu_ms(cost, assignment) / 1e3
+        busy = cost.iteration_ms(assignment) + price * cost.gpu_seconds(assignment)
+        assert layers_only * (1 - 1e-9) <= found.objective <= busy * (1 + 1e-9), assignment
+        reshards = any(assignment[src] != assignment[dst] for src, dst in graph.edges())
+        assert reshards or found.objective == pytest.approx(layers_only, rel=1e-9), assignment
+        raised += reshards and found.objective > layers_only * (1 + 1e-6)
+    assert raised > 0, "the floor must price some reshard"

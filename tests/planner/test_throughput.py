@@ -29,6 +29,8 @@ MODELS = {
     # plans, which must run after the lending loop has proven its side (it once never ran then)
     "costly": InterferenceModel(fg_slowdown=1.2, bg_efficiency=0.3, min_lend_fraction=0.15),
     "slow-host": InterferenceModel(fg_slowdown=1.5, bg_efficiency=0.9, min_lend_fraction=0.15),
+    # a guest whose steps come in 3 ms pieces: windows hold only whole pieces (the chain's best plan changes)
+    "pieces": InterferenceModel(bg_piece_ms=3.0),
 }
 
 
