@@ -86,10 +86,12 @@ def test_zoo_file_runs_eagerly(name: str) -> None:
 
 
 HEAVY = {"hf_bart", "hf_whisper", "hf_t5", "hf_gpt_neox", "hf_convnext", "hf_swin", "hf_regnet",
-         "hf_bert", "tv_mobilenet", "tv_densenet"}
-"""The zoo's slowest burst runs (1-5 min each on 2 cores), and three (10-30 s each) whose kind a faster default run
+         "hf_bert", "tv_mobilenet", "tv_densenet", "tv_inception"}
+"""The zoo's slowest burst runs (1-5 min each on 2 cores), and four (10-30 s each) whose kind a faster default run
 covers (hf_bert: hf_gpt2's dict inputs and hf_vit's encoder; tv_mobilenet and tv_densenet: tv_resnet's convolutions
-and BatchNorm, tv_inception's concatenations): in the heavy tier, not the default test run."""
+and BatchNorm, tv_inception's concatenations; tv_inception itself: its pinned burst plan is planned and run on 4 ranks
+with --check by test_inception_aux_batchnorm_at_one_sample_per_gpu_trains_exactly): in the heavy tier, not the
+default test run."""
 
 LOCAL = {"hf_gpt2", "tv_regnet"}
 """Planned from a local measurement in the default test run (a dict of inputs; a model that cannot be

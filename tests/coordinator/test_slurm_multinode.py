@@ -122,9 +122,10 @@ def _teardown(tag: str, daemons: list[subprocess.Popen]) -> None:
     """Stop the daemons and whatever still runs in the namespaces, then delete the namespaces and the bridge."""
     for daemon in daemons:
         daemon.terminate()
+    deadline = time.monotonic() + 10  # one grace period for all of them: they stop side by side
     for daemon in daemons:
         try:
-            daemon.wait(10)
+            daemon.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             daemon.kill()
             daemon.wait(10)
