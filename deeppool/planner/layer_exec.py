@@ -102,9 +102,10 @@ class CompiledLayerRunner(LayerRunner):
         return structured_output(self._module, value) if self._nodes[-1].op == "output" else value
 
 
-def runners(module: fx.GraphModule, layers: tuple[Layer, ...]) -> dict[str, LayerRunner]:
-    """One compiled runner per layer, by layer name."""
-    return {layer.name: CompiledLayerRunner(module, layer) for layer in layers}
+def runners(module: fx.GraphModule, layers: tuple[Layer, ...],
+            random: tuple[RandomSites, SampleRandomness] | None = None) -> dict[str, LayerRunner]:
+    """One compiled runner per layer, by layer name (each random node positioned in ``random``'s mode)."""
+    return {layer.name: CompiledLayerRunner(module, layer, random) for layer in layers}
 
 
 RANDOM_MODE = "deeppool_random_mode"

@@ -61,7 +61,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache, cached_property
 from pathlib import Path
@@ -81,6 +81,7 @@ from deeppool.planner.jsonio import write_json
 from deeppool.planner.layer_exec import LayerFailed, LayerRunner, floating_leaves, run_at, runners
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.cost import Optimizer
+from deeppool.planner.randomness import SampleRandomness
 from deeppool.planner.profile import Conditions, FitQuality, LayerTimes, Profile, StepOverhead
 from deeppool.planner.trace import Traced
 
@@ -264,8 +265,10 @@ class LayerProfiler:
         traced.module.to(self.device)
         graph = traced.graph
         self.measured: dict[str, dict[int, Measured]] = {name: {} for name in (*graph.names, LOSS)}
-        self.passes = Passes(module=traced.module, graph=graph, runners=runners(traced.module, graph.layers),
-                             device=self.device)
+        random = traced.random.mode(seed=0) if traced.random else None
+        drawing = (traced.random, random) if random is not None else None
+        self.passes = Passes(module=traced.module, graph=graph, runners=runners(traced.module, graph.layers, drawing),
+                             device=self.device, random=random)
         self.grouped: dict[str, dict[int, Measured]] = {}
         """The batch-normalising layers' times as they run on ``g > 1`` ranks (:mod:`~deeppool.planner.group_times`)."""
         self.code = {layer.name: layer_code(traced.module, layer) for layer in graph.layers}
@@ -581,6 +584,10 @@ class Passes:
     graph: LayerGraph
     runners: dict[str, LayerRunner]
     device: torch.device
+    random: SampleRandomness | None = None
+    """The per-sample randomness mode the executor's forwards run under, for a model that draws random numbers
+    (every op then passes through it, and each random op draws sample by sample): the forwards are timed
+    under it too."""
 
     @cached_property
     def flows(self) -> dict[str, bool]:
@@ -601,15 +608,17 @@ class Passes:
         values: dict[str, object] = dict(inputs)
         leaves: dict[tuple[str, str], torch.Tensor] = {}
         fwd: dict[str, float] = {}
-        for layer in self.graph.layers:
-            args = []
-            for name in layer.inputs:
-                value = values[name]
-                leaf = value.detach().requires_grad_(flows.get(name, False) and value.is_floating_point())
-                leaves[(layer.name, name)] = leaf
-                args.append(leaf)
-            fwd[layer.name], values[layer.name] = _timed(self.device,
-                                                         lambda r=self.runners[layer.name], a=args: run_at(r, a, batch))
+        drawing = self.random.at(step=0, offset=0, ordinal=0) if self.random is not None else nullcontext()
+        with drawing:
+            for layer in self.graph.layers:
+                args = []
+                for name in layer.inputs:
+                    value = values[name]
+                    leaf = value.detach().requires_grad_(flows.get(name, False) and value.is_floating_point())
+                    leaves[(layer.name, name)] = leaf
+                    args.append(leaf)
+                fwd[layer.name], values[layer.name] = _timed(
+                    self.device, lambda r=self.runners[layer.name], a=args: run_at(r, a, batch))
         grads: dict[str, torch.Tensor] = {}
         bwd: dict[str, float] = {}
         for layer in reversed(self.graph.layers):
@@ -757,7 +766,7 @@ def _key(layer: Layer, code: str, args: list[object], batch: int, device: torch.
     shapes = [(tuple(a.shape[1:]), str(a.dtype)) for a in args if isinstance(a, torch.Tensor)]
     text = (
         f"{layer.signature}|{code}|{shapes}|{batch}|{device_name(device)}|{torch.__version__}|{config.warmup}|"
-        f"{config.repeats}|{config.max_repeats}|{config.spread_bound}|{config.threads}|in-context-passes|compiled"
+        f"{config.repeats}|{config.max_repeats}|{config.spread_bound}|{config.threads}|in-context-passes|compiled|drawing-per-sample"
     )
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -299,3 +299,35 @@ def test_the_profiler_runs_each_layer_as_generated_code_computing_what_interpret
                 args = [values[name] for name in layer.inputs]
                 values[layer.name] = profiler.passes.runners[layer.name](*args)
                 assert torch.equal(values[layer.name], LayerRunner(traced.module, layer)(*args)), layer.name
+
+
+DROPOUT_MODEL = '''
+import torch
+from torch import nn
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 4), nn.Dropout(0.1))
+
+
+def inputs(batch_size):
+    return (torch.randn(batch_size, 8, generator=torch.Generator().manual_seed(0)),)
+'''
+
+
+def test_a_model_that_draws_random_numbers_is_timed_drawing_them_as_the_executor_does(tmp_path):
+    """The executor runs a forward that draws random numbers under its per-sample randomness mode (every op
+    passes through it, each random op draws sample by sample: BERT's forward took twice as long); the profiler
+    times the forwards under the same mode."""
+    path = tmp_path / "dropped.py"
+    path.write_text(DROPOUT_MODEL)
+    loaded = ModelSpec.parse(str(path)).load()
+    traced = trace(loaded)
+    profiler = LayerProfiler(traced, loaded, ProfilerConfig(batches=(4,), show_progress=False))
+    mode = profiler.passes.random
+    assert mode is not None and traced.random
+    graph = traced.graph
+    named = loaded.named_inputs(4)
+    profiler.passes.run({n: named[k] for n, k in zip(graph.inputs, graph.input_keys, strict=True)}, batch=4)
+    assert mode.ordinal == max(traced.random.first.values()) + 1, "the last random op drew through the mode"
