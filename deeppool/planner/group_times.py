@@ -17,6 +17,7 @@ import copy
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import fx
@@ -67,7 +68,7 @@ class GroupedLayers:
         """Every grouped layer's ratio at per-GPU ``batch``, on its arguments in one forward of ``inputs``."""
         if not self.grouped:
             return {}
-        flows = grad_flows(self.graph)
+        flows = self._flows
         found = {}
         for layer, args in self._arguments(inputs, batch):
             leaves = [a.detach().requires_grad_(flows.get(name, False) and a.is_floating_point())
@@ -78,6 +79,10 @@ class GroupedLayers:
         for param in self.module.parameters():
             param.grad = None  # the grouped runs' (the profiler drops the fused runs' after measuring)
         return found
+
+    @cached_property
+    def _flows(self) -> dict[str, bool]:
+        return grad_flows(self.graph)
 
     def _arguments(self, inputs: dict[str, torch.Tensor], batch: int) -> list[tuple[Layer, list[object]]]:
         """Each grouped layer and its arguments, from one untimed forward of the whole model."""
