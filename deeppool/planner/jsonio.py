@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +12,15 @@ from deeppool.errors import DeeppoolError
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` atomically: a crash never leaves a half-written file."""
+    """Write ``payload`` atomically: a crash never leaves a half-written file.
+
+    Each writer has its own temporary file, so processes that write the same
+    cache entry at once (the simulator's planning pool) never take each
+    other's file; the last rename wins with a whole file.
+    """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
+    tmp = target.with_name(f".{target.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     try:
         tmp.write_text(json.dumps(payload, indent=1) + "\n")
         tmp.replace(target)
