@@ -134,6 +134,29 @@ class FitQuality:
 
 
 @dataclass(frozen=True, kw_only=True)
+class WholePass:
+    """One per-GPU batch's whole training pass, as a one-stage executor runs it (the layers' forwards
+    chained, one backward from the output), against the sums of its layers' in-context times: each layer
+    runs on its own leaves and its backward is its own ``torch.autograd.backward`` call, which adds up to
+    about 10% on this CPU (``benchmarks/backward_split.py``). The profile's layer times at the batch are
+    scaled by :attr:`fwd_ratio` and :attr:`bwd_ratio`, so that they add up to the whole pass."""
+
+    fwd_ms: float
+    bwd_ms: float
+    layer_fwd_ms: float
+    """The sum of the layers' median forward ms, as measured layer by layer."""
+    layer_bwd_ms: float
+
+    @property
+    def fwd_ratio(self) -> float:
+        return self.fwd_ms / self.layer_fwd_ms if self.layer_fwd_ms > 0 and self.fwd_ms > 0 else 1.0
+
+    @property
+    def bwd_ratio(self) -> float:
+        return self.bwd_ms / self.layer_bwd_ms if self.layer_bwd_ms > 0 and self.bwd_ms > 0 else 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     """Per-layer times on one device, keyed by layer name."""
 
@@ -162,6 +185,9 @@ class Profile:
     not measured (an estimated profile)."""
     conditions: Conditions | None = None
     """What the measurements were taken under; None: not measured here (an estimate, an older file)."""
+    whole_pass: dict[int, WholePass] = field(default_factory=dict)
+    """By measured per-GPU batch: the whole pass the layer times there were scaled to (empty: not scaled, an
+    estimate or an older file)."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def times(self, layer: str, batch: int, *, grouped: bool = False) -> tuple[float, float]:
@@ -235,6 +261,7 @@ class Profile:
             "step_overhead": {name: asdict(overhead) for name, overhead in sorted(self.step_overhead.items())},
             "loss": None if self.loss is None else _times_json(self.loss),
             **({"conditions": asdict(self.conditions)} if self.conditions is not None else {}),
+            "whole_pass": {str(batch): asdict(whole) for batch, whole in sorted(self.whole_pass.items())},
         }
 
     @classmethod
@@ -245,6 +272,8 @@ class Profile:
             loss = None if payload.get("loss") is None else _times(payload["loss"])
             overhead = {str(name): StepOverhead(**entry) for name, entry in (payload.get("step_overhead") or {}).items()}
             conditions = Conditions(**payload["conditions"]) if payload.get("conditions") else None
+            whole = {int(batch): WholePass(**{key: float(value) for key, value in entry.items()})
+                     for batch, entry in (payload.get("whole_pass") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise DeeppoolError(f"profile JSON has a malformed layer entry ({err}): regenerate it") from None
         return cls(
@@ -261,6 +290,7 @@ class Profile:
             step_overhead=overhead,
             loss=loss,
             conditions=conditions,
+            whole_pass=whole,
         )
 
     def save(self, path: str | Path) -> None:

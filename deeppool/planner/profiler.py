@@ -15,7 +15,13 @@ passes (``time.perf_counter`` on the CPU, CUDA events on a GPU) in rounds of
 3 scaled median absolute deviations, MAD, dropped; spread = scaled MAD over
 the median) is within ``spread_bound`` (layers under the timer's noise floor
 aside), or ``max_repeats`` passes were taken; a measurement still wider is
-counted as noisy and the profile says how many there were. On the CPU
+counted as noisy and the profile says how many there were. Each per-layer
+split adds what a stage never pays (a leaf per input, one
+``torch.autograd.backward`` call per layer: up to 10%, mostly backward, on this
+CPU, ``benchmarks/backward_split.py``), so ``repeats`` whole passes follow,
+chained as a one-stage executor runs them (:meth:`Passes.whole`), and the
+batch's layer times are scaled so that they add up to it
+(:class:`~deeppool.planner.profile.WholePass`, kept in the profile). On the CPU
 ``threads`` sets the intra-op threads while measuring (a rank of a run on
 this host gets ``cores / ranks`` of them; a busy machine stalls
 multi-threaded kernels far more than single-threaded ones).
@@ -82,7 +88,7 @@ from deeppool.planner.layer_exec import LayerFailed, LayerRunner, floating_leave
 from deeppool.planner.modelspec import LoadedModel
 from deeppool.planner.cost import Optimizer
 from deeppool.planner.randomness import SampleRandomness
-from deeppool.planner.profile import Conditions, FitQuality, LayerTimes, Profile, StepOverhead
+from deeppool.planner.profile import Conditions, FitQuality, LayerTimes, Profile, StepOverhead, WholePass
 from deeppool.planner.trace import Traced
 
 
@@ -269,6 +275,8 @@ class LayerProfiler:
         drawing = (traced.random, random) if random is not None else None
         self.passes = Passes(module=traced.module, graph=graph, runners=runners(traced.module, graph.layers, drawing),
                              device=self.device, random=random)
+        self.whole: dict[int, WholePass] = {}
+        """By measured batch: the whole pass its layer times were scaled to."""
         self.grouped: dict[str, dict[int, Measured]] = {}
         """The batch-normalising layers' times as they run on ``g > 1`` ranks (:mod:`~deeppool.planner.group_times`)."""
         self.code = {layer.name: layer_code(traced.module, layer) for layer in graph.layers}
@@ -305,8 +313,7 @@ class LayerProfiler:
                 task = progress.add_task(f"profiling on {device_name(self.device)} at per-GPU batches {new}",
                                          total=len(new) * (len(graph) + 1))
                 for batch in new:
-                    for layer, sample in _measure_batch(self, batch, cache):
-                        self.measured[layer][batch] = sample
+                    self._keep(batch, dict(_measure_batch(self, batch, cache)))
                     self._measure_grouped(batch)
                     progress.advance(task, len(graph) + 1)
         finally:
@@ -314,6 +321,17 @@ class LayerProfiler:
                 cache.save()
             for parameter in self.traced.module.parameters():
                 parameter.grad = None  # timing the backward passes left gradients behind
+
+    def _keep(self, batch: int, samples: dict[str, Measured]) -> None:
+        """Keep ``batch``'s measurements: the layers' times scaled to the whole pass (:class:`WholePass`)."""
+        names = self.traced.graph.names
+        whole = samples.pop(WHOLE)
+        scale = self.whole[batch] = WholePass(fwd_ms=whole.fwd_ms, bwd_ms=whole.bwd_ms,
+                                              layer_fwd_ms=sum(samples[name].fwd_ms for name in names),
+                                              layer_bwd_ms=sum(samples[name].bwd_ms for name in names))
+        for name, sample in samples.items():
+            self.measured[name][batch] = sample if name == LOSS else \
+                replace(sample, fwd_ms=sample.fwd_ms * scale.fwd_ratio, bwd_ms=sample.bwd_ms * scale.bwd_ratio)
 
     @cached_property
     def _grouped_layers(self) -> GroupedLayers:
@@ -367,6 +385,7 @@ class LayerProfiler:
             step_overhead=overhead,
             loss=loss,
             conditions=self.conditions(),
+            whole_pass={batch: self.whole[batch] for batch in batches if batch in self.whole},
         )
 
     @cached_property
@@ -383,6 +402,7 @@ class LayerProfiler:
 
 
 LOSS = "<loss>"
+WHOLE = "<whole pass>"
 """The loss function's key among the measured entries (no layer name has angle brackets)."""
 
 
@@ -631,6 +651,32 @@ class Passes:
                     grads[name] = grads[name] + grad if name in grads else grad
         return fwd, bwd, {name: values[name] for name in keep}
 
+    def whole(self, inputs: dict[str, torch.Tensor], *, batch: int) -> tuple[float, float]:
+        """One pass as a one-stage executor runs it: the layers' forwards chained (no leaves between them,
+        each value dropped after its last use), then one backward from ones at the output; (fwd_ms, bwd_ms)."""
+        for param in self.module.parameters():
+            param.grad = None
+        graph = self.graph
+        last_use = {name: index for index, layer in enumerate(graph.layers) for name in layer.inputs}
+
+        def forward() -> object:
+            values: dict[str, object] = dict(inputs)
+            for index, layer in enumerate(graph.layers):
+                values[layer.name] = run_at(self.runners[layer.name], [values[name] for name in layer.inputs], batch)
+                for name in layer.inputs:
+                    if last_use[name] == index and name != graph.output:
+                        values.pop(name, None)
+            return values[graph.output]
+
+        drawing = self.random.at(step=0, offset=0, ordinal=0) if self.random is not None else nullcontext()
+        with drawing:
+            fwd_ms, output = _timed(self.device, forward)
+        outputs = floating_leaves(output)
+        if not outputs:
+            return fwd_ms, 0.0
+        return fwd_ms, _timed(self.device, lambda: torch.autograd.backward(outputs, [torch.ones_like(t)
+                                                                                       for t in outputs]))[0]
+
     def _backward(self, layer: Layer, value: object, grads: dict[str, torch.Tensor], batch: int) -> float:
         """The layer's backward from the gradients its consumers sent (ones for the model's output); a
         backward that raises (an op needing more samples than ``batch``) is a :class:`LayerFailed`."""
@@ -661,9 +707,10 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
     graph = passes.graph
     inputs = _inputs(profiler, batch)
     keys, output = _keys(profiler, inputs, batch)
-    found = {name: cache.get(key) for name, key in keys.items()} if cache else {}
+    whole_key = hashlib.sha256("|".join((WHOLE, *keys.values())).encode()).hexdigest()
+    found = {name: cache.get(key) for name, key in (*keys.items(), (WHOLE, whole_key))} if cache else {}
     cached = {name: m for name, m in found.items() if m is not None}
-    if cached and len(cached) == len(keys) and not config.remeasure(cached.values()):
+    if cached and len(cached) == len(keys) + 1 and not config.remeasure(cached.values()):
         yield from cached.items()
         yield LOSS, _measure_loss(profiler, output, batch, cache)
         return
@@ -682,11 +729,19 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
                       for m in measured.values())
         if settled or len(runs) + config.repeats > config.max_repeats:
             break
+    measured[WHOLE] = _measure_whole(passes, inputs, batch, config, load)
     for name, sample in measured.items():
         if cache:
-            cache.put(keys[name], sample, profiler.entry())
+            cache.put(whole_key if name == WHOLE else keys[name], sample, profiler.entry())
         yield name, sample
     yield LOSS, _measure_loss(profiler, output, batch, cache)
+
+
+def _measure_whole(passes: Passes, inputs: dict[str, torch.Tensor], batch: int, config: ProfilerConfig,
+                   load: float) -> Measured:
+    """The whole pass's medians (:meth:`Passes.whole`) over ``config.repeats`` passes after the warm-up ones."""
+    timed = [passes.whole(inputs, batch=batch) for _ in range(config.warmup + config.repeats)][config.warmup:]
+    return _summary([f for f, _ in timed], [b for _, b in timed], max(load, config.load()))
 
 
 def _inputs(profiler: LayerProfiler, batch: int) -> dict[str, torch.Tensor]:
@@ -766,7 +821,7 @@ def _key(layer: Layer, code: str, args: list[object], batch: int, device: torch.
     shapes = [(tuple(a.shape[1:]), str(a.dtype)) for a in args if isinstance(a, torch.Tensor)]
     text = (
         f"{layer.signature}|{code}|{shapes}|{batch}|{device_name(device)}|{torch.__version__}|{config.warmup}|"
-        f"{config.repeats}|{config.max_repeats}|{config.spread_bound}|{config.threads}|in-context-passes|compiled|drawing-per-sample"
+        f"{config.repeats}|{config.max_repeats}|{config.spread_bound}|{config.threads}|in-context-passes|compiled|drawing-per-sample|whole-pass"
     )
     return hashlib.sha256(text.encode()).hexdigest()
 

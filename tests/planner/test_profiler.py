@@ -37,13 +37,15 @@ def test_measure_then_cache_round_trip(tmp_path):
     assert set(first.layers) == set(traced.graph.names)
     assert all(len(t.fwd_ms) == 2 and min(t.fwd_ms) > 0 for t in first.layers.values())
     assert first.layers["fc1"].bwd_ms[0] > 0
-    assert len(ProfileCache(tmp_path).entries) == 2 * (len(traced.graph) + 1), "every layer and the loss, per batch"
+    assert len(ProfileCache(tmp_path).entries) == 2 * (len(traced.graph) + 2), \
+        "every layer, the whole pass and the loss, per batch"
     assert first.loss is not None and first.loss.batches == (1, 4) and min(first.loss.fwd_ms) > 0
     assert min(first.loss.bwd_ms) > 0, "the loss's backward is timed"
     assert set(first.step_overhead) == {"sgd", "adam"}
     assert all(o.call_ms > 0 and o.per_tensor_ms > 0 for o in first.step_overhead.values())
     again = measure_profile(traced, loaded, config)
     assert again.layers == first.layers, "a second profile of the same layers comes from the cache"
+    assert again.whole_pass == first.whole_pass and set(first.whole_pass) == {1, 4}
     assert again.loss == first.loss
     assert first.memory_bandwidth > 1e8
     assert first.concurrent_ranks == max(1, (os.cpu_count() or 1) // torch.get_num_threads())
@@ -331,3 +333,36 @@ def test_a_model_that_draws_random_numbers_is_timed_drawing_them_as_the_executor
     named = loaded.named_inputs(4)
     profiler.passes.run({n: named[k] for n, k in zip(graph.inputs, graph.input_keys, strict=True)}, batch=4)
     assert mode.ordinal == max(traced.random.first.values()) + 1, "the last random op drew through the mode"
+
+
+def test_layer_times_add_up_to_the_whole_pass_they_were_scaled_to():
+    """Each batch's layer times are scaled by the whole pass over their per-layer sum: the measured times add
+    up to it (the profile then fits layers below the timer's noise floor, as it does any measurement)."""
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    profiler = LayerProfiler(traced, loaded, ProfilerConfig(batches=(2, 8), warmup=1, repeats=3, show_progress=False))
+    profiler.measure((2, 8))
+    profile = profiler.profile()
+    for batch, whole in profile.whole_pass.items():
+        fwd = sum(profiler.measured[name][batch].fwd_ms for name in traced.graph.names)
+        bwd = sum(profiler.measured[name][batch].bwd_ms for name in traced.graph.names)
+        assert whole.fwd_ms > 0 and whole.bwd_ms > 0 and whole.layer_fwd_ms > 0 and whole.layer_bwd_ms > 0
+        assert fwd == pytest.approx(whole.fwd_ms, rel=1e-9) and bwd == pytest.approx(whole.bwd_ms, rel=1e-9)
+    assert set(profile.whole_pass) == {2, 8}
+
+
+def test_the_whole_pass_computes_what_the_layer_passes_do():
+    """Chained forwards and one backward give the parameters the gradients the per-layer passes give."""
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    graph = traced.graph
+    passes = Passes(module=traced.module, graph=graph, runners=runners(traced.module, graph.layers),
+                    device=torch.device("cpu"))
+    named = loaded.named_inputs(4)
+    inputs = {name: named[key] for name, key in zip(graph.inputs, graph.input_keys, strict=True)}
+    passes.run(inputs, batch=4)
+    layered = {name: p.grad.clone() for name, p in traced.module.named_parameters()}
+    fwd_ms, bwd_ms = passes.whole(inputs, batch=4)
+    assert fwd_ms > 0 and bwd_ms > 0
+    for name, param in traced.module.named_parameters():
+        torch.testing.assert_close(param.grad, layered[name])
