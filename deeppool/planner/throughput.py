@@ -59,12 +59,17 @@ the reshard GPU-time the floor misses (a ladder's costs add per count, so a resh
 between ``p < q`` GPUs is priced about ``(2 + ln(q/p))/(2·q/p)`` of its ``q·R``), and by
 pieces: ``fit(len)`` falls short of ``len`` by up to a piece in every window, so a rank idle
 for the whole iteration loses ``T mod bg_piece_ms``, which no linear price bounds (the
-searches of the simulator's larger examples then end at the time limit, ``docs/planner.md``).
+searches of the simulator's larger examples then end at its work cap, ``docs/planner.md``).
 Without the floor, reshards were most of ``U − J`` on the plans the bound let in
 (0.011 of 0.012 on ResNet-50 at 128 A100s, 0.0055 on VGG-16 at 64); near-tie plans
 still cost one ILP solve with cuts each, and ``ε`` = 0.2% ends most searches after
-one. The loops stop early only at the step cap or the time limit, and the status
-then says how far the bound is open.
+one. The loops stop early only at the step cap, or at the time limit (``deeppool plan``) or
+the work cap in its place (:class:`deeppool.planner.objective.WorkCap`, the simulator's: a count of
+ILP solves and of branch-and-bound nodes in each, so the same inputs give the same plan and bound on
+any load), and the status then says how far the bound is open. A solve that ends at a limit with a plan
+proves only the solver's lower bound of the uncosted plans, not its plan's objective: the steps read that
+bound in place of the minimum (the lending step's stopping test and bound; the fastest step stops on it, or
+gives up the proof), so what a step concludes still holds.
 
 **Its solves.** Every solve of a search is one HiGHS model (:class:`deeppool.planner.ilp.Ilp`, built once):
 a step changes the price and which no-good cuts bind. Each solve carries the step's stopping threshold as a
