@@ -35,11 +35,13 @@ class Case:
 
 CASES = (
     Case("plan", ("plan", str(REPO / "examples/resnet50.py"), "--gpus", "8", "--batch", "32", "--cache-dir", "cache",
-                  "--out", "p.json", "--gantt", "p.png"), ("p.json", "p.png"), 8.0),
+                  "--out", "p.json", "--gantt", "p.png"), ("p.json", "p.png"), 30.0, "cache/layer-times.json"),
     Case("profile", ("profile", str(REPO / "examples/resnet50.py"), "--out", "profile.json", "--cache-dir", "cache"),
-         ("profile.json",), 8.0),
-    Case("simulate", ("simulate", "workload-6", "--gpus", "64", "--out", "sim", "--cache-dir", "cache"), ("sim",), 6.0),
-    Case("simulate-deeppool", ("simulate-deeppool", "--out", "scenario", "--cache-dir", "cache"), ("scenario",), 6.0),
+         ("profile.json",), 30.0, "cache/layer-times.json"),
+    Case("simulate", ("simulate", "workload-6", "--gpus", "64", "--out", "sim", "--cache-dir", "cache"), ("sim",),
+         30.0, "cache/graphs/*.json"),
+    Case("simulate-deeppool", ("simulate-deeppool", "--out", "scenario", "--cache-dir", "cache"), ("scenario",),
+         30.0, "cache/graphs/*.json"),
     Case("run", ("run", "small.json", "--steps", "100000", "--out", "run"), ("run",), 60.0, "run/progress.json"),
     Case("multiplex bench", ("multiplex", "bench", "small.json", "--background", str(REPO / "examples/background_mlp.py"),
                              "--out", "mux", "--steps", "100000"), ("mux",), 60.0, "mux/*/progress.json"),

@@ -86,9 +86,10 @@ def test_zoo_file_runs_eagerly(name: str) -> None:
 
 
 HEAVY = {"hf_bart", "hf_whisper", "hf_t5", "hf_gpt_neox", "hf_convnext", "hf_swin", "hf_regnet",
-         "hf_bert", "tv_mobilenet", "tv_densenet", "tv_inception"}
-"""The zoo's slowest burst runs (1-5 min each on 2 cores), and four (10-30 s each) whose kind a faster default run
-covers (hf_bert: hf_gpt2's dict inputs and hf_vit's encoder; tv_mobilenet and tv_densenet: tv_resnet's convolutions
+         "hf_bert", "hf_llama", "tv_mobilenet", "tv_densenet", "tv_inception"}
+"""The zoo's slowest burst runs (1-5 min each on 2 cores), and five (10-30 s each) whose kind a faster default run
+covers (hf_bert: hf_gpt2's dict inputs and hf_vit's encoder; hf_llama: hf_gpt2's decoder and causal mask, its
+autocast-on-meta tracing planned by test_a_model_that_autocasts_plans_from_cpu_tensors; tv_mobilenet and tv_densenet: tv_resnet's convolutions
 and BatchNorm, tv_inception's concatenations; tv_inception itself: its pinned burst plan is planned and run on 4 ranks
 with --check by test_inception_aux_batchnorm_at_one_sample_per_gpu_trains_exactly): in the heavy tier, not the
 default test run."""
@@ -142,6 +143,17 @@ def test_zoo_model_plans_with_local_measurement(tmp_path: Path, capfd, name: str
     assert planned.code == 0, planned.stderr[-3000:]
     assert "Traceback" not in planned.stderr
     assert len(json.loads((tmp_path / "plan.json").read_text())["layers"]) >= 2
+
+
+@pytest.mark.slow
+def test_a_model_that_autocasts_plans_from_cpu_tensors(tmp_path: Path, capfd) -> None:
+    """Llama's rotary embeddings run under ``torch.autocast``, which raises on the meta device: the planner
+    traces it on CPU tensors and plans it (its 4-rank burst run is in the heavy tier)."""
+    plan = tmp_path / "plan.json"
+    planned = deeppool(capfd, "plan", str(ZOO / "hf_llama.py"), "--gpus", str(RANKS), "--batch", str(BATCH),
+                       "--device-model", "a100", "--out", str(plan))
+    assert planned.code == 0 and "Traceback" not in planned.stderr, planned.stderr[-3000:]
+    assert len(json.loads(plan.read_text())["layers"]) >= 2
 
 
 @pytest.mark.slow
