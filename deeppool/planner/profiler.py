@@ -53,8 +53,10 @@ cache is written as it goes (at most once a second, and when the run ends or
 is interrupted), so re-planning the same model, or resuming an interrupted
 run, measures nothing twice. A measurement taken on a busy machine (load
 above the cores) or one that stayed noisy is *untrusted*: it is measured
-again when the machine is quieter than it was then, and otherwise kept but
-flagged (:attr:`LayerTimes.busy`), so the plan names the layers resting on it.
+again whenever the machine is not busy, the steadier of the two kept (a
+noisy draw does not stay in the cache while the load is what it was), and
+otherwise kept but flagged (:attr:`LayerTimes.busy`), so the plan names the
+layers resting on it.
 """
 
 from __future__ import annotations
@@ -124,13 +126,17 @@ class ProfilerConfig:
         return measured.load > self.cores or noisy
 
     def remeasure(self, found: Iterable[Measured]) -> bool:
-        """Whether cached measurements are to be taken again: some are untrusted and the machine is quieter
-        now than when the loudest of them was taken (and not busy itself)."""
-        untrusted = [m.load for m in found if self.untrusted(m)]
-        if not untrusted:
-            return False
-        now = self.load()
-        return now <= self.cores and now < max(untrusted)
+        """Whether cached measurements are to be taken again: some are untrusted (so quieter than a busy
+        one's load, or another draw of a noisy one) and the machine is not busy now."""
+        return any(self.untrusted(m) for m in found) and self.load() <= self.cores
+
+    def noise(self, found: Iterable[Measured]) -> tuple[bool, float]:
+        """How far one batch's measurements are from trustworthy, to keep the steadier of two: whether any
+        was taken on a busy machine, then their spread weighted by their times."""
+        found = list(found)
+        total = sum(m.fwd_ms + m.bwd_ms for m in found)
+        spread = sum(m.spread * (m.fwd_ms + m.bwd_ms) for m in found) / total if total > 0 else 0.0
+        return any(m.load > self.cores for m in found), spread
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1 or min(self.fit_to, default=1) < 1:
@@ -702,7 +708,9 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
     untimed, then rounds of ``config.repeats``) until every layer above the timer's noise floor has a
     spread within the bound, or ``config.max_repeats`` passes; each layer's medians over its kept passes,
     with the highest load average seen. From the cache when every layer at this batch is there, unless
-    some of it is untrusted and the machine is quieter now (:meth:`ProfilerConfig.remeasure`)."""
+    some of it is untrusted and the machine is not busy now (:meth:`ProfilerConfig.remeasure`): then the
+    batch is measured again, and the steadier of the two measurements is kept (:meth:`ProfilerConfig.noise`),
+    so one unlucky draw does not stay in the cache while the machine is as loaded as it was."""
     passes, config = profiler.passes, profiler.config
     graph = passes.graph
     inputs = _inputs(profiler, batch)
@@ -730,10 +738,12 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
         if settled or len(runs) + config.repeats > config.max_repeats:
             break
     measured[WHOLE] = _measure_whole(passes, inputs, batch, config, load)
-    for name, sample in measured.items():
-        if cache:
+    if len(cached) == len(measured) and config.noise(cached.values()) < config.noise(measured.values()):
+        measured = cached  # the cached measurement was the steadier one: kept
+    elif cache:
+        for name, sample in measured.items():
             cache.put(whole_key if name == WHOLE else keys[name], sample, profiler.entry())
-        yield name, sample
+    yield from measured.items()
     yield LOSS, _measure_loss(profiler, output, batch, cache)
 
 

@@ -322,3 +322,38 @@ def test_run_refuses_a_device_model_plan_whose_per_gpu_batch_breaks_an_op_in_one
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: layer 'unsqueeze'"), lines
     assert "the plan gives it per-GPU batch 1" in lines[0], lines[0]
+
+
+def test_a_noisy_cached_batch_is_measured_again_and_the_steadier_measurement_kept(tmp_path):
+    """A noisy measurement is not kept just because the load is what it was: the batch is measured again when
+    the machine is not busy, and of the two the steadier one stays in the cache."""
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    config = ProfilerConfig(batches=(2,), cache_dir=tmp_path, load=lambda: 1.0, cores=2, warmup=1, repeats=3,
+                            show_progress=False)
+    measure_profile(traced, loaded, config)
+    layer_keys = [key for key, entry in ProfileCache(tmp_path).entries.items()
+                  if entry["fwd_ms"] + entry["bwd_ms"] >= 0.05]
+
+    def cache_with_spread(spread: float) -> dict[str, dict[str, object]]:
+        cache = ProfileCache(tmp_path)
+        for key in layer_keys:
+            cache.entries[key]["spread"] = spread
+        cache.save()
+        return ProfileCache(tmp_path).entries
+
+    noisy = cache_with_spread(5.0)  # a median absolute deviation five times the median: a draw gone wrong
+    assert config.remeasure(ProfileCache(tmp_path).get(key) for key in noisy), "not busy: measured again"
+    assert not replace(config, load=lambda: 5.0).remeasure(ProfileCache(tmp_path).get(key) for key in noisy)
+    measure_profile(traced, loaded, config)
+    after = ProfileCache(tmp_path).entries
+    assert all(after[key]["at"] != noisy[key]["at"] and after[key]["spread"] < 5.0 for key in layer_keys), \
+        "the steadier new draw replaced the noisy one"
+
+    noisy = cache_with_spread(0.2)
+    loads = iter([1.0])  # not busy when the cache is read, then busy while the batch is measured again
+    busy_after = replace(config, load=lambda: next(loads, 9.0))
+    again = measure_profile(traced, loaded, busy_after)
+    after = ProfileCache(tmp_path).entries
+    assert all(after[key]["at"] == noisy[key]["at"] for key in layer_keys), "the calmer cached draw is kept"
+    assert not any(any(times.busy) and times.spread[0] != 0.2 for times in again.layers.values())
