@@ -408,8 +408,9 @@ class LayerProfiler:
 
 
 LOSS = "<loss>"
-WHOLE = "<whole pass>"
 """The loss function's key among the measured entries (no layer name has angle brackets)."""
+WHOLE = "<whole pass>"
+"""The whole pass's key among one batch's measured entries (:meth:`Passes.whole`)."""
 
 
 def measure_step_overhead(device: torch.device, repeats: int = 15, tensors: int = 33) -> dict[str, StepOverhead]:
@@ -670,7 +671,7 @@ class Passes:
             for index, layer in enumerate(graph.layers):
                 values[layer.name] = run_at(self.runners[layer.name], [values[name] for name in layer.inputs], batch)
                 for name in layer.inputs:
-                    if last_use[name] == index and name != graph.output:
+                    if last_use[name] == index:
                         values.pop(name, None)
             return values[graph.output]
 
