@@ -81,8 +81,7 @@ StrategyOpt = Annotated[str, typer.Option(help="Burst plans: ilp or deeppool.")]
 ObjectiveOpt = Annotated[str, typer.Option(
     "--plan-objective", help="The plans burst+bg lends: cluster (the plan maximising the cluster's throughput under "
     "the interference model) or time (the fastest plan).")]
-TimeLimitOpt = Annotated[float, typer.Option(
-    help="ILP time limit per plan (s); the cluster objective's search is bounded by work instead (8 solves).")]
+TimeLimitOpt = Annotated[float, typer.Option(help="ILP time limit per plan (s).")]
 CacheOpt = Annotated[Path, typer.Option(help="Where traced graphs and plans are cached.")]
 WorkersOpt = Annotated[int, typer.Option(help="Processes that solve missing plans (one model each).")]
 NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="Neither read nor write the plan cache.")]

@@ -34,7 +34,7 @@ from deeppool.interrupt import children_start_deaf, die_on_interrupt
 from deeppool.planner.graph import LayerGraph
 from deeppool.planner.interference import InterferenceModel
 from deeppool.planner.jsonio import write_json
-from deeppool.planner.objective import Objective, WorkCap
+from deeppool.planner.objective import Objective
 from deeppool.scheduling.choice import ModelChoice
 from deeppool.scheduling.policy import PlanMode
 
@@ -114,33 +114,22 @@ class BurstStrategy(enum.Enum):
     DEEPPOOL = "deeppool"
 
 
-SIMULATOR_WORK_CAP = WorkCap(solves=8, nodes=1000)
-"""The simulator's cluster searches stop after 8 ILP solves of at most 1,000 branch-and-bound nodes each, where
-pieces leave the bound open (:mod:`deeppool.planner.throughput`): the 30 s time limit allowed 5 to 20 on a
-machine at load 3 to 4, and on Inception at 256 A100s 8 solves find the plan 12 do (1.741x, in 54 s of CPU
-against 112 s); each of these solves ends at its first node."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class PlanSettings:
     """How burst plans are made: strategy (ILP or the DeepPool programme), solver time limit, and the
     objective of the plans whose idle time is lent (``PlanMode.LENDING``: the cluster's throughput under
-    ``interference`` by default, :mod:`deeppool.planner.throughput`; ``time`` lends the fastest plan).
-
-    The cluster objective's search is bounded by ``work_cap``, never by the time limit, so a table's plans
-    are the same on a loaded machine as on a quiet one."""
+    ``interference`` by default, :mod:`deeppool.planner.throughput`; ``time`` lends the fastest plan)."""
 
     burst_strategy: BurstStrategy = BurstStrategy.ILP
     time_limit_s: float = 30.0
     amplification: float | None = None
     lending_objective: Objective = Objective.CLUSTER
     interference: InterferenceModel = InterferenceModel()
-    work_cap: WorkCap = SIMULATOR_WORK_CAP
 
     def key(self) -> list[object]:
         """What the cached plans depend on."""
         return [self.burst_strategy.value, self.time_limit_s, self.amplification, self.lending_objective.value,
-                asdict(self.interference), asdict(self.work_cap)]
+                asdict(self.interference)]
 
 
 TRACER_SOURCES = ("graph.py", "layer_exec.py", "modelspec.py", "trace.py")
@@ -267,7 +256,6 @@ class PlanBook:
             strategy=Strategy(self.settings.burst_strategy.value),
             amplification=self.settings.amplification,
             time_limit_s=self.settings.time_limit_s,
-            work_cap=self.settings.work_cap,
             interference=self.settings.interference,
             interference_source="the simulator's interference model",
         )

@@ -71,7 +71,6 @@ def plan_graph(
         gpus=request.gpus, limits=limits, max_candidates=request.max_candidates,
         time_limit_s=request.time_limit_s, solver=request.solver, objective=request.objective, price=request.price,
         pins=request.pins, interference=request.interference, cluster_gap=request.cluster_gap,
-        work_cap=request.work_cap,
     )
     solved = solve_all(cost, search)
     chosen = solved.assignments[request.strategy]

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import enum
 import importlib.util
-import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -61,8 +60,6 @@ if TYPE_CHECKING:
     import pulp as pulp_types
 
 _INF = float("inf")
-_HIGHS_INT_INF = 2**31 - 1
-"""HiGHS's "no limit" for an integer option (``kHighsIInf``): ``mip_max_nodes``'s default."""
 
 
 class SolverName(enum.Enum):
@@ -127,12 +124,8 @@ class Ilp:
         self.backend = _Highs(self.matrix) if self.solver is SolverName.HIGHS else _Cbc(self.matrix)
 
     def solve(self, *, price: float = 0.0, exclude: Iterable[Mapping[str, int]] = (),
-              time_limit_s: float, cutoff: float = _INF, node_limit: int | None = None) -> IlpResult:
+              time_limit_s: float, cutoff: float = _INF) -> IlpResult:
         """The cheapest assignment at ``price`` other than those of ``exclude`` (see :func:`solve`).
-
-        ``node_limit``: branch and bound stops after that many nodes (a bound on work that does not depend on
-        the machine's load, unlike ``time_limit_s``, which may then be infinite); the result is then not optimal
-        and its ``gap`` says how far the solver's lower bound lies below its objective.
 
         ``cutoff``: only an objective below it is of use to the caller. Branch and bound (HiGHS) prunes
         every node whose bound reaches it (the LP relaxation's minimum too) and may then end on an
@@ -143,12 +136,12 @@ class Ilp:
         self.backend.bound_rows({row: rhs if row in active else _INF for row, rhs in self.cuts.values()})
         started = time.perf_counter()
         costs = self.matrix.costs(price)
-        outcome = self.backend.run(costs, self.matrix.binaries, time_limit_s, cutoff, node_limit)
+        outcome = self.backend.run(costs, self.matrix.binaries, time_limit_s, cutoff)
         seconds = time.perf_counter() - started
         values = outcome.values
         if values is None or not all(any(values[j] > 0.5 for j in choice.values()) for choice in self.x.values()):
             raise DeeppoolError(
-                f"the ILP found no plan ({outcome.status}) within {_limits(time_limit_s, node_limit)}: "
+                f"the ILP found no plan ({outcome.status}) within {time_limit_s:g} s: "
                 "raise --time-limit or relax --amplification"
             )
         assignment = {name: max(choice, key=lambda g: values[choice[g]]) for name, choice in self.x.items()}
@@ -389,8 +382,7 @@ class _Highs:
         for row, bound in upper.items():
             self.highs.changeRowBounds(row, -_INF, bound)
 
-    def run(self, costs: list[float], binaries: list[int], time_limit_s: float, cutoff: float,
-            node_limit: int | None) -> _Outcome:
+    def run(self, costs: list[float], binaries: list[int], time_limit_s: float, cutoff: float) -> _Outcome:
         np, highs, started = self.np, self.highs, time.perf_counter()
         highs.changeColsCost(self.columns, np.arange(self.columns, dtype=np.int32), np.array(costs))
         self._integer(binaries, False)
@@ -408,7 +400,6 @@ class _Highs:
         highs.setOptionValue("presolve", "choose")
         highs.setOptionValue("time_limit", max(time_limit_s - (time.perf_counter() - started), 1.0))
         highs.setOptionValue("objective_bound", float(cutoff))
-        highs.setOptionValue("mip_max_nodes", _HIGHS_INT_INF if node_limit is None else int(node_limit))
         highs.run()
         highs.setOptionValue("objective_bound", _INF)
         outcome = self._mip_outcome()
@@ -427,8 +418,7 @@ class _Highs:
         if status in (statuses.kInfeasible, statuses.kUnboundedOrInfeasible):
             return _Outcome(values=None, status="Infeasible", description="infeasible", optimal=False, gap=1.0)
         described = "solution found" if found else "no solution found"
-        limit = "node limit" if status == statuses.kSolutionLimit else "time limit"
-        return _Outcome(values=values, status="Not Solved", description=f"{described} ({limit})",
+        return _Outcome(values=values, status="Not Solved", description=f"{described} (time limit)",
                         optimal=False, gap=max(0.0, float(info.mip_gap)) if found else 1.0)
 
     def _integer(self, binaries: list[int], integer: bool) -> None:
@@ -453,24 +443,22 @@ class _Cbc:
         for row, bound in upper.items():
             self.matrix.row_upper[row] = bound
 
-    def run(self, costs: list[float], binaries: list[int], time_limit_s: float, cutoff: float,
-            node_limit: int | None) -> _Outcome:
+    def run(self, costs: list[float], binaries: list[int], time_limit_s: float, cutoff: float) -> _Outcome:
         """``cutoff`` is not passed on: CBC solves to the minimum, which the caller compares with its cutoff."""
         import pulp
 
         problem, columns = self._problem(pulp, costs, set(binaries))
         started = time.perf_counter()
-        problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=_finite(time_limit_s), mip=False))
+        problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, mip=False))
         values = [var.varValue or 0.0 for var in columns]
         if problem.status == pulp.LpStatusOptimal and _integral(values, binaries):
             return _Outcome(values=values, status="Optimal", description="optimal (integral LP relaxation)",
                             optimal=True, gap=0.0)
         remaining = max(time_limit_s - (time.perf_counter() - started), 1.0)
-        problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=_finite(remaining), mip=True, maxNodes=node_limit))
+        problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=remaining, mip=True))
         optimal = problem.sol_status == pulp.LpSolutionOptimal
         found = problem.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-        limit = "time limit" if node_limit is None else "time or node limit"
-        description = "optimal" if optimal else f"{pulp.LpSolution[problem.sol_status].lower()} ({limit})"
+        description = "optimal" if optimal else f"{pulp.LpSolution[problem.sol_status].lower()} (time limit)"
         return _Outcome(values=[var.varValue or 0.0 for var in columns] if found else None,
                         status=pulp.LpStatus[problem.status], description=description, optimal=optimal,
                         gap=0.0 if optimal else 1.0)
@@ -493,15 +481,3 @@ class _Cbc:
             if lower != upper and upper < _INF:
                 problem.addConstraint(pulp.LpConstraint(expression, pulp.LpConstraintLE, f"r{r}", upper))
         return problem, columns
-
-
-def _finite(seconds: float) -> float | None:
-    """A time limit for CBC: None when there is none."""
-    return None if math.isinf(seconds) else seconds
-
-
-def _limits(time_limit_s: float, node_limit: int | None) -> str:
-    """The limits a solve ran under, in words."""
-    nodes = f"{node_limit} branch-and-bound nodes" if node_limit is not None else ""
-    seconds = "" if math.isinf(time_limit_s) else f"{time_limit_s:g} s"
-    return " and ".join(part for part in (seconds, nodes) if part) or "no limit"

@@ -17,7 +17,7 @@ from deeppool.planner.candidates import Limits
 from deeppool.planner.cost import DEFAULT_BUCKET_BYTES, Optimizer
 from deeppool.planner.hardware import LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, Precision, known_device
 from deeppool.planner.interference import InterferenceModel
-from deeppool.planner.objective import DEFAULT_CLUSTER_GAP, Objective, WorkCap
+from deeppool.planner.objective import DEFAULT_CLUSTER_GAP, Objective
 from deeppool.planner.pins import Pin
 from deeppool.planner.plan import Strategy
 from deeppool.planner.profile import Profile
@@ -57,9 +57,6 @@ class PlanRequest:
     price: float = 0.0
     cluster_gap: float = DEFAULT_CLUSTER_GAP
     """``--cluster-gap``: the cluster objective's proven gap (0: exactly the best)."""
-    work_cap: WorkCap | None = None
-    """The cluster objective's search bounded by work, the same on any load (the simulator's); None: by
-    ``time_limit_s``, as ``deeppool plan --time-limit`` says."""
     pins: tuple[Pin, ...] = ()
     """Layers whose GPU counts are fixed (``--pin GLOB=N``); the ILP solves the rest."""
     interference: InterferenceModel = InterferenceModel()

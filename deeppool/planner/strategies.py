@@ -31,15 +31,8 @@ from deeppool.planner.ilp import SolverName, default_solver, solve
 from deeppool.planner.interference import InterferenceModel
 from deeppool.planner.pins import Pin, apply_pins, pinned_counts
 from deeppool.planner.plan import SolverInfo, Strategy
-from deeppool.planner.objective import WorkCap
 from deeppool.planner.request import Objective, check_objective
-from deeppool.planner.throughput import (
-    DEFAULT_TOLERANCE,
-    ClusterProblem,
-    ClusterSearch,
-    cluster_optimum,
-    priced_gpu_ms,
-)
+from deeppool.planner.throughput import DEFAULT_TOLERANCE, ClusterProblem, ClusterSearch, cluster_optimum, priced_gpu_ms
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,8 +51,6 @@ class Search:
     """How background work fills idle windows, for ``Objective.CLUSTER`` and the plan's cluster shares."""
     cluster_gap: float = DEFAULT_TOLERANCE
     """``Objective.CLUSTER``: stop once no plan can beat the best costed one by more than this share."""
-    work_cap: WorkCap | None = None
-    """``Objective.CLUSTER``: bound the search by work, not by ``time_limit_s`` (None: by the clock)."""
 
     def __post_init__(self) -> None:
         check_objective(self.objective, self.price)
@@ -144,8 +135,7 @@ def _for_cluster(cost: CostModel, search: Search, options: dict[str, tuple[int, 
     found = cluster_optimum(ClusterProblem(
         cost=cost, options=options, gpus=search.gpus, dp_ms=solved.baselines.data_parallel_ms,
         model=search.interference, memory_bytes=search.limits.memory_bytes, time_limit_s=search.time_limit_s,
-        solver=search.solver, fastest_ms=_fastest_ms(cost, solved), tolerance=search.cluster_gap,
-        work_cap=search.work_cap), seeds)
+        solver=search.solver, fastest_ms=_fastest_ms(cost, solved), tolerance=search.cluster_gap), seeds)
     seconds = solved.solver.seconds + time.perf_counter() - started
     thinned = solved.solver.status.partition(" over ")[2].partition(";")[0]
     status = found.status + (f" over {thinned}" if thinned else "")

@@ -59,17 +59,12 @@ the reshard GPU-time the floor misses (a ladder's costs add per count, so a resh
 between ``p < q`` GPUs is priced about ``(2 + ln(q/p))/(2·q/p)`` of its ``q·R``), and by
 pieces: ``fit(len)`` falls short of ``len`` by up to a piece in every window, so a rank idle
 for the whole iteration loses ``T mod bg_piece_ms``, which no linear price bounds (the
-searches of the simulator's larger examples then end at its work cap, ``docs/planner.md``).
+searches of the simulator's larger examples then end at the time limit, ``docs/planner.md``).
 Without the floor, reshards were most of ``U − J`` on the plans the bound let in
 (0.011 of 0.012 on ResNet-50 at 128 A100s, 0.0055 on VGG-16 at 64); near-tie plans
 still cost one ILP solve with cuts each, and ``ε`` = 0.2% ends most searches after
-one. The loops stop early only at the step cap, or at the time limit (``deeppool plan``) or
-the work cap in its place (:class:`deeppool.planner.objective.WorkCap`, the simulator's: a count of
-ILP solves and of branch-and-bound nodes in each, so the same inputs give the same plan and bound on
-any load), and the status then says how far the bound is open. A solve that ends at a limit with a plan
-proves only the solver's lower bound of the uncosted plans, not its plan's objective: the steps read that
-bound in place of the minimum (the lending step's stopping test and bound; the fastest step stops on it, or
-gives up the proof), so what a step concludes still holds.
+one. The loops stop early only at the step cap or the time limit, and the status
+then says how far the bound is open.
 
 **Its solves.** Every solve of a search is one HiGHS model (:class:`deeppool.planner.ilp.Ilp`, built once):
 a step changes the price and which no-good cuts bind. Each solve carries the step's stopping threshold as a
@@ -92,7 +87,7 @@ from deeppool.planner.candidates import useful_counts
 from deeppool.planner.cost import CostModel, Phase
 from deeppool.planner.ilp import Ilp, IlpResult, SolverName
 from deeppool.planner.interference import InterferenceModel
-from deeppool.planner.objective import DEFAULT_CLUSTER_GAP, WorkCap
+from deeppool.planner.objective import DEFAULT_CLUSTER_GAP
 from deeppool.planner.plan import rank_idle_windows
 
 MAX_STEPS = 30
@@ -198,8 +193,6 @@ class ClusterProblem:
     """The least iteration time over the options (the time optimum's): no plan is faster."""
     tolerance: float = DEFAULT_TOLERANCE
     """Stop once no uncosted plan can beat the best by more than this share (0: exactly the best)."""
-    work_cap: WorkCap | None = None
-    """Bound the search by work, not by ``time_limit_s`` (which it then never reads); None: by the clock."""
 
 
 def cluster_optimum(problem: ClusterProblem, seeds: list[dict[str, int]]) -> ClusterSearch:
@@ -210,13 +203,13 @@ def cluster_optimum(problem: ClusterProblem, seeds: list[dict[str, int]]) -> Clu
         search.cost(seed)
     lending = fastest = True
     while lending or fastest:  # the lending loop to its end, then the fastest-plan loop to its end
-        if search.exhausted():
+        if search.steps >= MAX_STEPS or time.perf_counter() > search.deadline:
             return search.result(proven=False, fastest_open=fastest)
         if lending:
             lending = search.lending_step()
         else:
             fastest = search.fastest_step()
-    return search.result(proven=not search.failed, fastest_open=search.failed)
+    return search.result(proven=not search.failed, fastest_open=False)
 
 
 class _Search:
@@ -230,7 +223,7 @@ class _Search:
         self.steps = 0
         self.lending_bound = float("inf")
         self.failed = False
-        self.deadline = math.inf if problem.work_cap is not None else time.perf_counter() + problem.time_limit_s
+        self.deadline = time.perf_counter() + problem.time_limit_s
         self.uncut_price: float | None = None
         """The price of the last solve without cuts whose minimiser was already costed (None: none yet)."""
 
@@ -259,12 +252,6 @@ class _Search:
         if self.best is None or found.throughput > self.value + _TOLERANCE:
             self.best = (dict(assignment), found)
 
-    def exhausted(self) -> bool:
-        """Whether the search must stop before its next step: the step cap, the work cap or the time limit."""
-        cap = self.problem.work_cap
-        spent = self.solves >= cap.solves if cap is not None else time.perf_counter() > self.deadline
-        return self.steps >= MAX_STEPS or spent
-
     def _excluded(self) -> tuple[dict[str, int], ...]:
         names = self.problem.cost.graph.names
         return tuple(dict(zip(names, key, strict=True)) for key in self.costed)
@@ -291,16 +278,13 @@ class _Search:
 
     def _solve_once(self, price: float, exclude: tuple[dict[str, int], ...], cutoff: float) -> IlpResult | None:
         self.solves += 1
-        cap = self.problem.work_cap
         try:
-            found = self.ilp.solve(price=price, exclude=exclude, cutoff=cutoff,
-                                   time_limit_s=max(1.0, self.deadline - time.perf_counter()),
-                                   node_limit=cap.nodes if cap is not None else None)
+            return self.ilp.solve(price=price, exclude=exclude, cutoff=cutoff,
+                                  time_limit_s=max(1.0, self.deadline - time.perf_counter()))
         except DeeppoolError as err:
-            if "(Infeasible)" not in str(err):  # a time-out or the node limit: nothing is proven
+            if "(Infeasible)" not in str(err):  # a time-out: nothing is proven
                 self.failed = True
             return None  # else every plan is costed (the cuts leave none)
-        return found  # optimal, or stopped at a limit with a plan: the steps then read its lower bound
 
     def _key(self, assignment: Mapping[str, int]) -> tuple[int, ...]:
         return tuple(assignment[name] for name in self.problem.cost.graph.names)
@@ -316,7 +300,7 @@ class _Search:
         found = self._solve(1e3 * unit / margin, cutoff=p.dp_ms / slowdown / margin)
         if found is None:
             return False
-        least = margin * _lower_bound(found)  # the least (λ − ē)·T + c·B' over the uncosted plans
+        least = margin * found.objective  # the least (λ − ē)·T + c·B' over the uncosted plans
         if least >= (p.dp_ms / slowdown) * (1 - _TOLERANCE):
             return False
         # every uncosted lending plan a has U(a) ≤ target + (T_dp/s − least) / T_a, and T_a ≥ T_min
@@ -333,10 +317,7 @@ class _Search:
         if self.problem.fastest_ms >= limit:
             return False
         found = self._solve(0.0, cutoff=limit)
-        if found is None or _lower_bound(found) >= limit:
-            return False
-        if self.problem.cost.iteration_ms(found.assignment) >= limit:  # stopped at a limit: nothing proven
-            self.failed = not found.optimal
+        if found is None or self.problem.cost.iteration_ms(found.assignment) >= limit:
             return False
         self.cost(found.assignment)
         return True
@@ -351,12 +332,6 @@ class _Search:
         bound = found.throughput if proven else max(self.lending_bound, resting, found.throughput)
         return ClusterSearch(assignment=assignment, shares=found, costed=len(self.costed), solves=self.solves,
                              proven=proven, bound=bound, tolerance=self.problem.tolerance)
-
-
-def _lower_bound(found: IlpResult) -> float:
-    """What the solve proved no uncosted plan is below: its minimum, or where it stopped at a limit, the
-    solver's lower bound (``gap`` is relative to the objective)."""
-    return found.objective if found.optimal else found.objective - found.gap * abs(found.objective)
 
 
 def priced_gpu_ms(cost: CostModel, assignment: Mapping[str, int]) -> float:

@@ -218,22 +218,3 @@ def test_the_reshard_floor_never_exceeds_a_plans_busy_gpu_time(graph, network):
         assert reshards or found.objective == pytest.approx(layers_only, rel=1e-9), assignment
         raised += reshards and found.objective > layers_only * (1 + 1e-6)
     assert raised > 0, "the floor must price some reshard"
-
-
-@pytest.mark.parametrize("solver", [SolverName.HIGHS, SolverName.CBC], ids=["highs", "cbc"])
-def test_a_node_limit_without_a_time_limit_ends_with_a_true_lower_bound(solver):
-    """The simulator's cluster searches bound each solve by nodes, not seconds: the solve ends, its lower
-    bound (``objective · (1 − gap)``) is at most the best plan left, and the next solve has no node limit."""
-    gpus, batch = 6, 12
-    cost, _ = _problem(RESIDUAL, gpus, batch)
-    options = {name: tuple(range(1, gpus + 1)) for name in RESIDUAL.names}
-    plans = sorted((dict(zip(RESIDUAL.names, counts, strict=True))
-                    for counts in itertools.product(range(1, gpus + 1), repeat=len(RESIDUAL.names))),
-                   key=cost.iteration_ms)
-    ilp = Ilp(cost, options, memory_bytes=None, solver=solver)
-    found = ilp.solve(exclude=plans[:12], time_limit_s=float("inf"), node_limit=1)
-    best_left = cost.iteration_ms(plans[12])
-    assert found.objective * (1 - found.gap) <= best_left * (1 + 1e-6)
-    assert found.objective >= best_left * (1 - 1e-6)
-    unlimited = ilp.solve(exclude=plans[:12], time_limit_s=30)
-    assert unlimited.optimal and unlimited.objective == pytest.approx(best_left, rel=1e-6)

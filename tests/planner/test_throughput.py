@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 
 import pytest
 
@@ -13,7 +12,6 @@ from deeppool.planner.api import PlanRequest, plan_graph
 from deeppool.planner.candidates import useful_counts
 from deeppool.planner.interference import InterferenceModel
 from deeppool.planner.plan import Plan
-from deeppool.planner.objective import WorkCap
 from deeppool.planner.request import Objective
 from deeppool.planner.throughput import ClusterProblem, cluster_optimum, right_sizing, shares
 from tests.entry import deeppool
@@ -60,43 +58,6 @@ def test_exact_search_equals_enumeration_of_every_assignment(graph, model):
     assert found.proven and "optimal (" in found.status
     assert found.shares.throughput == pytest.approx(_enumerate(cost, interference, dp_ms), rel=1e-9)
     assert found.costed < GPUS ** len(graph.names), "the bound must spare most of the enumeration"
-
-
-def _search(graph, model: InterferenceModel, **options):
-    cost, _ = _problem(graph, GPUS, BATCH)
-    dp_ms = cost.iteration_ms(baselines.data_parallel(cost, GPUS))
-    counts = dict.fromkeys(graph.names, tuple(range(1, GPUS + 1)))
-    fastest = min(cost.iteration_ms(dict(zip(graph.names, c, strict=True)))
-                  for c in itertools.product(range(1, GPUS + 1), repeat=len(graph.names)))
-    problem = ClusterProblem(cost=cost, options=counts, gpus=GPUS, dp_ms=dp_ms, model=model, memory_bytes=None,
-                             solver=None, fastest_ms=fastest, tolerance=0.0, **options)
-    return cost, dp_ms, cluster_optimum(problem, [baselines.data_parallel(cost, g) for g in range(1, GPUS + 1)])
-
-
-@pytest.mark.parametrize("model", ["defaults", "pieces"])
-@pytest.mark.parametrize("graph", [CHAIN, RESIDUAL], ids=["chain", "residual"])
-def test_a_search_bounded_by_work_is_exact_when_the_cap_allows(graph, model):
-    cost, dp_ms, found = _search(graph, MODELS[model], time_limit_s=60.0, work_cap=WorkCap(solves=200, nodes=1000))
-    assert found.proven
-    assert found.shares.throughput == pytest.approx(_enumerate(cost, MODELS[model], dp_ms), rel=1e-9)
-
-
-def test_a_search_bounded_by_work_ends_alike_on_any_load_and_its_bound_holds(monkeypatch):
-    """The simulator's searches: the same plan, bound and solves when every reading of the clock is 100 s on
-    (a loaded machine), where a search bounded by the clock stops at once; its stated bound is never below the
-    best."""
-    cap, interference = WorkCap(solves=3, nodes=1000), MODELS["pieces"]
-    cost, dp_ms, quiet = _search(CHAIN, interference, time_limit_s=60.0, work_cap=cap)
-    best = _enumerate(cost, interference, dp_ms)
-    assert not quiet.proven and quiet.solves <= cap.solves + 1
-    assert quiet.shares.throughput <= best + 1e-9 <= quiet.bound + 2e-9
-    assert "no plan exceeds" in quiet.status
-    ticks, start = itertools.count(), time.perf_counter()
-    monkeypatch.setattr(time, "perf_counter", lambda: start + 100.0 * next(ticks))
-    _, _, loaded = _search(CHAIN, interference, time_limit_s=60.0, work_cap=cap)
-    assert (loaded.assignment, loaded.bound, loaded.solves) == (quiet.assignment, quiet.bound, quiet.solves)
-    _, _, clocked = _search(CHAIN, interference, time_limit_s=60.0)
-    assert clocked.solves == 0, "the clock-bounded search must have stopped at its limit"
 
 
 def test_shares_of_data_parallel_and_right_sizing():
