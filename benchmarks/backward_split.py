@@ -7,7 +7,8 @@ order, then every layer's backward as its own ``torch.autograd.backward`` call o
 layer's time is its own. An executor stage runs the same layers' forwards, then *one* backward over the
 stage. This benchmark runs both on the same model in one process, one intra-op thread (as a rank of a
 2-rank run on this machine), alternating pass by pass: the per-layer sums (forward, backward) against
-the whole pass's forward and its one backward, medians over ``--passes`` each, at one per-GPU batch.
+the whole pass's forward and its one backward (:meth:`Passes.whole`, the pass the profiler scales its layer times
+to), medians over ``--passes`` each, at one per-GPU batch.
 Models: the four the cost model's own fidelity benchmark uses (``benchmarks/models``) and the six
 held-out ones of ``fidelity.py --zoo`` (``benchmarks/zoo``). "whole / per-layer" below 1 is what a
 stage on one rank runs faster than the sum of its layers' profiled times. ``--write-docs`` puts the
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +29,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from deeppool.docregions import REPO, Stamp, markdown, write_region
-from deeppool.planner.graph import LayerGraph
-from deeppool.planner.layer_exec import LayerRunner, floating_leaves, runners
+from deeppool.planner.layer_exec import runners
 from deeppool.planner.modelspec import ModelSpec
 from deeppool.planner.profiler import Passes
 from deeppool.planner.trace import trace
@@ -65,21 +64,6 @@ def _path(name: str) -> Path:
     return own if own.is_file() else HERE / "zoo" / f"{name}.py"
 
 
-def _whole_pass(graph: LayerGraph, run: dict[str, LayerRunner], inputs: dict[str, torch.Tensor],
-                module: torch.nn.Module) -> tuple[float, float]:
-    """The layers' forwards chained (no detaching), then one backward from ones: ms of each half."""
-    for param in module.parameters():
-        param.grad = None
-    values: dict[str, object] = dict(inputs)
-    began = time.perf_counter()
-    for layer in graph.layers:
-        values[layer.name] = run[layer.name](*(values[name] for name in layer.inputs))
-    middle = time.perf_counter()
-    outputs = [t for t in floating_leaves(values[graph.output]) if t.requires_grad]
-    torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-    return 1e3 * (middle - began), 1e3 * (time.perf_counter() - middle)
-
-
 def measure(name: str, batch: int, passes: int) -> Split:
     loaded = ModelSpec.parse(str(_path(name))).load()
     traced = trace(loaded)
@@ -90,12 +74,12 @@ def measure(name: str, batch: int, passes: int) -> Split:
     inputs = {n: named[key] for n, key in zip(graph.inputs, graph.input_keys, strict=True)}
     for _ in range(2):
         split.run(inputs, batch=batch)
-        _whole_pass(graph, run, inputs, traced.module)
+        split.whole(inputs, batch=batch)
     layered, whole = [], []
     for _ in range(passes):
         fwd, bwd, _ = split.run(inputs, batch=batch)
         layered.append((sum(fwd.values()), sum(bwd.values())))
-        whole.append(_whole_pass(graph, run, inputs, traced.module))
+        whole.append(split.whole(inputs, batch=batch))
     return Split(name=name, layers=len(graph.layers),
                  layer_fwd=statistics.median(f for f, _ in layered), layer_bwd=statistics.median(b for _, b in layered),
                  whole_fwd=statistics.median(f for f, _ in whole), whole_bwd=statistics.median(b for _, b in whole))

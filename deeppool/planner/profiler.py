@@ -69,7 +69,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache, cached_property
 from pathlib import Path
@@ -621,6 +621,15 @@ class Passes:
         """Which layers' outputs take gradients (:func:`grad_flows`), once per model."""
         return grad_flows(self.graph)
 
+    @cached_property
+    def last_use(self) -> dict[str, int]:
+        """By value name: the index of the last layer that reads it (a forward drops it after that layer)."""
+        return {name: index for index, layer in enumerate(self.graph.layers) for name in layer.inputs}
+
+    def drawing(self) -> AbstractContextManager[object]:
+        """The context a forward runs in: the per-sample randomness mode from its first draw, or nothing."""
+        return self.random.at(step=0, offset=0, ordinal=0) if self.random is not None else nullcontext()
+
     def run(self, inputs: dict[str, torch.Tensor], *, batch: int, keep: frozenset[str] = frozenset()
             ) -> tuple[dict[str, float], dict[str, float], dict[str, object]]:
         """One pass: every layer's forward in order, then every backward in reverse, each on its own
@@ -635,8 +644,7 @@ class Passes:
         values: dict[str, object] = dict(inputs)
         leaves: dict[tuple[str, str], torch.Tensor] = {}
         fwd: dict[str, float] = {}
-        drawing = self.random.at(step=0, offset=0, ordinal=0) if self.random is not None else nullcontext()
-        with drawing:
+        with self.drawing():
             for layer in self.graph.layers:
                 args = []
                 for name in layer.inputs:
@@ -663,8 +671,7 @@ class Passes:
         each value dropped after its last use), then one backward from ones at the output; (fwd_ms, bwd_ms)."""
         for param in self.module.parameters():
             param.grad = None
-        graph = self.graph
-        last_use = {name: index for index, layer in enumerate(graph.layers) for name in layer.inputs}
+        graph, last_use = self.graph, self.last_use
 
         def forward() -> object:
             values: dict[str, object] = dict(inputs)
@@ -675,8 +682,7 @@ class Passes:
                         values.pop(name, None)
             return values[graph.output]
 
-        drawing = self.random.at(step=0, offset=0, ordinal=0) if self.random is not None else nullcontext()
-        with drawing:
+        with self.drawing():
             fwd_ms, output = _timed(self.device, forward)
         outputs = floating_leaves(output)
         if not outputs:
@@ -767,7 +773,7 @@ def _keys(profiler: LayerProfiler, inputs: dict[str, torch.Tensor], batch: int) 
     model's output (what the loss is timed on)."""
     passes = profiler.passes
     graph = passes.graph
-    last_use = {name: index for index, layer in enumerate(graph.layers) for name in layer.inputs}
+    last_use = passes.last_use
     values: dict[str, object] = dict(inputs)
     keys = {}
     with torch.no_grad():
