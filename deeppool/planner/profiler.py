@@ -343,9 +343,16 @@ class LayerProfiler:
     def _grouped_layers(self) -> GroupedLayers:
         return GroupedLayers.of(self.traced.module, self.traced.graph, self.passes.runners)
 
+    @cached_property
+    def _same_code(self) -> dict[str, str]:
+        """Every layer's code without its submodules' paths: layers alike in it and in their arguments'
+        shapes have one grouped-over-fused ratio."""
+        return {layer.name: layer_code(self.traced.module, layer, by_path=False) for layer in self.traced.graph.layers}
+
     def _measure_grouped(self, batch: int) -> None:
         """The batch-normalising layers' in-context times at ``batch`` scaled by their grouped-over-fused ratios."""
-        ratios = self._grouped_layers.ratios(_inputs(self, batch), batch, lambda work: _timed(self.device, work))
+        ratios = self._grouped_layers.ratios(_inputs(self, batch), batch, lambda work: _timed(self.device, work),
+                                             self._same_code)
         for name, ratio in ratios.items():
             fused = self.measured[name][batch]
             self.grouped.setdefault(name, {})[batch] = replace(fused, fwd_ms=fused.fwd_ms * ratio.fwd,
@@ -756,8 +763,9 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
 
 def _measure_whole(passes: Passes, inputs: dict[str, torch.Tensor], batch: int, config: ProfilerConfig,
                    load: float) -> Measured:
-    """The whole pass's medians (:meth:`Passes.whole`) over ``config.repeats`` passes after the warm-up ones."""
-    timed = [passes.whole(inputs, batch=batch) for _ in range(config.warmup + config.repeats)][config.warmup:]
+    """The whole pass's medians (:meth:`Passes.whole`) over ``config.repeats`` passes, with no warm-up: the
+    layer-by-layer passes just before ran the same kernels on the same tensors."""
+    timed = [passes.whole(inputs, batch=batch) for _ in range(config.repeats)]
     return _summary([f for f, _ in timed], [b for _, b in timed], max(load, config.load()))
 
 
@@ -843,16 +851,18 @@ def _key(layer: Layer, code: str, args: list[object], batch: int, device: torch.
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def layer_code(module: fx.GraphModule, layer: Layer) -> str:
+def layer_code(module: fx.GraphModule, layer: Layer, *, by_path: bool = True) -> str:
     """A digest of the code a layer runs: each of its fx nodes (kind, target, constant arguments) and, for a
     module or a Python function, its class's or its own source and the module's settings; a change of the
-    model's code changes it, so the cache never returns another code's times."""
+    model's code changes it, so the cache never returns another code's times. ``by_path=False`` leaves out
+    the submodules' paths: two layers that run the same code on different weights then have one digest."""
     by_name = {node.name: node for node in module.graph.nodes}
     parts = []
     for name in layer.nodes:
         node = by_name[name]
         constants = fx.node.map_arg((node.args, node.kwargs), lambda _: "%")
-        parts.append(f"{node.op}|{node.target}|{constants!r}|{_target_code(module, node)}")
+        target = node.target if by_path or node.op not in ("call_module", "get_attr") else ""
+        parts.append(f"{node.op}|{target}|{constants!r}|{_target_code(module, node)}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 

@@ -16,10 +16,12 @@ from deeppool.planner.graph import TraceMethod
 from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice, Precision
 from deeppool.planner.modelspec import ModelSpec
 from deeppool.planner.profile import LayerTimes, Profile, estimate_ms
+from deeppool.planner import group_times
 from deeppool.planner.group_times import GroupedLayers
 from deeppool.planner.layer_exec import CompiledLayerRunner, LayerFailed, LayerRunner, runners
 from deeppool.planner.profiler import (
-    LayerProfiler, Measured, Passes, ProfileCache, ProfilerConfig, fit_layer, fit_line, measure_profile, measure_sharing,
+    LayerProfiler, Measured, Passes, ProfileCache, ProfilerConfig, fit_layer, fit_line, layer_code, measure_profile,
+    measure_sharing,
     sharing_counts,
 )
 from deeppool.planner.syncbn import GroupBatchNorm
@@ -368,3 +370,58 @@ def test_the_whole_pass_computes_what_the_layer_passes_do():
     assert fwd_ms > 0 and bwd_ms > 0
     for name, param in traced.module.named_parameters():
         torch.testing.assert_close(param.grad, layered[name])
+
+
+ALIKE_BATCHNORMS = '''
+import torch
+from torch import nn
+
+
+class Alike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.conv3 = nn.Conv2d(8, 16, 3, padding=1)
+        self.bn1, self.bn2, self.bn3 = nn.BatchNorm2d(8), nn.BatchNorm2d(8), nn.BatchNorm2d(16)
+
+    def forward(self, x):
+        return self.bn3(self.conv3(self.bn2(self.conv2(self.bn1(self.conv1(x)))))).mean(dim=(1, 2, 3))
+
+
+def model():
+    torch.manual_seed(0)
+    return Alike()
+
+
+def inputs(batch_size):
+    return (torch.randn(batch_size, 3, 6, 6, generator=torch.Generator().manual_seed(0)),)
+'''
+
+
+def test_batchnorm_layers_alike_in_code_and_shapes_share_one_grouped_measurement(tmp_path):
+    """bn1 and bn2 run the same code on arguments of the same shape: one grouped-over-fused measurement serves
+    both; bn3 (16 channels) is measured on its own. Each measurement is two runners' timed repeats."""
+    path = tmp_path / "alike.py"
+    path.write_text(ALIKE_BATCHNORMS)
+    loaded = ModelSpec.parse(str(path)).load()
+    traced = trace(loaded)
+    profiler = LayerProfiler(traced, loaded, ProfilerConfig(batches=(4,), show_progress=False))
+    norms = {layer.name for layer in traced.graph.layers if "BatchNorm" in layer.op}
+    assert norms == {"bn1", "bn2", "bn3"}
+    timed: list[float] = []
+
+    def timer(work):
+        timed.append(1.0)
+        return 1.0, work()
+
+    named = loaded.named_inputs(4)
+    inputs = {name: named[key] for name, key in zip(traced.graph.inputs, traced.graph.input_keys, strict=True)}
+    code = {layer.name: layer_code(traced.module, layer, by_path=False)
+            for layer in traced.graph.layers}
+    ratios = GroupedLayers.of(traced.module, traced.graph, profiler.passes.runners).ratios(inputs, 4, timer, code)
+    assert set(ratios) == norms
+    assert code["bn1"] == code["bn2"] != code["bn3"]
+    per_measurement = 2 * 2 * (group_times.REPEATS + 1)  # fused and grouped, forward and backward
+    assert len(timed) == 2 * per_measurement, "bn1 and bn2 measured once between them, bn3 once"
+    by_path = {name: layer_code(traced.module, traced.graph.layer(name)) for name in norms}
+    assert len(set(by_path.values())) == 3, "the cache's digest still tells every layer apart"
