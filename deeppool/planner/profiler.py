@@ -763,9 +763,11 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
 
 def _measure_whole(passes: Passes, inputs: dict[str, torch.Tensor], batch: int, config: ProfilerConfig,
                    load: float) -> Measured:
-    """The whole pass's medians (:meth:`Passes.whole`) over ``config.repeats`` passes, with no warm-up: the
-    layer-by-layer passes just before ran the same kernels on the same tensors."""
-    timed = [passes.whole(inputs, batch=batch) for _ in range(config.repeats)]
+    """The whole pass's medians (:meth:`Passes.whole`) over ``config.repeats`` passes after the warm-up ones.
+
+    The warm-up stays although the layer-by-layer passes just ran the same kernels: without it the held-out
+    transformers' 2-rank predictions fell 5-25% below the run (``docs/performance.md``)."""
+    timed = [passes.whole(inputs, batch=batch) for _ in range(config.warmup + config.repeats)][config.warmup:]
     return _summary([f for f, _ in timed], [b for _, b in timed], max(load, config.load()))
 
 
