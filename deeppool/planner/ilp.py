@@ -82,6 +82,12 @@ class IlpResult:
     objective: float = 0.0
     """The ILP's objective at ``assignment`` (``time + price · gpu_time``, the model's own terms)."""
 
+    @property
+    def least(self) -> float:
+        """What the solve proved no assignment is below: the objective when optimal, else the solver's lower
+        bound, ``objective · (1 − gap)`` (0 when the solver gave no gap: a solve stopped at its limit)."""
+        return self.objective if self.optimal else self.objective * max(0.0, 1.0 - self.gap)
+
 
 def solve(
     cost: CostModel,

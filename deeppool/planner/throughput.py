@@ -49,7 +49,10 @@ checks it against enumerating every assignment.
 
 The stopping test reads the ILP's own minimum (its objective, not the cost model's
 ``B'`` of the plan it returns), which lies below every uncosted plan's
-``(λ − ē)·T + c·B``.
+``(λ − ē)·T + c·B``. A solve stopped at its time limit has only an incumbent, above the
+minimum: the test then reads the solver's lower bound, ``objective·(1 − gap)``
+(:attr:`deeppool.planner.ilp.IlpResult.least`), so a search that stops early never states a
+bound below a plan it did not cost.
 
 With a tolerance ``ε`` (the planner's default, 0.2%) both tests use ``λ·(1 + ε)`` in
 place of ``λ``: the plan returned is then proven within ``ε`` of the best. The
@@ -300,7 +303,7 @@ class _Search:
         found = self._solve(1e3 * unit / margin, cutoff=p.dp_ms / slowdown / margin)
         if found is None:
             return False
-        least = margin * found.objective  # the least (λ − ē)·T + c·B' over the uncosted plans
+        least = margin * found.least  # the least (λ − ē)·T + c·B' over the uncosted plans (a bound if stopped early)
         if least >= (p.dp_ms / slowdown) * (1 - _TOLERANCE):
             return False
         # every uncosted lending plan a has U(a) ≤ target + (T_dp/s − least) / T_a, and T_a ≥ T_min
@@ -317,7 +320,9 @@ class _Search:
         if self.problem.fastest_ms >= limit:
             return False
         found = self._solve(0.0, cutoff=limit)
-        if found is None or self.problem.cost.iteration_ms(found.assignment) >= limit:
+        if found is None or found.least >= limit:
+            return False  # no uncosted plan is faster than the limit (a solve stopped early: by its lower bound)
+        if found.optimal and self.problem.cost.iteration_ms(found.assignment) >= limit:
             return False
         self.cost(found.assignment)
         return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -10,6 +11,7 @@ import pytest
 from deeppool.planner import baselines
 from deeppool.planner.api import PlanRequest, plan_graph
 from deeppool.planner.candidates import useful_counts
+from deeppool.planner.ilp import Ilp
 from deeppool.planner.interference import InterferenceModel
 from deeppool.planner.plan import Plan
 from deeppool.planner.request import Objective
@@ -123,3 +125,35 @@ def test_a_cluster_gap_out_of_range_is_one_line(capsys, tmp_path, monkeypatch):
     lines = result.stderr.strip().splitlines()
     assert result.code == 2 and len(lines) == 1 and "--cluster-gap" in lines[0], result
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("model", ["defaults", "curve", "pieces"])
+def test_a_solve_stopped_at_its_limit_bounds_by_its_lower_bound_not_its_incumbent(monkeypatch, model):
+    """A solve that stops at a limit returns an incumbent above the minimum; the search must read the
+    solver's lower bound, ``objective · (1 − gap)``, or it stops while a better plan is left. Each solve here
+    reports the true minimiser as if stopped early: objective 1.5x the minimum, lower bound 0.9x."""
+    real = Ilp.solve
+
+    def stopped_early(self, **kwargs):
+        found = real(self, **kwargs)
+        return dataclasses.replace(found, optimal=False, objective=found.objective * 1.5, gap=0.4)
+
+    monkeypatch.setattr(Ilp, "solve", stopped_early)
+    cost, _ = _problem(CHAIN, GPUS, BATCH)
+    interference = MODELS[model]
+    dp_ms = cost.iteration_ms(baselines.data_parallel(cost, GPUS))
+    problem = ClusterProblem(cost=cost, options=dict.fromkeys(CHAIN.names, tuple(range(1, GPUS + 1))), gpus=GPUS,
+                             dp_ms=dp_ms, model=interference, memory_bytes=None, time_limit_s=60.0, solver=None,
+                             fastest_ms=0.0, tolerance=0.0)
+    found = cluster_optimum(problem, [baselines.data_parallel(cost, g) for g in range(1, GPUS + 1)])
+    assert found.shares.throughput == pytest.approx(_enumerate(cost, interference, dp_ms), rel=1e-9)
+    assert found.bound >= found.shares.throughput
+
+
+def test_an_ilp_result_stopped_early_states_its_lower_bound():
+    cost, _ = _problem(CHAIN, GPUS, BATCH)
+    result = Ilp(cost, dict.fromkeys(CHAIN.names, (1, 2)), memory_bytes=None).solve(time_limit_s=10.0)
+    assert result.optimal and result.least == result.objective > 0
+    stopped = dataclasses.replace(result, optimal=False, gap=0.25)
+    assert stopped.least == pytest.approx(0.75 * result.objective)
+    assert dataclasses.replace(result, optimal=False, gap=1.0).least == 0.0
