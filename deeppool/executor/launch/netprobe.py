@@ -8,15 +8,20 @@ over gloo and time, at each message size:
 - point-to-point: a ping-pong between ranks 0 and 1 (``batch_isend_irecv``, as a
   reshard moves activations), half the round trip;
 - all-reduce of a float32 tensor over ranks ``0..g-1`` for every ``g`` in
-  ``2..nproc`` (as a layer's gradients are summed);
+  ``2..nproc``, each after the ranks computed together (as a layer's gradients
+  are summed at the end of the backward: see the wake-up below);
 - at the smallest size, for every ``g`` in ``2..nproc``: ranks ``0..g-1``
-  compute for ``busy_ms``, then ranks ``1..g-1`` each send rank 0 a message
-  (as a stage on ``g`` ranks computes, then hands its output or its input
-  gradients to a one-rank stage): what rank 0 waits beyond one plain message
-  is the synchronisation latency ``ω_w(g)`` (on a host whose cores the ranks
-  share, gloo's threads must be scheduled again on cores the compute held,
-  and ranks time-sliced on them finish apart: 0.6-1.7 ms at 2 ranks on this
-  2-core VM, 2-4 ms at 4, against 0.1 ms after an idle wait).
+  compute the same fixed work (``busy_ms`` of it on rank 0 alone), then ranks
+  ``1..g-1`` each send rank 0 a message (as a stage on ``g`` ranks computes,
+  then hands its output or its input gradients to a one-rank stage, or sums its
+  gradients): what rank 0 waits beyond one plain message is the
+  synchronisation latency ``ω_w(g)`` (on a host whose cores the ranks share,
+  gloo's threads must be scheduled again on cores the compute held, and ranks
+  time-sliced on them finish the same work apart). Fixed work, not a fixed
+  time: compute that ends by the clock ends on every rank at once and hides
+  the second part. On this 2-core VM a 4 MiB all-reduce took 4.1 ms after an
+  idle wait, 6.1-6.4 ms after 20 ms of compute ended by the clock and 9.9 ms
+  after the same work done by each rank (``docs/performance.md``).
 
 Every figure is the mean over repeats after a warm-up, each repeat started
 after a barrier (the mean, since the iteration pays it: see :func:`_timed`).
@@ -227,6 +232,7 @@ def _rank_main(rank: int, config: ProbeConfig, port: int, results: Any) -> None:
     groups = [tuple(range(g)) for g in range(2, config.nproc + 1)]
     comm = TorchComm(groups, timeout_s=config.timeout_s, lanes=(Lane.GRADIENTS,))
     samples = []
+    matmuls = _calibrated(config.busy_ms / 1e3)
     for nbytes in config.sizes:
         tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
         samples.append(Sample(pattern=Pattern.P2P, ranks=2, nbytes=tensor.numel() * 4,
@@ -234,11 +240,12 @@ def _rank_main(rank: int, config: ProbeConfig, port: int, results: Any) -> None:
         if nbytes == min(config.sizes):
             for ranks in groups:
                 seconds = _timed(config, lambda t=tensor, g=len(ranks): _gather(comm, t, g), busy=len(ranks),
-                                 budget=3.0)  # its tail is most of it: three times the repeats
+                                 matmuls=matmuls, budget=3.0)  # its tail is most of it: three times the repeats
                 samples.append(Sample(pattern=Pattern.WAKEUP, ranks=len(ranks), nbytes=tensor.numel() * 4,
                                       seconds=seconds))
         for ranks in groups:
-            seconds = _timed(config, lambda t=tensor, r=ranks: _all_reduce(comm, t, r))
+            seconds = _timed(config, lambda t=tensor, r=ranks: _all_reduce(comm, t, r), busy=len(ranks),
+                             matmuls=matmuls)
             samples.append(Sample(pattern=Pattern.ALLREDUCE, ranks=len(ranks), nbytes=tensor.numel() * 4,
                                   seconds=seconds))
     if rank == 0:
@@ -269,9 +276,10 @@ def _all_reduce(comm: Any, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None
         comm.all_reduce(tensor, ranks)
 
 
-def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: int = 0, budget: float = 1.0) -> float:
+def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: int = 0, matmuls: int = 0,
+           budget: float = 1.0) -> float:
     """Mean seconds of ``work`` on this rank, each repeat after a barrier; ranks below ``busy`` first
-    compute for ``config.busy_ms`` (the clock starts after); ``budget`` scales the time spent.
+    compute ``matmuls`` (:func:`_compute`, the clock starts after); ``budget`` scales the time spent.
 
     The mean, not the median: on a host whose cores the ranks share, a small collective takes
     0.3 ms in most calls and 3–4 ms in about one of three (a median of 0.26 ms, a mean of 1.3 ms
@@ -282,31 +290,47 @@ def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: int = 0, budge
     import torch.distributed as dist
 
     for _ in range(config.warmup):
-        _repeat(config, work, busy)
-    times = [_repeat(config, work, busy) for _ in range(config.repeats)]
+        _repeat(work, busy, matmuls)
+    times = [_repeat(work, busy, matmuls) for _ in range(config.repeats)]
     slowest = torch.tensor([sum(times)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     per_repeat = max(float(slowest) / len(times) + bool(busy) * config.busy_ms / 1e3, 1e-6)
     total = min(config.max_repeats, max(config.repeats, math.ceil(budget * config.min_seconds / per_repeat)))
-    times += [_repeat(config, work, busy) for _ in range(total - len(times))]
+    times += [_repeat(work, busy, matmuls) for _ in range(total - len(times))]
     return statistics.fmean(times)
 
 
-def _repeat(config: ProbeConfig, work: Callable[[], Any], busy: int) -> float:
-    """One timed repeat after a barrier (ranks below ``busy`` computing first)."""
+def _repeat(work: Callable[[], Any], busy: int, matmuls: int) -> float:
+    """One timed repeat after a barrier (ranks below ``busy`` computing ``matmuls`` first)."""
     import torch.distributed as dist
 
     dist.barrier()
     if dist.get_rank() < busy:
-        _compute(config.busy_ms / 1e3)
+        _compute(matmuls)
     start = time.perf_counter()
     work()
     return time.perf_counter() - start
 
 
-def _compute(seconds: float) -> None:
-    """Keep this rank's core busy for ``seconds`` (small matmuls, as a stage's compute)."""
-    matrix = torch.ones(64, 64)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+def _compute(matmuls: int) -> None:
+    """A stage's compute: a fixed amount of work (``matmuls`` 256×256 matmuls), not a fixed time, so that
+    ranks time-sliced on shared cores finish it apart, as the ranks of a stage finish its backward."""
+    matrix = torch.ones(256, 256)
+    for _ in range(matmuls):
         torch.mm(matrix, matrix)
+
+
+def _calibrated(seconds: float) -> int:
+    """How many of :func:`_compute`'s matmuls take ``seconds`` on rank 0 alone (the other ranks wait),
+    the same count on every rank."""
+    import torch.distributed as dist
+
+    count = torch.zeros(1, dtype=torch.int64)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _compute(10)
+        began = time.perf_counter()
+        _compute(100)
+        count[0] = max(1, round(100 * seconds / max(time.perf_counter() - began, 1e-9)))
+    dist.broadcast(count, src=0)
+    return int(count[0])
