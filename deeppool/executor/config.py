@@ -394,7 +394,8 @@ class ProbeConfig:
     warmup: int = 3
     timeout_s: float = 120.0
     busy_ms: float = 10.0
-    """How long the ranks of a group compute together before they send to rank 0 (a stage's compute)."""
+    """How much the ranks of a group compute together (a fixed amount of work, this long on rank 0 alone)
+    before they send to rank 0 or sum a tensor (a stage's compute, a backward's end)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 2:
