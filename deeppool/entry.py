@@ -9,7 +9,7 @@ import threading
 import typer
 
 from deeppool.errors import DeeppoolError
-from deeppool.interrupt import EXIT_CODE, MESSAGE, Interrupted, arm_deadline
+from deeppool.interrupt import EXIT_CODE, MESSAGE, Interrupted, arm_deadline, interrupt_arrived
 
 try:  # typer >= 0.20 carries its own copy of click
     from typer._click import exceptions as click_errors
@@ -37,6 +37,10 @@ def run_app(app: typer.Typer, args: list[str] | None = None, *, prog_name: str |
     except DeeppoolError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
+    except Exception:
+        if interrupt_arrived():  # the interrupt surfaced as another exception (a C extension's import)
+            _interrupted(reported)
+        raise
     if code == EXIT_CODE:
         _interrupted(reported)
 

@@ -116,6 +116,13 @@ def _interrupt_once(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def interrupt_arrived() -> bool:
+    """Whether Ctrl-C has reached this process (:func:`_interrupt_once` ignores SIGINT from then on). An
+    exception then is how the interrupt surfaced: a C extension being imported turns the KeyboardInterrupt
+    into ``ImportError: initialization failed`` (highspy did, when Ctrl-C landed while it was imported)."""
+    return threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
 def _watch(read_end: int, grace_s: float, reported: threading.Event) -> None:
     while signal.SIGINT not in os.read(read_end, 64):
         continue

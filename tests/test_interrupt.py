@@ -159,3 +159,41 @@ def test_only_outputs_begun_in_the_block_are_removed_and_only_on_an_interrupt(tm
         begun.write_text("a failure's output is kept")
         raise ValueError
     assert begun.exists()
+
+
+SURFACED_AS_IMPORT_ERROR = """
+import os, signal, typer
+from deeppool.entry import run_app
+
+app = typer.Typer()
+
+
+@app.command()
+def work() -> None:
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C reaches the handler, which ignores the next ones ...
+    except KeyboardInterrupt:  # ... and an extension's initialisation catches it, as pybind11 does
+        raise ImportError("initialization failed") from None
+
+
+@app.command()
+def other() -> None:
+    raise ImportError("a real import error")
+
+
+run_app(app)
+"""
+
+
+@pytest.mark.parametrize(("command", "expected"), [("work", (130, "interrupted")), ("other", (1, "ImportError"))])
+def test_an_interrupt_that_surfaces_as_another_exception_is_still_an_interrupt(tmp_path: Path, command: str,
+                                                                             expected: tuple[int, str]) -> None:
+    """Ctrl-C while highspy was being imported raised ``ImportError: initialization failed`` and printed a
+    traceback (exit 1). An exception after Ctrl-C reached the process is the interrupt; without one, an
+    exception is what it is."""
+    script = tmp_path / "app.py"
+    script.write_text(SURFACED_AS_IMPORT_ERROR)
+    done = subprocess.run([sys.executable, str(script), command], capture_output=True, text=True, timeout=60,
+                          env=_env(), check=False)
+    code, said = expected
+    assert done.returncode == code and said in done.stderr.strip().splitlines()[-1], done.stderr
