@@ -69,6 +69,8 @@ class GradientReducer:
         self._first_bytes = bucket_bytes if first_bucket_bytes is None else min(bucket_bytes, first_bucket_bytes)
         self._flushed: set[tuple[int, ...]] = set()
         self._pending: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
+        self._filled: dict[tuple[int, ...], int] = defaultdict(int)
+        """Bytes in each pending bucket, kept as gradients join (summing the bucket on every add is quadratic)."""
         self._inflight: list[tuple[Waitable, tuple[int, ...], torch.Tensor, list[torch.Tensor]]] = []
 
     def add(self, ranks: tuple[int, ...], grads: list[torch.Tensor]) -> None:
@@ -78,10 +80,10 @@ class GradientReducer:
         if self._combine is Combine.ADASUM:
             self._adasum(ranks, grads)
             return
-        bucket = self._pending[ranks]
-        bucket.extend(grads)
+        self._pending[ranks].extend(grads)
+        self._filled[ranks] += sum(g.numel() * g.element_size() for g in grads)
         limit = self._bucket_bytes if ranks in self._flushed else self._first_bytes
-        if sum(g.numel() * g.element_size() for g in bucket) >= limit:
+        if self._filled[ranks] >= limit:
             self._flush(ranks)
             if self._bucket_bytes == 0:
                 self._wait()
@@ -110,6 +112,7 @@ class GradientReducer:
 
     def _flush(self, ranks: tuple[int, ...]) -> None:
         grads = self._pending.pop(ranks, [])
+        self._filled.pop(ranks, None)
         if not grads:
             return
         self._flushed.add(ranks)
