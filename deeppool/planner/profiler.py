@@ -52,11 +52,22 @@ what it was measured under (load average, cores, threads, torch, device). The
 cache is written as it goes (at most once a second, and when the run ends or
 is interrupted), so re-planning the same model, or resuming an interrupted
 run, measures nothing twice. A measurement taken on a busy machine (load
-above the cores) or one that stayed noisy is *untrusted*: it is measured
-again whenever the machine is not busy, the steadier of the two kept (a
-noisy draw does not stay in the cache while the load is what it was), and
-otherwise kept but flagged (:attr:`LayerTimes.busy`), so the plan names the
-layers resting on it.
+above the cores), one that stayed noisy, or one during which the host's speed
+changed is *untrusted*: it is measured again whenever the machine is not busy,
+the steadier of the two kept (a noisy draw does not stay in the cache while the
+load is what it was), and otherwise kept but flagged (:attr:`LayerTimes.busy`),
+so the plan names the layers resting on it.
+
+**The host's speed.** A shared VM's speed moves without its load average
+showing it: on this 2-core VM a fixed piece of work took 45-55 ms from one
+second to the next, the held-out BERT's layers all measured about 1.6x their
+usual times for a minute (its plan predicted 48.8 ms, the run took 36.9), and
+the cache then gave those times to every later plan of the model. So a fixed
+reference work (:func:`reference_ms`) is timed before and after each batch is
+measured, and the cache records it beside the times: a batch whose reference
+moved by more than ``speed_bound`` while it was measured is untrusted, and a
+cached batch whose reference differs by more than that from the host's now is
+measured again and the new times kept (they are this speed's).
 """
 
 from __future__ import annotations
@@ -99,6 +110,26 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def reference_ms(repeats: int = 3) -> float:
+    """The host's speed now: the median ms of a fixed piece of work on the calling thread's intra-op threads,
+    some 256×256 matmuls and many small ops (the steps this profiler times are made of both)."""
+    big, small, weight = torch.ones(256, 256), torch.ones(32, 64), torch.ones(64, 64)
+
+    def work() -> None:
+        for _ in range(16):
+            torch.mm(big, big)
+        for _ in range(300):
+            torch.relu(torch.mm(small, weight) + 1.0)
+
+    work()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProfilerConfig:
     device: str = "cpu"
@@ -115,6 +146,11 @@ class ProfilerConfig:
     show_progress: bool = True
     load: Callable[[], float] = load_average
     """How busy the host is now (its 1-minute load average): read before and after each batch is measured."""
+    reference: Callable[[], float] | None = reference_ms
+    """How fast the host is now (:func:`reference_ms`): read before and after each batch is measured on a CPU;
+    None: not read."""
+    speed_bound: float = 0.2
+    """A reference that moved by more than this share (of the faster reading) means the host's speed changed."""
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     """A load above this many cores means the machine was busy: such measurements are not trusted."""
     memory_budget: int | None = None
@@ -123,12 +159,23 @@ class ProfilerConfig:
     def untrusted(self, measured: Measured) -> bool:
         """Whether ``measured`` was taken on a busy machine, or stayed noisy (a layer above the noise floor)."""
         noisy = measured.spread > self.spread_bound and measured.fwd_ms + measured.bwd_ms >= _NOISE_FLOOR_MS
-        return measured.load > self.cores or noisy
+        return self.busy(measured) or noisy
 
-    def remeasure(self, found: Iterable[Measured]) -> bool:
-        """Whether cached measurements are to be taken again: some are untrusted (so quieter than a busy
-        one's load, or another draw of a noisy one) and the machine is not busy now."""
-        return any(self.untrusted(m) for m in found) and self.load() <= self.cores
+    def busy(self, measured: Measured) -> bool:
+        """Whether ``measured`` was taken with more runnable work than cores, or while the host's speed changed."""
+        return measured.load > self.cores or measured.speed_change > self.speed_bound
+
+    def moved(self, measured: Measured, now_ms: float) -> bool:
+        """Whether the host's speed now (reference ``now_ms``, 0: not read) differs from when ``measured`` was taken."""
+        return _change(measured.reference_ms, now_ms) > self.speed_bound
+
+    def remeasure(self, found: Iterable[Measured], now_ms: float = 0.0) -> bool:
+        """Whether cached measurements are to be taken again, the machine not being busy now: some are
+        untrusted (so quieter than a busy one's load, or another draw of a noisy one), or the host's speed
+        moved since they were taken (reference ``now_ms``)."""
+        found = list(found)
+        stale = any(self.untrusted(m) or self.moved(m, now_ms) for m in found)
+        return stale and self.load() <= self.cores
 
     def noise(self, found: Iterable[Measured]) -> tuple[bool, float]:
         """How far one batch's measurements are from trustworthy, to keep the steadier of two: whether any
@@ -136,7 +183,11 @@ class ProfilerConfig:
         found = list(found)
         total = sum(m.fwd_ms + m.bwd_ms for m in found)
         spread = sum(m.spread * (m.fwd_ms + m.bwd_ms) for m in found) / total if total > 0 else 0.0
-        return any(m.load > self.cores for m in found), spread
+        return any(self.busy(m) for m in found), spread
+
+    def speed(self, device: torch.device) -> float:
+        """The host's reference time now on a CPU (:attr:`reference`); 0 on a GPU or where it is not read."""
+        return self.reference() if self.reference is not None and device.type == "cpu" else 0.0
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1 or min(self.fit_to, default=1) < 1:
@@ -158,6 +209,11 @@ class Measured:
     bwd_ms: float
     spread: float
     load: float = 0.0
+    reference_ms: float = 0.0
+    """The host's reference time around the measurement (:func:`reference_ms`, the mean of the readings
+    before and after); 0: not read."""
+    speed_change: float = 0.0
+    """How far the reference moved between those readings (a share of the faster)."""
 
 
 CACHE_FILE = "layer-times.json"
@@ -190,7 +246,9 @@ class ProfileCache:
             return None
         try:
             return Measured(fwd_ms=float(found["fwd_ms"]), bwd_ms=float(found["bwd_ms"]),
-                            spread=float(found["spread"]), load=float(found["load"]))
+                            spread=float(found["spread"]), load=float(found["load"]),
+                            reference_ms=float(found.get("reference_ms", 0.0)),
+                            speed_change=float(found.get("speed_change", 0.0)))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -732,9 +790,10 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
     whole_key = hashlib.sha256("|".join((WHOLE, *keys.values())).encode()).hexdigest()
     found = {name: cache.get(key) for name, key in (*keys.items(), (WHOLE, whole_key))} if cache else {}
     cached = {name: m for name, m in found.items() if m is not None}
-    if cached and len(cached) == len(keys) + 1 and not config.remeasure(cached.values()):
+    before = config.speed(profiler.device)
+    if cached and len(cached) == len(keys) + 1 and not config.remeasure(cached.values(), before):
         yield from cached.items()
-        yield LOSS, _measure_loss(profiler, output, batch, cache)
+        yield LOSS, _measure_loss(profiler, output, batch, cache, before)
         return
     load = config.load()
     for _ in range(config.warmup):
@@ -752,13 +811,30 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
         if settled or len(runs) + config.repeats > config.max_repeats:
             break
     measured[WHOLE] = _measure_whole(passes, inputs, batch, config, load)
-    if len(cached) == len(measured) and config.noise(cached.values()) < config.noise(measured.values()):
-        measured = cached  # the cached measurement was the steadier one: kept
+    speed = _speed(before, config.speed(profiler.device))
+    measured = {name: replace(sample, **speed) for name, sample in measured.items()}
+    same_speed = not any(config.moved(m, speed["reference_ms"]) for m in cached.values())
+    if len(cached) == len(measured) and same_speed and config.noise(cached.values()) < config.noise(measured.values()):
+        measured = cached  # the cached measurement, at this speed, was the steadier one: kept
     elif cache:
         for name, sample in measured.items():
             cache.put(whole_key if name == WHOLE else keys[name], sample, profiler.entry())
     yield from measured.items()
-    yield LOSS, _measure_loss(profiler, output, batch, cache)
+    yield LOSS, _measure_loss(profiler, output, batch, cache, speed["reference_ms"])
+
+
+def _speed(before_ms: float, after_ms: float) -> dict[str, float]:
+    """:class:`Measured`'s host-speed fields from the reference read before and after (0: not read)."""
+    if before_ms <= 0 or after_ms <= 0:
+        return {"reference_ms": 0.0, "speed_change": 0.0}
+    return {"reference_ms": (before_ms + after_ms) / 2, "speed_change": _change(before_ms, after_ms)}
+
+
+def _change(first_ms: float, second_ms: float) -> float:
+    """How far two reference readings are apart, as a share of the faster; 0 where either was not read."""
+    if first_ms <= 0 or second_ms <= 0:
+        return 0.0
+    return abs(first_ms - second_ms) / min(first_ms, second_ms)
 
 
 def _measure_whole(passes: Passes, inputs: dict[str, torch.Tensor], batch: int, config: ProfilerConfig,
@@ -805,9 +881,11 @@ def _summary(fwd: list[float], bwd: list[float], load: float) -> Measured:
                     spread=_spread([totals[i] for i in kept]), load=load)
 
 
-def _measure_loss(profiler: LayerProfiler, output: object, batch: int, cache: ProfileCache | None) -> Measured:
+def _measure_loss(profiler: LayerProfiler, output: object, batch: int, cache: ProfileCache | None,
+                  reference: float) -> Measured:
     """The loss function on the output layer's value at ``batch`` (targets from the model's own
-    ``targets``): forward, then backward from the loss, as the executor's loss op and backward run it."""
+    ``targets``): forward, then backward from the loss, as the executor's loss op and backward run it;
+    ``reference``: the host's reference time now (its batch's, :func:`reference_ms`)."""
     loaded, device, config = profiler.loaded, profiler.device, profiler.config
     targets = loaded.targets(batch)
     targets = None if targets is None else targets.to(device)
@@ -817,7 +895,7 @@ def _measure_loss(profiler: LayerProfiler, output: object, batch: int, cache: Pr
            f"{device_name(device)}|{torch.__version__}|{config.threads}"
     key = hashlib.sha256(text.encode()).hexdigest()
     found = cache.get(key) if cache else None
-    if found is not None and not config.remeasure((found,)):
+    if found is not None and not config.remeasure((found,), reference):
         return found
     load = config.load()
     fwd, bwd = [], []
@@ -830,7 +908,7 @@ def _measure_loss(profiler: LayerProfiler, output: object, batch: int, cache: Pr
             bwd.append(backward_ms)
     totals = [f + b for f, b in zip(fwd, bwd, strict=True)]
     measured = Measured(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd), spread=_spread(totals),
-                        load=max(load, config.load()))
+                        load=max(load, config.load()), reference_ms=reference)
     if cache:
         cache.put(key, measured, profiler.entry())
     return measured

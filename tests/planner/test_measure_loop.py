@@ -138,7 +138,8 @@ def test_measured_times_are_kept_at_measured_batches_and_gpu_time_never_shrinks(
 def test_cached_times_record_their_conditions_and_busy_ones_are_remeasured_when_quieter(tmp_path):
     loaded = ModelSpec.parse(str(TINY)).load()
     traced = trace(loaded)
-    busy = ProfilerConfig(batches=(2,), cache_dir=tmp_path, load=lambda: 9.0, cores=2, **FAST)
+    busy = ProfilerConfig(batches=(2,), cache_dir=tmp_path, load=lambda: 9.0, cores=2, reference=lambda: 10.0,
+                          **FAST)
     first = measure_profile(traced, loaded, busy)
     entries = ProfileCache(tmp_path).entries
     assert entries and all(e["load"] == 9.0 and e["cores"] == 2 and e["torch"] == torch.__version__
@@ -330,7 +331,7 @@ def test_a_noisy_cached_batch_is_measured_again_and_the_steadier_measurement_kep
     loaded = ModelSpec.parse(str(TINY)).load()
     traced = trace(loaded)
     config = ProfilerConfig(batches=(2,), cache_dir=tmp_path, load=lambda: 1.0, cores=2, warmup=1, repeats=3,
-                            show_progress=False)
+                            show_progress=False, reference=lambda: 10.0)
     measure_profile(traced, loaded, config)
     layer_keys = [key for key, entry in ProfileCache(tmp_path).entries.items()
                   if entry["fwd_ms"] + entry["bwd_ms"] >= 0.05]
@@ -356,3 +357,34 @@ def test_a_noisy_cached_batch_is_measured_again_and_the_steadier_measurement_kep
     measure_profile(traced, loaded, busy_after)
     after = ProfileCache(tmp_path).entries
     assert all(after[key]["at"] == noisy[key]["at"] for key in layer_keys), "the calmer cached draw is kept"
+
+
+def test_a_batch_measured_while_the_host_slowed_is_untrusted_and_one_from_another_speed_is_measured_again(tmp_path):
+    """A shared host's speed moves without its load showing it: the reference work's time, read before and
+    after each batch, flags a batch during which it moved, and a cached batch whose reference differs from
+    the host's now is measured again and the new times kept."""
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    readings = iter([10.0, 16.0])  # the host slowed by 60% while the batch was measured (no spread is noisy here)
+    slowing = ProfilerConfig(batches=(2,), cache_dir=tmp_path, load=lambda: 0.5, cores=2,
+                             reference=lambda: next(readings, 16.0), spread_bound=1e9, **FAST)
+    first = measure_profile(traced, loaded, slowing)
+    entries = ProfileCache(tmp_path).entries
+    assert all(e["reference_ms"] == 13.0 for e in entries.values()), "the mean of the readings around it"
+    assert sum(e["speed_change"] == 0.6 for e in entries.values()) == len(entries) - 1, \
+        "every layer and the whole pass moved 60%; the loss, timed after, has its batch's reference"
+    assert all(all(times.busy) for times in first.layers.values()), "the speed moved: every time is flagged"
+
+    steady = replace(slowing, reference=lambda: 10.0)
+    again = measure_profile(traced, loaded, steady)
+    after = ProfileCache(tmp_path).entries
+    assert all(e["reference_ms"] == 10.0 and e["speed_change"] == 0.0 for e in after.values()), "measured again"
+    assert not any(any(times.busy) for times in again.layers.values()), "at one speed: trusted"
+
+    assert not steady.remeasure([ProfileCache(tmp_path).get(key) for key in after], 11.0), "within 20%: reused"
+    assert steady.remeasure([ProfileCache(tmp_path).get(key) for key in after], 13.0), "30% slower now: measured again"
+    assert not replace(steady, load=lambda: 9.0).remeasure([ProfileCache(tmp_path).get(key) for key in after], 13.0)
+    faster = replace(steady, reference=lambda: 6.0)
+    measure_profile(traced, loaded, faster)
+    assert all(e["reference_ms"] == 6.0 for e in ProfileCache(tmp_path).entries.values()), \
+        "a faster host: the new times are kept, steadier or not"

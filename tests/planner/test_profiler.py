@@ -36,7 +36,7 @@ def test_measure_then_cache_round_trip(tmp_path):
     traced = trace(loaded)
     # every measurement trusted (a quiet machine, no spread counted as noisy): a noisy one would be measured again
     config = ProfilerConfig(batches=(1, 4), warmup=1, repeats=3, cache_dir=tmp_path, show_progress=False,
-                            load=lambda: 0.0, spread_bound=1e9)
+                            load=lambda: 0.0, spread_bound=1e9, reference=lambda: 10.0)
     first = measure_profile(traced, loaded, config)
     assert set(first.layers) == set(traced.graph.names)
     assert all(len(t.fwd_ms) == 2 and min(t.fwd_ms) > 0 for t in first.layers.values())
