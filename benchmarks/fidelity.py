@@ -298,6 +298,9 @@ class ZooRow:
     load_after: float
     other_work: float
     """Tasks outside the benchmark's process tree runnable at once, on average over the row."""
+    reference_before: float
+    reference_after: float
+    """The host's speed before the plan and after the run: the profiler's reference work in ms, one thread."""
 
     @property
     def ratio(self) -> float:
@@ -318,7 +321,8 @@ class ZooRow:
                 f"predicted {self.predicted_ms:8.2f} ms ±{100 * self.uncertainty:.0f}%  measured "
                 f"{self.measured_ms:8.2f} ms  measured/predicted {self.ratio:.2f}{'' if self.within else ' (miss)'}  "
                 f"load {self.load_before:.2f} → {self.load_after:.2f}, other work {self.other_work:.2f} runnable "
-                f"({'quiet' if self.quiet else 'busy'}); busy-measured layers {self.busy_layers}; "
+                f"({'quiet' if self.quiet else 'busy'}); host reference {self.reference_before:.1f} → "
+                f"{self.reference_after:.1f} ms; busy-measured layers {self.busy_layers}; "
                 f"stages measured/predicted (±their spread): {ratios}")
 
 
@@ -342,6 +346,7 @@ def zoo_row(run: int, model: str, nproc: int, args: argparse.Namespace, work: Pa
     row.mkdir(parents=True)
     home, network = work / "home", work / f"run{run}" / f"network-{nproc}.json"
     load_before = os.getloadavg()[0]
+    reference_before = host_reference()
     with OtherWork() as other:
         deeppool("plan", str(ZOO / f"{model}.py"), "--gpus", str(nproc), "--batch", str(args.batch),
                  "--device-model", "local", "--network-file", str(network), "--out", "plan.json", cwd=row, home=home)
@@ -357,7 +362,17 @@ def zoo_row(run: int, model: str, nproc: int, args: argparse.Namespace, work: Pa
                   uncertainty=plan.predicted.uncertainty,
                   busy_layers=len(plan.evidence.busy) if plan.evidence is not None else 0,
                   stages=stages, spreads=spreads, load_before=load_before,
-                  load_after=os.getloadavg()[0], other_work=other.mean)
+                  load_after=os.getloadavg()[0], other_work=other.mean, reference_before=reference_before,
+                  reference_after=host_reference())
+
+
+def host_reference() -> float:
+    """The profiler's reference work (:func:`deeppool.planner.profiler.reference_ms`) on one thread: how fast the
+    host is now, so that a row whose plan and run met different speeds shows it."""
+    from deeppool.planner.profiler import intra_op_threads, reference_ms
+
+    with intra_op_threads(1):
+        return reference_ms()
 
 
 class OtherWork:
