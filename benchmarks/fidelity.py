@@ -252,27 +252,35 @@ def scatter(results: list[Result], path: Path) -> None:
 
 
 def plot_stages(series: list[tuple[str, tuple[tuple[str, float, float], ...]]], path: Path, title: str) -> None:
-    """Every stage's measured against predicted forward+backward ms, one colour per (label, stages) series."""
+    """Every stage's measured against predicted forward+backward ms, one colour per label (series with the same
+    label, such as one row's runs, share it), the legend beside the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 6))
+    figure, axes = plt.subplots(figsize=(9.5, 6))
     points = [(p, m) for _, stages in series for _, p, m in stages if p > 0 and m > 0]
+    merged: dict[str, list[tuple[float, float]]] = {}
     for label, stages in series:
-        mine = [(p, m) for _, p, m in stages if p > 0 and m > 0]
-        axes.scatter([p for p, _ in mine], [m for _, m in mine], s=12, alpha=0.7, label=label)
+        merged.setdefault(label, []).extend((p, m) for _, p, m in stages if p > 0 and m > 0)
+    colours = plt.cm.tab20.colors if len(merged) > 10 else plt.cm.tab10.colors
+    for index, (label, mine) in enumerate(merged.items()):
+        axes.scatter([p for p, _ in mine], [m for _, m in mine], s=14, alpha=0.7, label=label,
+                     color=colours[index % len(colours)])
     low, high = min(min(p, m) for p, m in points), max(max(p, m) for p, m in points)
     axes.plot([low, high], [low, high], "k-", linewidth=1, label="measured = predicted")
     axes.fill_between([low, high], [0.85 * low, 0.85 * high], [1.15 * low, 1.15 * high], color="grey", alpha=0.2,
                       label="±15%")
     axes.set_xscale("log")
     axes.set_yscale("log")
+    for axis in (axes.xaxis, axes.yaxis):
+        axis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        axis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     axes.set_xlabel("predicted forward+backward ms per stage")
     axes.set_ylabel("measured ms (median, slowest rank)")
     axes.set_title(title)
-    axes.legend(fontsize="x-small")
+    axes.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -460,8 +468,8 @@ def zoo(args: argparse.Namespace) -> None:
     print(f"goal (every row within ±15% while other work keeps ≤ {QUIET_SHARE:g} of the cores runnable, three runs "
           "in a row): "
           f"{'met' if _in_a_row(rows, args.runs) >= 3 else 'not met'} ({_in_a_row(rows, args.runs)} such runs in a row)")
-    plot_stages([(f"{row.model}, {row.nproc} ranks, run {row.run}", row.stages) for row in rows], args.scatter,
-                "per-stage fidelity on held-out models, default flags")
+    plot_stages([(f"{row.model}, {row.nproc} ranks", row.stages) for row in rows], args.scatter,
+                f"per-stage fidelity on held-out models, default flags ({args.runs} runs)")
     print(f"per-stage scatter written to {shown(args.scatter)}")
 
 
