@@ -13,7 +13,8 @@ net.json`` (its default layer-time cache, kept from run to run as a user's is; a
 other caches out) and ``deeppool run plan.json --steps S``. Every run of ``--runs`` records each row's
 measured/predicted, the load average around it, the other work on the machine during it (tasks runnable
 outside the benchmark's own processes, sampled from /proc: the load average counts the row's own ranks), the
-plan's uncertainty and every stage's measured/predicted (the per-stage scatter). Goal: every row within ±15%
+host's speed before the plan and after the run (the profiler's reference work), the plan's uncertainty and
+every stage's measured/predicted (the per-stage scatter). Goal: every row within ±15%
 on a quiet machine (other work ≤ a quarter of the cores), in three runs in a row.
 
 For every model of ``benchmarks/models`` (a CNN, a branching CNN, a
