@@ -157,7 +157,8 @@ class ProfilerConfig:
     """Bytes a profiling pass may take; None: :func:`memory_budget` of the device."""
 
     def untrusted(self, measured: Measured) -> bool:
-        """Whether ``measured`` was taken on a busy machine, or stayed noisy (a layer above the noise floor)."""
+        """Whether ``measured`` was taken on a busy machine or while the host's speed moved (:meth:`busy`), or
+        stayed noisy (a layer above the noise floor)."""
         noisy = measured.spread > self.spread_bound and measured.fwd_ms + measured.bwd_ms >= _NOISE_FLOOR_MS
         return self.busy(measured) or noisy
 
