@@ -355,7 +355,8 @@ def _measure(spec: ModelSpec, *, out: Path, device: str, batches: tuple[int, ...
         conditions = measured.conditions
         load = f" (load up to {conditions.load:.1f} on {conditions.cores} cores)" if conditions else ""
         console().print(f"warning: {len(busy)} of {len(measured.layers)} layers rest on measurements taken on a "
-                        f"busy machine{load}, while the host's speed moved, or that stayed noisy: {_names(busy)}", style="yellow", highlight=False)
+                        f"busy machine{load}, while the host's speed moved, or that stayed noisy: {_names(busy)}",
+                        style="yellow", highlight=False)
     console().print(f"profiled {len(measured.layers)} layers on {measured.device} at batches {config.batches}: {out}")
 
 

@@ -156,9 +156,9 @@ def evidence_lines(plan: Plan, shown: int = 6) -> list[str]:
                      "alone, such as BatchNorm with one value per channel)")
     if evidence.busy:
         lines.append(f"{len(evidence.busy)} of {len(plan.layers)} layers rest on measurements taken on a busy machine "
-                     f"(load up to {evidence.load:.1f} on {evidence.cores} cores), while the host's speed moved, or that "
-                     f"stayed noisy: "
-                     f"{_names(evidence.busy, shown)} (re-planned on a quieter machine, the cache measures them again)")
+                     f"(load up to {evidence.load:.1f} on {evidence.cores} cores), while the host's speed moved, "
+                     f"or that stayed noisy: {_names(evidence.busy, shown)} (re-planned on a quieter machine, the "
+                     "cache measures them again)")
     return lines
 
 
