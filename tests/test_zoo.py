@@ -86,13 +86,14 @@ def test_zoo_file_runs_eagerly(name: str) -> None:
 
 
 HEAVY = {"hf_bart", "hf_whisper", "hf_t5", "hf_gpt_neox", "hf_convnext", "hf_swin", "hf_regnet",
-         "hf_bert", "hf_llama", "tv_mobilenet", "tv_densenet", "tv_inception"}
-"""The zoo's slowest burst runs (1-5 min each on 2 cores), and five (10-30 s each) whose kind a faster default run
+         "hf_bert", "hf_llama", "tv_mobilenet", "tv_densenet", "tv_inception", "tv_regnet"}
+"""The zoo's slowest burst runs (1-5 min each on 2 cores), and six (10-30 s each) whose kind a faster default run
 covers (hf_bert: hf_gpt2's dict inputs and hf_vit's encoder; hf_llama: hf_gpt2's decoder and causal mask, its
-autocast-on-meta tracing planned by test_a_model_that_autocasts_plans_from_cpu_tensors; tv_mobilenet and
-tv_densenet: tv_resnet's convolutions and BatchNorm, tv_inception's concatenations; tv_inception itself: its pinned burst plan is planned and run on 4 ranks
-with --check by test_inception_aux_batchnorm_at_one_sample_per_gpu_trains_exactly): in the heavy tier, not the
-default test run."""
+autocast-on-meta tracing planned by test_a_model_that_autocasts_plans_from_cpu_tensors; tv_mobilenet,
+tv_densenet and tv_regnet: tv_resnet's convolutions, BatchNorm and residuals, tv_inception's concatenations, and
+tv_regnet's build that fails on meta is planned by its local-measurement test in the default run; tv_inception
+itself: its pinned burst plan is planned and run on 4 ranks with --check by
+test_inception_aux_batchnorm_at_one_sample_per_gpu_trains_exactly): in the heavy tier, not the default test run."""
 
 LOCAL = {"hf_gpt2", "tv_regnet"}
 """Planned from a local measurement in the default test run (a dict of inputs; a model that cannot be

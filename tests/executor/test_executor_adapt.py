@@ -46,7 +46,9 @@ def momentum_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads((folder / "out" / "summary.json").read_text())
 
 
-SLOW = [("mlp", 2, cycle(2), 1), ("mlp", 4, cycle(4), 3)]
+SLOW = [("mlp", 2, cycle(2), 1), pytest.param("mlp", 4, cycle(4), 3, marks=pytest.mark.heavy)]
+"""On 4 ranks in the heavy tier (8 s): 2 ranks test the flagging, and a burst plan's groups are
+``test_in_a_burst_plan_the_slow_rank_of_a_group_is_found_first``'s."""
 
 
 @pytest.mark.parametrize(("name", "gpus", "assign", "slow"), SLOW, ids=["data-parallel-2", "data-parallel-4"])

@@ -37,7 +37,16 @@ CHECKS = [
 ]
 
 
-@pytest.mark.parametrize(("name", "batch", "gpus", "assign"), CHECKS, ids=[f"{c[0]}-{c[2]}ranks" for c in CHECKS])
+HEAVY_CHECKS = {"residual-4ranks"}
+"""In the heavy tier (7 s): branching-4ranks runs 4 ranks with reshards both ways in the default run."""
+
+
+def _check_param(check: tuple) -> object:
+    name = f"{check[0]}-{check[2]}ranks"
+    return pytest.param(*check, id=name, marks=[pytest.mark.heavy] if name in HEAVY_CHECKS else [])
+
+
+@pytest.mark.parametrize(("name", "batch", "gpus", "assign"), [_check_param(check) for check in CHECKS])
 def test_check_matches_single_process(tmp_path: Path, capfd, name: str, batch: int, gpus: int,
                                       assign: Assign) -> None:
     plan_path = tmp_path / "plan.json"
