@@ -186,9 +186,9 @@ class ProfilerConfig:
         spread = sum(m.spread * (m.fwd_ms + m.bwd_ms) for m in found) / total if total > 0 else 0.0
         return any(self.busy(m) for m in found), spread
 
-    def speed(self, device: torch.device) -> float:
+    def speed(self) -> float:
         """The host's reference time now on a CPU (:attr:`reference`); 0 on a GPU or where it is not read."""
-        return self.reference() if self.reference is not None and device.type == "cpu" else 0.0
+        return self.reference() if self.reference is not None and torch.device(self.device).type == "cpu" else 0.0
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1 or min(self.fit_to, default=1) < 1:
@@ -791,7 +791,7 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
     whole_key = hashlib.sha256("|".join((WHOLE, *keys.values())).encode()).hexdigest()
     found = {name: cache.get(key) for name, key in (*keys.items(), (WHOLE, whole_key))} if cache else {}
     cached = {name: m for name, m in found.items() if m is not None}
-    before = config.speed(profiler.device)
+    before = config.speed()
     if cached and len(cached) == len(keys) + 1 and not config.remeasure(cached.values(), before):
         yield from cached.items()
         yield LOSS, _measure_loss(profiler, output, batch, cache, before)
@@ -812,7 +812,7 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
         if settled or len(runs) + config.repeats > config.max_repeats:
             break
     measured[WHOLE] = _measure_whole(passes, inputs, batch, config, load)
-    speed = _speed(before, config.speed(profiler.device))
+    speed = _speed(before, config.speed())
     measured = {name: replace(sample, **speed) for name, sample in measured.items()}
     same_speed = not any(config.moved(m, speed["reference_ms"]) for m in cached.values())
     if len(cached) == len(measured) and same_speed and config.noise(cached.values()) < config.noise(measured.values()):
@@ -826,9 +826,8 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
 
 def _speed(before_ms: float, after_ms: float) -> dict[str, float]:
     """:class:`Measured`'s host-speed fields from the reference read before and after (0: not read)."""
-    if before_ms <= 0 or after_ms <= 0:
-        return {"reference_ms": 0.0, "speed_change": 0.0}
-    return {"reference_ms": (before_ms + after_ms) / 2, "speed_change": _change(before_ms, after_ms)}
+    read = before_ms > 0 and after_ms > 0
+    return {"reference_ms": (before_ms + after_ms) / 2 if read else 0.0, "speed_change": _change(before_ms, after_ms)}
 
 
 def _change(first_ms: float, second_ms: float) -> float:
