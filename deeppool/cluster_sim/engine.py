@@ -456,7 +456,7 @@ class Engine:
         capacity = self.cluster.device_model.memory_bytes
         slots = [  # a rank whose windows background work cannot fill is not lent
             Slot(host=host.job.job_id, rank=r, idle_fraction=idle[r], usable_fraction=usable[r],
-                 longest_window_ms=self.model.longest_usable_window_ms(facts.windows_ms(r)),
+                 longest_window_ms=self.model.longest_usable_window_ms(facts.windows_ms(r), facts.iteration_s * 1e3),
                  free_memory_bytes=capacity - facts.rank_memory(r))
             for r in ranks
             if idle[r] >= self.model.min_lend_fraction and usable[r] > 0
@@ -549,6 +549,8 @@ class Engine:
         if active.slots:
             del self.guests[job.job_id]
             self._release_slots(active)
+            if not self.guests:  # the sums of added and removed rates leave a residue that long runs add up
+                self.lent_rate = self.window_rate = 0.0
         else:
             self.free += active.gpus
             del self.holding[job.job_id]

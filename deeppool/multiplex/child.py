@@ -3,9 +3,11 @@
 It trains the background job (:class:`~deeppool.multiplex.job.BackgroundJob`)
 as its parent, the rank's process, tells it over stdin, one line per message:
 
-* ``w DEADLINE`` (gated modes): an idle window is open until the
+* ``w DEADLINE [overrun]`` (gated modes): an idle window is open until the
   ``time.perf_counter()`` instant DEADLINE; do micro-steps, each sized from the
-  measured time per row, while they fit, then wait for the next token. A token
+  measured time per row, while they fit (``overrun``, on a rank that runs no
+  layer: while time is left, the last one may end after DEADLINE), then wait
+  for the next token. A token
   that arrives after its deadline is dropped. In ``gate`` mode the parent
   also stops the process (``SIGSTOP``) when the window closes and continues
   it when the next opens; a micro-step cut by the stop resumes in that window.
@@ -114,8 +116,9 @@ class Worker:
             if self.job.step % self.every == 0:
                 self.job.save()
 
-    def window(self, deadline: float, lines: Lines) -> None:
-        """Micro-steps while they fit before ``deadline`` and no newer message waits (the window has closed)."""
+    def window(self, deadline: float, lines: Lines, *, overrun: bool = False) -> None:
+        """Micro-steps while they fit before ``deadline`` and no newer message waits (the window has closed);
+        ``overrun`` (the rank runs no layer): while time is left, the last may end after the deadline."""
         self.stats.tokens += 1
         if time.perf_counter() >= deadline:
             self.stats.dropped_tokens += 1
@@ -124,10 +127,12 @@ class Worker:
         before = self.stats.busy_s
         while not lines.pending():
             left = deadline - time.perf_counter()
+            if overrun and left <= 0:
+                break
             if self.per_row_s is None:
                 rows = 1
             else:
-                rows = int(left / self.per_row_s)
+                rows = max(int(left / self.per_row_s), 1 if overrun else 0)
                 if rows < 1:
                     self.per_row_s *= 0.9  # an estimate that never fits again would never be corrected
                     break
@@ -141,7 +146,7 @@ class Worker:
                 return
             kind, *args = message.split()
             if kind == "w":
-                self.window(float(args[0]), lines)
+                self.window(float(args[0]), lines, overrun="overrun" in args[1:])
 
     def free(self, lines: Lines) -> None:
         running = False

@@ -97,9 +97,9 @@ class ProcessBackground:
         self.ready = line.strip() == b"ready"
         self.dead = not self.ready and self.proc.poll() is not None
 
-    def admit(self, deadline_s: float, window_ms: float) -> None:
+    def admit(self, deadline_s: float, window_ms: float, *, overrun: bool = False) -> None:
         del window_ms  # the child needs only the deadline
-        self._send(f"w {deadline_s:.6f}")
+        self._send(f"w {deadline_s:.6f}" + (" overrun" if overrun else ""))
         self._signal(signal.SIGCONT)
 
     def close(self, window_ms: float | None) -> None:

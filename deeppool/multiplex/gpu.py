@@ -9,7 +9,9 @@ is admitted only inside an idle window (a token from the listener, with a
 deadline), at most one is in flight (the thread waits for its event before the
 next), none is launched when its measured length does not fit before the
 window's deadline, and none after the executor has closed the window — so
-none runs into the foreground's next op, all-reduce included. The controller shrinks the deadlines when the foreground slows.
+none runs into the foreground's next op, all-reduce included. On a rank that
+runs no layer no op follows the window, so a piece launched before the deadline
+may end after it (``overrun``). The controller shrinks the deadlines when the foreground slows.
 Each finished background step's loss (the sum of its captured micro-step losses, read
 after the step's last piece has completed) is reported, and so is each token that ran
 no piece (its window closed or too short: ``dropped``).
@@ -130,7 +132,7 @@ class StreamBackground:
         self.config, self.rank, self.device, self.piece_ms = config, rank, device, piece_ms
         least, _ = self.gpu.priority_range()
         self.stream = self.gpu.stream(device, priority=least)
-        self._tokens: queue.SimpleQueue[tuple[float, int] | None] = queue.SimpleQueue()
+        self._tokens: queue.SimpleQueue[tuple[float, int, bool] | None] = queue.SimpleQueue()
         self._opened = 0
         self._closed = 0
         self._closed_ms: list[float | None] = []
@@ -138,10 +140,10 @@ class StreamBackground:
                                            "windows": [], "error": None, "start_step": 0, "pieces": 0}
         self._thread = threading.Thread(target=self._main, name=f"deeppool-bg-rank{rank}", daemon=True)
 
-    def admit(self, deadline_s: float, window_ms: float) -> None:
+    def admit(self, deadline_s: float, window_ms: float, *, overrun: bool = False) -> None:
         del window_ms
         self._opened += 1
-        self._tokens.put((deadline_s, self._opened))
+        self._tokens.put((deadline_s, self._opened, overrun))
 
     def close(self, window_ms: float | None) -> None:
         self._closed = self._opened  # read by the thread between pieces: no further launch in this window
@@ -208,10 +210,11 @@ class StreamBackground:
     def _loop(self, job: BackgroundJob, pieces: Pieces, start: Event, end: Event) -> None:
         index = 0
         while (token := self._tokens.get()) is not None:
-            deadline, window = token
+            deadline, window, overrun = token
             self._result["tokens"] = int(self._result["tokens"]) + 1
             busy, ran = 0.0, 0
-            while self._closed < window and time.perf_counter() + pieces.ms[index] / 1e3 <= deadline:
+            while self._closed < window and time.perf_counter() + (0.0 if overrun else pieces.ms[index] / 1e3) \
+                    <= deadline:
                 start.record(self.stream)
                 pieces.graphs[index].replay()  # replays on the current stream: the low-priority one
                 end.record(self.stream)

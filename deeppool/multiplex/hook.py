@@ -37,6 +37,7 @@ from deeppool.multiplex.cpu import ProcessBackground, child_spec
 from deeppool.multiplex.metrics import MultiplexReport, RankBackground, RankSteps, report
 from deeppool.multiplex.report import print_report
 from deeppool.multiplex.session import Background, Session
+from deeppool.planner.interference import idle_throughout
 from deeppool.planner.plan import Plan
 
 
@@ -57,7 +58,9 @@ class Multiplexer:
             return cls(plan, config, rank, None, device, gpu)
         folder = (out_dir or Path(tempfile.mkdtemp(prefix="deeppool-bg-"))) / "background"
         background = _background(config, rank=rank, folder=folder, device=device, gpu=gpu)
-        session = Session(config, background, predicted_iteration_ms=plan.predicted.iteration_ms)
+        windows = tuple(w.length_ms for w in plan.idle_windows(rank))
+        session = Session(config, background, predicted_iteration_ms=plan.predicted.iteration_ms,
+                          idle_throughout=idle_throughout(windows, plan.predicted.iteration_ms))
         return cls(plan, config, rank, session, device, gpu)
 
     def foreground(self) -> contextlib.AbstractContextManager[None]:

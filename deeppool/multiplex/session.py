@@ -39,7 +39,10 @@ READY_TIMEOUT_S = 60.0
 class Background(Protocol):
     """Where the background work runs (a process, a thread on a low-priority stream)."""
 
-    def admit(self, deadline_s: float, window_ms: float) -> None: ...
+    def admit(self, deadline_s: float, window_ms: float, *, overrun: bool = False) -> None:
+        """Work in the window until ``deadline_s``; ``overrun``: no foreground op follows the window on this
+        device (the rank runs no layer), so the last piece may end after the deadline."""
+        ...
 
     def close(self, window_ms: float | None) -> None: ...
 
@@ -53,8 +56,11 @@ class Background(Protocol):
 class Session:
     """The :class:`~deeppool.executor.engine.idle.IdleListener` of one hosting rank."""
 
-    def __init__(self, config: BackgroundConfig, background: Background, *, predicted_iteration_ms: float) -> None:
+    def __init__(self, config: BackgroundConfig, background: Background, *, predicted_iteration_ms: float,
+                 idle_throughout: bool = False) -> None:
         self.config = config
+        self.idle_throughout = idle_throughout
+        """The rank runs no layer: its window runs into the next iteration's, so a piece may cross."""
         self.background = background
         self.predicted_ms = predicted_iteration_ms
         self.controller = SlowdownController(ControllerConfig(target=config.slowdown_target))
@@ -70,7 +76,8 @@ class Session:
             self._new_step(event)
         expected = self.expected_ms(event)
         if self._on and self.config.mode.gated and expected >= self.config.min_window_ms:
-            self.background.admit(event.opened_at_s + self.controller.share * expected / 1e3, expected)
+            self.background.admit(event.opened_at_s + self.controller.share * expected / 1e3, expected,
+                                  overrun=self.idle_throughout)
             self._admitted = True
 
     def closed(self, event: IdleWindowEvent, closed_at_s: float) -> None:

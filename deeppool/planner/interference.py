@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,8 @@ from deeppool.errors import DeeppoolError
 DEFAULT_FG_SLOWDOWN = 1.05
 DEFAULT_BG_EFFICIENCY = 0.8
 DEFAULT_MIN_LEND_FRACTION = 0.1
+_WHOLE = 1e-9
+"""A window this close to the iteration's length is the whole iteration (the times are sums of floats)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,13 +86,22 @@ class InterferenceModel:
 
         ``fit(len) = ⌊len / piece⌋ · piece``: a background job whose step comes in indivisible pieces of
         ``piece_ms`` (its longest kernel) fills only whole pieces of a window; ``piece_ms`` 0 fills all of it.
+        A rank that runs no layer (:func:`idle_throughout`) is the exception: its one window runs into the next
+        iteration's with no foreground work between them, so a piece may cross from one to the next and the
+        whole window is filled (at its length's efficiency: the multiplexer still closes and opens it at every
+        iteration).
         """
         if iteration_ms <= 0:
             return 0.0
+        if idle_throughout(windows_ms, iteration_ms):
+            piece_ms = 0.0
         return min(1.0, sum(self.efficiency(w) * _fit(w, piece_ms) for w in windows_ms) / iteration_ms)
 
-    def longest_usable_window_ms(self, windows_ms: tuple[float, ...]) -> float:
-        """The longest window background work is admitted to at all (0 when none is)."""
+    def longest_usable_window_ms(self, windows_ms: tuple[float, ...], iteration_ms: float) -> float:
+        """The longest window background work is admitted to at all (0 when none is; unbounded on a rank that
+        runs no layer, whose windows follow one another)."""
+        if idle_throughout(windows_ms, iteration_ms):
+            return math.inf if self.efficiency(windows_ms[0]) > 0 else 0.0
         return max((w for w in windows_ms if self.efficiency(w) > 0), default=0.0)
 
     @classmethod
@@ -107,6 +119,11 @@ class InterferenceModel:
                                 "(needs fg_slowdown and bg_efficiency)") from None
         return cls(fg_slowdown=max(1.0, slowdown), bg_efficiency=min(1.0, max(efficiency, 1e-3)),
                    min_lend_fraction=min_lend_fraction, efficiency_by_window_ms=curve)
+
+
+def idle_throughout(windows_ms: tuple[float, ...], iteration_ms: float) -> bool:
+    """Whether the windows are one whole iteration: the rank runs no layer of the plan."""
+    return len(windows_ms) == 1 and windows_ms[0] >= iteration_ms * (1 - _WHOLE) > 0
 
 
 def _fit(window_ms: float, piece_ms: float) -> float:

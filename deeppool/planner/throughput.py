@@ -6,7 +6,9 @@ a rank that runs no layer has one window, the whole iteration). Background
 work fills them as the simulator's one interference model says
 (:class:`deeppool.planner.interference.InterferenceModel`, read from
 ``--interference interference.json`` or its documented defaults; ``fit(len)`` is
-``len`` in whole pieces of the background's ``bg_piece_ms``, all of ``len`` when 0):
+``len`` in whole pieces of the background's ``bg_piece_ms``, all of ``len`` when 0 and on a
+rank that runs no layer, whose window runs into the next iteration's with no foreground
+work between them, so a piece may cross):
 
     usable_r = min(1, Σ_w e(len_w) · fit(len_w) / T)        (InterferenceModel.usable_fraction)
     lent     = {r : idle_r / T ≥ min_lend_fraction and usable_r > 0}
@@ -60,9 +62,10 @@ bound is loose where idle time cannot be lent (ranks idle for less than
 ``min_lend_fraction``, windows shorter than the efficiency curve's first bin) and by
 the reshard GPU-time the floor misses (a ladder's costs add per count, so a reshard
 between ``p < q`` GPUs is priced about ``(2 + ln(q/p))/(2·q/p)`` of its ``q·R``), and by
-pieces: ``fit(len)`` falls short of ``len`` by up to a piece in every window, so a rank idle
-for the whole iteration loses ``T mod bg_piece_ms``, which no linear price bounds (the
-searches of the simulator's larger examples then end at the time limit, ``docs/planner.md``).
+pieces: ``fit(len)`` falls short of ``len`` by up to a piece in every window of a rank that runs
+a layer, and a window shorter than a piece holds nothing (the searches of the simulator's
+examples whose guests' pieces are long beside the windows end at the time limit, ``docs/planner.md``).
+A rank that runs no layer loses nothing to pieces, so the bound is exact there.
 Without the floor, reshards were most of ``U − J`` on the plans the bound let in
 (0.011 of 0.012 on ResNet-50 at 128 A100s, 0.0055 on VGG-16 at 64); near-tie plans
 still cost one ILP solve with cuts each, and ``ε`` = 0.2% ends most searches after

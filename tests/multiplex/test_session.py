@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,9 @@ import pytest
 from deeppool.errors import DeeppoolError
 from deeppool.executor.engine.idle import IdleWindowEvent
 from deeppool.executor.engine.timing import Category, Span
+from deeppool.multiplex import child
 from deeppool.multiplex.config import ABSchedule, BackgroundConfig, MuxMode
+from deeppool.multiplex.job import Piece
 from deeppool.multiplex.metrics import RankBackground, RankSteps, efficiency_curve, report
 from deeppool.multiplex.session import Session
 from deeppool.planner.plan import IdleWindow
@@ -21,14 +24,16 @@ WINDOW = IdleWindow(rank=1, start_ms=0.0, end_ms=0.5, after="forward:a")
 class FakeBackground:
     def __init__(self) -> None:
         self.tokens: list[tuple[int, float, float]] = []
+        self.overruns: list[bool] = []
         self.closes: list[tuple[int, float]] = []
         self.switches: list[tuple[int, bool]] = []
         self.budgets_ms: list[float] = []
         self.step = 0
         self.opened_at_s = 0.0
 
-    def admit(self, deadline_s: float, window_ms: float) -> None:
+    def admit(self, deadline_s: float, window_ms: float, *, overrun: bool = False) -> None:
         self.tokens.append((self.step, deadline_s, window_ms))
+        self.overruns.append(overrun)
         self.budgets_ms.append(1e3 * (deadline_s - self.opened_at_s))
 
     def close(self, window_ms: float) -> None:
@@ -44,10 +49,11 @@ class FakeBackground:
         raise AssertionError("not used")
 
 
-def drive(mode: MuxMode, iteration_ms, steps: int = 19, window_ms=lambda step: 4.0) -> tuple[Session, FakeBackground]:
+def drive(mode: MuxMode, iteration_ms, steps: int = 19, window_ms=lambda step: 4.0,
+          idle_throughout: bool = False) -> tuple[Session, FakeBackground]:
     fake = FakeBackground()
     config = BackgroundConfig(model=Path("bg.py"), mode=mode, schedule=ABSchedule(warmup=3, block=4))
-    session = Session(config, fake, predicted_iteration_ms=1.0)
+    session = Session(config, fake, predicted_iteration_ms=1.0, idle_throughout=idle_throughout)
     start = 0.0
     for step in range(steps):
         fake.step = step
@@ -76,6 +82,13 @@ def test_gate_admits_only_in_shared_steps_with_measured_windows() -> None:
     step, deadline, window_ms = fake.tokens[0]
     assert window_ms == pytest.approx(3.5)  # the median of this window in the alone steps 1..6, not 0.5 x 10
     assert fake.switches == []
+
+
+def test_only_a_rank_that_runs_no_layer_lets_its_last_piece_overrun_the_deadline() -> None:
+    _, busy = drive(MuxMode.GATE, lambda step: 10.0)
+    _, idle = drive(MuxMode.GATE, lambda step: 10.0, idle_throughout=True)
+    assert busy.overruns and not any(busy.overruns)
+    assert idle.overruns and all(idle.overruns) and idle.tokens == busy.tokens
 
 
 def test_gate_falls_back_to_the_rescaled_plan_before_any_window_is_measured() -> None:
@@ -164,3 +177,47 @@ def test_rank_steps_and_efficiency_curve() -> None:
     assert efficiency_curve([(1.5, 0.75), (1.2, 0.6), (5.0, 4.0)]) == ((1.0, pytest.approx(0.5)), (4.0, 0.8))
     # a window's work counts up to its length (a micro-step cut by the close finished in the next window)
     assert efficiency_curve([(5.0, 4.0), (6.0, 9.0)]) == ((4.0, pytest.approx(10.0 / 11.0)),)
+
+
+class _Clock:
+    """``time`` for the child's worker: micro-steps advance it by their rows' cost, nothing else does."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def process_time(self) -> float:
+        return self.now
+
+
+class _RowsJob:
+    """A background job whose micro-step costs 10 ms a row on the fake clock."""
+
+    def __init__(self, clock: _Clock) -> None:
+        self.clock, self.step, self.pieces = clock, 0, []
+
+    def micro_step(self, rows):
+        self.clock.now += 0.010 * rows
+        self.pieces.append(rows)
+        return Piece(rows=rows, seconds=0.010 * rows, stepped=False, loss=None)
+
+
+@pytest.mark.parametrize("overrun", [False, True])
+def test_the_childs_last_micro_step_overruns_only_when_told(monkeypatch, overrun) -> None:
+    """25 ms to the deadline at 10 ms a row: two rows fit; with ``overrun`` one more row starts before it."""
+    clock = _Clock()
+    monkeypatch.setattr(child, "time", clock)
+    job = _RowsJob(clock)
+    worker = child.Worker(job, child.Stats(pid=0), every=1000)
+    worker.per_row_s = 0.010
+    read, write = os.pipe()
+    try:
+        worker.window(clock.now + 0.025, child.Lines(read), overrun=overrun)
+    finally:
+        os.close(read)
+        os.close(write)
+    assert job.pieces == ([2, 1] if overrun else [2])
+    if overrun:  # stopping at the deadline says nothing about the rows' cost (the gate shrinks it: 0.9x)
+        assert worker.per_row_s == pytest.approx(0.010)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -71,5 +72,17 @@ def test_a_window_holds_only_whole_pieces_of_the_guests_step() -> None:
     assert model.usable_fraction((0.9, 3.1), 20.0, piece_ms=5.0) == 0.0  # 162 ms VGG steps fit no 3 ms gap
     assert model.usable_fraction((0.9, 3.1), 20.0) == pytest.approx(4.0 / 20)
     curve = InterferenceModel(efficiency_by_window_ms=((1.0, 0.5), (8.0, 0.9)))
-    assert curve.longest_usable_window_ms((0.5, 4.0, 2.0)) == 4.0
-    assert curve.longest_usable_window_ms((0.5,)) == 0.0
+    assert curve.longest_usable_window_ms((0.5, 4.0, 2.0), 20.0) == 4.0
+    assert curve.longest_usable_window_ms((0.5,), 20.0) == 0.0
+
+
+def test_a_rank_that_runs_no_layer_is_filled_whole_whatever_the_pieces() -> None:
+    """Its window runs into the next iteration's with no foreground work between: a piece may cross."""
+    model = InterferenceModel(bg_efficiency=0.8)
+    assert model.usable_fraction((20.0,), 20.0, piece_ms=3.0) == pytest.approx(0.8)  # not 18 ms of 20
+    assert model.usable_fraction((20.0,), 20.0, piece_ms=30.0) == pytest.approx(0.8)  # nor none
+    assert model.usable_fraction((19.0,), 20.0, piece_ms=3.0) == pytest.approx(0.8 * 18 / 20)  # a busy rank's
+    assert model.longest_usable_window_ms((20.0,), 20.0) == math.inf
+    curve = InterferenceModel(efficiency_by_window_ms=((1.0, 0.5), (8.0, 0.9)))
+    assert curve.usable_fraction((4.0,), 4.0, piece_ms=3.0) == pytest.approx(0.5)  # at its length's efficiency
+    assert curve.longest_usable_window_ms((0.5,), 0.5) == 0.0
