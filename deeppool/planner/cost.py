@@ -12,7 +12,7 @@ keep theirs). ``AR(g, S, k)`` is the network's hierarchical all-reduce of
 each node across). The predicted iteration time is
 
     T = Σ_l [ fwd_l(s) + bwd_l(s) + BN_l(g_l) + AR*_l(g_l) + OPT_l ] + LOSS(g_out)
-        + Σ_(u→v) [ R_u(g_u → g_v) + R_u(g_v → g_u) ] + Σ_g ROUNDS(g) + OPT_call
+        + Σ_(u→v) [ R_u(g_u → g_v) + R_u(g_v → g_u) ] + Σ_g [ ROUNDS(g) + SKEW(g) ] + OPT_call
 
     AR*_l(g)  gradient all-reduce as the executor does it (``--bucket-mb``, default 25 MiB):
               gradients are copied into a flat bucket per rank group and the sums
@@ -32,6 +32,13 @@ each node across). The predicted iteration time is
               the last one is always exposed, the others hide behind the backward as far as
               ω lets them. It is reported on the group's first layer with parameters
               (its gradients come last), in that layer's all-reduce.
+    SKEW(g)   = κ(g) · max(0, C_g − c_probe)   for each count g > 1 that runs a layer, with C_g the
+              compute (fwd + bwd) of the layers on g ranks: ranks time-sliced on shared cores finish
+              the same work further apart the longer it is, and the group's collective at the end of
+              its backward waits for the last; κ(g) and c_probe, the compute the probe ran before its
+              collectives (whose wait the all-reduce and ω_w figures already hold), are measured by
+              ``deeppool profile-network`` (:attr:`NetworkModel.skew`; 0 on GPUs and for the presets).
+              Reported with ROUNDS(g) (on the group's first layer with parameters, else its first).
     CP_l      = 4 · W_l / BW_mem   (the reducer flattens the gradients into the bucket, reading and
               writing W_l, and copies the sums back, reading and writing W_l again; 0 for a layer
               with one parameter tensor under bucket 0, reduced in place; BW_mem from the profile)
@@ -207,14 +214,24 @@ class CostModel:
         return rounds * self.round_ms(gpus)
 
     def group_rounds_ms(self, assignment: Mapping[str, int]) -> dict[str, float]:
-        """``ROUNDS(g)`` of every rank group, by the group's first layer with parameters."""
+        """``ROUNDS(g) + SKEW(g)`` of every rank group, by the group's first layer with parameters (else its
+        first layer)."""
         groups: dict[int, list[Layer]] = {}
         for layer in self.graph.layers:
-            if self.param_bytes(layer) > 0:
-                groups.setdefault(assignment[layer.name], []).append(layer)
-        found = {members[0].name: self.rounds_ms(g, sum(self.param_bytes(m) for m in members))
-                 for g, members in groups.items()}
+            groups.setdefault(assignment[layer.name], []).append(layer)
+        found = {}
+        for g, members in groups.items():
+            holders = [m for m in members if self.param_bytes(m) > 0]
+            rounds = self.rounds_ms(g, sum(self.param_bytes(m) for m in holders))
+            compute = sum(sum(self.compute_ms(m, g)) for m in members)
+            found[(holders or members)[0].name] = rounds + self.skew_ms(g, compute)
         return {name: ms for name, ms in found.items() if ms > 0}
+
+    def skew_ms(self, gpus: int, compute_ms: float) -> float:
+        """``SKEW(g)``: what a group of ``gpus`` ranks that computed ``compute_ms`` waits at its collective
+        beyond the network's figures."""
+        slope = self.network.skew_per_s(gpus)
+        return slope * max(0.0, compute_ms - 1e3 * self.network.skew_after_s) if slope > 0 else 0.0
 
     def bucket_copy_ms(self, layer: Layer) -> float:
         """``CP_l = 4·W_l/BW_mem``: the layer's gradients copied into the flat bucket and the sums back."""

@@ -120,7 +120,12 @@ class NetworkModel:
     scheduled again on cores the compute held, and ranks time-sliced on shared
     cores finish apart. ``sync_s`` holds it by the stage's rank count where
     measured (:meth:`sync_latency_s`); 0 for the presets, measured by ``deeppool
-    profile-network`` on a host whose cores the ranks share.
+    profile-network`` on a host whose cores the ranks share. ``skew`` is what
+    the first collective after a stage's compute waits beyond those figures,
+    per second of compute past ``skew_after_s`` (the compute the probe ran
+    before its collectives): ranks time-sliced on shared cores finish the same
+    work further apart the longer it is. By rank count where measured
+    (:meth:`skew_per_s`); empty for the presets and on GPUs.
     """
 
     gpus_per_node: int
@@ -134,12 +139,16 @@ class NetworkModel:
     allreduce_overlap: float = 1.0
     wakeup_s: float = 0.0
     sync_s: dict[int, float] = field(default_factory=dict)
+    skew: dict[int, float] = field(default_factory=dict)
+    skew_after_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.wakeup_s < 0 or any(value < 0 for value in self.sync_s.values()):
             raise DeeppoolError(f"the wake-up latency {self.wakeup_s} s must be >= 0")
         if any(ranks < 2 for ranks in self.sync_s):
             raise DeeppoolError("a synchronisation latency is for a stage of 2 or more ranks")
+        if any(ranks < 2 or value < 0 for ranks, value in self.skew.items()) or self.skew_after_s < 0:
+            raise DeeppoolError("a skew is for a stage of 2 or more ranks, at least 0, after at least 0 s")
         if self.allreduce_efficiency <= 0 or self.allreduce_latency_factor < 0:
             raise DeeppoolError("the all-reduce efficiency must be positive and its latency factor >= 0")
         if not 0 <= self.allreduce_overlap <= 1:
@@ -188,6 +197,14 @@ class NetworkModel:
         below = [count for count in self.sync_s if count <= gpus]
         return self.sync_s[max(below) if below else min(self.sync_s)]
 
+    def skew_per_s(self, gpus: int) -> float:
+        """The skew's slope for a stage of ``gpus`` ranks, chosen as :meth:`sync_latency_s` chooses; 0 for
+        one rank or where none was measured."""
+        if gpus < 2 or not self.skew:
+            return 0.0
+        below = [count for count in self.skew if count <= gpus]
+        return self.skew[max(below) if below else min(self.skew)]
+
     def allreduce_s(self, gpus: int, nbytes: float, *, latencies: float = 1.0) -> float:
         """Hierarchical all-reduce of ``nbytes`` on ranks 0..gpus-1 (NCCL's ring inside, then across nodes).
 
@@ -207,7 +224,8 @@ class NetworkModel:
         return seconds + latencies * self.allreduce_latency_factor * hops
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "sync_s": {str(count): value for count, value in sorted(self.sync_s.items())}}
+        return {**asdict(self), "sync_s": {str(count): value for count, value in sorted(self.sync_s.items())},
+                "skew": {str(count): value for count, value in sorted(self.skew.items())}}
 
     @classmethod
     def load(cls, path: str | Path) -> NetworkModel:
@@ -227,6 +245,7 @@ class NetworkModel:
             fields.setdefault("nics_per_node", fields.get("gpus_per_node"))
         try:
             fields["sync_s"] = {int(count): float(value) for count, value in dict(fields.get("sync_s") or {}).items()}
+            fields["skew"] = {int(count): float(value) for count, value in dict(fields.get("skew") or {}).items()}
             return cls(**{key: fields[key] for key in cls.__dataclass_fields__ if key in fields or key not in _OPTIONAL})
         except (KeyError, TypeError, ValueError) as err:
             raise DeeppoolError(f"network JSON is incomplete ({err}): regenerate it") from None
@@ -247,7 +266,8 @@ class NetworkModel:
         return replace(self, **changes)
 
 
-_OPTIONAL = ("allreduce_efficiency", "allreduce_latency_factor", "allreduce_overlap", "wakeup_s", "sync_s")
+_OPTIONAL = ("allreduce_efficiency", "allreduce_latency_factor", "allreduce_overlap", "wakeup_s", "sync_s", "skew",
+             "skew_after_s")
 
 
 class KnownDevice(enum.Enum):

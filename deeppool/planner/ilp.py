@@ -219,6 +219,7 @@ def _formulate(
     for group in cost.graph.tied():
         _tie(m, [x[name] for name in group])
     _rounds(m, cost, x)
+    _skews(m, cost, x)
     if memory_bytes is not None:
         usage = [(j, cost.memory_bytes(layer, g) / 2**20) for layer in cost.graph.layers
                  for g, j in x[layer.name].items()]
@@ -247,6 +248,22 @@ def _rounds(m: _Matrix, cost: CostModel, x: dict[str, dict[int, int]]) -> None:
             m.row([(rounds, 1.0), *bytes_in], 0.0, _INF)
         m.time_cost[rounds] = latency
         m.gpu_cost[rounds] = latency * g / 1e3
+
+
+def _skews(m: _Matrix, cost: CostModel, x: dict[str, dict[int, int]]) -> None:
+    """Each rank group's skew, ``SKEW(g) = κ(g)·max(0, C_g − c_probe)`` (:meth:`CostModel.skew_ms`): ``s_g ≥ 0``,
+    ``s_g ≥ κ(g)·(Σ_l x[l,g]·c_l(g) − c_probe)`` with ``c_l`` the layer's compute, cost ``s_g``."""
+    after = 1e3 * cost.network.skew_after_s
+    for g in sorted({g for choice in x.values() for g in choice if g > 1}):
+        slope = cost.network.skew_per_s(g)
+        if slope <= 0:
+            continue
+        skew = m.column()
+        terms = [(x[layer.name][g], -slope * sum(cost.compute_ms(layer, g))) for layer in cost.graph.layers
+                 if g in x[layer.name]]
+        m.row([(skew, 1.0), *terms], -slope * after, _INF)
+        m.time_cost[skew] = 1.0
+        m.gpu_cost[skew] = g / 1e3
 
 
 def _tie(m: _Matrix, choices: list[dict[int, int]]) -> None:

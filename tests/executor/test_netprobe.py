@@ -112,6 +112,43 @@ def test_the_sync_latency_is_what_rank_0_waits_for_ranks_that_computed_with_it(t
         replace(loaded, sync_s={1: 1e-3})
 
 
+def test_the_skew_is_the_wait_that_grows_with_the_compute_before_a_collective(tmp_path: Path) -> None:
+    """All-reduces after 10 ms of compute, and after 30 ms taking 2 ms (2 ranks) and 8 ms (4 ranks) longer:
+    slopes of 0.1 and 0.4, charged once per rank group on its compute past the probe's 10 ms."""
+    def with_skew(config: ProbeConfig) -> list[Sample]:
+        usual = [replace(s, busy_s=0.01) for s in synthetic(config)]
+        longer = [replace(s, pattern=Pattern.SKEW, busy_s=0.03, seconds=s.seconds + {2: 2e-3, 4: 8e-3}[s.ranks])
+                  for s in usual if s.pattern is Pattern.ALLREDUCE and s.ranks in (2, 4)]
+        return usual + longer
+
+    fitted = probe_network(ProbeConfig(nproc=4, sizes=(4096, 2**20)), launcher=with_skew)
+    assert fitted.latency_s == pytest.approx(ALPHA, rel=1e-9), "skew samples stay out of the fit"
+    network = fitted.network
+    assert network.skew == pytest.approx({2: 0.1, 4: 0.4}) and network.skew_after_s == pytest.approx(0.01)
+    assert network.skew_per_s(3) == pytest.approx(0.1) and network.skew_per_s(8) == pytest.approx(0.4)
+    assert network.skew_per_s(1) == 0.0
+    assert all(fitted.predict(s) == pytest.approx(s.seconds) for s in fitted.samples if s.pattern is Pattern.SKEW)
+    path = tmp_path / "net.json"
+    fitted.save(path)
+    assert NetworkModel.load(path) == network
+    with pytest.raises(DeeppoolError, match="skew"):
+        replace(network, skew={1: 0.1})
+
+    graph = trace(ModelSpec.parse(model_path("mlp")).load()).graph
+    profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2, 4))
+    early = replace(network, skew_after_s=0.0)  # the estimated layers take microseconds, under the probe's 10 ms
+    cost = CostModel(graph=graph, profile=profile, network=early, global_batch=4)
+    still = CostModel(graph=graph, profile=profile, network=replace(early, skew={}), global_batch=4)
+    for g in (2, 4):
+        everywhere = dict.fromkeys(graph.names, g)
+        extra = early.skew_per_s(g) * sum(sum(cost.compute_ms(layer, g)) for layer in graph.layers)
+        assert extra > 0
+        assert cost.iteration_ms(everywhere) == pytest.approx(still.iteration_ms(everywhere) + extra)
+    assert cost.iteration_ms(dict.fromkeys(graph.names, 1)) == still.iteration_ms(dict.fromkeys(graph.names, 1))
+    late = CostModel(graph=graph, profile=profile, network=network, global_batch=4)
+    assert late.skew_ms(2, 25.0) == pytest.approx(1.5) and late.skew_ms(2, 5.0) == 0.0
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

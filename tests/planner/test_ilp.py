@@ -45,6 +45,9 @@ BASES = {"a": 0.5, "b": 0.05, "c": 2.0, "d": 0.01, "e": 0.3}
 SYNCING_NETWORK = replace(SLOW_NETWORK, wakeup_s=4e-4, allreduce_overlap=0.0)
 """gloo on a host's shared cores: the first message after ranks computed together waits, and no
 all-reduce hides behind the backward (so a group's latency rounds grow with its buckets)."""
+SKEWED_NETWORK = replace(SYNCING_NETWORK, skew={2: 0.05, 4: 0.3}, skew_after_s=0.5e-3)
+"""... and ranks time-sliced on its cores finish apart: a group's collective waits longer the more it
+computed (past 0.5 ms; the chain's layers compute 0.01 to 2 ms each)."""
 
 
 def _problem(graph, gpus: int, batch: int, network: NetworkModel = SLOW_NETWORK) -> tuple[CostModel, dict]:
@@ -67,7 +70,8 @@ def _enumerate(cost: CostModel, gpus: int, amplification: float | None = None) -
     return best
 
 
-@pytest.mark.parametrize("network", [SLOW_NETWORK, SYNCING_NETWORK], ids=["network", "sync-latency"])
+@pytest.mark.parametrize("network", [SLOW_NETWORK, SYNCING_NETWORK, SKEWED_NETWORK],
+                         ids=["network", "sync-latency", "skew"])
 @pytest.mark.parametrize("graph", [CHAIN, RESIDUAL], ids=["chain", "residual"])
 @pytest.mark.parametrize("solver", list(SolverName))
 def test_ilp_equals_exhaustive_enumeration_over_all_counts(graph, solver, network):
@@ -197,7 +201,8 @@ def test_a_cutoff_prunes_only_what_lies_above_it():
     assert cost.iteration_ms(ilp.solve(time_limit_s=30).assignment) == pytest.approx(cost.iteration_ms(first))
 
 
-@pytest.mark.parametrize("network", [SLOW_NETWORK, SYNCING_NETWORK], ids=["network", "sync-latency"])
+@pytest.mark.parametrize("network", [SLOW_NETWORK, SYNCING_NETWORK, SKEWED_NETWORK],
+                         ids=["network", "sync-latency", "skew"])
 @pytest.mark.parametrize("graph", [CHAIN, RESIDUAL], ids=["chain", "residual"])
 def test_the_reshard_floor_never_exceeds_a_plans_busy_gpu_time(graph, network):
     """With ``reshard_floor`` the ILP's ``time + price · gpu_time`` of every assignment lies between the

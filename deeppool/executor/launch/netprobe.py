@@ -71,6 +71,13 @@ class Pattern(enum.Enum):
     WAKEUP = "wakeup"
     """Ranks ``1..g-1`` send to rank 0 after all ``g`` computed together (``ranks`` is ``g``): not
     fitted; what rank 0 waits beyond one plain message is the synchronisation latency ``ω_w(g)``."""
+    SKEW = "skew"
+    """The all-reduce after ``SKEW_FACTOR`` times the compute: not fitted; what it takes beyond the
+    all-reduce after the usual compute, per second of the extra compute, is the skew's slope."""
+
+
+SKEW_FACTOR = 3
+"""The skew samples compute this many times ``busy_ms`` before their all-reduce."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +88,8 @@ class Sample:
     ranks: int
     nbytes: int
     seconds: float
+    busy_s: float = 0.0
+    """The compute the ranks did together before the timed call (0: none)."""
 
     def terms(self) -> tuple[float, float]:
         """The sample's coefficients of (α, 1/BW) in the cost model's formula."""
@@ -90,7 +99,8 @@ class Sample:
         return 2.0 * math.ceil(math.log2(g)), 2.0 * (g - 1) / g * self.nbytes
 
     def to_json(self) -> dict[str, Any]:
-        return {"pattern": self.pattern.value, "ranks": self.ranks, "bytes": self.nbytes, "seconds": self.seconds}
+        return {"pattern": self.pattern.value, "ranks": self.ranks, "bytes": self.nbytes, "seconds": self.seconds,
+                "busy_s": self.busy_s}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +117,9 @@ class NetworkFit:
         network = self.network
         if sample.pattern is Pattern.ALLREDUCE:
             return network.allreduce_s(sample.ranks, sample.nbytes)
+        if sample.pattern is Pattern.SKEW:
+            extra = sample.busy_s - network.skew_after_s
+            return network.allreduce_s(sample.ranks, sample.nbytes) + network.skew_per_s(sample.ranks) * extra
         one_way = network.intra_latency_s + sample.nbytes / network.intra_bandwidth
         return one_way + (network.sync_latency_s(sample.ranks) if sample.pattern is Pattern.WAKEUP else 0.0)
 
@@ -127,7 +140,8 @@ class NetworkFit:
             allreduce_overlap=LOCAL_NETWORK.allreduce_overlap,
             allreduce_efficiency=reduce["bandwidth"] / bandwidth,
             allreduce_latency_factor=reduce["latency_s"] / latency if latency > 0 else 1.0,
-            wakeup_s=sync.get(2, 0.0), sync_s=sync,
+            wakeup_s=sync.get(2, 0.0), sync_s=sync, skew=skews(self.samples),
+            skew_after_s=max((s.busy_s for s in self.samples if s.pattern is Pattern.ALLREDUCE), default=0.0),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -145,6 +159,7 @@ class NetworkFit:
                 "per_pattern": {pattern.value: _figures(self.samples, pattern, self.nproc)
                                 for pattern in (Pattern.P2P, Pattern.ALLREDUCE)},
                 "sync_s": {str(g): value for g, value in sync_latencies(self.samples).items()},
+                "skew": {str(g): value for g, value in skews(self.samples).items()},
             },
         }
 
@@ -160,9 +175,22 @@ def sync_latencies(samples: Sequence[Sample]) -> dict[int, float]:
             for s in samples if s.pattern is Pattern.WAKEUP and s.nbytes in plain}
 
 
+def skews(samples: Sequence[Sample]) -> dict[int, float]:
+    """The skew's slope by rank count: what an all-reduce after the long compute took beyond the same
+    all-reduce after the usual compute, per second of the extra compute, averaged over the sizes both
+    measured (at least 0)."""
+    usual = {(s.ranks, s.nbytes): s for s in samples if s.pattern is Pattern.ALLREDUCE}
+    slopes: dict[int, list[float]] = {}
+    for s in samples:
+        base = usual.get((s.ranks, s.nbytes))
+        if s.pattern is Pattern.SKEW and base is not None and s.busy_s > base.busy_s:
+            slopes.setdefault(s.ranks, []).append((s.seconds - base.seconds) / (s.busy_s - base.busy_s))
+    return {ranks: max(0.0, statistics.fmean(values)) for ranks, values in sorted(slopes.items())}
+
+
 def fit(samples: Sequence[Sample], *, nproc: int) -> NetworkFit:
     """Least squares on relative error for (α, 1/BW), α clamped at 0 (wake-up samples left out)."""
-    rows = [(*s.terms(), s.seconds) for s in samples if s.seconds > 0 and s.pattern is not Pattern.WAKEUP]
+    rows = [(*s.terms(), s.seconds) for s in samples if s.seconds > 0 and s.pattern in (Pattern.P2P, Pattern.ALLREDUCE)]
     if not rows:
         raise DeeppoolError("the network probe measured nothing: check --sizes")
     weighted = np.array([(a / t, b / t) for a, b, t in rows])  # each row's target becomes 1
@@ -233,6 +261,7 @@ def _rank_main(rank: int, config: ProbeConfig, port: int, results: Any) -> None:
     comm = TorchComm(groups, timeout_s=config.timeout_s, lanes=(Lane.GRADIENTS,))
     samples = []
     matmuls = _calibrated(config.busy_ms / 1e3)
+    busy_s = config.busy_ms / 1e3
     for nbytes in config.sizes:
         tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
         samples.append(Sample(pattern=Pattern.P2P, ranks=2, nbytes=tensor.numel() * 4,
@@ -242,12 +271,17 @@ def _rank_main(rank: int, config: ProbeConfig, port: int, results: Any) -> None:
                 seconds = _timed(config, lambda t=tensor, g=len(ranks): _gather(comm, t, g), busy=len(ranks),
                                  matmuls=matmuls, budget=3.0)  # its tail is most of it: three times the repeats
                 samples.append(Sample(pattern=Pattern.WAKEUP, ranks=len(ranks), nbytes=tensor.numel() * 4,
-                                      seconds=seconds))
+                                      seconds=seconds, busy_s=busy_s))
         for ranks in groups:
             seconds = _timed(config, lambda t=tensor, r=ranks: _all_reduce(comm, t, r), busy=len(ranks),
                              matmuls=matmuls)
             samples.append(Sample(pattern=Pattern.ALLREDUCE, ranks=len(ranks), nbytes=tensor.numel() * 4,
-                                  seconds=seconds))
+                                  seconds=seconds, busy_s=busy_s))
+            if nbytes in (min(config.sizes), max(config.sizes)):
+                seconds = _timed(config, lambda t=tensor, r=ranks: _all_reduce(comm, t, r), busy=len(ranks),
+                                 matmuls=SKEW_FACTOR * matmuls, compute_s=SKEW_FACTOR * busy_s)
+                samples.append(Sample(pattern=Pattern.SKEW, ranks=len(ranks), nbytes=tensor.numel() * 4,
+                                      seconds=seconds, busy_s=SKEW_FACTOR * busy_s))
     if rank == 0:
         results.put(samples)
     dist.barrier()
@@ -277,7 +311,7 @@ def _all_reduce(comm: Any, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None
 
 
 def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: int = 0, matmuls: int = 0,
-           budget: float = 1.0) -> float:
+           budget: float = 1.0, compute_s: float | None = None) -> float:
     """Mean seconds of ``work`` on this rank, each repeat after a barrier; ranks below ``busy`` first
     compute ``matmuls`` (:func:`_compute`, the clock starts after); ``budget`` scales the time spent.
 
@@ -294,7 +328,8 @@ def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: int = 0, matmu
     times = [_repeat(work, busy, matmuls) for _ in range(config.repeats)]
     slowest = torch.tensor([sum(times)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    per_repeat = max(float(slowest) / len(times) + bool(busy) * config.busy_ms / 1e3, 1e-6)
+    compute = config.busy_ms / 1e3 if compute_s is None else compute_s
+    per_repeat = max(float(slowest) / len(times) + bool(busy) * compute, 1e-6)
     total = min(config.max_repeats, max(config.repeats, math.ceil(budget * config.min_seconds / per_repeat)))
     times += [_repeat(work, busy, matmuls) for _ in range(total - len(times))]
     return statistics.fmean(times)
