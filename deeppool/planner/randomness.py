@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +112,10 @@ class SampleRandomness(TorchDispatchMode):
     :meth:`at`. ``calls`` holds the records of a recording mode.
     """
 
+    _generators = threading.RLock()
+    """Held from seeding the default generator to the draw: the generator is one per process and device, so
+    ranks run as threads of one process (the tests' thread world) would otherwise draw with each other's seeds."""
+
     def __init__(self, *, seed: int, batched: Mapping[int, bool] | None = None) -> None:
         super().__init__()
         if not 0 <= seed < 2**63:
@@ -151,14 +156,15 @@ class SampleRandomness(TorchDispatchMode):
         if "generator" in kwargs:
             kwargs = {**kwargs, "generator": None}
         generator = _default_generator(_device_of(args, kwargs))
-        state = generator.get_state()
-        try:
-            if self.batched[ordinal]:
-                return self._per_sample(func, args, kwargs, ordinal, generator)
-            generator.manual_seed(sample_seed(self.seed, self.step, ordinal, _SHARED_ROW))
-            return func(*args, **kwargs)
-        finally:
-            generator.set_state(state)
+        with self._generators:
+            state = generator.get_state()
+            try:
+                if self.batched[ordinal]:
+                    return self._per_sample(func, args, kwargs, ordinal, generator)
+                generator.manual_seed(sample_seed(self.seed, self.step, ordinal, _SHARED_ROW))
+                return func(*args, **kwargs)
+            finally:
+                generator.set_state(state)
 
     def _record(self, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], ordinal: int) -> Any:
         output = func(*args, **kwargs)

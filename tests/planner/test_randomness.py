@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -268,3 +270,30 @@ def test_dropout_is_split_invariant_and_leaves_the_device_rng_alone(device: str)
     assert torch.equal(whole[0], split[0])
     assert torch.equal(whole[1], split[1])
     assert torch.equal(before, state())
+
+
+def test_ranks_run_as_threads_draw_their_own_samples() -> None:
+    """The default generator is one per process: two threads seeding it for their own rows at once must not
+    draw with each other's seeds (the tests' thread world runs ranks this way)."""
+    x = torch.ones(4, 512)
+    alone = {offset: run(SampleRandomness(seed=SEED, batched={0: True}), lambda: F.dropout(x, 0.5), offset=offset)
+             for offset in (0, 4)}
+    wrong: list[int] = []
+
+    def rank(offset: int) -> None:
+        mode = SampleRandomness(seed=SEED, batched={0: True})
+        for _ in range(100):
+            if not torch.equal(run(mode, lambda: F.dropout(x, 0.5), offset=offset), alone[offset]):
+                wrong.append(offset)
+
+    threads = [threading.Thread(target=rank, args=(offset,)) for offset in (0, 4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can, so a race shows
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert wrong == []
