@@ -275,9 +275,11 @@ def plot_stages(series: list[tuple[str, tuple[tuple[str, float, float], ...]]], 
                       label="±15%")
     axes.set_xscale("log")
     axes.set_yscale("log")
+    within_decade = high / max(low, 1e-9) < 10  # label the minor ticks only where the major ones are few
     for axis in (axes.xaxis, axes.yaxis):
         axis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        axis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+        axis.set_minor_formatter(matplotlib.ticker.ScalarFormatter() if within_decade
+                                 else matplotlib.ticker.NullFormatter())
     axes.set_xlabel("predicted forward+backward ms per stage")
     axes.set_ylabel("measured ms (median, slowest rank)")
     axes.set_title(title)
