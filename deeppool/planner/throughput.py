@@ -65,7 +65,7 @@ between ``p < q`` GPUs is priced about ``(2 + ln(q/p))/(2·q/p)`` of its ``q·R`
 pieces: ``fit(len)`` falls short of ``len`` by up to a piece in every window of a rank that runs
 a layer, and a window shorter than a piece holds nothing (the searches of the simulator's
 examples whose guests' pieces are long beside the windows end at the time limit, ``docs/planner.md``).
-A rank that runs no layer loses nothing to pieces, so the bound is exact there.
+A rank that runs no layer loses nothing to pieces, so the bound is exact there where the efficiency is flat.
 Without the floor, reshards were most of ``U − J`` on the plans the bound let in
 (0.011 of 0.012 on ResNet-50 at 128 A100s, 0.0055 on VGG-16 at 64); near-tie plans
 still cost one ILP solve with cuts each, and ``ε`` = 0.2% ends most searches after
