@@ -8,7 +8,7 @@ simulator runs it: with the defaults of the interference model and the 30 s limi
 guest's pieces (the 1-GPU background's longest layer phase, which the scenario sets) and once without.
 Each row gives the cluster throughput ``J`` of the plan found (over data parallel on all GPUs), whether
 the search proved it best within the planner's 0.2% gap or stopped at its limit, and then how high its
-bound still was, the ILP solves and the CPU seconds (a busy machine inflates the wall time far more).
+bound still was, and the CPU seconds (a busy machine inflates the wall time far more).
 The target: every search proven within the limit. ``--write-docs`` writes the table into
 docs/performance.md (region 'cluster-search').
 """
@@ -44,7 +44,6 @@ class Search:
     throughput: float
     proven: bool
     bound: float
-    solves: str
     cpu_s: float
 
 
@@ -71,8 +70,7 @@ def _search(book: PlanBook, name: str, gpus: int, piece_ms: float) -> Search:
     throughput = plan.cluster.fg_share + plan.cluster.bg_share
     proven = plan.solver.status.startswith("cluster throughput") and ", optimal" in plan.solver.status
     bound = throughput if proven else throughput / max(1e-12, 1 - plan.solver.gap)
-    solves = plan.solver.status.rpartition("(")[2].split(")")[0]
-    return Search(throughput=throughput, proven=proven, bound=bound, solves=solves, cpu_s=cpu_s)
+    return Search(throughput=throughput, proven=proven, bound=bound, cpu_s=cpu_s)
 
 
 def _row(book: PlanBook, name: str, gpus: int) -> Row:
