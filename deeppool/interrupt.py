@@ -136,13 +136,15 @@ def _watch(read_end: int, grace_s: float, reported: threading.Event) -> None:
 
 @contextmanager
 def removed_if_interrupted(*outputs: Path | None) -> Iterator[None]:
-    """Run the block; if an interrupt ends it, remove each of ``outputs`` that did not exist before it."""
+    """Run the block; if an interrupt ends it, remove each of ``outputs`` that did not exist before it (also
+    when the interrupt surfaced as another exception, :func:`interrupt_arrived`)."""
     fresh = tuple(path for path in outputs if path is not None and not path.exists())
     try:
         yield
-    except (KeyboardInterrupt, Interrupted):
-        for path in fresh:
-            _remove(path)
+    except BaseException as err:
+        if isinstance(err, KeyboardInterrupt | Interrupted) or interrupt_arrived():
+            for path in fresh:
+                _remove(path)
         raise
 
 

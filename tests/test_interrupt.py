@@ -166,13 +166,17 @@ def test_only_outputs_begun_in_the_block_are_removed_and_only_on_an_interrupt(tm
 
 SURFACED_AS_IMPORT_ERROR = """
 import os, signal, typer
+from pathlib import Path
 from deeppool.entry import run_app
+from deeppool.interrupt import removes_if_interrupted
 
 app = typer.Typer()
 
 
 @app.command()
-def work() -> None:
+@removes_if_interrupted("out")
+def work(out: Path) -> None:
+    out.mkdir()
     try:
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C reaches the handler, which ignores the next ones ...
     except KeyboardInterrupt:  # ... and an extension's initialisation catches it, as pybind11 does
@@ -180,7 +184,9 @@ def work() -> None:
 
 
 @app.command()
-def other() -> None:
+@removes_if_interrupted("out")
+def other(out: Path) -> None:
+    out.mkdir()
     raise ImportError("a real import error")
 
 
@@ -192,11 +198,14 @@ run_app(app)
 def test_an_interrupt_that_surfaces_as_another_exception_is_still_an_interrupt(tmp_path: Path, command: str,
                                                                              expected: tuple[int, str]) -> None:
     """Ctrl-C while highspy was being imported raised ``ImportError: initialization failed`` and printed a
-    traceback (exit 1). An exception after Ctrl-C reached the process is the interrupt; without one, an
-    exception is what it is."""
+    traceback (exit 1), and left the output the command had begun (`simulate-deeppool`'s folder, once in a
+    suite run). An exception after Ctrl-C reached the process is the interrupt; without one, an exception is
+    what it is, and a failure's output is kept."""
     script = tmp_path / "app.py"
     script.write_text(SURFACED_AS_IMPORT_ERROR)
-    done = subprocess.run([sys.executable, str(script), command], capture_output=True, text=True, timeout=60,
-                          env=_env(), check=False)
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, str(script), command, str(out)], capture_output=True, text=True,
+                          timeout=60, env=_env(), check=False)
     code, said = expected
     assert done.returncode == code and said in done.stderr.strip().splitlines()[-1], done.stderr
+    assert out.exists() == (command == "other")
