@@ -26,7 +26,7 @@ at the model's efficiency.
 **Exact search** (:func:`cluster_optimum`), over the same candidate counts as the
 time objective. ``J`` is not linear (windows, thresholds, ``1/T``), but it is
 bounded by what the ILP optimises exactly. With ``B'`` the GPU-time the ILP
-prices (``Σ_l g_l·layer_ms_l(g_l) + Σ_g g·ROUNDS(g)`` plus, on every edge whose
+prices (``Σ_l g_l·layer_ms_l(g_l) + Σ_g g·(ROUNDS(g) + SKEW(g))`` plus, on every edge whose
 counts differ, a floor of its reshards' GPU-time carried by the edge's ladders,
 :class:`deeppool.planner.ilp.Ilp`'s ``reshard_floor``; never more than the plan's
 busy GPU-time ``B``, which adds the whole reshards and the optimizer call,
@@ -344,6 +344,6 @@ class _Search:
 
 def priced_gpu_ms(cost: CostModel, assignment: Mapping[str, int]) -> float:
     """The GPU-time (ms) the ILP's price multiplies without the reshard floor, ``Σ_l g_l·layer_ms_l(g_l) +
-    Σ_g g·ROUNDS(g)`` (``--objective time+gpu-time``; the cluster search's ``B'`` adds the floor)."""
+    Σ_g g·(ROUNDS(g) + SKEW(g))`` (``--objective time+gpu-time``; the cluster search's ``B'`` adds the floor)."""
     layers = sum(assignment[layer.name] * cost.layer_ms(layer, assignment[layer.name]) for layer in cost.graph.layers)
     return layers + sum(assignment[name] * ms for name, ms in cost.group_rounds_ms(assignment).items())
