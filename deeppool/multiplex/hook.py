@@ -54,11 +54,11 @@ class Multiplexer:
               device: torch.device, gpu: Gpu | None = None) -> Multiplexer:
         """``gpu``: the device seam (the real GPU of a CUDA ``device`` when not given; a fake in tests)."""
         gpu = gpu if gpu is not None else gpu_for(device)
-        if not any(w.length_ms > 0 for w in plan.idle_windows(rank)):
+        windows = tuple(w.length_ms for w in plan.idle_windows(rank))
+        if not any(length > 0 for length in windows):
             return cls(plan, config, rank, None, device, gpu)
         folder = (out_dir or Path(tempfile.mkdtemp(prefix="deeppool-bg-"))) / "background"
         background = _background(config, rank=rank, folder=folder, device=device, gpu=gpu)
-        windows = tuple(w.length_ms for w in plan.idle_windows(rank))
         session = Session(config, background, predicted_iteration_ms=plan.predicted.iteration_ms,
                           idle_throughout=idle_throughout(windows, plan.predicted.iteration_ms))
         return cls(plan, config, rank, session, device, gpu)

@@ -223,7 +223,8 @@ class CostModel:
         for g, members in groups.items():
             holders = [m for m in members if self.param_bytes(m) > 0]
             rounds = self.rounds_ms(g, sum(self.param_bytes(m) for m in holders))
-            compute = sum(sum(self.compute_ms(m, g)) for m in members)
+            skewed = self.network.skew_per_s(g) > 0  # the compute is summed only where it is charged
+            compute = sum(sum(self.compute_ms(m, g)) for m in members) if skewed else 0.0
             found[(holders or members)[0].name] = rounds + self.skew_ms(g, compute)
         return {name: ms for name, ms in found.items() if ms > 0}
 

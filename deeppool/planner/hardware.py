@@ -192,18 +192,12 @@ class NetworkModel:
         ``wakeup_s`` where none was measured; 0 for one rank."""
         if gpus < 2:
             return 0.0
-        if not self.sync_s:
-            return self.wakeup_s
-        below = [count for count in self.sync_s if count <= gpus]
-        return self.sync_s[max(below) if below else min(self.sync_s)]
+        return _by_count(self.sync_s, gpus) if self.sync_s else self.wakeup_s
 
     def skew_per_s(self, gpus: int) -> float:
         """The skew's slope for a stage of ``gpus`` ranks, chosen as :meth:`sync_latency_s` chooses; 0 for
         one rank or where none was measured."""
-        if gpus < 2 or not self.skew:
-            return 0.0
-        below = [count for count in self.skew if count <= gpus]
-        return self.skew[max(below) if below else min(self.skew)]
+        return _by_count(self.skew, gpus) if gpus >= 2 and self.skew else 0.0
 
     def allreduce_s(self, gpus: int, nbytes: float, *, latencies: float = 1.0) -> float:
         """Hierarchical all-reduce of ``nbytes`` on ranks 0..gpus-1 (NCCL's ring inside, then across nodes).
@@ -264,6 +258,12 @@ class NetworkModel:
             node_gpus = changes.get("gpus_per_node", self.gpus_per_node)
             changes["nic_bandwidth"] = inter_gbps * 1e9 * node_gpus / self.nics_per_node
         return replace(self, **changes)
+
+
+def _by_count(measured: dict[int, float], gpus: int) -> float:
+    """The figure of the largest measured rank count ≤ ``gpus``, else of the smallest measured."""
+    below = [count for count in measured if count <= gpus]
+    return measured[max(below) if below else min(measured)]
 
 
 _OPTIONAL = ("allreduce_efficiency", "allreduce_latency_factor", "allreduce_overlap", "wakeup_s", "sync_s", "skew",
