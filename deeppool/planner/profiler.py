@@ -65,9 +65,9 @@ usual times for a minute (its plan predicted 48.8 ms, the run took 36.9), and
 the cache then gave those times to every later plan of the model. So a fixed
 reference work (:func:`reference_ms`) is timed before and after each batch is
 measured, and the cache records it beside the times: a batch whose reference
-moved by more than ``speed_bound`` while it was measured is untrusted, and a
-cached batch whose reference differs by more than that from the host's now is
-measured again and the new times kept (they are this speed's).
+moved by more than ``speed_bound`` (20%) while it was measured is untrusted, and a
+cached batch whose reference differs by more than ``reuse_bound`` (10%) from the
+host's now is measured again and the new times kept (they are this speed's).
 """
 
 from __future__ import annotations
@@ -150,7 +150,12 @@ class ProfilerConfig:
     """How fast the host is now (:func:`reference_ms`): read before and after each batch is measured on a CPU;
     None: not read."""
     speed_bound: float = 0.2
-    """A reference that moved by more than this share (of the faster reading) means the host's speed changed."""
+    """A reference that moved by more than this share (of the faster reading) while a batch was measured means
+    the host's speed changed under it: the batch is untrusted."""
+    reuse_bound: float = 0.1
+    """A cached batch whose reference differs by more than this share from the host's now is measured again:
+    the cached times are another speed's (the held-out benchmark's single-rank rows tracked the reference
+    within a few percent when their plans rested on times cached 20% faster, ``docs/performance.md``)."""
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     """A load above this many cores means the machine was busy: such measurements are not trusted."""
     memory_budget: int | None = None
@@ -168,7 +173,7 @@ class ProfilerConfig:
 
     def moved(self, measured: Measured, now_ms: float) -> bool:
         """Whether the host's speed now (reference ``now_ms``, 0: not read) differs from when ``measured`` was taken."""
-        return _change(measured.reference_ms, now_ms) > self.speed_bound
+        return _change(measured.reference_ms, now_ms) > self.reuse_bound
 
     def remeasure(self, found: Iterable[Measured], now_ms: float = 0.0) -> bool:
         """Whether cached measurements are to be taken again, the machine not being busy now: some are
