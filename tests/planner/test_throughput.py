@@ -33,6 +33,8 @@ MODELS = {
     "slow-host": InterferenceModel(fg_slowdown=1.5, bg_efficiency=0.9, min_lend_fraction=0.15),
     # a guest whose steps come in 3 ms pieces: windows hold only whole pieces (the chain's best plan changes)
     "pieces": InterferenceModel(bg_piece_ms=3.0),
+    # pieces longer than most ranks' idle time: most windows of busy ranks hold nothing
+    "long-pieces": InterferenceModel(bg_piece_ms=8.0),
 }
 
 
@@ -157,3 +159,4 @@ def test_an_ilp_result_stopped_early_states_its_lower_bound():
     stopped = dataclasses.replace(result, optimal=False, gap=0.25)
     assert stopped.least == pytest.approx(0.75 * result.objective)
     assert dataclasses.replace(result, optimal=False, gap=1.0).least == 0.0
+
