@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from deeppool.docregions import REPO, Stamp, teed_stdout, text_block, write_region
+from deeppool.planner.hostload import runnable_outside
 
 MODELS = Path(__file__).resolve().parent / "models"
 ZOO = Path(__file__).resolve().parent / "zoo"
@@ -413,35 +414,6 @@ class OtherWork:
             self._samples.append(runnable_outside(os.getpid(), self._proc))
             if self._stop.wait(self._every_s):
                 return
-
-
-def runnable_outside(root: int, proc: Path = Path("/proc")) -> int:
-    """Tasks in state R (running or runnable) whose process is neither ``root`` nor a descendant of it."""
-    parents, states = {}, {}
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            found = _stat(entry / "stat")
-            if found is not None:
-                parents[int(entry.name)] = found[1]
-                states[int(entry.name)] = [state for state, _ in filter(None, map(_stat, entry.glob("task/*/stat")))]
-    tree, frontier = {root}, [root]
-    children: dict[int, list[int]] = {}
-    for pid, parent in parents.items():
-        children.setdefault(parent, []).append(pid)
-    while frontier:
-        for child in children.get(frontier.pop(), ()):
-            tree.add(child)
-            frontier.append(child)
-    return sum(state == "R" for pid, tasks in states.items() if pid not in tree for state in tasks)
-
-
-def _stat(path: Path) -> tuple[str, int] | None:
-    """(state, parent pid) from a /proc stat file; None where the task has gone."""
-    try:
-        fields = path.read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[1])
 
 
 def zoo(args: argparse.Namespace) -> None:

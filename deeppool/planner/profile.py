@@ -91,7 +91,7 @@ class StepOverhead:
 
 @dataclass(frozen=True, kw_only=True)
 class Conditions:
-    """What a measured profile was measured under: the highest 1-minute load average seen while measuring
+    """What a measured profile was measured under: the highest load (runnable tasks) seen while measuring
     (cached measurements included), the host's cores, the intra-op threads, torch's version, the device."""
 
     load: float

@@ -48,11 +48,12 @@ memory traffic (:func:`measure_step_overhead`: a fixed cost per ``step()`` and
 Results are cached on disk by the layer's code (its fx nodes, the source of
 the modules and functions they call), its input shapes and dtypes, the batch,
 the device, torch's version and the measuring settings; each entry records
-what it was measured under (load average, cores, threads, torch, device). The
+what it was measured under (load, cores, threads, torch, device). The
 cache is written as it goes (at most once a second, and when the run ends or
 is interrupted), so re-planning the same model, or resuming an interrupted
 run, measures nothing twice. A measurement taken on a busy machine (load
-above the cores), one that stayed noisy, or one during which the host's speed
+above the cores; the load is the tasks runnable around it, sampled from
+``/proc``, :mod:`deeppool.planner.hostload`, not the lagging 1-minute average), one that stayed noisy, or one during which the host's speed
 changed is *untrusted*: it is measured again whenever the machine is not busy,
 the steadier of the two kept (a noisy draw does not stay in the cache while the
 load is what it was), and otherwise kept but flagged (:attr:`LayerTimes.busy`),
@@ -96,6 +97,7 @@ from deeppool.errors import DeeppoolError
 from deeppool.planner.allocator import steady_allocator
 from deeppool.planner.graph import Layer, LayerGraph, grad_flows
 from deeppool.planner.group_times import GroupedLayers
+from deeppool.planner.hostload import runnable_now
 from deeppool.planner.jsonio import write_json
 from deeppool.planner.layer_exec import LayerFailed, LayerRunner, floating_leaves, run_at, runners
 from deeppool.planner.modelspec import LoadedModel
@@ -103,11 +105,6 @@ from deeppool.planner.cost import Optimizer
 from deeppool.planner.randomness import SampleRandomness
 from deeppool.planner.profile import Conditions, FitQuality, LayerTimes, Profile, StepOverhead, WholePass
 from deeppool.planner.trace import Traced
-
-
-def load_average() -> float:
-    """The host's 1-minute load average (runnable and running tasks)."""
-    return os.getloadavg()[0]
 
 
 def reference_ms(repeats: int = 3) -> float:
@@ -144,8 +141,9 @@ class ProfilerConfig:
     """The ranks a run will start on this host: on a CPU the profiler measures how they share its cores."""
     cache_dir: Path | None = None
     show_progress: bool = True
-    load: Callable[[], float] = load_average
-    """How busy the host is now (its 1-minute load average): read before and after each batch is measured."""
+    load: Callable[[], float] = runnable_now
+    """How busy the host is now, on the load average's scale (:func:`deeppool.planner.hostload.runnable_now`:
+    the tasks runnable now, this process counted as one): read before and after each batch is measured."""
     reference: Callable[[], float] | None = reference_ms
     """How fast the host is now (:func:`reference_ms`): read before and after each batch is measured on a CPU;
     None: not read."""
@@ -209,7 +207,7 @@ class ProfilerConfig:
 @dataclass(frozen=True, kw_only=True)
 class Measured:
     """One layer at one batch: median forward and backward ms of the kept runs, their relative spread,
-    and the highest 1-minute load average seen while they ran."""
+    and the highest load seen while they ran (:attr:`ProfilerConfig.load`)."""
 
     fwd_ms: float
     bwd_ms: float
@@ -230,7 +228,7 @@ CACHE_SCHEMA_VERSION = 2
 class ProfileCache:
     """A JSON file of measurements by measurement key, written as it fills (at most once per ``every_s``).
 
-    Each entry holds the medians, their spread and the conditions of the measurement: load average,
+    Each entry holds the medians, their spread and the conditions of the measurement: load,
     cores, intra-op threads, torch's version, the device and when."""
 
     def __init__(self, directory: Path, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -785,7 +783,7 @@ def _measure_batch(profiler: LayerProfiler, batch: int, cache: ProfileCache | No
     """(layer, measured) for every layer at ``batch``, then the loss: whole passes (``config.warmup``
     untimed, then rounds of ``config.repeats``) until every layer above the timer's noise floor has a
     spread within the bound, or ``config.max_repeats`` passes; each layer's medians over its kept passes,
-    with the highest load average seen. From the cache when every layer at this batch is there, unless
+    with the highest load seen. From the cache when every layer at this batch is there, unless
     some of it is untrusted and the machine is not busy now (:meth:`ProfilerConfig.remeasure`): then the
     batch is measured again, and the steadier of the two measurements is kept (:meth:`ProfilerConfig.noise`),
     so one unlucky draw does not stay in the cache while the machine is as loaded as it was."""
