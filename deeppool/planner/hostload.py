@@ -1,13 +1,13 @@
-"""How busy the host is now: the tasks runnable outside a process tree, read from ``/proc``.
+"""How busy the host is now: the tasks runnable besides the caller (or outside a process tree), from ``/proc``.
 
 The 1-minute load average lags what the profiler needs to know. After a
 4-rank run on this 2-core VM it stays above 2 for a minute while nothing runs:
 the held-out benchmark's next plan then flagged 80 of hf_bert's layers as
-measured on a busy machine, and refused to measure again a cached batch whose
-host reference had moved by half (its single-rank row then ran 1.41x its plan,
-``docs/performance.md``). So the profiler samples the runnable tasks outside its
-own process tree a few times over a few milliseconds, and counts itself as one:
-a figure on the load average's scale that says what runs now.
+measured on a busy machine, and at 2.45 it could not measure again a cached
+batch whose host reference had moved by half (hf_resnet's single-rank row then
+ran 1.41x its plan, ``docs/performance.md``). So the profiler samples the runnable tasks other than its
+own process a few times over a few milliseconds, and counts itself as one: a
+figure on the load average's scale that says what runs now.
 """
 
 from __future__ import annotations
@@ -20,18 +20,30 @@ from pathlib import Path
 PROC = Path("/proc")
 
 
-def runnable_now(samples: int = 3, every_s: float = 0.005, proc: Path = PROC) -> float:
-    """The tasks runnable now with the caller's process tree counted as one (the load average's scale):
-    1 + the mean over ``samples`` readings ``every_s`` apart of :func:`runnable_outside`; the 1-minute load
-    average where ``proc`` cannot be read (not Linux)."""
-    if not (proc / str(os.getpid()) / "stat").is_file():
+def runnable_now(samples: int = 3, every_s: float = 0.002, proc: Path = PROC) -> float:
+    """The tasks runnable now with the calling process counted as one (the load average's scale): 1 + the mean
+    over ``samples`` readings ``every_s`` apart of the host's running tasks (``procs_running`` of
+    ``/proc/stat``) less the caller's own; the 1-minute load average where ``proc`` cannot be read (not
+    Linux). Cheap (a few files), as the profiler reads it around every batch; :func:`runnable_outside`
+    also leaves out a whole process tree, for a benchmark that samples once a second."""
+    own, stat = proc / str(os.getpid()), proc / "stat"
+    if not own.is_dir() or not stat.is_file():
         return os.getloadavg()[0]
     counts = []
     for index in range(samples):
         if index:
             time.sleep(every_s)
-        counts.append(runnable_outside(os.getpid(), proc))
+        mine = sum(state == "R" for state, _ in filter(None, map(_stat, own.glob("task/*/stat"))))
+        counts.append(max(0, _procs_running(stat) - mine))
     return 1.0 + statistics.fmean(counts)
+
+
+def _procs_running(stat: Path) -> int:
+    """The host's running and runnable tasks now (``procs_running``); 0 where the line is missing."""
+    for line in stat.read_text().splitlines():
+        if line.startswith("procs_running "):
+            return int(line.split()[1])
+    return 0
 
 
 def runnable_outside(root: int, proc: Path = PROC) -> int:

@@ -17,16 +17,15 @@ def _task(proc: Path, pid: int, tid: int, state: str, parent: int) -> None:
     (proc / str(pid) / "task" / str(tid) / "stat").write_text(text)
 
 
-def test_the_load_counts_what_runs_now_outside_this_tree_and_this_process_as_one(tmp_path):
+def test_the_load_counts_what_runs_now_besides_this_process_and_this_process_as_one(tmp_path):
     me = os.getpid()
-    child = me + 1 if me + 1 != 200 else me + 2
-    for pid, tid, state, parent in [(me, me, "R", 1), (me, me + 100_000, "R", 1), (child, child, "R", me),
-                                    (200, 200, "R", 1), (200, 201, "R", 1), (200, 202, "S", 1)]:
-        _task(tmp_path, pid, tid, state, parent)
-    assert runnable_now(samples=2, every_s=0.0, proc=tmp_path) == 3.0, \
-        "process 200's two runnable threads, and this process with its threads and children as one"
-    (tmp_path / "200" / "task" / "201" / "stat").write_text("201 (x) S 1 0 0\n")
-    assert runnable_now(samples=1, proc=tmp_path) == 2.0, "a task that went to sleep no longer counts"
+    for pid, tid, state in [(me, me, "R"), (me, me + 100_000, "R"), (me, me + 100_001, "S")]:
+        _task(tmp_path, pid, tid, state, 1)
+    (tmp_path / "stat").write_text("cpu  1 2 3 4\nprocs_running 5\nprocs_blocked 0\n")
+    assert runnable_now(samples=2, every_s=0.0, proc=tmp_path) == 4.0, \
+        "three runnable tasks besides this process's two running threads, and this process as one"
+    (tmp_path / "stat").write_text("procs_running 2\n")
+    assert runnable_now(samples=1, proc=tmp_path) == 1.0, "only this process runs: the load is 1"
 
 
 def test_without_proc_the_load_is_the_load_average(tmp_path, monkeypatch):
