@@ -1,4 +1,4 @@
-"""How busy the host is now: the tasks runnable besides the caller (or outside a process tree), from ``/proc``.
+"""How busy the host is now: the tasks runnable besides the caller, read from ``/proc``.
 
 The 1-minute load average lags what the profiler needs to know. After a
 4-rank run on this 2-core VM it stays above 2 for a minute while nothing runs:
