@@ -15,6 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.planner.test_hostload import fake_task
+
 REPO = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"measured/predicted (?P<ratio>[\d.]+).*"
                  r"other work (?P<other>[\d.]+) runnable \((?P<quiet>quiet|busy)\)")
@@ -44,21 +46,12 @@ def _fidelity() -> SimpleNamespace:
     return SimpleNamespace(**runpy.run_path(str(REPO / "benchmarks" / "fidelity.py"), run_name="fidelity"))
 
 
-def _task(proc: Path, pid: int, tid: int, state: str, parent: int) -> None:
-    text = f"{tid} (a (strange) name) {state} {parent} 0 0\n"
-    (proc / str(pid)).mkdir(exist_ok=True)
-    if pid == tid:
-        (proc / str(pid) / "stat").write_text(text)
-    (proc / str(pid) / "task" / str(tid)).mkdir(parents=True)
-    (proc / str(pid) / "task" / str(tid) / "stat").write_text(text)
-
-
 def test_the_zoo_counts_only_work_outside_its_own_process_tree(tmp_path):
     fidelity = _fidelity()
     for pid, tid, state, parent in [(100, 100, "R", 1), (101, 101, "R", 100), (102, 102, "R", 101),
                                     (102, 103, "R", 101), (200, 200, "R", 1), (200, 201, "R", 1),
                                     (200, 202, "S", 1), (300, 300, "S", 1)]:
-        _task(tmp_path, pid, tid, state, parent)
+        fake_task(tmp_path, pid, tid, state, parent)
     (tmp_path / "self").mkdir()
     assert fidelity.runnable_outside(100, tmp_path) == 2, "the two runnable threads of process 200"
     assert fidelity.runnable_outside(101, tmp_path) == 3, "process 100 is outside 101's tree"

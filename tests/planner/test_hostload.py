@@ -1,4 +1,4 @@
-"""The profiler's load: the tasks runnable now outside its own process tree, plus one for itself."""
+"""The profiler's load: the tasks running now besides it, plus one for itself."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 from deeppool.planner.hostload import runnable_now
 
 
-def _task(proc: Path, pid: int, tid: int, state: str, parent: int) -> None:
+def fake_task(proc: Path, pid: int, tid: int, state: str, parent: int) -> None:
+    """A task of a fake /proc: its stat (and its process's, for the main thread) in state ``state``."""
     text = f"{tid} (a (strange) name) {state} {parent} 0 0\n"
     (proc / str(pid)).mkdir(exist_ok=True)
     if pid == tid:
@@ -20,7 +21,7 @@ def _task(proc: Path, pid: int, tid: int, state: str, parent: int) -> None:
 def test_the_load_counts_what_runs_now_besides_this_process_and_this_process_as_one(tmp_path):
     me = os.getpid()
     for pid, tid, state in [(me, me, "R"), (me, me + 100_000, "R"), (me, me + 100_001, "S")]:
-        _task(tmp_path, pid, tid, state, 1)
+        fake_task(tmp_path, pid, tid, state, 1)
     (tmp_path / "stat").write_text("cpu  1 2 3 4\nprocs_running 5\nprocs_blocked 0\n")
     assert runnable_now(samples=2, every_s=0.0, proc=tmp_path) == 4.0, \
         "three runnable tasks besides this process's two running threads, and this process as one"
