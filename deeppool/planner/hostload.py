@@ -5,9 +5,10 @@ The 1-minute load average lags what the profiler needs to know. After a
 the held-out benchmark's next plan then flagged 80 of hf_bert's layers as
 measured on a busy machine, and at 2.45 it could not measure again a cached
 batch whose host reference had moved by half (hf_resnet's single-rank row then
-ran 1.41x its plan, ``docs/performance.md``). So the profiler samples the runnable tasks other than its
-own process a few times over a few milliseconds, and counts itself as one: a
-figure on the load average's scale that says what runs now.
+ran 1.41x its plan, ``docs/performance.md``). So the profiler samples the
+running tasks other than its own a few times over a few milliseconds, and
+counts itself as one: a figure on the load average's scale that says what runs
+now.
 """
 
 from __future__ import annotations

@@ -52,10 +52,11 @@ what it was measured under (load, cores, threads, torch, device). The
 cache is written as it goes (at most once a second, and when the run ends or
 is interrupted), so re-planning the same model, or resuming an interrupted
 run, measures nothing twice. A measurement taken on a busy machine (load
-above the cores; the load is the tasks runnable around it, sampled from
-``/proc``, :mod:`deeppool.planner.hostload`, not the lagging 1-minute average), one that stayed noisy, or one during which the host's speed
-changed is *untrusted*: it is measured again whenever the machine is not busy,
-the steadier of the two kept (a noisy draw does not stay in the cache while the
+above the cores; the load is the tasks running around it, read from ``/proc``
+by :mod:`deeppool.planner.hostload`, not the lagging 1-minute average), one
+that stayed noisy, or one during which the host's speed changed is
+*untrusted*: it is measured again whenever the machine is not busy, the
+steadier of the two kept (a noisy draw does not stay in the cache while the
 load is what it was), and otherwise kept but flagged (:attr:`LayerTimes.busy`),
 so the plan names the layers resting on it.
 
