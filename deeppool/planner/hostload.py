@@ -5,10 +5,10 @@ The 1-minute load average lags what the profiler needs to know. After a
 the held-out benchmark's next plan then flagged 80 of hf_bert's layers as
 measured on a busy machine, and at 2.45 it could not measure again a cached
 batch whose host reference had moved by half (hf_resnet's single-rank row then
-ran 1.41x its plan, ``docs/performance.md``). So the profiler samples the
-running tasks other than its own a few times over a few milliseconds, and
-counts itself as one: a figure on the load average's scale that says what runs
-now.
+ran 1.41x its plan, ``docs/performance.md``). So the profiler reads the
+running tasks other than its own (before and after every round of passes, so a
+batch's load is the highest of several readings), and counts itself as one: a
+figure on the load average's scale that says what runs now.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 PROC = Path("/proc")
 
 
-def runnable_now(samples: int = 3, every_s: float = 0.002, proc: Path = PROC) -> float:
+def runnable_now(samples: int = 1, every_s: float = 0.002, proc: Path = PROC) -> float:
     """The tasks runnable now with the calling process counted as one (the load average's scale): 1 + the mean
     over ``samples`` readings ``every_s`` apart of the host's running tasks (``procs_running`` of
     ``/proc/stat``) less the caller's own; the 1-minute load average where ``proc`` cannot be read (not

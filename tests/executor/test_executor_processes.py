@@ -80,7 +80,7 @@ def faulty_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("raise:1:6", "rank 1 failed: RuntimeError: injected failure"),
         ("kill:2:6", "rank 2 was killed by SIGKILL"),
         ("hang:1:6", "rank 1 stopped responding"),
-        ("stop:2:6", "rank 2 stopped responding"),
+        pytest.param("stop:2:6", "rank 2 stopped responding", marks=pytest.mark.heavy),  # as hang's, 12 s
     ],
 )
 def test_a_failing_rank_stops_every_rank_and_is_named(faulty_plan: Path, tmp_path: Path, capfd, monkeypatch,

@@ -54,6 +54,7 @@ def run(args: list[str], where: Path, **extra: str) -> subprocess.CompletedProce
     return subprocess.run(args, cwd=where, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.heavy  # a doc's shell blocks, as every doc's but the README's (20 s)
 def test_the_guide_runs(tmp_path: Path) -> None:
     text = GUIDE.read_text()
     for name, body in files(text).items():
