@@ -14,29 +14,22 @@ figure on the load average's scale that says what runs now.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from pathlib import Path
 
 PROC = Path("/proc")
 
 
-def runnable_now(samples: int = 1, every_s: float = 0.002, proc: Path = PROC) -> float:
-    """The tasks runnable now with the calling process counted as one (the load average's scale): 1 + the mean
-    over ``samples`` readings ``every_s`` apart of the host's running tasks (``procs_running`` of
-    ``/proc/stat``) less the caller's own; the 1-minute load average where ``proc`` cannot be read (not
-    Linux). Cheap (a few files), as the profiler reads it around every batch; :func:`runnable_outside`
-    also leaves out a whole process tree, for a benchmark that samples once a second."""
+def runnable_now(proc: Path = PROC) -> float:
+    """The tasks runnable now with the calling process counted as one (the load average's scale): 1 + the
+    host's running tasks (``procs_running`` of ``/proc/stat``) less the caller's own; the 1-minute load
+    average where ``proc`` cannot be read (not Linux). Cheap (a few files), as the profiler reads it around
+    every round of passes; :func:`runnable_outside` also leaves out a whole process tree, for a benchmark
+    that samples once a second."""
     own, stat = proc / str(os.getpid()), proc / "stat"
     if not own.is_dir() or not stat.is_file():
         return os.getloadavg()[0]
-    counts = []
-    for index in range(samples):
-        if index:
-            time.sleep(every_s)
-        mine = sum(state == "R" for state, _ in filter(None, map(_stat, own.glob("task/*/stat"))))
-        counts.append(max(0, _procs_running(stat) - mine))
-    return 1.0 + statistics.fmean(counts)
+    mine = sum(state == "R" for state, _ in filter(None, map(_stat, own.glob("task/*/stat"))))
+    return 1.0 + max(0, _procs_running(stat) - mine)
 
 
 def _procs_running(stat: Path) -> int:

@@ -23,10 +23,10 @@ def test_the_load_counts_what_runs_now_besides_this_process_and_this_process_as_
     for pid, tid, state in [(me, me, "R"), (me, me + 100_000, "R"), (me, me + 100_001, "S")]:
         fake_task(tmp_path, pid, tid, state, 1)
     (tmp_path / "stat").write_text("cpu  1 2 3 4\nprocs_running 5\nprocs_blocked 0\n")
-    assert runnable_now(samples=2, every_s=0.0, proc=tmp_path) == 4.0, \
+    assert runnable_now(proc=tmp_path) == 4.0, \
         "three runnable tasks besides this process's two running threads, and this process as one"
     (tmp_path / "stat").write_text("procs_running 2\n")
-    assert runnable_now(samples=1, proc=tmp_path) == 1.0, "only this process runs: the load is 1"
+    assert runnable_now(proc=tmp_path) == 1.0, "only this process runs: the load is 1"
 
 
 def test_without_proc_the_load_is_the_load_average(tmp_path, monkeypatch):

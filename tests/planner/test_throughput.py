@@ -159,4 +159,3 @@ def test_an_ilp_result_stopped_early_states_its_lower_bound():
     stopped = dataclasses.replace(result, optimal=False, gap=0.25)
     assert stopped.least == pytest.approx(0.75 * result.objective)
     assert dataclasses.replace(result, optimal=False, gap=1.0).least == 0.0
-
