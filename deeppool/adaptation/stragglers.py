@@ -19,8 +19,17 @@ Elasticity's plain EWMA of the ratio, both for shared, noisy machines:
 
 A rank whose
 smoothed relative speed stays below ``threshold`` (0.8) for ``patience``
-consecutive steps is a straggler; it is reported once, with its figures, and
-again only after it has recovered and fallen behind anew.
+consecutive steps, and for at least ``min_slow_ms`` of the steps' wall time
+where the caller gives it, is a straggler; it is reported once, with its
+figures, and again only after it has recovered and fallen behind anew.
+
+The time floor is for short steps: a machine's own noise has a time scale,
+not a step count. On a shared 2-core VM a core computed 1.4-1.5x slower (in
+thread CPU time) for stretches of up to 0.67 s, alternating between ranks, so
+with 1.5 ms steps a healthy rank's smoothed speed stayed below 0.8 for 231
+steps; the longest such stretch over 40 s of 2 ranks and 70 s of 4 was 0.67 s.
+No action on a straggler (resizing, restarting) pays for a slowdown shorter
+than that.
 """
 
 from __future__ import annotations
@@ -55,16 +64,19 @@ class StragglerDetector:
     alpha: float = 0.1
     threshold: float = 0.8
     patience: int = 10
+    min_slow_ms: float = 0.0
+    """Wall time a rank must stay slow, besides ``patience`` steps (counted only from steps given a time)."""
     speed: dict[int, float] = field(default_factory=dict)
     slow_steps: dict[int, int] = field(default_factory=dict)
+    slow_ms: dict[int, float] = field(default_factory=dict)
     flagged: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        if not 0 < self.alpha <= 1 or not 0 < self.threshold < 1 or self.patience < 1:
+        if not 0 < self.alpha <= 1 or not 0 < self.threshold < 1 or self.patience < 1 or self.min_slow_ms < 0:
             raise DeeppoolError(f"straggler detector settings out of range: {self}")
 
-    def observe(self, step: int, compute_ms: Mapping[int, float]) -> list[Straggler]:
-        """One step's compute time per rank (of one group); the ranks newly found to straggle."""
+    def observe(self, step: int, compute_ms: Mapping[int, float], step_ms: float = 0.0) -> list[Straggler]:
+        """One step's compute time per rank (of one group) and its wall time; the ranks newly found to straggle."""
         times = {r: t for r, t in compute_ms.items() if t > 0}
         if len(times) < 2:
             return []
@@ -74,8 +86,11 @@ class StragglerDetector:
             relative = median / ms
             smoothed = math.exp((1 - self.alpha) * math.log(self.speed.get(rank, 1.0)) + self.alpha * math.log(relative))
             self.speed[rank] = smoothed
-            self.slow_steps[rank] = self.slow_steps.get(rank, 0) + 1 if smoothed < self.threshold else 0
-            if self.slow_steps[rank] >= self.patience and rank not in self.flagged:
+            slow = smoothed < self.threshold
+            self.slow_steps[rank] = self.slow_steps.get(rank, 0) + 1 if slow else 0
+            self.slow_ms[rank] = self.slow_ms.get(rank, 0.0) + step_ms if slow else 0.0
+            sustained = self.slow_steps[rank] >= self.patience and self.slow_ms[rank] >= self.min_slow_ms
+            if sustained and rank not in self.flagged:
                 self.flagged.add(rank)
                 found.append(Straggler(rank=rank, step=step, relative_speed=smoothed, compute_ms=ms, median_ms=median))
             elif self.slow_steps[rank] == 0:

@@ -45,6 +45,19 @@ def test_outlier_steps_of_the_other_ranks_do_not_hide_a_straggler() -> None:
     assert [s.rank for s in found] == [3]
 
 
+def test_a_slowdown_shorter_than_the_time_floor_is_noise() -> None:
+    """1 ms steps: a rank at half speed for 500 steps (0.5 s) is not reported under a 2 s floor; for 3,000 it is,
+    once its slow steps add up to 2 s."""
+    for slow_steps, reported in ((500, False), (3000, True)):
+        detector, found = StragglerDetector(alpha=0.05, patience=30, min_slow_ms=2000.0), []
+        for step in range(4000):
+            slow = 1000 <= step < 1000 + slow_steps
+            found += detector.observe(step, {0: 0.5, 1: 1.0 if slow else 0.5}, step_ms=1.0)
+        assert [s.rank for s in found] == ([1] if reported else [])
+        if reported:
+            assert 3000 <= found[0].step < 3100  # 2 s of slow steps after the EWMA crosses 0.8 (about step 1008)
+
+
 def test_goodput_prefers_the_batch_where_throughput_and_efficiency_balance() -> None:
     assert statistical_efficiency(64, base_batch=64, noise_scale=500.0) == 1.0
     assert statistical_efficiency(1024, base_batch=64, noise_scale=0.0) == pytest.approx(64 / 1024)

@@ -158,8 +158,8 @@ def test_a_straggler_the_run_reports_is_an_event_of_the_job(tmp_path: Path, monk
     make_plan("mlp", global_batch=8, gpus=2, assign=cycle(2)).save(plan_path)
     monkeypatch.setenv("DEEPPOOL_FAULT", "slow-rank:1")  # the supervisor, the run and its ranks inherit it
     out = tmp_path / "jobs" / "job-1" / "run"  # where the coordinator's driver puts a job's run
-    rt = runtime(tmp_path, [[sys.executable, "-m", "deeppool.cli", "run", str(plan_path), "--steps", "100",
-                             "--out", str(out)]])
+    rt = runtime(tmp_path, [[sys.executable, "-m", "deeppool.cli", "run", str(plan_path), "--steps", "2500",
+                             "--out", str(out)]])  # past the 2 s a rank must stay slow
     job = submit(rt)
     assert job.id == 1 and rt.start(job, "granted")
     done = settle(rt, job.id, lambda j: j.state.terminal, timeout_s=240)

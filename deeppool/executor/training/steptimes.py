@@ -43,9 +43,12 @@ _STAGES = 5
 ALPHA = 0.05
 """The smoothing of the relative speed (an effective window of about ``2/α`` = 40 steps)."""
 PATIENCE = 30
-"""Steps a rank's smoothed relative speed must stay below the threshold. With :data:`ALPHA`, long enough
-that the noise of 4 ranks sharing 2 loaded cores is never reported (the lowest smoothed speed seen over 300
-healthy steps was 0.83), short enough that a rank at half speed is reported within about 40 steps."""
+"""Steps a rank's smoothed relative speed must stay below the threshold: with :data:`ALPHA`, a rank at half
+speed is reported within about 40 steps, if they last :data:`MIN_SLOW_MS`."""
+MIN_SLOW_MS = 2000.0
+"""Wall time a rank must stay slow: 3x the longest stretch of a healthy rank below the threshold seen on a
+shared 2-core VM (0.67 s; a core there computes 1.4-1.5x slower for stretches, so with 1.5 ms steps 30 steps
+are noise). Steps of 70 ms or more meet it with :data:`PATIENCE` alone."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +97,7 @@ class StepMonitor:
         for stage in stages:
             if stage.gpus > 1:
                 self._groups[stage.gpus].append(stage)
-        self.detectors = {gpus: StragglerDetector(alpha=ALPHA, patience=PATIENCE) for gpus in self._groups}
+        self.detectors = {gpus: StragglerDetector(alpha=ALPHA, patience=PATIENCE, min_slow_ms=MIN_SLOW_MS) for gpus in self._groups}
         self.reported: dict[int, Straggler] = {}
 
     def record(self, step: int, gns: float | None = None, loss: float = 0.0, samples: int = 0) -> None:
@@ -152,7 +155,7 @@ class StepMonitor:
             times = {rank: sum(rows[rank][_STAGES + s.index] * self._share[s.index][rank] for s in stages)
                      for rank in range(gpus)}
             detector = self.detectors[gpus]
-            for straggler in detector.observe(step, times):
+            for straggler in detector.observe(step, times, max(rows[rank][0] for rank in range(gpus))):
                 found.setdefault(straggler.rank, straggler)
             flagged |= detector.flagged
         for rank in list(self.reported):
