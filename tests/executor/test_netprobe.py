@@ -189,6 +189,7 @@ def test_measuring_this_machine_with_two_gloo_processes() -> None:
     network = measure_network(2, sizes=(4096, 2**20, 2**22))
     assert isinstance(network, NetworkModel)
     assert 1e6 < network.intra_bandwidth < 1e12 and 0 <= network.intra_latency_s < 0.1
+    assert list(network.skew) == [2] and network.skew[2] >= 0 and network.skew_after_s == pytest.approx(0.01)
 
 
 def test_fit_table_lists_every_sample() -> None:

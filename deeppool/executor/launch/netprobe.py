@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import functools
 import math
 import os
 import socket
@@ -78,6 +79,11 @@ class Pattern(enum.Enum):
 
 SKEW_FACTOR = 3
 """The skew samples compute this many times ``busy_ms`` before their all-reduce."""
+SKEW_BUDGET = 10.0
+"""The skew's pairs run this many times the time of one plain sample (4 s by default, about 90 pairs): it
+is a small difference of two noisy means. Measured at the smallest size only: the skew is when the ranks
+arrive, not what they send, and a large all-reduce's own spread hides it (on this VM, 150 pairs at 64 MiB:
+58 ms ± 7 a call, against a difference of 2; at 4 KiB, 1.6 ms ± 2.3 against 0.5)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -273,15 +279,15 @@ def _rank_main(rank: int, config: ProbeConfig, port: int, results: Any) -> None:
                 samples.append(Sample(pattern=Pattern.WAKEUP, ranks=len(ranks), nbytes=tensor.numel() * 4,
                                       seconds=seconds, busy_s=busy_s))
         for ranks in groups:
-            seconds = _timed(config, lambda t=tensor, r=ranks: _all_reduce(comm, t, r), busy=len(ranks),
-                             matmuls=matmuls)
+            reduce = functools.partial(_all_reduce, comm, tensor, ranks)
+            if nbytes == min(config.sizes):
+                seconds, skewed = _timed_pair(config, reduce, busy=len(ranks), matmuls=matmuls)
+                samples.append(Sample(pattern=Pattern.SKEW, ranks=len(ranks), nbytes=tensor.numel() * 4,
+                                      seconds=skewed, busy_s=SKEW_FACTOR * busy_s))
+            else:
+                seconds = _timed(config, reduce, busy=len(ranks), matmuls=matmuls)
             samples.append(Sample(pattern=Pattern.ALLREDUCE, ranks=len(ranks), nbytes=tensor.numel() * 4,
                                   seconds=seconds, busy_s=busy_s))
-            if nbytes in (min(config.sizes), max(config.sizes)):
-                seconds = _timed(config, lambda t=tensor, r=ranks: _all_reduce(comm, t, r), busy=len(ranks),
-                                 matmuls=SKEW_FACTOR * matmuls, compute_s=SKEW_FACTOR * busy_s)
-                samples.append(Sample(pattern=Pattern.SKEW, ranks=len(ranks), nbytes=tensor.numel() * 4,
-                                      seconds=seconds, busy_s=SKEW_FACTOR * busy_s))
     if rank == 0:
         results.put(samples)
     dist.barrier()
@@ -311,7 +317,7 @@ def _all_reduce(comm: Any, tensor: torch.Tensor, ranks: tuple[int, ...]) -> None
 
 
 def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: int = 0, matmuls: int = 0,
-           budget: float = 1.0, compute_s: float | None = None) -> float:
+           budget: float = 1.0) -> float:
     """Mean seconds of ``work`` on this rank, each repeat after a barrier; ranks below ``busy`` first
     compute ``matmuls`` (:func:`_compute`, the clock starts after); ``budget`` scales the time spent.
 
@@ -321,18 +327,50 @@ def _timed(config: ProbeConfig, work: Callable[[], Any], *, busy: int = 0, matmu
     mean. After ``config.repeats`` repeats every rank takes the slowest rank's figures so far and
     runs as many more as make about ``config.min_seconds`` (at most ``config.max_repeats``), so all
     ranks agree on the count."""
-    import torch.distributed as dist
-
     for _ in range(config.warmup):
         _repeat(work, busy, matmuls)
     times = [_repeat(work, busy, matmuls) for _ in range(config.repeats)]
-    slowest = torch.tensor([sum(times)], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    compute = config.busy_ms / 1e3 if compute_s is None else compute_s
-    per_repeat = max(float(slowest) / len(times) + bool(busy) * compute, 1e-6)
-    total = min(config.max_repeats, max(config.repeats, math.ceil(budget * config.min_seconds / per_repeat)))
+    total = _agreed_total(config, sum(times) / len(times) + bool(busy) * config.busy_ms / 1e3, budget)
     times += [_repeat(work, busy, matmuls) for _ in range(total - len(times))]
     return statistics.fmean(times)
+
+
+def _timed_pair(config: ProbeConfig, work: Callable[[], Any], *, busy: int, matmuls: int) -> tuple[float, float]:
+    """Mean seconds of ``work`` after ``matmuls`` and after ``SKEW_FACTOR`` times as many, their repeats
+    interleaved (in alternating order) for ``SKEW_BUDGET`` times the usual time.
+
+    Interleaved, as the skew is their difference: on a shared VM a core computes 1.4-1.5x slower for
+    stretches of up to 0.7 s (``docs/performance.md``), and two samples taken a second apart saw
+    different stretches, so the slope at 2 ranks came out 0.0 to 0.13 and at 4 ranks 0.0 to 0.37 in four
+    probes in a row."""
+    for _ in range(config.warmup):
+        _repeat(work, busy, matmuls)
+        _repeat(work, busy, SKEW_FACTOR * matmuls)
+    pairs = [_pair(work, busy, matmuls, i) for i in range(config.repeats)]
+    mean_pair = sum(usual + long for usual, long in pairs) / len(pairs)
+    total = _agreed_total(config, mean_pair + (1 + SKEW_FACTOR) * config.busy_ms / 1e3, SKEW_BUDGET)
+    pairs += [_pair(work, busy, matmuls, i) for i in range(len(pairs), total)]
+    return statistics.fmean(u for u, _ in pairs), statistics.fmean(long for _, long in pairs)
+
+
+def _pair(work: Callable[[], Any], busy: int, matmuls: int, index: int) -> tuple[float, float]:
+    """One repeat of each: after ``matmuls``, after ``SKEW_FACTOR`` times as many (the order alternating)."""
+    if index % 2:
+        long = _repeat(work, busy, SKEW_FACTOR * matmuls)
+        return _repeat(work, busy, matmuls), long
+    usual = _repeat(work, busy, matmuls)
+    return usual, _repeat(work, busy, SKEW_FACTOR * matmuls)
+
+
+def _agreed_total(config: ProbeConfig, seconds_per_repeat: float, budget: float) -> int:
+    """How many repeats make about ``budget × min_seconds`` (within ``repeats..max_repeats``), from the
+    slowest rank's seconds per repeat so far (a collective: every rank gets the same count)."""
+    import torch.distributed as dist
+
+    slowest = torch.tensor([seconds_per_repeat], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    per_repeat = max(float(slowest), 1e-6)
+    return min(config.max_repeats, max(config.repeats, math.ceil(budget * config.min_seconds / per_repeat)))
 
 
 def _repeat(work: Callable[[], Any], busy: int, matmuls: int) -> float:
