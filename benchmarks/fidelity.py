@@ -313,6 +313,12 @@ class ZooRow:
     reference_before: float
     reference_after: float
     """The host's speed before the plan and after the run: the profiler's reference work in ms, one thread."""
+    shared: int
+    """The most ranks of a stage (the cores' sharing below is for that many; 1: none is shared)."""
+    sharing_planned: float
+    """How much slower ``shared`` ranks computing at once ran than one, as the plan's profile measured it."""
+    sharing_run: float
+    """The same just before the run (:func:`contention`)."""
 
     @property
     def ratio(self) -> float:
@@ -334,8 +340,15 @@ class ZooRow:
                 f"{self.measured_ms:8.2f} ms  measured/predicted {self.ratio:.2f}{'' if self.within else ' (miss)'}  "
                 f"load {self.load_before:.2f} → {self.load_after:.2f}, other work {self.other_work:.2f} runnable "
                 f"({'quiet' if self.quiet else 'busy'}); host reference {self.reference_before:.1f} → "
-                f"{self.reference_after:.1f} ms; busy-measured layers {self.busy_layers}; "
+                f"{self.reference_after:.1f} ms; {self.shared} ranks at once "
+                f"{self._sharing}; busy-measured layers {self.busy_layers}; "
                 f"stages measured/predicted (±their spread): {ratios}")
+
+    @property
+    def _sharing(self) -> str:
+        if self.shared == 1:
+            return "(no stage shares the cores)"
+        return f"{self.sharing_planned:.2f}x slower at the plan, {self.sharing_run:.2f}x at the run"
 
 
 def deeppool(*args: str, cwd: Path, home: Path) -> None:
@@ -362,8 +375,10 @@ def zoo_row(run: int, model: str, nproc: int, args: argparse.Namespace, work: Pa
     with OtherWork() as other:
         deeppool("plan", str(ZOO / f"{model}.py"), "--gpus", str(nproc), "--batch", str(args.batch),
                  "--device-model", "local", "--network-file", str(network), "--out", "plan.json", cwd=row, home=home)
+        plan = Plan.load(row / "plan.json")
+        shared = max(plan.assignment.values())
+        sharing_run = contention(shared) if shared > 1 else 1.0
         deeppool("run", "plan.json", "--steps", str(args.steps), cwd=row, home=home)
-    plan = Plan.load(row / "plan.json")
     summary = json.loads((row / "deeppool-run" / "summary.json").read_text())
     planned = {layer.name: layer for layer in plan.layers}
     stages = tuple((stage["name"], stage["fwd_predicted"] + stage["bwd_predicted"],
@@ -375,7 +390,9 @@ def zoo_row(run: int, model: str, nproc: int, args: argparse.Namespace, work: Pa
                   busy_layers=len(plan.evidence.busy) if plan.evidence is not None else 0,
                   stages=stages, spreads=spreads, load_before=load_before,
                   load_after=os.getloadavg()[0], other_work=other.mean, reference_before=reference_before,
-                  reference_after=host_reference())
+                  reference_after=host_reference(), shared=shared,
+                  sharing_planned=plan.evidence.sharing[shared] if plan.evidence is not None and shared > 1 else 1.0,
+                  sharing_run=sharing_run)
 
 
 def host_reference() -> float:

@@ -10,6 +10,7 @@ twice in two ways.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -124,10 +125,15 @@ class Evidence:
     busy: tuple[str, ...] = ()
     load: float = 0.0
     cores: int = 1
+    sharing: dict[int, float] = dataclasses.field(default_factory=dict)
+    """For each count ``g > 1`` of the plan, how much slower each of ``g`` ranks computing at once runs than one
+    alone, as the profile has it (:meth:`Profile.sharing`): the factor the plan's compute on ``g`` ranks was
+    scaled by, for comparison with the host at the run."""
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "measured_batches": list(self.measured_batches), "extrapolated": list(self.extrapolated),
-                "unmeasured_batches": list(self.unmeasured_batches), "busy": list(self.busy)}
+                "unmeasured_batches": list(self.unmeasured_batches), "busy": list(self.busy),
+                "sharing": {str(g): factor for g, factor in sorted(self.sharing.items())}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Evidence:
@@ -135,7 +141,8 @@ class Evidence:
                    extrapolated=tuple(str(n) for n in data.get("extrapolated", ())),
                    unmeasured_batches=tuple(int(b) for b in data.get("unmeasured_batches", ())),
                    busy=tuple(str(n) for n in data.get("busy", ())), load=float(data.get("load", 0.0)),
-                   cores=int(data.get("cores", 1)))
+                   cores=int(data.get("cores", 1)),
+                   sharing={int(g): float(f) for g, f in dict(data.get("sharing") or {}).items()})
 
 
 @dataclass(frozen=True, kw_only=True)

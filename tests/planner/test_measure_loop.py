@@ -18,7 +18,7 @@ from deeppool.planner.plan import Plan, Strategy
 from deeppool.planner.profile import FitQuality, LayerTimes
 from deeppool.planner.profiler import (
     CACHE_FILE, LayerProfiler, Measured, ProfileCache, ProfilerConfig, clear_cache, layer_code, layer_times,
-    measure_profile,
+    measure_profile, sharing_counts,
 )
 from deeppool.planner.report import evidence_lines, plan_table, stages, summary
 from deeppool.planner.trace import trace
@@ -46,6 +46,9 @@ def test_the_plan_and_its_baselines_rest_only_on_measured_batches():
     assert {2, 4, 8, 6} <= set(evidence.measured_batches), "data parallel's 6 per rank was measured, not fitted"
     assert evidence.extrapolated == () and evidence.unmeasured_batches == ()
     assert all(layer.spread >= 0 for layer in planned.plan.layers) and planned.plan.predicted.uncertainty >= 0
+    counts = {g for g in planned.plan.assignment.values() if g > 1}
+    assert evidence.sharing == {g: planned.cost.profile.sharing(g) for g in counts}
+    assert set(planned.cost.profile.measured_sharing) == set(sharing_counts(4))
     assert Plan.from_json(planned.plan.to_json()) == planned.plan
 
 
