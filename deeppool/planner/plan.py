@@ -126,9 +126,9 @@ class Evidence:
     load: float = 0.0
     cores: int = 1
     sharing: dict[int, float] = dataclasses.field(default_factory=dict)
-    """For each count ``g > 1`` of the plan, how much slower each of ``g`` ranks computing at once runs than one
-    alone, as the profile has it (:meth:`Profile.sharing`): the factor the plan's compute on ``g`` ranks was
-    scaled by, for comparison with the host at the run."""
+    """For each count ``g > 1`` of the plan, how much slower each of ``g`` ranks computing at once runs than
+    one alone, as the profile has it (:meth:`Profile.sharing`): the factor the plan's compute on ``g`` ranks
+    was scaled by, for comparison with the host at the run."""
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "measured_batches": list(self.measured_batches), "extrapolated": list(self.extrapolated),

@@ -79,7 +79,8 @@ def test_in_a_burst_plan_the_slow_rank_of_a_group_is_found_first(tmp_path: Path,
 def test_healthy_ranks_are_never_flagged(tmp_path: Path, capfd) -> None:
     """4 ranks on the CI host's 2 cores, about 5 s: a core there computes 1.4-1.5x slower for stretches of up to
     0.7 s (300 steps of 1-2 ms flagged a healthy rank at 0.76x before the time floor)."""
-    summary, _ = run(capfd, saved(tmp_path, "mlp", 8, 4, cycle(4)), tmp_path / "out", "--steps", STEPS_PAST_THE_FLOOR[4])
+    plan_path = saved(tmp_path, "mlp", 8, 4, cycle(4))
+    summary, _ = run(capfd, plan_path, tmp_path / "out", "--steps", STEPS_PAST_THE_FLOOR[4])
     assert summary["stragglers"] == []
     assert not (tmp_path / "out" / EVENTS).exists()
 

@@ -340,7 +340,7 @@ def _timed_pair(config: ProbeConfig, work: Callable[[], Any], *, busy: int, matm
     interleaved (in alternating order) for ``SKEW_BUDGET`` times the usual time.
 
     Interleaved, as the skew is their difference: on a shared VM a core computes 1.4-1.5x slower for
-    stretches of up to 0.7 s (``docs/performance.md``), and two samples taken a second apart saw
+    stretches of up to 0.7 s (``docs/adaptation.md``, "Stragglers"), and two samples taken a second apart saw
     different stretches, so the slope at 2 ranks came out 0.0 to 0.13 and at 4 ranks 0.0 to 0.37 in four
     probes in a row."""
     for _ in range(config.warmup):

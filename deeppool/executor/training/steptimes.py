@@ -97,7 +97,8 @@ class StepMonitor:
         for stage in stages:
             if stage.gpus > 1:
                 self._groups[stage.gpus].append(stage)
-        self.detectors = {gpus: StragglerDetector(alpha=ALPHA, patience=PATIENCE, min_slow_ms=MIN_SLOW_MS) for gpus in self._groups}
+        self.detectors = {gpus: StragglerDetector(alpha=ALPHA, patience=PATIENCE, min_slow_ms=MIN_SLOW_MS)
+                          for gpus in self._groups}
         self.reported: dict[int, Straggler] = {}
 
     def record(self, step: int, gns: float | None = None, loss: float = 0.0, samples: int = 0) -> None:
