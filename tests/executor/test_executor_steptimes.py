@@ -13,14 +13,15 @@ STEPS = 80
 
 
 def spans(rank: int, step: int) -> list[Span]:
-    """Rank 3 computes 2 ms a step, the others 1 ms; rank 2 also waits 5 ms inside its forward (a SyncBN sum)."""
+    """Rank 3 computes 2 ms a step, the others 1 ms; rank 2 also waits 5 ms inside its forward (a SyncBN sum).
+    Steps of 100 ms: the 30 slow steps the executor waits for pass its 2 s floor (``MIN_SLOW_MS``)."""
     stage = build_program(PLAN, traced_graph(PLAN.model.location), rank).stages[0]
     start = 10.0 * step
     work = 0.002 if rank == 3 else 0.001
     wait = 0.005 if rank == 2 else 0.0
     found = [Span(step=step, label=f"forward:{stage.name}", category=Category.COMPUTE, start_s=start,
                   end_s=start + work + wait),
-             Span(step=step, label="iteration", category=Category.ITERATION, start_s=start, end_s=start + 0.01)]
+             Span(step=step, label="iteration", category=Category.ITERATION, start_s=start, end_s=start + 0.1)]
     if wait:
         found.append(Span(step=step, label="syncbn:4 ranks", category=Category.COMM, start_s=start + work / 2,
                           end_s=start + work / 2 + wait))
