@@ -151,7 +151,11 @@ def test_a_running_jobs_progress_comes_from_its_runs_progress_file(tmp_path: Pat
     rt.reconcile()
 
 
+@pytest.mark.heavy
 def test_a_straggler_the_run_reports_is_an_event_of_the_job(tmp_path: Path, monkeypatch) -> None:
+    """In the heavy tier (15 s): its halves are in the default run, a real run writing its straggler to
+    ``events.jsonl`` (``test_an_injected_slow_rank_is_flagged``) and the runtime relaying a run's events
+    (``test_hostile_job_files_are_read_defensively_and_events_are_capped``)."""
     from tests.executor.plans import cycle, make_plan
 
     plan_path = tmp_path / "plan.json"

@@ -35,7 +35,10 @@ def node(plan: Path, out: Path, *, nnodes: int, nproc: int, endpoint: str) -> su
          "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.heavy
 def test_two_machines_train_a_burst_plan_exactly(tmp_path: Path) -> None:
+    """In the heavy tier (13 s): two nodes train exactly in the default run, in network namespaces
+    (``test_two_hosts_in_network_namespaces_train_exactly``) and under Slurm (``test_slurm_multinode``)."""
     plan = tmp_path / "plan.json"
     make_plan("residual", global_batch=7, gpus=4, assign=cycle(1, 4, 2, 3)).save(plan)
     endpoint = f"127.0.0.1:{free_port()}"

@@ -125,6 +125,8 @@ def test_profile_network_then_plan_with_the_measured_network(tmp_path: Path, cap
     assert probed.code == 0, probed.stderr[-2000:]
     assert "fitted: latency" in probed.stdout
     measured = json.loads(network.read_text())
+    assert list(measured["skew"]) == ["2"] and measured["skew"]["2"] >= 0
+    assert measured["skew_after_s"] == pytest.approx(0.01)
     plan_path = tmp_path / "plan.json"
     planned = deeppool(capfd, "plan", model_path("mlp"), "--gpus", "2", "--batch", "6", "--device-model", "a100",
                             "--network-file", str(network), "--out", str(plan_path))

@@ -185,7 +185,10 @@ def test_probe_config_is_validated() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_measuring_this_machine_with_two_gloo_processes() -> None:
+    """In the heavy tier (10 s): ``test_profile_network_then_plan_with_the_measured_network`` probes this machine
+    through the command line in the default run."""
     network = measure_network(2, sizes=(4096, 2**20, 2**22))
     assert isinstance(network, NetworkModel)
     assert 1e6 < network.intra_bandwidth < 1e12 and 0 <= network.intra_latency_s < 0.1
