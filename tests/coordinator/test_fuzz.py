@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from schemathesis.specs.openapi.checks import positive_data_acceptance
+from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
 
 from deeppool.coordinator.app import ServerSettings, create_app
 from deeppool.coordinator.jobs import JobKind, JobRequest
@@ -32,10 +32,14 @@ pytestmark = pytest.mark.slow
 @schema.parametrize()
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_server_errors_and_documented_responses(case) -> None:
+    unauthorised = "Authorization" not in (case.headers or {})
     response = case.call(headers={"Authorization": f"Bearer {TOKEN}"})
     assert response.status_code < 500, response.text
-    # a schema-valid request may still be refused: a model file that does not exist, more GPUs than the cluster's
-    case.validate_response(response, excluded_checks=[positive_data_acceptance])
+    # a schema-valid request may still be refused: a model file that does not exist, more GPUs than the cluster's;
+    # a case made invalid by leaving out the Authorization header is made valid again by the token given here
+    # (CI once saw it accepted: 200), so whether invalid data is refused is checked only where it was kept
+    excluded = [positive_data_acceptance, *([negative_data_rejection] if unauthorised else [])]
+    case.validate_response(response, excluded_checks=excluded)
     if response.status_code >= 400:
         assert response.json()["detail"]  # every refusal says why
 
