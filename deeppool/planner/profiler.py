@@ -249,8 +249,7 @@ class ProfileCache:
             if isinstance(payload, dict) and payload.get("schema_version") == CACHE_SCHEMA_VERSION:
                 self.entries = dict(payload.get("entries") or {})
                 speeds = dict(payload.get("fastest_reference") or {})
-                self.fastest = {str(host): float(ms) for host, ms in speeds.items()
-                                if isinstance(ms, int | float) and ms > 0}
+                self.fastest = {str(host): float(ms) for host, ms in speeds.items() if isinstance(ms, int | float) and ms > 0}
 
     def get(self, key: str) -> Measured | None:
         found = self.entries.get(key)
