@@ -46,7 +46,6 @@ from typing import Any
 
 from deeppool.docregions import REPO, Stamp, teed_stdout, text_block, write_region
 from deeppool.planner.hostload import runnable_outside
-from deeppool.planner.plan import WEAK
 
 MODELS = Path(__file__).resolve().parent / "models"
 ZOO = Path(__file__).resolve().parent / "zoo"
@@ -320,9 +319,6 @@ class ZooRow:
     """How much slower ``shared`` ranks computing at once ran than one, as the plan's profile measured it."""
     sharing_run: float
     """The same just before the run (:func:`contention`)."""
-    host_slowdown: float = 1.0
-    """How much slower than its fastest on record the host ran while the plan's times were measured
-    (``evidence.host_slowdown``: above ``1 + WEAK`` the plan calls its prediction weak)."""
 
     @property
     def ratio(self) -> float:
@@ -344,8 +340,7 @@ class ZooRow:
                 f"{self.measured_ms:8.2f} ms  measured/predicted {self.ratio:.2f}{'' if self.within else ' (miss)'}  "
                 f"load {self.load_before:.2f} → {self.load_after:.2f}, other work {self.other_work:.2f} runnable "
                 f"({'quiet' if self.quiet else 'busy'}); host reference {self.reference_before:.1f} → "
-                f"{self.reference_after:.1f} ms, at the plan {self.host_slowdown:.2f}x its fastest on record"
-                f"{' (weak)' if self.host_slowdown > 1 + WEAK else ''}; {self.shared} ranks at once "
+                f"{self.reference_after:.1f} ms; {self.shared} ranks at once "
                 f"{self._sharing}; busy-measured layers {self.busy_layers}; "
                 f"stages measured/predicted (±their spread): {ratios}")
 
@@ -397,7 +392,6 @@ def zoo_row(run: int, model: str, nproc: int, args: argparse.Namespace, work: Pa
                   load_after=os.getloadavg()[0], other_work=other.mean, reference_before=reference_before,
                   reference_after=host_reference(), shared=shared,
                   sharing_planned=plan.evidence.sharing[shared] if plan.evidence is not None and shared > 1 else 1.0,
-                  host_slowdown=plan.evidence.host_slowdown if plan.evidence is not None else 1.0,
                   sharing_run=sharing_run)
 
 

@@ -69,7 +69,6 @@ def evidence(cost: CostModel, chosen: Mapping[str, int], assignments: Mapping[ob
         busy=tuple(name for name in cost.graph.names if profile.busy(name, batch[name])),
         load=conditions.load if conditions else 0.0,
         cores=conditions.cores if conditions else 1,
-        host_slowdown=conditions.slowdown if conditions else 1.0,
         sharing={g: profile.sharing(g) for g in sorted(set(chosen.values())) if g > 1},
     )
 

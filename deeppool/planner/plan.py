@@ -125,9 +125,6 @@ class Evidence:
     busy: tuple[str, ...] = ()
     load: float = 0.0
     cores: int = 1
-    host_slowdown: float = 1.0
-    """How much slower the host ran while the plan's times were measured than its fastest on record
-    (:attr:`deeppool.planner.profile.Conditions.slowdown`): a run at the host's usual speed takes less."""
     sharing: dict[int, float] = dataclasses.field(default_factory=dict)
     """For each count ``g > 1`` of the plan, how much slower each of ``g`` ranks computing at once runs than
     one alone, as the profile has it (:meth:`Profile.sharing`): the factor the plan's compute on ``g`` ranks
@@ -144,7 +141,7 @@ class Evidence:
                    extrapolated=tuple(str(n) for n in data.get("extrapolated", ())),
                    unmeasured_batches=tuple(int(b) for b in data.get("unmeasured_batches", ())),
                    busy=tuple(str(n) for n in data.get("busy", ())), load=float(data.get("load", 0.0)),
-                   cores=int(data.get("cores", 1)), host_slowdown=float(data.get("host_slowdown", 1.0)),
+                   cores=int(data.get("cores", 1)),
                    sharing={int(g): float(f) for g, f in dict(data.get("sharing") or {}).items()})
 
 

@@ -99,10 +99,6 @@ class Conditions:
     threads: int | None
     torch: str
     device: str
-    slowdown: float = 1.0
-    """How much slower the host ran the profiler's reference work while these were measured (the slowest of
-    the measured batches) than the fastest this host has run it with these settings on record (the layer-time
-    cache keeps it): 1 where it was not read (a GPU) or nothing faster is on record."""
 
     @property
     def busy(self) -> bool:

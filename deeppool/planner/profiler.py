@@ -78,7 +78,6 @@ import hashlib
 import inspect
 import json
 import os
-import platform
 import statistics
 import threading
 import time
@@ -236,9 +235,6 @@ class ProfileCache:
     def __init__(self, directory: Path, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = directory / CACHE_FILE
         self.entries: dict[str, dict[str, object]] = {}
-        self.fastest: dict[str, float] = {}
-        """The least reference time (:func:`reference_ms`) on record, by host and settings (:meth:`LayerProfiler.host`):
-        kept apart from the entries, which a re-measurement at another speed replaces."""
         self._every_s, self._clock = every_s, clock
         self._saved_at = clock()
         if self.path.is_file():
@@ -248,8 +244,6 @@ class ProfileCache:
                 payload = {}
             if isinstance(payload, dict) and payload.get("schema_version") == CACHE_SCHEMA_VERSION:
                 self.entries = dict(payload.get("entries") or {})
-                speeds = dict(payload.get("fastest_reference") or {})
-                self.fastest = {str(host): float(ms) for host, ms in speeds.items() if isinstance(ms, int | float) and ms > 0}
 
     def get(self, key: str) -> Measured | None:
         found = self.entries.get(key)
@@ -268,15 +262,8 @@ class ProfileCache:
         if self._clock() - self._saved_at >= self._every_s:
             self.save()
 
-    def record_speed(self, host: str, reference_ms: float) -> float:
-        """Note a reference time read on ``host`` (0: not read); the least on record for it (0: none)."""
-        if reference_ms > 0:
-            self.fastest[host] = min(self.fastest.get(host, reference_ms), reference_ms)
-        return self.fastest.get(host, 0.0)
-
     def save(self) -> None:
-        write_json(self.path, {"schema_version": CACHE_SCHEMA_VERSION, "entries": self.entries,
-                               "fastest_reference": self.fastest})
+        write_json(self.path, {"schema_version": CACHE_SCHEMA_VERSION, "entries": self.entries})
         self._saved_at = self._clock()
 
 
@@ -362,8 +349,6 @@ class LayerProfiler:
         self.grouped: dict[str, dict[int, Measured]] = {}
         """The batch-normalising layers' times as they run on ``g > 1`` ranks (:mod:`~deeppool.planner.group_times`)."""
         self.code = {layer.name: layer_code(traced.module, layer) for layer in graph.layers}
-        self.fastest_reference_ms = 0.0
-        """The least reference time on record for this host and settings (0: none read)."""
         if self.device.type == "cpu":
             steady_allocator()
 
@@ -401,7 +386,6 @@ class LayerProfiler:
                     self._measure_grouped(batch)
                     progress.advance(task, len(graph) + 1)
         finally:
-            self._record_speed(cache)
             if cache:
                 cache.save()
             for parameter in self.traced.module.parameters():
@@ -437,27 +421,11 @@ class LayerProfiler:
             self.grouped.setdefault(name, {})[batch] = replace(fused, fwd_ms=fused.fwd_ms * ratio.fwd,
                                                                bwd_ms=fused.bwd_ms * ratio.bwd)
 
-    def _references(self) -> list[float]:
-        return [m.reference_ms for samples in self.measured.values() for m in samples.values() if m.reference_ms > 0]
-
-    def _record_speed(self, cache: ProfileCache | None) -> None:
-        """The fastest reference on record for this host and settings, with this profiler's readings noted."""
-        ours = min((ms for ms in (*self._references(), self.fastest_reference_ms) if ms > 0), default=0.0)
-        self.fastest_reference_ms = cache.record_speed(self.host(), ours) if cache else ours
-
-    def host(self) -> str:
-        """The key of this host and these settings in the cache's speed record."""
-        return "|".join(f"{key}={value}" for key, value in {"host": platform.node(), **self.entry()}.items())
-
     def conditions(self) -> Conditions:
-        """What the measurements so far were taken under: the highest load among them, and how much slower
-        than the fastest on record the host ran while the slowest batch was measured."""
+        """What the measurements so far were taken under (the highest load among them)."""
         loads = [m.load for samples in self.measured.values() for m in samples.values()]
-        slowest = max(self._references(), default=0.0)
-        slowdown = slowest / self.fastest_reference_ms if slowest > 0 and self.fastest_reference_ms > 0 else 1.0
         return Conditions(load=max(loads, default=self.config.load()), cores=self.config.cores,
-                          threads=self.config.threads, torch=torch.__version__, device=device_name(self.device),
-                          slowdown=max(1.0, slowdown))
+                          threads=self.config.threads, torch=torch.__version__, device=device_name(self.device))
 
     def entry(self) -> dict[str, object]:
         """The conditions a cache entry records beside its figures."""

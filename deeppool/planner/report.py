@@ -128,13 +128,8 @@ def summary(plan: Plan) -> str:
 
 
 def _weak(plan: Plan) -> str:
-    """Says so when the iteration's uncertainty (its measurements' spread) exceeds ±15%, or when its times were
-    measured while the host ran more than 15% slower than its fastest on record."""
+    """Says so when the iteration's uncertainty (its measurements' spread) exceeds ±15%."""
     uncertainty = plan.predicted.uncertainty
-    slowdown = plan.evidence.host_slowdown if plan.evidence is not None else 1.0
-    if slowdown > 1 + WEAK:
-        return (f"; weak prediction: measured while this host ran {slowdown:.2f}x slower than its fastest on record "
-                "(the profiler's reference work): a run at its usual speed takes less; re-plan when it is back")
     if uncertainty <= WEAK:
         return ""
     return (f"; weak prediction: the iteration is uncertain by ±{100 * uncertainty:.0f}% (the spread of its layers' "

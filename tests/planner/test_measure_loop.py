@@ -176,37 +176,6 @@ def test_a_plan_names_the_layers_resting_on_busy_measurements(tmp_path):
     assert any("busy machine (load up to 7.0 on 2 cores)" in line for line in evidence_lines(planned.plan))
 
 
-def test_a_plan_measured_while_the_host_ran_slow_says_so_and_the_fastest_speed_stays_on_record(tmp_path):
-    """The cache keeps the host's fastest reference apart from its entries: measured again at a slower speed,
-    the entries are that speed's, the plan records how much slower and its summary line calls it weak."""
-    spec = ModelSpec.parse(str(TINY))
-    loaded = spec.load()
-    traced = trace(loaded)
-    fast = ProfilerConfig(batches=(2,), cache_dir=tmp_path, load=lambda: 0.5, cores=2, threads=1,
-                          reference=lambda: 10.0, spread_bound=1e9, **FAST)
-    assert measure_profile(traced, loaded, fast).conditions.slowdown == 1.0
-    assert list(ProfileCache(tmp_path).fastest.values()) == [10.0]
-
-    slow = replace(fast, reference=lambda: 14.0)
-    assert measure_profile(traced, loaded, slow).conditions.slowdown == pytest.approx(1.4), "40% slower: measured again"
-    assert all(e["reference_ms"] == 14.0 for e in ProfileCache(tmp_path).entries.values())
-    assert list(ProfileCache(tmp_path).fastest.values()) == [10.0], "the faster speed stays on record"
-
-    request = PlanRequest(gpus=2, global_batch=8)
-    planned = plan_on_measured(
-        LayerProfiler(traced, loaded, slow),
-        lambda profile: plan_graph(traced.graph, profile, NETWORKS[KnownDevice.A100], request, model=spec),
-        targets=(4, 8), cap=None, one_gpu=False)
-    assert planned.plan.evidence is not None and planned.plan.evidence.host_slowdown == pytest.approx(1.4)
-    assert Plan.from_json(planned.plan.to_json()).evidence.host_slowdown == pytest.approx(1.4)
-    assert "weak prediction: measured while this host ran 1.40x slower than its fastest on record" in \
-        summary(planned.plan)
-
-    steady = replace(fast, reference=lambda: 10.5)
-    assert measure_profile(traced, loaded, steady).conditions.slowdown == pytest.approx(1.05), \
-        "nearly back: the batch cached at 14 ms is measured again at 10.5, 5% above the record (not weak)"
-
-
 def test_the_cache_key_covers_model_code_input_shape_and_dtype(tmp_path):
     def write(name: str, body: str) -> ModelSpec:
         path = tmp_path / f"{name}.py"
