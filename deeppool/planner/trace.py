@@ -723,6 +723,7 @@ class _LayerBuilder:
             act_bytes=value[0].numel() * value.element_size(),
             fwd_flops=fwd / _PROBE_BATCHES[0],
             bwd_flops=bwd / _PROBE_BATCHES[0],
+            channels_last=_channels_last(value),
         )
 
     def build_output(self, output: fx.Node) -> Layer:
@@ -854,3 +855,10 @@ def _output_layer(nodes: list[fx.Node], layer_of: dict[str, str], values: Mappin
     if not isinstance(node, fx.Node) or layer_of.get(node.name) != node.name:
         return None
     return node.name
+
+
+def _channels_last(value: torch.Tensor) -> bool:
+    """Whether a probed output is laid out channels-last (NHWC or NDHWC strides) and not also contiguous."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    layout = formats.get(value.dim())
+    return layout is not None and not value.is_contiguous() and value.is_contiguous(memory_format=layout)

@@ -54,6 +54,9 @@ CASES = [
     ("branching", 5, 2, cycle(1, 2)),
     ("tiny_gpt", 6, 4, cycle(4, 3, 1, 2)),
     ("tiny_gpt", 3, 2, cycle(2, 2, 1)),
+    # reshards of channels-last outputs (permute_1, depthwise, relu), both ways: they travel channels last
+    ("channels_last", 6, 2, cycle(2, 1)),
+    ("channels_last", 6, 4, cycle(1, 4, 2, 3)),
 ]
 
 

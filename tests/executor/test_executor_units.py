@@ -13,6 +13,7 @@ from torch import nn
 from deeppool.errors import DeeppoolError
 from deeppool.executor.api import train_rank
 from deeppool.executor.config import OptimizerConfig, RunConfig
+from deeppool.executor.engine.engine import from_wire, to_wire, wire_shape
 from deeppool.executor.engine.gradients import GradientReducer
 from deeppool.executor.launch.launch import preflight
 from deeppool.executor.engine.local_model import check_plan_matches
@@ -232,3 +233,21 @@ def test_the_progress_file_is_written_at_most_once_a_second_and_after_the_last_s
     now[0] = 1.3
     shown.update(5)
     assert read() == 5
+
+
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.channels_last_3d])
+def test_a_channels_last_output_travels_contiguous_and_arrives_channels_last(layout) -> None:
+    """Gloo sends only contiguous tensors: a channels-last output is sent with its channels last and the
+    receiver's view of the buffer has the model's layout again, rows sliced on either side."""
+    shape = (6, 4, 3, 5) if layout is torch.channels_last else (6, 4, 3, 5, 2)
+    sent = torch.randn(shape).contiguous(memory_format=layout)
+    wire = to_wire(sent[2:5], channels_last=True)
+    assert wire.is_contiguous() and wire.shape == wire_shape((3, *shape[1:]), channels_last=True)
+    buffer = torch.empty(wire_shape(shape, channels_last=True))
+    buffer[2:5] = wire
+    received = from_wire(buffer, channels_last=True)
+    assert received.shape == shape and received.is_contiguous(memory_format=layout) and not received.is_contiguous()
+    assert torch.equal(received[2:5], sent[2:5])
+    plain = torch.randn(shape)
+    assert to_wire(plain, channels_last=False).is_contiguous()
+    assert from_wire(plain, channels_last=False) is plain

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.graph import LayerGraph, TraceMethod
+from deeppool.planner.graph import Layer, LayerGraph, TraceMethod
 from deeppool.planner.layer_exec import runners
 from deeppool.planner.modelspec import LoadedModel, ModelSpec, default_loss
 from deeppool.planner.trace import BranchWatch, check_branches, trace, trace_spec
@@ -17,6 +17,7 @@ from deeppool.planner.trace import BranchWatch, check_branches, trace, trace_spe
 MODELS = Path(__file__).resolve().parents[1] / "models"
 ZOO = MODELS / "zoo"
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+CHANNELS_LAST = Path(__file__).resolve().parents[1] / "executor" / "models" / "channels_last.py"
 
 
 class SizeGlue(nn.Module):
@@ -237,3 +238,10 @@ def test_layerdrop_zero_is_specialised_listed_and_checked():
         loaded.module(x)
     with pytest.raises(DeeppoolError, match=r"layerdrop_zero.py:27 \(`if dropout_probability < self.layerdrop"):
         check_branches(graph.branches, watch.branches)
+
+
+def test_outputs_the_model_computes_channels_last_are_marked_so_reshards_keep_them() -> None:
+    """A permute back to NCHW and the convolution and activation after it are channels-last; the rest not."""
+    graph = trace(ModelSpec.parse(str(CHANNELS_LAST)).load()).graph
+    assert {layer.name for layer in graph.layers if layer.channels_last} == {"permute_1", "depthwise", "relu"}
+    assert Layer.from_json(graph.layer("depthwise").to_json()).channels_last

@@ -274,25 +274,37 @@ class Engine:
     def _rows(self, layer: str) -> tuple[int, int]:
         return self.planned[layer].samples[self.rank]
 
-    def _buffer(self, producer: str, rows: int) -> torch.Tensor:
+    def _wire(self, producer: str, rows: int) -> torch.Tensor:
+        """A buffer for ``rows`` of ``producer``'s output as it travels (:func:`to_wire`)."""
         layer = self.layers[producer]
         dtype = self.p.precision.dtype(producer, getattr(torch, layer.dtype))
-        return torch.empty((rows, *layer.output_shape), dtype=dtype, device=self.p.device)
+        shape = wire_shape((rows, *layer.output_shape), channels_last=layer.channels_last)
+        return torch.empty(shape, dtype=dtype, device=self.p.device)
+
+    def _to_wire(self, producer: str, tensor: torch.Tensor) -> torch.Tensor:
+        return to_wire(tensor, channels_last=self.layers[producer].channels_last)
+
+    def _from_wire(self, producer: str, wire: torch.Tensor) -> torch.Tensor:
+        return from_wire(wire, channels_last=self.layers[producer].channels_last)
 
     def _reshard(self, op: Op, state: _State) -> None:
         assert op.producer is not None
         out = state.outputs.get(op.producer)
         src_start = self._rows(op.producer)[0] if out is not None else 0
-        sends = [(t.dst, out[t.start - src_start : t.end - src_start].contiguous()) for t in op.transfers
-                 if t.src == self.rank and t.dst != self.rank and out is not None]
+        sends = [(t.dst, self._to_wire(op.producer, out[t.start - src_start : t.end - src_start]))
+                 for t in op.transfers if t.src == self.rank and t.dst != self.rank and out is not None]
         mine = [t for t in op.transfers if t.dst == self.rank]
         if not mine:
             self.p.comm.exchange(sends, [])
             return
         dst_start, dst_end = self._rows(op.layer)
         whole = len(mine) == 1 and mine[0].src == self.rank and out is not None and len(out) == dst_end - dst_start
-        value = out.detach() if whole and out is not None else self._buffer(op.producer, dst_end - dst_start)
-        recvs = [(t.src, value[t.start - dst_start : t.end - dst_start]) for t in mine if t.src != self.rank]
+        if whole and out is not None:
+            value, recvs = out.detach(), []
+        else:
+            wire = self._wire(op.producer, dst_end - dst_start)
+            value = self._from_wire(op.producer, wire)
+            recvs = [(t.src, wire[t.start - dst_start : t.end - dst_start]) for t in mine if t.src != self.rank]
         if not whole and out is not None:
             for t in mine:
                 if t.src == self.rank:
@@ -378,12 +390,12 @@ class Engine:
                     if t.src == self.rank:
                         self._accumulate(state, op.producer, t, piece)
                     else:
-                        sends.append((t.src, piece.contiguous()))
+                        sends.append((t.src, self._to_wire(op.producer, piece)))
         incoming = [t for t in op.transfers if t.src == self.rank and t.dst != self.rank]
-        recvs = [(t.dst, self._buffer(op.producer, t.end - t.start)) for t in incoming]
+        recvs = [(t.dst, self._wire(op.producer, t.end - t.start)) for t in incoming]
         self.p.comm.exchange(sends, recvs)
         for t, (_, piece) in zip(incoming, recvs, strict=True):
-            self._accumulate(state, op.producer, t, piece)
+            self._accumulate(state, op.producer, t, self._from_wire(op.producer, piece))
 
     def _accumulate(self, state: _State, producer: str, t: Transfer, piece: torch.Tensor) -> None:
         start, end = self._rows(producer)
@@ -445,3 +457,32 @@ class Engine:
         total = self.p.comm.all_reduce_max(local)
         if grads:
             torch.nn.utils.clip_grads_with_norm_(list(unique.values()), limit, torch.tensor(total))
+
+
+
+def _channels_last_order(dims: int) -> tuple[int, ...]:
+    """The dimension order whose contiguous tensor holds a channels-last tensor's bytes: (0, 2, 3, 1) in 4-d."""
+    return (0, *range(2, dims), 1)
+
+
+def wire_shape(shape: tuple[int, ...], *, channels_last: bool) -> tuple[int, ...]:
+    """The shape of a reshard's buffer for a tensor of ``shape`` (:func:`to_wire`)."""
+    return tuple(shape[d] for d in _channels_last_order(len(shape))) if channels_last else shape
+
+
+def to_wire(tensor: torch.Tensor, *, channels_last: bool) -> torch.Tensor:
+    """A reshard sends contiguous tensors (gloo takes no other). A channels-last output
+    (:attr:`~deeppool.planner.graph.Layer.channels_last`) travels with its channels last, so that the receiver's
+    view of it (:func:`from_wire`) has the layout the model computes it in: some kernels run far slower on the
+    other (``docs/executor.md``)."""
+    if not channels_last:
+        return tensor.contiguous()
+    return tensor.permute(_channels_last_order(tensor.dim())).contiguous()
+
+
+def from_wire(wire: torch.Tensor, *, channels_last: bool) -> torch.Tensor:
+    """The received buffer as the output it carries: a view with channels-last strides for a channels-last one."""
+    if not channels_last:
+        return wire
+    order = _channels_last_order(wire.dim())
+    return wire.permute(tuple(order.index(d) for d in range(wire.dim())))
