@@ -459,7 +459,6 @@ class Engine:
             torch.nn.utils.clip_grads_with_norm_(list(unique.values()), limit, torch.tensor(total))
 
 
-
 def _channels_last_order(dims: int) -> tuple[int, ...]:
     """The dimension order whose contiguous tensor holds a channels-last tensor's bytes: (0, 2, 3, 1) in 4-d."""
     return (0, *range(2, dims), 1)
