@@ -518,12 +518,13 @@ def sharing_counts(ranks: int | None) -> tuple[int, ...]:
     return tuple(sorted({2**k for k in range(1, top.bit_length()) if 2**k <= top} | {top}))
 
 
-def measure_sharing(counts: tuple[int, ...], threads: int, repeats: int = 7, matmuls: int = 250) -> dict[int, float]:
+def measure_sharing(counts: tuple[int, ...], threads: int, repeats: int = 5, matmuls: int = 250) -> dict[int, float]:
     """``sharing(g)`` for each ``g`` of ``counts``: the slowest of ``g·threads`` single-threaded workers
     doing the same fixed work at once over ``threads`` of them alone, measured in turns (alone, then
     together) so that other work on the host, which comes and goes, weighs on both alike; the median
     of ``repeats`` turns (one turn's figure reaches 1.24-1.28 one time in ten on a calm 2-core VM whose
-    median is 1.03-1.04, ``benchmarks/core_sharing.py``: seven keep that tail out of the median).
+    median is 1.03-1.04, ``benchmarks/core_sharing.py``: the median of five reaches it about once in a
+    hundred, of three three times as often).
 
     Workers are threads of this process: a matmul with one intra-op thread runs on its caller with
     the GIL released, so they compete for the cores as ranks (processes) do."""
