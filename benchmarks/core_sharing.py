@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from deeppool.docregions import REPO, Stamp, markdown, write_region
-from deeppool.planner.modelspec import ModelSource, ModelSpec
+from deeppool.planner.modelspec import ModelSpec
 from deeppool.planner.profiler import intra_op_threads, measure_sharing, reference_ms
 
 ZOO = Path(__file__).resolve().parent / "zoo"
@@ -78,7 +78,7 @@ class Row:
 def _step_worker(model_file: str, batch: int, conn: Connection, start: Barrier) -> None:
     """A rank's stand-in: the model's forward+backward on one intra-op thread, ``steps`` at a time on request."""
     torch.set_num_threads(1)
-    loaded = ModelSpec(source=ModelSource.FILE, location=model_file).load()
+    loaded = ModelSpec.parse(model_file).load()
     module, inputs, targets = loaded.module, loaded.named_inputs(batch), loaded.targets(batch)
 
     def step() -> float:
@@ -115,8 +115,7 @@ def measure(model: str, args: argparse.Namespace) -> Row:
             conn.send((args.steps, True))
         together = (ours[0].recv(), ours[1].recv())
         second = _ask(ours[1], args.steps, together=False)
-        with intra_op_threads(1):
-            matmul = measure_sharing((2,), 1, repeats=1)[2]
+        matmul = measure_sharing((2,), 1, repeats=1)[2]  # on one intra-op thread per worker
         turns.append(Turn(alone=(first, second), together=together, matmul=matmul))
     for conn in ours:
         conn.send(None)

@@ -305,9 +305,8 @@ class Engine:
             wire = self._wire(op.producer, dst_end - dst_start)
             value = self._from_wire(op.producer, wire)
             recvs = [(t.src, wire[t.start - dst_start : t.end - dst_start]) for t in mine if t.src != self.rank]
-        if not whole and out is not None:
             for t in mine:
-                if t.src == self.rank:
+                if t.src == self.rank and out is not None:
                     value[t.start - dst_start : t.end - dst_start] = out.detach()[t.start - src_start : t.end - src_start]
         self.p.comm.exchange(sends, recvs)
         state.leaves[(op.stage, op.producer)] = value.requires_grad_(self.flows[op.producer])
