@@ -96,9 +96,9 @@ class Lines:
 class Worker:
     """Runs the job as the messages say, accounting CPU time per piece of work."""
 
-    def __init__(self, job: BackgroundJob, stats: Stats, every: int) -> None:
+    def __init__(self, job: BackgroundJob, stats: Stats, every: int, per_row_s: float | None = None) -> None:
         self.job, self.stats, self.every = job, stats, every
-        self.per_row_s: float | None = None
+        self.per_row_s = per_row_s
 
     def piece(self, rows: int | None) -> None:
         cpu, wall = time.process_time(), time.perf_counter()
@@ -206,7 +206,8 @@ def run(spec: dict[str, Any]) -> int:
                             optimizer=_optimizer(spec["optimizer"]), seed=int(spec["seed"]),
                             device=torch.device(spec.get("device", "cpu")), checkpoint=checkpoint)
         stats.start_step = job.step
-        worker = Worker(job, stats, int(spec["checkpoint_every"]))
+        per_row_s = job.warm_up() if mode.gated else None  # a cold first piece would keep it out of windows
+        worker = Worker(job, stats, int(spec["checkpoint_every"]), per_row_s)
         lines = Lines(sys.stdin.fileno())
         os.write(out, b"ready\n")
         (worker.gated if mode.gated else worker.free)(lines)

@@ -126,6 +126,30 @@ class BackgroundJob:
             self._done_rows, self._data, self._loss_sum = 0, None, 0.0
         return Piece(rows=rows, seconds=time.perf_counter() - started, stepped=stepped, loss=finished)
 
+    def warm_up(self, rows: int = 2) -> float:
+        """Two passes of forward and backward on ``rows`` rows of the first batch that leave everything the job
+        trains with as it was (weights, buffers, gradients, optimizer, RNG, data), so that a first pass's
+        one-time costs (autograd's, the allocator's) fall before any window; returns the warm pass's CPU
+        seconds per row, the first estimate a gated worker sizes its pieces by."""
+        if self._done_rows:
+            raise RuntimeError("a background job warms up at a step boundary, not inside a batch")
+        rows = max(1, min(rows, self.batch))
+        buffers = [b.clone() for b in self.module.buffers()]
+        cuda = [self.device] if self.device.type == "cuda" else []
+        seconds = 0.0
+        with torch.random.fork_rng(devices=cuda):
+            inputs, targets = self._batch()
+            for _ in range(2):
+                cpu = time.process_time()
+                self.loaded.loss(forward(self.module, _slice(inputs, 0, rows)), _slice(targets, 0, rows)).backward()
+                seconds = time.process_time() - cpu
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, saved in zip(self.module.buffers(), buffers, strict=True):
+                buffer.copy_(saved)
+        self._data = None
+        return seconds / rows
+
     def train_step(self) -> float:
         """One whole step (the rest of the current batch); returns its loss."""
         while True:

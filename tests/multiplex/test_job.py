@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from deeppool.executor.config import OptimizerConfig, OptimizerKind
@@ -48,3 +49,26 @@ def test_resumes_from_its_checkpoint_exactly(tmp_path: Path) -> None:
         resumed.train_step()
     for a, b in zip(straight.module.parameters(), resumed.module.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_warm_up_leaves_the_training_as_it_was() -> None:
+    """Batch-norm statistics, dropout's RNG draws, gradients and data: the warmed job trains the same steps."""
+    stateful = Path(__file__).parent / "models" / "stateful_bg.py"
+    cold, warm = (BackgroundJob(load_model(stateful), batch=8, optimizer=ADAM, seed=3) for _ in range(2))
+    torch.manual_seed(0)
+    cold_losses = [cold.train_step() for _ in range(3)]
+    torch.manual_seed(0)
+    rng = torch.get_rng_state()
+    assert warm.warm_up() > 0
+    assert torch.equal(torch.get_rng_state(), rng)
+    warm_losses = [warm.train_step() for _ in range(3)]
+    assert warm_losses == cold_losses
+    for a, b in zip(cold.module.state_dict().values(), warm.module.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_warm_up_inside_a_batch_is_refused() -> None:
+    j = job()
+    j.micro_step(4)
+    with pytest.raises(RuntimeError, match="step boundary"):
+        j.warm_up()

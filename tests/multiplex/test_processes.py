@@ -25,7 +25,10 @@ slowdown -0.06 to 0.31 (medians of 21 steps each side, noise dominates), recover
 idle rank-time, 4 to 15 background steps; with one more busy process on the two cores, recovered 0.012 to
 0.10 (so the floor only tells a gate that admits work from one that never does). With 20 steps (6 a side) a quiet machine's few short windows admitted 0 to 3 background steps, and
 recovered fell to 0 in some runs: too few windows to test the gate on. A gate that let the child run outside windows (slowdown) or never in them (recovered) falls outside
-these limits; they are not the ≤ 5% / ≥ 50% goal, which is for a GPU (``benchmarks/gpu.py``)."""
+these limits; they are not the ≤ 5% / ≥ 50% goal, which is for a GPU (``benchmarks/gpu.py``).
+The child sized its first piece from a cold pass until it warmed up before its first window: with one busy
+process beside it, one run of three trained 0 steps (a fresh-clone CI failed on this); warmed, 3 of 3 such
+runs trained 4 to 24 steps (recovered 0.07 to 0.28), and 3 quiet runs 5 to 24 (0.19 to 0.46)."""
 
 
 def alive(pid: int) -> bool:
