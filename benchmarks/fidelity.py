@@ -3,7 +3,7 @@
     python benchmarks/fidelity.py [--nproc 2,4] [--models cnn,branching_cnn,transformer,mlp]
                                   [--batch 32] [--steps 30] [--warmup 10] [--scatter fidelity.png]
     python benchmarks/fidelity.py --zoo [--runs 3] [--nproc 2,4] [--models hf_resnet,...] [--batch 32]
-                                  [--steps 30] [--write-docs]
+                                  [--steps 30] [--replay] [--write-docs]
 
 ``--zoo``: held-out models (``benchmarks/zoo``: HF transformers ResNet, ConvNeXt, ViT and BERT built from
 their configs, a VGG-style and a MobileNetV2-style CNN), which the cost model was not tuned on, each on 2
@@ -15,7 +15,9 @@ measured/predicted, the load average around it, the other work on the machine du
 outside the benchmark's own processes, sampled from /proc: the load average counts the row's own ranks), the
 host's speed before the plan and after the run (the profiler's reference work), the plan's uncertainty and
 every stage's measured/predicted (the per-stage scatter). Goal: every row within ±15%
-on a quiet machine (other work ≤ a quarter of the cores), in three runs in a row.
+on a quiet machine (other work ≤ a quarter of the cores), in three runs in a row. ``--replay`` runs every
+row's plan once more after the set, so that a row's miss can be told apart: the same plan's run moving from
+minutes to minutes, or its prediction moving from one plan of the model to the next.
 
 For every model of ``benchmarks/models`` (a CNN, a branching CNN, a
 transformer, an MLP) and every rank count: the network is measured here with
@@ -319,10 +321,23 @@ class ZooRow:
     """How much slower ``shared`` ranks computing at once ran than one, as the plan's profile measured it."""
     sharing_run: float
     """The same just before the run (:func:`contention`)."""
+    replayed_ms: float | None = None
+    """With ``--replay``: the same plan's measured iteration when run again after every run of the set."""
 
     @property
     def ratio(self) -> float:
         return self.measured_ms / self.predicted_ms
+
+    @property
+    def drift(self) -> float | None:
+        """The replay's iteration over the first run's: how far the same plan's run moved, minutes later."""
+        return None if self.replayed_ms is None else self.replayed_ms / self.measured_ms
+
+    def replay_line(self) -> str:
+        ratio = (self.replayed_ms or 0.0) / self.predicted_ms
+        return (f"replay of run {self.run}  {self.model:<16} {self.nproc} ranks  counts {list(self.counts)!s:<8} "
+                f"measured {self.measured_ms:8.2f} ms then, {self.replayed_ms:8.2f} ms now ({self.drift:.2f}x); "
+                f"measured/predicted {self.ratio:.2f} then, {ratio:.2f} now{'' if abs(ratio - 1) <= 0.15 else ' (miss)'}")
 
     @property
     def within(self) -> bool:
@@ -457,12 +472,54 @@ def zoo(args: argparse.Namespace) -> None:
               f"{sum(row.quiet for row in mine)} quiet (other work ≤ {QUIET_SHARE:g} of the cores); "
               "median measured/predicted "
               f"{statistics.median(row.ratio for row in mine):.2f}", flush=True)
+    if args.replay:
+        rows = replay(rows, args, work)
     print(f"goal (every row within ±15% while other work keeps ≤ {QUIET_SHARE:g} of the cores runnable, three runs "
           "in a row): "
           f"{'met' if _in_a_row(rows, args.runs) >= 3 else 'not met'} ({_in_a_row(rows, args.runs)} such runs in a row)")
     plot_stages([(f"{row.model}, {row.nproc} ranks", row.stages) for row in rows], args.scatter,
                 f"per-stage fidelity on held-out models, default flags ({args.runs} runs)")
     print(f"per-stage scatter written to {shown(args.scatter)}")
+
+
+def replay(rows: list[ZooRow], args: argparse.Namespace, work: Path) -> list[ZooRow]:
+    """Every row's plan run once more, in the set's order, after all its runs; then how far the same plan's
+    run moved, and how far the same model's predictions did from run to run (the two add up in a row)."""
+    replayed = []
+    for row in rows:
+        folder = work / f"run{row.run}" / f"{row.model}-{row.nproc}"
+        deeppool("run", "plan.json", "--steps", str(args.steps), "--out", "replay", cwd=folder, home=work / "home")
+        summary = json.loads((folder / "replay" / "summary.json").read_text())
+        replayed.append(replace(row, replayed_ms=summary["iteration_measured_ms"]))
+        print(replayed[-1].replay_line(), flush=True)
+    print(drift_summary(replayed), flush=True)
+    return replayed
+
+
+def drift_summary(rows: list[ZooRow]) -> str:
+    """The same plan's two runs, and the same model's plans (same ranks and counts) across runs: how far apart."""
+    moved = [abs(row.drift - 1) for row in rows if row.drift is not None]
+    groups: dict[tuple[str, int, tuple[int, ...]], list[ZooRow]] = {}
+    for row in rows:
+        groups.setdefault((row.model, row.nproc, row.counts), []).append(row)
+    planned = [max(r.predicted_ms for r in group) / min(r.predicted_ms for r in group) - 1
+               for group in groups.values() if len(group) > 1]
+    ran = [max(times) / min(times) - 1 for group in groups.values() if len(group) > 1
+           for times in [[t for r in group for t in (r.measured_ms, r.replayed_ms) if t is not None]]]
+    within = sum(row.within for row in rows), sum(abs((row.replayed_ms or 0) / row.predicted_ms - 1) <= 0.15
+                                                  for row in rows)
+
+    def figures(values: list[float]) -> str:
+        if not values:
+            return "none"
+        return (f"median {100 * statistics.median(values):.0f}%, largest {100 * max(values):.0f}%, above 15% in "
+                f"{sum(v > 0.15 for v in values)} of {len(values)}")
+
+    return (f"the same plan run twice, minutes apart (|replay/first - 1|): {figures(moved)}\n"
+            f"the same model, ranks and counts planned in different runs (largest/smallest prediction - 1): "
+            f"{figures(planned)}\n"
+            f"their runs and replays (largest/smallest measured - 1): {figures(ran)}\n"
+            f"rows within ±15%: {within[0]} of {len(rows)} at their run, {within[1]} of {len(rows)} at the replay")
 
 
 def shown(path: Path) -> str:
@@ -488,6 +545,9 @@ def main() -> None:
     parser.add_argument("--nproc", default="2,4")
     parser.add_argument("--models", default=None,
                         help=f"default: cnn,branching_cnn,transformer,mlp; with --zoo {ZOO_MODELS}")
+    parser.add_argument("--replay", action="store_true",
+                        help="with --zoo: run every row's plan once more after all runs, to tell how far a plan's "
+                             "run moves from how far its prediction does (region 'fidelity-zoo-replay')")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
@@ -498,7 +558,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs < 1 or args.batch < 1 or args.steps < 2:
         parser.error("--runs and --batch must be at least 1, --steps at least 2")
-    name = "fidelity-zoo" if args.zoo else "fidelity"
+    if args.replay and not args.zoo:
+        parser.error("--replay goes with --zoo")
+    name = ("fidelity-zoo-replay" if args.replay else "fidelity-zoo") if args.zoo else "fidelity"
     args.scatter = REPO / "docs" / "images" / f"{name}.png" if args.write_docs else args.scatter or Path(f"{name}.png")
     stamp = Stamp.started()
     with teed_stdout() as printed:
