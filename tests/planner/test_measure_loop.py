@@ -369,7 +369,7 @@ def test_a_batch_measured_while_the_host_slowed_is_untrusted_and_one_from_anothe
     loaded = ModelSpec.parse(str(TINY)).load()
     traced = trace(loaded)
     readings = iter([10.0, 16.0])  # the host slowed by 60% while the batch was measured (no spread is noisy here)
-    slowing = ProfilerConfig(batches=(2,), cache_dir=tmp_path, load=lambda: 0.5, cores=2,
+    slowing = ProfilerConfig(batches=(2,), cache_dir=tmp_path, load=lambda: 0.5, cores=2, retries=0,
                              reference=lambda: next(readings, 16.0), spread_bound=1e9, **FAST)
     first = measure_profile(traced, loaded, slowing)
     entries = ProfileCache(tmp_path).entries
@@ -392,3 +392,40 @@ def test_a_batch_measured_while_the_host_slowed_is_untrusted_and_one_from_anothe
     measure_profile(traced, loaded, faster)
     assert all(e["reference_ms"] == 6.0 for e in ProfileCache(tmp_path).entries.values()), \
         "a faster host: the new times are kept, steadier or not"
+
+
+def test_a_batch_measured_while_the_host_slowed_is_measured_again_at_once_and_the_steady_attempt_kept(tmp_path):
+    """The speed moved under the first attempt and held under the second: the plan rests on the second, unflagged."""
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    readings = iter([10.0, 16.0])  # moved 60% under the first attempt, then steady at 16
+    config = ProfilerConfig(batches=(2,), cache_dir=tmp_path, load=lambda: 0.5, cores=2,
+                            reference=lambda: next(readings, 16.0), spread_bound=1e9, **FAST)
+    profile = measure_profile(traced, loaded, config)
+    assert not any(any(times.busy) for times in profile.layers.values()), "the steady attempt was kept"
+    entries = ProfileCache(tmp_path).entries
+    assert all(e["reference_ms"] == 16.0 and e["speed_change"] == 0.0 for e in entries.values())
+
+
+@pytest.mark.parametrize("retries", [0, 1, 2])
+def test_a_host_whose_speed_keeps_moving_is_measured_retries_more_times_and_stays_flagged(tmp_path, retries):
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    speeds = iter(float(10 + 6 * (i % 2)) for i in range(1000))  # 10, 16, 10, 16: every attempt moved 60%
+    reads: list[float] = []
+    config = ProfilerConfig(batches=(2,), cache_dir=None, load=lambda: 0.5, cores=2, retries=retries,
+                            reference=lambda: reads.append(next(speeds)) or reads[-1], spread_bound=1e9, **FAST)
+    profile = measure_profile(traced, loaded, config)
+    assert all(all(times.busy) for times in profile.layers.values()), "no attempt was steady: flagged"
+    assert len(reads) == 2 * (1 + retries), "two readings per attempt"
+
+
+def test_no_retry_while_the_machine_is_busy(tmp_path):
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    speeds = iter(float(10 + 6 * (i % 2)) for i in range(1000))
+    reads: list[float] = []
+    config = ProfilerConfig(batches=(2,), cache_dir=None, load=lambda: 9.0, cores=2,
+                            reference=lambda: reads.append(next(speeds)) or reads[-1], spread_bound=1e9, **FAST)
+    measure_profile(traced, loaded, config)
+    assert len(reads) == 2, "a busy machine: measuring again now would meet the same load"
