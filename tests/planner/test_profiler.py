@@ -142,6 +142,19 @@ def test_a_cpu_profile_knows_how_many_ranks_its_cores_hold(tmp_path):
     assert set(ranked.measured_sharing) == {2} and ranked.sharing(2) == ranked.measured_sharing[2]
 
 
+@pytest.mark.parametrize("readings", [({2: 1.33}, {2: 1.02}), ({2: 1.02}, {2: 1.33})], ids=["slow-first", "slow-last"])
+def test_the_cores_sharing_is_measured_before_and_after_the_layers_and_the_lower_kept(monkeypatch, readings):
+    """A slow stretch through one measurement of the sharing only adds to it: the plan prices its stages by the
+    other."""
+    calls = iter(readings)
+    monkeypatch.setattr("deeppool.planner.profiler.measure_sharing", lambda counts, threads: dict(next(calls)))
+    loaded = ModelSpec.parse(str(TINY)).load()
+    config = ProfilerConfig(batches=(2,), warmup=0, repeats=1, threads=1, ranks=2, show_progress=False)
+    profile = measure_profile(trace(loaded), loaded, config)
+    assert profile.measured_sharing == {2: 1.02}
+    assert next(calls, None) is None, "measured twice"
+
+
 def test_measured_core_sharing_is_interpolated_then_extrapolated_by_time_slicing(tmp_path):
     base = synthetic.profile(synthetic.graph([("a", ("x",), 4, 4)]), {"a": 1.0}, 0.0, (1, 2))
     measured = replace(base, concurrent_ranks=2, measured_sharing={2: 1.2, 4: 2.6})
