@@ -17,7 +17,7 @@ host's speed before the plan and after the run (the profiler's reference work), 
 every stage's measured/predicted (the per-stage scatter). Goal: every row within ±15%
 on a quiet machine (other work ≤ a quarter of the cores), in three runs in a row. ``--replay`` runs every
 row's plan once more after the set, so that a row's miss can be told apart: the same plan's run moving from
-minutes to minutes, or its prediction moving from one plan of the model to the next.
+minute to minute, or its prediction moving from one plan of the model to the next.
 
 For every model of ``benchmarks/models`` (a CNN, a branching CNN, a
 transformer, an MLP) and every rank count: the network is measured here with
@@ -504,8 +504,10 @@ def drift_summary(rows: list[ZooRow]) -> str:
         groups.setdefault((row.model, row.nproc, row.counts), []).append(row)
     planned = [max(r.predicted_ms for r in group) / min(r.predicted_ms for r in group) - 1
                for group in groups.values() if len(group) > 1]
-    ran = [max(times) / min(times) - 1 for group in groups.values() if len(group) > 1
-           for times in [[t for r in group for t in (r.measured_ms, r.replayed_ms) if t is not None]]]
+    ran = []
+    for group in (group for group in groups.values() if len(group) > 1):
+        times = [t for r in group for t in (r.measured_ms, r.replayed_ms) if t is not None]
+        ran.append(max(times) / min(times) - 1)
     within = sum(row.within for row in rows), sum(abs((row.replayed_ms or 0) / row.predicted_ms - 1) <= 0.15
                                                   for row in rows)
 

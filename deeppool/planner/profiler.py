@@ -154,9 +154,9 @@ class ProfilerConfig:
     the host's speed changed under it: the batch is untrusted."""
     retries: int = 2
     """A batch measured while the host's speed moved (beyond ``speed_bound``) is measured again right away, at
-    most this many times while the machine is not busy, and the steadiest attempt kept: the held-out
-    benchmark's plan-time misses were all plans whose batch was measured in such a moment and kept, flagged
-    (``docs/performance.md``)."""
+    most this many times while the machine is not busy, and the steadiest attempt kept: each plan-time miss of
+    the held-out sets 8 and 9 rested on a batch whose every layer was flagged untrusted and kept (one measured
+    while the reference moved 24%, ``docs/performance.md``)."""
     reuse_bound: float = 0.1
     """A cached batch whose reference differs by more than this share from the host's now is measured again:
     the cached times are another speed's (the held-out benchmark's single-rank rows tracked the reference
