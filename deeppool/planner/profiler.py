@@ -574,25 +574,47 @@ def measure_sharing(counts: tuple[int, ...], threads: int, repeats: int = 5, mat
 
 
 def _concurrent_work(workers: int, matmuls: int) -> float:
-    """Seconds until the last of ``workers`` threads has done ``matmuls`` 256×256 matmuls, all started together."""
+    """Seconds until the last of ``workers`` threads has done ``matmuls`` 256×256 matmuls, all started together.
+
+    Interrupted (Ctrl-C), it stops its threads and waits until each has finished before the interrupt goes on:
+    a thread still in a matmul as the interpreter exits aborted the process (``terminate called without an
+    active exception``) where the command should say ``interrupted`` and exit 130. It waits on events the
+    threads set, since a ``join`` that Ctrl-C interrupted marks its thread stopped while it still runs
+    (CPython 3.11)."""
     matrix = torch.randn(256, 256)
-    start = threading.Barrier(workers)
+    start, stop = threading.Barrier(workers), threading.Event()
+    done = [threading.Event() for _ in range(workers)]
     finished: list[float] = []
 
-    def work() -> None:
-        torch.set_num_threads(1)  # OpenMP's thread count is per calling thread
-        torch.mm(matrix, matrix)
-        start.wait()
-        began = time.perf_counter()
-        for _ in range(matmuls):
+    def work(mine: threading.Event) -> None:
+        try:
+            torch.set_num_threads(1)  # OpenMP's thread count is per calling thread
             torch.mm(matrix, matrix)
-        finished.append(time.perf_counter() - began)
+            start.wait()
+            began = time.perf_counter()
+            for _ in range(matmuls):
+                if stop.is_set():
+                    return
+                torch.mm(matrix, matrix)
+            finished.append(time.perf_counter() - began)
+        except threading.BrokenBarrierError:
+            return
+        finally:
+            mine.set()
 
-    pool = [threading.Thread(target=work) for _ in range(workers)]
-    for thread in pool:
-        thread.start()
-    for thread in pool:
-        thread.join()
+    pool = [threading.Thread(target=work, args=(event,)) for event in done]
+    try:
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join()
+    except BaseException:
+        stop.set()
+        start.abort()
+        for thread, event in zip(pool, done, strict=True):
+            if thread.ident is not None:
+                event.wait()
+        raise
     return max(finished)
 
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -438,3 +442,28 @@ def test_batchnorm_layers_alike_in_code_and_shapes_share_one_grouped_measurement
     assert len(timed) == 2 * per_measurement, "bn1 and bn2 measured once between them, bn3 once"
     by_path = {name: layer_code(traced.module, traced.graph.layer(name)) for name in norms}
     assert len(set(by_path.values())) == 3, "the cache's digest still tells every layer apart"
+
+
+_SHARING_CHILD = """
+import sys
+from deeppool.planner.profiler import measure_sharing
+print("ready", flush=True)
+try:
+    measure_sharing((2, 4), 1)
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after_s", [0.1, 0.3])
+def test_ctrl_c_while_the_cores_sharing_is_measured_exits_cleanly(after_s):
+    """Its worker threads are stopped and waited for: one still computing at exit aborted the interpreter."""
+    child = subprocess.Popen([sys.executable, "-c", _SHARING_CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+    time.sleep(after_s)
+    os.killpg(child.pid, signal.SIGINT)
+    _, stderr = child.communicate(timeout=60)
+    assert (child.returncode, stderr.decode().strip().splitlines()) == (130, ["interrupted"])
