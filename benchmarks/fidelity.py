@@ -7,10 +7,10 @@
 
 ``--zoo``: held-out models (``benchmarks/zoo``: HF transformers ResNet, ConvNeXt, ViT and BERT built from
 their configs, a VGG-style and a MobileNetV2-style CNN), which the cost model was not tuned on, each on 2
-and 4 gloo ranks, with the ``deeppool`` commands as a user types them, default flags: ``deeppool
-profile-network --nproc N``, ``deeppool plan MODEL --gpus N --batch B --device-model local --network-file
-net.json`` (its default layer-time cache, kept from run to run as a user's is; a fresh home folder keeps
-other caches out) and ``deeppool run plan.json --steps S``. Every run of ``--runs`` records each row's
+and 4 gloo ranks, with the ``deeppool`` commands as a user types them, default flags: ``deeppool plan MODEL
+--gpus N --batch B`` (measured here, the network too: its default cache keeps the layer times and the network
+probed for each rank count from run to run, as a user's does; a fresh home folder keeps other caches out) and
+``deeppool run plan.json --steps S``. Every run of ``--runs`` records each row's
 measured/predicted, the load average around it, the other work on the machine during it (tasks runnable
 outside the benchmark's own processes, sampled from /proc: the load average counts the row's own ranks), the
 host's speed before the plan and after the run (the profiler's reference work), the plan's uncertainty and
@@ -384,12 +384,12 @@ def zoo_row(run: int, model: str, nproc: int, args: argparse.Namespace, work: Pa
 
     row = work / f"run{run}" / f"{model}-{nproc}"
     row.mkdir(parents=True)
-    home, network = work / "home", work / f"run{run}" / f"network-{nproc}.json"
+    home = work / "home"
     load_before = os.getloadavg()[0]
     reference_before = host_reference()
     with OtherWork() as other:
         deeppool("plan", str(ZOO / f"{model}.py"), "--gpus", str(nproc), "--batch", str(args.batch),
-                 "--device-model", "local", "--network-file", str(network), "--out", "plan.json", cwd=row, home=home)
+                 "--out", "plan.json", cwd=row, home=home)
         plan = Plan.load(row / "plan.json")
         shared = max(plan.assignment.values())
         sharing_run = contention(shared) if shared > 1 else 1.0
@@ -449,7 +449,7 @@ class OtherWork:
 
 
 def zoo(args: argparse.Namespace) -> None:
-    """Every run: the network measured for each rank count, then each model planned and run (see the module)."""
+    """Every run: each model planned and run at each rank count (see the module)."""
     work = Path(tempfile.mkdtemp(prefix="deeppool-fidelity-zoo-"))
     models = (args.models or ZOO_MODELS).split(",")
     counts = [int(n) for n in args.nproc.split(",")]
@@ -462,8 +462,6 @@ def zoo(args: argparse.Namespace) -> None:
     for run in range(1, args.runs + 1):
         (work / f"run{run}").mkdir(parents=True)
         for nproc in counts:
-            deeppool("profile-network", "--nproc", str(nproc), "--out", str(work / f"run{run}" / f"network-{nproc}.json"),
-                     cwd=work, home=work / "home")
             for model in models:
                 rows.append(zoo_row(run, model, nproc, args, work))
                 print(rows[-1].line(), flush=True)

@@ -35,7 +35,7 @@ class Case:
 
 CASES = (
     Case("plan", ("plan", str(REPO / "examples/resnet50.py"), "--gpus", "8", "--batch", "32", "--cache-dir", "cache",
-                  "--out", "p.json", "--gantt", "p.png"), ("p.json", "p.png"), 8.0),
+                  "--network", "local", "--out", "p.json", "--gantt", "p.png"), ("p.json", "p.png"), 8.0),
     Case("profile", ("profile", str(REPO / "examples/resnet50.py"), "--out", "profile.json", "--cache-dir", "cache"),
          ("profile.json",), 8.0),
     Case("simulate", ("simulate", "workload-6", "--gpus", "64", "--out", "sim", "--cache-dir", "cache"), ("sim",),

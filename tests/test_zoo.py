@@ -140,7 +140,7 @@ def test_zoo_model_plans_with_local_measurement(tmp_path: Path, capfd, name: str
     """Measured here, not estimated: every zoo model, with a short measurement (batch 4 on 2 GPUs)."""
     planned = deeppool(capfd, "plan", str(ZOO / f"{name}.py"), "--gpus", "2", "--batch", "4",
                        "--max-measured-batch", "2", "--cache-dir", str(tmp_path / "cache"),
-                       "--out", str(tmp_path / "plan.json"))
+                       "--network", "local", "--out", str(tmp_path / "plan.json"))
     assert planned.code == 0, planned.stderr[-3000:]
     assert "Traceback" not in planned.stderr
     assert len(json.loads((tmp_path / "plan.json").read_text())["layers"]) >= 2

@@ -267,8 +267,9 @@ class CostModel:
     def step_ms(self, layer: Layer) -> float:
         """The optimizer step over the layer's parameters (the same on each of its ranks)."""
         moved = (3 + 2 * self.optimizer.state_factor) * self.param_bytes(layer)
-        per_tensor = self.profile.overhead(self.optimizer.value).per_tensor_ms
-        return 1e3 * moved / self.profile.memory_bandwidth + per_tensor * len(layer.params)
+        overhead = self.profile.overhead(self.optimizer.value)
+        return (1e3 * moved / self.profile.memory_bandwidth + overhead.per_tensor_ms * len(layer.params)
+                + overhead.per_megabyte_ms * self.param_bytes(layer) / 1e6)
 
     @property
     def step_call_ms(self) -> float:

@@ -79,13 +79,16 @@ def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: int) -> float:
 class StepOverhead:
     """One optimizer's step beyond its memory traffic: a fixed cost per call (``step()`` and
     ``zero_grad()``, once per iteration on every rank) and one per parameter tensor (its update
-    loop's dispatch), measured by the profiler on tiny tensors; 0 where not measured."""
+    loop's dispatch), measured by the profiler on tiny tensors, and one per megabyte of parameters that a
+    step right after a real backward pays beyond streaming them (the backward left them out of the caches;
+    freeing the gradients it allocated), measured on the model's own parameters; 0 where not measured."""
 
     call_ms: float = 0.0
     per_tensor_ms: float = 0.0
+    per_megabyte_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.call_ms >= 0 and self.per_tensor_ms >= 0):
+        if not (self.call_ms >= 0 and self.per_tensor_ms >= 0 and self.per_megabyte_ms >= 0):
             raise DeeppoolError("a step overhead must be >= 0: regenerate the profile")
 
 

@@ -43,7 +43,8 @@ Beyond the layers, the profiler measures what an iteration runs outside them:
 the model's loss function on the output layer's value at each batch (forward,
 then backward, fitted as a layer is), and each optimizer's cost beyond its
 memory traffic (:func:`measure_step_overhead`: a fixed cost per ``step()`` and
-``zero_grad()`` call and one per parameter tensor).
+``zero_grad()`` call and one per parameter tensor; :func:`measure_model_step`: one
+per megabyte of the model's own parameters, stepped right after a backward).
 
 Results are cached on disk by the layer's code (its fx nodes, the source of
 the modules and functions they call), its input shapes and dtypes, the batch,
@@ -495,6 +496,9 @@ class LayerProfiler:
         with intra_op_threads(config.threads):
             overhead = measure_step_overhead(self.device)
             bandwidth = memory_bandwidth(self.device)
+            if self.batches:
+                batch = self.batches[-1]
+                overhead = measure_model_step(self.passes, _inputs(self, batch), batch, overhead, bandwidth)
         return overhead, bandwidth, self._sharing()
 
     def _measure_sharing(self) -> dict[int, float]:
@@ -532,7 +536,7 @@ def measure_step_overhead(device: torch.device, repeats: int = 15, tensors: int 
 
 def _step_ms(optimizer: Optimizer, device: torch.device, count: int, repeats: int) -> float:
     params = [torch.nn.Parameter(torch.zeros(16, device=device)) for _ in range(count)]
-    step = torch.optim.Adam(params, lr=1e-3) if optimizer is Optimizer.ADAM else torch.optim.SGD(params, lr=1e-3)
+    step = _optimizer(optimizer, params, lr=1e-3)
 
     def once() -> float:
         for param in params:
@@ -542,6 +546,41 @@ def _step_ms(optimizer: Optimizer, device: torch.device, count: int, repeats: in
     for _ in range(3):
         once()
     return statistics.median(once() for _ in range(repeats))
+
+
+def _optimizer(optimizer: Optimizer, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """The executor's optimizer of this kind (SGD without momentum, Adam) over ``params``."""
+    return torch.optim.Adam(params, lr=lr) if optimizer is Optimizer.ADAM else torch.optim.SGD(params, lr=lr)
+
+
+def measure_model_step(passes: Passes, inputs: dict[str, torch.Tensor], batch: int,
+                       overhead: dict[str, StepOverhead], bandwidth: float, repeats: int = 7,
+                       warmup: int = 2) -> dict[str, StepOverhead]:
+    """``overhead`` with each optimizer's ``per_megabyte_ms``: its ``step()`` and ``zero_grad(set_to_none=True)``
+    over the model's own parameters right after a whole pass's backward (as a one-stage executor steps), the
+    median of ``repeats``, beyond what the tiny tensors' overhead and the memory traffic at ``bandwidth`` price,
+    per megabyte of parameters. On tiny warm tensors a step prices only streaming its bytes; after a backward
+    the zoo's CNNs stepped 0.19-0.23 ms per MB slower on this CPU, and their runs' steps took twice the
+    prediction (``docs/planner.md``, ``OPT_l``). The steps run at learning rate 0: the weights stay as they are."""
+    params = [param for param in passes.module.parameters() if param.requires_grad]
+    found = dict(overhead)
+    for optimizer in Optimizer:
+        step = _optimizer(optimizer, params, lr=0.0)
+        times, stepped = [], []
+        for index in range(warmup + repeats):
+            passes.whole(inputs, batch=batch)
+            stepped = [param for param in params if param.grad is not None]
+            ms = _timed(passes.device, lambda s=step: (s.step(), s.zero_grad(set_to_none=True)))[0]
+            if index >= warmup:
+                times.append(ms)
+        megabytes = sum(param.numel() * param.element_size() for param in stepped) / 1e6
+        if megabytes <= 0:
+            continue
+        base = overhead.get(optimizer.value, StepOverhead())
+        streamed = 1e3 * (3 + 2 * optimizer.state_factor) * megabytes * 1e6 / bandwidth
+        beyond = statistics.median(times) - base.call_ms - base.per_tensor_ms * len(stepped) - streamed
+        found[optimizer.value] = replace(base, per_megabyte_ms=max(0.0, beyond / megabytes))
+    return found
 
 
 def sharing_counts(ranks: int | None) -> tuple[int, ...]:

@@ -7,6 +7,7 @@ under a second; :mod:`deeppool.planner.api` does the work.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -103,7 +104,8 @@ class CostSource:
     caps them, the larger ones fitted). ``cache_dir`` None measures
     everything afresh (``--no-cache``). ``network`` names a
     preset (a device model or ``local``), ``network_file`` a measured network
-    (``deeppool profile-network``) instead; the three overrides replace figures.
+    (``deeppool profile-network``) instead, ``measured_network`` one measured for this plan; the three
+    overrides replace figures.
     """
 
     device_model: str = LOCAL
@@ -117,6 +119,10 @@ class CostSource:
     intra_gbps: float | None = None
     inter_gbps: float | None = None
     show_progress: bool = True
+    measured_network: Callable[[], NetworkModel] | None = None
+    """This host's network for the plan's ranks, measured when the planner first asks for it (``deeppool plan``
+    on the local CPU with neither ``--network`` nor ``--network-file``: a model that fails to load or trace
+    costs no probe; :func:`deeppool.executor.launch.netprobe.local_network`)."""
 
     def __post_init__(self) -> None:
         if self.device_model != LOCAL:
@@ -148,7 +154,9 @@ class CostSource:
         return rank_threads(request.gpus) if self.local_device == "cpu" else None
 
     def network_model(self, profile: Profile) -> NetworkModel:
-        if self.network_file is not None:
+        if self.measured_network is not None:
+            base = self.measured_network()
+        elif self.network_file is not None:
             base = NetworkModel.load(self.network_file)
         else:
             preset = self.network or self._preset_for(profile)

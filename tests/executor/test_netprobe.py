@@ -11,7 +11,7 @@ import pytest
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.launch.netprobe import (
-    NetworkFit, Pattern, ProbeConfig, Sample, fit, measure_network, probe_network,
+    NetworkFit, Pattern, ProbeConfig, Sample, fit, local_network, measure_network, probe_network,
 )
 from deeppool.planner.api import CostSource
 from deeppool.planner.cost import CostModel
@@ -147,6 +147,29 @@ def test_the_skew_is_the_wait_that_grows_with_the_compute_before_a_collective(tm
     assert cost.iteration_ms(dict.fromkeys(graph.names, 1)) == still.iteration_ms(dict.fromkeys(graph.names, 1))
     late = CostModel(graph=graph, profile=profile, network=network, global_batch=4)
     assert late.skew_ms(2, 25.0) == pytest.approx(1.5) and late.skew_ms(2, 5.0) == 0.0
+
+
+def test_a_local_plans_network_is_measured_once_per_host_and_rank_count_then_read_from_the_cache(
+        tmp_path: Path) -> None:
+    probes: list[int] = []
+
+    def counted(config: ProbeConfig) -> list[Sample]:
+        probes.append(config.nproc)
+        return synthetic(config)
+
+    first = local_network(2, tmp_path, launcher=counted)
+    assert first.measured_now and first.path == tmp_path / "network-gloo-2.json" and probes == [2]
+    again = local_network(2, tmp_path, launcher=counted)
+    assert not again.measured_now and again.model == first.model and probes == [2], "read back, not probed"
+    assert local_network(3, tmp_path, launcher=counted).measured_now and probes == [2, 3], "another rank count"
+    payload = json.loads(first.path.read_text())
+    payload["measured"]["host"] = "another-host"
+    first.path.write_text(json.dumps(payload))
+    assert local_network(2, tmp_path, launcher=counted).measured_now and probes == [2, 3, 2], "another host's"
+    first.path.write_text("{ half a file")
+    assert local_network(2, tmp_path, launcher=counted).measured_now, "a damaged file is measured again"
+    unkept = local_network(2, None, launcher=counted)
+    assert unkept.measured_now and unkept.path is None and len(probes) == 5, "no cache: measured, kept nowhere"
 
 
 @pytest.mark.parametrize(

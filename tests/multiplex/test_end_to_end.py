@@ -45,9 +45,11 @@ def test_a_background_trains_on_the_idle_rank_of_the_planners_plan(tmp_path: Pat
             str(tmp_path / "cache"), "--objective", "cluster", "--out", str(plan_path)]
     planned = deeppool(capfd, *args)
     assert planned.code == 0, planned.stderr[-2000:]
+    assert "network: this host's, measured now with 2 gloo processes" in planned.stdout, "no --network-file: probed"
     if not whole_idle_ranks(Plan.load(plan_path)):
         planned = deeppool(capfd, *args, "--pin", "*=1")
         assert planned.code == 0, planned.stderr[-2000:]
+        assert "network: this host's, measured earlier" in planned.stdout, "the probe's network is kept"
     plan = Plan.load(plan_path)
     assert whole_idle_ranks(plan) == (1,)
     out = tmp_path / "run"

@@ -160,6 +160,17 @@ def test_the_loss_and_the_optimizers_fixed_costs_are_priced_where_the_executor_p
     assert _cost(optimizer=Optimizer.ADAM, profile=cost.profile).step_call_ms == 0, "Adam's overhead not measured"
 
 
+def test_a_step_after_a_backward_pays_its_measured_cost_per_megabyte_of_the_layers_parameters():
+    base = _cost()
+    overhead = {"sgd": StepOverhead(call_ms=0.25, per_tensor_ms=0.01, per_megabyte_ms=0.2)}
+    cost = _cost(profile=replace(base.profile, step_overhead=overhead))
+    a = GRAPH.layer("a")
+    assert base.param_bytes(a) > 0
+    assert cost.step_ms(a) == pytest.approx(base.step_ms(a) + 0.01 * len(a.params) + 0.2 * base.param_bytes(a) / 1e6)
+    with pytest.raises(DeeppoolError, match="regenerate the profile"):
+        StepOverhead(per_megabyte_ms=-0.1)
+
+
 def test_compute_is_priced_at_the_precision_peak_and_the_plan_records_it():
     heavy = replace(synthetic.layer("a", ("x",), params=4, act=4), fwd_flops=1e12, bwd_flops=2e12)
     a100 = DEVICES[KnownDevice.A100]

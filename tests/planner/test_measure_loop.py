@@ -259,7 +259,7 @@ def test_profile_clear_cache_and_no_cache_from_the_command_line(capsys, tmp_path
     assert fresh.code == 0, fresh.stderr
     assert not (cache / CACHE_FILE).exists(), "--no-cache writes no cache"
     planned = deeppool(capsys, "plan", str(TINY), "--gpus", "2", "--batch", "4", "--cache-dir", str(cache),
-                       "--no-cache", "--out", str(tmp_path / "p.json"))
+                       "--no-cache", "--network", "local", "--out", str(tmp_path / "p.json"))
     assert planned.code == 0, planned.stderr
     assert not (cache / CACHE_FILE).exists() and "± spread" in planned.stdout
     evidence = json.loads((tmp_path / "p.json").read_text())["evidence"]
@@ -290,7 +290,7 @@ def test_a_batch_some_layer_cannot_run_at_alone_is_left_fitted_not_a_traceback()
 
 def test_a_model_no_measurable_batch_runs_is_one_error_line_naming_the_layer_and_op(tmp_path, capfd):
     result = deeppool(capfd, "plan", str(POOLED), "--gpus", "4", "--batch", "4", "--max-measured-batch", "1",
-                      "--no-cache", "--out", str(tmp_path / "plan.json"))
+                      "--no-cache", "--network", "local", "--out", str(tmp_path / "plan.json"))
     assert result.code == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
@@ -302,7 +302,7 @@ def test_another_op_that_fails_at_a_measured_batch_is_one_error_line_not_a_fitte
     """Only BatchNorm is run over the layer's whole batch by the executor; a plan may not use a batch at which any
     other op fails, so measuring it there is the error (the model fails eagerly at that batch too)."""
     result = deeppool(capfd, "plan", str(TINY.parent / "squeezed.py"), "--gpus", "2", "--batch", "4",
-                      "--max-measured-batch", "2", "--no-cache", "--out", str(tmp_path / "plan.json"))
+                      "--max-measured-batch", "2", "--no-cache", "--network", "local", "--out", str(tmp_path / "plan.json"))
     assert result.code == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: layer 'unsqueeze'"), lines

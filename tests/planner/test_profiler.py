@@ -19,13 +19,13 @@ from deeppool.planner.cost import CostModel, check_invariants
 from deeppool.planner.graph import TraceMethod
 from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice, Precision
 from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.profile import LayerTimes, Profile, estimate_ms
+from deeppool.planner.profile import LayerTimes, Profile, StepOverhead, estimate_ms
 from deeppool.planner import group_times
 from deeppool.planner.group_times import GroupedLayers
 from deeppool.planner.layer_exec import CompiledLayerRunner, LayerFailed, LayerRunner, runners
 from deeppool.planner.profiler import (
     LayerProfiler, Measured, Passes, ProfileCache, ProfilerConfig, fit_layer, fit_line, layer_code, measure_profile,
-    measure_sharing,
+    measure_model_step, measure_sharing,
     sharing_counts,
 )
 from deeppool.planner.syncbn import GroupBatchNorm
@@ -51,6 +51,7 @@ def test_measure_then_cache_round_trip(tmp_path):
     assert min(first.loss.bwd_ms) > 0, "the loss's backward is timed"
     assert set(first.step_overhead) == {"sgd", "adam"}
     assert all(o.call_ms > 0 and o.per_tensor_ms > 0 for o in first.step_overhead.values())
+    assert all(o.per_megabyte_ms >= 0 for o in first.step_overhead.values())
     again = measure_profile(traced, loaded, config)
     assert again.layers == first.layers, "a second profile of the same layers comes from the cache"
     assert again.whole_pass == first.whole_pass and set(first.whole_pass) == {1, 4}
@@ -60,6 +61,22 @@ def test_measure_then_cache_round_trip(tmp_path):
     path = tmp_path / "profile.json"
     first.save(path)
     assert Profile.load(path) == first
+
+
+def test_the_models_own_step_after_a_backward_is_priced_per_megabyte_and_leaves_the_weights_as_they_were():
+    loaded = ModelSpec.parse(str(TINY)).load()
+    traced = trace(loaded)
+    profiler = LayerProfiler(traced, loaded, ProfilerConfig(batches=(4,), show_progress=False))
+    weights = {name: param.detach().clone() for name, param in traced.module.named_parameters()}
+    named = loaded.named_inputs(4)
+    inputs = {name: named[key] for name, key in zip(traced.graph.inputs, traced.graph.input_keys, strict=True)}
+    tiny = {"sgd": StepOverhead(call_ms=0.01, per_tensor_ms=0.001)}
+    found = measure_model_step(profiler.passes, inputs, 4, tiny, bandwidth=1e15, repeats=3, warmup=1)
+    assert set(found) == {"sgd", "adam"}
+    assert found["sgd"].call_ms == 0.01 and found["sgd"].per_tensor_ms == 0.001, "the tiny tensors' figures stay"
+    assert all(o.per_megabyte_ms > 0 for o in found.values()), "a step at an endless bandwidth still takes time"
+    assert all(torch.equal(param, weights[name]) for name, param in traced.module.named_parameters())
+    assert all(param.grad is None for param in traced.module.parameters())
 
 
 def test_every_timed_backward_writes_fresh_gradients_as_the_executor_does():

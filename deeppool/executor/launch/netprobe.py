@@ -47,6 +47,7 @@ from __future__ import annotations
 import datetime
 import enum
 import functools
+import json
 import math
 import os
 import socket
@@ -223,6 +224,41 @@ def probe_network(config: ProbeConfig, *, launcher: Launcher | None = None) -> N
     """Measure with ``config`` (``launcher`` starts the processes; tests inject one) and fit."""
     samples = (launcher or spawn_probe)(config)
     return fit(samples, nproc=config.nproc)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalNetwork:
+    """This host's network for a plan's ranks (:func:`local_network`) and where it came from."""
+
+    model: NetworkModel
+    path: Path | None
+    """The cache file it was read from or written to; None with no cache."""
+    measured_now: bool
+
+
+def local_network(nproc: int, cache_dir: Path | None, *, launcher: Launcher | None = None) -> LocalNetwork:
+    """This host's network for ``nproc`` gloo ranks: from ``cache_dir`` where a probe of this host (its name and
+    cores) at that count left it, else measured now (the probe's defaults, as ``deeppool profile-network
+    --nproc N`` measures; ``launcher`` as :func:`probe_network`'s) and kept there."""
+    path = cache_dir / f"network-gloo-{nproc}.json" if cache_dir is not None else None
+    if path is not None and _probed_here(path, nproc):
+        return LocalNetwork(model=NetworkModel.load(path), path=path, measured_now=False)
+    fitted = probe_network(ProbeConfig(nproc=nproc), launcher=launcher)
+    if path is not None:
+        fitted.save(path)
+    return LocalNetwork(model=fitted.network, path=path, measured_now=True)
+
+
+def _probed_here(path: Path, nproc: int) -> bool:
+    """Whether ``path`` holds a network this host measured with ``nproc`` processes (anything else is measured
+    again: a missing, foreign or damaged file)."""
+    try:
+        NetworkModel.load(path)
+        measured = json.loads(path.read_text())["measured"]
+    except (OSError, ValueError, KeyError, TypeError, DeeppoolError):
+        return False
+    return (measured.get("host"), measured.get("cpus"), measured.get("nproc")) == (
+        socket.gethostname(), os.cpu_count(), nproc)
 
 
 def measure_network(nproc: int, sizes: Sequence[int] = DEFAULT_SIZES) -> NetworkModel:
