@@ -18,7 +18,6 @@ if TYPE_CHECKING:  # each command imports its work (and torch) only after its op
     from deeppool.planner.api import Planned
     from deeppool.planner.batch_search import BatchSearchRequest
     from deeppool.planner.modelspec import ModelSpec
-    from deeppool.planner.hardware import NetworkModel
     from deeppool.planner.request import CostSource, PlanRequest
 
 app = typer.Typer(
@@ -118,6 +117,8 @@ def plan(
     import dataclasses
 
     from deeppool import checks
+    from deeppool.executor.launch.netprobe import probed_source
+    from deeppool.output import console
     from deeppool.planner.cost import Optimizer
     from deeppool.planner.hardware import Precision
     from deeppool.planner.modelspec import ModelSpec
@@ -174,7 +175,7 @@ def plan(
     check_precision(request, source)
     if source.measures_locally and not no_cache:
         checks.out_folder(cache_dir, "--cache-dir")
-    source = _local_network(source, gpus)
+    source = probed_source(source, gpus, lambda line: console().print(line, highlight=False))
     spec = ModelSpec.parse(
         model, input_shape=checks.positive_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
         vocab_size=vocab_size,
@@ -189,47 +190,6 @@ def plan(
             planned = plan_model(spec, request, source)
         planned = dataclasses.replace(planned, plan=dataclasses.replace(planned.plan, combine=choice))
         _report_plan(planned, out=out, gantt=gantt, pareto=pareto, per_layer=per_layer)
-
-
-def _local_network(source: CostSource, gpus: int) -> CostSource:
-    """A plan measured on this CPU for several ranks, with neither ``--network`` nor ``--network-file``: this
-    host's network measured for its ranks when the planner first needs it (once; kept in the cache), in place
-    of the local preset's guess, which left a 2-rank plan with synchronised BatchNorm predicting half its run
-    (``docs/planner.md``)."""
-    import dataclasses
-    import functools
-    import os
-
-    from deeppool.executor.launch.cli import CPU_RANKS_PER_CORE
-
-    if not (source.measures_locally and source.local_device == "cpu" and gpus > 1
-            and source.network is None and source.network_file is None):
-        return source
-    cores = os.cpu_count() or 1
-    if gpus > CPU_RANKS_PER_CORE * cores:
-        from deeppool.output import console
-
-        console().print(f"network: the local preset, not measured ({gpus} ranks are more than {CPU_RANKS_PER_CORE} "
-                        f"per core of this host's {cores}); --network-file names a measured one", highlight=False)
-        return source
-    return dataclasses.replace(source, measured_network=functools.cache(
-        functools.partial(_measured_network, gpus, source.cache_dir)))
-
-
-def _measured_network(gpus: int, cache_dir: Path | None) -> NetworkModel:
-    """This host's network for ``gpus`` gloo ranks (:func:`~deeppool.executor.launch.netprobe.local_network`),
-    and one line saying where it came from."""
-    from deeppool.executor.launch.netprobe import local_network
-    from deeppool.output import console
-
-    shown = console()
-    with shown.status(f"measuring this host's network with {gpus} gloo processes (once: it is kept)"):
-        found = local_network(gpus, cache_dir)
-    how = "measured now" if found.measured_now else "measured earlier"
-    kept = f", kept in {found.path}" if found.path is not None else ""
-    shown.print(f"network: this host's, {how} with {gpus} gloo processes{kept} (`deeppool profile-network` "
-                "measures it again; --network local assumes the preset)", highlight=False)
-    return found.model
 
 
 def _batch_search(batch: str, gpus: int, *, gns: float | None, base_batch: int | None, batches: str | None,

@@ -73,6 +73,7 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
     from deeppool.coordinator.slurm import run_across
     from deeppool.executor.launch.worker_args import config_args
     from deeppool.executor.config import RunConfig
+    from deeppool.executor.launch.netprobe import probed_source
     from deeppool.multiplex.api import run
     from deeppool.multiplex.options import background_args
     from deeppool.planner.api import plan_model
@@ -84,9 +85,10 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
     staged = stage_model(spec.model, spec.allowed_roots, spec.out / "model")
     model = ModelSpec.parse(staged, input_shape=spec.input_shape, input_dtype=spec.input_dtype,
                             vocab_size=spec.vocab_size)
+    source = probed_source(CostSource(device_model=spec.device_model), spec.gpus, lambda line: print(line, flush=True))
     planned = plan_model(model,
                          PlanRequest(gpus=spec.gpus, global_batch=spec.batch, amplification=spec.amplification),
-                         CostSource(device_model=spec.device_model))
+                         source)
     plan = planned.plan
     plan.save(spec.out / "plan.json")
     background = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.launch.netprobe import (
-    NetworkFit, Pattern, ProbeConfig, Sample, fit, local_network, measure_network, probe_network,
+    NetworkFit, Pattern, ProbeConfig, Sample, fit, local_network, measure_network, probe_network, probed_source,
 )
 from deeppool.planner.api import CostSource
 from deeppool.planner.cost import CostModel
@@ -170,6 +171,21 @@ def test_a_local_plans_network_is_measured_once_per_host_and_rank_count_then_rea
     assert local_network(2, tmp_path, launcher=counted).measured_now, "a damaged file is measured again"
     unkept = local_network(2, None, launcher=counted)
     assert unkept.measured_now and unkept.path is None and len(probes) == 5, "no cache: measured, kept nowhere"
+
+
+def test_only_a_plan_measured_on_this_cpu_for_several_ranks_without_a_network_probes_it_and_only_when_asked(
+        tmp_path: Path) -> None:
+    said: list[str] = []
+    local = CostSource(cache_dir=tmp_path)
+    for unchanged, gpus in ((CostSource(device_model="a100"), 4), (replace(local, network="local"), 4), (local, 1)):
+        assert probed_source(unchanged, gpus, said.append) == unchanged
+    assert said == []
+    crowded = (os.cpu_count() or 1) * 4 + 1
+    assert probed_source(local, crowded, said.append) == local
+    assert len(said) == 1 and "the local preset, not measured" in said[0], said
+    probing = probed_source(local, 2, said.append)
+    assert probing.measured_network is not None and len(said) == 1
+    assert not (tmp_path / "network-gloo-2.json").exists(), "nothing is probed before the planner asks"
 
 
 @pytest.mark.parametrize(

@@ -167,6 +167,7 @@ def resized(plan: Plan, config: RunConfig, request: dict[str, object], model: st
     import dataclasses
     import shlex
 
+    from deeppool.executor.launch.netprobe import probed_source
     from deeppool.output import console
     from deeppool.planner.api import plan_model
     from deeppool.planner.hardware import KnownDevice
@@ -176,7 +177,8 @@ def resized(plan: Plan, config: RunConfig, request: dict[str, object], model: st
     device = plan.device if plan.device in {known.value for known in KnownDevice} else LOCAL
     planned = plan_model(plan.model, PlanRequest(gpus=gpus, global_batch=plan.global_batch, strategy=plan.strategy,
                                                  optimizer=plan.optimizer, amplification=plan.amplification_limit),
-                         CostSource(device_model=device, show_progress=False)).plan
+                         probed_source(CostSource(device_model=device, show_progress=False), gpus,
+                                       lambda line: console().print(line, highlight=False))).plan
     path = checkpoint / f"plan-{gpus}gpus.json"
     planned.save(path)
     every = config.checkpoint.every if config.checkpoint is not None else 0

@@ -54,7 +54,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,7 @@ from deeppool.interrupt import children_start_deaf, die_on_interrupt
 from deeppool.executor.config import DEFAULT_SIZES, ProbeConfig
 from deeppool.planner.hardware import LOCAL_NETWORK, NETWORK_SCHEMA_VERSION, NetworkModel
 from deeppool.planner.jsonio import write_json
+from deeppool.planner.request import CostSource
 
 class Pattern(enum.Enum):
     P2P = "p2p"
@@ -236,13 +237,44 @@ class LocalNetwork:
     measured_now: bool
 
 
-def local_network(nproc: int, cache_dir: Path | None, *, launcher: Launcher | None = None) -> LocalNetwork:
+def probed_source(source: CostSource, gpus: int, say: Callable[[str], None]) -> CostSource:
+    """``source`` with this host's network for ``gpus`` gloo ranks, measured when the planner first asks for it
+    (:func:`local_network`, kept in ``source.cache_dir``), where it measures on this CPU for several ranks and
+    names no network (``--network``, ``--network-file``). The local preset's guess (5 GB/s, 50 µs, no
+    synchronisation latency or skew) had a 2-rank plan with synchronised BatchNorm predict half its run
+    (``docs/planner.md``). Above ``CPU_RANKS_PER_CORE`` ranks per core the probe would measure contention: the
+    preset stays. ``say`` gets one line on where the network came from."""
+    from deeppool.executor.launch.cli import CPU_RANKS_PER_CORE
+
+    if not (source.measures_locally and source.local_device == "cpu" and gpus > 1
+            and source.network is None and source.network_file is None):
+        return source
+    cores = os.cpu_count() or 1
+    if gpus > CPU_RANKS_PER_CORE * cores:
+        say(f"network: the local preset, not measured ({gpus} ranks are more than {CPU_RANKS_PER_CORE} per core "
+            f"of this host's {cores}); --network-file names a measured one")
+        return source
+
+    def measured() -> NetworkModel:
+        found = local_network(gpus, source.cache_dir, say=say)
+        how = "measured now" if found.measured_now else "measured earlier"
+        kept = f", kept in {found.path}" if found.path is not None else ""
+        say(f"network: this host's, {how} with {gpus} gloo processes{kept} (`deeppool profile-network` measures "
+            "it again; --network local assumes the preset)")
+        return found.model
+
+    return replace(source, measured_network=functools.cache(measured))
+
+
+def local_network(nproc: int, cache_dir: Path | None, *, say: Callable[[str], None] = lambda _: None,
+                  launcher: Launcher | None = None) -> LocalNetwork:
     """This host's network for ``nproc`` gloo ranks: from ``cache_dir`` where a probe of this host (its name and
     cores) at that count left it, else measured now (the probe's defaults, as ``deeppool profile-network
-    --nproc N`` measures; ``launcher`` as :func:`probe_network`'s) and kept there."""
+    --nproc N`` measures, after ``say`` says so; ``launcher`` as :func:`probe_network`'s) and kept there."""
     path = cache_dir / f"network-gloo-{nproc}.json" if cache_dir is not None else None
     if path is not None and _probed_here(path, nproc):
         return LocalNetwork(model=NetworkModel.load(path), path=path, measured_now=False)
+    say(f"measuring this host's network with {nproc} gloo processes (once: it is kept)")
     fitted = probe_network(ProbeConfig(nproc=nproc), launcher=launcher)
     if path is not None:
         fitted.save(path)
