@@ -117,8 +117,6 @@ def plan(
     import dataclasses
 
     from deeppool import checks
-    from deeppool.executor.launch.netprobe import probed_source
-    from deeppool.output import console
     from deeppool.planner.cost import Optimizer
     from deeppool.planner.hardware import Precision
     from deeppool.planner.modelspec import ModelSpec
@@ -175,11 +173,14 @@ def plan(
     check_precision(request, source)
     if source.measures_locally and not no_cache:
         checks.out_folder(cache_dir, "--cache-dir")
-    source = probed_source(source, gpus, lambda line: console().print(line, highlight=False))
     spec = ModelSpec.parse(
         model, input_shape=checks.positive_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
         vocab_size=vocab_size,
     )
+    from deeppool.executor.launch.netprobe import probed_source
+    from deeppool.output import console
+
+    source = probed_source(source, gpus, lambda line: console().print(line, highlight=False))
     with removed_if_interrupted(out, gantt, pareto, goodput_plot):
         if search is not None:
             assert goodput_plot is not None

@@ -497,9 +497,18 @@ class LayerProfiler:
             overhead = measure_step_overhead(self.device)
             bandwidth = memory_bandwidth(self.device)
             if self.batches:
-                batch = self.batches[-1]
+                batch = self._step_batch()
                 overhead = measure_model_step(self.passes, _inputs(self, batch), batch, overhead, bandwidth)
         return overhead, bandwidth, self._sharing()
+
+    def _step_batch(self) -> int:
+        """The batch :func:`measure_model_step` runs its passes at: the largest measured one whose passes for
+        it take at most ``STEP_BUDGET_MS`` (a larger backward leaves less of the parameters in the caches, as a
+        training step's does), else the smallest."""
+        passes = len(Optimizer) * (STEP_WARMUP + STEP_REPEATS)
+        fitting = [batch for batch in self.batches if batch in self.whole
+                   and passes * (self.whole[batch].fwd_ms + self.whole[batch].bwd_ms) <= STEP_BUDGET_MS]
+        return max(fitting, default=self.batches[0])
 
     def _measure_sharing(self) -> dict[int, float]:
         """How ranks share the cores (:func:`measure_sharing`), on a CPU profile planned for ranks; else none."""
@@ -516,6 +525,10 @@ class LayerProfiler:
         return {g: min(share, early.get(g, share)) for g, share in later.items()}
 
 
+STEP_REPEATS, STEP_WARMUP = 5, 1
+"""The timed and untimed steps per optimizer of :func:`measure_model_step`, each after a whole pass."""
+STEP_BUDGET_MS = 1500.0
+"""What :func:`measure_model_step`'s passes may take at the batch chosen for them (:meth:`LayerProfiler._step_batch`)."""
 LOSS = "<loss>"
 """The loss function's key among the measured entries (no layer name has angle brackets)."""
 WHOLE = "<whole pass>"
@@ -554,8 +567,8 @@ def _optimizer(optimizer: Optimizer, params: list[torch.nn.Parameter], lr: float
 
 
 def measure_model_step(passes: Passes, inputs: dict[str, torch.Tensor], batch: int,
-                       overhead: dict[str, StepOverhead], bandwidth: float, repeats: int = 7,
-                       warmup: int = 2) -> dict[str, StepOverhead]:
+                       overhead: dict[str, StepOverhead], bandwidth: float, repeats: int = STEP_REPEATS,
+                       warmup: int = STEP_WARMUP) -> dict[str, StepOverhead]:
     """``overhead`` with each optimizer's ``per_megabyte_ms``: its ``step()`` and ``zero_grad(set_to_none=True)``
     over the model's own parameters right after a whole pass's backward (as a one-stage executor steps), the
     median of ``repeats``, beyond what the tiny tensors' overhead and the memory traffic at ``bandwidth`` price,
