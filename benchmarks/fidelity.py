@@ -503,9 +503,10 @@ def drift_summary(rows: list[ZooRow]) -> str:
     planned = [max(r.predicted_ms for r in group) / min(r.predicted_ms for r in group) - 1
                for group in groups.values() if len(group) > 1]
     ran = []
-    for group in (group for group in groups.values() if len(group) > 1):
-        times = [t for r in group for t in (r.measured_ms, r.replayed_ms) if t is not None]
-        ran.append(max(times) / min(times) - 1)
+    for group in groups.values():
+        if len(group) > 1:
+            times = [t for r in group for t in (r.measured_ms, r.replayed_ms) if t is not None]
+            ran.append(max(times) / min(times) - 1)
     within = sum(row.within for row in rows), sum(abs((row.replayed_ms or 0) / row.predicted_ms - 1) <= 0.15
                                                   for row in rows)
 

@@ -115,6 +115,11 @@ class Optimizer(enum.Enum):
         """Optimizer state bytes per parameter byte (SGD without momentum: none; Adam: two moments)."""
         return {Optimizer.SGD: 0, Optimizer.ADAM: 2}[self]
 
+    def step_traffic(self, param_bytes: float) -> float:
+        """Bytes a step streams over ``param_bytes`` of parameters: read the weights and gradients, write the
+        weights, and read and write each state tensor."""
+        return (3 + 2 * self.state_factor) * param_bytes
+
 
 class PhaseKind(enum.Enum):
     FORWARD = "forward"
@@ -266,7 +271,7 @@ class CostModel:
 
     def step_ms(self, layer: Layer) -> float:
         """The optimizer step over the layer's parameters (the same on each of its ranks)."""
-        moved = (3 + 2 * self.optimizer.state_factor) * self.param_bytes(layer)
+        moved = self.optimizer.step_traffic(self.param_bytes(layer))
         overhead = self.profile.overhead(self.optimizer.value)
         return (1e3 * moved / self.profile.memory_bandwidth + overhead.per_tensor_ms * len(layer.params)
                 + overhead.per_megabyte_ms * self.param_bytes(layer) / 1e6)

@@ -590,7 +590,7 @@ def measure_model_step(passes: Passes, inputs: dict[str, torch.Tensor], batch: i
         if megabytes <= 0:
             continue
         base = overhead.get(optimizer.value, StepOverhead())
-        streamed = 1e3 * (3 + 2 * optimizer.state_factor) * megabytes * 1e6 / bandwidth
+        streamed = 1e3 * optimizer.step_traffic(megabytes * 1e6) / bandwidth
         beyond = statistics.median(times) - base.call_ms - base.per_tensor_ms * len(stepped) - streamed
         found[optimizer.value] = replace(base, per_megabyte_ms=max(0.0, beyond / megabytes))
     return found

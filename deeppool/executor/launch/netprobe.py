@@ -47,7 +47,6 @@ from __future__ import annotations
 import datetime
 import enum
 import functools
-import json
 import math
 import os
 import socket
@@ -65,7 +64,7 @@ from deeppool.errors import DeeppoolError
 from deeppool.interrupt import children_start_deaf, die_on_interrupt
 from deeppool.executor.config import DEFAULT_SIZES, ProbeConfig
 from deeppool.planner.hardware import LOCAL_NETWORK, NETWORK_SCHEMA_VERSION, NetworkModel
-from deeppool.planner.jsonio import write_json
+from deeppool.planner.jsonio import read_json, write_json
 from deeppool.planner.request import CostSource
 
 class Pattern(enum.Enum):
@@ -272,8 +271,9 @@ def local_network(nproc: int, cache_dir: Path | None, *, say: Callable[[str], No
     cores) at that count left it, else measured now (the probe's defaults, as ``deeppool profile-network
     --nproc N`` measures, after ``say`` says so; ``launcher`` as :func:`probe_network`'s) and kept there."""
     path = cache_dir / f"network-gloo-{nproc}.json" if cache_dir is not None else None
-    if path is not None and _probed_here(path, nproc):
-        return LocalNetwork(model=NetworkModel.load(path), path=path, measured_now=False)
+    cached = _probed_here(path, nproc) if path is not None else None
+    if cached is not None:
+        return LocalNetwork(model=cached, path=path, measured_now=False)
     say(f"measuring this host's network with {nproc} gloo processes (once: it is kept)")
     fitted = probe_network(ProbeConfig(nproc=nproc), launcher=launcher)
     if path is not None:
@@ -281,16 +281,17 @@ def local_network(nproc: int, cache_dir: Path | None, *, say: Callable[[str], No
     return LocalNetwork(model=fitted.network, path=path, measured_now=True)
 
 
-def _probed_here(path: Path, nproc: int) -> bool:
-    """Whether ``path`` holds a network this host measured with ``nproc`` processes (anything else is measured
-    again: a missing, foreign or damaged file)."""
+def _probed_here(path: Path, nproc: int) -> NetworkModel | None:
+    """The network in ``path`` where this host measured it with ``nproc`` processes; None for anything else
+    (a missing, foreign or damaged file), which is measured again."""
     try:
-        NetworkModel.load(path)
-        measured = json.loads(path.read_text())["measured"]
-    except (OSError, ValueError, KeyError, TypeError, DeeppoolError):
-        return False
-    return (measured.get("host"), measured.get("cpus"), measured.get("nproc")) == (
-        socket.gethostname(), os.cpu_count(), nproc)
+        payload = read_json(path, kind="network", schema_version=NETWORK_SCHEMA_VERSION)
+        measured = payload["measured"]
+        here = (measured.get("host"), measured.get("cpus"), measured.get("nproc")) == (
+            socket.gethostname(), os.cpu_count(), nproc)
+        return NetworkModel.from_json(payload) if here else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, DeeppoolError):
+        return None
 
 
 def measure_network(nproc: int, sizes: Sequence[int] = DEFAULT_SIZES) -> NetworkModel:
