@@ -29,6 +29,9 @@ LP relaxation is the local-polytope relaxation (integral on chains) with
 O(K) variables per edge instead of K² pair variables; with the cross-node
 ladder beside the in-node one it was still integral on most examples
 (``benchmarks/planner.py``), and branch and bound covers the rest.
+The cluster objective's search prices the reshards' GPU-time too, which a
+ladder's sums over counts cannot carry: there each edge has one column per pair
+of counts instead (``reshard_pairs``, the same local polytope, ``K²`` columns).
 The amplification limit is hard: counts above it are not offered
 (:mod:`deeppool.planner.candidates`).
 
@@ -58,6 +61,8 @@ from deeppool.planner.cost import CostModel
 
 if TYPE_CHECKING:
     import pulp as pulp_types
+
+    from deeppool.planner.graph import Layer
 
 _INF = float("inf")
 
@@ -115,15 +120,16 @@ def solve(
 class Ilp:
     """The ILP of ``options`` built once, solved at any ``price`` with any set of no-good cuts.
 
-    ``reshard_floor``: the price also multiplies a floor of each reshard's GPU-time, carried by the edge
-    ladders (:func:`_ladder`), so ``price · gpu_time`` never exceeds ``price`` times the plan's busy GPU-time
-    with its reshards (the cluster search's bound, :mod:`deeppool.planner.throughput`). Off, the price
-    multiplies the layers' and rounds' GPU-time alone (DeepPool's trade-off, exact)."""
+    ``reshard_pairs``: every edge's reshards are priced through one column per pair of counts
+    (:func:`_pairs`), time and GPU-time exactly, so ``price · gpu_time`` is ``price`` times the plan's busy
+    GPU-time less only the optimizer's per-call step (the cluster search's bound,
+    :mod:`deeppool.planner.throughput`). Off, the edge ladders carry the reshards' time alone and the price
+    multiplies the layers' and rounds' GPU-time (DeepPool's trade-off, exact)."""
 
     def __init__(self, cost: CostModel, options: dict[str, tuple[int, ...]], *, memory_bytes: int | None,
-                 solver: SolverName | None = None, reshard_floor: bool = False) -> None:
+                 solver: SolverName | None = None, reshard_pairs: bool = False) -> None:
         self.solver = solver or default_solver()
-        self.matrix, self.x = _formulate(cost, options, memory_bytes, reshard_floor=reshard_floor)
+        self.matrix, self.x = _formulate(cost, options, memory_bytes, reshard_pairs=reshard_pairs)
         self.names = tuple(layer.name for layer in cost.graph.layers)
         self.cuts: dict[tuple[int, ...], tuple[int, float]] = {}
         """Each no-good cut's row and right-hand side, by the assignment it excludes."""
@@ -204,7 +210,7 @@ class _Matrix:
 
 
 def _formulate(
-    cost: CostModel, options: dict[str, tuple[int, ...]], memory_bytes: int | None, *, reshard_floor: bool = False
+    cost: CostModel, options: dict[str, tuple[int, ...]], memory_bytes: int | None, *, reshard_pairs: bool = False
 ) -> tuple[_Matrix, dict[str, dict[int, int]]]:
     m = _Matrix()
     x = {layer.name: {g: m.column(upper=1.0, binary=True) for g in options[layer.name]} for layer in cost.graph.layers}
@@ -215,7 +221,7 @@ def _formulate(
             m.time_cost[j] = ms
             m.gpu_cost[j] = ms * g / 1e3
     for src, dst in cost.graph.edges():
-        _edge(m, cost, src, x[src], x[dst], floor=reshard_floor)
+        _edge(m, cost, src, x[src], x[dst], pairs=reshard_pairs)
     for group in cost.graph.tied():
         _tie(m, [x[name] for name in group])
     _rounds(m, cost, x)
@@ -278,8 +284,9 @@ def _tie(m: _Matrix, choices: list[dict[int, int]]) -> None:
                 m.row(((j, 1.0), (first[g], -1.0)), 0.0, 0.0)
 
 
-def _edge(m: _Matrix, cost: CostModel, src: str, xu: dict[int, int], xv: dict[int, int], *, floor: bool) -> None:
-    """Add an edge's ladders and their costs (both directions).
+def _edge(m: _Matrix, cost: CostModel, src: str, xu: dict[int, int], xv: dict[int, int], *, pairs: bool) -> None:
+    """Add an edge's reshards and their costs (both directions): with ``pairs`` one column per pair of counts
+    (:func:`_pairs`), else the ladders.
 
     The unit of flow from u's count to v's goes straight (equal counts, free)
     or through one ladder: the in-node ladder (only the counts within a node,
@@ -290,15 +297,17 @@ def _edge(m: _Matrix, cost: CostModel, src: str, xu: dict[int, int], xv: dict[in
     if len(xu) == 1 and xu.keys() == xv.keys():
         return
     producer = cost.graph.layer(src)
+    if pairs:
+        _pairs(m, cost, producer, xu, xv)
+        return
     counts = sorted(set(xu) | set(xv))
     inside = [g for g in counts if g <= cost.network.gpus_per_node]
     sync = {g: cost.sync_ms(g) for g in counts}
     rails = []
     if len(inside) > 1:
-        rails.append(_ladder(m, {g: cost.reshard_side_ms(producer, g) for g in inside}, sync, floor=floor))
+        rails.append(_ladder(m, {g: cost.reshard_side_ms(producer, g) for g in inside}, sync))
     if len(inside) < len(counts):
-        rails.append(_ladder(m, {g: cost.reshard_side_ms(producer, g, across=True) for g in counts}, sync,
-                             floor=floor))
+        rails.append(_ladder(m, {g: cost.reshard_side_ms(producer, g, across=True) for g in counts}, sync))
     for g in counts:
         stay = m.column() if g in xu and g in xv else None
         for end, port in ((xu, 0), (xv, 1)):
@@ -309,34 +318,39 @@ def _edge(m: _Matrix, cost: CostModel, src: str, xu: dict[int, int], xv: dict[in
             m.row(terms, 0.0, 0.0)
 
 
-def _ladder(m: _Matrix, side: dict[int, float], sync: dict[int, float], *, floor: bool
-            ) -> tuple[dict[int, int], dict[int, int]]:
+def _pairs(m: _Matrix, cost: CostModel, producer: Layer, xu: dict[int, int], xv: dict[int, int]) -> None:
+    """The edge's reshards through one column per pair of counts, ``y[a,b] ≥ 0`` with ``Σ_b y[a,b] = x[u,a]``
+    and ``Σ_a y[a,b] = x[v,b]`` (the local polytope, integral on chains as the ladders are), each priced
+    exactly: the round trip ``R(a,b) + R(b,a)`` in time and ``max(a,b)`` ranks held for it in GPU-time, as
+    :meth:`CostModel.schedule` holds them. ``K_u·K_v`` columns, where the ladders have ``O(K)``: the price
+    of an exact GPU-time, which the ladders' sums over counts cannot carry."""
+    pairs = {(a, b): m.column() for a in xu for b in xv}
+    for (a, b), j in pairs.items():
+        ms = cost.round_trip_ms(producer, a, b)
+        m.time_cost[j] = ms
+        m.gpu_cost[j] = max(a, b) * ms / 1e3
+    for a, j in xu.items():
+        m.row([(j, -1.0), *((pairs[a, b], 1.0) for b in xv)], 0.0, 0.0)
+    for b, j in xv.items():
+        m.row([(j, -1.0), *((pairs[a, b], 1.0) for a in xu)], 0.0, 0.0)
+
+
+def _ladder(m: _Matrix, side: dict[int, float], sync: dict[int, float]) -> tuple[dict[int, int], dict[int, int]]:
     """Levels sorted by side descending: enter at ``σ_i``, go down free, up at ``σ_k − σ_{k+1}``, leave free;
     entering from and leaving to count ``g`` adds ``sync[g]`` (the direction that count sends). Returns the
-    entry and exit columns by count.
-
-    With ``floor``, GPU-time costs that never exceed the round trip's, ``max(g_u, g_v)·(2σ(p) + ω_u + ω_v)``
-    with ``p = min(g_u, g_v)``, ``q = max``: ``σ`` does not grow with the count (``⌈batch/g⌉``), so the levels
-    are the counts ascending; entering or leaving at ``g`` costs ``g·(σ(g) + ω_g)``, and each rung between
-    counts ``n_k < n_{k+1}``, either way, ``(n_{k+1} − n_k)·σ(n_{k+1})``. The path from ``p`` to ``q`` then
-    costs at most ``p·σ(p) + q·σ(q) + (q − p)·σ(p) + p·ω_p + q·ω_q ≤ q·(2σ(p) + ω_u + ω_v)``."""
+    entry and exit columns by count."""
     levels = sorted(side, key=lambda g: (-side[g], g))
     sides = [side[g] for g in levels]
     down = [m.column() for _ in range(len(levels) - 1)]
     up = [m.column() for _ in range(len(levels) - 1)]
     for k, j in enumerate(up):
         m.time_cost[j] = 2 * (sides[k] - sides[k + 1])
-        if floor:
-            rung = abs(levels[k + 1] - levels[k]) * min(sides[k], sides[k + 1]) / 1e3
-            m.gpu_cost[j] = m.gpu_cost[down[k]] = rung
     enter: dict[int, int] = {}
     leave: dict[int, int] = {}
     for k, g in enumerate(levels):
         enter[g], leave[g] = m.column(), m.column()
         m.time_cost[enter[g]] = 2 * sides[k] + sync[g]
         m.time_cost[leave[g]] = sync[g]
-        if floor:
-            m.gpu_cost[enter[g]] = m.gpu_cost[leave[g]] = g * (sides[k] + sync[g]) / 1e3
         ladder = [(enter[g], 1.0), (leave[g], -1.0)]
         if k:
             ladder += [(down[k - 1], 1.0), (up[k - 1], -1.0)]

@@ -26,11 +26,10 @@ at the model's efficiency.
 **Exact search** (:func:`cluster_optimum`), over the same candidate counts as the
 time objective. ``J`` is not linear (windows, thresholds, ``1/T``), but it is
 bounded by what the ILP optimises exactly. With ``B'`` the GPU-time the ILP
-prices (``Σ_l g_l·layer_ms_l(g_l) + Σ_g g·(ROUNDS(g) + SKEW(g))`` plus, on every edge whose
-counts differ, a floor of its reshards' GPU-time carried by the edge's ladders,
-:class:`deeppool.planner.ilp.Ilp`'s ``reshard_floor``; never more than the plan's
-busy GPU-time ``B``, which adds the whole reshards and the optimizer call,
-``tests/planner/test_ilp.py``), ``ē`` the largest efficiency of any window and
+prices (``Σ_l g_l·layer_ms_l(g_l) + Σ_g g·(ROUNDS(g) + SKEW(g))`` plus every edge's reshards,
+``max(g_u, g_v)`` ranks for their round trip, priced exactly through one column per pair of counts,
+:class:`deeppool.planner.ilp.Ilp`'s ``reshard_pairs``: the plan's busy GPU-time ``B`` less only the
+optimizer's per-call step, ``tests/planner/test_ilp.py``), ``ē`` the largest efficiency of any window and
 ``c = ē / G``:
 
 * a plan that lends has ``usable_r ≤ ē · idle_r / T`` (``fit(len) ≤ len``) and ``Σ_r idle_r = G·T − B``, so
@@ -60,17 +59,16 @@ With a tolerance ``ε`` (the planner's default, 0.2%) both tests use ``λ·(1 + 
 place of ``λ``: the plan returned is then proven within ``ε`` of the best. The
 bound is loose where idle time cannot be lent (ranks idle for less than
 ``min_lend_fraction``, windows shorter than the efficiency curve's first bin) and by
-the reshard GPU-time the floor misses (a ladder's costs add per count, so a reshard
-between ``p < q`` GPUs is priced about ``(2 + ln(q/p))/(2·q/p)`` of its ``q·R``), and by
 pieces: ``fit(len)`` falls short of ``len`` by up to a piece in every window of a rank that runs
 a layer, and a window shorter than a piece holds nothing (the searches of the simulator's
 examples whose guests' pieces are long beside the windows end at the time limit, ``docs/planner.md``).
 A rank that runs no layer loses nothing to pieces, so the bound is exact there where the efficiency is flat.
-Without the floor, reshards were most of ``U − J`` on the plans the bound let in
-(0.011 of 0.012 on ResNet-50 at 128 A100s, 0.0055 on VGG-16 at 64); near-tie plans
-still cost one ILP solve with cuts each, and ``ε`` = 0.2% ends most searches after
-one. The loops stop early only at the step cap or the time limit, and the status
-then says how far the bound is open.
+Reshards priced below their GPU-time were most of ``U − J`` on the plans the bound let in: a floor carried
+by the edges' ladders (their costs add per count, so a reshard between ``p < q`` GPUs was priced about
+``(2 + ln(q/p))/(2·q/p)`` of its ``q·R``) left VGG-16 at 64 A100s and GPT-2 at 8 open at the limit without
+pieces, each proven in under a second once the pairs price them exactly. Near-tie plans still cost one ILP
+solve with cuts each, and ``ε`` = 0.2% ends most searches after one. The loops stop early only at the step
+cap or the time limit, and the status then says how far the bound is open.
 
 **Its solves.** Every solve of a search is one HiGHS model (:class:`deeppool.planner.ilp.Ilp`, built once):
 a step changes the price and which no-good cuts bind. Each solve carries the step's stopping threshold as a
@@ -237,7 +235,7 @@ class _Search:
     def ilp(self) -> Ilp:
         """One model for every solve of the search: each solve changes only the price and which cuts bind."""
         p = self.problem
-        return Ilp(p.cost, p.options, memory_bytes=p.memory_bytes, solver=p.solver, reshard_floor=True)
+        return Ilp(p.cost, p.options, memory_bytes=p.memory_bytes, solver=p.solver, reshard_pairs=True)
 
     @property
     def value(self) -> float:
@@ -309,9 +307,11 @@ class _Search:
         least = margin * found.least  # the least (λ − ē)·T + c·B' over the uncosted plans (a bound if stopped early)
         if least >= (p.dp_ms / slowdown) * (1 - _TOLERANCE):
             return False
-        # every uncosted lending plan a has U(a) ≤ target + (T_dp/s − least) / T_a, and T_a ≥ T_min
-        self.lending_bound = (self.target + (p.dp_ms / slowdown - least) / p.fastest_ms if p.fastest_ms > 0
-                              else float("inf"))
+        # every uncosted lending plan a has U(a) ≤ target + (T_dp/s − least) / T_a, and T_a ≥ T_min; a later
+        # step bounds fewer plans, so an earlier step's bound still holds (one cut short by the limit is weaker)
+        step_bound = (self.target + (p.dp_ms / slowdown - least) / p.fastest_ms if p.fastest_ms > 0
+                      else float("inf"))
+        self.lending_bound = min(self.lending_bound, step_bound)
         self.cost(found.assignment)
         return True
 

@@ -204,22 +204,33 @@ def test_a_cutoff_prunes_only_what_lies_above_it():
 @pytest.mark.parametrize("network", [SLOW_NETWORK, SYNCING_NETWORK, SKEWED_NETWORK],
                          ids=["network", "sync-latency", "skew"])
 @pytest.mark.parametrize("graph", [CHAIN, RESIDUAL], ids=["chain", "residual"])
-def test_the_reshard_floor_never_exceeds_a_plans_busy_gpu_time(graph, network):
-    """With ``reshard_floor`` the ILP's ``time + price · gpu_time`` of every assignment lies between the
-    layers' and rounds' GPU-time alone and the plan's whole busy GPU-time (reshards and the optimizer
-    call too): the cluster search's bound stays a bound, and it is tighter wherever a plan reshards."""
+def test_reshard_pairs_price_a_plans_busy_gpu_time_exactly(graph, network):
+    """With ``reshard_pairs`` the ILP's ``time + price · gpu_time`` of every assignment is its iteration time
+    plus ``price`` times its busy GPU-time, reshards included, less only the optimizer's per-call step: the
+    cluster search's bound prices the plan's own reshards (the ladders priced a floor of them)."""
     gpus, batch, price = 4, 12, 50.0
     cost, _ = _problem(graph, gpus, batch, network)
-    raised = 0
+    reshards = 0
     for counts in itertools.product(range(1, gpus + 1), repeat=len(graph.names)):
         assignment = dict(zip(graph.names, counts, strict=True))
         fixed = {name: (g,) for name, g in assignment.items()}
-        found = Ilp(cost, fixed, memory_bytes=None, solver=SolverName.HIGHS, reshard_floor=True).solve(
+        found = Ilp(cost, fixed, memory_bytes=None, solver=SolverName.HIGHS, reshard_pairs=True).solve(
             price=price, time_limit_s=30)
+        busy_ms = 1e3 * cost.gpu_seconds(assignment) - cost.step_call_ms * max(counts)
+        assert found.objective == pytest.approx(cost.iteration_ms(assignment) + price * busy_ms / 1e3,
+                                                rel=1e-9), assignment
         layers_only = cost.iteration_ms(assignment) + price * priced_gpu_ms(cost, assignment) / 1e3
-        busy = cost.iteration_ms(assignment) + price * cost.gpu_seconds(assignment)
-        assert layers_only * (1 - 1e-9) <= found.objective <= busy * (1 + 1e-9), assignment
-        reshards = any(assignment[src] != assignment[dst] for src, dst in graph.edges())
-        assert reshards or found.objective == pytest.approx(layers_only, rel=1e-9), assignment
-        raised += reshards and found.objective > layers_only * (1 + 1e-6)
-    assert raised > 0, "the floor must price some reshard"
+        moved = any(assignment[src] != assignment[dst] for src, dst in graph.edges())
+        reshards += moved and found.objective > layers_only * (1 + 1e-6)
+    assert reshards > 0, "some plan must reshard"
+
+
+@pytest.mark.parametrize("graph", [CHAIN, RESIDUAL], ids=["chain", "residual"])
+def test_reshard_pairs_find_the_same_fastest_plan_as_the_ladders(graph):
+    """Pairs and ladders are two exact forms of the same reshards: at price 0 both reach the least time."""
+    cost, _ = _problem(graph, 4, 12, SLOW_NETWORK)
+    options = dict.fromkeys(graph.names, (1, 2, 3, 4))
+    ladders = Ilp(cost, options, memory_bytes=None, solver=SolverName.HIGHS).solve(time_limit_s=30)
+    pairs = Ilp(cost, options, memory_bytes=None, solver=SolverName.HIGHS, reshard_pairs=True).solve(time_limit_s=30)
+    assert pairs.objective == pytest.approx(ladders.objective, rel=1e-9)
+    assert cost.iteration_ms(pairs.assignment) == pytest.approx(ladders.objective, rel=1e-9)
