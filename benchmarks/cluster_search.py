@@ -118,8 +118,9 @@ def main() -> None:
                           f"({'proven' if done.pieces.proven else 'stopped'}), load {_load()}")
     table = _table(rows)
     console.print(table)
-    proven = sum(row.pieces.proven for row in rows)
-    verdict = f"{proven} of {len(rows)} searches with the guest's pieces proven within the limit"
+    pieces, without = sum(row.pieces.proven for row in rows), sum(row.without.proven for row in rows)
+    verdict = (f"{pieces} of {len(rows)} searches with the guest's pieces proven within the limit, "
+               f"{without} of {len(rows)} without them (as `deeppool plan --objective cluster` searches)")
     console.print(verdict)
     if args.write_docs:
         write_region(REPO / "docs" / "performance.md", "cluster-search", f"{markdown(table)}\n\n{verdict}.",
