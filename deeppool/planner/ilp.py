@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     import pulp as pulp_types
 
     from deeppool.planner.graph import Layer
+    from deeppool.planner.windows import Slot, WindowCut
 
 _INF = float("inf")
 
@@ -134,6 +135,38 @@ class Ilp:
         self.cuts: dict[tuple[int, ...], tuple[int, float]] = {}
         """Each no-good cut's row and right-hand side, by the assignment it excludes."""
         self.backend = _Highs(self.matrix) if self.solver is SolverName.HIGHS else _Cbc(self.matrix)
+        self.windows: set[tuple[object, ...]] = set()
+        self.unusable: dict[tuple[int, Slot], int] = {}
+        """The column of each rank group's idle time in a phase that no piece can use, by (group, slot)."""
+
+    def add_window_cuts(self, cuts: Iterable[WindowCut]) -> int:
+        """Price each short window's idle time at its ranks' GPU-time (:mod:`deeppool.planner.windows`): one
+        column ``β`` of the binaries that void the cut, and per phase ``v ≥ t_φ(x) − max_g ms_φ(g)·β``.
+        Returns the rows added (a window already added adds none)."""
+        added = 0
+        for cut in cuts:
+            key = (cut.low, cut.opening, tuple(slot for slot, _, _ in cut.idle))
+            if key in self.windows:
+                continue
+            self.windows.add(key)
+            opening = self._column(0.0)  # a count outside this model's options is never taken: it voids nothing
+            self.backend.add_row([(opening, 1.0), *((self.x[name][g], -1.0) for name, g in cut.opening
+                                                    if g in self.x[name])], 0.0, 0.0)
+            for slot, times, most in cut.idle:
+                if (cut.low, slot) not in self.unusable:
+                    self.unusable[cut.low, slot] = self._column(cut.ranks / 1e3)
+                terms = [(self.unusable[cut.low, slot], 1.0), (opening, most)]
+                terms += [(self.x[slot.layer][g], -ms) for g, ms in times if ms > 0 and g in self.x[slot.layer]]
+                self.backend.add_row(terms, 0.0, _INF)
+                added += 1
+        return added
+
+    def _column(self, gpu_cost: float) -> int:
+        """A continuous column ``≥ 0`` added after the build, priced ``price · gpu_cost``."""
+        j = self.matrix.column()
+        self.matrix.gpu_cost[j] = gpu_cost
+        self.backend.add_column()
+        return j
 
     def solve(self, *, price: float = 0.0, exclude: Iterable[Mapping[str, int]] = (),
               time_limit_s: float, cutoff: float = _INF) -> IlpResult:
@@ -408,6 +441,11 @@ class _Highs:
         self.columns = lp.num_col_
         self.integer = False
 
+    def add_column(self) -> None:
+        """A continuous column ``≥ 0`` without entries, costed at the next solve."""
+        self.highs.addCol(0.0, 0.0, _INF, 0, self.np.array([], dtype=self.np.int32), self.np.array([]))
+        self.columns += 1
+
     def add_row(self, terms: list[tuple[int, float]], lower: float, upper: float) -> int:
         columns, coefficients = zip(*terms, strict=True)
         self.highs.addRow(lower, upper, len(columns), self.np.array(columns, dtype=self.np.int32),
@@ -472,6 +510,9 @@ class _Cbc:
 
     def __init__(self, matrix: _Matrix) -> None:
         self.matrix = matrix
+
+    def add_column(self) -> None:
+        """The matrix holds the column already: the problem is rebuilt from it at each solve."""
 
     def add_row(self, terms: list[tuple[int, float]], lower: float, upper: float) -> int:
         return self.matrix.row(terms, lower, upper)

@@ -60,8 +60,11 @@ place of ``λ``: the plan returned is then proven within ``ε`` of the best. The
 bound is loose where idle time cannot be lent (ranks idle for less than
 ``min_lend_fraction``, windows shorter than the efficiency curve's first bin) and by
 pieces: ``fit(len)`` falls short of ``len`` by up to a piece in every window of a rank that runs
-a layer, and a window shorter than a piece holds nothing (the searches of the simulator's
-examples whose guests' pieces are long beside the windows end at the time limit, ``docs/planner.md``).
+a layer, and a window shorter than a piece holds nothing. The second is learnt from the plans the search
+costs: each short window of a costed plan adds rows (:mod:`deeppool.planner.windows`) that price its idle
+time as unusable in every plan that keeps it as short, so ``B'`` grows by it there and the bound stays a
+bound. The searches of the simulator's examples whose guests' pieces are long beside the windows still end
+at the time limit, with their bounds lower (``docs/planner.md``).
 A rank that runs no layer loses nothing to pieces, so the bound is exact there where the efficiency is flat.
 Reshards priced below their GPU-time were most of ``U − J`` on the plans the bound let in: a floor carried
 by the edges' ladders (their costs add per count, so a reshard between ``p < q`` GPUs was priced about
@@ -93,6 +96,7 @@ from deeppool.planner.ilp import Ilp, IlpResult, SolverName
 from deeppool.planner.interference import InterferenceModel
 from deeppool.planner.objective import DEFAULT_CLUSTER_GAP
 from deeppool.planner.plan import rank_idle_windows
+from deeppool.planner.windows import WindowCuts
 
 MAX_STEPS = 30
 """Bounding steps (one or two ILP solves each) the exact search may take before it stops and says how far its
@@ -255,6 +259,16 @@ class _Search:
         self.costed[key] = found
         if self.best is None or found.throughput > self.value + _TOLERANCE:
             self.best = (dict(assignment), found)
+        if self.windows is not None:
+            self.ilp.add_window_cuts(self.windows.of(assignment))
+
+    @cached_property
+    def windows(self) -> WindowCuts | None:
+        """The short windows' cuts, with a guest's pieces (without, every idle millisecond may hold work)."""
+        p = self.problem
+        if p.model.bg_piece_ms <= 0:
+            return None
+        return WindowCuts(cost=p.cost, options=p.options, gpus=p.gpus, piece_ms=p.model.bg_piece_ms)
 
     def _excluded(self) -> tuple[dict[str, int], ...]:
         names = self.problem.cost.graph.names
