@@ -9,14 +9,15 @@ schedule's phases between two phases it runs, ``a`` and ``b``. Take any plan ``x
 
 * the layers of ``a`` and ``b`` still run on more than ``low`` ranks (so ``a`` and ``b`` still bound the
   group's idle time there: both take time on every such count), and
-* every layer with a phase between them runs on more than ``low`` ranks or on a count at which those phases
-  take no longer than in the costed plan.
+* every layer with a phase between them runs on more than ``low`` ranks or on one of its allowed counts:
+  the costed plan's and every faster one, then slower ones, cheapest first, while ``L`` stays under ``p``.
 
-Then every window of group ``j`` between ``a`` and ``b`` in ``x`` is at most ``L``: the costed plan's phases
-there, the longest reshard between two counts ``≤ low`` for each reshard between them, and every group's
-all-reduce rounds and skew that could fall there. When ``L < p`` the idle time of those phases holds no
-piece in ``x``. With ``β`` the sum of the plan's binaries that break one of the two conditions (the
-endpoints' counts ``≤ low``, the slower counts of the layers between) and ``t_φ(x) = Σ_{g ≤ low}
+Then every window of group ``j`` between ``a`` and ``b`` in ``x`` is at most ``L``: the phases between at
+their longest allowed count, each reshard between two counts the group sits out at its longest (one that
+touches ``a``'s or ``b``'s layer is run by the group), and every group's all-reduce rounds and skew that
+could fall there. When ``L < p`` the idle time of those phases holds no piece in ``x``. With ``β`` the sum
+of the plan's binaries that break one of the two conditions (the endpoints' counts ``≤ low``, the counts of
+the layers between that are not allowed) and ``t_φ(x) = Σ_{g ≤ low}
 ms_φ(g)·x[l_φ, g]`` the idle time of phase ``φ``, the row
 
     v_{j,φ} ≥ t_φ(x) − max_{g ≤ low} ms_φ(g) · β
@@ -119,8 +120,8 @@ class WindowCuts:
     gpus: int
     piece_ms: float
 
-    _slack: dict[int, float] = field(default_factory=dict, compare=False)
-    _ms: dict[tuple[object, ...], float] = field(default_factory=dict, compare=False)
+    _slack: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
+    _ms: dict[tuple[object, ...], float] = field(default_factory=dict, compare=False, repr=False)
 
     @cached_property
     def slots(self) -> list[Slot]:
