@@ -129,6 +129,39 @@ class PhaseKind(enum.Enum):
     OPTIMIZER = "step"
 
 
+class SlotKind(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    ALLREDUCE = "allreduce"
+    STEP = "step"
+    RESHARD_FORWARD = "reshard-forward"
+    RESHARD_BACKWARD = "reshard-backward"
+
+    @property
+    def phase(self) -> PhaseKind:
+        return {SlotKind.FORWARD: PhaseKind.FORWARD, SlotKind.BACKWARD: PhaseKind.BACKWARD,
+                SlotKind.ALLREDUCE: PhaseKind.ALLREDUCE, SlotKind.STEP: PhaseKind.OPTIMIZER}.get(self, PhaseKind.RESHARD)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One phase of :meth:`CostModel.schedule`, in its order, whatever the plan: a layer's own phase or, with
+    ``source``, the reshard of ``source``'s output into ``layer`` (or of its gradient back)."""
+
+    kind: SlotKind
+    layer: str
+    source: str = ""
+
+    @property
+    def reshard(self) -> bool:
+        return self.kind in (SlotKind.RESHARD_FORWARD, SlotKind.RESHARD_BACKWARD)
+
+    def ranks(self, counts: Mapping[str, int]) -> int:
+        """The ranks it holds under ``counts``: its layer's, and for a reshard the larger of both ends'."""
+        own = counts[self.layer]
+        return max(own, counts[self.source]) if self.reshard else own
+
+
 @dataclass(frozen=True, kw_only=True)
 class Phase:
     """One step of an iteration: ``ranks`` 0..ranks-1 are busy from start to end."""
@@ -348,39 +381,55 @@ class CostModel:
     def peak_memory_bytes(self, assignment: Mapping[str, int]) -> int:
         return sum(self.memory_bytes(layer, assignment[layer.name]) for layer in self.graph.layers)
 
+    def slots(self) -> list[Slot]:
+        """Every phase :meth:`schedule` may hold, in its order: forward in order (each layer after the reshards
+        into it), backward in reverse (each layer's all-reduce, then its gradients' reshards back), the
+        layers' optimizer steps; the step's per-call phase, last, aside."""
+        layers = self.graph.layers
+        names = {layer.name for layer in layers}
+        found: list[Slot] = []
+        for layer in layers:
+            found += [Slot(SlotKind.RESHARD_FORWARD, layer.name, src) for src in dict.fromkeys(layer.inputs)
+                      if src in names]
+            found.append(Slot(SlotKind.FORWARD, layer.name))
+        for layer in reversed(layers):
+            found += [Slot(SlotKind.BACKWARD, layer.name), Slot(SlotKind.ALLREDUCE, layer.name)]
+            found += [Slot(SlotKind.RESHARD_BACKWARD, layer.name, src) for src in dict.fromkeys(layer.inputs)
+                      if src in names]
+        return found + [Slot(SlotKind.STEP, layer.name) for layer in layers]
+
+    def slot_ms(self, slot: Slot, counts: Mapping[str, int]) -> float:
+        """The slot's duration under ``counts`` (its layer's count, and its source's for a reshard), without the
+        all-reduce rounds :meth:`schedule` adds to a group's first all-reduce."""
+        layer, g = self.graph.layer(slot.layer), counts[slot.layer]
+        if slot.kind is SlotKind.FORWARD:
+            return self.phases_ms(layer, g)[0]
+        if slot.kind is SlotKind.BACKWARD:
+            return self.phases_ms(layer, g)[1]
+        if slot.kind is SlotKind.ALLREDUCE:
+            return self.allreduce_ms(layer, g)
+        if slot.kind is SlotKind.STEP:
+            return self.step_ms(layer)
+        source = counts[slot.source]
+        ends = (source, g) if slot.kind is SlotKind.RESHARD_FORWARD else (g, source)
+        return self.reshard_ms(self.graph.layer(slot.source), *ends)
+
     def schedule(self, assignment: Mapping[str, int]) -> list[Phase]:
-        """The phases of one iteration: forward in order, backward in reverse, optimizer steps."""
+        """The phases of one iteration (:meth:`slots` that take time), then the optimizer's per-call step."""
+        rounds = self.group_rounds_ms(assignment)
         phases: list[Phase] = []
         clock = 0.0
-
-        def add(kind: PhaseKind, layer: str, duration: float, ranks: int) -> None:
-            nonlocal clock
+        for slot in self.slots():
+            duration = self.slot_ms(slot, assignment)
+            if slot.kind is SlotKind.ALLREDUCE:
+                duration += rounds.get(slot.layer, 0.0)
             if duration > 0:
-                phases.append(Phase(kind=kind, layer=layer, start_ms=clock, end_ms=clock + duration, ranks=ranks))
+                phases.append(Phase(kind=slot.kind.phase, layer=slot.layer, start_ms=clock, end_ms=clock + duration,
+                                    ranks=slot.ranks(assignment)))
                 clock += duration
-
-        producers = {layer.name: layer for layer in self.graph.layers}
-        rounds = self.group_rounds_ms(assignment)
-
-        def reshards(layer: Layer, g: int, *, forward: bool) -> None:
-            for src in dict.fromkeys(layer.inputs):
-                if src in producers:
-                    ends = (assignment[src], g) if forward else (g, assignment[src])
-                    move = self.reshard_ms(producers[src], *ends)
-                    add(PhaseKind.RESHARD, layer.name, move, max(assignment[src], g))
-
-        for layer in self.graph.layers:
-            g = assignment[layer.name]
-            reshards(layer, g, forward=True)
-            add(PhaseKind.FORWARD, layer.name, self.phases_ms(layer, g)[0], g)
-        for layer in reversed(self.graph.layers):
-            g = assignment[layer.name]
-            add(PhaseKind.BACKWARD, layer.name, self.phases_ms(layer, g)[1], g)
-            add(PhaseKind.ALLREDUCE, layer.name, self.allreduce_ms(layer, g) + rounds.get(layer.name, 0.0), g)
-            reshards(layer, g, forward=False)
-        for layer in self.graph.layers:
-            add(PhaseKind.OPTIMIZER, layer.name, self.step_ms(layer), assignment[layer.name])
-        add(PhaseKind.OPTIMIZER, "", self.step_call_ms, max(assignment.values(), default=1))
+        if self.step_call_ms > 0:
+            phases.append(Phase(kind=PhaseKind.OPTIMIZER, layer="", start_ms=clock, end_ms=clock + self.step_call_ms,
+                                ranks=max(assignment.values(), default=1)))
         return phases
 
 

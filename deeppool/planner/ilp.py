@@ -62,8 +62,9 @@ from deeppool.planner.cost import CostModel
 if TYPE_CHECKING:
     import pulp as pulp_types
 
+    from deeppool.planner.cost import Slot
     from deeppool.planner.graph import Layer
-    from deeppool.planner.windows import Slot, WindowCut
+    from deeppool.planner.windows import WindowCut
 
 _INF = float("inf")
 

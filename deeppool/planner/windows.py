@@ -29,38 +29,14 @@ group's ranks, so its GPU-time ``B'`` grows by the idle time no piece can use, a
 
 from __future__ import annotations
 
-import enum
 import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from deeppool.planner.cost import CostModel
+from deeppool.planner.cost import CostModel, Slot
 
 _EPSILON = 1e-12
-
-
-class SlotKind(enum.Enum):
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    ALLREDUCE = "allreduce"
-    STEP = "step"
-    RESHARD_FORWARD = "reshard-forward"
-    RESHARD_BACKWARD = "reshard-backward"
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One phase of :meth:`CostModel.schedule`, in its order, whatever the plan: a layer's own phase or, with
-    ``source``, the reshard of ``source``'s output into ``layer`` (or of its gradient back)."""
-
-    kind: SlotKind
-    layer: str
-    source: str = ""
-
-    @property
-    def reshard(self) -> bool:
-        return self.kind in (SlotKind.RESHARD_FORWARD, SlotKind.RESHARD_BACKWARD)
 
 
 @dataclass(frozen=True)
@@ -73,42 +49,6 @@ class WindowCut:
     opening: tuple[tuple[str, int], ...]
     idle: tuple[tuple[Slot, tuple[tuple[int, float], ...], float], ...]
     """Each deducted phase: its slot, its idle time by count ``≤ low`` and the largest of them."""
-
-
-def schedule_slots(cost: CostModel) -> list[Slot]:
-    """Every phase :meth:`CostModel.schedule` may hold, in its order (the step's per-call phase, last, aside)."""
-    layers = cost.graph.layers
-    names = {layer.name for layer in layers}
-    found: list[Slot] = []
-    for layer in layers:
-        found += [Slot(SlotKind.RESHARD_FORWARD, layer.name, src) for src in dict.fromkeys(layer.inputs) if src in names]
-        found.append(Slot(SlotKind.FORWARD, layer.name))
-    for layer in reversed(layers):
-        found += [Slot(SlotKind.BACKWARD, layer.name), Slot(SlotKind.ALLREDUCE, layer.name)]
-        found += [Slot(SlotKind.RESHARD_BACKWARD, layer.name, src) for src in dict.fromkeys(layer.inputs)
-                  if src in names]
-    return found + [Slot(SlotKind.STEP, layer.name) for layer in layers]
-
-
-def slot_ms(cost: CostModel, slot: Slot, counts: Mapping[str, int]) -> float:
-    """The slot's duration under ``counts`` (its layer's count, and its source's for a reshard)."""
-    layer, g = cost.graph.layer(slot.layer), counts[slot.layer]
-    if slot.kind is SlotKind.FORWARD:
-        return cost.phases_ms(layer, g)[0]
-    if slot.kind is SlotKind.BACKWARD:
-        return cost.phases_ms(layer, g)[1]
-    if slot.kind is SlotKind.ALLREDUCE:
-        return cost.allreduce_ms(layer, g)
-    if slot.kind is SlotKind.STEP:
-        return cost.step_ms(layer)
-    producer, source = cost.graph.layer(slot.source), counts[slot.source]
-    ends = (source, g) if slot.kind is SlotKind.RESHARD_FORWARD else (g, source)
-    return cost.reshard_ms(producer, *ends)
-
-
-def slot_ranks(slot: Slot, counts: Mapping[str, int]) -> int:
-    own = counts[slot.layer]
-    return max(own, counts[slot.source]) if slot.reshard else own
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,7 +66,7 @@ class WindowCuts:
     @cached_property
     def slots(self) -> list[Slot]:
         """The schedule's slots that take time under some plan."""
-        return [slot for slot in schedule_slots(self.cost)
+        return [slot for slot in self.cost.slots()
                 if slot.reshard or any(self.layer_ms(slot, g) > 0 for g in self.options[slot.layer])]
 
     @cached_property
@@ -137,13 +77,13 @@ class WindowCuts:
         """A layer phase's duration on ``g`` ranks (memoised: the windows ask for the same ones often)."""
         key = (slot, g)
         if key not in self._ms:
-            self._ms[key] = slot_ms(self.cost, slot, {slot.layer: g})
+            self._ms[key] = self.cost.slot_ms(slot, {slot.layer: g})
         return self._ms[key]
 
     def reshard_ms(self, slot: Slot, src: int, dst: int) -> float:
         key = (slot, src, dst)
         if key not in self._ms:
-            self._ms[key] = slot_ms(self.cost, slot, {slot.source: src, slot.layer: dst})
+            self._ms[key] = self.cost.slot_ms(slot, {slot.source: src, slot.layer: dst})
         return self._ms[key]
 
     def _slack_ms(self, low: int) -> float:
@@ -183,7 +123,7 @@ class WindowCuts:
         """The group's windows between two phases it runs, or between one and the iteration's start or end
         (a group that runs a layer holds whole pieces only inside the iteration: no window wraps)."""
         ends = [i for i, slot in enumerate(self.slots)
-                if slot_ranks(slot, assignment) > low and self._endpoint(slot, low)]
+                if slot.ranks(assignment) > low and self._endpoint(slot, low)]
         if not ends:
             return []
         bounds = [-1, *ends, len(self.slots)]

@@ -7,17 +7,11 @@ import itertools
 
 import pytest
 
-from deeppool.planner.cost import CostModel
+from deeppool.planner.cost import CostModel, SlotKind
 from deeppool.planner.ilp import Ilp
 from deeppool.planner.interference import _fit
 from deeppool.planner.plan import rank_idle_windows
-from deeppool.planner.windows import (
-    SlotKind,
-    WindowCuts,
-    schedule_slots,
-    slot_ms,
-    slot_ranks,
-)
+from deeppool.planner.windows import WindowCuts
 from tests.planner.test_ilp import CHAIN, RESIDUAL, SLOW_NETWORK, _problem
 
 GPUS, BATCH, PRICE = 4, 12, 50.0
@@ -37,9 +31,9 @@ def test_the_slots_follow_the_schedule_phase_by_phase():
     cost, _ = _problem(RESIDUAL, GPUS, BATCH, SLOW_NETWORK)
     assignment = dict(zip(RESIDUAL.names, (1, 4, 2, 3), strict=False)) | {name: 2 for name in RESIDUAL.names[4:]}
     rounds = cost.group_rounds_ms(assignment)  # a group's latency rounds ride on its first layer's all-reduce
-    timed = [(slot_ranks(slot, assignment), slot_ms(cost, slot, assignment)
+    timed = [(slot.ranks(assignment), cost.slot_ms(slot, assignment)
               + (rounds.get(slot.layer, 0.0) if slot.kind is SlotKind.ALLREDUCE else 0.0))
-             for slot in schedule_slots(cost)]
+             for slot in cost.slots()]
     phases = [p for p in cost.schedule(assignment) if p.layer]  # the optimizer's per-call phase is not a slot
     assert [(p.ranks, pytest.approx(p.end_ms - p.start_ms)) for p in phases] == [t for t in timed if t[1] > 0]
 
