@@ -2,7 +2,7 @@
 
     python benchmarks/backward_split.py [--models cnn,hf_resnet] [--batch 32] [--passes 9] [--write-docs]
 
-The profiler (:class:`deeppool.planner.profiler.Passes`) times every layer in context: all forwards in
+The profiler (:class:`deeppool.planner.profiling.passes.Passes`) times every layer in context: all forwards in
 order, then every layer's backward as its own ``torch.autograd.backward`` call on detached leaves, so each
 layer's time is its own. An executor stage runs the same layers' forwards, then *one* backward over the
 stage. This benchmark runs both on the same model in one process, one intra-op thread (as a rank of a
@@ -29,10 +29,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from deeppool.docregions import REPO, Stamp, markdown, write_region
-from deeppool.planner.layer_exec import runners
-from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.profiler import Passes
-from deeppool.planner.trace import trace
+from deeppool.model.layer_exec import runners
+from deeppool.model.loading import load_model
+from deeppool.model.trace import trace
+from deeppool.plans import ModelSpec
+from deeppool.planner.profiling.passes import Passes
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("cnn", "branching_cnn", "transformer", "mlp", "hf_resnet", "hf_convnext", "hf_vit", "hf_bert",
@@ -65,7 +66,7 @@ def _path(name: str) -> Path:
 
 
 def measure(name: str, batch: int, passes: int) -> Split:
-    loaded = ModelSpec.parse(str(_path(name))).load()
+    loaded = load_model(ModelSpec.parse(str(_path(name))))
     traced = trace(loaded)
     graph = traced.graph
     run = runners(traced.module, graph.layers)

@@ -3,7 +3,7 @@
     python benchmarks/cluster_search.py [--models resnet50,vgg16] [--gpus 8,64,256] [--write-docs]
 
 For every example of ``deeppool simulate-deeppool`` (its foreground model at its batch on A100s) and GPU
-count, the planner's ``--objective cluster`` search (:mod:`deeppool.planner.throughput`) runs as the
+count, the planner's ``--objective cluster`` search (:mod:`deeppool.planner.solve.throughput`) runs as the
 simulator runs it: with the defaults of the interference model and the 30 s limit, once with the
 guest's pieces (the 1-GPU background's longest layer phase, which the scenario sets) and once without.
 Each row gives the cluster throughput ``J`` of the plan found (over data parallel on all GPUs), whether
@@ -28,10 +28,9 @@ from deeppool.cluster_sim.models import EXAMPLE_BATCH, example
 from deeppool.cluster_sim.plans import PlanBook, PlanMode, PlanSettings
 from deeppool.cluster_sim.scenario import scenario_models
 from deeppool.docregions import REPO, Stamp, markdown, write_region
+from deeppool.plans import Objective, Strategy
 from deeppool.planner.api import PlanRequest, device_setup, plan_graph
-from deeppool.planner.interference import InterferenceModel
-from deeppool.planner.objective import Objective
-from deeppool.planner.plan import Strategy
+from deeppool.planner.profiling.interference import InterferenceModel
 
 TIME_LIMIT_S = 30.0
 """The simulator's ``--plan-time-limit`` default."""

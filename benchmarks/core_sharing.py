@@ -4,7 +4,7 @@
                                       [--steps 15] [--write-docs]
 
 The local profiler prices a stage on ``g`` ranks with ``sharing(g)``: how much slower ``g`` single-thread
-workers doing 256×256 matmuls at once run than one alone (:func:`deeppool.planner.profiler.measure_sharing`).
+workers doing 256×256 matmuls at once run than one alone (:func:`deeppool.planner.profiling.sharing.measure_sharing`).
 The held-out fidelity benchmark's plans that compute on 2 ranks at once miss in both directions where
 single-rank plans hold (``docs/performance.md``), so this asks whether the model's own step shares the
 cores differently. Two processes (one intra-op thread each, as a rank of 2 on 2 cores) build a held-out
@@ -17,7 +17,7 @@ for its slower rank).
 The table gives each model's step alone and together, both sharing figures (median and the 10th to 90th
 percentiles over turns), the share of turns whose model sharing exceeds 1.15 (a step more than the
 fidelity goal's ±15% off its one-core figure), and the model's median over the matmuls' (the baseline,
-measured in the same run). The host's reference work (:func:`deeppool.planner.profiler.reference_ms`) is
+measured in the same run). The host's reference work (:func:`deeppool.planner.profiling.timing.reference_ms`) is
 read before and after each model, and the kernel's stolen time (``/proc/stat``) over its turns.
 """
 
@@ -38,8 +38,10 @@ from rich.console import Console
 from rich.table import Table
 
 from deeppool.docregions import REPO, Stamp, markdown, write_region
-from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.profiler import intra_op_threads, measure_sharing, reference_ms
+from deeppool.model.loading import load_model
+from deeppool.plans import ModelSpec
+from deeppool.planner.profiling.sharing import measure_sharing
+from deeppool.planner.profiling.timing import intra_op_threads, reference_ms
 
 ZOO = Path(__file__).resolve().parent / "zoo"
 MODELS = "hf_convnext,hf_bert,hf_vit"
@@ -78,7 +80,7 @@ class Row:
 def _step_worker(model_file: str, batch: int, conn: Connection, start: Barrier) -> None:
     """A rank's stand-in: the model's forward+backward on one intra-op thread, ``steps`` at a time on request."""
     torch.set_num_threads(1)
-    loaded = ModelSpec.parse(model_file).load()
+    loaded = load_model(ModelSpec.parse(model_file))
     module, inputs, targets = loaded.module, loaded.named_inputs(batch), loaded.targets(batch)
 
     def step() -> float:

@@ -36,22 +36,23 @@ This file is also the benchmark's model file (``model()``, ``inputs()``,
 from __future__ import annotations
 
 import argparse
-import subprocess
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from deeppool.docregions import Stamp, teed_stdout, text_block, write_region
+from deeppool.model.loading import load_model
 
 WIDTH, HIDDEN, CLASSES = 512, 2048, 10
 
@@ -132,12 +133,12 @@ def ddp_worker(model_file: Path, batch: int, steps: int, warmup: int, out: Path,
     by the executor's :class:`GroupBatchNorm` on a group of its own (``sync``)."""
     import torch.distributed as dist
 
-    from deeppool.planner.modelspec import ModelSpec
+    from deeppool.plans import ModelSpec
 
     backend, device = rank_device()
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    loaded = ModelSpec.parse(str(model_file)).load()
+    loaded = load_model(ModelSpec.parse(str(model_file)))
     module = loaded.module.to(device).train()
     if batchnorm == "sync":
         synchronise_batch_norms(module, dist.new_group(list(range(world))))
@@ -163,10 +164,10 @@ def executor_worker(plan_path: Path, steps: int, warmup: int, out: Path, batchno
     import torch.distributed as dist
 
     from deeppool.executor.api import train_rank
-    from deeppool.executor.engine.comm import TorchComm
     from deeppool.executor.config import BatchNormMode, OptimizerConfig, RunConfig
+    from deeppool.executor.engine.comm import TorchComm
     from deeppool.executor.engine.program import rank_groups
-    from deeppool.planner.plan import Plan
+    from deeppool.plans import Plan
 
     backend, device = rank_device()
     dist.init_process_group(backend)
@@ -175,7 +176,7 @@ def executor_worker(plan_path: Path, steps: int, warmup: int, out: Path, batchno
     config = RunConfig(steps=steps, warmup=warmup, optimizer=OptimizerConfig(lr=0.01),
                        batchnorm=BatchNormMode(batchnorm))
     clock = StepClock()
-    train_rank(plan, comm=comm, config=config, data=timed_batches(plan.model.load(), plan.global_batch, clock),
+    train_rank(plan, comm=comm, config=config, data=timed_batches(load_model(plan.model), plan.global_batch, clock),
                device=device)
     clock.mark()
     _write_steps(out, comm.rank, clock.steps(warmup))
@@ -191,7 +192,7 @@ def synchronise_batch_norms(module: nn.Module, group: object) -> None:
     """The executor's synchronised BatchNorm in DDP (torch's ``SyncBatchNorm`` refuses CPU tensors)."""
     import torch.distributed as dist
 
-    from deeppool.planner.syncbn import GroupBatchNorm
+    from deeppool.model.syncbn import GroupBatchNorm
 
     def reduce(tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, group=group)
@@ -203,9 +204,9 @@ def synchronise_batch_norms(module: nn.Module, group: object) -> None:
 
 
 def has_batch_norm(model_file: Path) -> bool:
-    from deeppool.planner.modelspec import ModelSpec
+    from deeppool.plans import ModelSpec
 
-    module = ModelSpec.parse(str(model_file)).load().module
+    module = load_model(ModelSpec.parse(str(model_file))).module
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
 
@@ -245,24 +246,20 @@ def quartile(values: list[float]) -> float:
 
 # -- the executor side --------------------------------------------------------------------------
 def run_plan(plan_path: Path, nproc: int, steps: int, warmup: int, out: Path, bucket_mb: float = 25.0) -> dict:
-    from deeppool.executor.launch.cli import config_args, make_config
     from deeppool.executor.engine.comm import Backend
-    from deeppool.executor.config import OptimizerKind
+    from deeppool.executor.config import OptimizerConfig, RunConfig
     from deeppool.executor.launch.launch import launch
-    from deeppool.planner.plan import Plan
+    from deeppool.plans import Optimizer, Plan
 
-    config = make_config(steps=steps, warmup=warmup, optimizer=OptimizerKind.SGD, lr=0.01, momentum=0.0,
-                         backend=Backend.AUTO, timeout=60.0, bucket_mb=bucket_mb, check=False, check_bound=1e-5,
-                         out=out)
-    launch(Plan.load(plan_path), plan_path, nproc=nproc, config=config, worker_args=config_args(config))
+    config = RunConfig(steps=steps, warmup=warmup, optimizer=OptimizerConfig(kind=Optimizer.SGD, lr=0.01, momentum=0.0),
+                       backend=Backend.AUTO, timeout_s=60.0, bucket_mb=bucket_mb, check_bound=1e-5, out_dir=out)
+    launch(Plan.load(plan_path), plan_path, nproc=nproc, config=config)
     return json.loads((out / "summary.json").read_text())
 
 
 def data_parallel_plan(model_file: Path, nproc: int, batch: int, path: Path) -> None:
-    from deeppool.planner.api import PlanRequest, plan_model
-    from deeppool.planner.api import CostSource
-    from deeppool.planner.modelspec import ModelSpec
-    from deeppool.planner.plan import Strategy
+    from deeppool.plans import ModelSpec, Strategy
+    from deeppool.planner.api import CostSource, PlanRequest, plan_model
 
     request = PlanRequest(gpus=nproc, global_batch=batch, strategy=Strategy.DATA_PARALLEL)
     source = CostSource(device_model="a100", show_progress=False)  # times do not matter for (a)
@@ -270,7 +267,8 @@ def data_parallel_plan(model_file: Path, nproc: int, batch: int, path: Path) -> 
 
 
 def measure_network(nproc: int, path: Path) -> None:
-    from deeppool.executor.launch.netprobe import ProbeConfig, probe_network
+    from deeppool.planner.profiling.netprobe import probe_network
+    from deeppool.planner.profiling.netprobe_config import ProbeConfig
 
     fitted = probe_network(ProbeConfig(nproc=nproc))
     fitted.save(path)
@@ -285,8 +283,8 @@ def measure_network(nproc: int, path: Path) -> None:
 
 
 def burst_plan(nproc: int, batch: int, path: Path, network_file: Path) -> None:
+    from deeppool.plans import ModelSpec
     from deeppool.planner.api import CostSource, PlanRequest, plan_model
-    from deeppool.planner.modelspec import ModelSpec
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))  # as each rank runs
     request = PlanRequest(gpus=nproc, global_batch=batch)
@@ -439,7 +437,7 @@ def _measure(args: argparse.Namespace) -> None:
         measure_network(args.nproc, network)
     burst_plan(args.nproc, args.batch, work / "burst.json", network)
     summary = run_plan(work / "burst.json", args.nproc, args.steps, args.warmup, work / "burst", bucket_mb=args.bucket_mb)
-    from deeppool.planner.plan import Plan
+    from deeppool.plans import Plan
 
     plan = Plan.load(work / "burst.json")
     measured, predicted = summary["iteration_measured_ms"], summary["iteration_predicted_ms"]
@@ -453,7 +451,7 @@ def _measure(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] in ("--ddp-worker", "--executor-worker"):
-        from deeppool.planner.allocator import steady_allocator
+        from deeppool.model.allocator import steady_allocator
 
         steady_allocator()  # both sides with the allocator settings deeppool run's ranks use
     if len(sys.argv) > 1 and sys.argv[1] == "--ddp-worker":

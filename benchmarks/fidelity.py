@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from deeppool.docregions import REPO, Stamp, teed_stdout, text_block, write_region
-from deeppool.planner.hostload import runnable_outside
+from deeppool.planner.profiling.hostload import runnable_outside
 
 MODELS = Path(__file__).resolve().parent / "models"
 ZOO = Path(__file__).resolve().parent / "zoo"
@@ -132,16 +132,16 @@ def contention(nproc: int) -> float:
 
 
 def measure_network(nproc: int, path: Path) -> None:
-    from deeppool.executor.launch.netprobe import ProbeConfig, probe_network
+    from deeppool.planner.profiling.netprobe import probe_network
+    from deeppool.planner.profiling.netprobe_config import ProbeConfig
 
     probe_network(ProbeConfig(nproc=nproc)).save(path)
 
 
 def burst_plan(model: Path, nproc: int, batch: int, network: Path, cache: Path, out: Path) -> str:
     """Write a plan with at least two distinct GPU counts to ``out``; say how it was found."""
+    from deeppool.plans import ModelSpec, Objective
     from deeppool.planner.api import CostSource, PlanRequest, plan_model
-    from deeppool.planner.modelspec import ModelSpec
-    from deeppool.planner.request import Objective
 
     spec = ModelSpec.parse(str(model))
     request = PlanRequest(gpus=nproc, global_batch=batch)
@@ -165,8 +165,8 @@ def split_burst(planned: Any, nproc: int) -> Any:
     """The burst plan the cost model prices fastest among those that run one contiguous run of
     layers (in topological order) on all ``nproc`` ranks and the others on one: for a machine where
     the ILP puts every layer on one count at every price (e.g. ranks that share their cores)."""
-    from deeppool.planner.baselines import Baselines
-    from deeppool.planner.plan import build_plan
+    from deeppool.planner.solve.baselines import Baselines
+    from deeppool.planner.solve.build import build_plan
 
     cost, plan = planned.cost, planned.plan
     names = [layer.name for layer in cost.graph.layers]
@@ -184,16 +184,14 @@ def split_burst(planned: Any, nproc: int) -> Any:
 
 
 def run_plan(plan: Path, nproc: int, steps: int, warmup: int, out: Path) -> dict:
-    from deeppool.executor.launch.cli import config_args, make_config
     from deeppool.executor.engine.comm import Backend
-    from deeppool.executor.config import OptimizerKind
+    from deeppool.executor.config import OptimizerConfig, RunConfig
     from deeppool.executor.launch.launch import launch
-    from deeppool.planner.plan import Plan
+    from deeppool.plans import Optimizer, Plan
 
-    config = make_config(steps=steps, warmup=warmup, optimizer=OptimizerKind.SGD, lr=0.01, momentum=0.0,
-                         backend=Backend.AUTO, timeout=300.0, bucket_mb=25.0, check=False, check_bound=1e-5,
-                         out=out)
-    launch(Plan.load(plan), plan, nproc=nproc, config=config, worker_args=config_args(config))
+    config = RunConfig(steps=steps, warmup=warmup, optimizer=OptimizerConfig(kind=Optimizer.SGD, lr=0.01, momentum=0.0),
+                       backend=Backend.AUTO, timeout_s=300.0, bucket_mb=25.0, check_bound=1e-5, out_dir=out)
+    launch(Plan.load(plan), plan, nproc=nproc, config=config)
     return json.loads((out / "summary.json").read_text())
 
 
@@ -233,7 +231,7 @@ def predicted_terms(plan: Path) -> dict[str, float]:
 
 
 def one(model: str, nproc: int, args: argparse.Namespace, work: Path) -> Result:
-    from deeppool.planner.plan import Plan
+    from deeppool.plans import Plan
 
     network = work / f"network-{nproc}.json"
     if not network.is_file():
@@ -379,8 +377,8 @@ def deeppool(*args: str, cwd: Path, home: Path) -> None:
 
 
 def zoo_row(run: int, model: str, nproc: int, args: argparse.Namespace, work: Path) -> ZooRow:
-    from deeppool.planner.plan import Plan
-    from deeppool.planner.report import Stage
+    from deeppool.plans import Plan
+    from deeppool.planner.report import ReportStage
 
     row = work / f"run{run}" / f"{model}-{nproc}"
     row.mkdir(parents=True)
@@ -398,7 +396,7 @@ def zoo_row(run: int, model: str, nproc: int, args: argparse.Namespace, work: Pa
     planned = {layer.name: layer for layer in plan.layers}
     stages = tuple((stage["name"], stage["fwd_predicted"] + stage["bwd_predicted"],
                     stage["fwd_measured"] + stage["bwd_measured"]) for stage in summary["stages"])
-    spreads = tuple(Stage(tuple(planned[name] for name in stage["layers"])).spread for stage in summary["stages"])
+    spreads = tuple(ReportStage(tuple(planned[name] for name in stage["layers"])).spread for stage in summary["stages"])
     return ZooRow(run=run, model=model, nproc=nproc, counts=tuple(sorted(set(plan.assignment.values()))),
                   predicted_ms=summary["iteration_predicted_ms"], measured_ms=summary["iteration_measured_ms"],
                   uncertainty=plan.predicted.uncertainty,
@@ -411,9 +409,9 @@ def zoo_row(run: int, model: str, nproc: int, args: argparse.Namespace, work: Pa
 
 
 def host_reference() -> float:
-    """The profiler's reference work (:func:`deeppool.planner.profiler.reference_ms`) on one thread: how fast the
+    """The profiler's reference work (:func:`deeppool.planner.profiling.timing.reference_ms`) on one thread: how fast the
     host is now, so that a row whose plan and run met different speeds shows it."""
-    from deeppool.planner.profiler import intra_op_threads, reference_ms
+    from deeppool.planner.profiling.timing import intra_op_threads, reference_ms
 
     with intra_op_threads(1):
         return reference_ms()

@@ -217,12 +217,13 @@ def profiles(dry: bool, gpu_name: str, named: str | None) -> Check:
 
 def layer_errors(path: Path, device_model: object, device: str, batches: tuple[int, ...]) -> dict:
     """Median and worst relative error of the device model's fwd+bwd per layer against the measured profile."""
-    from deeppool.planner.modelspec import ModelSpec
-    from deeppool.planner.profile import estimated_profile
-    from deeppool.planner.profiler import ProfilerConfig, measure_profile
-    from deeppool.planner.trace import trace
+    from deeppool.model.loading import load_model
+    from deeppool.model.trace import trace
+    from deeppool.plans import ModelSpec
+    from deeppool.planner.profiling.profile import estimated_profile
+    from deeppool.planner.profiling.profiler import ProfilerConfig, measure_profile
 
-    loaded = ModelSpec.parse(str(path)).load()
+    loaded = load_model(ModelSpec.parse(str(path)))
     traced = trace(loaded)
     measured = measure_profile(traced, loaded, ProfilerConfig(device=device, batches=batches, warmup=2, repeats=3,
                                                               show_progress=False))

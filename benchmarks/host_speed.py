@@ -2,7 +2,7 @@
 
     python benchmarks/host_speed.py [--model hf_bert] [--batch 16] [--minutes 15] [--write-docs]
 
-The local profiler reads a fixed piece of work (:func:`deeppool.planner.profiler.reference_ms`: 256×256
+The local profiler reads a fixed piece of work (:func:`deeppool.planner.profiling.timing.reference_ms`: 256×256
 matmuls and many small ops, all in the cache) before and after each batch it measures, and measures a
 cached batch again when that reading has moved. On this VM a plan was once measured 1.5x slow while the
 reference read as usual (``docs/performance.md``, the held-out sets), so this asks which reading follows
@@ -36,8 +36,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from deeppool.docregions import REPO, Stamp, markdown, write_region
-from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.profiler import reference_ms
+from deeppool.model.loading import load_model
+from deeppool.plans import ModelSpec
+from deeppool.planner.profiling.timing import reference_ms
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -74,7 +75,7 @@ def memory_ms(repeats: int = 3, mebibytes: int = 64) -> float:
 
 
 def model_step(model: str, batch: int) -> Callable[[], float]:
-    loaded = ModelSpec.parse(str(ZOO / f"{model}.py")).load()
+    loaded = load_model(ModelSpec.parse(str(ZOO / f"{model}.py")))
     module, inputs, targets = loaded.module, loaded.named_inputs(batch), loaded.targets(batch)
 
     def step() -> float:

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from deeppool.docregions import REPO, Stamp, teed_stdout, text_block, write_region
+from deeppool.model.loading import load_model
 
 HERE = Path(__file__).resolve().parent
 MODEL = HERE / "models" / "cnn.py"
@@ -45,16 +46,16 @@ LR = 0.01
 
 def burst_plan(path: Path, batch: int) -> None:
     """The CNN's conv blocks on 2 GPUs, its pooling and head on 1 (an estimated A100 profile)."""
-    from deeppool.planner.baselines import Baselines, tie
-    from deeppool.planner.cost import CostModel
+    from deeppool.model.trace import trace
+    from deeppool.plans import ModelSpec, SolverInfo, Strategy
     from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice
-    from deeppool.planner.modelspec import ModelSpec
-    from deeppool.planner.plan import SolverInfo, Strategy, build_plan
-    from deeppool.planner.profile import estimated_profile
-    from deeppool.planner.trace import trace
+    from deeppool.planner.profiling.profile import estimated_profile
+    from deeppool.planner.solve.baselines import Baselines, tie
+    from deeppool.planner.solve.build import build_plan
+    from deeppool.planner.solve.cost import CostModel
 
     spec = ModelSpec.parse(str(MODEL))
-    graph = trace(spec.load()).graph
+    graph = trace(load_model(spec)).graph
     profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2, 4, 8, 16, 32, 64))
     cost = CostModel(graph=graph, profile=profile, network=NETWORKS[KnownDevice.A100], global_batch=batch)
     blocks = {layer.name for layer in graph.layers if layer.name.count("_") == 2}  # "_<block>_<index>"
@@ -77,10 +78,11 @@ def worker(steps: int, warmup: int, repeats: int, out: Path) -> None:
 
     import deeppool
     from deeppool.executor.api import train_rank
+    from deeppool.executor.config import OptimizerConfig, RunConfig
     from deeppool.executor.engine.comm import TorchComm
-    from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
     from deeppool.executor.engine.program import rank_groups
     from deeppool.executor.engine.timing import Category
+    from deeppool.plans import Optimizer
 
     torch.set_num_threads(1)
     spec = importlib.util.spec_from_file_location("cnn", MODEL)
@@ -93,7 +95,7 @@ def worker(steps: int, warmup: int, repeats: int, out: Path) -> None:
     opt = torch.optim.SGD(bp.parameters(), lr=LR)
     (x,), y = model.inputs(plan.global_batch), model.targets(plan.global_batch)
     comm = TorchComm(rank_groups(plan), timeout_s=300.0)
-    config = RunConfig(steps=steps, warmup=warmup, optimizer=OptimizerConfig(kind=OptimizerKind.SGD, lr=LR))
+    config = RunConfig(steps=steps, warmup=warmup, optimizer=OptimizerConfig(kind=Optimizer.SGD, lr=LR))
     def user_loop() -> tuple[float, float]:
         times, spans = [], []
         for _ in range(steps):

@@ -24,22 +24,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
-import torch
-
 from deeppool.docregions import REPO, Stamp, markdown, write_region
-from deeppool.planner import baselines
+from deeppool.model.graph import Layer, LayerGraph, TraceMethod
+from deeppool.model.loading import LoadedModel, default_loss, load_model
+from deeppool.model.trace import trace
+from deeppool.plans import ModelSpec
 from deeppool.planner.api import PlanRequest, device_setup, plan_graph
-from deeppool.planner.request import DEFAULT_MAX_CANDIDATES
-from deeppool.planner.candidates import useful_counts
-from deeppool.planner.cost import CostModel
-from deeppool.planner.graph import Layer, LayerGraph, TraceMethod
 from deeppool.planner.hardware import NETWORKS, KnownDevice
-from deeppool.planner.modelspec import LoadedModel, ModelSpec, default_loss
-from deeppool.planner.profile import LayerTimes, Profile
-from deeppool.planner.trace import trace
+from deeppool.planner.profiling.profile import LayerTimes, Profile
+from deeppool.planner.request import DEFAULT_MAX_CANDIDATES
+from deeppool.planner.solve import baselines
+from deeppool.planner.solve.candidates import useful_counts
+from deeppool.planner.solve.cost import CostModel
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MODELS = ("vgg16", "resnet50", "inception", "gpt2")
@@ -73,7 +73,7 @@ def _timed(work):
 
 def bench_example(name: str, gpu_counts: list[int]) -> list[Row]:
     spec = ModelSpec.parse(str(EXAMPLES / f"{name}.py"))
-    traced, trace_s = _timed(lambda: trace(spec.load(meta=True)))
+    traced, trace_s = _timed(lambda: trace(load_model(spec, meta=True)))
     rows = []
     for gpus in gpu_counts:
         batch = max(256, gpus)

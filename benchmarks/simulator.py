@@ -41,7 +41,7 @@ from deeppool.cluster_sim.runner import assign, run_policies, sim_jobs
 from deeppool.cluster_sim.shipped import PHILLY
 from deeppool.cluster_sim.workload import BackgroundRule, read_workload
 from deeppool.docregions import REPO, Stamp, markdown, write_region
-from deeppool.planner.interference import InterferenceModel
+from deeppool.planner.profiling.interference import InterferenceModel
 
 BUDGET_S = 60.0
 BUDGET_GPUS = 2048

@@ -3,7 +3,7 @@
     python benchmarks/zoo_tracing.py [--models hf_llama,tv_resnet] [--profile hf_bart] [--write-docs]
 
 For every model file under ``tests/models/zoo/``: the seconds to build and trace it as
-``deeppool plan --device-model a100`` does (:func:`~deeppool.planner.trace.trace_spec`: the
+``deeppool plan --device-model a100`` does (:func:`~deeppool.model.trace.trace_spec`: the
 meta device where torch.fx traces it, else CPU tensors and torch.export), then to plan it for
 4 A100s at batch 8, its layer count and tracer, with the load average before and after (the
 machine is shared: figures under load are upper bounds). Where the trace's time goes comes from
@@ -33,9 +33,9 @@ from rich.console import Console
 from rich.table import Table
 
 from deeppool.docregions import REPO, Stamp, markdown, write_region
+from deeppool.model.trace import trace_spec
+from deeppool.plans import ModelSpec
 from deeppool.planner.api import PlanRequest, device_setup, plan_graph
-from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.trace import trace_spec
 
 ZOO = REPO / "tests" / "models" / "zoo"
 TARGET_S = 5.0

@@ -36,7 +36,7 @@ def parallelize(*args, **kwargs):
 
 def __getattr__(name: str):
     if name == "Plan":  # loaded on first use, so ``deeppool --help`` stays light
-        from deeppool.planner.plan import Plan
+        from deeppool.plans import Plan
 
         return Plan
     raise AttributeError(f"module 'deeppool' has no attribute '{name}'")

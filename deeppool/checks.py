@@ -16,6 +16,9 @@ from deeppool.errors import DeeppoolError
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")
 """What matplotlib's Agg backend writes."""
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
+CPU_RANKS_PER_CORE = 4
+"""gloo ranks on CPU share the cores; beyond this many per core a run (or the network probe) measures only
+contention."""
 
 
 def existing_file(path: Path | None, flag: str) -> None:

@@ -10,15 +10,16 @@ import typer
 
 from deeppool.errors import DeeppoolError
 from deeppool.interrupt import removed_if_interrupted
-from deeppool.planner.combine import Combine
-from deeppool.planner.objective import DEFAULT_CLUSTER_GAP
+from deeppool.model.loading import load_model
+from deeppool.plans import Combine
+from deeppool.planner.solve.throughput import DEFAULT_CLUSTER_GAP
 
 if TYPE_CHECKING:  # each command imports its work (and torch) only after its options are checked
-    from deeppool.planner.ilp import SolverName
+    from deeppool.plans import ModelSpec
     from deeppool.planner.api import Planned
     from deeppool.planner.batch_search import BatchSearchRequest
-    from deeppool.planner.modelspec import ModelSpec
     from deeppool.planner.request import CostSource, PlanRequest
+    from deeppool.planner.solve.ilp import SolverName
 
 app = typer.Typer(
     help="Plan, run and simulate burst-parallel training (per-layer GPU counts).",
@@ -30,6 +31,8 @@ app = typer.Typer(
 EnumT = TypeVar("EnumT", bound=enum.Enum)
 DEFAULT_CACHE = Path.home() / ".cache" / "deeppool"
 LOCAL = "local"
+PLAN_SUMMARY = "Trace MODEL, profile it (or estimate for a GPU model) and solve its burst-parallel plan."
+"""``deeppool plan`` in ``deeppool --help``'s list; its own help opens with an example (``\\b`` keeps its lines)."""
 NOISY_SHARE = 0.25
 """A locally measured plan is flagged when more than this share of its measurements stayed noisy."""
 
@@ -43,7 +46,7 @@ def _options(verbose: Annotated[bool, typer.Option(
     configure(verbose)
 
 
-@app.command()
+@app.command(short_help=PLAN_SUMMARY)
 def plan(
     model: Annotated[str, typer.Argument(help="model file (.py with model() and inputs()) or package.module:factory")],
     gpus: Annotated[int, typer.Option(help="GPUs the foreground job gets (at most --batch: one sample each)")],
@@ -113,15 +116,15 @@ def plan(
         help="how each layer group combines gradients when run: sum (the mean gradient) or adasum "
              "(any group size; recorded in the plan)")] = "sum",
 ) -> None:
-    """Trace MODEL, profile it (or estimate for a GPU model) and solve its burst-parallel plan."""
+    """\bExample: VGG-16 on 64 A100s, from the A100 device model (no GPU needed):
+      deeppool plan examples/vgg16.py --gpus 64 --batch 128 --device-model a100
+
+    Trace MODEL, profile it (or estimate for a GPU model) and solve its burst-parallel plan.
+    """
     import dataclasses
 
     from deeppool import checks
-    from deeppool.planner.cost import Optimizer
-    from deeppool.planner.hardware import Precision
-    from deeppool.planner.modelspec import ModelSpec
-    from deeppool.planner.pins import Pin
-    from deeppool.planner.plan import Strategy
+    from deeppool.plans import ModelSpec, Optimizer, Pin, Precision, Strategy
     from deeppool.planner.request import CostSource, Objective, PlanRequest, check_precision, check_samples
 
     out = out or default_output(model, "plan.json")
@@ -177,8 +180,8 @@ def plan(
         model, input_shape=checks.positive_ints(input_shape, "--input-shape", "3,224,224"), input_dtype=input_dtype,
         vocab_size=vocab_size,
     )
-    from deeppool.executor.launch.netprobe import probed_source
     from deeppool.output import console
+    from deeppool.planner.request import probed_source
 
     source = probed_source(source, gpus, lambda line: console().print(line, highlight=False))
     with removed_if_interrupted(out, gantt, pareto, goodput_plot):
@@ -300,7 +303,7 @@ def profile_command(
 ) -> None:
     """Measure every layer's forward and backward time on DEVICE and write a profile."""
     from deeppool import checks
-    from deeppool.planner.modelspec import ModelSpec
+    from deeppool.plans import ModelSpec
 
     if model is None and not clear_cache:
         raise DeeppoolError("give a MODEL to profile (or --clear-cache to empty the cache)")
@@ -335,7 +338,7 @@ def profile_command(
 
 def _clear(cache_dir: Path) -> None:
     from deeppool.output import console
-    from deeppool.planner.profiler import CACHE_FILE, clear_cache
+    from deeppool.planner.profiling.cache import CACHE_FILE, clear_cache
 
     removed = clear_cache(cache_dir)
     console().print(f"removed {removed} cached layer times ({cache_dir / CACHE_FILE})" if removed
@@ -344,12 +347,12 @@ def _clear(cache_dir: Path) -> None:
 
 def _measure(spec: ModelSpec, *, out: Path, device: str, batches: tuple[int, ...], warmup: int, repeats: int,
              cache_dir: Path | None) -> None:
+    from deeppool.model.trace import trace
     from deeppool.output import console
-    from deeppool.planner.profiler import ProfilerConfig, measure_profile
-    from deeppool.planner.trace import trace
+    from deeppool.planner.profiling.profiler import ProfilerConfig, measure_profile
 
     config = ProfilerConfig(device=device, batches=batches, warmup=warmup, repeats=repeats, cache_dir=cache_dir)
-    loaded = spec.load()
+    loaded = load_model(spec)
     measured = measure_profile(trace(loaded), loaded, config)
     measured.save(out)
     if measured.fit is not None:
@@ -372,13 +375,13 @@ def _interference(path: Path | None) -> dict[str, object]:
     """``--interference`` as the request's model and its source (the simulator's defaults without it)."""
     if path is None:
         return {}
-    from deeppool.planner.interference import InterferenceModel
+    from deeppool.planner.profiling.interference import InterferenceModel
 
     return {"interference": InterferenceModel.measured(path), "interference_source": str(path)}
 
 
 def _solver(name: str) -> SolverName:
-    from deeppool.planner.ilp import SolverName
+    from deeppool.planner.solve.ilp import SolverName
 
     return _enum(SolverName, name, "--solver")
 
@@ -400,9 +403,9 @@ def _mount_package_commands() -> None:
     from deeppool.coordinator import cli as coordinator
     from deeppool.executor.launch.cli import export, profile_network
     from deeppool.multiplex.cli import app as multiplex_app
-    from deeppool.run_command import run
+    from deeppool.run_command import RUN_SUMMARY, run
 
-    app.command("run")(run)
+    app.command("run", short_help=RUN_SUMMARY)(run)
     app.add_typer(multiplex_app, name="multiplex")
     app.command("profile-network")(profile_network)
     app.command("export")(export)

@@ -20,6 +20,7 @@ except ImportError:  # older typer runs on click itself
 def run_app(app: typer.Typer, args: list[str] | None = None, *, prog_name: str | None = None) -> None:
     """Run ``app``; a usage mistake or a :class:`DeeppoolError` prints one line on stderr and exits with its code.
 
+    A group run with no command (``deeppool``, ``deeppool token``) prints its help and exits 2, as click does.
     Ctrl-C prints ``interrupted`` and exits 130 (typer turns a KeyboardInterrupt into that exit code).
     """
     reported = arm_deadline()
@@ -29,6 +30,7 @@ def run_app(app: typer.Typer, args: list[str] | None = None, *, prog_name: str |
         help_text = shown.format_message()  # typer's rich help has printed itself already and left this empty
         if help_text.strip():
             print(help_text)
+        sys.exit(shown.exit_code)  # 2, as click and typer exit when a group is run with no command
     except click_errors.UsageError as err:
         print(f"error: {usage_line(err)}", file=sys.stderr)
         sys.exit(2)

@@ -2,9 +2,12 @@
 
 The one place above both layers where they meet: the executor runs a plan and offers its idle windows
 through a :class:`~deeppool.executor.engine.idle.StartLender`; the multiplexer lends them to a background job.
-``app`` holds the ``run`` command, which the main CLI mounts as ``deeppool run``; ``worker_app`` is what
-``python -m deeppool.executor plan.json`` runs on every rank under torchrun. Both take the same run options
-(:mod:`deeppool.executor.launch.cli`) and the background's (:mod:`deeppool.multiplex.options`).
+``app`` holds the ``run`` command, which the main CLI mounts as ``deeppool run``; its options are the fields of
+:class:`~deeppool.executor.config.RunConfig`, :class:`~deeppool.executor.config.Nodes` and
+:class:`~deeppool.multiplex.config.BackgroundConfig` (:mod:`deeppool.options`). ``worker_app`` is what
+``python -m deeppool.executor PLAN CONFIG`` runs on every rank: CONFIG is the one file the launcher writes
+(:class:`~deeppool.executor.config.RankConfig`). A policy's request for another GPU count is re-planned here
+(:func:`resized`), above the executor.
 """
 
 from __future__ import annotations
@@ -17,32 +20,31 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from deeppool import checks
-from deeppool.interrupt import removed_if_interrupted
+from deeppool import checks, options
+from deeppool.executor.config import CONFIG_FILE, Nodes, RankConfig, RunConfig, check_adaptation
 from deeppool.executor.launch.cli import (
-    Accumulate, BackendOpt, BaseBatch, BatchNormOpt, BucketMb, Check, CheckBound, CheckpointDir, CheckpointEvery,
-    ClipNorm, CombineOpt, DataOpt, DataSeed, DataWorkers, LossScale, Lr, LrSchedule, LrScalingFlag, LrWarmup,
-    ModelOpt, Momentum, MonitorEvery, MonitorOpt, NNodes, Optim, Out, PlanArg, PolicyOpt, PrecisionOpt,
-    RdzvEndpoint, RdzvId, Resume, ScriptArgs, ScriptOpt, StepBatch, Steps, TensorboardOpt, Timeout, Warmup,
-    check_model_here, check_ranks, make_config, micro_batches, plan_optimizer, resized, run_script, with_model,
-)
-from deeppool.executor.config import (
-    DEFAULT_TIMEOUT_S, Backend, BatchNormMode, LossScaling, LrScaling, Monitor, Nodes, OptimizerKind, Precision,
-    RunConfig, ScheduleKind, check_adaptation,
+    check_model_here,
+    check_ranks,
+    resume_command,
+    run_config,
+    run_script,
+    with_model,
 )
 from deeppool.executor.training.outputs import RESIZE
-from deeppool.executor.launch.worker_args import config_args
-from deeppool.multiplex.config import BackgroundConfig, MuxMode
-from deeppool.multiplex.options import (
-    AbBlock, BackgroundOpt, BgBatch, BgBroker, BgCheckpointDir, BgLr, BgOptim, MpsPercentage, MuxOpt, SlowdownTarget,
-    make_background,
-)
+from deeppool.interrupt import removed_if_interrupted
+from deeppool.multiplex.config import BACKGROUND_KEY, BackgroundConfig
+from deeppool.multiplex.options import RUN_BACKGROUND, background_config
+from deeppool.options import Given
 
 if TYPE_CHECKING:
-    from deeppool.planner.plan import Plan
+    from deeppool.plans import Plan
+
+RUN_SUMMARY = "Train with PLAN on --nproc local ranks (torchrun underneath) and print the timing summary."
+"""``deeppool run`` in ``deeppool --help``'s list; its own help opens with an example."""
 
 app = typer.Typer(add_completion=False, help="Run a plan on torch.distributed.")
 worker_app = typer.Typer(add_completion=False, help="One rank of a plan (start it with torchrun).")
+PlanArg = Annotated[Path, typer.Argument(help="plan JSON written by `deeppool plan`")]
 
 
 @app.callback()
@@ -50,38 +52,44 @@ def _group() -> None:
     """Run a plan on torch.distributed."""
 
 
-@app.command()
+@app.command(short_help=RUN_SUMMARY)
+@options.expand(node_options=Nodes, run_options=RunConfig, background_options=RUN_BACKGROUND)
 def run(
     plan: PlanArg,
     nproc: Annotated[int | None, typer.Option(help="ranks to start here", show_default="the plan's GPU count")] = None,
-    nnodes: NNodes = 1, rdzv_endpoint: RdzvEndpoint = None, rdzv_id: RdzvId = None,
-    model: ModelOpt = None,
-    steps: Steps = 50, warmup: Warmup = None, optimizer: Optim = None, lr: Lr = 0.01,
-    momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
-    bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = None,
-    out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
-    lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
-    checkpoint_every: CheckpointEvery = 0, resume: Resume = False, monitor: MonitorOpt = Monitor.NONE,
-    lr_scaling: LrScalingFlag = LrScaling.NONE, base_batch: BaseBatch = None, combine: CombineOpt = None,
-    batch: StepBatch = None, precision: PrecisionOpt = Precision.FP32,
-    loss_scale: LossScale = LossScaling().initial, data: DataOpt = None, data_seed: DataSeed = 0,
-    data_workers: DataWorkers = 0,
-    policy: PolicyOpt = None, monitor_every: MonitorEvery = 10,
-    batchnorm: BatchNormOpt = BatchNormMode.SYNC,
-    background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
-    bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
-    bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30,
-    script: ScriptOpt = None, script_arg: ScriptArgs = None, tensorboard: TensorboardOpt = None,
+    *,
+    node_options: Given,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="rebuild the model from this file or package.module:factory instead of the plan's "
+        "(the plan's input shape and seed are kept)", show_default="the plan's, relative to the plan file")] = None,
+    run_options: Given,
+    batch: Annotated[int | None, typer.Option(
+        "--batch", help="samples per optimizer step: a multiple of the plan's global batch, trained as that many "
+        "micro-batches (--accumulate)", show_default="the plan's global batch x --accumulate")] = None,
+    background_options: Given,
+    script: Annotated[Path | None, typer.Option(
+        "--script", help="run this training script on every rank instead (it calls deeppool.parallelize; "
+        "$DEEPPOOL_PLAN names the plan): see docs/library.md")] = None,
+    script_arg: Annotated[list[str] | None, typer.Option(
+        "--script-arg", help="an argument for --script (repeat it)")] = None,
+    tensorboard: Annotated[Path | None, typer.Option(
+        "--tensorboard", help="write loss, throughput, GNS and background work as TensorBoard scalars here, live "
+        "(every --monitor-every steps; needs the tensorboard package)")] = None,
 ) -> None:
-    """Train with PLAN on --nproc local ranks (torchrun underneath) and print the timing summary."""
-    from deeppool.planner.plan import Plan
+    """\bExample: a plan for 4 GPUs on 4 local ranks, each step checked against one process:
+      deeppool run plan.json --nproc 4 --steps 20 --check
 
-    nodes = Nodes(count=nnodes, endpoint=rdzv_endpoint, run_id=rdzv_id)
+    Train with PLAN on --nproc local ranks (torchrun underneath) and print the timing summary.
+    """
+    from deeppool.plans import Plan
+
+    nodes = node_options.build()
+    out: Path = run_options["out_dir"]
     checks.existing_file(plan, "plan file")
     checks.out_folder(out, "--out")
-    checks.existing_file(background, "--background")
-    if bg_checkpoint_dir is not None:
-        checks.out_folder(bg_checkpoint_dir, "--bg-checkpoint-dir")
+    checks.existing_file(background_options["model"], "--background")
+    if background_options["checkpoint_dir"] is not None:
+        checks.out_folder(background_options["checkpoint_dir"], "--bg-checkpoint-dir")
     loaded = Plan.load(plan)
     ranks = nproc if nproc is not None else loaded.gpus // nodes.count
     check_ranks(ranks, loaded, given=nproc is not None, nodes=nodes.count)
@@ -91,27 +99,16 @@ def run(
         checks.out_folder(tensorboard, "--tensorboard")
         check_available()
     if script is not None:
-        run_script(loaded, plan, script, script_arg or [], ranks=ranks, out=out, timeout=timeout, nodes=nodes)
+        run_script(loaded, plan, script, script_arg or [], ranks=ranks, out=out, timeout=run_options["timeout_s"],
+                   nodes=nodes)
         return
-    config = make_config(
-        steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr, momentum=momentum,
-        backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out=out,
-        accumulate=micro_batches(loaded, batch, accumulate), clip_norm=clip_norm, lr_schedule=lr_schedule,
-        lr_warmup=lr_warmup, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-        monitor=monitor, lr_scaling=lr_scaling, base_batch=base_batch, combine=combine, precision=precision,
-        loss_scale=loss_scale, data=data, data_seed=data_seed, data_workers=data_workers, policy=policy,
-        monitor_every=monitor_every, batchnorm=batchnorm,
-    )
+    config = run_config(run_options, loaded, batch)
     check_adaptation(loaded, config, grouped=any(layer.gpus > 1 and layer.allreduce_ms > 0 for layer in loaded.layers))
-    if policy is not None:
+    if config.policy is not None:
         from deeppool.adaptation.policy import load_policy
 
-        load_policy(policy)  # a wrong --policy is one line here, not one per rank
-    bg = make_background(
-        background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,
-        slowdown_target=slowdown_target, ab_block=ab_block, bg_checkpoint_dir=bg_checkpoint_dir,
-        mps_percentage=mps_percentage, out=out,
-    )
+        load_policy(config.policy)  # a wrong --policy is one line here, not one per rank
+    bg = background_config(background_options, out)
     if model is None:
         check_model_here(loaded, plan)
     with removed_if_interrupted(out, tensorboard), _live_scalars(out, tensorboard):
@@ -134,56 +131,63 @@ def _launch(plan: Plan, path: Path, *, ranks: int, config: RunConfig, background
             nodes: Nodes) -> None:
     from deeppool.multiplex.api import launch_with_background
 
-    launch_with_background(plan, path, nproc=ranks, config=config, background=background,
-                           worker_args=config_args(config), nodes=nodes)
+    launch_with_background(plan, path, nproc=ranks, config=config, background=background, nodes=nodes)
+
+
+def resized(plan: Plan, config: RunConfig, request: dict[str, object], model: str | None) -> Path:
+    """A policy asked for another GPU count: plan for it next to the checkpoint and print how to resume.
+
+    The re-plan is the command's, above the executor (which never imports the planner's top): the run stops
+    with its request in ``<out>/resize.json``, and this plans for the GPUs it asked for.
+    """
+    import shlex
+
+    from deeppool.output import console
+    from deeppool.planner.api import plan_model
+    from deeppool.planner.hardware import KnownDevice
+    from deeppool.planner.request import LOCAL, CostSource, PlanRequest, probed_source
+
+    gpus, checkpoint = int(str(request["gpus"])), Path(str(request["checkpoint"]))
+    device = plan.device if plan.device in {known.value for known in KnownDevice} else LOCAL
+    planned = plan_model(plan.model, PlanRequest(gpus=gpus, global_batch=plan.global_batch, strategy=plan.strategy,
+                                                 optimizer=plan.optimizer, amplification=plan.amplification_limit),
+                         probed_source(CostSource(device_model=device, show_progress=False), gpus,
+                                       lambda line: console().print(line, highlight=False))).plan
+    path = checkpoint / f"plan-{gpus}gpus.json"
+    planned.save(path)
+    shown = console()
+    shown.print(f"the policy asked for {gpus} GPUs after step {request['steps_done']}: checkpoint in {checkpoint}, "
+                f"plan for {gpus} GPUs written to {path}; resume with:", highlight=False, markup=False)
+    shown.print(shlex.join(resume_command(path, gpus, config, checkpoint, model)), highlight=False, markup=False,
+                soft_wrap=True)
+    return path
 
 
 @worker_app.command()
 def worker(
-    plan: PlanArg, steps: Steps = 50, warmup: Warmup = None, optimizer: Optim = None, lr: Lr = 0.01,
-    momentum: Momentum = 0.0, backend: BackendOpt = Backend.AUTO, timeout: Timeout = DEFAULT_TIMEOUT_S,
-    bucket_mb: BucketMb = 25.0, check: Check = False, check_bound: CheckBound = None,
-    out: Out = Path("deeppool-run"), accumulate: Accumulate = 1, clip_norm: ClipNorm = None,
-    lr_schedule: LrSchedule = ScheduleKind.CONSTANT, lr_warmup: LrWarmup = 0, checkpoint_dir: CheckpointDir = None,
-    checkpoint_every: CheckpointEvery = 0, resume: Resume = False, monitor: MonitorOpt = Monitor.NONE,
-    lr_scaling: LrScalingFlag = LrScaling.NONE, base_batch: BaseBatch = None, combine: CombineOpt = None,
-    precision: PrecisionOpt = Precision.FP32,
-    loss_scale: LossScale = LossScaling().initial, data: DataOpt = None, data_seed: DataSeed = 0,
-    data_workers: DataWorkers = 0,
-    policy: PolicyOpt = None, monitor_every: MonitorEvery = 10,
-    batchnorm: BatchNormOpt = BatchNormMode.SYNC,
-    background: BackgroundOpt = None, bg_batch: BgBatch = 8, bg_optimizer: BgOptim = OptimizerKind.SGD,
-    bg_lr: BgLr = 0.01, mux: MuxOpt = MuxMode.GATE, slowdown_target: SlowdownTarget = 0.05, ab_block: AbBlock = 4,
-    bg_checkpoint_dir: BgCheckpointDir = None, mps_percentage: MpsPercentage = 30, bg_broker: BgBroker = None,
+    plan: PlanArg,
+    config: Annotated[Path | None, typer.Argument(
+        help=f"the run's settings: the {CONFIG_FILE} that `deeppool run` writes into its --out",
+        show_default="deeppool run's defaults")] = None,
 ) -> None:
     """Run this process's rank of PLAN (rank and world from torchrun's environment)."""
-    from deeppool.executor.launch.worker import RankEnv, run_worker
+    from deeppool.executor.launch.worker import RankEnv, report_failure, run_worker
     from deeppool.multiplex.hook import Multiplexer
-    from deeppool.planner.plan import Plan
+    from deeppool.plans import Plan
 
     env = RankEnv.from_environ()
+    out = config.parent if config is not None else Given.defaults(RunConfig)["out_dir"]
     try:
         loaded = Plan.load(plan)  # this process's one read: the launcher's Plan stays in the launcher
-        config = make_config(
-            steps=steps, warmup=warmup, optimizer=optimizer or plan_optimizer(loaded), lr=lr,
-            momentum=momentum, backend=backend, timeout=timeout, bucket_mb=bucket_mb, check=check,
-            check_bound=check_bound, out=out, accumulate=accumulate, clip_norm=clip_norm, lr_schedule=lr_schedule,
-            lr_warmup=lr_warmup, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-            monitor=monitor, lr_scaling=lr_scaling, base_batch=base_batch, combine=combine,
-            precision=precision, loss_scale=loss_scale, data=data, data_seed=data_seed, data_workers=data_workers,
-            policy=policy, monitor_every=monitor_every, batchnorm=batchnorm,
-        )
-        bg = make_background(
-            background=background, bg_batch=bg_batch, bg_optimizer=bg_optimizer, bg_lr=bg_lr, mux=mux,
-            slowdown_target=slowdown_target, ab_block=ab_block, bg_checkpoint_dir=bg_checkpoint_dir,
-            mps_percentage=mps_percentage, out=out, bg_broker=bg_broker,
-        )
-        run_worker(loaded, config, env, functools.partial(Multiplexer.start, config=bg) if bg is not None else None)
+        given = RankConfig.load(config) if config is not None else RankConfig(
+            run=run_config(Given.defaults(RunConfig), loaded))
+        out = given.run.out_dir
+        found = given.extra.get(BACKGROUND_KEY)
+        bg = BackgroundConfig.from_json(found) if found is not None else None
+        run_worker(loaded, given.run, env, functools.partial(Multiplexer.start, config=bg) if bg is not None else None)
     except BaseException as err:  # every failure leaves a record naming this rank
         if isinstance(err, (SystemExit, typer.Exit)):
             raise
-        from deeppool.executor.launch.worker import report_failure
-
         kind = report_failure(err, env, out)
         raise SystemExit(kind.value) from None
 

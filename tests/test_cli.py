@@ -31,10 +31,13 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "old.json").write_text(json.dumps({"artifact": "profile", "schema_version": 0}))
     (folder / "existing.txt").write_text("not a folder\n")
     (folder / "folder").mkdir()
+    (folder / "earlier").mkdir()  # a simulation's --out, from an earlier run of each
+    for name in ("metrics.json", "scenario.json"):
+        (folder / "earlier" / name).write_text("{}\n")
     (folder / "model.py").write_text(Path(TINY).read_text())
     (folder / "trace.csv").write_text("name,time,application,num_replicas,batch_size,duration\na,0,tiny,2,64,10\n")
+    from deeppool.plans import ModelSpec
     from deeppool.planner.api import CostSource, PlanRequest, plan_model
-    from deeppool.planner.modelspec import ModelSpec
 
     spec = ModelSpec.parse(TINY)
     for gpus, batch, name in ((2, 16, "plan.json"), (1024, 1024, "plan1024.json")):
@@ -61,6 +64,30 @@ def test_plan_writes_plan_and_gantt(capsys, tmp_path):
     assert plan["gpus"] == 8 and plan["global_batch"] == 32 and plan["device"] == "h100"
     assert plan["predicted"]["iteration_ms"] <= plan["predicted"]["data_parallel_iteration_ms"] + 1e-9
     assert chart.read_bytes()[:8] == PNG
+
+
+def test_the_amplification_figures_say_what_they_are(capsys, tmp_path):
+    from deeppool.plans import Plan
+    from deeppool.planner.report import stages
+
+    out = tmp_path / "vgg16.json"
+    result = deeppool(capsys, "plan", str(ROOT / "examples" / "vgg16.py"), "--gpus", "64", "--batch", "128",
+                      "--device-model", "a100", "--objective", "cluster", "--out", str(out))
+    assert result.code == 0, result.stderr
+    plan = Plan.load(out)
+    header = next(line for line in result.stdout.splitlines() if "op(s)" in line)
+    assert header.split("┃")[-2].strip() == "worst layer amp."
+    rows = [line.split("│") for line in result.stdout.splitlines() if line.startswith("│")]
+    shown = [row[-2].strip() for row in rows]
+    assert len(shown) == len(stages(plan)) > 1
+    assert shown == [f"{max(layer.amplification for layer in stage.layers):.2f}" for stage in stages(plan)]
+    assert f"whole-iteration amplification {plan.predicted.amplification:.2f}," in result.stdout
+    assert "each stage's worst layer" in result.stdout
+    per_layer = deeppool(capsys, "plan", str(ROOT / "examples" / "vgg16.py"), "--gpus", "64", "--batch", "128",
+                         "--device-model", "a100", "--objective", "cluster", "--per-layer",
+                         "--out", str(tmp_path / "per-layer.json"))
+    header = next(line for line in per_layer.stdout.splitlines() if "op(s)" in line)
+    assert header.split("┃")[-2].strip() == "amplification"  # a layer's own
 
 
 def test_piped_output_is_never_wrapped_or_cut(capsys, tmp_path):
@@ -279,6 +306,9 @@ MISTAKES: list[tuple[str, list[str], str]] = [
     ("simulate trace missing", ["simulate", "nosuch.csv", "--gpus", "8"], "trace file"),
     ("simulate --cache-dir is a file", ["simulate", "{ws}/trace.csv", "--gpus", "8", "--cache-dir",
                                         "{ws}/existing.txt"], "--cache-dir"),
+    ("simulate --out holds an earlier run", ["simulate", "synthetic", "--gpus", "8", "--out", "{ws}/earlier"],
+     "--force"),
+    ("simulate-deeppool --out holds an earlier run", ["simulate-deeppool", "--out", "{ws}/earlier"], "--force"),
     # multiplex bench
     ("bench missing plan", ["multiplex", "bench", "nope.json", "--background", TINY, "--out", "b"], "plan file"),
     ("bench --background missing", ["multiplex", "bench", "{ws}/plan.json", "--background", "bg.py", "--out", "b"],
@@ -386,6 +416,24 @@ def test_help_and_failing_checks_load_no_heavy_package():
     assert _loads("plan", TINY, "--gpus", "2", "--time-limit", "-1") == (2, set())
     assert _loads("simulate", "synthetic", "--gpus", "8", "--policy", "magic") == (2, set())
     assert _loads("run", "nope.json") == (2, set())
+
+
+@pytest.mark.parametrize("group", [[], ["multiplex"], ["token"]], ids=["deeppool", "multiplex", "token"])
+def test_a_group_with_no_command_prints_its_help_and_exits_2(capsys, group):
+    result = deeppool(capsys, *group)
+    assert result.code == 2, result  # what click and typer exit with when no_args_is_help shows the help
+    assert "Traceback" not in result.stdout + result.stderr and "Error" not in result.stderr
+    assert "Usage:" in result.stdout + result.stderr and "Commands" in result.stdout + result.stderr
+
+
+def test_plan_help_opens_with_a_two_line_example(capsys):
+    lines = [line.strip() for line in deeppool(capsys, "plan", "--help").stdout.splitlines() if line.strip()]
+    assert lines[0].startswith("Usage: deeppool plan")
+    assert lines[1].startswith("Example:") and lines[2].startswith("deeppool plan examples/vgg16.py --gpus 64")
+    assert (ROOT / "examples" / "vgg16.py").is_file()
+    assert lines[3].startswith("Trace MODEL")
+    listed = deeppool(capsys, "--help").stdout
+    assert "Trace MODEL, profile it" in listed and "Example:" not in listed  # the list keeps the one-line summary
 
 
 def test_plan_help_shows_defaults_and_plain_flags(capsys):

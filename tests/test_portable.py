@@ -3,6 +3,7 @@ from Python that either record how to rebuild the model or run with the module i
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -17,8 +18,8 @@ from torch import nn
 import deeppool
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import RunConfig
-from deeppool.planner.modelspec import ModelSource
-from deeppool.planner.plan import Plan
+from deeppool.model.loading import load_model
+from deeppool.plans import ModelSource, Plan
 from tests import entry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +49,7 @@ def moved_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
 def test_a_plan_moves_with_its_model_file(moved_plan: Path) -> None:
     spec = Plan.load(moved_plan).model
     assert Path(spec.location) == moved_plan.parent.parent / "models" / "tiny.py"
-    assert type(spec.load().module).__name__ == "TinyResidual"
+    assert type(load_model(spec).module).__name__ == "TinyResidual"
 
 
 def test_run_refuses_a_missing_model_and_names_model_flag(moved_plan: Path, capsys, monkeypatch) -> None:
@@ -97,17 +98,17 @@ def test_a_factory_plan_loads_from_any_folder(tmp_path: Path, capsys, monkeypatc
     code, err = deeppool_cli(capsys, "plan", "tests.models.factories:small_cnn", "--input-shape", "3,8,8",
                              "--gpus", "2", "--batch", "8", "--device-model", "a100", "--out", str(out))
     assert code == 0, err
-    script = (f"from deeppool.planner.plan import Plan\n"
-              f"print(type(Plan.load({str(out)!r}).model.load().module).__name__)")
+    script = (f"from deeppool.model.loading import load_model\nfrom deeppool.plans import Plan\n"
+              f"print(type(load_model(Plan.load({str(out)!r}).model).module).__name__)")
     elsewhere = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
                                timeout=120)
     assert elsewhere.stdout.strip() == "Sequential", elsewhere.stderr
 
 
 def test_bare_tensor_inputs_are_the_one_argument(tmp_path: Path, capsys) -> None:
-    from deeppool.planner.modelspec import ModelSpec
+    from deeppool.plans import ModelSpec
 
-    loaded = ModelSpec.parse(str(MODELS / "bare_inputs.py")).load()
+    loaded = load_model(ModelSpec.parse(str(MODELS / "bare_inputs.py")))
     (given,) = loaded.inputs(3)
     assert given.shape == (3, 8)
     code, err = deeppool_cli(capsys, "plan", str(MODELS / "bare_inputs.py"), "--gpus", "2", "--batch", "4",
@@ -120,7 +121,7 @@ def test_a_python_built_module_is_recorded_as_such_and_refused_by_name() -> None
     plan = deeppool.plan(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(8, 8), gpus=2)
     assert plan.model.source is ModelSource.PYTHON and plan.model.input_shape == (8,)
     with pytest.raises(DeeppoolError, match=r"deeppool.run\(plan, model=module\)"):
-        plan.model.load()
+        load_model(plan.model)
     with pytest.raises(DeeppoolError, match="model=module"):
         deeppool.run(plan, config=RunConfig(steps=2, warmup=0, out_dir=Path("unused")))
 
@@ -131,7 +132,7 @@ def test_a_class_that_rebuilds_itself_is_recorded_as_a_factory() -> None:
     plan = deeppool.plan(TinyNet(), (torch.randn(8, 8),), gpus=2)
     assert plan.model.source is ModelSource.FACTORY
     assert plan.model.location == "tests.models.factories:TinyNet"
-    assert type(plan.model.load().module) is TinyNet
+    assert type(load_model(plan.model).module) is TinyNet
 
 
 def test_a_module_from_a_file_that_does_not_import_is_not_a_factory() -> None:
@@ -149,6 +150,47 @@ def test_a_class_defined_in_main_is_refused_before_launching(tmp_path: Path) -> 
     with pytest.raises(DeeppoolError, match="__main__"):
         deeppool.run(plan, model=local(), config=RunConfig(steps=2, warmup=0, out_dir=tmp_path))
     assert not (tmp_path / "model.pt").exists()
+
+
+def test_deeppool_run_refuses_more_ranks_than_this_machine_runs_as_the_cli_does(tmp_path: Path, capsys) -> None:
+    from deeppool.executor.launch.cli import local_slots
+
+    too_many = local_slots()[0] + 1
+    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    plan = deeppool.plan(module, torch.randn(too_many, 8), gpus=too_many)
+    plan.save(tmp_path / "plan.json")
+    out = tmp_path / "run"
+    with pytest.raises(DeeppoolError, match=f"{too_many} ranks is more than this machine runs") as python:
+        deeppool.run(plan, model=module, config=RunConfig(steps=2, warmup=0, out_dir=out))
+    assert not out.exists()  # refused before the module was saved or a rank started
+    code, err = deeppool_cli(capsys, "run", str(tmp_path / "plan.json"), "--model", "tests.models.factories:TinyNet",
+                             "--out", str(tmp_path / "cli"))
+    assert code == 2 and err.strip() == f"error: {python.value}"  # one check, one message
+
+
+def test_deeppool_run_refuses_an_nproc_that_differs_from_the_plan(tmp_path: Path) -> None:
+    module = nn.Sequential(nn.Linear(8, 4))
+    plan = deeppool.plan(module, torch.randn(4, 8), gpus=2)
+    with pytest.raises(DeeppoolError, match="--nproc 3 differs from the plan's 2 GPUs"):
+        deeppool.run(plan, model=module, nproc=3, config=RunConfig(steps=2, warmup=0, out_dir=tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_saved_module_trains_on_the_documented_default_loss(tmp_path: Path) -> None:
+    from deeppool.model.loading import default_loss, load_model
+    from deeppool.multiplex.api import run
+
+    module = nn.Sequential(nn.Linear(8, 4))
+    plan = deeppool.plan(module, torch.randn(4, 8), gpus=2)
+    saved = dataclasses.replace(plan.model, source=ModelSource.SAVED, location=str(tmp_path / "model.pt"))
+    torch.save(module, tmp_path / "model.pt")
+    loaded = load_model(saved)
+    assert loaded.loss is default_loss and loaded.targets(4) is None
+    output = loaded.module(*loaded.inputs(4))
+    assert torch.equal(loaded.loss(output, None), output.float().square().mean())  # the mean square of the output
+    assert "default_loss" in (run.__doc__ or "") and "mean square" in (run.__doc__ or "")
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "mean square" in readme and f"`default_loss` in `{default_loss.__module__}`" in readme
 
 
 @pytest.mark.slow

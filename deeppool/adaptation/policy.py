@@ -1,7 +1,7 @@
 """Adaptation policies with monitoring, as in KungFu (Mai et al., OSDI 2020).
 
-The executor's training loop calls a :class:`Policy`'s hooks, ``before_step``,
-``after_step`` and ``after_epoch``, with a :class:`Snapshot` of what it
+The executor's training loop calls an :class:`AdaptationPolicy`'s hooks, ``before_step``,
+``after_step`` and ``after_epoch``, with a :class:`TrainingSnapshot` of what it
 monitors, and applies the actions they return: :class:`SetLr` (the base
 learning rate; the ``--lr-schedule`` factor still applies), :class:`SetAccumulate`
 (the micro-batches per optimizer step, so the batch is ``K × global_batch``;
@@ -30,7 +30,7 @@ from deeppool.errors import DeeppoolError
 
 
 @dataclass(frozen=True, kw_only=True)
-class Snapshot:
+class TrainingSnapshot:
     """What the executor monitors, as of the last optimizer step (before the first: no times yet)."""
 
     step: int
@@ -95,28 +95,28 @@ class RequestGpus:
 Action = SetLr | SetAccumulate | RequestGpus
 
 
-class Policy(Protocol):
+class AdaptationPolicy(Protocol):
     """Hooks around each optimizer step and pass over the data; each returns the actions to take."""
 
-    def before_step(self, snapshot: Snapshot) -> Sequence[Action]: ...
+    def before_step(self, snapshot: TrainingSnapshot) -> Sequence[Action]: ...
 
-    def after_step(self, snapshot: Snapshot) -> Sequence[Action]: ...
+    def after_step(self, snapshot: TrainingSnapshot) -> Sequence[Action]: ...
 
-    def after_epoch(self, snapshot: Snapshot) -> Sequence[Action]: ...
+    def after_epoch(self, snapshot: TrainingSnapshot) -> Sequence[Action]: ...
 
 
 class Hooks:
     """A policy that does nothing: subclass it and override the hooks you need."""
 
-    def before_step(self, snapshot: Snapshot) -> Sequence[Action]:
+    def before_step(self, snapshot: TrainingSnapshot) -> Sequence[Action]:
         del snapshot
         return ()
 
-    def after_step(self, snapshot: Snapshot) -> Sequence[Action]:
+    def after_step(self, snapshot: TrainingSnapshot) -> Sequence[Action]:
         del snapshot
         return ()
 
-    def after_epoch(self, snapshot: Snapshot) -> Sequence[Action]:
+    def after_epoch(self, snapshot: TrainingSnapshot) -> Sequence[Action]:
         del snapshot
         return ()
 
@@ -145,7 +145,7 @@ class GrowBatch(Hooks):
         if self.factor < 1 or self.interval < 1 or self.max_accumulate < 1:
             raise DeeppoolError(f"grow-batch settings out of range: {self}")
 
-    def after_step(self, snapshot: Snapshot) -> Sequence[Action]:
+    def after_step(self, snapshot: TrainingSnapshot) -> Sequence[Action]:
         if snapshot.gns is None or snapshot.step % self.interval != 0 or snapshot.accumulate >= self.max_accumulate:
             return ()
         if snapshot.gns < self.factor * 2 * snapshot.batch:
@@ -159,8 +159,9 @@ class BuiltIn(enum.Enum):
     GROW_BATCH = "grow-batch"
 
 
-def load_policy(text: str) -> Policy:
-    """``--policy``: a built-in name, or ``module:factory`` / ``file.py:factory`` returning a :class:`Policy`."""
+def load_policy(text: str) -> AdaptationPolicy:
+    """``--policy``: a built-in name, or ``module:factory`` / ``file.py:factory`` returning an
+    :class:`AdaptationPolicy`."""
     known = {kind.value: kind for kind in BuiltIn}
     if text in known:
         return GrowBatch()

@@ -24,12 +24,11 @@ where the caller gives it, is a straggler; it is reported once, with its
 figures, and again only after it has recovered and fallen behind anew.
 
 The time floor is for short steps: a machine's own noise has a time scale,
-not a step count. On a shared 2-core VM a core computed 1.4-1.5x slower (in
-thread CPU time) for stretches of up to 0.67 s, alternating between ranks, so
-with 1.5 ms steps a healthy rank's smoothed speed stayed below 0.8 for 231
-steps; the longest such stretch over 40 s of 2 ranks and 70 s of 4 was 0.67 s.
-No action on a straggler (resizing, restarting) pays for a slowdown shorter
-than that.
+not a step count (a shared core can compute slower for stretches of a fraction
+of a second, alternating between ranks, which at millisecond steps is hundreds
+of steps), and no action on a straggler (resizing, restarting) pays for a
+slowdown shorter than that. The settings and the figures behind them:
+``docs/notes/0024-straggler-detector-settings.md``.
 """
 
 from __future__ import annotations

@@ -22,15 +22,13 @@ from deeppool.cluster_sim.metrics import compare, scenario_table, table, write_j
 from deeppool.cluster_sim.models import EXAMPLE_BATCH, default_mapping, example, load_mapping
 from deeppool.cluster_sim.plans import BurstStrategy, PlanBook, PlanSettings
 from deeppool.cluster_sim.pollux import PolluxDurations
-from deeppool.scheduling.policies import ADAPTIVE, BASELINE, POLICIES, policy_named
-from deeppool.scheduling.policy import SpeedModel
 from deeppool.cluster_sim.runner import DEFAULT_RESTART_PENALTY_S, assign, run_policies, sim_jobs
 from deeppool.cluster_sim.shipped import resolve, shipped
 from deeppool.cluster_sim.workload import (
     BackgroundRule,
     SyntheticSpec,
-    TraceJob,
     TraceFormat,
+    TraceJob,
     Workload,
     parse_size_mix,
     read_workload,
@@ -39,14 +37,16 @@ from deeppool.cluster_sim.workload import (
 from deeppool.errors import DeeppoolError
 from deeppool.interrupt import removes_if_interrupted
 from deeppool.output import console as stdout
+from deeppool.plans import Objective
 from deeppool.planner.hardware import KnownDevice, known_device
-from deeppool.planner.interference import (
+from deeppool.planner.profiling.interference import (
     DEFAULT_BG_EFFICIENCY,
     DEFAULT_FG_SLOWDOWN,
     DEFAULT_MIN_LEND_FRACTION,
     InterferenceModel,
 )
-from deeppool.planner.objective import Objective
+from deeppool.scheduling.contract import SpeedModel
+from deeppool.scheduling.policies import ADAPTIVE, BASELINE, POLICIES, policy_named
 
 app = typer.Typer(add_completion=False, help="Simulate a GPU cluster running a job trace.")
 SYNTHETIC = "synthetic"
@@ -66,6 +66,12 @@ PolicyOpt = Annotated[list[str], typer.Option(
     "--policy", help=f"Policy to run (repeat): [ORDER:]PLACEMENT or ORDER, one of {', '.join(POLICIES)} "
          "(pollux: GPUs and batch sizes for goodput; Pollux workloads only).")]
 OutOpt = Annotated[Path, typer.Option("--out", help="Folder for metrics.json/csv, jobs.csv and the plots.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an earlier run's files in --out (without it, a "
+                                        "folder holding one is refused).")]
+RUN_FILES = ("metrics.json", "metrics.csv", "jobs.csv", "run.json", "utilisation.png", "jct_cdf.png", "throughput.png")
+"""What ``simulate`` writes into --out (the last three unless --no-plots)."""
+SCENARIO_FILES = ("scenario.json",)
+"""What ``simulate-deeppool`` writes into --out."""
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seeds model draws and synthetic workloads.")]
 MappingOpt = Annotated[Path | None, typer.Option("--mapping", help="JSON: workload key -> {model, global_batch}.")]
 BackgroundOpt = Annotated[str, typer.Option("--background", help="Background jobs: gpus<=N, app:A[,B], column, none.")]
@@ -139,11 +145,13 @@ def simulate(
     size_mix: MixOpt = "1:0.6,2:0.1,4:0.1,8:0.1,16:0.1",
     median_duration: DurationOpt = 3600.0,
     list_traces: ListOpt = False,
+    force: ForceOpt = False,
 ) -> None:
     """Replay TRACE on --gpus GPUs under each --policy; write metrics, tables and plots to --out."""
     console = stdout(stderr=True)
     try:
         checks.out_folder(out, "--out")
+        earlier = _earlier_run(out, RUN_FILES, force=force)
         if not no_cache:
             checks.out_folder(cache_dir, "--cache-dir")
         if trace != SYNTHETIC:
@@ -165,6 +173,7 @@ def simulate(
         speeds = _speeds(workload, trace, pollux_traces, policies)
         chosen = (load_mapping(mapping) if mapping is not None
                   else default_mapping(spread=workload.format is TraceFormat.PHILLY))
+        _replace(earlier)
         out.mkdir(parents=True, exist_ok=True)  # every option checked: now the work
         assignment = assign(workload, mapping=chosen, rule=rule, cluster=cluster, seed=seed,
                             drop_oversized=drop_oversized)
@@ -231,7 +240,7 @@ def _report(results: tuple[SimResult, ...], run: RunInfo, out: Path, console: Co
     stdout().print(table(metrics, title))
     if run.dropped:
         console.print(f"dropped {run.dropped} job(s) asking for more than {run.cluster.gpus} GPUs")
-    files = "metrics.json, metrics.csv, jobs.csv, run.json" + ("" if not plots else ", utilisation.png, jct_cdf.png, throughput.png")
+    files = ", ".join(RUN_FILES if plots else RUN_FILES[:4])
     console.print(f"wrote {out}/: {files}", soft_wrap=True)
 
 
@@ -319,16 +328,19 @@ def simulate_deeppool(
     plan_time_limit: TimeLimitOpt = 30.0,
     cache_dir: CacheOpt = DEFAULT_CACHE,
     out: OutOpt = Path("sim-results"),
+    force: ForceOpt = False,
 ) -> None:
     """DeepPool's evaluation: one foreground job plus unlimited background jobs, per example and GPU count."""
     from deeppool.cluster_sim.scenario import PAPER_RANGE, evaluate
 
     try:
         checks.out_folder(out, "--out")
+        earlier = _earlier_run(out, SCENARIO_FILES, force=force)
         checks.out_folder(cache_dir, "--cache-dir")
         checks.positive(plan_time_limit, "--plan-time-limit")
         interference = _interference(interference_file, fg_slowdown, bg_efficiency, min_lend_fraction)
         cluster = ClusterSpec(gpus=gpus_per_node, gpus_per_node=gpus_per_node, device=_device(device))
+        _replace(earlier)
         out.mkdir(parents=True, exist_ok=True)
         settings = PlanSettings(time_limit_s=plan_time_limit, lending_objective=_objective(plan_objective),
                                 interference=interference)
@@ -342,6 +354,22 @@ def simulate_deeppool(
     low, high = PAPER_RANGE
     stdout().print(scenario_table(points, f"{low}-{high}x"))
     print(f"wrote {out}/scenario.json", file=sys.stderr)
+
+
+def _earlier_run(out: Path, files: tuple[str, ...], *, force: bool) -> tuple[Path, ...]:
+    """The files of an earlier run in ``out`` (those this command writes), refused unless ``force``: one run
+    never silently replaces another."""
+    earlier = tuple(out / name for name in files if (out / name).is_file())
+    if earlier and not force:
+        raise DeeppoolError(f"--out '{out}' holds an earlier run ({', '.join(p.name for p in earlier)}): "
+                            "give another --out, or --force to replace it")
+    return earlier
+
+
+def _replace(earlier: tuple[Path, ...]) -> None:
+    """``--force``: the earlier run's files go (a plot it drew and this run does not draw is not left behind)."""
+    for path in earlier:
+        path.unlink()
 
 
 def _interference(path: Path | None, slowdown: float, efficiency: float, lend: float) -> InterferenceModel:

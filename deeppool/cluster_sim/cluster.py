@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.hardware import DEVICES, NETWORKS, DeviceModel, KnownDevice, NetworkModel
+from deeppool.plans import NetworkModel
+from deeppool.planner.hardware import DEVICES, NETWORKS, DeviceModel, KnownDevice
 
 
 @dataclass(frozen=True, kw_only=True)

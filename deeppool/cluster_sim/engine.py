@@ -9,7 +9,7 @@ of one instant the engine hands the policy a :class:`Snapshot` and applies its
 :class:`Decision`, asking again until the policy has nothing more to do. The
 same inputs give the same run: ties break by event kind, then insertion order.
 
-Rates (see :mod:`deeppool.planner.interference`):
+Rates (see :mod:`deeppool.planner.profiling.interference`):
 
 * a job on whole GPUs runs one iteration per ``Plan.iteration_ms`` of its Plan
   on those GPUs, times ``fg_slowdown`` while it hosts a background job; it
@@ -18,7 +18,7 @@ Rates (see :mod:`deeppool.planner.interference`):
   weighted by the efficiency for their length and cut to whole pieces of the guest's own step
   granularity (:meth:`InterferenceModel.usable_fraction`);
 * a job started with a batch (a co-adaptive policy's :class:`Start`) runs by its
-  :class:`~deeppool.scheduling.policy.SpeedModel` instead: ``goodput(gpus, batch, epoch)``
+  :class:`~deeppool.scheduling.contract.SpeedModel` instead: ``goodput(gpus, batch, epoch)``
   progress per second, all its GPUs busy. Its rate changes at each epoch's end (an event) and
   when the policy changes its batch (:class:`Rebatch`, no restart) or its GPUs (a preemption
   and a start: a restart, which pays the penalty).
@@ -43,9 +43,9 @@ from dataclasses import dataclass
 
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
-from deeppool.planner.interference import InterferenceModel
+from deeppool.planner.profiling.interference import InterferenceModel
 from deeppool.scheduling.choice import ModelChoice
-from deeppool.scheduling.policy import Adaptive, Decision, Lend, Policy, Rebatch, SimJob, Slot, Snapshot, Start
+from deeppool.scheduling.contract import Adaptive, Decision, Lend, Policy, Rebatch, SimJob, Slot, Snapshot, Start
 
 FactsLookup = Callable[[ModelChoice, int, PlanMode], PlanFacts]
 MAX_ROUNDS = 10_000
@@ -134,7 +134,7 @@ class _AttainedView(Mapping[int, float]):
     A job that never held whole GPUs is absent (Tiresias' policy reads it as 0 and as never run).
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Simulation) -> None:
         self._engine = engine
 
     def __getitem__(self, job_id: int) -> float:
@@ -158,7 +158,7 @@ class _AttainedView(Mapping[int, float]):
 class _AdaptiveView(Mapping[int, Adaptive]):
     """Read-only state of every job that has run by its speed model, live for running jobs."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Simulation) -> None:
         self._engine = engine
 
     def __getitem__(self, job_id: int) -> Adaptive:
@@ -182,7 +182,7 @@ class _AdaptiveView(Mapping[int, Adaptive]):
         return len(self._engine.adaptive_left)
 
 
-class Engine:
+class Simulation:
     """Runs ``jobs`` on ``cluster`` under ``policy``; ``facts`` gives every Plan's facts."""
 
     def __init__(

@@ -31,16 +31,17 @@ import deeppool.planner
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.errors import DeeppoolError
 from deeppool.interrupt import children_start_deaf, die_on_interrupt
-from deeppool.planner.graph import LayerGraph
-from deeppool.planner.interference import InterferenceModel
-from deeppool.planner.jsonio import write_json
-from deeppool.planner.objective import Objective
+from deeppool.model.graph import LayerGraph
+from deeppool.model.loading import load_model
+from deeppool.plans import Objective
+from deeppool.plans.jsonio import write_json
+from deeppool.planner.profiling.interference import InterferenceModel
 from deeppool.scheduling.choice import ModelChoice
-from deeppool.scheduling.policy import PlanMode
+from deeppool.scheduling.contract import PlanMode
 
 if TYPE_CHECKING:  # the planner's solving half imports torch: loaded only when a Plan must be solved
+    from deeppool.plans import Plan
     from deeppool.planner.api import Planned
-    from deeppool.planner.plan import Plan
 
 FACTS_VERSION = 7
 """Bumped whenever the cost model changes what a Plan predicts (4: per-group all-reduce latency rounds,
@@ -118,7 +119,7 @@ class BurstStrategy(enum.Enum):
 class PlanSettings:
     """How burst plans are made: strategy (ILP or the DeepPool programme), solver time limit, and the
     objective of the plans whose idle time is lent (``PlanMode.LENDING``: the cluster's throughput under
-    ``interference`` by default, :mod:`deeppool.planner.throughput`; ``time`` lends the fastest plan)."""
+    ``interference`` by default, :mod:`deeppool.planner.solve.throughput`; ``time`` lends the fastest plan)."""
 
     burst_strategy: BurstStrategy = BurstStrategy.ILP
     time_limit_s: float = 30.0
@@ -245,8 +246,8 @@ class PlanBook:
             self._facts[(model, gpus, mode)] = fact
 
     def _solve(self, model: ModelChoice, gpus: int) -> dict[PlanMode, PlanFacts]:
+        from deeppool.plans import Strategy
         from deeppool.planner.api import PlanRequest, device_setup, plan_graph
-        from deeppool.planner.plan import Strategy
 
         graph = self.graph(model)
         profile, _ = device_setup(self.cluster.device.value, model.global_batch, model.global_batch, graph)
@@ -290,9 +291,9 @@ class PlanBook:
                     return LayerGraph.from_json(json.loads(path.read_text()))
                 except (ValueError, KeyError, TypeError, DeeppoolError):
                     pass
-        from deeppool.planner.trace import trace
+        from deeppool.model.trace import trace
 
-        graph = trace(model.spec.load(meta=True)).graph
+        graph = trace(load_model(model.spec, meta=True)).graph
         if path is not None:
             write_json(path, graph.to_json())
         return graph
@@ -332,8 +333,9 @@ def _solve_model(
 
 def _data_parallel_plan(planned: Planned, model: ModelChoice, gpus: int) -> Plan:
     """The data-parallel Plan of the same planner run (the same cost model and baselines)."""
-    from deeppool.planner.baselines import Baselines
-    from deeppool.planner.plan import Strategy, build_plan
+    from deeppool.plans import Strategy
+    from deeppool.planner.solve.baselines import Baselines
+    from deeppool.planner.solve.build import build_plan
 
     if planned.plan.strategy is Strategy.DATA_PARALLEL:
         return planned.plan

@@ -7,15 +7,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from deeppool.cluster_sim.cluster import ClusterSpec
-from deeppool.cluster_sim.engine import Engine, SimResult
+from deeppool.cluster_sim.engine import SimResult, Simulation
 from deeppool.cluster_sim.models import ModelMapping
 from deeppool.cluster_sim.plans import PlanBook, PlanMode
-from deeppool.scheduling.policies import policy_named
-from deeppool.scheduling.policy import SimJob, SpeedModel
 from deeppool.cluster_sim.workload import BackgroundRule, TraceJob, Workload
 from deeppool.errors import DeeppoolError
-from deeppool.planner.interference import InterferenceModel
+from deeppool.planner.profiling.interference import InterferenceModel
 from deeppool.scheduling.choice import ModelChoice
+from deeppool.scheduling.contract import SimJob, SpeedModel
+from deeppool.scheduling.policies import policy_named
 
 DEFAULT_RESTART_PENALTY_S = 30.0
 """Time lost each time a preempted or evicted job runs again: the Pollux artifact simulator's restart delay."""
@@ -121,7 +121,7 @@ def run_policies(
     """One engine run per policy, on the same jobs and Plans."""
     results = []
     for name in policies:
-        engine = Engine(
+        engine = Simulation(
             cluster=cluster,
             jobs=jobs,
             policy=policy_named(name),

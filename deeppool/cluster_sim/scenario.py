@@ -19,7 +19,7 @@ own one-GPU runs) up to the foreground's finish ``t``:
     cluster_throughput_vs_dp = fg_share + bg_share   (data parallel alone: 1).
 
 The foreground runs the plan ``burst+bg`` lends (``PlanMode.LENDING``: by default the
-one maximising this very throughput, :mod:`deeppool.planner.throughput`, for the guests
+one maximising this very throughput, :mod:`deeppool.planner.solve.throughput`, for the guests
 it hosts: their steps come in pieces of their longest layer phase, and a window holds
 only whole pieces, as the engine counts them). Beside data
 parallel on all GPUs (DeepPool's baseline) each point gives the strong baseline,
@@ -36,12 +36,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from deeppool.cluster_sim.cluster import ClusterSpec
-from deeppool.cluster_sim.engine import Engine
+from deeppool.cluster_sim.engine import Simulation
 from deeppool.cluster_sim.plans import PlanBook, PlanMode
-from deeppool.planner.interference import InterferenceModel
+from deeppool.planner.profiling.interference import InterferenceModel
 from deeppool.scheduling.choice import ModelChoice
+from deeppool.scheduling.contract import SimJob
 from deeppool.scheduling.policies import POLICIES
-from deeppool.scheduling.policy import SimJob
 
 PAPER_RANGE = (1.2, 2.3)
 """DeepPool's reported cluster throughput over data parallel (Park et al., MLSys 2022)."""
@@ -97,8 +97,8 @@ def evaluate(
                memory_bytes=own.peak_rank_memory_bytes)
         for index in range(1, gpus + 1)
     ]
-    result = Engine(cluster=cluster, jobs=jobs, policy=POLICIES[POLICY], facts=book.facts, interference=interference,
-                    restart_penalty_s=0.0).run()
+    result = Simulation(cluster=cluster, jobs=jobs, policy=POLICIES[POLICY], facts=book.facts,
+                        interference=interference, restart_penalty_s=0.0).run()
     finish = next(r.finish_s for r in result.records if r.job_id == 0)
     dp = book.facts(foreground, gpus, PlanMode.DATA_PARALLEL)
     burst = book.facts(foreground, gpus, PlanMode.LENDING)

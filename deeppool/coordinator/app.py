@@ -32,9 +32,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from pydantic import BaseModel, ConfigDict, Field
 
 from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobStatus, differences
 from deeppool.coordinator.metrics import CONTENT_TYPE, exposition
@@ -335,12 +335,18 @@ def _shown(text: str | None) -> str:
 
 
 def check_model(model: str, roots: tuple[Path, ...]) -> None:
-    """A factory name, or a .py file that exists under an allowed root (after resolving links and '..')."""
+    """A factory name, or a .py file given by its absolute path that exists under an allowed root (after
+    resolving links and '..'). A relative path is refused: the server's folder is not the sender's, and the job
+    is launched from neither."""
     if FACTORY.match(model):
         return
     if not model.endswith(".py"):
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                             f"model {_shown(model)} is neither a .py file nor package.module:factory")
+    if not Path(model).is_absolute():
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                            f"model {_shown(model)} is a relative path: send its absolute path (the server does not "
+                            "know the folder it is relative to; `deeppool submit` sends absolute paths)")
     try:
         path = Path(model).resolve()
     except (RuntimeError, OSError, ValueError):  # Python 3.11 raises RuntimeError for a link loop

@@ -71,14 +71,13 @@ class DriverSpec:
 
 def drive(spec: DriverSpec) -> dict[str, Any]:
     from deeppool.coordinator.slurm import run_across
-    from deeppool.executor.launch.worker_args import config_args
+    from deeppool import options
     from deeppool.executor.config import RunConfig
-    from deeppool.executor.launch.netprobe import probed_source
     from deeppool.multiplex.api import run
-    from deeppool.multiplex.options import background_args
+    from deeppool.multiplex.options import RUN_BACKGROUND
+    from deeppool.plans import ModelSpec
     from deeppool.planner.api import plan_model
-    from deeppool.planner.modelspec import ModelSpec
-    from deeppool.planner.request import CostSource, PlanRequest
+    from deeppool.planner.request import CostSource, PlanRequest, probed_source
 
     allocation = slurm_allocation(spec.nodes)
     spec.out.mkdir(parents=True, exist_ok=True)
@@ -101,8 +100,9 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
     if spec.script is not None:
         return _script(spec, plan, config, lent=background is not None, one_node=allocation is None)
     if allocation is None:
-        return run(spec.out / "plan.json", background=background, config=config, checked=True)
-    run_across(allocation, spec.out / "plan.json", plan.gpus, config_args(config) + background_args(background))
+        return run(plan, plan_path=spec.out / "plan.json", background=background, config=config, checked=True)
+    run_across(allocation, spec.out / "plan.json", plan.gpus,
+               options.argv(RunConfig, config) + options.argv(RUN_BACKGROUND, background))
     return json.loads((spec.out / "run" / "summary.json").read_text())
 
 

@@ -68,14 +68,14 @@ class JobRequest(BaseModel):
     """A submission, as the CLI and ``POST /v1/jobs`` give it. Unknown fields are refused (422).
 
     ``input_shape``, ``input_dtype`` and ``vocab_size`` describe a factory model's one input
-    (:class:`~deeppool.planner.modelspec.ModelSpec`); a model file makes its own inputs.
+    (:class:`~deeppool.model.loading.ModelSpec`); a model file makes its own inputs.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     kind: JobKind
-    model: PlainText = Field(min_length=1, max_length=4096, description="a model file path (under the server's "
-                             "allowed roots) or package.module:factory")
+    model: PlainText = Field(min_length=1, max_length=4096, description="a model file's absolute path (under the "
+                             "server's allowed roots) or package.module:factory")
     gpus: int = Field(default=1, ge=1, le=4096, description="GPUs for a foreground job; background jobs use 1")
     batch: int = Field(ge=1, le=1 << 24, description="global batch size")
     steps: int = Field(default=100, ge=1, le=10_000_000)
@@ -89,8 +89,9 @@ class JobRequest(BaseModel):
     idempotency_key: PlainText | None = Field(default=None, min_length=1, max_length=200,
                                               description="a resubmission with the same key returns the same job")
     script: PlainText | None = Field(default=None, min_length=1, max_length=4096,
-                                     description="a foreground job's own training script (.py under the allowed "
-                                     "roots), run on every rank with the plan (it calls deeppool.parallelize)")
+                                     description="a foreground job's own training script (an absolute path to a "
+                                     ".py under the allowed roots), run on every rank with the plan (it calls "
+                                     "deeppool.parallelize)")
 
 
 class Job(BaseModel):
@@ -117,7 +118,7 @@ class Job(BaseModel):
     script: str | None = Field(default=None, description="the job's own training script, if it has one")
 
 
-class Event(BaseModel):
+class JobEvent(BaseModel):
     id: int
     job_id: int
     from_state: JobStatus | None

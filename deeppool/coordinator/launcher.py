@@ -36,7 +36,7 @@ from deeppool.errors import DeeppoolError
 SUPERVISOR = "deeppool.coordinator.supervisor"
 
 
-class Phase(enum.Enum):
+class LaunchPhase(enum.Enum):
     NOT_STARTED = "not started"  # no supervisor ever took the job's lock
     QUEUED = "queued"  # submitted to a batch system that has not started it yet
     RUNNING = "running"
@@ -70,7 +70,7 @@ def resources_for(job: Job, nodes: int) -> Resources:
 
 @dataclass(frozen=True, kw_only=True)
 class Observed:
-    phase: Phase
+    phase: LaunchPhase
     exit_code: int | None = None
 
 
@@ -151,16 +151,21 @@ class LocalLauncher:
         group = self.group(job_id, attempt)
         code = files.exit_code()
         if code is not None:
-            return Observed(phase=Phase.EXITED, exit_code=code) if _ended(group) else Observed(phase=Phase.RUNNING)
+            if _ended(group):
+                return Observed(phase=LaunchPhase.EXITED, exit_code=code)
+            return Observed(phase=LaunchPhase.RUNNING)
         pid = files.supervisor_pid()
         if pid is None:
-            return Observed(phase=Phase.NOT_STARTED)
+            return Observed(phase=LaunchPhase.NOT_STARTED)
         if _alive_supervisor(pid):
-            return Observed(phase=Phase.RUNNING)
+            return Observed(phase=LaunchPhase.RUNNING)
         code = files.exit_code()  # it may have finished between the two reads
         if not _ended(group):
-            return Observed(phase=Phase.RUNNING)  # its processes outlived it: killed, they hold the GPUs till gone
-        return Observed(phase=Phase.EXITED, exit_code=code) if code is not None else Observed(phase=Phase.LOST)
+            # its processes outlived it: killed, they hold the GPUs till gone
+            return Observed(phase=LaunchPhase.RUNNING)
+        if code is None:
+            return Observed(phase=LaunchPhase.LOST)
+        return Observed(phase=LaunchPhase.EXITED, exit_code=code)
 
     def alive(self, job_id: int, attempt: int) -> bool:
         """Whether any process of the attempt is left (its supervisor, or anything in its group)."""

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from deeppool.coordinator.jobs import Event, Job, JobKind, JobStatus
+from deeppool.coordinator.jobs import Job, JobEvent, JobKind, JobStatus
 from deeppool.coordinator.report import age
 
 WIDTH, HEIGHT, MARGIN = 900, 220, 40
@@ -32,7 +32,7 @@ class Interval:
     end: float
 
 
-def intervals(jobs: Sequence[Job], events: dict[int, list[Event]], now: datetime) -> list[Interval]:
+def intervals(jobs: Sequence[Job], events: dict[int, list[JobEvent]], now: datetime) -> list[Interval]:
     out = []
     for job in jobs:
         opened: float | None = None
@@ -85,7 +85,7 @@ def timeline(spans: Sequence[Interval], total_gpus: int) -> str:
     return "".join(parts)
 
 
-def render(jobs: Sequence[Job], events: dict[int, list[Event]], total_gpus: int, now: datetime | None = None, *,
+def render(jobs: Sequence[Job], events: dict[int, list[JobEvent]], total_gpus: int, now: datetime | None = None, *,
            total: int | None = None, older: int | None = None) -> str:
     """The page for ``jobs`` (of ``total`` in all); ``older``: the id the next page of older jobs comes before."""
     now = now or datetime.now(UTC)

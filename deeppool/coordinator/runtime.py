@@ -66,7 +66,7 @@ from typing import Any
 from deeppool.coordinator.guest import GuestSpec
 from deeppool.coordinator.isolation import Account, AccountError, RunAs, read_job_file
 from deeppool.coordinator.jobs import Job, JobStatus
-from deeppool.coordinator.launcher import Launcher, Phase, Resources, resources_for
+from deeppool.coordinator.launcher import Launcher, LaunchPhase, Resources, resources_for
 from deeppool.coordinator.store import Store
 from deeppool.executor.training.outputs import EVENTS, PROGRESS
 from deeppool.errors import DeeppoolError
@@ -196,11 +196,11 @@ class Runtime:
     def _settle(self, job: Job, now: datetime) -> None:
         attempt = self.store.attempts(job.id)
         seen = self.launcher.observe(job.id, attempt)
-        if seen.phase in (Phase.RUNNING, Phase.EXITED) and job.state is JobStatus.RUNNING:
+        if seen.phase in (LaunchPhase.RUNNING, LaunchPhase.EXITED) and job.state is JobStatus.RUNNING:
             self._relay(job, attempt)
-        if seen.phase is Phase.RUNNING and job.state is JobStatus.RUNNING and self._over_log_cap(job, attempt):
+        if seen.phase is LaunchPhase.RUNNING and job.state is JobStatus.RUNNING and self._over_log_cap(job, attempt):
             return
-        if seen.phase is Phase.EXITED:
+        if seen.phase is LaunchPhase.EXITED:
             if job.state is JobStatus.STARTING:  # it ran and ended between two looks
                 self.store.transition(job.id, JobStatus.RUNNING, f"attempt {attempt} ran")
                 self._relay(job, attempt)
@@ -209,12 +209,12 @@ class Runtime:
             self.store.transition(job.id, JobStatus.SUCCEEDED if ok else JobStatus.FAILED,
                                   "finished" if ok else f"exited with code {code}" if code is not None
                                   else "its exit file is damaged", exit_code=code)
-        elif seen.phase is Phase.RUNNING and job.state is JobStatus.STARTING:
+        elif seen.phase is LaunchPhase.RUNNING and job.state is JobStatus.STARTING:
             self.store.transition(job.id, JobStatus.RUNNING, f"attempt {attempt} running")
-        elif seen.phase is Phase.LOST:
+        elif seen.phase is LaunchPhase.LOST:
             self.store.transition(job.id, JobStatus.FAILED, f"lost: attempt {attempt}'s supervisor ended without an "
                                                             "exit code")
-        elif seen.phase is Phase.NOT_STARTED and now - job.updated_at > timedelta(seconds=self.grace_s):
+        elif seen.phase is LaunchPhase.NOT_STARTED and now - job.updated_at > timedelta(seconds=self.grace_s):
             guests = self.store.jobs(states=(JobStatus.STARTING,), host_id=job.id)
             try:
                 account = self.run_as.account(job.owner)

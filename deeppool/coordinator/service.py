@@ -49,7 +49,7 @@ log = logging.getLogger("deeppool.coordinator")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Health:
+class SchedulerHealth:
     ok: bool
     detail: str = ""
     """what failed, and since when (empty when ok)"""
@@ -92,7 +92,7 @@ class Service:
         self.paused = paused
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="deeppool-coordinator", daemon=True)
-        self._failure: Health | None = Health(ok=False, detail="the scheduler has not started")
+        self._failure: SchedulerHealth | None = SchedulerHealth(ok=False, detail="the scheduler has not started")
         self._failing_since: datetime | None = None
 
     def tick(self, now: datetime | None = None) -> Decision:
@@ -122,13 +122,13 @@ class Service:
             self.runtime.start(job, f"granted {start.gpus} GPUs by the {self.policy.name} policy", guests)
 
     @property
-    def health(self) -> Health:
+    def health(self) -> SchedulerHealth:
         """ok while the loop runs and its last tick succeeded; else what failed."""
         if self._failure is not None:
             return self._failure
         if not self._thread.is_alive():
-            return Health(ok=False, detail="the scheduler's thread has ended")
-        return Health(ok=True)
+            return SchedulerHealth(ok=False, detail="the scheduler's thread has ended")
+        return SchedulerHealth(ok=True)
 
     def start(self) -> None:
         self._guarded_tick()  # recover before serving: adopt, finalise or relaunch what the last run left
@@ -146,9 +146,9 @@ class Service:
         except Exception as err:  # noqa: BLE001: any failure must leave the loop running, and say so
             log.exception("the scheduling loop failed; retrying")
             self._failing_since = self._failing_since or datetime.now(UTC)
-            self._failure = Health(ok=False, detail=f"the scheduling loop has failed since "
-                                                    f"{self._failing_since:%H:%M:%S} UTC ({type(err).__name__}: "
-                                                    f"{str(err)[:200]}); retrying")
+            detail = (f"the scheduling loop has failed since {self._failing_since:%H:%M:%S} UTC "
+                      f"({type(err).__name__}: {str(err)[:200]}); retrying")
+            self._failure = SchedulerHealth(ok=False, detail=detail)
             return False
         if self._failing_since is not None:
             log.warning("the scheduling loop runs again")

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from deeppool.coordinator.guest import GuestSpec
 from deeppool.coordinator.isolation import Account, job_env, private_dir
-from deeppool.coordinator.launcher import SUPERVISOR, Observed, Phase, Resources
+from deeppool.coordinator.launcher import SUPERVISOR, LaunchPhase, Observed, Resources
 from deeppool.coordinator.supervisor import JobFiles, SupervisorSpec
 from deeppool.errors import DeeppoolError
 
@@ -218,15 +218,17 @@ class SlurmLauncher:
         files = self.files(job_id, attempt)
         code = files.exit_code()
         if code is not None:
-            return Observed(phase=Phase.EXITED, exit_code=code)
+            return Observed(phase=LaunchPhase.EXITED, exit_code=code)
         slurm_id = self.slurm_id(job_id, attempt)
         if slurm_id is None:
-            return Observed(phase=Phase.NOT_STARTED)
+            return Observed(phase=LaunchPhase.NOT_STARTED)
         state = self._state(slurm_id)
         if state in LIVE:
-            return Observed(phase=Phase.RUNNING if files.supervisor_pid() is not None else Phase.QUEUED)
+            return Observed(phase=LaunchPhase.RUNNING if files.supervisor_pid() is not None else LaunchPhase.QUEUED)
         code = files.exit_code()
-        return Observed(phase=Phase.EXITED, exit_code=code) if code is not None else Observed(phase=Phase.LOST)
+        if code is None:
+            return Observed(phase=LaunchPhase.LOST)
+        return Observed(phase=LaunchPhase.EXITED, exit_code=code)
 
     def alive(self, job_id: int, attempt: int) -> bool:
         """Whether Slurm still has the attempt's batch job (queued, running or ending: its cgroups' to end)."""

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from deeppool.coordinator.isolation import private_file
-from deeppool.coordinator.jobs import Event, Job, JobKind, JobRequest, JobStatus, sources
+from deeppool.coordinator.jobs import Job, JobEvent, JobKind, JobRequest, JobStatus, sources
 from deeppool.errors import DeeppoolError
 
 SCHEMA = """
@@ -289,13 +289,13 @@ class Store:
     def count(self) -> int:
         return int(self._read("SELECT COUNT(*) FROM jobs")[0][0])
 
-    def events(self, job_id: int) -> list[Event]:
+    def events(self, job_id: int) -> list[JobEvent]:
         rows = self._read("SELECT * FROM events WHERE job_id = ? ORDER BY id", (job_id,))
         return [_event(r) for r in rows]
 
-    def moves(self, job_ids: Sequence[int]) -> dict[int, list[Event]]:
+    def moves(self, job_ids: Sequence[int]) -> dict[int, list[JobEvent]]:
         """Each job's events that moved it (no notes), in order: what a timeline needs, from an index."""
-        found: dict[int, list[Event]] = {job_id: [] for job_id in job_ids}
+        found: dict[int, list[JobEvent]] = {job_id: [] for job_id in job_ids}
         for first in range(0, len(job_ids), 500):
             chunk = tuple(job_ids[first:first + 500])
             marks = ",".join("?" * len(chunk))
@@ -337,10 +337,10 @@ def lock_database(path: Path) -> IO[str]:
     return handle
 
 
-def _event(row: sqlite3.Row) -> Event:
-    return Event(id=row["id"], job_id=row["job_id"], to_state=JobStatus(row["to_state"]), reason=row["reason"],
-                 at=datetime.fromisoformat(row["at"]),
-                 from_state=JobStatus(row["from_state"]) if row["from_state"] else None)
+def _event(row: sqlite3.Row) -> JobEvent:
+    return JobEvent(id=row["id"], job_id=row["job_id"], to_state=JobStatus(row["to_state"]), reason=row["reason"],
+                    at=datetime.fromisoformat(row["at"]),
+                    from_state=JobStatus(row["from_state"]) if row["from_state"] else None)
 
 
 def _job(row: sqlite3.Row) -> Job:

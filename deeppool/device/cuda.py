@@ -2,8 +2,11 @@
 
 The only module of deeppool that calls ``torch.cuda`` or names NCCL (``tests/test_device_seam.py``
 checks). Every method is one or two calls into torch: the semantics live in CUDA, and the fake
-(:mod:`deeppool.device.fake`) models them for tests. NOTHING HERE HAS RUN ON A GPU YET
-(``docs/gpu.md``); ``benchmarks/gpu.py`` is the checklist for the first machine that has one.
+(:mod:`deeppool.device.fake`) models them for tests. On one GPU it has run the ``gpu`` tests and the
+one-GPU checks of ``benchmarks/gpu.py`` (streams and priorities, CUDA events, graph capture and replay in
+the ``priority`` drill, the CUDA RNG, a single-rank NCCL all-reduce); what needs two GPUs (NCCL across
+ranks, the multiplexed runs, the MPS daemon) has not run on one. The runs and their files:
+``docs/gpu.md``, ``docs/gpu-runs/``.
 """
 
 from __future__ import annotations

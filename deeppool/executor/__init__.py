@@ -1,7 +1,7 @@
 """The executor: run a Plan on torch.distributed, exactly like single-process training.
 
 ``deeppool run plan.json --nproc N`` launches the ranks (torchrun underneath);
-``torchrun ... -m deeppool.executor plan.json`` runs one rank per process on
+``torchrun ... -m deeppool.executor plan.json [config.json]`` runs one rank per process on
 any number of machines; :func:`train_rank` is the Python API (a user data
 loader, an idle-window listener, injected communication). See
 ``docs/executor.md``.
@@ -17,7 +17,7 @@ from typing import Any
 
 _HOMES = {
     "ModelBuilder": "api", "RankResult": "api", "train_rank": "api",
-    "Backend": "config", "OptimizerConfig": "config", "OptimizerKind": "config", "RunConfig": "config",
+    "Backend": "config", "OptimizerConfig": "config", "RunConfig": "config",
     "Adaptation": "config", "LrScaling": "config", "Monitor": "config",
     "GnsReading": "engine.monitor", "GradientMonitor": "engine.monitor",
     "Comm": "engine.comm", "TorchComm": "engine.comm",

@@ -1,4 +1,5 @@
-"""``python -m deeppool.executor plan.json [options]``: one rank, for torchrun.
+"""``python -m deeppool.executor plan.json [config.json]``: one rank, for torchrun (its settings: the config file
+``deeppool run`` writes into its ``--out``; without one, ``deeppool run``'s defaults).
 
 The program, not a module of the executor's layer: it starts the worker of the command layer above
 (:mod:`deeppool.run_command`), which wires the multiplexer into the executor.

@@ -12,6 +12,7 @@ rank 0's result carries the :class:`RunSummary` of all ranks.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Iterable
@@ -21,23 +22,29 @@ from typing import Any
 
 import torch
 
+from deeppool.adaptation.adascale import AdaScale
+from deeppool.adaptation.policy import AdaptationPolicy
 from deeppool.device.cuda import gpu_for
 from deeppool.device.seam import Gpu, event_factory, side_stream, synchronizer
-from deeppool.adaptation.adascale import AdaScale
-from deeppool.adaptation.policy import Policy
 from deeppool.errors import DeeppoolError
-from deeppool.executor.training.adapt import Adapter, EventLog, Progress, Resize, StepLog
-from deeppool.executor.training.checkpoint import (
-    GroupShard, RunState, intact, latest, load_group, load_own, load_run, model_keys, save, writer,
-)
-from deeppool.executor.training.checkpoint import groups as checkpoint_groups
-from deeppool.executor.engine.comm import Comm, Lane
 from deeppool.executor.config import (
-    BatchNormMode, CheckpointConfig, LrScaling, OptimizerKind, Precision, RunConfig, check_adaptation,
+    BatchNormMode,
+    CheckpointConfig,
+    LrScaling,
+    RunConfig,
+    check_adaptation,
     default_base_batch,
 )
+from deeppool.executor.engine.comm import Comm, Lane
 from deeppool.executor.engine.data import (
-    BatchSource, DataReport, DatasetBatches, EpochOrder, LoaderBatches, SyntheticBatches, load_dataset, needed_rows,
+    BatchSource,
+    DataReport,
+    DatasetBatches,
+    EpochOrder,
+    LoaderBatches,
+    SyntheticBatches,
+    load_dataset,
+    needed_rows,
 )
 from deeppool.executor.engine.engine import Engine, EngineParts
 from deeppool.executor.engine.faults import Slowdown
@@ -45,21 +52,35 @@ from deeppool.executor.engine.gradients import FIRST_BUCKET_BYTES, GradientReduc
 from deeppool.executor.engine.idle import IdleListener, NoBackground
 from deeppool.executor.engine.local_model import LocalModel, check_plan_matches, hold
 from deeppool.executor.engine.monitor import AdaScaleLr, GnsReading, GradientMonitor, group_shares, single_groups
-from deeppool.executor.training.outputs import RESIZE
 from deeppool.executor.engine.precision import AgreedScaler, MixedPrecision, output_dtypes
 from deeppool.executor.engine.program import Program, build_program, idle_positions, pace_group
+from deeppool.executor.engine.timing import Category, Clock, Counter, RankTimes, Recorder, Span, summarise
+from deeppool.executor.training.adapt import Adapter, EventLog, Progress, Resize, StepLog
+from deeppool.executor.training.checkpoint import (
+    GroupShard,
+    RunState,
+    intact,
+    latest,
+    load_group,
+    load_own,
+    load_run,
+    model_keys,
+    save,
+    writer,
+)
+from deeppool.executor.training.checkpoint import groups as checkpoint_groups
+from deeppool.executor.training.outputs import RESIZE
 from deeppool.executor.training.progress import ProgressFile
 from deeppool.executor.training.reference import CheckResult, LockstepReference, worst_of
-from deeppool.executor.training.summary import RunSummary, summarise_run
 from deeppool.executor.training.steptimes import StepMonitor
-from deeppool.planner.syncbn import Reduce
-from deeppool.executor.engine.timing import Category, Clock, Counter, Recorder, RankTimes, Span, summarise
+from deeppool.executor.training.summary import RunSummary, summarise_run
+from deeppool.model.graph import TraceMethod
+from deeppool.model.loading import LoadedModel, load_model
+from deeppool.model.syncbn import Reduce
+from deeppool.model.trace import Traced, trace
 from deeppool.output import console
-from deeppool.planner.graph import TraceMethod
-from deeppool.planner.jsonio import write_json
-from deeppool.planner.modelspec import LoadedModel, ModelSpec
-from deeppool.planner.plan import Plan
-from deeppool.planner.trace import Traced, trace
+from deeppool.plans import ModelSpec, Optimizer, Plan, Precision
+from deeppool.plans.jsonio import write_json
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,7 +108,7 @@ def train_rank(
     clock: Clock = time.perf_counter,
     device: torch.device | None = None,
     builder: ModelBuilder | None = None,
-    policy: Policy | None = None,
+    policy: AdaptationPolicy | None = None,
     slowdown: Slowdown | None = None,
     gpu: Gpu | None = None,
 ) -> RankResult:
@@ -109,9 +130,9 @@ def train_rank(
         raise DeeppoolError(f"the plan is for {plan.gpus} GPUs but {comm.world_size} ranks were started: "
                             f"start {plan.gpus} (--nproc {plan.gpus})")
     loaded = builder.load(plan.model)
-    # the reference is seeded like ``loaded`` and built before the trace, which ranks sharing one process
-    # (tests) leave together: no rank's data loader then draws from the global RNG while it is initialised
-    reference_model = builder.load(plan.model) if config.check else None
+    # ``--check``'s reference is a copy of ``loaded`` taken before the trace touches it (the model is built
+    # once per rank)
+    reference_model = builder.copy(loaded, plan.model) if config.check else None
     keys = model_keys(loaded.module)
     traced = builder.trace(loaded)
     check_plan_matches(plan, traced.graph)
@@ -144,7 +165,7 @@ def train_rank(
         indices = range(position, position + micros)
         batch = [feed.batches(index) for index in indices]
         losses.append(engine.step(step, batch, position))
-        monitor = engine.p.monitor
+        monitor = engine.parts.monitor
         if monitor is not None and monitor.latest is not None:
             readings.append(monitor.latest)
         if reference is not None:
@@ -182,7 +203,7 @@ def train_rank(
 def adaptation_report(engine: Engine) -> dict[str, Any]:
     """summary.json's adaptation keys: ``gns`` (samples) and its statistics; AdaScale's τ and last gain."""
     report: dict[str, Any] = {}
-    monitor, scaling = engine.p.monitor, engine.p.lr_scaling
+    monitor, scaling = engine.parts.monitor, engine.parts.lr_scaling
     if monitor is not None:
         stats = None if monitor.latest is None else monitor.latest.to_json()
         report["gns"] = None if stats is None else stats["noise_scale"]
@@ -215,7 +236,7 @@ def _resume(config: RunConfig, engine: Engine, local: LocalModel, rank: int) -> 
         _copy_into(local.params, shard.params)
         _copy_into(local.buffers, shard.buffers)
     _copy_into(local.buffers, load_own(checkpoint.directory, done, rank))
-    parts = engine.p
+    parts = engine.parts
     if parts.optimizer is not None and run.optimizer_groups is not None:
         states = {name: state for shard in shards for name, state in shard.optimizer.items()}
         parts.optimizer.load_state_dict(_optimizer_state(parts.optimizer, local, states, run.optimizer_groups))
@@ -272,7 +293,7 @@ def _save(
 ) -> None:
     if checkpoint is None or (not force and (checkpoint.every == 0 or done % checkpoint.every != 0)):
         return
-    parts = engine.p
+    parts = engine.parts
     optimizer = parts.optimizer
     run = RunState(
         steps_done=done,
@@ -350,13 +371,13 @@ def _epoch_ends(adapter: Adapter, feed: Feed, start: int, end: int, done: int, s
 
 
 def _adapter(plan: Plan, program: Program, comm: Comm, recorder: Recorder, engine: Engine, config: RunConfig,
-             progress: Progress, policy: Policy | None) -> Adapter:
+             progress: Progress, policy: AdaptationPolicy | None) -> Adapter:
     log = EventLog(out_dir=config.out_dir, show=_show) if comm.rank == 0 else None
     steps = StepLog(out_dir=config.out_dir) if comm.rank == 0 and config.out_dir is not None else None
     monitor = StepMonitor(plan, program.stages, comm, recorder, every=config.monitor_every)
     adapter = Adapter(monitor=monitor, policy=policy, progress=progress,
-                      gpus=plan.gpus, global_batch=plan.global_batch, optimizer=engine.p.optimizer,
-                      scheduler=engine.p.scheduler, log=log,
+                      gpus=plan.gpus, global_batch=plan.global_batch, optimizer=engine.parts.optimizer,
+                      scheduler=engine.parts.scheduler, log=log,
                       on_accumulate=lambda k: _accumulating(engine, plan, comm.rank, k),
                       on_lr=lambda lr: _base_lr(engine, lr), steps=steps)
     if progress.accumulate != config.training.accumulate:
@@ -367,17 +388,17 @@ def _adapter(plan: Plan, program: Program, comm: Comm, recorder: Recorder, engin
 
 def _base_lr(engine: Engine, lr: float) -> None:
     """AdaScale sets the LR itself each step from its base LR: a policy's LR becomes that base."""
-    if engine.p.lr_scaling is not None:
-        engine.p.lr_scaling.lr = lr
+    if engine.parts.lr_scaling is not None:
+        engine.parts.lr_scaling.lr = lr
 
 
 def _accumulating(engine: Engine, plan: Plan, rank: int, micros: int) -> None:
     """``K`` is now ``micros``: the noise-scale monitor measures on ``K·n_r`` and ``K·B`` samples."""
-    if engine.p.lr_scaling is not None:
+    if engine.parts.lr_scaling is not None:
         raise DeeppoolError("a policy changed the accumulation under --lr-scaling adascale, whose scale is fixed "
                             "at the start: run the policy without --lr-scaling adascale")
-    if engine.p.monitor is not None:
-        engine.p.monitor.shares = group_shares(plan, engine.p.model.graph, rank, micros)
+    if engine.parts.monitor is not None:
+        engine.parts.monitor.shares = group_shares(plan, engine.parts.model.graph, rank, micros)
 
 
 def _show(message: str) -> None:
@@ -389,10 +410,20 @@ class ModelBuilder:
     so ranks that share one process (tests) substitute a serialised builder."""
 
     def load(self, spec: ModelSpec) -> LoadedModel:
-        return spec.load()
+        return load_model(spec)
 
     def trace(self, loaded: LoadedModel) -> Traced:
         return trace(loaded)
+
+    def copy(self, loaded: LoadedModel, spec: ModelSpec) -> LoadedModel:
+        """A model equal to ``loaded``, as freshly built from ``spec`` (``--check``'s reference): a deep copy,
+        or, for a module that cannot be copied (one holding a tensor computed from its parameters), built
+        again."""
+        try:
+            module = copy.deepcopy(loaded.module)
+        except (RuntimeError, TypeError):
+            return self.load(spec)
+        return dataclasses.replace(loaded, module=module)
 
 
 @dataclass(frozen=True)
@@ -513,5 +544,5 @@ def _lr_scaling(plan: Plan, config: RunConfig, monitor: GradientMonitor | None) 
         return None
     scaler = AdaScale(base_batch=adaptation.base_batch or default_base_batch(plan),
                       batch=plan.global_batch * config.training.accumulate,
-                      adam=config.optimizer.kind is OptimizerKind.ADAM)
+                      adam=config.optimizer.kind is Optimizer.ADAM)
     return AdaScaleLr(scaler, lr=config.optimizer.lr, schedule=config.training.schedule, monitor=monitor)

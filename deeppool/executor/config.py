@@ -7,16 +7,19 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from deeppool import options
 from deeppool.device import GPU_BACKEND
 from deeppool.errors import DeeppoolError
-from deeppool.planner.combine import Combine
+from deeppool.options import Default, nested, option
+from deeppool.plans import Combine, Optimizer, Precision
+from deeppool.plans.jsonio import read_json, write_json
 
 if TYPE_CHECKING:  # torch loads when an optimizer is built: the CLI checks options without it
     import torch
 
-    from deeppool.planner.plan import Plan
+    from deeppool.plans import Plan
 
 
 class Backend(enum.Enum):
@@ -35,16 +38,11 @@ DEFAULT_TIMEOUT_S = 60.0
 """Seconds before a stalled communication fails: a hung rank is named about this long after it stops."""
 
 
-class OptimizerKind(enum.Enum):
-    SGD = "sgd"
-    ADAM = "adam"
-
-
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    kind: OptimizerKind = OptimizerKind.SGD
-    lr: float = 0.01
-    momentum: float = 0.0
+    kind: Optimizer = option(Optimizer.SGD, help="optimizer", flag="--optimizer")
+    lr: float = option(0.01, help="learning rate")
+    momentum: float = option(0.0, help="SGD momentum")
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -56,7 +54,7 @@ class OptimizerConfig:
         import torch
 
         params = list(params)
-        if self.kind is OptimizerKind.ADAM:
+        if self.kind is Optimizer.ADAM:
             return torch.optim.Adam(params, lr=self.lr)
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
 
@@ -65,7 +63,7 @@ class BatchNormMode(enum.Enum):
     """Whose statistics a BatchNorm layer on several ranks normalises with."""
 
     SYNC = "sync"
-    """The layer's whole batch, summed over its ranks (:mod:`deeppool.planner.syncbn`): exact to
+    """The layer's whole batch, summed over its ranks (:mod:`deeppool.model.syncbn`): exact to
     single-process training, at three small blocking all-reduces per BatchNorm per iteration."""
     LOCAL = "local"
     """Each rank's own samples, as ``DistributedDataParallel`` with ``nn.BatchNorm`` computes: no
@@ -83,9 +81,11 @@ class Schedule:
     """The learning rate's factor by optimizer step: linear warm-up over ``warmup_steps``, then
     constant, or decaying to 0 at ``total_steps`` (linearly or along a half cosine)."""
 
-    kind: ScheduleKind = ScheduleKind.CONSTANT
-    warmup_steps: int = 0
+    kind: ScheduleKind = option(ScheduleKind.CONSTANT, flag="--lr-schedule",
+                                help="learning rate after warm-up: constant, or decaying to 0")
+    warmup_steps: int = option(0, flag="--lr-warmup", help="optimizer steps of linear learning-rate warm-up")
     total_steps: int = 1
+    """The run's steps (``--steps``)."""
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0:
@@ -116,11 +116,11 @@ class Schedule:
 class Training:
     """What one optimizer step does beyond the plan: micro-batches, clipping, the LR schedule."""
 
-    accumulate: int = 1
+    accumulate: int = option(1, help="global batches whose gradients are summed per optimizer step")
     """Global batches (of ``plan.global_batch`` samples) whose gradients are summed per optimizer step."""
-    clip_norm: float | None = None
+    clip_norm: float | None = option(None, help="clip gradients to this global L2 norm (whole model)")
     """Scale gradients so their global L2 norm (over every parameter of the model) is at most this."""
-    schedule: Schedule = field(default_factory=Schedule)
+    schedule: Schedule = nested(default_factory=Schedule)
 
     def __post_init__(self) -> None:
         if self.accumulate < 1:
@@ -154,10 +154,14 @@ class Adaptation:
     plan's choice of how a layer group combines its gradients (None: the plan's).
     """
 
-    monitor: Monitor = Monitor.NONE
-    lr_scaling: LrScaling = LrScaling.NONE
-    base_batch: int | None = None
-    combine: Combine | None = None
+    monitor: Monitor = option(Monitor.NONE, help="gns: measure the gradient noise scale per layer group "
+                              "(summary.json 'gns', a trace counter)")
+    lr_scaling: LrScaling = option(LrScaling.NONE, help="adascale: scale the LR by AdaScale's gain (measures the "
+                                   "noise scale), schedule by τ")
+    base_batch: int | None = option(None, help="AdaScale's base batch, the batch --lr is tuned for",
+                                    shown="global batch / the widest layer's GPUs")
+    combine: Combine | None = option(None, help="how a layer group combines gradients: sum (the mean gradient) or "
+                                     "adasum", shown="the plan's")
 
     def __post_init__(self) -> None:
         if self.base_batch is not None and self.base_batch < 1:
@@ -172,30 +176,6 @@ class Adaptation:
     def measures(self) -> bool:
         """Gradient norms are measured: the monitor is on, or AdaScale needs its statistics."""
         return self.monitor is Monitor.GNS or self.lr_scaling is LrScaling.ADASCALE
-class Precision(enum.Enum):
-    """The arithmetic of the forward: fp32, or autocast to bf16 / fp16 (parameters and optimizer stay fp32)."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-
-    @property
-    def scaled(self) -> bool:
-        """fp16 needs its loss scaled, so small gradients do not flush to zero."""
-        return self is Precision.FP16
-
-    @property
-    def check_bound(self) -> float:
-        """``--check``'s default bound: round-off of this precision's products, with a margin
-        (measured figures in docs/executor.md, "Mixed precision")."""
-        return {Precision.FP32: 1e-3, Precision.FP16: 1e-2, Precision.BF16: 5e-2}[self]
-
-    @property
-    def check_floor(self) -> float:
-        """``--check``'s floor for a tensor's norm, as a fraction of the largest of its kind: a gradient that
-        cancels exactly (a bias right before BatchNorm) comes out as this precision's round-off of the
-        large terms, so the floor grows with the precision's epsilon (docs/executor.md, "Mixed precision")."""
-        return {Precision.FP32: 1e-3, Precision.FP16: 2e-2, Precision.BF16: 1e-1}[self]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,7 +184,7 @@ class LossScaling:
     ``backoff`` after a step with an inf/NaN gradient (the step is skipped) and by ``growth`` after
     ``interval`` steps without one."""
 
-    initial: float = 2.0**16
+    initial: float = option(2.0**16, flag="--loss-scale", help="fp16: the initial loss scale")
     growth: float = 2.0
     backoff: float = 0.5
     interval: int = 2000
@@ -221,10 +201,12 @@ class DataConfig:
     """Training data: a map-style ``Dataset`` from ``factory`` (``package.module:callable`` or
     ``path/file.py:callable``), sampled in a seeded order per epoch."""
 
-    factory: str
-    seed: int = 0
+    factory: str = option(help="train on the map-style Dataset this returns (package.module:factory or "
+                          "file.py:factory); each rank loads only its rows", flag="--data",
+                          shown="the model's synthetic batch")
+    seed: int = option(0, flag="--data-seed", help="seed of the per-epoch sample order (seed + epoch)")
     """Epoch ``e`` visits the samples in the order ``torch.randperm(len, Generator().manual_seed(seed + e))``."""
-    workers: int = 0
+    workers: int = option(0, flag="--data-workers", help="DataLoader worker processes per rank")
     """DataLoader worker processes per rank (0: load in the training process)."""
 
     def __post_init__(self) -> None:
@@ -240,10 +222,10 @@ class DataConfig:
 class CheckpointConfig:
     """Where checkpoints go (:mod:`deeppool.executor.training.checkpoint`), how often, and whether to resume."""
 
-    directory: Path
-    every: int = 0
+    directory: Path = option(flag="--checkpoint-dir", help="directory for checkpoints (one shard per layer group)")
+    every: int = option(0, flag="--checkpoint-every", help="write a checkpoint every N optimizer steps (0: never)")
     """Write after every ``every`` optimizer steps (0: never)."""
-    resume: bool = False
+    resume: bool = option(False, flag="--resume", help="continue from the latest complete checkpoint")
     """Start from the latest complete checkpoint in ``directory``."""
 
     def __post_init__(self) -> None:
@@ -255,29 +237,44 @@ class CheckpointConfig:
 class RunConfig:
     """How to run a plan: steps, optimizer, backend, timeouts, checking, outputs."""
 
-    steps: int = 50
-    warmup: int = 5
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    backend: Backend = Backend.AUTO
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    bucket_mb: float = 25.0
-    check: bool = False
-    check_bound: float | None = None
+    steps: int = option(50, help="training iterations, warm-up included")
+    warmup: int = option(5, help="the first iterations, left out of the timing medians (fewer than --steps)",
+                         command_default=Default(None, "5, or --steps - 1 when --steps is 5 or less"))
+    optimizer: OptimizerConfig = nested(default_factory=OptimizerConfig,
+                                        defaults={"kind": Default(None, "the plan's")})
+    backend: Backend = option(Backend.AUTO, help="auto: NCCL with CUDA, else gloo")
+    timeout_s: float = option(DEFAULT_TIMEOUT_S, flag="--timeout", help="seconds before a stalled communication fails")
+    bucket_mb: float = option(25.0, help="gradient bucket size in MiB (0: per stage, synchronous)")
+    check: bool = option(False, flag="--check", help="also train one process in lockstep; compare gradients, "
+                         "buffers and parameters every step")
+    check_bound: float | None = option(
+        None, help="largest relative difference --check accepts (per tensor: gradients and buffers against their own "
+        "norm, parameters against their module's scale; measured fp32 round-off after a few steps: about 1e-6 on "
+        "transformers, up to 7e-5 on deep BatchNorm CNNs such as densenet121, and it grows with depth and steps)",
+        shown="1e-3 (fp32), 1e-2 (fp16), 5e-2 (bf16)")
     """None: the precision's default (:attr:`Precision.check_bound`)."""
-    out_dir: Path | None = None
-    training: Training = field(default_factory=Training)
-    checkpoint: CheckpointConfig | None = None
-    policy: str | None = None
+    out_dir: Path | None = option(None, flag="--out", help="directory for traces, summary.json and error records",
+                                  command_default=Default(Path("deeppool-run")))
+    training: Training = nested(default_factory=Training)
+    checkpoint: CheckpointConfig | None = nested(default=None)
+    policy: str | None = option(
+        None, flag="--policy", help="adapt the run: grow-batch (grow the batch by accumulation while the noise scale "
+        "says it pays; needs --monitor gns), or module:factory / file.py:factory returning a policy")
     """``--policy``: a built-in adaptation policy or ``module:factory`` (:mod:`deeppool.adaptation.policy`)."""
-    monitor_every: int = 10
+    monitor_every: int = option(10, help="steps per all-gather of the ranks' step and compute times (stragglers, "
+                                "policies' snapshots)")
     """Steps per all-gather of the ranks' step and compute times (:mod:`deeppool.executor.training.steptimes`)."""
-    adaptation: Adaptation = field(default_factory=Adaptation)
-    precision: Precision = Precision.FP32
-    loss_scaling: LossScaling = field(default_factory=LossScaling)
+    adaptation: Adaptation = nested(default_factory=Adaptation)
+    precision: Precision = option(Precision.FP32, flag="--precision", help="forward under autocast to bf16 or fp16 "
+                                  "(fp16 with loss scaling); weights stay fp32")
+    loss_scaling: LossScaling = nested(default_factory=LossScaling)
     """Used with ``precision=Precision.FP16`` only."""
-    data: DataConfig | None = None
+    data: DataConfig | None = nested(default=None)
     """A dataset that each rank samples only its rows of (``--data``); None: the model's synthetic batch."""
-    batchnorm: BatchNormMode = BatchNormMode.SYNC
+    batchnorm: BatchNormMode = option(
+        BatchNormMode.SYNC, flag="--batchnorm", help="BatchNorm statistics of a layer on several ranks: sync (the "
+        "whole batch's, exact to one process) or local (each rank's own samples, as DDP with nn.BatchNorm; not exact, "
+        "refused with --check)")
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -286,6 +283,9 @@ class RunConfig:
             raise DeeppoolError(f"--warmup {self.warmup} must be >= 0")
         if self.timeout_s <= 0:
             raise DeeppoolError(f"--timeout {self.timeout_s} must be positive")
+        if self.precision is Precision.TF32:
+            raise DeeppoolError("--precision tf32 is a planning figure: run with --precision fp32 (TF32 products "
+                                "follow torch.backends.cuda.matmul.allow_tf32)")
         if self.bucket_mb < 0:
             raise DeeppoolError(f"--bucket-mb {self.bucket_mb} must be >= 0")
         if self.check_bound is not None and self.check_bound <= 0:
@@ -318,6 +318,41 @@ class RunConfig:
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 2**20)
 
+    def to_json(self) -> dict[str, Any]:
+        return options.to_json(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunConfig:
+        """The config of :meth:`to_json`'s form (a field left out takes its default)."""
+        return options.from_json(cls, data, where="run config")
+
+
+CONFIG_FILE = "config.json"
+"""The file in a run's ``--out`` that the launcher hands every rank (:class:`RankConfig`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankConfig:
+    """What every rank of a run is given, as one file (:data:`CONFIG_FILE`, written by the launcher): the run's
+    config, and the settings of the layers above the executor by name (the multiplexer's ``background``), which
+    the executor carries without reading."""
+
+    run: RunConfig
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    KIND: ClassVar[str] = "run config"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    def save(self, path: Path) -> None:
+        write_json(path, {"artifact": self.KIND, "schema_version": self.SCHEMA_VERSION, "run": self.run.to_json(),
+                          **self.extra})
+
+    @classmethod
+    def load(cls, path: Path) -> RankConfig:
+        payload = read_json(path, kind=cls.KIND, schema_version=cls.SCHEMA_VERSION)
+        extra = {key: value for key, value in payload.items() if key not in ("artifact", "schema_version", "run")}
+        return cls(run=RunConfig.from_json(payload.get("run", {})), extra=extra)
+
 
 def default_base_batch(plan: Plan) -> int:
     """AdaScale's ``B₀`` when ``--base-batch`` is not given: the global batch over the widest layer's GPU count."""
@@ -348,10 +383,6 @@ def check_adaptation(plan: Plan, config: RunConfig, *, grouped: bool) -> None:
                             f"batch x --accumulate): give at most {batch}")
 
 
-DEFAULT_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20)
-"""Message sizes in bytes: 4 KiB to 64 MiB (a reshard of a few samples to a large gradient bucket)."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class Nodes:
     """Where a run's ranks are: this machine alone, or ``count`` machines meeting at a rendezvous.
@@ -361,9 +392,10 @@ class Nodes:
     machine to reach ``HOST:PORT`` (the one whose address it is) hosts the rendezvous store.
     """
 
-    count: int = 1
-    endpoint: str | None = None
-    run_id: str | None = None
+    count: int = option(1, flag="--nnodes", help="machines the run spans (the same command on each)")
+    endpoint: str | None = option(None, flag="--rdzv-endpoint", help="HOST:PORT where the machines meet (with "
+                                  "--nnodes > 1), as torchrun's")
+    run_id: str | None = option(None, flag="--rdzv-id", help="the run's id, the same on every machine")
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -376,37 +408,3 @@ class Nodes:
         host, _, port = self.endpoint.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise DeeppoolError(f"--rdzv-endpoint '{self.endpoint}' is not HOST:PORT, e.g. node0:29500")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProbeConfig:
-    """What to measure: ranks, message sizes (bytes), repeats, warm-up runs, timeout."""
-
-    nproc: int = 2
-    sizes: tuple[int, ...] = DEFAULT_SIZES
-    repeats: int = 10
-    """The fewest timed repeats of each pattern and size."""
-    min_seconds: float = 0.4
-    """Repeats go on until each pattern and size has taken about this long (at most ``max_repeats``): a
-    collective on a shared host has a heavy tail (a few ms in one call of three), and what an iteration
-    pays is its mean, which takes many repeats to see."""
-    max_repeats: int = 200
-    warmup: int = 3
-    timeout_s: float = 120.0
-    busy_ms: float = 10.0
-    """How much the ranks of a group compute together (a fixed amount of work, this long on rank 0 alone)
-    before they send to rank 0 or sum a tensor (a stage's compute, a backward's end)."""
-
-    def __post_init__(self) -> None:
-        if self.nproc < 2:
-            raise DeeppoolError(f"--nproc {self.nproc}: measuring a network needs at least 2 processes")
-        if not self.sizes or min(self.sizes) < 4:
-            sizes = ",".join(map(str, self.sizes))
-            raise DeeppoolError(f"--sizes {sizes}: every message size must be at least 4 bytes")
-        if self.repeats < 1:
-            raise DeeppoolError(f"--repeats {self.repeats} must be at least 1")
-        if self.max_repeats < self.repeats or self.min_seconds < 0:
-            raise DeeppoolError(f"the most repeats ({self.max_repeats}) must be >= --repeats ({self.repeats}) "
-                                "and the time per size >= 0")
-        if self.warmup < 0:
-            raise DeeppoolError(f"--warmup {self.warmup} must be >= 0")

@@ -32,7 +32,7 @@ from deeppool.errors import DeeppoolError
 from deeppool.executor.config import DEFAULT_TIMEOUT_S, BatchNormMode
 from deeppool.library.parallel import Options, Parallelized, parallelize
 from deeppool.library.world import join
-from deeppool.planner.plan import Plan
+from deeppool.plans import Plan
 
 try:
     import lightning.pytorch as pl

@@ -27,9 +27,9 @@ import torch
 from torch import fx
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.config import Precision
 from deeppool.executor.engine.precision import MixedPrecision, output_dtypes
-from deeppool.planner.graph import LayerGraph
+from deeppool.model.graph import LayerGraph
+from deeppool.plans import Precision
 
 _PRECISIONS = {torch.bfloat16: Precision.BF16, torch.float16: Precision.FP16}
 

@@ -32,9 +32,8 @@ from torch.utils import _pytree as pytree
 from deeppool.device.cuda import gpu_for
 from deeppool.device.seam import event_factory, side_stream, synchronizer
 from deeppool.errors import DeeppoolError
-from deeppool.executor.training.checkpoint import model_keys
-from deeppool.executor.engine.comm import Lane, TorchComm
 from deeppool.executor.config import DEFAULT_TIMEOUT_S, BatchNormMode
+from deeppool.executor.engine.comm import Lane, TorchComm
 from deeppool.executor.engine.data import Batch, needed_rows
 from deeppool.executor.engine.engine import Engine, EngineParts
 from deeppool.executor.engine.gradients import FIRST_BUCKET_BYTES, GradientReducer
@@ -42,14 +41,15 @@ from deeppool.executor.engine.idle import NoBackground
 from deeppool.executor.engine.local_model import LocalModel, check_plan_matches, hold
 from deeppool.executor.engine.monitor import group_shares
 from deeppool.executor.engine.program import Program, build_program, idle_positions, rank_groups
-from deeppool.planner.syncbn import GroupBatchNorm, Reduce
 from deeppool.executor.engine.timing import Category, Recorder
+from deeppool.executor.training.checkpoint import model_keys
 from deeppool.library.amp import UserPrecision, non_finite, spread_overflow
 from deeppool.library.world import LazyTotals, broadcast_module, join, world_sum
-from deeppool.planner.graph import TraceMethod
-from deeppool.planner.modelspec import LoadedModel, ModelSource, bind_inputs, default_loss
-from deeppool.planner.plan import Plan
-from deeppool.planner.trace import Traced, trace
+from deeppool.model.graph import TraceMethod
+from deeppool.model.loading import LoadedModel, bind_inputs, default_loss, load_model
+from deeppool.model.syncbn import GroupBatchNorm, Reduce
+from deeppool.model.trace import Traced, trace
+from deeppool.plans import ModelSource, Plan
 
 LossFn = Callable[[Any, torch.Tensor | None], torch.Tensor]
 
@@ -443,7 +443,7 @@ def _example_source(plan: Plan, example: Any) -> Callable[[int], Any]:
         raise DeeppoolError("the plan was made from a module in Python: give parallelize(..., example_inputs=...) "
                             "(forward's arguments for a few samples)")
     with torch.random.fork_rng(devices=[]):
-        return plan.model.load(meta=True).inputs
+        return load_model(plan.model, meta=True).inputs
 
 
 def _resized(example: Any, rows: int) -> Any:

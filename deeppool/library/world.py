@@ -22,14 +22,14 @@ from torch import nn
 
 from deeppool.device.cuda import CudaGpu, backend_is_gpu
 from deeppool.errors import DeeppoolError
-from deeppool.planner.allocator import steady_allocator
+from deeppool.model.allocator import steady_allocator
 
 
 def join(gpus: int, timeout_s: float) -> torch.device:
     """Initialise the default group (if the script did not) and return this rank's device.
 
     Refuses a world whose size is not the plan's GPU count. On CPU the allocator keeps freed memory, as
-    ``deeppool run``'s ranks do (:func:`~deeppool.planner.allocator.steady_allocator`).
+    ``deeppool run``'s ranks do (:func:`~deeppool.model.allocator.steady_allocator`).
     """
     gpu = CudaGpu()
     if not dist.is_initialized():

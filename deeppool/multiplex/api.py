@@ -16,15 +16,13 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deeppool.executor.config import DataConfig, Nodes, RunConfig
-from deeppool.executor.launch.launch import launch
-from deeppool.executor.launch.worker_args import config_args
-from deeppool.multiplex import preflight
-from deeppool.multiplex.config import BackgroundConfig, MuxMode
-from deeppool.multiplex.options import background_args
 from deeppool.errors import DeeppoolError
-from deeppool.planner.modelspec import ModelSource, ModelSpec
-from deeppool.planner.plan import Plan
+from deeppool.executor.config import DataConfig, Nodes, RunConfig
+from deeppool.executor.launch.cli import check_ranks
+from deeppool.executor.launch.launch import launch
+from deeppool.multiplex import preflight
+from deeppool.multiplex.config import BACKGROUND_KEY, BackgroundConfig, MuxMode
+from deeppool.plans import ModelSource, ModelSpec, Plan
 
 if TYPE_CHECKING:
     from torch import nn
@@ -32,10 +30,11 @@ if TYPE_CHECKING:
 
 def launch_with_background(
     plan: Plan, plan_path: Path, *, nproc: int, config: RunConfig, background: BackgroundConfig | None,
-    worker_args: list[str], nodes: Nodes = Nodes(), checked: bool = False,
+    nodes: Nodes = Nodes(), checked: bool = False,
 ) -> None:
     """``deeppool run``'s launch of ``plan`` (loaded from, or saved to, ``plan_path``): the background checked
-    first (unless ``checked`` already), MPS around the ranks when asked for."""
+    first (unless ``checked`` already), MPS around the ranks when asked for; the ranks find the background in
+    their config file."""
     if background is not None and not checked:
         preflight.check(plan, background)
     daemon: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
@@ -44,41 +43,56 @@ def launch_with_background(
 
         daemon = CudaGpu().mps_daemon()
     with daemon:
-        launch(plan, plan_path, nproc=nproc, config=config, worker_args=worker_args + background_args(background),
-               nodes=nodes)
+        launch(plan, plan_path, nproc=nproc, config=config, nodes=nodes,
+               extra={BACKGROUND_KEY: background.to_json()} if background is not None else None)
 
 
 def run(
     plan: Plan | Path | str, *, model: nn.Module | None = None, background: BackgroundConfig | None = None,
     config: RunConfig | None = None, nproc: int | None = None, data: str | None = None, checked: bool = False,
+    plan_path: Path | None = None,
 ) -> dict[str, Any]:
     """Train ``plan`` on local ranks (with ``background`` in its idle windows); returns ``summary.json``.
 
+    ``nproc`` (default: the plan's GPU count) must match the plan and fit this machine, as ``deeppool run``
+    checks (:func:`~deeppool.executor.launch.cli.check_ranks`: one rank per CUDA GPU, else at most four gloo
+    ranks per CPU core); a plan for more is refused before anything starts.
+
     ``model`` is the module itself, for a plan made from Python (``deeppool.plan(module, ...)``): it is
-    saved next to the run's copy of the plan, and every rank loads it from there. ``data`` is a
+    saved next to the run's copy of the plan, and every rank loads it from there, with random inputs of the
+    plan's input shape and no targets. Its loss is :func:`deeppool.model.loading.default_loss`: the
+    module's own loss when its output carries one (``output.loss``, ``output["loss"]``, or a scalar first
+    item), else the mean square of its floating outputs — a stand-in that exercises every layer, not a
+    training objective. For a real loss and targets, give a model file that defines ``loss`` and ``targets``
+    (``deeppool run plan.json --model model.py``) or train in your own loop with
+    :func:`deeppool.parallelize`. ``data`` is a
     ``package.module:factory`` (or ``file.py:factory``) returning a map-style ``Dataset``, as ``--data``:
     every rank builds it and loads only its rows (``config.data`` for its seed and workers). ``checked``: the
-    background passed :func:`deeppool.multiplex.preflight.check` already.
+    background passed :func:`deeppool.multiplex.preflight.check` already. ``plan_path``: the file a ``Plan``
+    given in memory is saved in already, which the ranks then read (else it is saved into the run's folder).
     """
+    loaded = plan if isinstance(plan, Plan) else Plan.load(plan)
+    check_ranks(nproc if nproc is not None else loaded.gpus, loaded, given=nproc is not None)
     config = config or RunConfig(out_dir=Path(tempfile.mkdtemp(prefix="deeppool-run-")))
     if data is not None:
         config = dataclasses.replace(config, data=DataConfig(factory=data))
     if config.out_dir is None:
         config = dataclasses.replace(config, out_dir=Path(tempfile.mkdtemp(prefix="deeppool-run-")))
     assert config.out_dir is not None
-    loaded = plan if isinstance(plan, Plan) else Plan.load(plan)
     if model is not None:
         loaded = dataclasses.replace(loaded, model=_saved(model, loaded.model, config.out_dir))
     if loaded.model.source is ModelSource.PYTHON:
         raise DeeppoolError(f"the plan's model '{loaded.model.location}' was built in Python: "
                             "pass it as deeppool.run(plan, model=module)")
-    if isinstance(plan, Plan) or model is not None:
+    if isinstance(plan, Plan) and plan_path is not None and model is None:
+        path = plan_path
+    elif isinstance(plan, Plan) or model is not None:
         path = config.out_dir / "plan.json"
         loaded.save(path)
     else:
         path = Path(plan)
     launch_with_background(loaded, path, nproc=nproc or loaded.gpus, config=config, background=background,
-                           worker_args=config_args(config), checked=checked)
+                           checked=checked)
     return json.loads((config.out_dir / "summary.json").read_text())
 
 

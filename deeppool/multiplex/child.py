@@ -37,9 +37,10 @@ from typing import Any
 
 import torch
 
-from deeppool.executor.config import OptimizerConfig, OptimizerKind
+from deeppool.executor.config import OptimizerConfig
 from deeppool.multiplex.config import MuxMode
-from deeppool.multiplex.job import BackgroundJob, load_model
+from deeppool.multiplex.job import BackgroundJob, load_background
+from deeppool.plans import Optimizer
 
 PR_SET_PDEATHSIG = 1
 MAX_SPANS = 20_000
@@ -185,7 +186,7 @@ def _send(fd: int, stats: Stats) -> None:
 
 
 def _optimizer(spec: dict[str, Any]) -> OptimizerConfig:
-    return OptimizerConfig(kind=OptimizerKind(spec["kind"]), lr=spec["lr"], momentum=spec["momentum"])
+    return OptimizerConfig(kind=Optimizer(spec["kind"]), lr=spec["lr"], momentum=spec["momentum"])
 
 
 def run(spec: dict[str, Any]) -> int:
@@ -202,7 +203,7 @@ def run(spec: dict[str, Any]) -> int:
     os.dup2(2, 1)  # anything the model prints goes to the log, never into the parent's pipe
     try:
         checkpoint = Path(spec["checkpoint"]) if spec.get("checkpoint") else None
-        job = BackgroundJob(load_model(Path(spec["model"])), batch=int(spec["batch"]),
+        job = BackgroundJob(load_background(Path(spec["model"])), batch=int(spec["batch"]),
                             optimizer=_optimizer(spec["optimizer"]), seed=int(spec["seed"]),
                             device=torch.device(spec.get("device", "cpu")), checkpoint=checkpoint)
         stats.start_step = job.step

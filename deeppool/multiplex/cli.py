@@ -7,11 +7,13 @@ from typing import Annotated
 
 import typer
 
-from deeppool import checks
+from deeppool import checks, options
 from deeppool.errors import DeeppoolError
+from deeppool.executor.config import RunConfig
 from deeppool.interrupt import removes_if_interrupted
-from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
+from deeppool.multiplex.options import BENCH_BACKGROUND
+from deeppool.options import Given
 
 BENCH_WARMUP = 3
 """Foreground iterations of each mode left out of the timing."""
@@ -32,32 +34,30 @@ def _modes(text: str) -> tuple[MuxMode, ...]:
 
 @app.command("bench")
 @removes_if_interrupted("out")
+@options.expand(background=BENCH_BACKGROUND)
 def bench_command(
     plan: Annotated[Path, typer.Argument(help="plan JSON written by `deeppool plan`")],
-    background: Annotated[Path, typer.Option("--background", help="background model file")],
+    *,
+    background: Given,
     out: Annotated[Path, typer.Option("--out", help="folder for multiplex.json, interference.json and the runs")],
     modes: Annotated[str, typer.Option(help="comma-separated modes (CPU: none,sched_idle,gate)")] = "none,sched_idle,gate",
     steps: Annotated[int, typer.Option(help="foreground iterations per mode")] = 60,
-    bg_batch: Annotated[int, typer.Option(help="background batch size")] = 8,
-    bg_optimizer: Annotated[OptimizerKind, typer.Option("--bg-optimizer")] = OptimizerKind.SGD,
-    bg_lr: Annotated[float, typer.Option(help="background learning rate")] = 0.01,
-    slowdown_target: Annotated[float, typer.Option(help="foreground slowdown target (fraction)")] = 0.05,
 ) -> None:
     """Run PLAN with the background in each mode and compare the foreground alone vs shared."""
-    from deeppool.planner.plan import Plan
+    from deeppool.plans import Plan
 
+    model = background["model"]
     checks.existing_file(plan, "plan file")
-    checks.existing_file(background, "--background")
+    checks.existing_file(model, "--background")
     checks.out_folder(out, "--out")
     chosen = _modes(modes)
-    checks.positive(bg_lr, "--bg-lr")
+    checks.positive(background["optimizer.lr"], "--bg-lr")
     if steps <= BENCH_WARMUP:
         raise DeeppoolError(f"--steps {steps} must be more than the {BENCH_WARMUP} warm-up iterations of each mode")
-    config = BackgroundConfig(model=background.resolve(), batch=bg_batch, slowdown_target=slowdown_target,
-                              optimizer=OptimizerConfig(kind=bg_optimizer, lr=bg_lr))
+    config = background.build({"model": model.resolve()})
     run_config = RunConfig(steps=steps, warmup=BENCH_WARMUP, out_dir=out)
     Plan.load(plan)  # a corrupted or old plan is refused before any run starts
-    _bench(plan, config, chosen, run_config, background=background)
+    _bench(plan, config, chosen, run_config, background=model)
 
 
 def _bench(plan: Path, config: BackgroundConfig, modes: tuple[MuxMode, ...], run_config: RunConfig, *,

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from deeppool import options
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import OptimizerConfig
+from deeppool.options import nested, option
 
 
 class MuxMode(enum.Enum):
@@ -45,7 +48,7 @@ class ABSchedule:
     """
 
     warmup: int = 3
-    block: int = 4
+    block: int = option(4, flag="--ab-block", help="A/B: steps per alone or shared block")
 
     def __post_init__(self) -> None:
         if self.warmup < 1:
@@ -61,21 +64,27 @@ class ABSchedule:
         return step >= self.warmup and (step - self.warmup) % self.block != 0
 
 
+BACKGROUND_KEY = "background"
+"""Where the background's config is in the file every rank reads (:class:`~deeppool.executor.config.RankConfig`)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class BackgroundConfig:
     """A background training job: a model file, a batch, an optimizer, and how it shares the device."""
 
-    model: Path
-    batch: int = 8
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    mode: MuxMode = MuxMode.GATE
-    checkpoint_dir: Path | None = None
+    model: Path = option(flag="--background", help="background model file: trains in the plan's idle windows")
+    batch: int = option(8, flag="--bg-batch", help="background batch size")
+    optimizer: OptimizerConfig = nested(default_factory=OptimizerConfig, prefix="bg-", help_prefix="background ",
+                                        only=("kind", "lr"))
+    mode: MuxMode = option(MuxMode.GATE, flag="--mux", help="how background work keeps out of the foreground's way")
+    checkpoint_dir: Path | None = option(None, flag="--bg-checkpoint-dir", help="where the background job "
+                                         "checkpoints and resumes (default: OUT/background)")
     checkpoint_every: int = 50
-    slowdown_target: float = 0.05
-    mps_percentage: int = 30
+    slowdown_target: float = option(0.05, help="foreground slowdown the controller aims under (fraction)")
+    mps_percentage: int = option(30, help="--mux mps: the background client's active-thread percentage")
     min_window_ms: float = 1.0
     """Shorter windows are not lent: waking and stopping the background costs more than it could do."""
-    schedule: ABSchedule = field(default_factory=ABSchedule)
+    schedule: ABSchedule = nested(default_factory=ABSchedule)
     seed: int = 0
     preflight_apart: bool = False
     """Load the model for the memory check in a process of its own (the coordinator: a guest's code never
@@ -102,3 +111,10 @@ class BackgroundConfig:
         if self.checkpoint_dir is None:
             return None
         return self.checkpoint_dir / f"background-rank{rank}.pt"
+
+    def to_json(self) -> dict[str, Any]:
+        return options.to_json(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BackgroundConfig:
+        return options.from_json(cls, data, where="background config")

@@ -18,7 +18,8 @@ no piece (its window closed or too short: ``dropped``).
 
 Every device call goes through the seam (:mod:`deeppool.device`): on a GPU the real
 one; in the tests the fake (:class:`~deeppool.device.fake.FakeGpu`) runs this module
-on CPU and checks its stream order. It has never run on a GPU (``docs/gpu.md``).
+on CPU and checks its stream order. On a GPU it has run in the one-GPU ``priority`` drill of
+``benchmarks/gpu.py``; a multiplexed ``deeppool run`` needs two GPUs and has not (``docs/gpu.md``).
 Constructing :class:`StreamBackground` without a GPU is a one-line error.
 """
 
@@ -37,12 +38,12 @@ from dataclasses import dataclass, field
 import torch
 
 from deeppool.device.cuda import CudaGpu
-from deeppool.device.seam import Event, Graph, Gpu, Stream
+from deeppool.device.seam import Event, Gpu, Graph, Stream
 from deeppool.errors import DeeppoolError
-from deeppool.executor.config import OptimizerKind
 from deeppool.multiplex.config import BackgroundConfig
-from deeppool.multiplex.job import BackgroundJob, _slice, forward, load_model
+from deeppool.multiplex.job import BackgroundJob, _slice, forward, load_background
 from deeppool.multiplex.metrics import RankBackground, window_samples
+from deeppool.plans import Optimizer
 
 WARMUP_STEPS = 3
 HISTORY = 5
@@ -183,10 +184,10 @@ class StreamBackground:
         )
 
     def _job(self) -> BackgroundJob:
-        job = BackgroundJob(load_model(self.config.model), batch=self.config.batch, optimizer=self.config.optimizer,
+        job = BackgroundJob(load_background(self.config.model), batch=self.config.batch, optimizer=self.config.optimizer,
                             seed=self.config.seed + self.rank, device=self.device,
                             checkpoint=self.config.checkpoint(self.rank))
-        if self.config.optimizer.kind is OptimizerKind.ADAM:  # graph capture needs capturable state
+        if self.config.optimizer.kind is Optimizer.ADAM:  # graph capture needs capturable state
             job.optimizer = torch.optim.Adam(job.module.parameters(), lr=self.config.optimizer.lr, capturable=True)
         return job
 

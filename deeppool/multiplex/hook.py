@@ -37,8 +37,8 @@ from deeppool.multiplex.cpu import ProcessBackground, child_spec
 from deeppool.multiplex.metrics import MultiplexReport, RankBackground, RankSteps, report
 from deeppool.multiplex.report import print_report
 from deeppool.multiplex.session import Background, Session
-from deeppool.planner.interference import idle_throughout
-from deeppool.planner.plan import Plan
+from deeppool.plans import Plan
+from deeppool.planner.profiling.interference import idle_throughout
 
 
 class Multiplexer:

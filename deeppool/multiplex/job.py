@@ -22,7 +22,8 @@ import torch
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import OptimizerConfig
-from deeppool.planner.modelspec import LoadedModel, ModelSpec
+from deeppool.model.loading import LoadedModel, load_model
+from deeppool.plans import ModelSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,9 +36,9 @@ class Piece:
     loss: float | None
 
 
-def load_model(path: Path) -> LoadedModel:
+def load_background(path: Path) -> LoadedModel:
     """The background model file, loaded as every model file is (a one-line error if it does not load)."""
-    return ModelSpec.parse(str(path)).load()
+    return load_model(ModelSpec.parse(str(path)))
 
 
 def _slice(value: Any, start: int, end: int) -> Any:

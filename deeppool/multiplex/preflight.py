@@ -32,11 +32,11 @@ from deeppool.device.cuda import CudaGpu
 from deeppool.device.mps import control_available
 from deeppool.device.seam import Gpu
 from deeppool.errors import DeeppoolError
-from deeppool.executor.config import OptimizerConfig, OptimizerKind
+from deeppool.executor.config import OptimizerConfig
+from deeppool.model.loading import load_model
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.job import forward
-from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.plan import Plan
+from deeppool.plans import ModelSpec, Optimizer, Plan
 
 GIB = 2**30
 
@@ -120,7 +120,7 @@ def check_memory(plan: Plan, memory: BackgroundMemory, machine: Machine, config:
 
 
 def _state_factor(optimizer: OptimizerConfig) -> int:
-    if optimizer.kind is OptimizerKind.ADAM:
+    if optimizer.kind is Optimizer.ADAM:
         return 2
     return 1 if optimizer.momentum > 0 else 0
 
@@ -140,7 +140,7 @@ def measured_apart(path: Path, batch: int, optimizer: OptimizerConfig) -> Backgr
 
 def background_memory(path: Path, batch: int, optimizer: OptimizerConfig) -> BackgroundMemory:
     """Estimate without allocating: the model on the meta device, one forward pass counting outputs."""
-    loaded = ModelSpec.parse(str(path)).load(meta=True)
+    loaded = load_model(ModelSpec.parse(str(path)), meta=True)
     params = sum(p.numel() * p.element_size() for p in loaded.module.parameters())
     return BackgroundMemory(params=params, gradients=params, optimizer_state=params * _state_factor(optimizer),
                             activations=_activation_bytes(loaded.module, lambda: loaded.inputs(batch)))
@@ -183,7 +183,7 @@ def main() -> None:
     model, batch, kind, lr, momentum = sys.argv[1:6]
     try:
         memory = background_memory(Path(model), int(batch),
-                                   OptimizerConfig(kind=OptimizerKind(kind), lr=float(lr), momentum=float(momentum)))
+                                   OptimizerConfig(kind=Optimizer(kind), lr=float(lr), momentum=float(momentum)))
     except DeeppoolError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)

@@ -18,22 +18,22 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from deeppool.planner.batching import check_per_sample
-from deeppool.planner.candidates import Limits, useful_counts
-from deeppool.planner.cost import CostModel, check_invariants
-from deeppool.planner.graph import LayerGraph
-from deeppool.planner.hardware import DEVICES, NETWORKS, NetworkModel, Precision, known_device
-from deeppool.planner.modelspec import LoadedModel, ModelSource, ModelSpec, default_loss
-from deeppool.planner.objective import Objective
-from deeppool.planner.pins import Pin
-from deeppool.planner.plan import ClusterShares, Plan, Strategy, build_plan
-from deeppool.planner.profile import Profile, estimated_profile
+from deeppool.model.batching import check_per_sample
+from deeppool.model.graph import LayerGraph
+from deeppool.model.loading import LoadedModel, default_loss
+from deeppool.model.trace import Traced, trace, trace_spec
+from deeppool.plans import ClusterShares, ModelSource, ModelSpec, NetworkModel, Objective, Pin, Plan, Precision, Strategy
+from deeppool.planner.hardware import DEVICES, NETWORKS, known_device
 from deeppool.planner.measure_loop import evidence, plan_on_measured
-from deeppool.planner.profiler import LayerProfiler, ProfilerConfig, intra_op_threads
+from deeppool.planner.profiling.profile import Profile, estimated_profile
+from deeppool.planner.profiling.profiler import LayerProfiler, ProfilerConfig
+from deeppool.planner.profiling.timing import intra_op_threads
 from deeppool.planner.request import LOCAL, CostSource, PlanRequest, check_precision, check_samples
+from deeppool.planner.solve.build import build_plan
+from deeppool.planner.solve.candidates import Limits, useful_counts
+from deeppool.planner.solve.cost import CostModel, check_invariants
+from deeppool.planner.solve.throughput import right_sizing, shares
 from deeppool.planner.strategies import Search, solve_all
-from deeppool.planner.throughput import right_sizing, shares
-from deeppool.planner.trace import Traced, trace, trace_spec
 
 __all__ = ["LOCAL", "CostSource", "Pin", "PlanRequest", "Planned", "batch_planner", "device_setup", "plan", "plan_graph", "plan_model"]
 
@@ -93,7 +93,7 @@ def plan_graph(
 
 
 def cluster_shares(cost: CostModel, assignment: dict[str, int], request: PlanRequest, dp_ms: float) -> ClusterShares:
-    """The plan's cluster throughput and the right-sizing baseline (:mod:`deeppool.planner.throughput`)."""
+    """The plan's cluster throughput and the right-sizing baseline (:mod:`deeppool.planner.solve.throughput`)."""
     found = shares(cost, assignment, gpus=request.gpus, dp_ms=dp_ms, model=request.interference)
     width, value = right_sizing(cost, request.gpus, dp_ms)
     return ClusterShares(fg_share=found.fg_share, bg_share=found.bg_share, lent_fraction=found.lent_fraction,

@@ -20,8 +20,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deeppool.adaptation.goodput import BatchChoice, GoodputSearch, statistical_efficiency
+from deeppool.adaptation.goodput import statistical_efficiency
 from deeppool.errors import DeeppoolError
+from deeppool.plans import BatchChoice, GoodputSearch
 
 if TYPE_CHECKING:
     from deeppool.planner.api import Planned

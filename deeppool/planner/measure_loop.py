@@ -2,16 +2,16 @@
 those not measured yet, plan again, until the plan rests only on measured points.
 
 A layer's time at a per-GPU batch no one measured comes from a line fitted through the measured ones;
-a layer bound by reading its weights at small batches takes longer at large ones than such a line says
-(35% on a ResNet-18 at batch 32 extrapolated from 2, 4 and 8). So the local planner starts from a few
+a layer bound by reading its weights at small batches takes longer at large ones than such a line says.
+So the local planner starts from a few
 small batches (powers of two up to 8), solves, and measures every per-GPU batch that the chosen plan
 or a baseline (data parallel on all GPUs, at its best width, DeepPool's planner) uses, and the
 one-GPU batch when an amplification limit compares against it; each round measures at least one
 new batch, so the loop ends. ``--max-measured-batch`` caps the batches measured, and so does the memory
 free for a profiling pass (which runs the whole model at the batch, where a plan runs only some layers
-at it: :meth:`~deeppool.planner.profiler.LayerProfiler.fits`): the loop then stops with the batches
+at it: :meth:`~deeppool.planner.profiling.profiler.LayerProfiler.fits`): the loop then stops with the batches
 beyond fitted, and the plan says which of its layers rest on them
-(:class:`~deeppool.planner.plan.Evidence`). The loop does not care where it measures: a CUDA device
+(:class:`~deeppool.plans.plan.Evidence`). The loop does not care where it measures: a CUDA device
 goes through it as the CPU does.
 """
 
@@ -21,12 +21,12 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.batching import normalises_batch
-from deeppool.planner.cost import CostModel
-from deeppool.planner.layer_exec import LayerFailed
-from deeppool.planner.plan import Evidence
-from deeppool.planner.profile import Profile
-from deeppool.planner.profiler import LayerProfiler
+from deeppool.model.batching import normalises_batch
+from deeppool.model.layer_exec import LayerFailed
+from deeppool.plans import Evidence
+from deeppool.planner.profiling.profile import Profile
+from deeppool.planner.profiling.profiler import LayerProfiler
+from deeppool.planner.solve.cost import CostModel
 
 if TYPE_CHECKING:
     from deeppool.planner.api import Planned

@@ -12,13 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from deeppool.planner import baselines
+from deeppool.plans import Objective, Strategy
 from deeppool.planner.api import Planned
-from deeppool.planner.candidates import useful_counts
-from deeppool.planner.cost import CostModel
-from deeppool.planner.ilp import solve
-from deeppool.planner.plan import Strategy
-from deeppool.planner.request import Objective
+from deeppool.planner.solve import baselines
+from deeppool.planner.solve.candidates import useful_counts
+from deeppool.planner.solve.cost import CostModel
+from deeppool.planner.solve.ilp import solve
 from deeppool.planner.strategies import search_options
 
 PRICE_FACTORS = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 1e3, 1e4)

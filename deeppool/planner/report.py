@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from deeppool.planner.cost import CostModel, Phase, PhaseKind
-from deeppool.planner.plan import WEAK, Plan, PlannedLayer
+from deeppool.plans import WEAK, Plan, PlannedLayer
+from deeppool.planner.solve.cost import CostModel, PhaseKind, SchedulePhase
 
 if TYPE_CHECKING:  # matplotlib loads only when a chart is drawn
     from matplotlib.axes import Axes
@@ -26,12 +26,17 @@ _PHASE_COLOURS = {
 AMPLIFICATION_NOTE = (
     "amplification: a layer's GPU-time (its time x its GPUs) over its time on one GPU; 1.00 is perfect "
     "strong scaling, 2.00 means its GPUs spend twice the GPU-time one GPU would (smaller per-GPU batches, "
-    "communication). Burst parallelism keeps it low by giving poorly scaling layers fewer GPUs."
+    "communication). Burst parallelism keeps it low by giving poorly scaling layers fewer GPUs. The stage table "
+    "shows each stage's worst layer; the summary's is the whole iteration's (all GPU-time over all layers' "
+    "one-GPU time)."
 )
+STAGE_AMPLIFICATION = "worst layer amp."
+"""The stage table's column: the highest amplification of the stage's layers (the per-layer table's is each
+layer's own)."""
 
 
 @dataclass(frozen=True)
-class Stage:
+class ReportStage:
     """Consecutive layers that use the same GPU count."""
 
     layers: tuple[PlannedLayer, ...]
@@ -54,6 +59,7 @@ class Stage:
 
     @property
     def amplification(self) -> float:
+        """The stage's worst layer's amplification (not the stage's GPU-time over its one-GPU time)."""
         return max(layer.amplification for layer in self.layers)
 
     @property
@@ -64,24 +70,24 @@ class Stage:
         return weighted / compute if compute > 0 else 0.0
 
 
-def stages(plan: Plan) -> list[Stage]:
+def stages(plan: Plan) -> list[ReportStage]:
     groups: list[list[PlannedLayer]] = []
     for layer in plan.layers:
         if groups and groups[-1][-1].gpus == layer.gpus:
             groups[-1].append(layer)
         else:
             groups.append([layer])
-    return [Stage(tuple(group)) for group in groups]
+    return [ReportStage(tuple(group)) for group in groups]
 
 
 def plan_table(plan: Plan, *, per_layer: bool = False) -> Table:
-    """Per stage (default) or per layer: GPUs, predicted time, amplification."""
+    """Per stage (default) or per layer: GPUs, predicted time, amplification (a stage's: its worst layer's)."""
     table = Table(title=f"{plan.strategy.value} plan: {plan.gpus} GPUs, global batch {plan.global_batch}, {plan.device}")
     table.add_column("layers" if not per_layer else "layer")
     table.add_column("op(s)")
     table.add_column("GPUs", justify="right")
     table.add_column("time ms", justify="right")
-    table.add_column("amplification", justify="right")
+    table.add_column("amplification" if per_layer else STAGE_AMPLIFICATION, justify="right")
     measured = plan.evidence is not None
     if measured:
         table.add_column("± spread", justify="right")
@@ -120,7 +126,7 @@ def summary(plan: Plan) -> str:
         f"width ({_gpus(p.best_data_parallel_gpus)}, {p.best_data_parallel_iteration_ms:.3f} ms); "
         f"{p.speedup_vs_data_parallel:.2f}x vs data parallel on all {_gpus(plan.gpus)} "
         f"({p.data_parallel_iteration_ms:.3f} ms), DeepPool's planner {p.deeppool_iteration_ms:.3f} ms; "
-        f"{p.gpu_seconds_per_iteration:.4f} GPU-s/iteration, amplification {p.amplification:.2f}, "
+        f"{p.gpu_seconds_per_iteration:.4f} GPU-s/iteration, whole-iteration amplification {p.amplification:.2f}, "
         f"idle {100 * p.idle_gpu_fraction:.1f}% of {_gpus(plan.gpus)}, {plan.precision.value}; "
         f"solver {plan.solver.name} {plan.solver.status} in {plan.solver.seconds:.2f} s (gap {plan.solver.gap:.2g})"
         f"{_why_slower(plan)}{_weak(plan)}"
@@ -228,7 +234,7 @@ def gantt(plan: Plan, cost: CostModel, path: str | Path) -> None:
     plt.close(figure)
 
 
-def _name_stages(axes: Axes, plan: Plan, phases: list[Phase]) -> None:
+def _name_stages(axes: Axes, plan: Plan, phases: list[SchedulePhase]) -> None:
     """Each stage's name on a top axis, over its forward (F) and backward (B) spans."""
     spans: list[tuple[float, str]] = []
     for index, stage in enumerate(stages(plan), start=1):

@@ -6,25 +6,25 @@ under a second; :mod:`deeppool.planner.api` does the work.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deeppool import checks
 from deeppool.errors import DeeppoolError
-from deeppool.planner.candidates import Limits
-from deeppool.planner.cost import DEFAULT_BUCKET_BYTES, Optimizer
-from deeppool.planner.hardware import LOCAL_NETWORK, NETWORKS, KnownDevice, NetworkModel, Precision, known_device
-from deeppool.planner.interference import InterferenceModel
-from deeppool.planner.objective import DEFAULT_CLUSTER_GAP, Objective
-from deeppool.planner.pins import Pin
-from deeppool.planner.plan import Strategy
-from deeppool.planner.profile import Profile
+from deeppool.plans import NetworkModel, Objective, Optimizer, Pin, Precision, Strategy
+from deeppool.planner.hardware import LOCAL_NETWORK, NETWORKS, KnownDevice, known_device
+from deeppool.planner.profiling.interference import InterferenceModel
+from deeppool.planner.profiling.profile import Profile
+from deeppool.planner.solve.candidates import Limits
+from deeppool.planner.solve.cost import DEFAULT_BUCKET_BYTES
+from deeppool.planner.solve.throughput import DEFAULT_CLUSTER_GAP
 
 if TYPE_CHECKING:  # the solver (pulp, highspy) loads when a --solver is named or a plan is solved
-    from deeppool.planner.ilp import SolverName
+    from deeppool.planner.solve.ilp import SolverName
 
 LOCAL = "local"
 DEFAULT_MAX_CANDIDATES = 32
@@ -122,7 +122,7 @@ class CostSource:
     measured_network: Callable[[], NetworkModel] | None = None
     """This host's network for the plan's ranks, measured when the planner first asks for it (``deeppool plan``
     on the local CPU with neither ``--network`` nor ``--network-file``: a model that fails to load or trace
-    costs no probe; :func:`deeppool.executor.launch.netprobe.local_network`)."""
+    costs no probe; :func:`deeppool.planner.profiling.netprobe.local_network`)."""
 
     def __post_init__(self) -> None:
         if self.device_model != LOCAL:
@@ -184,6 +184,36 @@ def check_precision(request: PlanRequest, source: CostSource) -> None:
 def rank_threads(gpus: int) -> int:
     """The intra-op threads a rank of a ``gpus``-rank run on this host gets: its share of the cores."""
     return max(1, (os.cpu_count() or 1) // gpus)
+
+
+def probed_source(source: CostSource, gpus: int, say: Callable[[str], None]) -> CostSource:
+    """``source`` with this host's network for ``gpus`` gloo ranks, measured when the planner first asks for it
+    (:func:`~deeppool.planner.profiling.netprobe.local_network`, kept in ``source.cache_dir``), where it
+    measures on this CPU for several ranks and names no network (``--network``, ``--network-file``). The local
+    preset's guess (5 GB/s, 50 µs, no synchronisation latency or skew) underprices gloo on shared cores
+    (``docs/notes/0008-plan-probes-its-network.md``). Above ``CPU_RANKS_PER_CORE`` ranks per core the probe
+    would measure contention: the preset stays. ``say`` gets one line on where the network came from."""
+    if not (source.measures_locally and source.local_device == "cpu" and gpus > 1
+            and source.network is None and source.network_file is None):
+        return source
+    cores = os.cpu_count() or 1
+    per_core = checks.CPU_RANKS_PER_CORE
+    if gpus > per_core * cores:
+        say(f"network: the local preset, not measured ({gpus} ranks are more than {per_core} per core "
+            f"of this host's {cores}); --network-file names a measured one")
+        return source
+
+    def measured() -> NetworkModel:  # imports torch: only once the planner asks
+        from deeppool.planner.profiling.netprobe import local_network
+
+        found = local_network(gpus, source.cache_dir, say=say)
+        how = "measured now" if found.measured_now else "measured earlier"
+        kept = f", kept in {found.path}" if found.path is not None else ""
+        say(f"network: this host's, {how} with {gpus} gloo processes{kept} (`deeppool profile-network` measures "
+            "it again; --network local assumes the preset)")
+        return found.model
+
+    return replace(source, measured_network=functools.cache(measured))
 
 
 def _named_device(name: str, flag: str) -> None:

@@ -12,7 +12,7 @@ amplification cap; ``time+gpu-time`` is DeepPool's trade-off, minimising
 ``T + price · Σ_l g_l · layer_ms_l(g_l) / 1000`` (``price`` in ms of iteration
 per GPU-second; reshard GPU-time is left out of the price term, so the ILP
 stays exact); ``cluster`` maximises the cluster's throughput, searched exactly
-(to a stated tolerance) by :mod:`deeppool.planner.throughput` with the ILP as
+(to a stated tolerance) by :mod:`deeppool.planner.solve.throughput` with the ILP as
 its oracle.
 """
 
@@ -23,16 +23,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner import baselines
-from deeppool.planner.baselines import Baselines
-from deeppool.planner.candidates import Limits, allowed_counts, check_memory, thinned_counts, useful_counts
-from deeppool.planner.cost import CostModel
-from deeppool.planner.ilp import SolverName, default_solver, solve
-from deeppool.planner.interference import InterferenceModel
-from deeppool.planner.pins import Pin, apply_pins, pinned_counts
-from deeppool.planner.plan import SolverInfo, Strategy
-from deeppool.planner.request import Objective, check_objective
-from deeppool.planner.throughput import DEFAULT_TOLERANCE, ClusterProblem, ClusterSearch, cluster_optimum, priced_gpu_ms
+from deeppool.plans import Objective, Pin, SolverInfo, Strategy
+from deeppool.planner.profiling.interference import InterferenceModel
+from deeppool.planner.request import check_objective
+from deeppool.planner.solve import baselines
+from deeppool.planner.solve.baselines import Baselines
+from deeppool.planner.solve.candidates import Limits, allowed_counts, check_memory, thinned_counts, useful_counts
+from deeppool.planner.solve.cost import CostModel
+from deeppool.planner.solve.ilp import SolverName, default_solver, solve
+from deeppool.planner.solve.pins import apply_pins, pinned_counts
+from deeppool.planner.solve.throughput import (
+    DEFAULT_TOLERANCE,
+    ClusterProblem,
+    ClusterSearch,
+    cluster_optimum,
+    priced_gpu_ms,
+)
 
 
 @dataclass(frozen=True, kw_only=True)

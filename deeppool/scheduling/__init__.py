@@ -1,7 +1,7 @@
 """Scheduling policies, shared by the coordinator and the simulator.
 
 A policy is a pure function ``decide(snapshot) -> Decision`` over a typed,
-read-only :class:`Snapshot` (:mod:`~deeppool.scheduling.policy`, the
+read-only :class:`Snapshot` (:mod:`~deeppool.scheduling.contract`, the
 contract). The policies themselves, an order (FIFO, FIFO with backfilling,
 Tiresias) crossed with a placement (data parallel, burst, with or without
 background jobs), are in :mod:`~deeppool.scheduling.policies`; Pollux's
@@ -13,11 +13,11 @@ decisions, so the same code decides in both.
 """
 
 from deeppool.scheduling.choice import ModelChoice
-from deeppool.scheduling.policies import BASELINE, POLICIES, Order, Placement, Scheduler, policy_named
-from deeppool.scheduling.pollux import PolluxPolicy
-from deeppool.scheduling.policy import (
+from deeppool.scheduling.contract import (
     NOTHING, Adaptive, Decision, Lend, PlanMode, Policy, Rebatch, SimJob, Slot, Snapshot, SpeedModel, Start,
 )
+from deeppool.scheduling.policies import BASELINE, POLICIES, Order, Placement, Scheduler, policy_named
+from deeppool.scheduling.pollux import PolluxPolicy
 
 __all__ = [
     "BASELINE", "NOTHING", "POLICIES", "Adaptive", "Decision", "Lend", "ModelChoice", "Order", "Placement",

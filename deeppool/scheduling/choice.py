@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from deeppool.errors import DeeppoolError
 
 if TYPE_CHECKING:
-    from deeppool.planner.modelspec import ModelSpec
+    from deeppool.plans import ModelSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +50,7 @@ class ModelChoice:
     @property
     def spec(self) -> ModelSpec:
         """The planner's model spec (imports torch: needed only to trace and solve)."""
-        from deeppool.planner.modelspec import ModelSpec
+        from deeppool.plans import ModelSpec
 
         return ModelSpec.parse(str(self.path))
 

@@ -45,7 +45,7 @@ from itertools import chain
 from dataclasses import dataclass
 
 from deeppool.scheduling.pollux import PolluxPolicy
-from deeppool.scheduling.policy import NOTHING, Decision, Lend, PlanMode, Policy, SimJob, Slot, Snapshot, Start
+from deeppool.scheduling.contract import NOTHING, Decision, Lend, PlanMode, Policy, SimJob, Slot, Snapshot, Start
 from deeppool.errors import DeeppoolError
 
 TIRESIAS_THRESHOLD_GPU_S = 16 * 3600.0

@@ -3,7 +3,7 @@
 Every ``interval_s`` (60 s, the artifact's scheduling interval) the policy
 reallocates the GPUs over every job that is running or waiting, and picks each
 job's global batch for its GPUs. Each job has a speed model
-(:class:`~deeppool.scheduling.policy.SpeedModel`): at progress ``p`` it is in
+(:class:`~deeppool.scheduling.contract.SpeedModel`): at progress ``p`` it is in
 epoch ``e``, and on ``a`` GPUs its best batch gives goodput
 
     G_j(a) = max_B goodput_j(a, B, e)               (progress per second)
@@ -44,7 +44,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from deeppool.scheduling.policy import NOTHING, Decision, PlanMode, Rebatch, SimJob, Snapshot, Start
+from deeppool.scheduling.contract import NOTHING, Decision, PlanMode, Rebatch, SimJob, Snapshot, Start
 
 NODE_GPUS = 4
 TICK_TOLERANCE_S = 1e-6

@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from deeppool.adaptation.policy import GrowBatch, Hooks, SetAccumulate, SetLr, Snapshot, load_policy
+from deeppool.adaptation.policy import GrowBatch, Hooks, SetAccumulate, SetLr, TrainingSnapshot, load_policy
 from deeppool.errors import DeeppoolError
 
 POLICIES = Path(__file__).resolve().parent / "policies.py"
 
 
-def snapshot(*, step: int = 10, accumulate: int = 1, gns: float | None = None) -> Snapshot:
-    return Snapshot(step=step, position=step, gpus=2, global_batch=32, accumulate=accumulate, lr=0.1,
-                    step_ms=(10.0, 20.0), compute_ms=(5.0, 6.0), gns=gns)
+def snapshot(*, step: int = 10, accumulate: int = 1, gns: float | None = None) -> TrainingSnapshot:
+    return TrainingSnapshot(step=step, position=step, gpus=2, global_batch=32, accumulate=accumulate, lr=0.1,
+                            step_ms=(10.0, 20.0), compute_ms=(5.0, 6.0), gns=gns)
 
 
 def test_grow_batch_doubles_accumulation_while_the_noise_scale_is_large() -> None:
@@ -36,7 +36,7 @@ def test_grow_batch_waits_for_a_measurement_its_interval_and_its_cap() -> None:
 def test_a_snapshot_knows_its_batch_and_throughput() -> None:
     shot = snapshot(accumulate=4)
     assert shot.batch == 128 and shot.samples_per_s == pytest.approx(128 / 0.020)
-    assert Snapshot(step=0, position=0, gpus=1, global_batch=8, accumulate=1, lr=0.1).samples_per_s is None
+    assert TrainingSnapshot(step=0, position=0, gpus=1, global_batch=8, accumulate=1, lr=0.1).samples_per_s is None
 
 
 def test_actions_and_settings_out_of_range_are_refused() -> None:

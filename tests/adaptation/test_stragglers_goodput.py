@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from deeppool.adaptation.goodput import best, goodput_table, statistical_efficiency
+from deeppool.adaptation.goodput import goodput_table, statistical_efficiency
 from deeppool.adaptation.stragglers import StragglerDetector
+from deeppool.plans.goodput import best
 
 
 def run(slow: dict[int, float], steps: int = 200, ranks: int = 8, seed: int = 0) -> list:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
 from deeppool.scheduling.choice import ModelChoice
-from deeppool.scheduling.policy import SimJob
+from deeppool.scheduling.contract import SimJob
 
 DATA = Path(__file__).parent / "data"
 FAKE_MODEL = ModelChoice(name="fake", path=DATA / "tiny_mlp.py", global_batch=64)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from deeppool.cluster_sim.cli import app
@@ -128,6 +129,46 @@ def test_an_out_that_is_a_file_is_refused_before_the_run(tmp_path) -> None:
     assert result.exit_code == 2 and f"--out '{taken}' is a file" in result.output  # before the trace is read
 
 
+def test_a_second_run_into_the_same_out_is_refused_unless_forced(tmp_path, data_dir, cache) -> None:
+    out = tmp_path / "results"
+    args = ("synthetic", "--gpus", "8", "--gpus-per-node", "4", "--mapping", str(data_dir / "mapping.json"),
+            "--jobs", "10", "--size-mix", "1:0.5,4:0.5", "--out", str(out), "--cache-dir", str(cache))
+    assert simulate(*args).exit_code == 0
+    first = (out / "metrics.json").read_text()
+    again = CliRunner().invoke(app, [*args, "--no-plots", "--seed", "3"])
+    assert again.exit_code == 2 and "Traceback" not in again.output
+    assert again.output.strip().splitlines() == [
+        f"error: --out '{out}' holds an earlier run (metrics.json, metrics.csv, jobs.csv, run.json, utilisation.png, "
+        "jct_cdf.png, throughput.png): give another --out, or --force to replace it"]
+    assert (out / "metrics.json").read_text() == first  # untouched
+    forced = simulate(*args, "--no-plots", "--seed", "3", "--force")
+    assert forced.exit_code == 0, forced.output
+    assert json.loads((out / "run.json").read_text())["seed"] == 3
+    assert sorted(p.name for p in out.iterdir()) == ["jobs.csv", "metrics.csv", "metrics.json", "run.json"]
+
+
+def test_an_out_with_other_files_but_no_earlier_run_is_used(tmp_path, data_dir, cache) -> None:
+    (tmp_path / "notes.txt").write_text("mine\n")
+    result = simulate("synthetic", "--gpus", "8", "--gpus-per-node", "4", "--mapping", str(data_dir / "mapping.json"),
+                      "--jobs", "10", "--size-mix", "1:0.5,4:0.5", "--no-plots", "--out", str(tmp_path),
+                      "--cache-dir", str(cache))
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "notes.txt").read_text() == "mine\n" and (tmp_path / "metrics.json").is_file()
+
+
+def test_simulate_deeppool_refuses_an_earlier_scenario_before_planning(tmp_path) -> None:
+    from deeppool.cluster_sim.cli import simulate_deeppool
+
+    (tmp_path / "scenario.json").write_text("[]\n")
+    scenario = typer.Typer()
+    scenario.command()(simulate_deeppool)
+    result = CliRunner().invoke(scenario, ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache")])
+    assert result.exit_code == 2
+    assert result.output.strip() == (f"error: --out '{tmp_path}' holds an earlier run (scenario.json): give another "
+                                     "--out, or --force to replace it")
+    assert (tmp_path / "scenario.json").read_text() == "[]\n" and not (tmp_path / "cache").exists()
+
+
 RUN_AND_REPORT_TORCH = """
 import sys
 from deeppool.cluster_sim.cli import app
@@ -139,9 +180,10 @@ print("torch imported:", "torch" in sys.modules)
 def test_torch_is_not_imported_when_every_plan_is_cached(tmp_path, data_dir) -> None:
     args = ["synthetic", "--gpus", "8", "--gpus-per-node", "4", "--mapping", str(data_dir / "mapping.json"),
             "--jobs", "10", "--size-mix", "1:0.5,4:0.5", "--no-plots", "--cache-dir", str(tmp_path / "cache"),
-            "--plan-workers", "1", "--out", str(tmp_path / "out")]
-    runs = [subprocess.run([sys.executable, "-c", RUN_AND_REPORT_TORCH, *args], capture_output=True, text=True,
-                           check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-            for _ in range(2)]
+            "--plan-workers", "1"]
+    runs = [subprocess.run([sys.executable, "-c", RUN_AND_REPORT_TORCH, *args, "--out", str(tmp_path / f"out{run}")],
+                           capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+            for run in range(2)]
     assert "torch imported: True" in runs[0].stdout  # the first run traces and solves
     assert "torch imported: False" in runs[1].stdout  # the second reads every plan from the cache

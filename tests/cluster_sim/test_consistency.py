@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from deeppool.cluster_sim.engine import Engine
+from deeppool.cluster_sim.engine import Simulation
 from deeppool.cluster_sim.models import ModelMapping
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
-from deeppool.scheduling.policies import POLICIES
 from deeppool.cluster_sim.runner import assign, sim_jobs
-from deeppool.cluster_sim.workload import BackgroundRule, TraceJob, Workload, TraceFormat
+from deeppool.cluster_sim.workload import BackgroundRule, TraceFormat, TraceJob, Workload
 from deeppool.planner.api import PlanRequest, device_setup, plan_graph
-from deeppool.planner.interference import InterferenceModel
+from deeppool.planner.profiling.interference import InterferenceModel
+from deeppool.scheduling.policies import POLICIES
 
 
 def _alone(tiny, gpus: int, duration_s: float) -> Workload:
@@ -28,8 +28,8 @@ def test_single_job_iteration_time_equals_the_planners_prediction(book, cluster,
                         cluster=cluster, seed=0, drop_oversized=False)
     (job,) = sim_jobs(assignment, book)
     for policy, predicted_ms in (("burst", plan.predicted.iteration_ms), ("dp", plan.predicted.data_parallel_iteration_ms)):
-        engine = Engine(cluster=cluster, jobs=[job], policy=POLICIES[policy], facts=book.facts, interference=InterferenceModel(),
-                        restart_penalty_s=0.0)
+        engine = Simulation(cluster=cluster, jobs=[job], policy=POLICIES[policy], facts=book.facts,
+                            interference=InterferenceModel(), restart_penalty_s=0.0)
         (record,) = engine.run().records
         assert record.jct_s / job.iterations == pytest.approx(predicted_ms / 1e3, rel=1e-9), policy
     assert PlanFacts.of(plan) == book.facts(tiny, gpus, PlanMode.BURST)
@@ -39,8 +39,8 @@ def test_recorded_duration_is_replayed_exactly_under_data_parallel(book, cluster
     assignment = assign(_alone(tiny, 4, 1234.5), mapping=ModelMapping(fallback=tiny), rule=BackgroundRule(),
                         cluster=cluster, seed=0, drop_oversized=False)
     (job,) = sim_jobs(assignment, book)
-    engine = Engine(cluster=cluster, jobs=[job], policy=POLICIES["dp"], facts=book.facts, interference=InterferenceModel(),
-                        restart_penalty_s=0.0)
+    engine = Simulation(cluster=cluster, jobs=[job], policy=POLICIES["dp"], facts=book.facts,
+                        interference=InterferenceModel(), restart_penalty_s=0.0)
     (record,) = engine.run().records
     assert record.jct_s == pytest.approx(1234.5, rel=1e-9)
 

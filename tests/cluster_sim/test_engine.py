@@ -7,11 +7,11 @@ from dataclasses import dataclass, replace
 import pytest
 
 from deeppool.cluster_sim.cluster import ClusterSpec
-from deeppool.cluster_sim.engine import Engine, PolicyError
+from deeppool.cluster_sim.engine import PolicyError, Simulation
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
-from deeppool.planner.interference import InterferenceModel
+from deeppool.planner.profiling.interference import InterferenceModel
+from deeppool.scheduling.contract import NOTHING, Decision, Lend, Snapshot, Start
 from deeppool.scheduling.policies import ADAPTIVE, POLICIES
-from deeppool.scheduling.policy import NOTHING, Decision, Lend, Snapshot, Start
 
 from .fakes import fake_facts, make_job
 
@@ -20,8 +20,8 @@ NO_INTERFERENCE = InterferenceModel(fg_slowdown=1.0, bg_efficiency=1.0, min_lend
 
 
 def run(jobs, policy, interference=NO_INTERFERENCE, cluster=CLUSTER, restart_penalty_s=0.0):
-    return Engine(cluster=cluster, jobs=jobs, policy=policy, facts=fake_facts, interference=interference,
-                  restart_penalty_s=restart_penalty_s).run()
+    return Simulation(cluster=cluster, jobs=jobs, policy=policy, facts=fake_facts, interference=interference,
+                      restart_penalty_s=restart_penalty_s).run()
 
 
 def test_single_job_runs_at_its_plan_rate() -> None:
@@ -212,8 +212,8 @@ def overbusy_facts(model, gpus, mode):
 
 def test_utilisation_above_100_percent_is_refused() -> None:
     jobs = [make_job(0, arrival=0, gpus=8, iterations=10)]
-    engine = Engine(cluster=CLUSTER, jobs=jobs, policy=POLICIES["dp"], facts=overbusy_facts,
-                    interference=NO_INTERFERENCE, restart_penalty_s=0.0)
+    engine = Simulation(cluster=CLUSTER, jobs=jobs, policy=POLICIES["dp"], facts=overbusy_facts,
+                        interference=NO_INTERFERENCE, restart_penalty_s=0.0)
     with pytest.raises(PolicyError, match=r"policy 'dp' made 16.00 of 8 GPUs busy \(200%\)"):
         engine.run()
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from deeppool.cluster_sim.cluster import ClusterSpec
-from deeppool.cluster_sim.engine import Engine
+from deeppool.cluster_sim.engine import Simulation
 from deeppool.cluster_sim.metrics import compare, measure, write_metrics
 from deeppool.cluster_sim.plots import binned, utilisation_series, write_plots
-from deeppool.planner.interference import InterferenceModel
+from deeppool.planner.profiling.interference import InterferenceModel
 from deeppool.scheduling.policies import POLICIES
 
 from .fakes import fake_facts, make_job
@@ -22,8 +22,9 @@ CLUSTER = ClusterSpec(gpus=8, gpus_per_node=4)
 def results():
     jobs = [make_job(i, arrival=3 * i, gpus=(1, 2, 4, 8)[i % 4], iterations=80 + 10 * i, background=i % 4 == 0)
             for i in range(24)]
-    return [Engine(cluster=CLUSTER, jobs=jobs, policy=POLICIES[name], facts=fake_facts,
-                   interference=InterferenceModel(), restart_penalty_s=0.0).run() for name in ("dp", "burst", "burst+bg")]
+    return [Simulation(cluster=CLUSTER, jobs=jobs, policy=POLICIES[name], facts=fake_facts,
+                       interference=InterferenceModel(), restart_penalty_s=0.0).run()
+            for name in ("dp", "burst", "burst+bg")]
 
 
 def test_metrics_follow_their_definitions() -> None:

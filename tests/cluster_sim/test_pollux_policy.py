@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from deeppool.cluster_sim.cluster import ClusterSpec
-from deeppool.cluster_sim.engine import Engine, PolicyError
+from deeppool.cluster_sim.engine import PolicyError, Simulation
 from deeppool.cluster_sim.plans import PlanMode
 from deeppool.cluster_sim.pollux import PolluxDurations
 from deeppool.cluster_sim.workload import read_workload
-from deeppool.planner.interference import InterferenceModel
-from deeppool.scheduling.pollux import PolluxPolicy
+from deeppool.planner.profiling.interference import InterferenceModel
+from deeppool.scheduling.contract import NOTHING, Adaptive, Decision, Rebatch, Snapshot, Start
 from deeppool.scheduling.policies import POLICIES
-from deeppool.scheduling.policy import NOTHING, Adaptive, Decision, Rebatch, Snapshot, Start
+from deeppool.scheduling.pollux import PolluxPolicy
 
 from .conftest import TRACES
 from .fakes import fake_facts, make_job
@@ -85,8 +85,8 @@ def test_between_ticks_it_only_asks_to_be_woken(apps) -> None:
 
 
 def run(jobs, policy: str, gpus: int = 64):
-    return Engine(cluster=ClusterSpec(gpus=gpus, gpus_per_node=4), jobs=jobs, policy=POLICIES[policy],
-                  facts=fake_facts, interference=InterferenceModel(), restart_penalty_s=30.0).run()
+    return Simulation(cluster=ClusterSpec(gpus=gpus, gpus_per_node=4), jobs=jobs, policy=POLICIES[policy],
+                      facts=fake_facts, interference=InterferenceModel(), restart_penalty_s=30.0).run()
 
 
 def workload_6_jobs(apps, count: int | None = None):
@@ -123,8 +123,9 @@ def test_the_engine_refuses_a_batch_for_a_job_without_a_speed_model() -> None:
             return Decision(start=tuple(Start(job_id=j.job_id, gpus=1, mode=PlanMode.DATA_PARALLEL, batch=64)
                                         for j in snap.waiting))
 
-    engine = Engine(cluster=ClusterSpec(gpus=4, gpus_per_node=4), jobs=[make_job(0, arrival=0, gpus=1, iterations=5)],
-                    policy=StartWithBatch(), facts=fake_facts, interference=InterferenceModel(), restart_penalty_s=30)
+    engine = Simulation(cluster=ClusterSpec(gpus=4, gpus_per_node=4),
+                        jobs=[make_job(0, arrival=0, gpus=1, iterations=5)], policy=StartWithBatch(), facts=fake_facts,
+                        interference=InterferenceModel(), restart_penalty_s=30)
     with pytest.raises(PolicyError, match="no speed model"):
         engine.run()
 
@@ -169,9 +170,9 @@ def seconds_between(speed, gpus: int, batch: int, start: float) -> float:
 
 
 def test_a_batch_change_takes_effect_without_a_restart(apps) -> None:
-    engine = Engine(cluster=ClusterSpec(gpus=4, gpus_per_node=4), jobs=[speed_job(apps, 0, "cifar10")],
-                    policy=StartThenRebatch(128, 1024), facts=fake_facts, interference=InterferenceModel(),
-                    restart_penalty_s=30.0)
+    engine = Simulation(cluster=ClusterSpec(gpus=4, gpus_per_node=4), jobs=[speed_job(apps, 0, "cifar10")],
+                        policy=StartThenRebatch(128, 1024), facts=fake_facts, interference=InterferenceModel(),
+                        restart_penalty_s=30.0)
     result = engine.run()
     speed = apps.application("cifar10", where="test")
     expected = 60.0 + seconds_between(speed, 4, 1024, progress_after(speed, 4, 128, 60.0))

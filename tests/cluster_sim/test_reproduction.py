@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from deeppool.cluster_sim.cluster import ClusterSpec
-from deeppool.cluster_sim.engine import Engine
+from deeppool.cluster_sim.engine import Simulation
 from deeppool.cluster_sim.plans import PlanMode
-from deeppool.scheduling.policies import POLICIES
 from deeppool.cluster_sim.runner import DEFAULT_RESTART_PENALTY_S
 from deeppool.cluster_sim.workload import read_workload
-from deeppool.planner.interference import InterferenceModel
+from deeppool.planner.profiling.interference import InterferenceModel
+from deeppool.scheduling.policies import POLICIES
 
 from .conftest import TRACES
 from .fakes import fake_facts, make_job
@@ -32,8 +32,8 @@ def average_jct_h(policy: str) -> float:
                  iterations=job.duration_s / fake_facts(None, job.gpus, PlanMode.DATA_PARALLEL).iteration_s)
         for index, job in enumerate(workload.jobs)
     ]
-    result = Engine(cluster=ClusterSpec(gpus=64, gpus_per_node=4), jobs=jobs, policy=POLICIES[policy],
-                    facts=fake_facts, interference=InterferenceModel(),
+    result = Simulation(cluster=ClusterSpec(gpus=64, gpus_per_node=4), jobs=jobs, policy=POLICIES[policy],
+                        facts=fake_facts, interference=InterferenceModel(),
                     restart_penalty_s=DEFAULT_RESTART_PENALTY_S).run()
     assert len(result.records) == 160
     return float(np.mean([r.jct_s for r in result.records])) / 3600
@@ -63,8 +63,8 @@ def test_pollux_on_workload_6_reproduces_the_published_average_jct() -> None:
     jobs = [replace(make_job(index, arrival=job.arrival_s, gpus=job.gpus, iterations=1.0),
                     speed=apps.application(job.key, where=job.where))
             for index, job in enumerate(workload.jobs)]
-    result = Engine(cluster=ClusterSpec(gpus=64, gpus_per_node=4), jobs=jobs, policy=POLICIES["pollux"],
-                    facts=fake_facts, interference=InterferenceModel(),
+    result = Simulation(cluster=ClusterSpec(gpus=64, gpus_per_node=4), jobs=jobs, policy=POLICIES["pollux"],
+                        facts=fake_facts, interference=InterferenceModel(),
                     restart_penalty_s=DEFAULT_RESTART_PENALTY_S).run()
     assert len(result.records) == 160
     pollux = float(np.mean([r.jct_s for r in result.records])) / 3600

@@ -6,7 +6,7 @@ import pytest
 
 from deeppool.cluster_sim.plans import PlanMode
 from deeppool.cluster_sim.scenario import evaluate, scenario_models
-from deeppool.planner.interference import InterferenceModel
+from deeppool.planner.profiling.interference import InterferenceModel
 
 
 @pytest.mark.parametrize("gpus", [4, 8])

@@ -74,6 +74,20 @@ def test_bad_submissions_are_4xx_with_a_message(server, bad: dict, code: int) ->
     assert store.jobs() == []
 
 
+@pytest.mark.parametrize("relative", ["background_mlp.py", "./background_mlp.py", "../examples/background_mlp.py"])
+def test_a_relative_model_path_is_refused_with_422_asking_for_an_absolute_one(server, monkeypatch, relative) -> None:
+    http, tokens, store, _ = server
+    monkeypatch.chdir(REPO / "examples")  # the file is there, under the allowed root, from the server's folder
+    response = http.post("/v1/jobs", json=body(model=relative), headers=auth(tokens["alice"]))
+    assert response.status_code == 422, response.text
+    assert "relative path" in response.json()["detail"] and "absolute path" in response.json()["detail"]
+    script = http.post("/v1/jobs", json=body(script=relative), headers=auth(tokens["alice"]))
+    assert script.status_code == 422 and "absolute path" in script.json()["detail"]
+    assert store.jobs() == []
+    absolute = http.post("/v1/jobs", json=body(model=str(Path(relative).resolve())), headers=auth(tokens["alice"]))
+    assert absolute.status_code == 201, absolute.text
+
+
 def test_cancel_then_cancel_again(server) -> None:
     http, tokens, store, _ = server
     job = http.post("/v1/jobs", json=body(), headers=auth(tokens["alice"])).json()

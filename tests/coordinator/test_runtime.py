@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobStatus
-from deeppool.coordinator.launcher import LocalLauncher, Phase
+from deeppool.coordinator.launcher import LaunchPhase, LocalLauncher
 from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.store import Store
 
@@ -69,7 +69,7 @@ def test_a_job_that_ends_before_the_first_look_still_passes_through_running(tmp_
     rt = runtime(tmp_path, [python("pass")])
     job = submit(rt)
     rt.start(job, "granted")
-    while rt.launcher.observe(job.id, 1).phase is not Phase.EXITED:
+    while rt.launcher.observe(job.id, 1).phase is not LaunchPhase.EXITED:
         time.sleep(0.01)
     rt.reconcile()
     assert rt.store.job(job.id).state is JobStatus.SUCCEEDED
@@ -129,13 +129,13 @@ def test_cancel_stops_the_processes_and_requeue_runs_the_next_attempt(tmp_path: 
     settle(rt, job.id, lambda j: j.state is JobStatus.RUNNING and says_up(rt, j.id, 1, times=1))
     rt.requeue(rt.store.job(job.id), "preempted by a foreground job")
     assert rt.store.job(job.id).state is JobStatus.PENDING
-    assert rt.launcher.observe(job.id, 1).phase is not Phase.RUNNING
+    assert rt.launcher.observe(job.id, 1).phase is not LaunchPhase.RUNNING
     assert rt.start(rt.store.job(job.id), "granted again")
     assert rt.store.attempts(job.id) == 2
     settle(rt, job.id, lambda j: j.state is JobStatus.RUNNING and says_up(rt, j.id, 2, times=2))
     assert rt.store.transition(job.id, JobStatus.CANCELLED, "cancelled by alice")
     rt.reconcile()
-    assert rt.launcher.observe(job.id, 2).phase is not Phase.RUNNING
+    assert rt.launcher.observe(job.id, 2).phase is not LaunchPhase.RUNNING
     assert rt.launcher.files(job.id, 2).log.read_text().splitlines().count("up") == 2  # both attempts ran, in turn
 
 

@@ -26,7 +26,7 @@ import pytest
 
 from deeppool.coordinator.isolation import RunAs, RunAsKind
 from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
-from deeppool.coordinator.launcher import Phase
+from deeppool.coordinator.launcher import LaunchPhase
 from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.slurm import SlurmLauncher
 from deeppool.coordinator.store import Store
@@ -199,7 +199,7 @@ def test_a_failing_slurm_job_fails_and_a_cancelled_one_is_stopped(slurm, tmp_pat
     settle(sleeping, job.id, lambda j: j.state is JobStatus.RUNNING, timeout_s=120)
     sleeping.store.transition(job.id, JobStatus.CANCELLED, "cancelled by alice")
     sleeping.reconcile()
-    assert sleeping.launcher.observe(job.id, 1).phase not in (Phase.RUNNING, Phase.QUEUED)
+    assert sleeping.launcher.observe(job.id, 1).phase not in (LaunchPhase.RUNNING, LaunchPhase.QUEUED)
 
 
 # -- jobs as their submitters' accounts (serve --job-user with --launcher slurm) --------------------------------

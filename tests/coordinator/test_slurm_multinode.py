@@ -34,12 +34,12 @@ import pytest
 from deeppool.coordinator.client import Client
 from deeppool.coordinator.driver import DriverSteps
 from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
-from deeppool.coordinator.launcher import Phase
+from deeppool.coordinator.launcher import LaunchPhase
 from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.slurm import SlurmLauncher
 from deeppool.coordinator.store import Store
 from deeppool.errors import DeeppoolError
-from deeppool.planner.plan import Plan
+from deeppool.plans import Plan
 from tests.coordinator.accounts import job_folder
 from tests.coordinator.test_durability import start
 from tests.coordinator.test_runtime import settle
@@ -273,5 +273,5 @@ def test_a_cancelled_two_node_job_stops_on_both_nodes(cluster: Cluster, tmp_path
     while time.monotonic() < deadline and any(_deeppool_processes(ns) for ns in cluster.namespaces):
         time.sleep(0.5)
     assert not any(_deeppool_processes(ns) for ns in cluster.namespaces)
-    assert rt.launcher.observe(job.id, 1).phase not in (Phase.RUNNING, Phase.QUEUED)
+    assert rt.launcher.observe(job.id, 1).phase not in (LaunchPhase.RUNNING, LaunchPhase.QUEUED)
     assert rt.store.job(job.id).state is JobStatus.CANCELLED

@@ -185,12 +185,12 @@ def test_the_device_timing_paths_run_through_the_fake() -> None:
     import time
 
     from deeppool.executor.engine.timing import Category, Recorder
-    from deeppool.planner.profiler import _timed
+    from deeppool.planner.profiling.timing import timed
 
     gpu = FakeGpu()
     with gpu.on(CPU):
         big = torch.randn(300, 300)
-        took, out = _timed(CPU, lambda: big @ big, gpu)
+        took, out = timed(CPU, lambda: big @ big, gpu)
         assert took > 0 and isinstance(out, torch.Tensor)
         recorder = Recorder(time.perf_counter, gpu.event)
         recorder.begin(0)

@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
-from deeppool.executor.engine.comm import Done, Lane, PeerError
 from deeppool.executor.api import ModelBuilder
-from deeppool.planner.modelspec import LoadedModel, ModelSpec
-from deeppool.planner.trace import Traced, trace
+from deeppool.executor.engine.comm import Done, Lane, PeerError
+from deeppool.model.loading import LoadedModel, load_model
+from deeppool.model.trace import Traced, trace
+from deeppool.plans import ModelSpec
 
 TIMEOUT_S = 60.0
 
@@ -113,7 +114,7 @@ class SerialBuilder(ModelBuilder):
 
     def load(self, spec: ModelSpec) -> LoadedModel:
         with self._lock:
-            return spec.load()
+            return load_model(spec)
 
     def trace(self, loaded: LoadedModel) -> Traced:
         with self._lock:

@@ -24,12 +24,12 @@ import torch.multiprocessing as mp
 
 from deeppool.device.fake import FakeGpu
 from deeppool.executor.api import train_rank
-from deeppool.executor.engine.comm import TorchComm
 from deeppool.executor.config import RunConfig
+from deeppool.executor.engine.comm import TorchComm
 from deeppool.executor.engine.monitor import GnsReading
 from deeppool.executor.engine.program import rank_groups
 from deeppool.executor.engine.timing import Counter
-from deeppool.planner.plan import Plan
+from deeppool.plans import Plan
 from tests.net import free_port
 
 TIMEOUT_S = 300.0

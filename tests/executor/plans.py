@@ -6,14 +6,15 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
-from deeppool.planner.baselines import Baselines, tie
-from deeppool.planner.cost import CostModel
-from deeppool.planner.graph import Layer, LayerGraph
+from deeppool.model.graph import Layer, LayerGraph
+from deeppool.model.loading import load_model
+from deeppool.model.trace import trace
+from deeppool.plans import ModelSpec, Plan, SolverInfo, Strategy
 from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice
-from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.plan import Plan, SolverInfo, Strategy, build_plan
-from deeppool.planner.profile import estimated_profile
-from deeppool.planner.trace import trace
+from deeppool.planner.profiling.profile import estimated_profile
+from deeppool.planner.solve.baselines import Baselines, tie
+from deeppool.planner.solve.build import build_plan
+from deeppool.planner.solve.cost import CostModel
 
 MODELS = Path(__file__).resolve().parent / "models"
 
@@ -49,7 +50,7 @@ def make_plan_for(path: str | Path, *, global_batch: int, gpus: int, assign: Ass
 @functools.cache
 def traced_graph(location: str) -> LayerGraph:
     """The model file's layer graph, traced once per test session (a LayerGraph is immutable)."""
-    return trace(ModelSpec.parse(location).load()).graph
+    return trace(load_model(ModelSpec.parse(location))).graph
 
 
 def cycle(*counts: int) -> Assign:

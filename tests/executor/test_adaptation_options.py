@@ -11,8 +11,7 @@ import pytest
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import Adaptation, LrScaling, Monitor
-from deeppool.planner.combine import Combine
-from deeppool.planner.plan import Plan
+from deeppool.plans import Combine, Plan
 from tests.entry import deeppool
 from tests.executor.plans import cycle, make_plan, model_path
 from tests.executor.test_executor_processes import deeppool_run

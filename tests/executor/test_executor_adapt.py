@@ -11,7 +11,7 @@ import pytest
 from deeppool.cli import main
 from deeppool.executor.training.checkpoint import latest, load_run
 from deeppool.executor.training.outputs import EVENTS, RESIZE
-from deeppool.planner.plan import Plan
+from deeppool.plans import Plan
 from tests.entry import deeppool
 from tests.executor.plans import Assign, cycle, make_plan
 from tests.executor.test_executor_processes import deeppool_run

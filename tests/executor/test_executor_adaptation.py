@@ -19,10 +19,15 @@ import torch
 
 from deeppool.adaptation.adasum import adasum
 from deeppool.executor.config import (
-    Adaptation, CheckpointConfig, LrScaling, Monitor, OptimizerConfig, OptimizerKind, RunConfig, Training,
+    Adaptation,
+    CheckpointConfig,
+    LrScaling,
+    Monitor,
+    OptimizerConfig,
+    RunConfig,
+    Training,
 )
-from deeppool.planner.combine import Combine
-from deeppool.planner.plan import Plan, sample_ranges
+from deeppool.plans import Combine, Optimizer, Plan, sample_ranges
 from tests.executor.gloo import Job, Outcome, train_gloo
 from tests.executor.models.noisy_quadratic import START, WIDTH
 from tests.executor.plans import make_plan
@@ -173,7 +178,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[list[Outcome]]:
         Job(plan=LARGE, config=adascale(SCALED_STEPS), data=functools.partial(noise, 2, SCALED_STEPS, BATCH, SIGMA)),
         Job(plan=LARGE, config=adascale(3), data=functools.partial(noise, 3, 3, BATCH, 0.0)),
         Job(plan=LARGE, config=adascale(20, optimizer=STILL), data=functools.partial(noise, 4, 20, BATCH, SIGMA, -START)),
-        Job(plan=LARGE, config=adascale(2, optimizer=OptimizerConfig(kind=OptimizerKind.ADAM, lr=LR)),
+        Job(plan=LARGE, config=adascale(2, optimizer=OptimizerConfig(kind=Optimizer.ADAM, lr=LR)),
             data=functools.partial(noise, 5, 2, BATCH, SIGMA, -START)),
         Job(plan=LARGE, config=adascale(6), data=resumable),
         Job(plan=LARGE, config=adascale(3, checkpoint=CheckpointConfig(directory=folder, every=3)), data=resumable),

@@ -17,11 +17,11 @@ import torch
 from torch.func import functional_call
 
 from deeppool.executor.api import RankResult, train_rank
-from deeppool.executor.training.checkpoint import export, step_dir
 from deeppool.executor.config import BatchNormMode, CheckpointConfig, OptimizerConfig, RunConfig
-from deeppool.planner.syncbn import GroupBatchNorm
-from deeppool.planner.modelspec import LoadedModel
-from deeppool.planner.plan import Plan
+from deeppool.executor.training.checkpoint import export, step_dir
+from deeppool.model.loading import LoadedModel, load_model
+from deeppool.model.syncbn import GroupBatchNorm
+from deeppool.plans import Plan
 from tests.entry import deeppool
 from tests.executor.fakes import SerialBuilder, ThreadWorld, run_threads
 from tests.executor.plans import cycle, make_plan
@@ -42,7 +42,7 @@ class SliceReference:
 
 def _slice_reference(plan: Plan) -> SliceReference:
     """Single-process training with BatchNorm statistics per rank's slice (``STEPS`` SGD steps)."""
-    loaded: LoadedModel = plan.model.load()
+    loaded: LoadedModel = load_model(plan.model)
     model = loaded.module.train()
     params = dict(model.named_parameters())
     slices = plan.layers[0].samples

@@ -16,8 +16,8 @@ from deeppool.executor.config import OptimizerConfig, RunConfig
 from deeppool.executor.engine.engine import Engine, _State
 from deeppool.executor.engine.program import Op
 from deeppool.executor.training.reference import CheckResult, Difference, Kind, worst_of
-from deeppool.planner.syncbn import GroupBatchNorm
-from deeppool.planner.plan import Plan
+from deeppool.model.syncbn import GroupBatchNorm
+from deeppool.plans import Plan
 from tests.executor.plans import Assign, cycle, make_plan
 from tests.executor.test_executor_exact import train_threads
 
@@ -50,7 +50,7 @@ def patch_allreduce(monkeypatch: pytest.MonkeyPatch, layer: str, change: Callabl
 def scale_gradients(names: tuple[str, ...], factor: float) -> Callable[[Engine], None]:
     def change(engine: Engine) -> None:
         for name in names:
-            grad = engine.p.model.params[name].grad
+            grad = engine.parts.model.params[name].grad
             assert grad is not None
             grad.mul_(factor)
 

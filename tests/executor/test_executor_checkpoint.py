@@ -10,7 +10,6 @@ import torch
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.api import RankResult
-from deeppool.executor.training.checkpoint import MARKER, export, latest, step_dir
 from deeppool.executor.config import (
     CheckpointConfig,
     OptimizerConfig,
@@ -19,7 +18,9 @@ from deeppool.executor.config import (
     ScheduleKind,
     Training,
 )
-from deeppool.planner.plan import Plan
+from deeppool.executor.training.checkpoint import MARKER, export, latest, step_dir
+from deeppool.model.loading import load_model
+from deeppool.plans import Plan
 from tests.entry import deeppool
 from tests.executor.plans import cycle, make_plan
 from tests.executor.test_executor_exact import train_threads
@@ -66,7 +67,7 @@ def test_export_joins_the_group_shards_into_the_original_models_state_dict(tmp_p
     results = train(2, CheckpointConfig(directory=tmp_path, every=2))
     done, state = export(tmp_path)
     assert done == 2
-    model = PLAN.model.load().module
+    model = load_model(PLAN.model).module
     model.load_state_dict(state, strict=True)
     held = {**results[0].params, **results[0].buffers}  # rank 0 is in every layer group
     assert state.keys() == held.keys()
@@ -99,7 +100,7 @@ def test_the_command_line_resumes_exactly(tmp_path: Path, capfd) -> None:
     exported = tmp_path / "model.pt"
     result = deeppool(capfd, "export", ckpt, "--out", str(exported), "--plan", str(plan_path))
     assert result.code == 0 and "after 2 steps" in result.stdout, result.stderr
-    Plan.load(plan_path).model.load().module.load_state_dict(torch.load(exported), strict=True)
+    load_model(Plan.load(plan_path).model).module.load_state_dict(torch.load(exported), strict=True)
 
 
 def test_a_damaged_shard_is_named_and_the_newest_intact_checkpoint_is_used(tmp_path: Path, capsys) -> None:

@@ -14,7 +14,8 @@ from deeppool.errors import DeeppoolError
 from deeppool.executor.config import CheckpointConfig, DataConfig, OptimizerConfig, RunConfig, Training
 from deeppool.executor.engine.data import DatasetBatches, EpochOrder, load_dataset, needed_rows
 from deeppool.executor.training.checkpoint import load_run
-from deeppool.planner.plan import Plan
+from deeppool.model.loading import load_model
+from deeppool.plans import Plan
 from tests.executor.plans import cycle, make_plan, traced_graph
 from tests.executor.test_executor_checkpoint import assert_same
 from tests.executor.test_executor_exact import train_threads
@@ -63,7 +64,7 @@ def test_bad_data_factories_are_one_line() -> None:
 
 
 def dataset(plan: Plan, size: int) -> TensorDataset:
-    loaded = plan.model.load()
+    loaded = load_model(plan.model)
     return TensorDataset(loaded.inputs(size)[0], loaded.targets(size))
 
 
@@ -130,7 +131,7 @@ def test_the_command_line_loads_only_each_ranks_rows_and_passes_the_check(tmp_pa
 
 def test_data_loader_workers_load_the_same_rows() -> None:
     plan = make_plan("mlp", global_batch=6, gpus=3, assign=input_and_output_on(3, 2))
-    loaded = plan.model.load()
+    loaded = load_model(plan.model)
     order = EpochOrder(length=20, global_batch=6, seed=1)
     spans = ((2, 6),)
     inline = DatasetBatches(dataset(plan, 20), order, spans, loaded)

@@ -12,11 +12,12 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from deeppool.executor.api import RankResult, train_rank
+from deeppool.executor.config import OptimizerConfig, RunConfig
 from deeppool.executor.engine.comm import Lane
-from deeppool.executor.config import OptimizerConfig, OptimizerKind, RunConfig
 from deeppool.executor.engine.data import SyntheticBatches
 from deeppool.executor.training.reference import compare, train_reference
-from deeppool.planner.plan import Plan
+from deeppool.model.loading import load_model
+from deeppool.plans import Optimizer, Plan
 from tests.executor.fakes import SerialBuilder, ThreadComm, ThreadWorld, run_threads
 from tests.executor.plans import Assign, cycle, make_plan
 
@@ -31,7 +32,7 @@ def train_threads(plan: Plan, config: RunConfig, **kwargs: object) -> list[RankR
 
 
 def assert_exact(plan: Plan, results: list[RankResult], optimizer: OptimizerConfig) -> None:
-    loaded = plan.model.load()
+    loaded = load_model(plan.model)
     reference = train_reference(loaded, SyntheticBatches(loaded, plan.global_batch), steps=STEPS, optimizer=optimizer)
     held = set()
     for result in results:
@@ -72,7 +73,7 @@ def test_adam_and_per_layer_synchronous_all_reduce() -> None:
     # Adam turns round-off into full steps on parameters whose gradient is ~0 (a bias
     # right before BatchNorm, an attention key bias), so it is checked on the chain.
     plan = make_plan("mlp", global_batch=7, gpus=3, assign=cycle(3, 1, 2))
-    optimizer = OptimizerConfig(kind=OptimizerKind.ADAM, lr=0.01)
+    optimizer = OptimizerConfig(kind=Optimizer.ADAM, lr=0.01)
     results = train_threads(plan, RunConfig(steps=STEPS, warmup=1, optimizer=optimizer, bucket_mb=0))
     assert_exact(plan, results, optimizer)
     assert all(stage.allreduce_measured is not None for stage in results[0].summary.stages)
@@ -80,7 +81,7 @@ def test_adam_and_per_layer_synchronous_all_reduce() -> None:
 
 def test_a_user_data_loader_gives_the_same_training() -> None:
     plan = make_plan("mlp", global_batch=6, gpus=2, assign=cycle(1, 2))
-    loaded = plan.model.load()
+    loaded = load_model(plan.model)
     dataset = TensorDataset(loaded.inputs(6)[0], loaded.targets(6))
     loader = DataLoader(dataset, batch_size=6, shuffle=False)
     optimizer = OptimizerConfig(lr=0.1)

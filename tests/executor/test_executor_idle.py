@@ -13,8 +13,9 @@ from deeppool.executor.config import RunConfig
 from deeppool.executor.engine.idle import IdleWindowEvent
 from deeppool.executor.engine.program import Program, build_program
 from deeppool.executor.engine.timing import Category
+from deeppool.model.loading import load_model
+from deeppool.model.trace import trace
 from tests.executor.fakes import SerialBuilder, ThreadComm, ThreadWorld, run_threads
-from deeppool.planner.trace import trace
 from tests.executor.plans import Assign, cycle, make_plan
 
 STEPS = 3
@@ -31,7 +32,7 @@ def phases_by_label(program: Program) -> dict[str, set[str]]:
 @pytest.mark.parametrize("assign", [cycle(1, 4, 2, 3), cycle(1, 1, 4, 4, 4, 2, 2, 3)], ids=["layers", "stages"])
 def test_idle_events_fire_after_the_planned_phase_every_step(assign: Assign) -> None:
     plan = make_plan("residual", global_batch=7, gpus=4, assign=assign)
-    graph = trace(plan.model.load()).graph
+    graph = trace(load_model(plan.model)).graph
     events: dict[int, list[IdleWindowEvent]] = {rank: [] for rank in range(4)}
     closed: dict[int, list[tuple[IdleWindowEvent, float]]] = {rank: [] for rank in range(4)}
     lock = threading.Lock()

@@ -13,12 +13,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.training.checkpoint import load_run
+from deeppool.executor.config import CheckpointConfig, LossScaling, OptimizerConfig, RunConfig
 from deeppool.executor.engine.comm import TorchComm
-from deeppool.executor.config import CheckpointConfig, LossScaling, OptimizerConfig, Precision, RunConfig
 from deeppool.executor.engine.precision import AgreedScaler, grad_scaler, output_dtypes
-from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.trace import trace
+from deeppool.executor.training.checkpoint import load_run
+from deeppool.model.loading import load_model
+from deeppool.model.trace import trace
+from deeppool.plans import ModelSpec, Precision
 from tests.executor.plans import Assign, cycle, make_plan, model_path
 from tests.executor.test_executor_checkpoint import assert_same
 from tests.executor.test_executor_exact import train_threads
@@ -67,7 +68,7 @@ def test_an_fp16_overflow_skips_the_step_on_every_rank() -> None:
     plan = make_plan("mlp", global_batch=6, gpus=3, assign=cycle(3, 1, 2))
     overflow = LossScaling(initial=2.0**40, backoff=2.0**-30)  # step 0 overflows; 2^10 after it does not
     check, skipped = checked(plan, Precision.FP16, steps=1, scaling=overflow)
-    initial = dict(plan.model.load().module.named_parameters())
+    initial = dict(load_model(plan.model).module.named_parameters())
     assert check.passed
     assert all(torch.equal(r.params[name], initial[name]) for r in skipped for name in r.params)
     check, trained = checked(plan, Precision.FP16, steps=3, scaling=overflow)
@@ -76,7 +77,7 @@ def test_an_fp16_overflow_skips_the_step_on_every_rank() -> None:
 
 
 def test_output_dtypes_are_what_autocast_gives() -> None:
-    loaded = ModelSpec.parse(model_path("tiny_gpt")).load()
+    loaded = load_model(ModelSpec.parse(model_path("tiny_gpt")))
     traced = trace(loaded)
     before = {name: value.clone() for name, value in traced.module.state_dict().items()}
     dtypes = output_dtypes(traced.module, traced.graph, loaded.named_inputs(2), Precision.FP16, torch.device("cpu"))

@@ -4,9 +4,10 @@ import pytest
 
 from deeppool.errors import DeeppoolError
 from deeppool.executor.engine.program import OpKind, Transfer, build_program, idle_positions, transfers
-from deeppool.planner.graph import grad_flows
-from deeppool.planner.plan import IdleWindow, sample_ranges
-from deeppool.planner.trace import trace
+from deeppool.model.graph import grad_flows
+from deeppool.model.loading import load_model
+from deeppool.model.trace import trace
+from deeppool.plans import IdleWindow, sample_ranges
 from tests.executor.plans import cycle, make_plan
 
 
@@ -28,7 +29,7 @@ def test_same_split_stays_local() -> None:
 
 def test_program_follows_the_schedule_and_skips_layers_a_rank_does_not_run() -> None:
     plan = make_plan("mlp", global_batch=6, gpus=4, assign=cycle(4, 2, 1, 3))
-    graph = trace(plan.model.load()).graph
+    graph = trace(load_model(plan.model)).graph
     kinds = [(op.kind, op.layer) for op in build_program(plan, graph, 0).ops]
     assert kinds[:3] == [(OpKind.FORWARD, "_0"), (OpKind.RESHARD, "_1"), (OpKind.FORWARD, "_1")]
     assert (OpKind.LOSS, "_4") in kinds and kinds[-1] == (OpKind.STEP, graph.layers[-1].name)
@@ -39,7 +40,7 @@ def test_program_follows_the_schedule_and_skips_layers_a_rank_does_not_run() -> 
 
 def test_gradient_flow_stops_at_integer_outputs() -> None:
     plan = make_plan("tiny_gpt", global_batch=4, gpus=2, assign=cycle(2))
-    graph = trace(plan.model.load()).graph
+    graph = trace(load_model(plan.model)).graph
     flows = grad_flows(graph)
     assert flows[graph.output]
     assert all(flows[layer.name] is False for layer in graph.layers if layer.dtype in ("int64", "bool"))
@@ -48,7 +49,7 @@ def test_gradient_flow_stops_at_integer_outputs() -> None:
 @pytest.mark.parametrize("rank", range(4))
 def test_idle_windows_are_tied_to_the_phase_they_follow(rank: int) -> None:
     plan = make_plan("residual", global_batch=7, gpus=4, assign=cycle(1, 4, 2, 3))
-    program = build_program(plan, trace(plan.model.load()).graph, rank)
+    program = build_program(plan, trace(load_model(plan.model)).graph, rank)
     positions = idle_positions(program, plan.idle_windows(rank))
     assert len(positions) == len(plan.idle_windows(rank))
     assert (len(positions) > 0) == (rank > 0)  # rank 0 runs every layer
@@ -59,7 +60,7 @@ def test_idle_windows_are_tied_to_the_phase_they_follow(rank: int) -> None:
 
 def test_idle_windows_that_do_not_follow_from_the_plan_are_refused() -> None:
     plan = make_plan("mlp", global_batch=6, gpus=2, assign=cycle(2, 1))
-    program = build_program(plan, trace(plan.model.load()).graph, 1)
+    program = build_program(plan, trace(load_model(plan.model)).graph, 1)
     bogus = [IdleWindow(rank=1, start_ms=0.0, end_ms=1.0, after="forward:nowhere")]
     with pytest.raises(DeeppoolError, match="idle windows"):
         idle_positions(program, bogus)

@@ -13,7 +13,8 @@ from deeppool.executor.engine.engine import Engine
 from deeppool.executor.engine.overlap import StageOverlap
 from deeppool.executor.engine.program import OpKind, Stage, build_program, partition
 from deeppool.executor.engine.stage_module import StageModule
-from deeppool.planner.trace import trace
+from deeppool.model.loading import load_model
+from deeppool.model.trace import trace
 from tests.executor.plans import Assign, cycle, make_plan, make_plan_for
 from tests.executor.test_executor_exact import train_threads
 from tests.executor.test_executor_processes import REPO, deeppool_run
@@ -21,7 +22,7 @@ from tests.executor.test_executor_processes import REPO, deeppool_run
 
 def test_a_data_parallel_plan_is_one_stage_with_no_reshards() -> None:
     plan = make_plan("tiny_gpt", global_batch=4, gpus=2, assign=cycle(2))
-    graph = trace(plan.model.load()).graph
+    graph = trace(load_model(plan.model)).graph
     stages = partition(plan, graph)
     assert len(stages) == 1 and stages[0].layers == tuple(layer.name for layer in graph.layers)
     for rank in range(2):
@@ -31,7 +32,7 @@ def test_a_data_parallel_plan_is_one_stage_with_no_reshards() -> None:
 
 def test_stages_break_where_the_split_changes_or_a_producer_has_another_split() -> None:
     plan = make_plan("residual", global_batch=7, gpus=4, assign=cycle(1, 1, 4, 4, 4, 2, 2, 3))
-    graph = trace(plan.model.load()).graph
+    graph = trace(load_model(plan.model)).graph
     stages = partition(plan, graph)
     assert [name for stage in stages for name in stage.layers] == [layer.name for layer in graph.layers]
     planned = {layer.name: layer for layer in plan.layers}
@@ -48,7 +49,7 @@ def test_stages_break_where_the_split_changes_or_a_producer_has_another_split() 
 
 def test_a_compiled_stage_of_the_whole_model_is_the_model() -> None:
     plan = make_plan("tiny_gpt", global_batch=3, gpus=1, assign=cycle(1))
-    loaded = plan.model.load()
+    loaded = load_model(plan.model)
     traced = trace(loaded)
     graph = traced.graph
     stage = StageModule(traced.module, graph.layers, [graph.output])

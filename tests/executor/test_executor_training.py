@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import OptimizerConfig, RunConfig, Schedule, ScheduleKind, Training
 from deeppool.executor.training.reference import CheckResult
-from deeppool.planner.plan import Plan
+from deeppool.model.loading import load_model
+from deeppool.plans import Plan
 from tests.executor.plans import cycle, make_plan
 from tests.executor.test_executor_exact import train_threads
 from tests.executor.test_executor_processes import deeppool_run
@@ -20,7 +21,7 @@ from tests.executor.test_executor_processes import deeppool_run
 
 def loader(plan: Plan, batches: int) -> DataLoader:
     """``batches`` different global batches of the model's kind of data, in a fixed order."""
-    loaded = plan.model.load()
+    loaded = load_model(plan.model)
     size = plan.global_batch * batches
     inputs = loaded.inputs(size)
     return DataLoader(TensorDataset(*inputs, loaded.targets(size)), batch_size=plan.global_batch, shuffle=False)

@@ -31,7 +31,7 @@ def test_the_plan_variable_is_the_ranks_alone(tmp_path: Path, monkeypatch: pytes
     config = RunConfig(out_dir=tmp_path / "out")
     seen = tmp_path / "seen.txt"
 
-    launch(plan, tmp_path / "plan.json", nproc=1, config=config, worker_args=[str(seen), "0"],
+    launch(plan, tmp_path / "plan.json", nproc=1, config=config, script_args=[str(seen), "0"],
            script=tmp_path / "script.py")
     assert seen.read_text().splitlines() == [str((tmp_path / "plan.json").resolve()), "1"]
     assert PLAN_VARIABLE not in os.environ
@@ -39,7 +39,7 @@ def test_the_plan_variable_is_the_ranks_alone(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv(PLAN_VARIABLE, "the user's own")
     monkeypatch.delenv("OMP_NUM_THREADS")
     with pytest.raises(RunFailed, match="rank 0 exited with code 3"):
-        launch(plan, tmp_path / "plan.json", nproc=1, config=config, worker_args=[str(seen), "3"],
+        launch(plan, tmp_path / "plan.json", nproc=1, config=config, script_args=[str(seen), "3"],
                script=tmp_path / "script.py")
     assert seen.read_text().splitlines()[0] == str((tmp_path / "plan.json").resolve())
     assert os.environ[PLAN_VARIABLE] == "the user's own"  # restored after a failed run too

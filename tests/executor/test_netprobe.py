@@ -11,15 +11,24 @@ from pathlib import Path
 import pytest
 
 from deeppool.errors import DeeppoolError
-from deeppool.executor.launch.netprobe import (
-    NetworkFit, Pattern, ProbeConfig, Sample, fit, local_network, measure_network, probe_network, probed_source,
-)
+from deeppool.model.loading import load_model
+from deeppool.model.trace import trace
+from deeppool.plans import ModelSpec, NetworkModel
 from deeppool.planner.api import CostSource
-from deeppool.planner.cost import CostModel
-from deeppool.planner.hardware import DEVICES, KnownDevice, NetworkModel
-from deeppool.planner.profile import estimated_profile
-from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.trace import trace
+from deeppool.planner.hardware import DEVICES, KnownDevice
+from deeppool.planner.profiling.netprobe import (
+    NetworkFit,
+    Pattern,
+    Sample,
+    fit,
+    local_network,
+    measure_network,
+    probe_network,
+)
+from deeppool.planner.profiling.netprobe_config import ProbeConfig
+from deeppool.planner.profiling.profile import estimated_profile
+from deeppool.planner.request import probed_source
+from deeppool.planner.solve.cost import CostModel
 from tests.executor.plans import model_path
 
 ALPHA, BW = 80e-6, 2e9
@@ -67,7 +76,7 @@ def test_the_network_file_round_trips_and_plans_with_it(tmp_path: Path) -> None:
     assert loaded == fitted.network
     assert loaded.intra_latency_s == pytest.approx(ALPHA) and loaded.intra_bandwidth == pytest.approx(BW)
 
-    graph = trace(ModelSpec.parse(model_path("mlp")).load()).graph
+    graph = trace(load_model(ModelSpec.parse(model_path("mlp")))).graph
     profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2))
     source = CostSource(device_model="a100", network_file=path, intra_gbps=1.0, inter_gbps=1.0)
     network = source.network_model(profile)
@@ -97,7 +106,7 @@ def test_the_sync_latency_is_what_rank_0_waits_for_ranks_that_computed_with_it(t
     assert loaded.sync_latency_s(8) == pytest.approx(6e-3) and loaded.sync_latency_s(1) == 0.0
     assert probe_network(ProbeConfig(nproc=2), launcher=synthetic).network.wakeup_s == 0.0
 
-    graph = trace(ModelSpec.parse(model_path("mlp")).load()).graph
+    graph = trace(load_model(ModelSpec.parse(model_path("mlp")))).graph
     profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2))
     cost = CostModel(graph=graph, profile=profile, network=loaded, global_batch=4)
     still = CostModel(graph=graph, profile=profile, network=replace(loaded, wakeup_s=0.0, sync_s={}), global_batch=4)
@@ -135,7 +144,7 @@ def test_the_skew_is_the_wait_that_grows_with_the_compute_before_a_collective(tm
     with pytest.raises(DeeppoolError, match="skew"):
         replace(network, skew={1: 0.1})
 
-    graph = trace(ModelSpec.parse(model_path("mlp")).load()).graph
+    graph = trace(load_model(ModelSpec.parse(model_path("mlp")))).graph
     profile = estimated_profile(graph, DEVICES[KnownDevice.A100], (1, 2, 4))
     early = replace(network, skew_after_s=0.0)  # the estimated layers take microseconds, under the probe's 10 ms
     cost = CostModel(graph=graph, profile=profile, network=early, global_batch=4)

@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 import deeppool
 from deeppool.errors import DeeppoolError
-from deeppool.planner.modelspec import ModelSource
+from deeppool.plans import ModelSource
 from tests.executor.plans import cycle, make_plan_for
-from tests.library.user_loop import model_file
 from tests.library.test_parallelize import CNN
+from tests.library.user_loop import model_file
 
 BATCH = 4
 

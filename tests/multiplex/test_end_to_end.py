@@ -21,7 +21,7 @@ import pytest
 
 from deeppool.executor.engine.program import whole_idle_ranks
 from deeppool.multiplex.metrics import net_gain
-from deeppool.planner.plan import Plan
+from deeppool.plans import Plan
 from tests.entry import deeppool
 from tests.multiplex.plans import BACKGROUND, REPO
 

@@ -7,15 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from deeppool.executor.config import OptimizerConfig, OptimizerKind
-from deeppool.multiplex.job import BackgroundJob, load_model
+from deeppool.executor.config import OptimizerConfig
+from deeppool.multiplex.job import BackgroundJob, load_background
+from deeppool.plans import Optimizer
 from tests.multiplex.plans import BACKGROUND
 
-ADAM = OptimizerConfig(kind=OptimizerKind.ADAM, lr=0.01)
+ADAM = OptimizerConfig(kind=Optimizer.ADAM, lr=0.01)
 
 
 def job(checkpoint: Path | None = None, batch: int = 16) -> BackgroundJob:
-    return BackgroundJob(load_model(BACKGROUND), batch=batch, optimizer=ADAM, checkpoint=checkpoint)
+    return BackgroundJob(load_background(BACKGROUND), batch=batch, optimizer=ADAM, checkpoint=checkpoint)
 
 
 def test_loss_falls() -> None:
@@ -54,7 +55,7 @@ def test_resumes_from_its_checkpoint_exactly(tmp_path: Path) -> None:
 def test_a_warm_up_leaves_the_training_as_it_was() -> None:
     """Batch-norm statistics, dropout's RNG draws, gradients and data: the warmed job trains the same steps."""
     stateful = Path(__file__).parent / "models" / "stateful_bg.py"
-    cold, warm = (BackgroundJob(load_model(stateful), batch=8, optimizer=ADAM, seed=3) for _ in range(2))
+    cold, warm = (BackgroundJob(load_background(stateful), batch=8, optimizer=ADAM, seed=3) for _ in range(2))
     torch.manual_seed(0)
     cold_losses = [cold.train_step() for _ in range(3)]
     torch.manual_seed(0)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from deeppool.errors import DeeppoolError
+from deeppool.executor.config import OptimizerConfig
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.preflight import Machine, background_memory, check, check_mode
-from deeppool.executor.config import OptimizerConfig, OptimizerKind
+from deeppool.plans import Optimizer
 from tests.multiplex.plans import BACKGROUND, MODELS, burst_plan
 
 CPU = Machine(cuda=False, mps_control=False, device_bytes=16 * 2**30)
@@ -48,7 +48,7 @@ def test_a_model_that_does_not_fit_is_refused_with_the_numbers(plan) -> None:
 
 def test_memory_counts_optimizer_state_and_activations() -> None:
     sgd = background_memory(BACKGROUND, 8, OptimizerConfig())
-    adam = background_memory(BACKGROUND, 8, OptimizerConfig(kind=OptimizerKind.ADAM))
+    adam = background_memory(BACKGROUND, 8, OptimizerConfig(kind=Optimizer.ADAM))
     assert sgd.optimizer_state == 0 and adam.optimizer_state == 2 * adam.params
     assert adam.activations > 0 and background_memory(BACKGROUND, 16, OptimizerConfig()).activations == 2 * sgd.activations
 

@@ -10,7 +10,7 @@ import pytest
 
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.cpu import ProcessBackground, child_spec
-from deeppool.planner.plan import Plan
+from deeppool.plans import Plan
 from tests.entry import deeppool
 from tests.executor.plans import cycle, make_plan
 from tests.multiplex.plans import BACKGROUND, MODELS, burst_plan

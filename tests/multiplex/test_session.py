@@ -16,7 +16,7 @@ from deeppool.multiplex.config import ABSchedule, BackgroundConfig, MuxMode
 from deeppool.multiplex.job import Piece
 from deeppool.multiplex.metrics import RankBackground, RankSteps, efficiency_curve, report
 from deeppool.multiplex.session import Session
-from deeppool.planner.plan import IdleWindow
+from deeppool.plans import IdleWindow
 
 WINDOW = IdleWindow(rank=1, start_ms=0.0, end_ms=0.5, after="forward:a")
 

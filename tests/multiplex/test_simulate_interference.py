@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from deeppool.cluster_sim.cli import app
 from deeppool.errors import DeeppoolError
-from deeppool.planner.interference import InterferenceModel
+from deeppool.planner.profiling.interference import InterferenceModel
 
 DATA = Path(__file__).resolve().parents[1] / "cluster_sim" / "data"
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from deeppool.planner.graph import Layer, LayerGraph, TraceMethod
-from deeppool.planner.profile import LayerTimes, Profile
+from deeppool.model.graph import Layer, LayerGraph, TraceMethod
+from deeppool.planner.profiling.profile import LayerTimes, Profile
 
 GIB = 1024**3
 

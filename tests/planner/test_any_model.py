@@ -18,12 +18,13 @@ from torch.utils import _pytree as pytree
 from deeppool.errors import DeeppoolError
 from deeppool.executor.api import train_rank
 from deeppool.executor.config import OptimizerConfig, RunConfig
+from deeppool.model.batching import check_per_sample
+from deeppool.model.graph import OUTPUT_LAYER
+from deeppool.model.layer_exec import LayerRunner
+from deeppool.model.loading import LoadedModel, bind_inputs, default_loss
+from deeppool.model.trace import Traced, trace
+from deeppool.plans import ModelSource, ModelSpec
 from deeppool.planner.api import PlanRequest, device_setup, plan_graph
-from deeppool.planner.batching import check_per_sample
-from deeppool.planner.graph import OUTPUT_LAYER
-from deeppool.planner.layer_exec import LayerRunner
-from deeppool.planner.modelspec import LoadedModel, ModelSource, ModelSpec, bind_inputs, default_loss
-from deeppool.planner.trace import Traced, trace
 from tests.executor.fakes import SerialBuilder, ThreadWorld, run_threads
 from tests.executor.plans import cycle, make_plan_for
 

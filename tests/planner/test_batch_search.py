@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 
 from deeppool.adaptation.goodput import statistical_efficiency
+from deeppool.plans import ModelSpec, Plan
 from deeppool.planner.api import CostSource, PlanRequest, batch_planner
 from deeppool.planner.batch_search import BatchSearchRequest, search_batches
-from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.plan import Plan
 from tests.entry import deeppool
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,13 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from deeppool.planner.cost import CostModel, Optimizer
 from deeppool.errors import DeeppoolError
+from deeppool.plans import ModelSource, ModelSpec, NetworkModel, Optimizer, Plan, Precision
 from deeppool.planner.api import PlanRequest, plan_graph
-from deeppool.planner.hardware import DEVICES, KnownDevice, NetworkModel, Precision
-from deeppool.planner.modelspec import ModelSource, ModelSpec
-from deeppool.planner.plan import Plan
-from deeppool.planner.profile import LayerTimes, StepOverhead, estimate_ms, estimated_profile
+from deeppool.planner.hardware import DEVICES, KnownDevice
+from deeppool.planner.profiling.profile import LayerTimes, StepOverhead, estimate_ms, estimated_profile
+from deeppool.planner.solve.cost import CostModel
 from tests.planner import synthetic
 
 SPEC = ModelSpec(source=ModelSource.FACTORY, location="tests.models.factories:small_cnn", input_shape=(3, 8, 8))

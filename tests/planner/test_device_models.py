@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from deeppool.planner.hardware import DEVICES, GIB, NETWORKS, KnownDevice, Precision
+from deeppool.plans import Precision
+from deeppool.planner.hardware import DEVICES, GIB, NETWORKS, KnownDevice
 
 RATE_TOLERANCE = 0.02
 """Datasheets round (TF32 on H100: 494.5 dense, the model says 495): 2% covers rounding, never a 2x slip."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from deeppool.planner.hostload import runnable_now
+from deeppool.planner.profiling.hostload import runnable_now
 
 
 def fake_task(proc: Path, pid: int, tid: int, state: str, parent: int) -> None:

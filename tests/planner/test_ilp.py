@@ -8,17 +8,15 @@ from dataclasses import replace
 import pytest
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner import baselines
+from deeppool.plans import ModelSource, ModelSpec, NetworkModel, Objective, Strategy
 from deeppool.planner.api import PlanRequest, plan_graph
-from deeppool.planner.candidates import useful_counts
-from deeppool.planner.cost import CostModel
-from deeppool.planner.hardware import NETWORKS, KnownDevice, NetworkModel
-from deeppool.planner.ilp import Ilp, SolverName
-from deeppool.planner.modelspec import ModelSource, ModelSpec
+from deeppool.planner.hardware import NETWORKS, KnownDevice
 from deeppool.planner.pareto import front, plot
-from deeppool.planner.plan import Strategy
-from deeppool.planner.request import Objective
-from deeppool.planner.throughput import priced_gpu_ms
+from deeppool.planner.solve import baselines
+from deeppool.planner.solve.candidates import useful_counts
+from deeppool.planner.solve.cost import CostModel
+from deeppool.planner.solve.ilp import Ilp, SolverName
+from deeppool.planner.solve.throughput import priced_gpu_ms
 from tests.planner import synthetic
 
 SPEC = ModelSpec(source=ModelSource.FACTORY, location="tests.models.factories:small_cnn", input_shape=(3, 8, 8))

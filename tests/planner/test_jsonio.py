@@ -6,7 +6,7 @@ import json
 import multiprocessing
 from pathlib import Path
 
-from deeppool.planner.jsonio import write_json
+from deeppool.plans.jsonio import write_json
 
 
 def _write_many(path: str, writer: int) -> None:

@@ -10,18 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from deeppool.model.loading import load_model
+from deeppool.model.trace import trace
+from deeppool.plans import ModelSpec, Plan, Strategy
 from deeppool.planner.api import CostSource, PlanRequest, local_profiler, plan_graph, plan_model
 from deeppool.planner.hardware import NETWORKS, KnownDevice
 from deeppool.planner.measure_loop import first_batches, plan_on_measured, used_batches
-from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.plan import Plan, Strategy
-from deeppool.planner.profile import FitQuality, LayerTimes
-from deeppool.planner.profiler import (
-    CACHE_FILE, LayerProfiler, Measured, ProfileCache, ProfilerConfig, clear_cache, layer_code, layer_times,
-    measure_profile, sharing_counts,
-)
+from deeppool.planner.profiling.cache import CACHE_FILE, ProfileCache, clear_cache, layer_code
+from deeppool.planner.profiling.fitting import layer_times
+from deeppool.planner.profiling.profile import FitQuality, LayerTimes
+from deeppool.planner.profiling.profiler import LayerProfiler, ProfilerConfig, measure_profile
+from deeppool.planner.profiling.sharing import sharing_counts
+from deeppool.planner.profiling.stats import Measured
 from deeppool.planner.report import evidence_lines, plan_table, stages, summary
-from deeppool.planner.trace import trace
 from tests.entry import deeppool
 from tests.planner import synthetic
 
@@ -66,7 +67,7 @@ def test_a_cap_stops_the_loop_and_the_plan_names_the_layers_it_extrapolates():
 
 def test_a_batch_whose_profiling_pass_would_not_fit_the_memory_is_left_fitted_and_named():
     spec = ModelSpec.parse(str(TINY))
-    loaded = spec.load()
+    loaded = load_model(spec)
     traced = trace(loaded)
     per_sample = 3 * sum(layer.act_bytes for layer in traced.graph.layers)
     weights = 4 * sum(layer.param_bytes for layer in traced.graph.layers)
@@ -88,7 +89,7 @@ def test_the_loop_measures_each_new_batch_once_and_ends():
     every round adds the batches the last solution used, and the profile's time at a measured batch is the
     measured median."""
     spec = ModelSpec.parse(str(TINY))
-    loaded = spec.load()
+    loaded = load_model(spec)
     traced = trace(loaded)
     request = PlanRequest(gpus=3, global_batch=12)
     config = ProfilerConfig(threads=1, ranks=3, **FAST)
@@ -112,7 +113,7 @@ def test_the_loop_measures_each_new_batch_once_and_ends():
 
 
 def test_the_local_profiler_measures_on_the_device_the_source_names():
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     profiler = local_profiler(CostSource(device_model="local", local_device="cpu", show_progress=False), traced,
                               loaded, PlanRequest(gpus=2, global_batch=8))
@@ -139,7 +140,7 @@ def test_measured_times_are_kept_at_measured_batches_and_gpu_time_never_shrinks(
 
 
 def test_cached_times_record_their_conditions_and_busy_ones_are_remeasured_when_quieter(tmp_path):
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     busy = ProfilerConfig(batches=(2,), cache_dir=tmp_path, load=lambda: 9.0, cores=2, reference=lambda: 10.0,
                           **FAST)
@@ -163,7 +164,7 @@ def test_cached_times_record_their_conditions_and_busy_ones_are_remeasured_when_
 
 def test_a_plan_names_the_layers_resting_on_busy_measurements(tmp_path):
     spec = ModelSpec.parse(str(TINY))
-    loaded = spec.load()
+    loaded = load_model(spec)
     traced = trace(loaded)
     config = ProfilerConfig(load=lambda: 7.0, cores=2, threads=1, **FAST)
     request = PlanRequest(gpus=2, global_batch=8)
@@ -190,19 +191,19 @@ def test_the_cache_key_covers_model_code_input_shape_and_dtype(tmp_path):
 
     codes = []
     for name, body in (("twice", "self.fc(x) * 2"), ("thrice", "self.fc(x) * 3")):
-        traced = trace(write(name, body).load())
+        traced = trace(load_model(write(name, body)))
         codes.append(layer_code(traced.module, traced.graph.layers[-1]))
     assert codes[0] != codes[1], "a changed constant in forward changes the layer's code"
 
     config = ProfilerConfig(batches=(2,), cache_dir=tmp_path / "cache", **FAST)
-    loaded = write("twice", "self.fc(x) * 2").load()
+    loaded = load_model(write("twice", "self.fc(x) * 2"))
     measure_profile(trace(loaded), loaded, config)
     count = len(ProfileCache(tmp_path / "cache").entries)
-    loaded = write("thrice", "self.fc(x) * 3").load()
+    loaded = load_model(write("thrice", "self.fc(x) * 3"))
     measure_profile(trace(loaded), loaded, config)
     assert len(ProfileCache(tmp_path / "cache").entries) > count, "the changed model was measured, not read"
     count = len(ProfileCache(tmp_path / "cache").entries)
-    loaded = write("thrice", "self.fc(x) * 3").load()
+    loaded = load_model(write("thrice", "self.fc(x) * 3"))
     loaded.module.double()
     double = replace(loaded, inputs=lambda b: (torch.randn(b, 8, dtype=torch.float64),))
     measure_profile(trace(double), double, config)
@@ -275,7 +276,7 @@ def test_a_batch_some_layer_cannot_run_at_alone_is_left_fitted_not_a_traceback()
     """BatchNorm on a 1x1 map cannot train on one sample (the executor runs it over the layer's whole batch,
     so counts giving one sample per GPU stay allowed): batch 1 is fitted, named among the unmeasured."""
     spec = ModelSpec.parse(str(POOLED))
-    loaded = spec.load()
+    loaded = load_model(spec)
     traced = trace(loaded)
     profiler = LayerProfiler(traced, loaded, ProfilerConfig(threads=1, **FAST))
     request = PlanRequest(gpus=4, global_batch=4, strategy=Strategy.DATA_PARALLEL)
@@ -331,7 +332,7 @@ def test_run_refuses_a_device_model_plan_whose_per_gpu_batch_breaks_an_op_in_one
 def test_a_noisy_cached_batch_is_measured_again_and_the_steadier_measurement_kept(tmp_path):
     """A noisy measurement is not kept just because the load is what it was: the batch is measured again when
     the machine is not busy, and of the two the steadier one stays in the cache."""
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     config = ProfilerConfig(batches=(2,), cache_dir=tmp_path, load=lambda: 1.0, cores=2, warmup=1, repeats=3,
                             show_progress=False, reference=lambda: 10.0)
@@ -366,7 +367,7 @@ def test_a_batch_measured_while_the_host_slowed_is_untrusted_and_one_from_anothe
     """A shared host's speed moves without its load showing it: the reference work's time, read before and
     after each batch, flags a batch during which it moved, and a cached batch whose reference differs from
     the host's now is measured again and the new times kept."""
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     readings = iter([10.0, 16.0])  # the host slowed by 60% while the batch was measured (no spread is noisy here)
     slowing = ProfilerConfig(batches=(2,), cache_dir=tmp_path, load=lambda: 0.5, cores=2, retries=0,
@@ -396,7 +397,7 @@ def test_a_batch_measured_while_the_host_slowed_is_untrusted_and_one_from_anothe
 
 def test_a_batch_measured_while_the_host_slowed_is_measured_again_at_once_and_the_steady_attempt_kept(tmp_path):
     """The speed moved under the first attempt and held under the second: the plan rests on the second, unflagged."""
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     readings = iter([10.0, 16.0])  # moved 60% under the first attempt, then steady at 16
     config = ProfilerConfig(batches=(2,), cache_dir=tmp_path, load=lambda: 0.5, cores=2,
@@ -409,7 +410,7 @@ def test_a_batch_measured_while_the_host_slowed_is_measured_again_at_once_and_th
 
 @pytest.mark.parametrize("retries", [0, 1, 2])
 def test_a_host_whose_speed_keeps_moving_is_measured_retries_more_times_and_stays_flagged(tmp_path, retries):
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     speeds = iter(float(10 + 6 * (i % 2)) for i in range(1000))  # 10, 16, 10, 16: every attempt moved 60%
     reads: list[float] = []
@@ -421,7 +422,7 @@ def test_a_host_whose_speed_keeps_moving_is_measured_retries_more_times_and_stay
 
 
 def test_no_retry_while_the_machine_is_busy(tmp_path):
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     speeds = iter(float(10 + 6 * (i % 2)) for i in range(1000))
     reads: list[float] = []

@@ -1,5 +1,5 @@
 """Rewriting in-place operations: probes after a rewrite stop at the mutations when they lie early in the graph,
-and the graph that comes out is the one whole-graph probes give (:func:`deeppool.planner.mutation.functionalize`)."""
+and the graph that comes out is the one whole-graph probes give (:func:`deeppool.model.mutation.functionalize`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from unittest import mock
 import torch
 from torch import nn
 
-from deeppool.planner import mutation
-from deeppool.planner.modelspec import LoadedModel, default_loss
-from deeppool.planner.trace import trace
+from deeppool.model import mutation
+from deeppool.model.loading import LoadedModel, default_loss
+from deeppool.model.trace import trace
 from tests.planner.test_any_model import layer_by_layer
 
 
@@ -50,7 +50,7 @@ def _traced(whole: bool) -> tuple[object, list[str | None]]:
             return probe(None if whole else until)
         return real(module, recording)
 
-    with mock.patch("deeppool.planner.trace.functionalize", watched):
+    with mock.patch("deeppool.model.trace.functionalize", watched):
         return trace(_loaded()), seen
 
 

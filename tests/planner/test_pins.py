@@ -8,9 +8,8 @@ import json
 import pytest
 
 from deeppool.errors import DeeppoolError
+from deeppool.plans import Pin, Plan, Strategy
 from deeppool.planner.api import PlanRequest, parse_pins, plan_graph
-from deeppool.planner.pins import Pin
-from deeppool.planner.plan import Plan, Strategy
 from tests.entry import deeppool
 from tests.planner import synthetic
 from tests.planner.test_ilp import BASES, CHAIN, RESIDUAL, SLOW_NETWORK, SPEC, _problem

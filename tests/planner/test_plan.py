@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from deeppool.errors import DeeppoolError
+from deeppool.plans import Plan, sample_ranges
 from deeppool.planner.api import PlanRequest, plan_graph
-from deeppool.planner.cost import PhaseKind
-from deeppool.planner.plan import Plan, sample_ranges
+from deeppool.planner.solve.cost import PhaseKind
 from tests.planner import synthetic
 from tests.planner.test_ilp import BASES, RESIDUAL, SLOW_NETWORK, SPEC
 

@@ -15,28 +15,31 @@ import torch
 
 import deeppool
 from deeppool.errors import DeeppoolError
-from deeppool.planner.cost import CostModel, check_invariants
-from deeppool.planner.graph import TraceMethod
-from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice, Precision
-from deeppool.planner.modelspec import ModelSpec
-from deeppool.planner.profile import LayerTimes, Profile, StepOverhead, estimate_ms
-from deeppool.planner import group_times
-from deeppool.planner.group_times import GroupedLayers
-from deeppool.planner.layer_exec import CompiledLayerRunner, LayerFailed, LayerRunner, runners
-from deeppool.planner.profiler import (
-    LayerProfiler, Measured, Passes, ProfileCache, ProfilerConfig, fit_layer, fit_line, layer_code, measure_profile,
-    measure_model_step, measure_sharing,
-    sharing_counts,
-)
-from deeppool.planner.syncbn import GroupBatchNorm
-from deeppool.planner.trace import trace
+from deeppool.model.graph import TraceMethod
+from deeppool.model.layer_exec import CompiledLayerRunner, LayerFailed, LayerRunner, runners
+from deeppool.model.loading import load_model
+from deeppool.model.syncbn import GroupBatchNorm
+from deeppool.model.trace import trace
+from deeppool.plans import ModelSpec, Precision
+from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice
+from deeppool.planner.profiling import group_times
+from deeppool.planner.profiling.cache import ProfileCache, layer_code
+from deeppool.planner.profiling.fitting import fit_layer, fit_line
+from deeppool.planner.profiling.group_times import GroupedLayers
+from deeppool.planner.profiling.passes import Passes
+from deeppool.planner.profiling.profile import LayerTimes, Profile, StepOverhead, estimate_ms
+from deeppool.planner.profiling.profiler import LayerProfiler, ProfilerConfig, measure_profile
+from deeppool.planner.profiling.sharing import measure_sharing, sharing_counts
+from deeppool.planner.profiling.stats import Measured
+from deeppool.planner.profiling.step import measure_model_step
+from deeppool.planner.solve.cost import CostModel, check_invariants
 from tests.planner import synthetic
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "tiny_mlp.py"
 
 
 def test_measure_then_cache_round_trip(tmp_path):
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     # every measurement trusted (a quiet machine, no spread counted as noisy): a noisy one would be measured again
     config = ProfilerConfig(batches=(1, 4), warmup=1, repeats=3, cache_dir=tmp_path, show_progress=False,
@@ -64,7 +67,7 @@ def test_measure_then_cache_round_trip(tmp_path):
 
 
 def test_the_models_own_step_after_a_backward_is_priced_per_megabyte_and_leaves_the_weights_as_they_were():
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     profiler = LayerProfiler(traced, loaded, ProfilerConfig(batches=(4,), show_progress=False))
     weights = {name: param.detach().clone() for name, param in traced.module.named_parameters()}
@@ -81,7 +84,7 @@ def test_the_models_own_step_after_a_backward_is_priced_per_megabyte_and_leaves_
 
 def test_every_timed_backward_writes_fresh_gradients_as_the_executor_does():
     """The executor steps with ``zero_grad(set_to_none=True)``: no backward accumulates into an old gradient."""
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     weight = traced.module.get_parameter(traced.graph.layer("fc1").params[0])
     found: list[bool] = []
@@ -94,7 +97,7 @@ def test_every_timed_backward_writes_fresh_gradients_as_the_executor_does():
 def test_a_profiling_pass_trains_layer_by_layer_as_the_whole_model_would():
     """Layers are timed in context: a pass runs every forward, then every backward with the gradient its
     consumers sent (the residual's two summed), from the model's input (which takes no gradient)."""
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     graph = traced.graph
     passes = Passes(module=traced.module, graph=graph, device=torch.device("cpu"),
@@ -133,7 +136,7 @@ class _PairwiseRunner(LayerRunner):
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_layer_whose_backward_fails_at_a_batch_is_named_not_a_traceback(batch):
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     graph = traced.graph
     first = graph.layers[0]
@@ -153,7 +156,7 @@ def test_a_layer_whose_backward_fails_at_a_batch_is_named_not_a_traceback(batch)
 
 
 def test_a_cpu_profile_knows_how_many_ranks_its_cores_hold(tmp_path):
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     config = ProfilerConfig(batches=(2,), warmup=0, repeats=1, threads=1, show_progress=False)
     profile = measure_profile(trace(loaded), loaded, config)
     cores = os.cpu_count() or 1
@@ -168,8 +171,8 @@ def test_the_cores_sharing_is_measured_before_and_after_the_layers_and_the_lower
     """A slow stretch through one measurement of the sharing only adds to it: the plan prices its stages by the
     other."""
     calls = iter(readings)
-    monkeypatch.setattr("deeppool.planner.profiler.measure_sharing", lambda counts, threads: dict(next(calls)))
-    loaded = ModelSpec.parse(str(TINY)).load()
+    monkeypatch.setattr("deeppool.planner.profiling.sharing.measure_sharing", lambda counts, threads: dict(next(calls)))
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     config = ProfilerConfig(batches=(2,), warmup=0, repeats=1, threads=1, ranks=2, show_progress=False)
     profile = measure_profile(trace(loaded), loaded, config)
     assert profile.measured_sharing == {2: 1.02}
@@ -210,7 +213,7 @@ def test_interpolation_between_and_beyond_measured_batches():
 
 
 def test_device_model_estimates_scale_with_the_device():
-    graph = trace(ModelSpec.parse(str(TINY)).load()).graph
+    graph = trace(load_model(ModelSpec.parse(str(TINY)))).graph
     fc1 = graph.layer("fc1")
     v100, h100 = (estimate_ms(fc1, 4096, DEVICES[k], Precision.TF32) for k in (KnownDevice.V100, KnownDevice.H100))
     assert h100[0] < v100[0] and h100[1] < v100[1]
@@ -238,7 +241,7 @@ def test_a_cuda_profile_without_a_gpu_is_refused_in_one_line():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_profile_uses_cuda_events(tmp_path):
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     measured = measure_profile(trace(loaded), loaded, _cuda_config())
     assert not measured.device.startswith("cpu")
     assert all(min(t.fwd_ms) > 0 for t in measured.layers.values())
@@ -258,7 +261,7 @@ def test_the_fit_is_a_nonnegative_line_that_keeps_gpu_time_from_shrinking():
 
 
 def test_measurements_repeat_until_stable_and_the_cache_is_written_as_it_goes(tmp_path):
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     ticks = iter(range(10_000))
     cache = ProfileCache(tmp_path, every_s=1.0, clock=lambda: float(next(ticks)))
@@ -293,7 +296,7 @@ def test_a_batch_normalising_layer_is_also_timed_as_it_runs_on_several_ranks(tmp
     """On ``g > 1`` ranks the executor runs BatchNorm synchronised (GroupBatchNorm), not the fused kernel: the
     profile times the layer that way too, the cost model prices it so on several ranks (and fused on one),
     and the profile's file keeps it."""
-    loaded = ModelSpec.parse(str(POOLED_BATCHNORM)).load()
+    loaded = load_model(ModelSpec.parse(str(POOLED_BATCHNORM)))
     traced = trace(loaded)
     profile = measure_profile(traced, loaded, ProfilerConfig(batches=(2, 4), warmup=1, repeats=3, show_progress=False))
     norm = next(layer for layer in traced.graph.layers if "BatchNorm" in layer.op)
@@ -313,7 +316,7 @@ def test_a_batch_normalising_layer_is_also_timed_as_it_runs_on_several_ranks(tmp
 def test_the_grouped_layer_timed_is_the_executors_and_leaves_the_model_alone():
     """The grouped runner swaps in the executor's GroupBatchNorm on a copy: same output as the fused layer
     (its sum over one rank is the identity), and the profiled model keeps its nn.BatchNorm."""
-    loaded = ModelSpec.parse(str(POOLED_BATCHNORM)).load()
+    loaded = load_model(ModelSpec.parse(str(POOLED_BATCHNORM)))
     traced = trace(loaded)
     layers = GroupedLayers.of(traced.module, traced.graph, runners(traced.module, traced.graph.layers))
     (name,) = layers.grouped
@@ -327,7 +330,7 @@ def test_the_profiler_runs_each_layer_as_generated_code_computing_what_interpret
     """The profiler's runners are compiled, as the executor's stages are (interpreting a node costs tens of
     microseconds the executor never pays); every layer's value is the interpreted one's."""
     for path in (TINY, POOLED_BATCHNORM):
-        loaded = ModelSpec.parse(str(path)).load()
+        loaded = load_model(ModelSpec.parse(str(path)))
         traced = trace(loaded)
         graph = traced.graph
         profiler = LayerProfiler(traced, loaded, ProfilerConfig(batches=(4,), show_progress=False))
@@ -362,7 +365,7 @@ def test_a_model_that_draws_random_numbers_is_timed_drawing_them_as_the_executor
     times the forwards under the same mode."""
     path = tmp_path / "dropped.py"
     path.write_text(DROPOUT_MODEL)
-    loaded = ModelSpec.parse(str(path)).load()
+    loaded = load_model(ModelSpec.parse(str(path)))
     traced = trace(loaded)
     profiler = LayerProfiler(traced, loaded, ProfilerConfig(batches=(4,), show_progress=False))
     mode = profiler.passes.random
@@ -376,7 +379,7 @@ def test_a_model_that_draws_random_numbers_is_timed_drawing_them_as_the_executor
 def test_layer_times_add_up_to_the_whole_pass_they_were_scaled_to():
     """Each batch's layer times are scaled by the whole pass over their per-layer sum: the measured times add
     up to it (the profile then fits layers below the timer's noise floor, as it does any measurement)."""
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     profiler = LayerProfiler(traced, loaded, ProfilerConfig(batches=(2, 8), warmup=1, repeats=3, show_progress=False))
     profiler.measure((2, 8))
@@ -391,7 +394,7 @@ def test_layer_times_add_up_to_the_whole_pass_they_were_scaled_to():
 
 def test_the_whole_pass_computes_what_the_layer_passes_do():
     """Chained forwards and one backward give the parameters the gradients the per-layer passes give."""
-    loaded = ModelSpec.parse(str(TINY)).load()
+    loaded = load_model(ModelSpec.parse(str(TINY)))
     traced = trace(loaded)
     graph = traced.graph
     passes = Passes(module=traced.module, graph=graph, runners=runners(traced.module, graph.layers),
@@ -437,7 +440,7 @@ def test_batchnorm_layers_alike_in_code_and_shapes_share_one_grouped_measurement
     both; bn3 (16 channels) is measured on its own. Each measurement is two runners' timed repeats."""
     path = tmp_path / "alike.py"
     path.write_text(ALIKE_BATCHNORMS)
-    loaded = ModelSpec.parse(str(path)).load()
+    loaded = load_model(ModelSpec.parse(str(path)))
     traced = trace(loaded)
     profiler = LayerProfiler(traced, loaded, ProfilerConfig(batches=(4,), show_progress=False))
     norms = {layer.name for layer in traced.graph.layers if "BatchNorm" in layer.op}
@@ -463,7 +466,7 @@ def test_batchnorm_layers_alike_in_code_and_shapes_share_one_grouped_measurement
 
 _SHARING_CHILD = """
 import sys
-from deeppool.planner.profiler import measure_sharing
+from deeppool.planner.profiling.sharing import measure_sharing
 print("ready", flush=True)
 try:
     measure_sharing((2, 4), 1)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.randomness import RandomCall, SampleRandomness, batched_calls, sample_seed
+from deeppool.model.randomness import RandomCall, SampleRandomness, batched_calls, sample_seed
 
 SEED = 1234
 

@@ -8,14 +8,13 @@ import json
 
 import pytest
 
-from deeppool.planner import baselines
+from deeppool.plans import Objective, Plan
 from deeppool.planner.api import PlanRequest, plan_graph
-from deeppool.planner.candidates import useful_counts
-from deeppool.planner.ilp import Ilp
-from deeppool.planner.interference import InterferenceModel
-from deeppool.planner.plan import Plan
-from deeppool.planner.request import Objective
-from deeppool.planner.throughput import ClusterProblem, cluster_optimum, right_sizing, shares
+from deeppool.planner.profiling.interference import InterferenceModel
+from deeppool.planner.solve import baselines
+from deeppool.planner.solve.candidates import useful_counts
+from deeppool.planner.solve.ilp import Ilp
+from deeppool.planner.solve.throughput import ClusterProblem, cluster_optimum, right_sizing, shares
 from tests.entry import deeppool
 from tests.planner.test_ilp import CHAIN, RESIDUAL, SLOW_NETWORK, SPEC, _problem
 from tests.planner.test_plan_options import A100

@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.graph import Layer, LayerGraph, TraceMethod
-from deeppool.planner.layer_exec import runners
-from deeppool.planner.modelspec import LoadedModel, ModelSpec, default_loss
-from deeppool.planner.trace import BranchWatch, check_branches, trace, trace_spec
+from deeppool.model.graph import Layer, LayerGraph, TraceMethod
+from deeppool.model.layer_exec import runners
+from deeppool.model.loading import LoadedModel, default_loss, load_model
+from deeppool.model.trace import BranchWatch, check_branches, trace, trace_spec
+from deeppool.plans import ModelSpec
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 ZOO = MODELS / "zoo"
@@ -156,13 +157,13 @@ def test_export_fallback_on_the_meta_device():
 
 
 def test_untraceable_model_names_the_module():
-    loaded = ModelSpec.parse(str(MODELS / "untraceable.py")).load()
+    loaded = load_model(ModelSpec.parse(str(MODELS / "untraceable.py")))
     with pytest.raises(DeeppoolError, match="torch.fx cannot trace module 'gate'.*torch.export cannot trace"):
         trace(loaded)
 
 
 def test_branching_example_and_json_round_trip():
-    traced = trace(ModelSpec.parse(str(EXAMPLES / "inception.py")).load())
+    traced = trace(load_model(ModelSpec.parse(str(EXAMPLES / "inception.py"))))
     graph = traced.graph
     cats = [layer for layer in graph.layers if layer.op == "cat"]
     assert cats and all(len(layer.inputs) == 4 for layer in cats)
@@ -204,26 +205,26 @@ def test_buffer_update_that_reads_no_sample_runs_with_a_layer():
 
 def test_buffer_update_from_the_batch_is_refused_naming_it():
     with pytest.raises(DeeppoolError, match=r"buffer 'norm.mean' is updated in forward from the batch's values"):
-        trace(ModelSpec.parse(str(ZOO / "refused" / "running_mean.py")).load())
+        trace(load_model(ModelSpec.parse(str(ZOO / "refused" / "running_mean.py"))))
 
 
 def test_random_branch_is_refused_naming_its_line():
     with pytest.raises(DeeppoolError, match=r"layerdrop.py:21 \(`if torch.rand\(\[\]\) < self.layerdrop:`\).*to 0"):
-        trace(ModelSpec.parse(str(ZOO / "refused" / "layerdrop.py")).load())
+        trace(load_model(ModelSpec.parse(str(ZOO / "refused" / "layerdrop.py"))))
 
 
 def test_a_model_the_meta_device_cannot_build_is_traced_on_cpu():
     spec = ModelSpec.parse(str(ZOO / "tv_regnet.py"))
     with pytest.raises(DeeppoolError, match="Cannot copy out of meta tensor"):
-        spec.load(meta=True)
+        load_model(spec, meta=True)
     loaded, traced = trace_spec(spec, meta=True)
     assert next(loaded.module.parameters()).device.type == "cpu"
-    assert traced.graph == trace(spec.load()).graph, "the graph run traces"
+    assert traced.graph == trace(load_model(spec)).graph, "the graph run traces"
 
 
 def test_layerdrop_zero_is_specialised_listed_and_checked():
     spec = ModelSpec.parse(str(ZOO / "layerdrop_zero.py"))
-    loaded = spec.load()
+    loaded = load_model(spec)
     graph = trace(loaded).graph
     assert graph.method is TraceMethod.FX
     assert [(Path(b.file).name, b.line, b.taken) for b in graph.branches] == [("layerdrop_zero.py", 27, False)] * 3
@@ -242,6 +243,6 @@ def test_layerdrop_zero_is_specialised_listed_and_checked():
 
 def test_outputs_the_model_computes_channels_last_are_marked_so_reshards_keep_them() -> None:
     """A permute back to NCHW and the convolution and activation after it are channels-last; the rest not."""
-    graph = trace(ModelSpec.parse(str(CHANNELS_LAST)).load()).graph
+    graph = trace(load_model(ModelSpec.parse(str(CHANNELS_LAST)))).graph
     assert {layer.name for layer in graph.layers if layer.channels_last} == {"permute_1", "depthwise", "relu"}
     assert Layer.from_json(graph.layer("depthwise").to_json()).channels_last

@@ -1,4 +1,4 @@
-"""Short-window cuts (:mod:`deeppool.planner.windows`): what they price as unusable never exceeds the idle time
+"""Short-window cuts (:mod:`deeppool.planner.solve.windows`): what they price as unusable never exceeds the idle time
 that a guest's pieces cannot use, on every assignment, and they tighten the cluster search's bound."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import itertools
 
 import pytest
 
-from deeppool.planner.cost import CostModel, SlotKind
-from deeppool.planner.ilp import Ilp
-from deeppool.planner.interference import _fit
-from deeppool.planner.plan import rank_idle_windows
-from deeppool.planner.windows import WindowCuts
+from deeppool.planner.profiling.interference import _fit
+from deeppool.planner.solve.build import rank_idle_windows
+from deeppool.planner.solve.cost import CostModel, SlotKind
+from deeppool.planner.solve.ilp import Ilp
+from deeppool.planner.solve.windows import WindowCuts
 from tests.planner.test_ilp import CHAIN, RESIDUAL, SLOW_NETWORK, _problem
 
 GPUS, BATCH, PRICE = 4, 12, 50.0

@@ -31,9 +31,9 @@ from typing import Any, Protocol
 import torch
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.graph import LayerGraph
-from deeppool.planner.modelspec import LoadedModel, bind_inputs, importable_from
-from deeppool.planner.plan import Plan
+from deeppool.model.graph import LayerGraph
+from deeppool.model.loading import LoadedModel, bind_inputs, importable_from
+from deeppool.plans import Plan
 
 Spans = tuple[tuple[int, int], ...]
 

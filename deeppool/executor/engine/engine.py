@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from deeppool.executor.engine.comm import Comm
 from deeppool.executor.engine.data import Batch
 from deeppool.executor.engine.faults import Slowdown
 from deeppool.executor.engine.gradients import GradientReducer
@@ -26,10 +27,9 @@ from deeppool.executor.engine.monitor import AdaScaleLr, GradientMonitor
 from deeppool.executor.engine.overlap import StageOverlap, install_hooks
 from deeppool.executor.engine.precision import MixedPrecision
 from deeppool.executor.engine.program import Op, OpKind, Program, Stage, Transfer
-from deeppool.planner.graph import grad_flows
-from deeppool.executor.engine.comm import Comm
 from deeppool.executor.engine.timing import Category, Recorder, Span
-from deeppool.planner.plan import IdleWindow, Plan, PlannedLayer
+from deeppool.model.graph import grad_flows
+from deeppool.plans import IdleWindow, Plan, PlannedLayer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -122,7 +122,7 @@ class EngineParts:
 
 class Engine:
     def __init__(self, parts: EngineParts) -> None:
-        self.p = parts
+        self.parts = parts
         self.rank = parts.program.rank
         self.planned: dict[str, PlannedLayer] = {layer.name: layer for layer in parts.plan.layers}
         self.flows = grad_flows(parts.model.graph)
@@ -156,7 +156,7 @@ class Engine:
         """Run one optimizer step over ``batches`` (micro-batches, the first being global batch ``position``,
         ``step × len(batches)`` by default); returns this rank's share of the mean loss. ``sync=False``
         leaves the gradients local and unreduced, and steps nothing (:mod:`deeppool.library`'s ``no_sync``)."""
-        recorder = self.p.recorder
+        recorder = self.parts.recorder
         recorder.begin(step)
         start = recorder.clock()
         loss = 0.0
@@ -164,7 +164,7 @@ class Engine:
         for micro, batch in enumerate(batches):
             state = _State(batch=batch, step=step, micro=micro, micros=len(batches), position=first, sync=sync)
             self._fire(None, step, start)
-            self._run(state, self.p.program.ops, start)
+            self._run(state, self.parts.program.ops, start)
             loss += float(state.loss.detach()) if state.loss is not None else 0.0
         self._end_iteration(step, start, sync)
         return loss
@@ -174,13 +174,13 @@ class Engine:
         ``loss.backward()`` through :meth:`deeppool.library.Parallelized.forward`): the reshards and stage
         forwards, with autograd recording. :attr:`Pending.output` is this rank's rows of the model's output;
         :meth:`end` runs the rest of the iteration, from the output's gradient."""
-        recorder = self.p.recorder
+        recorder = self.parts.recorder
         recorder.begin(step)
         state = _State(batch=batch, step=step, position=position, sync=sync)
         start = recorder.clock()
         self._fire(None, step, start)
-        self._run(state, self.p.program.ops[: self._backward_from], start)
-        return Pending(state=state, start_s=start, output=state.outputs.get(self.p.model.graph.output))
+        self._run(state, self.parts.program.ops[: self._backward_from], start)
+        return Pending(state=state, start_s=start, output=state.outputs.get(self.parts.model.graph.output))
 
     def end(self, pending: Pending, output_grad: torch.Tensor | None) -> None:
         """The backward half: ``output_grad`` is the loss's gradient for this rank's rows of the output (None
@@ -188,18 +188,18 @@ class Engine:
         :meth:`step` (no loss op: the loss was the caller's)."""
         state = pending.state
         if output_grad is not None:
-            state.grads[self.p.model.graph.output] = output_grad
-        ops = [op for op in self.p.program.ops[self._backward_from :] if op.kind is not OpKind.LOSS]
+            state.grads[self.parts.model.graph.output] = output_grad
+        ops = [op for op in self.parts.program.ops[self._backward_from :] if op.kind is not OpKind.LOSS]
         self._run(state, ops, pending.start_s)
         self._end_iteration(state.step, pending.start_s, state.sync)
 
     def _end_iteration(self, step: int, start: float, sync: bool) -> None:
-        recorder = self.p.recorder
+        recorder = self.parts.recorder
         if self._last_step is None and sync:
             self._optimizer_step(step)  # a rank with no step op still joins the clipping collective
         self._pace()
         self._close_idle(step)
-        self.p.synchronize()
+        self.parts.synchronize()
         recorder.settle()
         recorder.add(Span(step=step, label="iteration", category=Category.ITERATION, start_s=start, end_s=recorder.clock()))
 
@@ -207,14 +207,14 @@ class Engine:
         """The forward ops alone (reshards and stage forwards, no loss, no backward): every layer output
         this rank computes for ``batch``, by layer name (evaluation; run it under ``torch.no_grad()``)."""
         state = _State(batch=batch, step=-1, position=position, sync=False)
-        for op in self.p.program.ops:
+        for op in self.parts.program.ops:
             if op.kind in (OpKind.RESHARD, OpKind.FORWARD):
                 self._handlers[op.kind](op, state)
         return state.outputs
 
     def _run(self, state: _State, ops: Sequence[Op], start: float) -> None:
         """``ops`` in order (``start``: the iteration's start, for the idle windows they open)."""
-        step, recorder = state.step, self.p.recorder
+        step, recorder = state.step, self.parts.recorder
         for op in ops:
             if op is self._last_step and state.last:
                 self._optimizer_step(step)
@@ -226,11 +226,11 @@ class Engine:
                 self._fire(phase, step, start)
 
     def _overlaps(self) -> dict[int, StageOverlap]:
-        mine = [stage for stage in self.p.program.stages if self.rank < stage.gpus and stage.gpus > 1]
+        mine = [stage for stage in self.parts.program.stages if self.rank < stage.gpus and stage.gpus > 1]
         overlaps = {
-            stage.index: StageOverlap(stage, self.p.model.reduce_params, self._hand_over) for stage in mine
+            stage.index: StageOverlap(stage, self.parts.model.reduce_params, self._hand_over) for stage in mine
         }
-        install_hooks(self.p.model.params, list(overlaps.values()))
+        install_hooks(self.parts.model.params, list(overlaps.values()))
         return overlaps
 
     def _hand_over(self, layer: str, ranks: tuple[int, ...]) -> None:
@@ -239,23 +239,23 @@ class Engine:
     # -- idle windows ---------------------------------------------------------------------------
     def _pace(self) -> None:
         """Rank 0 marks its iteration's end to the wholly idle ranks (a send each); they wait for the mark."""
-        group = self.p.pace
+        group = self.parts.pace
         if group is None or self.rank not in group:
             return
         if self.rank == 0:
-            self.p.comm.exchange([(peer, torch.zeros(1, device=self.p.device)) for peer in group[1:]], [])
+            self.parts.comm.exchange([(peer, torch.zeros(1, device=self.parts.device)) for peer in group[1:]], [])
         else:  # inside the open window: the mark is the window's measured end
-            self.p.comm.exchange([], [(0, torch.empty(1, device=self.p.device))])
+            self.parts.comm.exchange([], [(0, torch.empty(1, device=self.parts.device))])
 
     def _fire(self, position: int | None, step: int, iteration_start: float) -> None:
-        window = self.p.idle.get(position)
+        window = self.parts.idle.get(position)
         if window is None:
             return
         self._close_idle(step)
-        event = IdleWindowEvent(rank=self.rank, step=step, window=window, opened_at_s=self.p.recorder.clock(),
+        event = IdleWindowEvent(rank=self.rank, step=step, window=window, opened_at_s=self.parts.recorder.clock(),
                                 iteration_start_s=iteration_start)
         self._open_idle = event
-        self.p.on_idle.opened(event)
+        self.parts.on_idle.opened(event)
 
     def _close_idle(self, step: int) -> None:
         """An idle window lasts until the next op, which waits for the busy ranks, is done."""
@@ -263,12 +263,13 @@ class Engine:
         if event is None:
             return
         self._open_idle = None
-        self.p.synchronize()  # the window lasts until the device has done the op that waited for the busy ranks
-        closed = self.p.recorder.clock()
-        self.p.on_idle.closed(event, closed)
+        self.parts.synchronize()  # the window lasts until the device has done the op that waited for the busy ranks
+        closed = self.parts.recorder.clock()
+        self.parts.on_idle.closed(event, closed)
         window = event.window
         label = f"idle after {window.after or 'start'} (planned {window.length_ms:.3g} ms)"
-        self.p.recorder.add(Span(step=step, label=label, category=Category.IDLE, start_s=event.opened_at_s, end_s=closed))
+        self.parts.recorder.add(Span(step=step, label=label, category=Category.IDLE, start_s=event.opened_at_s,
+                                     end_s=closed))
 
     # -- ops ------------------------------------------------------------------------------------
     def _rows(self, layer: str) -> tuple[int, int]:
@@ -277,9 +278,9 @@ class Engine:
     def _wire(self, producer: str, rows: int) -> torch.Tensor:
         """A buffer for ``rows`` of ``producer``'s output as it travels (:func:`to_wire`)."""
         layer = self.layers[producer]
-        dtype = self.p.precision.dtype(producer, getattr(torch, layer.dtype))
+        dtype = self.parts.precision.dtype(producer, getattr(torch, layer.dtype))
         shape = wire_shape((rows, *layer.output_shape), channels_last=layer.channels_last)
-        return torch.empty(shape, dtype=dtype, device=self.p.device)
+        return torch.empty(shape, dtype=dtype, device=self.parts.device)
 
     def _to_wire(self, producer: str, tensor: torch.Tensor) -> torch.Tensor:
         return to_wire(tensor, channels_last=self.layers[producer].channels_last)
@@ -295,7 +296,7 @@ class Engine:
                  for t in op.transfers if t.src == self.rank and t.dst != self.rank and out is not None]
         mine = [t for t in op.transfers if t.dst == self.rank]
         if not mine:
-            self.p.comm.exchange(sends, [])
+            self.parts.comm.exchange(sends, [])
             return
         dst_start, dst_end = self._rows(op.layer)
         whole = len(mine) == 1 and mine[0].src == self.rank and out is not None and len(out) == dst_end - dst_start
@@ -308,20 +309,20 @@ class Engine:
             for t in mine:
                 if t.src == self.rank and out is not None:
                     value[t.start - dst_start : t.end - dst_start] = out.detach()[t.start - src_start : t.end - src_start]
-        self.p.comm.exchange(sends, recvs)
+        self.parts.comm.exchange(sends, recvs)
         state.leaves[(op.stage, op.producer)] = value.requires_grad_(self.flows[op.producer])
 
     def _forward(self, op: Op, state: _State) -> None:
         stage = self.stages[op.stage]
-        module = self.p.model.stages[op.stage]
+        module = self.parts.model.stages[op.stage]
         start, end = self._rows(stage.layers[0])
         args = [
-            state.batch.rows(self.placeholders[name], start, end).to(self.p.device) if name in self.placeholders
+            state.batch.rows(self.placeholders[name], start, end).to(self.parts.device) if name in self.placeholders
             else state.leaves[(op.stage, name)]
             for name in module.inputs
         ]
-        random = self.p.model.random
-        with self.p.precision.autocast():
+        random = self.parts.model.random
+        with self.parts.precision.autocast():
             if random is None:
                 state.outputs.update(module(*args))
                 return
@@ -330,22 +331,22 @@ class Engine:
 
     def _loss(self, op: Op, state: _State) -> None:
         del op
-        output = self.p.model.graph.output
+        output = self.parts.model.graph.output
         start, end = self._rows(output)
         targets = state.batch.target_rows(start, end)
-        local = None if targets is None else targets.to(self.p.device)
-        share = (end - start) / self.p.plan.global_batch / state.micros
-        with self.p.precision.autocast():
-            state.loss = self.p.loss(state.outputs[output], local) * share
+        local = None if targets is None else targets.to(self.parts.device)
+        share = (end - start) / self.parts.plan.global_batch / state.micros
+        with self.parts.precision.autocast():
+            state.loss = self.parts.loss(state.outputs[output], local) * share
 
     def _backward(self, op: Op, state: _State) -> None:
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         loss = state.loss
-        if loss is not None and self.p.model.graph.output in self.stages[op.stage].layers and loss.requires_grad:
-            tensors.append(self.p.precision.scaled(loss))
+        if loss is not None and self.parts.model.graph.output in self.stages[op.stage].layers and loss.requires_grad:
+            tensors.append(self.parts.precision.scaled(loss))
             grads.append(None)
-        for name in self.p.model.stages[op.stage].outputs:
+        for name in self.parts.model.stages[op.stage].outputs:
             output = state.outputs.pop(name)
             grad = state.grads.pop(name, None)
             if grad is not None and isinstance(output, torch.Tensor) and output.requires_grad:
@@ -373,8 +374,8 @@ class Engine:
     def _reduce_layer(self, layer: str, ranks: tuple[int, ...]) -> None:
         if len(ranks) == 1:
             return
-        params = [self.p.model.params[name] for name in self.p.model.reduce_params[layer]]
-        self.p.reducer.add(ranks, [p.grad for p in params if p.grad is not None])
+        params = [self.parts.model.params[name] for name in self.parts.model.reduce_params[layer]]
+        self.parts.reducer.add(ranks, [p.grad for p in params if p.grad is not None])
 
     def _reshard_grad(self, op: Op, state: _State) -> None:
         assert op.producer is not None
@@ -392,7 +393,7 @@ class Engine:
                         sends.append((t.src, self._to_wire(op.producer, piece)))
         incoming = [t for t in op.transfers if t.src == self.rank and t.dst != self.rank]
         recvs = [(t.dst, self._wire(op.producer, t.end - t.start)) for t in incoming]
-        self.p.comm.exchange(sends, recvs)
+        self.parts.comm.exchange(sends, recvs)
         for t, (_, piece) in zip(incoming, recvs, strict=True):
             self._accumulate(state, op.producer, t, self._from_wire(op.producer, piece))
 
@@ -410,50 +411,50 @@ class Engine:
         del op, state
 
     def _optimizer_step(self, step: int) -> None:
-        recorder = self.p.recorder
+        recorder = self.parts.recorder
         with recorder.span(step, "allreduce:wait", Category.COMM):
-            self.p.reducer.finish()
-        skip = self.p.precision.unscale(self._grads())
+            self.parts.reducer.finish()
+        skip = self.parts.precision.unscale(self._grads())
         self._monitor(step)
-        if self.p.on_gradients is not None:
-            self.p.on_gradients(step)
+        if self.parts.on_gradients is not None:
+            self.parts.on_gradients(step)
         with recorder.span(step, "optimizer", Category.COMPUTE):
             self._clip()
-            if self.p.lr_scaling is not None:
-                lr = self.p.lr_scaling.apply(self.p.optimizer)
-                scaler = self.p.lr_scaling.scaler
+            if self.parts.lr_scaling is not None:
+                lr = self.parts.lr_scaling.apply(self.parts.optimizer)
+                scaler = self.parts.lr_scaling.scaler
                 recorder.count(step, "adascale", {"gain": scaler.gain, "tau": scaler.tau, "lr": lr})
-            if self.p.optimizer is not None:
+            if self.parts.optimizer is not None:
                 if not skip:  # an fp16 overflow on some rank: every rank skips (deeppool.executor.engine.precision)
-                    self.p.optimizer.step()
-                self.p.optimizer.zero_grad(set_to_none=True)
-            if self.p.scheduler is not None:
-                self.p.scheduler.step()
+                    self.parts.optimizer.step()
+                self.parts.optimizer.zero_grad(set_to_none=True)
+            if self.parts.scheduler is not None:
+                self.parts.scheduler.step()
 
     def _monitor(self, step: int) -> None:
         """The noise scale's statistics of this step (collectives in every group), a trace counter on rank 0."""
-        if self.p.monitor is None:
+        if self.parts.monitor is None:
             return
-        with self.p.recorder.span(step, "monitor:gns", Category.COMM):
-            reading = self.p.monitor.observe(step)
+        with self.parts.recorder.span(step, "monitor:gns", Category.COMM):
+            reading = self.parts.monitor.observe(step)
         if reading is not None:
-            self.p.recorder.count(step, "gns", {"noise_scale": reading.noise_scale, "grad_sq": reading.grad_sq_ema,
-                                                "trace": reading.trace_ema})
+            self.parts.recorder.count(step, "gns", {"noise_scale": reading.noise_scale, "grad_sq": reading.grad_sq_ema,
+                                                    "trace": reading.trace_ema})
 
     def _grads(self) -> list[torch.Tensor]:
         """The gradients of the parameters this rank holds, tied ones once."""
-        unique = {id(p): p for p in self.p.model.params.values()}
+        unique = {id(p): p for p in self.parts.model.params.values()}
         return [p.grad for p in unique.values() if p.grad is not None]
 
     def _clip(self) -> None:
         """Scale every gradient by ``min(1, clip_norm / (‖g‖ + 1e-6))``, ``‖g‖`` over the whole model."""
-        limit = self.p.clip_norm
+        limit = self.parts.clip_norm
         if limit is None:
             return
-        unique = {id(p): p for p in self.p.model.params.values()}
+        unique = {id(p): p for p in self.parts.model.params.values()}
         grads = [p.grad for p in unique.values() if p.grad is not None]
         local = float(torch.nn.utils.get_total_norm(grads)) if self.rank == 0 and grads else 0.0
-        total = self.p.comm.all_reduce_max(local)
+        total = self.parts.comm.all_reduce_max(local)
         if grads:
             torch.nn.utils.clip_grads_with_norm_(list(unique.values()), limit, torch.tensor(total))
 
@@ -470,7 +471,7 @@ def wire_shape(shape: tuple[int, ...], *, channels_last: bool) -> tuple[int, ...
 
 def to_wire(tensor: torch.Tensor, *, channels_last: bool) -> torch.Tensor:
     """A reshard sends contiguous tensors (gloo takes no other). A channels-last output
-    (:attr:`~deeppool.planner.graph.Layer.channels_last`) travels with its channels last, so that the receiver's
+    (:attr:`~deeppool.model.graph.Layer.channels_last`) travels with its channels last, so that the receiver's
     view of it (:func:`from_wire`) has the layout the model computes it in: some kernels run far slower on the
     other (``docs/executor.md``)."""
     if not channels_last:

@@ -23,7 +23,7 @@ after its backward, so measured all-reduce times line up with the plan's.
 
 With a :class:`~deeppool.executor.engine.monitor.NormMeter` (``--monitor gns``), each
 bucket's squared norm is taken before its all-reduce is launched and after it
-has been waited for. With :attr:`Combine.ADASUM <deeppool.planner.combine.Combine>`
+has been waited for. With :attr:`Combine.ADASUM <deeppool.plans.enums.Combine>`
 the layer's gradients are not bucketed: :meth:`GradientReducer.add` combines
 them at once, one layer per call (Adasum is defined per layer, so no call
 mixes layers): each rank's pre-scaled gradient ``(n_r/B)·ḡ_r`` is multiplied
@@ -46,8 +46,7 @@ from deeppool.adaptation.adasum import adasum_exchange
 from deeppool.device.seam import Gpu, Stream
 from deeppool.executor.engine.comm import Comm, Waitable
 from deeppool.executor.engine.monitor import NormMeter
-from deeppool.planner.combine import Combine
-
+from deeppool.plans import Combine
 
 FIRST_BUCKET_BYTES = 2**20
 """DDP's ``first_bucket_bytes``: the first bucket of an iteration is small, so its all-reduce starts early."""

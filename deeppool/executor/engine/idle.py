@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from deeppool.planner.plan import IdleWindow
+from deeppool.plans import IdleWindow
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from deeppool.executor.engine.comm import Comm
     from deeppool.executor.engine.timing import Span
-    from deeppool.planner.plan import Plan
+    from deeppool.plans import Plan
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,6 @@
 """The part of the model one rank holds: its layers, their parameters, synced BatchNorm.
 
-The model is rebuilt from the plan's :class:`~deeppool.planner.modelspec.ModelSpec`
+The model is rebuilt from the plan's :class:`~deeppool.model.loading.ModelSpec`
 (seeded, so identical on every rank) and traced again (deterministic node
 names); the plan is refused if its layers are not this model's. The rank then
 keeps only the parameters of the layers it runs, and a layer on ``g > 1``
@@ -22,10 +22,10 @@ from deeppool.errors import DeeppoolError
 from deeppool.executor.config import BatchNormMode
 from deeppool.executor.engine.program import Stage
 from deeppool.executor.engine.stage_module import StageModule
-from deeppool.planner.graph import Layer, LayerGraph
-from deeppool.planner.plan import Plan
-from deeppool.planner.randomness import RandomSites, SampleRandomness
-from deeppool.planner.syncbn import Reduce, sync_batch_norms
+from deeppool.model.graph import Layer, LayerGraph
+from deeppool.model.randomness import RandomSites, SampleRandomness
+from deeppool.model.syncbn import Reduce, sync_batch_norms
+from deeppool.plans import Plan
 
 GroupReduce = Callable[[tuple[int, ...]], Reduce]
 """Makes the in-place sum over a group of ranks."""

@@ -40,10 +40,10 @@ import torch
 
 from deeppool.adaptation.adascale import AdaScale
 from deeppool.adaptation.gns import GroupNorms, NoiseScale, StepEstimate
-from deeppool.executor.engine.comm import Comm
 from deeppool.executor.config import Schedule
-from deeppool.planner.graph import LayerGraph
-from deeppool.planner.plan import Plan, sample_ranges
+from deeppool.executor.engine.comm import Comm
+from deeppool.model.graph import LayerGraph
+from deeppool.plans import Plan, sample_ranges
 
 Ranks = tuple[int, ...]
 

@@ -30,9 +30,10 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from deeppool.executor.config import LossScaling
 from deeppool.executor.engine.comm import Comm
-from deeppool.executor.config import LossScaling, Precision
-from deeppool.planner.graph import LayerGraph
+from deeppool.model.graph import LayerGraph
+from deeppool.plans import Precision
 
 DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 

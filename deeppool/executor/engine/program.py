@@ -10,7 +10,7 @@ stage boundaries, in front of the stage's first layer.
 
 Every rank derives, from the Plan and the traced LayerGraph alone, the same
 global sequence of operations and keeps the ones it takes part in. The order is
-the cost model's schedule (:meth:`deeppool.planner.cost.CostModel.schedule`)
+the cost model's schedule (:meth:`deeppool.planner.solve.cost.CostModel.schedule`)
 with each stage's layers fused: forward over the stages in topological order
 (reshard each outside producer's output in, then compute), the loss on the
 output layer's stage, then backward in reverse (compute, hand the stage's
@@ -34,8 +34,8 @@ import enum
 from dataclasses import dataclass
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.graph import LayerGraph, grad_flows
-from deeppool.planner.plan import IdleWindow, Plan, PlannedLayer
+from deeppool.model.graph import LayerGraph, grad_flows
+from deeppool.plans import IdleWindow, Plan, PlannedLayer
 
 
 class OpKind(enum.Enum):
@@ -95,7 +95,7 @@ class Op:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Phase:
+class ProgramPhase:
     """A phase of the plan's schedule, by structure: its label and how many ranks it uses."""
 
     label: str
@@ -109,7 +109,7 @@ class Program:
     rank: int
     ops: tuple[Op, ...]
     stages: tuple[Stage, ...]
-    phases: tuple[Phase, ...]
+    phases: tuple[ProgramPhase, ...]
 
 
 def transfers(
@@ -160,12 +160,12 @@ class _Builder:
         self.flows = grad_flows(graph)
         self.stages = partition(plan, graph)
         self.ops: list[Op] = []
-        self.phases: list[Phase] = []
+        self.phases: list[ProgramPhase] = []
 
     def phase(self, label: str, ranks: int, when: bool) -> tuple[int, ...]:
         if not when:
             return ()
-        self.phases.append(Phase(label=label, ranks=ranks))
+        self.phases.append(ProgramPhase(label=label, ranks=ranks))
         return (len(self.phases) - 1,)
 
     def emit(self, op: Op, *, ranks: int) -> None:
@@ -233,7 +233,7 @@ class _Builder:
 def idle_positions(program: Program, windows: list[IdleWindow]) -> dict[int | None, IdleWindow]:
     """Tie each of the rank's idle windows to the phase index after which it begins.
 
-    Reconstructs the windows the way :func:`deeppool.planner.plan.idle_windows`
+    Reconstructs the windows the way :func:`deeppool.plans.plan.idle_windows`
     derives them (a gap wherever a phase runs without this rank) and matches
     them, in order, with the plan's; key ``None`` is a window at iteration start.
     """

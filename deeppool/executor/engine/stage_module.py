@@ -9,7 +9,7 @@ interpretation; the nodes keep the tracer's semantics (in-place ops, the
 structured model output).
 
 Per-sample randomness: the traced model's random nodes each start at an
-ordinal in the whole model (:class:`~deeppool.planner.randomness.RandomSites`).
+ordinal in the whole model (:class:`~deeppool.model.randomness.RandomSites`).
 Before each such node the graph sets the mode's ordinal, exactly as the
 per-layer runner does, so a stage draws what the model draws for the same
 samples.
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from deeppool.planner.graph import Layer
-from deeppool.planner.layer_exec import compile_layers, outside_inputs, structured_output
-from deeppool.planner.randomness import RandomSites, SampleRandomness
+from deeppool.model.graph import Layer
+from deeppool.model.layer_exec import compile_layers, outside_inputs, structured_output
+from deeppool.model.randomness import RandomSites, SampleRandomness
 
 
 class StageModule:

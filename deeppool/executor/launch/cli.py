@@ -1,8 +1,9 @@
-"""The executor's command-line pieces: the run options, their checks, and two commands of its own.
+"""The executor's command-line pieces: the run's checks, its config from the options, and two commands.
 
-The options (``PlanArg``, ``Steps``, ...) and :func:`make_config` are what ``deeppool run`` and its ranks'
-worker (:mod:`deeppool.run_command`, which wires the multiplexer in) take; :func:`profile_network` is
-``deeppool profile-network`` and :func:`export` is ``deeppool export``.
+``deeppool run``'s options are :class:`~deeppool.executor.config.RunConfig`'s fields (:mod:`deeppool.options`);
+:func:`run_config` builds the config from them for ``deeppool run`` (:mod:`deeppool.run_command`, which wires
+the multiplexer in); :func:`profile_network` is ``deeppool profile-network`` and :func:`export` is
+``deeppool export``.
 """
 
 from __future__ import annotations
@@ -14,132 +15,39 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from deeppool import checks
+from deeppool import checks, options
 from deeppool.errors import DeeppoolError
+from deeppool.executor.config import CheckpointConfig, DataConfig, Nodes, RunConfig
 from deeppool.interrupt import removed_if_interrupted
-from deeppool.executor.launch.worker_args import config_args
-from deeppool.executor.config import (
-    DEFAULT_SIZES, Adaptation, Backend, BatchNormMode, CheckpointConfig, DataConfig, LossScaling, LrScaling,
-    Monitor, Nodes, OptimizerConfig, OptimizerKind, Precision, ProbeConfig, RunConfig, Schedule, ScheduleKind,
-    Training,
-)
-from deeppool.planner.combine import Combine
+from deeppool.model.loading import load_model
+from deeppool.options import Given
+from deeppool.plans import Optimizer
+from deeppool.planner.profiling.netprobe_config import DEFAULT_SIZES, ProbeConfig
 
 if TYPE_CHECKING:
-    from deeppool.planner.plan import Plan
+    from deeppool.plans import Plan
 
-PlanArg = Annotated[Path, typer.Argument(help="plan JSON written by `deeppool plan`")]
-Steps = Annotated[int, typer.Option(help="training iterations, warm-up included")]
-Warmup = Annotated[int | None, typer.Option(
-    help="the first iterations, left out of the timing medians (fewer than --steps)",
-    show_default="5, or --steps - 1 when --steps is 5 or less")]
-Optim = Annotated[OptimizerKind | None, typer.Option("--optimizer", help="optimizer", show_default="the plan's")]
-Lr = Annotated[float, typer.Option(help="learning rate")]
-Momentum = Annotated[float, typer.Option(help="SGD momentum")]
-BackendOpt = Annotated[Backend, typer.Option(help="auto: NCCL with CUDA, else gloo")]
-Timeout = Annotated[float, typer.Option("--timeout", help="seconds before a stalled communication fails")]
-BucketMb = Annotated[float, typer.Option(help="gradient bucket size in MiB (0: per stage, synchronous)")]
-Check = Annotated[bool, typer.Option(
-    "--check", help="also train one process in lockstep; compare gradients, buffers and parameters every step"
-)]
-CheckBound = Annotated[float | None, typer.Option(
-    help="largest relative difference --check accepts (per tensor: gradients and buffers against their own norm, "
-    "parameters against their module's scale; measured fp32 round-off after a few steps: about 1e-6 on "
-    "transformers, up to 7e-5 on deep BatchNorm CNNs such as densenet121, and it grows with depth and steps)",
-    show_default="1e-3 (fp32), 1e-2 (fp16), 5e-2 (bf16)",
-)]
-Out = Annotated[Path, typer.Option("--out", help="directory for traces, summary.json and error records")]
-NNodes = Annotated[int, typer.Option("--nnodes", help="machines the run spans (the same command on each)")]
-RdzvEndpoint = Annotated[str | None, typer.Option(
-    "--rdzv-endpoint", help="HOST:PORT where the machines meet (with --nnodes > 1), as torchrun's")]
-RdzvId = Annotated[str | None, typer.Option("--rdzv-id", help="the run's id, the same on every machine")]
-ModelOpt = Annotated[str | None, typer.Option(
-    "--model", help="rebuild the model from this file or package.module:factory instead of the plan's "
-    "(the plan's input shape and seed are kept)", show_default="the plan's, relative to the plan file")]
-Accumulate = Annotated[int, typer.Option(help="global batches whose gradients are summed per optimizer step")]
-ClipNorm = Annotated[float | None, typer.Option(help="clip gradients to this global L2 norm (whole model)")]
-LrSchedule = Annotated[ScheduleKind, typer.Option(help="learning rate after warm-up: constant, or decaying to 0")]
-LrWarmup = Annotated[int, typer.Option(help="optimizer steps of linear learning-rate warm-up")]
-CheckpointDir = Annotated[Path | None, typer.Option(help="directory for checkpoints (one shard per layer group)")]
-CheckpointEvery = Annotated[int, typer.Option(help="write a checkpoint every N optimizer steps (0: never)")]
-Resume = Annotated[bool, typer.Option("--resume", help="continue from the latest complete checkpoint")]
-MonitorEvery = Annotated[int, typer.Option(
-    help="steps per all-gather of the ranks' step and compute times (stragglers, policies' snapshots)")]
-PolicyOpt = Annotated[str | None, typer.Option(
-    "--policy", help="adapt the run: grow-batch (grow the batch by accumulation while the noise scale says it "
-    "pays; needs --monitor gns), or module:factory / file.py:factory returning a policy")]
-MonitorOpt = Annotated[Monitor, typer.Option(
-    "--monitor", help="gns: measure the gradient noise scale per layer group (summary.json 'gns', a trace counter)")]
-LrScalingFlag = Annotated[LrScaling, typer.Option(
-    "--lr-scaling", help="adascale: scale the LR by AdaScale's gain (measures the noise scale), schedule by τ")]
-BaseBatch = Annotated[int | None, typer.Option(
-    "--base-batch", help="AdaScale's base batch, the batch --lr is tuned for",
-    show_default="global batch / the widest layer's GPUs")]
-StepBatch = Annotated[int | None, typer.Option(
-    "--batch", help="samples per optimizer step: a multiple of the plan's global batch, trained as that many "
-    "micro-batches (--accumulate)", show_default="the plan's global batch x --accumulate")]
-CombineOpt = Annotated[Combine | None, typer.Option(
-    "--combine", help="how a layer group combines gradients: sum (the mean gradient) or adasum",
-    show_default="the plan's")]
-PrecisionOpt = Annotated[Precision, typer.Option(
-    "--precision", help="forward under autocast to bf16 or fp16 (fp16 with loss scaling); weights stay fp32")]
-LossScale = Annotated[float, typer.Option("--loss-scale", help="fp16: the initial loss scale")]
-DataOpt = Annotated[str | None, typer.Option(
-    "--data", help="train on the map-style Dataset this returns (package.module:factory or file.py:factory); "
-    "each rank loads only its rows", show_default="the model's synthetic batch")]
-DataSeed = Annotated[int, typer.Option("--data-seed", help="seed of the per-epoch sample order (seed + epoch)")]
-DataWorkers = Annotated[int, typer.Option("--data-workers", help="DataLoader worker processes per rank")]
-TensorboardOpt = Annotated[Path | None, typer.Option(
-    "--tensorboard", help="write loss, throughput, GNS and background work as TensorBoard scalars here, live "
-    "(every --monitor-every steps; needs the tensorboard package)")]
-ScriptOpt = Annotated[Path | None, typer.Option(
-    "--script", help="run this training script on every rank instead (it calls deeppool.parallelize; "
-    "$DEEPPOOL_PLAN names the plan): see docs/library.md")]
-ScriptArgs = Annotated[list[str] | None, typer.Option("--script-arg", help="an argument for --script (repeat it)")]
-BatchNormOpt = Annotated[BatchNormMode, typer.Option(
-    "--batchnorm", help="BatchNorm statistics of a layer on several ranks: sync (the whole batch's, exact to one "
-    "process) or local (each rank's own samples, as DDP with nn.BatchNorm; not exact, refused with --check)")]
 DEFAULT_WARMUP = 5
-CPU_RANKS_PER_CORE = 4
-"""gloo ranks on CPU share the cores; beyond this many per core a run measures only contention."""
 
 
-def make_config(
-    *, steps: int, warmup: int | None, optimizer: OptimizerKind, lr: float, momentum: float, backend: Backend,
-    timeout: float, bucket_mb: float, check: bool, check_bound: float | None, out: Path, accumulate: int = 1,
-    clip_norm: float | None = None, lr_schedule: ScheduleKind = ScheduleKind.CONSTANT, lr_warmup: int = 0,
-    checkpoint_dir: Path | None = None, checkpoint_every: int = 0, resume: bool = False,
-    monitor: Monitor = Monitor.NONE, lr_scaling: LrScaling = LrScaling.NONE, base_batch: int | None = None,
-    combine: Combine | None = None,
-    precision: Precision = Precision.FP32, loss_scale: float = LossScaling().initial, data: str | None = None,
-    data_seed: int = 0, data_workers: int = 0,
-    policy: str | None = None, monitor_every: int = 10,
-    batchnorm: BatchNormMode = BatchNormMode.SYNC,
-) -> RunConfig:
-    """The run's config; ``warmup=None`` is the default: 5, or one less than ``steps`` when that is fewer."""
+def run_config(given: Given, plan: Plan, batch: int | None = None) -> RunConfig:
+    """The run's config from ``deeppool run``'s options (:class:`RunConfig`'s fields), with what its command
+    line leaves to the plan: the optimizer the plan was made for, ``--warmup``'s default (5, or one less than
+    ``--steps`` when that is fewer), the micro-batches of ``--batch`` samples per step."""
+    steps, warmup = given["steps"], given["warmup"]
     if warmup is not None and steps >= 1 and warmup >= steps:
         raise DeeppoolError(
             f"--warmup {warmup} must be less than --steps {steps}: the warm-up iterations are not timed, "
             f"so at least one must remain (e.g. --warmup {max(steps - 1, 0)})"
         )
-    training = Training(
-        accumulate=accumulate, clip_norm=clip_norm,
-        schedule=Schedule(kind=lr_schedule, warmup_steps=lr_warmup, total_steps=max(steps, 1)),
-    )
-    return RunConfig(
-        steps=steps, warmup=min(DEFAULT_WARMUP, max(steps - 1, 0)) if warmup is None else warmup,
-        optimizer=OptimizerConfig(kind=optimizer, lr=lr, momentum=momentum),
-        backend=backend, timeout_s=timeout, bucket_mb=bucket_mb, check=check, check_bound=check_bound, out_dir=out,
-        training=training,
-        checkpoint=CheckpointConfig(directory=checkpoint_dir, every=checkpoint_every, resume=resume)
-        if checkpoint_dir is not None else None,
-        adaptation=Adaptation(monitor=monitor, lr_scaling=lr_scaling, base_batch=base_batch, combine=combine),
-        precision=precision, loss_scaling=LossScaling(initial=loss_scale),
-        data=DataConfig(factory=_located(DataConfig(factory=data).factory), seed=data_seed, workers=data_workers)
-        if data is not None else None,
-        policy=policy, monitor_every=monitor_every,
-        batchnorm=batchnorm,
-    )
+    data = given["data.factory"]
+    return given.build({
+        "warmup": min(DEFAULT_WARMUP, max(steps - 1, 0)) if warmup is None else warmup,
+        "optimizer.kind": given["optimizer.kind"] or plan_optimizer(plan),
+        "training.accumulate": micro_batches(plan, batch, given["training.accumulate"]),
+        "training.schedule.total_steps": max(steps, 1),
+        "data.factory": _located(DataConfig(factory=data).factory) if data is not None else None,
+    })
 
 
 def _located(factory: str) -> str:
@@ -158,38 +66,18 @@ def run_script(plan: Plan, plan_path: Path, script: Path, args: list[str], *, ra
     from deeppool.executor.launch.launch import launch
 
     checks.existing_file(script, "--script")
-    launch(plan, plan_path, nproc=ranks, config=RunConfig(out_dir=out, timeout_s=timeout), worker_args=args,
+    launch(plan, plan_path, nproc=ranks, config=RunConfig(out_dir=out, timeout_s=timeout), script_args=args,
            nodes=nodes, script=script)
 
 
-def resized(plan: Plan, config: RunConfig, request: dict[str, object], model: str | None) -> Path:
-    """A policy asked for another GPU count: plan for it next to the checkpoint and print how to resume."""
+def resume_command(plan_path: Path, gpus: int, config: RunConfig, checkpoint: Path, model: str | None) -> list[str]:
+    """``deeppool run`` continuing ``config``'s run from ``checkpoint`` under the plan for ``gpus`` GPUs."""
     import dataclasses
-    import shlex
 
-    from deeppool.executor.launch.netprobe import probed_source
-    from deeppool.output import console
-    from deeppool.planner.api import plan_model
-    from deeppool.planner.hardware import KnownDevice
-    from deeppool.planner.request import LOCAL, CostSource, PlanRequest
-
-    gpus, checkpoint = int(str(request["gpus"])), Path(str(request["checkpoint"]))
-    device = plan.device if plan.device in {known.value for known in KnownDevice} else LOCAL
-    planned = plan_model(plan.model, PlanRequest(gpus=gpus, global_batch=plan.global_batch, strategy=plan.strategy,
-                                                 optimizer=plan.optimizer, amplification=plan.amplification_limit),
-                         probed_source(CostSource(device_model=device, show_progress=False), gpus,
-                                       lambda line: console().print(line, highlight=False))).plan
-    path = checkpoint / f"plan-{gpus}gpus.json"
-    planned.save(path)
     every = config.checkpoint.every if config.checkpoint is not None else 0
     resumed = dataclasses.replace(config, checkpoint=CheckpointConfig(directory=checkpoint, every=every, resume=True))
-    command = ["deeppool", "run", str(path), "--nproc", str(gpus), *config_args(resumed)]
-    command += ["--model", model] if model is not None else []
-    shown = console()
-    shown.print(f"the policy asked for {gpus} GPUs after step {request['steps_done']}: checkpoint in {checkpoint}, "
-                f"plan for {gpus} GPUs written to {path}; resume with:", highlight=False, markup=False)
-    shown.print(shlex.join(command), highlight=False, markup=False, soft_wrap=True)
-    return path
+    command = ["deeppool", "run", str(plan_path), "--nproc", str(gpus), *options.argv(RunConfig, resumed)]
+    return command + (["--model", model] if model is not None else [])
 
 
 def micro_batches(plan: Plan, batch: int | None, accumulate: int) -> int:
@@ -207,7 +95,7 @@ def micro_batches(plan: Plan, batch: int | None, accumulate: int) -> int:
 
 def check_model_here(plan: Plan, path: Path) -> None:
     """The plan's model can be rebuilt here, or the one line says to give --model."""
-    from deeppool.planner.modelspec import ModelSource
+    from deeppool.plans import ModelSource
 
     spec = plan.model
     if spec.source is ModelSource.PYTHON:
@@ -245,7 +133,8 @@ def local_slots() -> tuple[int, str]:
     if count:
         return count, f"{count} CUDA GPU(s), one rank each"
     cores = os.cpu_count() or 1
-    return CPU_RANKS_PER_CORE * cores, f"{cores} CPU core(s), at most {CPU_RANKS_PER_CORE} gloo ranks per core"
+    per_core = checks.CPU_RANKS_PER_CORE
+    return per_core * cores, f"{cores} CPU core(s), at most {per_core} gloo ranks per core"
 
 
 def with_model(plan: Plan, model: str, out: Path) -> tuple[Plan, Path]:
@@ -253,7 +142,7 @@ def with_model(plan: Plan, model: str, out: Path) -> tuple[Plan, Path]:
     ``out`` it is saved to."""
     import dataclasses
 
-    from deeppool.planner.modelspec import ModelSpec
+    from deeppool.plans import ModelSpec
 
     if model.endswith(".py") or Path(model).exists():
         spec = ModelSpec.parse(model, seed=plan.model.seed)  # a model file makes its own inputs
@@ -266,9 +155,9 @@ def with_model(plan: Plan, model: str, out: Path) -> tuple[Plan, Path]:
     return copy, path
 
 
-def plan_optimizer(plan: Plan) -> OptimizerKind:
+def plan_optimizer(plan: Plan) -> Optimizer:
     """The optimizer the plan was made for (its memory and step time assume it)."""
-    return OptimizerKind(plan.optimizer.value)
+    return Optimizer(plan.optimizer.value)
 
 
 def profile_network(
@@ -285,17 +174,17 @@ def profile_network(
     config = ProbeConfig(nproc=nproc, sizes=checks.ints(sizes, "--sizes", "4096,1048576"), repeats=repeats,
                          warmup=warmup)
     cores = os.cpu_count() or 1
-    if nproc > CPU_RANKS_PER_CORE * cores:
-        raise DeeppoolError(f"--nproc {nproc} is more than {CPU_RANKS_PER_CORE} processes per CPU core "
+    if nproc > checks.CPU_RANKS_PER_CORE * cores:
+        raise DeeppoolError(f"--nproc {nproc} is more than {checks.CPU_RANKS_PER_CORE} processes per CPU core "
                             f"({cores} here): the probe would measure contention, not the network")
     with removed_if_interrupted(out):
         _probe(config, out)
 
 
 def _probe(config: ProbeConfig, out: Path) -> None:
-    from deeppool.executor.launch.netprobe import probe_network
     from deeppool.executor.launch.report import fit_table
     from deeppool.output import console
+    from deeppool.planner.profiling.netprobe import probe_network
 
     fitted = probe_network(config)
     fitted.save(out)
@@ -333,9 +222,9 @@ def export(
 
 
 def _loads_into(path: Path, state: dict[str, object]) -> None:
-    from deeppool.planner.plan import Plan
+    from deeppool.plans import Plan
 
-    model = Plan.load(path).model.load().module
+    model = load_model(Plan.load(path).model).module
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         name, what = (missing[0], "has no") if missing else (unexpected[0], "has an unknown")

@@ -2,7 +2,7 @@
 
 The launcher refuses a plan that does not fit before starting anything (wrong
 ``--nproc``, a model that does not match the plan, a model whose layers mix
-the samples of a batch: :mod:`deeppool.planner.batching`), then runs ``nproc``
+the samples of a batch: :mod:`deeppool.model.batching`), then runs ``nproc``
 workers with ``torch.distributed.launcher.elastic_launch`` (what torchrun runs
 underneath; no restarts). If any worker fails, the agent stops the others, and
 the launcher names the rank at fault: the earliest error a rank raised itself,
@@ -21,23 +21,25 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from deeppool.errors import DeeppoolError
-from deeppool.interrupt import Interrupted
-from deeppool.executor.training.outputs import EVENTS, RESIZE, STEPS
-from deeppool.executor.config import Nodes, RunConfig
-from deeppool.executor.launch.hangwatch import HangWatch
+from deeppool.executor.config import CONFIG_FILE, Nodes, RankConfig, RunConfig
 from deeppool.executor.engine.local_model import check_plan_matches
-from deeppool.planner.batching import check_per_sample, check_plan_batches
-from deeppool.planner.plan import Plan
-from deeppool.planner.trace import trace
+from deeppool.executor.launch.hangwatch import HangWatch
+from deeppool.executor.training.outputs import EVENTS, RESIZE, STEPS
+from deeppool.interrupt import Interrupted
+from deeppool.model.batching import check_per_sample, check_plan_batches
+from deeppool.model.loading import load_model
+from deeppool.model.trace import trace
+from deeppool.plans import Plan
 
 _PRIMARY = ("user", "check", "crash")
 PLAN_VARIABLE = "DEEPPOOL_PLAN"
@@ -70,7 +72,7 @@ def preflight(plan: Plan, nproc: int, nodes: Nodes = Nodes()) -> None:
         raise DeeppoolError(f"--nproc {nproc}{per_node} differs from the plan's {plan.gpus} GPUs: "
                             f"use --nproc {plan.gpus // nodes.count if plan.gpus % nodes.count == 0 else plan.gpus} "
                             "or re-plan for this many")
-    loaded = plan.model.load()
+    loaded = load_model(plan.model)
     traced = trace(loaded)
     check_plan_matches(plan, traced.graph)
     check_per_sample(traced, loaded, seed=plan.model.seed)
@@ -78,14 +80,16 @@ def preflight(plan: Plan, nproc: int, nodes: Nodes = Nodes()) -> None:
     check_plan_batches(traced, loaded, smallest, seed=plan.model.seed)
 
 
-def launch(plan: Plan, plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[str],
-           nodes: Nodes = Nodes(), script: Path | None = None) -> None:
+def launch(plan: Plan, plan_path: Path, *, nproc: int, config: RunConfig, nodes: Nodes = Nodes(),
+           extra: Mapping[str, Any] | None = None, script: Path | None = None,
+           script_args: Sequence[str] = ()) -> None:
     """Start ``nproc`` ranks here; with several ``nodes``, this machine's share of the run (see :class:`Nodes`).
 
     ``plan`` is the caller's, loaded once; ``plan_path`` is the file it was loaded from (or saved to), which
-    every rank reads. With ``script`` the ranks run the user's script (``worker_args`` its arguments;
-    ``deeppool run --script``), which finds the plan's path in ``$DEEPPOOL_PLAN`` and calls
-    ``deeppool.parallelize``.
+    every rank reads. Every rank reads its settings from one file, ``config`` and ``extra`` (the layers above's,
+    by name) written into the run's ``--out`` (:class:`~deeppool.executor.config.RankConfig`). With ``script``
+    the ranks run the user's script instead (``script_args`` its arguments; ``deeppool run --script``), which
+    finds the plan's path in ``$DEEPPOOL_PLAN`` and calls ``deeppool.parallelize``.
     """
     if script is None:
         preflight(plan, nproc, nodes)
@@ -93,7 +97,8 @@ def launch(plan: Plan, plan_path: Path, *, nproc: int, config: RunConfig, worker
     if script is not None:
         ranks_env[PLAN_VARIABLE] = str(plan_path.resolve())
     with _environment(ranks_env):
-        _launch(plan, plan_path, nproc=nproc, config=config, worker_args=worker_args, nodes=nodes, script=script)
+        _launch(plan, plan_path, nproc=nproc, config=config, extra=extra or {}, nodes=nodes, script=script,
+                script_args=script_args)
 
 
 @contextlib.contextmanager
@@ -113,13 +118,18 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _launch(plan: Plan, plan_path: Path, *, nproc: int, config: RunConfig, worker_args: list[str], nodes: Nodes,
-            script: Path | None) -> None:
+def _launch(plan: Plan, plan_path: Path, *, nproc: int, config: RunConfig, extra: Mapping[str, Any], nodes: Nodes,
+            script: Path | None, script_args: Sequence[str]) -> None:
     out = config.out_dir
     assert out is not None
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("error-rank*.json"), out / EVENTS, out / RESIZE, out / STEPS]:
         stale.unlink(missing_ok=True)
+    if script is None:
+        RankConfig(run=config, extra=dict(extra)).save(out / CONFIG_FILE)
+        argv: tuple[str, ...] = ("-m", "deeppool.executor", str(plan_path), str(out / CONFIG_FILE))
+    else:
+        argv = (str(script), *script_args)
     if nodes.count > 1:
         print(f"machine {socket.gethostname()} ({_facing_address(nodes)}): {nproc} of the {plan.gpus} ranks, "
               f"meeting {nodes.count - 1} other machine(s) at {nodes.endpoint}", flush=True)
@@ -135,8 +145,7 @@ def _launch(plan: Plan, plan_path: Path, *, nproc: int, config: RunConfig, worke
     watch = HangWatch(recorded=lambda: {f.rank: f.kind for f in _recorded(out)}, nproc=plan.gpus)
     try:
         with watch:
-            argv = ("-m", "deeppool.executor", str(plan_path)) if script is None else (str(script),)
-            elastic_launch(launch_config, sys.executable)(*argv, *worker_args)
+            elastic_launch(launch_config, sys.executable)(*argv)
     except ChildFailedError as err:
         raise _failure(err, out, nproc, watch.hung) from None
     except (SignalException, KeyboardInterrupt):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from deeppool.executor.launch.netprobe import NetworkFit
 from deeppool.executor.training.summary import RunSummary
+from deeppool.planner.profiling.netprobe import NetworkFit
 
 
 def _ratio(measured: float, predicted: float) -> str:

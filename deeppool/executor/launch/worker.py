@@ -1,4 +1,4 @@
-"""One rank's process: ``python -m deeppool.executor plan.json`` (under torchrun).
+"""One rank's process: ``python -m deeppool.executor plan.json config.json`` (under torchrun).
 
 Reads the rank and world from torchrun's environment (without it, runs a
 single rank), initialises ``torch.distributed`` with collective timeouts,
@@ -30,17 +30,17 @@ from deeppool.device.cuda import CudaGpu
 from deeppool.device.seam import Gpu
 from deeppool.errors import DeeppoolError
 from deeppool.executor.api import RankResult, train_rank
-from deeppool.executor.engine.comm import Backend, PeerError, TorchComm
 from deeppool.executor.config import RunConfig
+from deeppool.executor.engine.comm import Backend, PeerError, TorchComm
 from deeppool.executor.engine.faults import Slowdown
 from deeppool.executor.engine.idle import StartLender
 from deeppool.executor.engine.program import rank_groups
-from deeppool.executor.launch.report import print_summary
 from deeppool.executor.engine.timing import Span, chrome_trace
+from deeppool.executor.launch.report import print_summary
+from deeppool.model.allocator import steady_allocator
 from deeppool.output import console
-from deeppool.planner.allocator import steady_allocator
-from deeppool.planner.jsonio import write_json
-from deeppool.planner.plan import Plan
+from deeppool.plans import Plan
+from deeppool.plans.jsonio import write_json
 
 
 class Failure(enum.Enum):

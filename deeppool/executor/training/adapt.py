@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from deeppool.adaptation.policy import Action, Policy, RequestGpus, SetAccumulate, SetLr, Snapshot
+from deeppool.adaptation.policy import Action, AdaptationPolicy, RequestGpus, SetAccumulate, SetLr, TrainingSnapshot
 from deeppool.adaptation.stragglers import Straggler
 from deeppool.executor.training.steptimes import StepFigures, StepLine, StepMonitor
 from deeppool.executor.training.outputs import EVENTS, STEPS
@@ -105,7 +105,7 @@ class StepLog:
 
 
 class Adapter:
-    def __init__(self, *, monitor: StepMonitor, policy: Policy | None, progress: Progress, gpus: int,
+    def __init__(self, *, monitor: StepMonitor, policy: AdaptationPolicy | None, progress: Progress, gpus: int,
                  global_batch: int, optimizer: torch.optim.Optimizer | None,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, log: EventLog | None,
                  on_accumulate: Callable[[int], None] = lambda k: None,
@@ -165,9 +165,9 @@ class Adapter:
                                 accumulate=self.progress.accumulate, lr=self.progress.lr,
                                 requested_gpus=self.requested.gpus if self.requested else None)
 
-    def snapshot(self, steps_done: int) -> Snapshot:
+    def snapshot(self, steps_done: int) -> TrainingSnapshot:
         last = self._last
-        return Snapshot(
+        return TrainingSnapshot(
             step=steps_done, position=self.progress.position, gpus=self.gpus, global_batch=self.global_batch,
             accumulate=self.progress.accumulate, lr=self.progress.lr,
             step_ms=last.step_ms if last else (), compute_ms=last.compute_ms if last else (),

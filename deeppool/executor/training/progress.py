@@ -1,6 +1,6 @@
 """Rank 0's progress file, ``<out>/progress.json``: the optimizer steps done and asked for.
 
-Written atomically (:func:`~deeppool.planner.jsonio.write_json`) at most once every ``every_s``
+Written atomically (:func:`~deeppool.plans.jsonio.write_json`) at most once every ``every_s``
 seconds and after the last step, so a job's supervisor (the coordinator) can show a running
 run's progress without talking to it.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deeppool.executor.training.outputs import PROGRESS
-from deeppool.planner.jsonio import write_json
+from deeppool.plans.jsonio import write_json
 
 
 @dataclass(kw_only=True)

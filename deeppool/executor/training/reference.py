@@ -3,7 +3,7 @@
 The reference is the eager model (not the traced one), built from the same
 seeded spec, trained with the same optimizer on the same batches. Dropout and
 every other random op stay on: both runs draw per sample
-(:class:`~deeppool.planner.randomness.SampleRandomness`, same seed), so the
+(:class:`~deeppool.model.randomness.SampleRandomness`, same seed), so the
 reference draws for each sample exactly what the ranks draw for it.
 
 ``--check`` runs the reference **in lockstep** (:class:`LockstepReference`).
@@ -21,35 +21,24 @@ reference's (:class:`Kind`):
 Then the rank's parameters and buffers are set to the reference's (its
 optimizer state stays its own), so every step starts from the same state.
 Comparing free-running fp32 trainings after several steps measures chaos, not
-correctness: a deep BatchNorm-ReLU network turns a one-ulp difference in a
-weight into a different ReLU mask at the next step and an O(1) relative
-difference in some updates — single-process PyTorch training of Inception or
-ResNet-50 for 3 steps on 1 and on 2 CPU threads differs by more than 100% in
-some BatchNorm biases. One step from equal parameters is reproducible to
-round-off (the synchronised BatchNorm computes the single-process forward
-bit for bit, see :mod:`deeppool.planner.syncbn`).
+correctness (a deep BatchNorm-ReLU network turns a one-ulp difference in a
+weight into a different ReLU mask at the next step); one step from equal
+parameters is reproducible to round-off (the synchronised BatchNorm computes
+the single-process forward bit for bit, see :mod:`deeppool.model.syncbn`).
 
 **Gradients and buffers** are measured per tensor against their own size
 (:func:`relative_differences`): ``‖t − t_ref‖ / max(‖t_ref‖, FLOOR · max_u ‖u_ref‖)``,
 Frobenius norms, the maximum over all the reference's tensors of that kind
-(so every rank uses the same floor). A tensor's own norm is the natural
-scale: a zeroed LayerNorm gradient or a frozen running mean is then a
-difference of 1, however small the tensor is next to the others, which a
-bound relative to the parameters (a step moves many of them by less than
-1e-5 of their size) never sees. The floor is for tensors whose reference
-value is itself round-off: the bias of a layer right before BatchNorm and
-an attention key bias have gradients that cancel exactly in exact
-arithmetic, and come out as fp32 round-off of terms about as large as the
-model's other gradients, about 5e-8 of the largest gradient norm (the
-residual test model, tiny GPT); two correct computations of such a tensor
-differ by O(1) of itself (up to 2.7 measured). Against ``FLOOR = 1e-3`` of
-the largest norm they read at most 4.9e-5. With the default bound of 1e-3
-(``RunConfig.check_bound``) a tensor larger than 1e-3 of the largest must be
-right to 0.1%, and a zeroed or dropped one is caught whenever its norm
-exceeds 1e-6 of the largest. Correct runs give at most 4.9e-5 (residual,
-at the floor) and 2.3e-5 (Inception, ``conv1.bn.bias``), 20 times under the
-bound or more (figures per model: ``docs/executor.md``); a 1e-4 bound would
-leave a margin of 2.
+(so every rank uses the same floor). A tensor's own norm is the scale: a
+zeroed LayerNorm gradient or a frozen running mean reads 1, however small
+the tensor is next to the others. The floor (``FLOOR = 1e-3`` of the largest
+norm) is for tensors whose reference value is itself round-off, such as the
+gradient of a bias right before BatchNorm or of an attention key bias, which
+cancel in exact arithmetic; two correct computations of such a tensor differ
+by O(1) of itself. With the default bound of 1e-3 (``RunConfig.check_bound``)
+a tensor larger than 1e-3 of the largest must be right to 0.1%, and a zeroed
+or dropped one is caught whenever its norm exceeds 1e-6 of the largest. The
+figures behind the bounds and floors: ``docs/notes/0023-check-bounds.md``.
 A parameter that got no gradient counts as zeros (``None`` on one side only
 is a dropped gradient).
 
@@ -82,13 +71,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from deeppool.executor.config import LossScaling, OptimizerConfig, Precision, Training
+from deeppool.executor.config import LossScaling, OptimizerConfig, Training
 from deeppool.executor.engine.data import Batch, BatchSource
 from deeppool.executor.engine.precision import autocast, grad_scaler
-from deeppool.planner.modelspec import LoadedModel
-from deeppool.planner.graph import Branch
-from deeppool.planner.randomness import SampleRandomness
-from deeppool.planner.trace import BranchWatch, check_branches
+from deeppool.model.loading import LoadedModel
+from deeppool.model.randomness import SampleRandomness
+from deeppool.model.trace import BranchWatch, check_branches
+from deeppool.plans import Branch, Precision
 
 Tensors = Mapping[str, torch.Tensor]
 MaybeTensors = Mapping[str, torch.Tensor | None]

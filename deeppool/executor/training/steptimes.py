@@ -10,8 +10,7 @@ waiting in communication), rank 0's gradient noise scale, and per stage its
 forward and backward time, measured the same way. On a GPU the spans are
 device time; on CPU, the thread's CPU time (``time.thread_time``), since CPU
 ranks that share cores also wait for a core, and that wait is the machine's
-load, not the rank's speed (on a loaded 2-core machine it made a healthy 4th
-rank of 4 look 0.7× as fast, steadily).
+load, not the rank's speed (``docs/notes/0024-straggler-detector-settings.md``).
 
 Stragglers are found per rank group, as ranks do different work in a burst
 plan: the stages on ranks ``0..g−1`` form the group of size ``g`` (a
@@ -36,7 +35,7 @@ from deeppool.adaptation.stragglers import Straggler, StragglerDetector
 from deeppool.executor.engine.comm import Comm
 from deeppool.executor.engine.program import Stage
 from deeppool.executor.engine.timing import Category, Recorder
-from deeppool.planner.plan import Plan
+from deeppool.plans import Plan
 
 _STAGES = 5
 """Where a row's per-stage times begin (after step time, compute time, noise scale, loss share, samples)."""
@@ -46,9 +45,9 @@ PATIENCE = 30
 """Steps a rank's smoothed relative speed must stay below the threshold: with :data:`ALPHA`, a rank at half
 speed is reported within about 40 steps, if they last :data:`MIN_SLOW_MS`."""
 MIN_SLOW_MS = 2000.0
-"""Wall time a rank must stay slow: 3x the longest stretch of a healthy rank below the threshold seen on a
-shared 2-core VM (0.67 s; a core there computes 1.4-1.5x slower for stretches, so with 1.5 ms steps 30 steps
-are noise). Steps of 70 ms or more meet it with :data:`PATIENCE` alone."""
+"""Wall time a rank must stay slow, so that a shared core's slow stretches (a fraction of a second, which at
+millisecond steps is many steps) are not reported; steps of 70 ms or more meet it with :data:`PATIENCE` alone
+(the figures behind it: ``docs/notes/0024-straggler-detector-settings.md``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

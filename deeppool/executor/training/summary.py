@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from deeppool.executor.training.adapt import AdaptationReport
 from deeppool.executor.engine.data import DataReport
 from deeppool.executor.engine.program import Stage
-from deeppool.executor.training.reference import CheckResult, worst_of
 from deeppool.executor.engine.timing import RankTimes
-from deeppool.planner.plan import Plan
+from deeppool.executor.training.adapt import AdaptationReport
+from deeppool.executor.training.reference import CheckResult, worst_of
+from deeppool.plans import Plan
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,865 @@
+"""Tracing: any ``nn.Module`` to a :class:`LayerGraph`.
+
+torch.fx ``symbolic_trace`` first, with modules as layers (arguments that
+``inputs()`` does not give, or gives as non-tensors, are traced as the
+constants they are); when fx cannot trace the model, ``torch.export`` with a
+dynamic batch dimension (in training mode), and the exported aten nodes are
+grouped back into layers by their module path. The batch dimension is found by
+running the graph at two batch sizes: nodes whose dimension 0 follows the batch
+are layers, everything else (sizes, tuples, parameters) is glue recomputed by
+the layer that reads it. In-place operations are made safe to split first
+(:mod:`deeppool.model.mutation`). A model whose output is not one layer's
+tensor (a tuple, dict, ``ModelOutput``, a loss it computes itself) gets an
+``output`` layer that computes the whole output structure from the layers it
+reads. A parameter used by several layers (tied embeddings) is named once, by
+its first name in ``named_parameters()``, and its bytes count in the first
+layer that uses it. Per-layer forward and backward FLOPs come from
+:class:`torch.utils.flop_counter.FlopCounterMode`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import linecache
+import logging
+import traceback
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.flop_counter import FlopCounterMode
+
+from deeppool.errors import DeeppoolError
+from deeppool.model.functions import functions_as_nodes, functions_called, refuse_traced_through
+from deeppool.model.graph import OUTPUT_LAYER, Layer, LayerGraph, TraceMethod
+from deeppool.model.layer_exec import LayerRunner, floating_leaves, structured_output
+from deeppool.model.loading import LoadedModel, load_model
+from deeppool.model.mutation import Mutation, Probe, after_mutation, functionalize, merged_groups
+from deeppool.model.randomness import RandomSites, SampleRandomness, batched_calls
+from deeppool.plans import Branch, ModelSpec
+
+_PROBE_BATCHES = (2, 3)
+_SKIPPED = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[1]), "<")
+"""Frames that are not the model's code: torch's, deeppool's, generated code's."""
+_LAYER_OPS = ("call_module", "call_function", "call_method")
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A traced model: the executable fx module, its layer graph and where it draws random numbers."""
+
+    module: fx.GraphModule
+    graph: LayerGraph
+    random: RandomSites
+
+
+class RandomBranchError(DeeppoolError):
+    """A branch on a random value goes both ways: no tracer can make one graph of the model."""
+
+
+class _PathTracer(fx.Tracer):
+    """An fx tracer that remembers the module it was inside when tracing failed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed_in: str | None = None
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self.path_of_module(m) or "<root>"
+            raise
+
+
+def trace_spec(spec: ModelSpec, *, meta: bool) -> tuple[LoadedModel, Traced]:
+    """Build and trace the model ``spec`` names: on the meta device when ``meta`` and torch.fx traces it there.
+
+    Planning with a device model needs shapes only, so it tries the meta device (no storage, no
+    initialisation) first; but only torch.fx's graph is the same on every device. A model that
+    fx cannot trace, or that fails on meta tensors (a constructor that reads values, autocast on
+    ``meta``), is built and traced on CPU tensors at a small batch, as ``run`` traces it: export
+    decomposes some operations differently on meta (``x[..., 0] = 0`` is ``copy_`` there,
+    ``fill_`` on CPU), so the plan's graph is the one ``run`` traces by construction.
+    """
+    if meta:
+        try:
+            loaded = load_model(spec, meta=True)
+            return loaded, trace(loaded, TraceMethod.FX)
+        except Exception:  # noqa: BLE001  any failure on meta is retried on CPU, which reports its own
+            pass
+    loaded = load_model(spec)
+    return loaded, trace(loaded)
+
+
+def trace(loaded: LoadedModel, method: TraceMethod | None = None) -> Traced:
+    """Trace ``loaded`` with ``method``, or fx then export when ``method`` is None."""
+    named = loaded.named_inputs(_PROBE_BATCHES[0])
+    if method is TraceMethod.EXPORT:
+        return _graph_of(_export(loaded.module, named), loaded, TraceMethod.EXPORT)
+    try:
+        module, seen = _fx_trace(loaded.module, named)
+    except DeeppoolError as fx_error:
+        if method is TraceMethod.FX or isinstance(fx_error, RandomBranchError):
+            raise
+        try:
+            module = _export(loaded.module, named)
+        except DeeppoolError as export_error:
+            raise DeeppoolError(f"{fx_error}; {export_error}") from None
+        return _graph_of(module, loaded, TraceMethod.EXPORT)
+    return _graph_of(module, loaded, TraceMethod.FX, (tuple(seen.branches), tuple(seen.draws)))
+
+
+def _fx_trace(model: nn.Module, named: Mapping[str, Any]) -> tuple[fx.GraphModule, BranchWatch]:
+    """fx's graph and the branches on tensor values it specialised.
+
+    fx runs eagerly whatever no traced tensor feeds: ``torch.rand([])`` draws a real number and
+    ``if torch.rand([]) < self.layerdrop`` takes one way. Such a model is traced twice, every
+    draw forced to the smallest and then the largest value it can take: a branch that goes
+    both ways depends on the draw (LayerDrop above 0) and is refused naming its line; one that
+    goes one way (LayerDrop 0) is specialised and listed; a drawn value that reaches the graph
+    as a constant is refused.
+    """
+    low, low_seen = _fx_trace_once(model, named, 0.0)
+    if not low_seen.draws:
+        return low, low_seen
+    high, high_seen = _fx_trace_once(model, named, 1.0 - 2.0**-24)
+    for first, second in zip(low_seen.branches, high_seen.branches, strict=False):
+        if first != second:
+            raise RandomBranchError(
+                f"a branch on a random value at {first.file}:{first.line}{_source(first.file, first.line)} goes both "
+                "ways (LayerDrop above 0?): the layers would change from step to step; set its probability to 0 "
+                "or wrap the branch in a module that always takes one way"
+            )
+    if low.code != high.code or len(low_seen.branches) != len(high_seen.branches) or not _same_constants(low, high):
+        raise DeeppoolError(
+            "a value drawn while tracing (torch.rand, no traced tensor feeding it) reaches the graph as a constant: "
+            "draw it from a traced tensor (torch.rand_like(x)) so that it is drawn every step"
+        )
+    return low, low_seen
+
+
+def _same_constants(first: fx.GraphModule, second: fx.GraphModule) -> bool:
+    """Whether the tensors fx stored as constants (not parameters or buffers) are equal."""
+    def constants(module: fx.GraphModule) -> dict[str, torch.Tensor]:
+        return {n.target: _attr(module, str(n.target)) for n in module.graph.nodes
+                if n.op == "get_attr" and str(n.target).startswith("_tensor_constant")}
+    ours, theirs = constants(first), constants(second)
+    return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+class BranchWatch(TorchDispatchMode):
+    """Watches what runs eagerly: random draws (forced to ``extreme`` when given) and branches on tensor values.
+
+    fx's tracer runs under it to find the branches it specialises; ``run --check`` runs its
+    single-process reference under it to verify they still go the planned way.
+    """
+
+    def __init__(self, extreme: float | None = None, apart: tuple[Branch, ...] = ()) -> None:
+        super().__init__()
+        self.extreme = extreme
+        self.apart = {(draw.file, draw.line) for draw in apart}
+        self.draws: list[Branch] = []
+        self.branches: list[Branch] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        where = _user_stack_frame() if seeded else None
+        if where in self.apart:  # a draw the graph does not have: outside the per-sample streams, RNG kept
+            with _disable_current_modes(), torch.random.fork_rng(devices=[]):
+                return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if seeded:
+            if where is not None:
+                self.draws.append(Branch(file=where[0], line=where[1], taken=False))
+            for leaf in pytree.tree_leaves(out) if self.extreme is not None else ():
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                    leaf.fill_(self.extreme)
+        elif func in (torch.ops.aten.is_nonzero.default, torch.ops.aten._local_scalar_dense.default):
+            where = _user_stack_frame()
+            if where is not None and isinstance(out, bool | int | float):
+                self.branches.append(Branch(file=where[0], line=where[1], taken=bool(out)))
+        return out
+
+
+def check_branches(planned: tuple[Branch, ...], seen: list[Branch]) -> None:
+    """Raise, in one line, at the first planned branch that ``seen`` took the other way."""
+    lines = {(branch.file, branch.line) for branch in planned}
+    taken = [branch for branch in seen if (branch.file, branch.line) in lines]
+    for want, got in zip(planned, taken, strict=False):
+        if want != got:
+            raise DeeppoolError(
+                f"the branch at {want.file}:{want.line}{_source(want.file, want.line)} went the other way than when "
+                "it was planned: the plan's layers are no longer the model's (LayerDrop above 0?); re-plan it"
+            )
+    if len(taken) != len(planned):
+        raise DeeppoolError(f"the model took {len(taken)} planned branches on tensor values, the plan {len(planned)}")
+
+
+def _user_stack_frame() -> tuple[str, int] | None:
+    """The innermost frame of the current stack in the model's code."""
+    for frame in reversed(traceback.extract_stack()):
+        if frame.filename and not frame.filename.startswith(_SKIPPED) and "/contextlib.py" not in frame.filename:
+            return frame.filename, frame.lineno or 0
+    return None
+
+
+def _fx_trace_once(model: nn.Module, named: Mapping[str, Any], extreme: float) -> tuple[fx.GraphModule, BranchWatch]:
+    tracer = _PathTracer()
+    buffers = dict(model.named_buffers())
+    saved = {name: (buffer._version, buffer.clone()) for name, buffer in buffers.items()}
+    rng = torch.random.get_rng_state()
+    watch = BranchWatch(extreme)
+    try:
+        with watch, functions_as_nodes(tracer, _where_now):
+            graph = tracer.trace(model, concrete_args=_concrete_args(model, named) or None)
+    except Exception as err:
+        where = tracer.failed_in or type(model).__name__
+        raise DeeppoolError(
+            f"torch.fx cannot trace module '{where}'{_at_line(err)} ({type(err).__name__}: {_first_line(err)})"
+        ) from None
+    finally:
+        torch.random.set_rng_state(rng)
+        changed = [name for name, buffer in buffers.items() if buffer._version != saved[name][0]]
+        with torch.no_grad():
+            for name in changed:
+                buffers[name].copy_(saved[name][1])
+    if changed:  # fx ran the update eagerly on the real buffer: it is not in the graph
+        raise DeeppoolError(f"torch.fx cannot trace the update of buffer '{changed[0]}' in forward")
+    return fx.GraphModule(tracer.root, graph, type(model).__name__), watch
+
+
+def _where_now() -> str:
+    """`` at FILE:LINE (`source`)`` of the model's code running now ('' when none is on the stack)."""
+    frame = _user_stack_frame()
+    return f" at {frame[0]}:{frame[1]}{_source(*frame)}" if frame is not None else ""
+
+
+def _source(filename: str, lineno: int) -> str:
+    text = linecache.getline(filename, lineno).strip()
+    return f" (`{text}`)" if text else ""
+
+
+def _at_line(err: BaseException) -> str:
+    """`` at FILE:LINE (`source`)`` of the model's code where ``err`` was raised ('' when no such frame)."""
+    frame = user_frame(err)
+    if frame is None:
+        return ""
+    return f" at {frame[0]}:{frame[1]}{_source(*frame)}"
+
+
+def user_frame(err: BaseException) -> tuple[str, int] | None:
+    """The innermost frame of ``err``'s traceback in the model's code (not torch's, not deeppool's)."""
+    found = None
+    for frame, lineno in traceback.walk_tb(err.__traceback__):
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_SKIPPED) and "/contextlib.py" not in filename:
+            found = (filename, lineno)
+    return found
+
+
+def _concrete_args(model: nn.Module, named: Mapping[str, Any]) -> dict[str, Any]:
+    """``forward``'s arguments that are constants: given as non-tensors, or not given (their defaults)."""
+    concrete = {}
+    for name, parameter in inspect.signature(model.forward).parameters.items():
+        if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        if name in named and not isinstance(named[name], torch.Tensor):
+            concrete[name] = named[name]
+        elif name not in named and parameter.default is not inspect.Parameter.empty:
+            concrete[name] = parameter.default
+    return concrete
+
+
+def _export(model: nn.Module, named: Mapping[str, Any]) -> fx.GraphModule:
+    device = _device_of(model)
+    kwargs = {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in named.items()}
+    batch = torch.export.Dim("batch", min=1)
+    dynamic = {name: {0: batch} if isinstance(value, torch.Tensor) else None for name, value in kwargs.items()}
+    model.train()  # the exported graph keeps training behaviour: dropout on, BatchNorm on batch statistics
+    try:
+        with _quiet_torch_logs(), functions_called(_where_now) as calls:
+            program = torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
+    except Exception as err:
+        raise DeeppoolError(_export_failure(err)) from None
+    refuse_traced_through(calls)
+    return program.module()
+
+
+def _export_failure(err: BaseException) -> str:
+    """One line: where in the model's code torch.export stopped, and why."""
+    reason = f"{type(err).__name__}: {_first_line(err)}"
+    if "data-dependent" in str(err) or "DataDependent" in type(err).__name__:
+        return (
+            f"torch.export cannot trace a branch on a tensor's value{_at_line(err)}: a branch on a random or "
+            "data-dependent value changes the layers from step to step; if it is LayerDrop, set its probability "
+            "to 0 (e.g. encoder_layerdrop=0.0) or wrap the branch in a module that always takes one way"
+        )
+    return f"torch.export cannot trace the model either{_at_line(err)} ({reason})"
+
+
+def placeholder_values(module: fx.GraphModule, named: Mapping[str, Any]) -> list[Any]:
+    """The values of ``module``'s placeholders, in order: given inputs by name, else the defaults."""
+    values = []
+    for node in module.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        key = input_key(node)
+        if isinstance(named.get(key), torch.Tensor) or (key in named and not node.args):
+            values.append(named[key])
+        elif node.args:
+            values.append(node.args[0])
+        else:
+            raise DeeppoolError(f"inputs() gives no value for the model's input '{key}'")
+    return values
+
+
+def input_key(node: fx.Node) -> str:
+    """The ``forward`` argument a placeholder stands for."""
+    return str(node.target).lstrip("*")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs and prints whole graphs on failure; the error message is enough."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    sink = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+class _Stopped(Exception):
+    """A recorder reached the node it was asked to stop after."""
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph (up to and including node ``until``, when given) and keeps every node's value, forward
+    FLOPs and the tensors it mutated."""
+
+    def __init__(self, module: fx.GraphModule, counter: FlopCounterMode, until: str | None = None) -> None:
+        super().__init__(module)
+        self.counter = counter
+        self.until = until
+        self.random = SampleRandomness(seed=0)
+        self.values: dict[str, Any] = {}
+        self.flops: dict[str, int] = {}
+        self.mutated: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.first_random: dict[str, int] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        inputs = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        versions = [tensor._version for tensor in inputs]
+        before = self.counter.get_total_flops()
+        ordinal = self.random.ordinal
+        value = super().run_node(n)
+        if self.random.ordinal > ordinal:
+            self.first_random[n.name] = ordinal
+        self.values[n.name] = value
+        self.flops[n.name] = self.counter.get_total_flops() - before
+        changed = tuple(t for t, version in zip(inputs, versions, strict=True) if t._version != version)
+        if changed and n.op != "output":
+            self.mutated[n.name] = changed
+        if n.name == self.until:
+            raise _Stopped
+        return value
+
+    @property
+    def probe(self) -> Probe:
+        return Probe(values=self.values, mutated=self.mutated)
+
+
+class _ShapeOnly:
+    """Runs ops for their shapes only: on ``meta`` tensors when the model was built
+    on the meta device (fast), else under a :class:`FakeTensorMode`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.meta = device.type == "meta"
+        self.fake = None if self.meta else FakeTensorMode(allow_non_fake_inputs=True)
+
+    def __enter__(self) -> None:
+        if self.fake is not None:
+            self.fake.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fake is not None:
+            self.fake.__exit__(*exc)
+
+    def tensor(self, value: torch.Tensor) -> torch.Tensor:
+        if self.meta:
+            return value.to("meta")
+        assert self.fake is not None
+        return self.fake.from_tensor(value)
+
+
+def _record(
+    module: fx.GraphModule, named: Mapping[str, Any], shapes: _ShapeOnly, until: str | None = None,
+) -> _Recorder:
+    with FlopCounterMode(display=False) as counter:
+        recorder = _Recorder(module, counter, until)
+        _run(recorder, placeholder_values(module, named), shapes)
+    return recorder
+
+
+def _run(recorder: _Recorder, inputs: list[Any], shapes: _ShapeOnly) -> None:
+    with shapes, torch.no_grad():
+        try:
+            fed = [shapes.tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+            with recorder.random:
+                recorder.run(*fed, enable_io_processing=False)
+        except _Stopped:
+            pass
+        except Exception as err:
+            raise DeeppoolError(
+                f"the traced model fails on its own inputs ({type(err).__name__}: {_first_line(err)}): "
+                "check inputs(batch_size) against model()"
+            ) from None
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    """Where the model's parameters live (``meta`` when it was built for planning only)."""
+    first = next(module.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def _batched(small: Mapping[str, Any], large: Mapping[str, Any]) -> set[str]:
+    """Names of nodes whose value is a tensor with the batch in dimension 0."""
+    return {
+        name
+        for name, value in small.items()
+        if isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and isinstance(large.get(name), torch.Tensor)
+        and (value.shape[0], large[name].shape[0]) == _PROBE_BATCHES
+    }
+
+
+def _graph_of(
+    module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod,
+    branches: tuple[tuple[Branch, ...], tuple[Branch, ...]] = ((), ()),
+) -> Traced:
+    """Probe the graph; buffers (batch-norm running statistics) and gradients are restored after."""
+    saved = {name: buffer.clone() for name, buffer in module.named_buffers()}
+    grads = {name: param.grad for name, param in module.named_parameters()}
+    try:
+        return _probed_graph(module, loaded, method, branches)
+    finally:
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                buffer.copy_(saved[name])
+        for name, param in module.named_parameters():
+            param.grad = grads[name]
+
+
+def _probed_graph(
+    module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod,
+    branches: tuple[tuple[Branch, ...], tuple[Branch, ...]],
+) -> Traced:
+    """Shapes and FLOPs come from meta or fake tensors: no arithmetic is done."""
+    shapes = _ShapeOnly(_device_of(module))
+    small_inputs, large_inputs = (loaded.named_inputs(b) for b in _PROBE_BATCHES)
+    probes: list[_Recorder] = []
+
+    def probe(until: str | None) -> Probe:
+        probes.append(_record(module, small_inputs, shapes, until))
+        return probes[-1].probe
+
+    _, mutations = functionalize(module, probe)
+    small, large = probes[-1], _record(module, large_inputs, shapes)
+    batched = _batched(small.values, large.values)
+    sizes = dict(zip(_PROBE_BATCHES, (small.random.calls, large.random.calls), strict=True))
+    random = RandomSites(first=small.first_random, batched=batched_calls(sizes))
+    nodes = list(module.graph.nodes)
+    placeholders = _placeholders(nodes, small.values, batched)
+    data = _from_data(nodes, {n.name for n in placeholders}, small.values)
+    heads = [n for n in nodes if n.op in _LAYER_OPS and n.name in batched and n.name in data]
+    groups = _merge(_group(heads, method), mutations, nodes)
+    groups = _carry_buffer_updates(groups, nodes, module, data, small.mutated)
+    with FlopCounterMode(display=False) as counter:
+        builder = _LayerBuilder(module, small, {n.name for n in placeholders}, groups, shapes, counter)
+        layers = [builder.build(group) for group in groups]
+        output = _output_layer(nodes, builder.layer_of, small.values, module)
+        if output is None:
+            layers.append(builder.build_output(nodes[-1]))
+            output = OUTPUT_LAYER
+    graph = LayerGraph(
+        layers=tuple(layers),
+        inputs=tuple(n.name for n in placeholders),
+        input_keys=tuple(input_key(n) for n in placeholders),
+        input_shapes=tuple(tuple(small.values[n.name].shape[1:]) for n in placeholders),
+        output=output,
+        method=method,
+        branches=branches[0],
+        draws=branches[1],
+    )
+    return Traced(module=module, graph=graph, random=random)
+
+
+def _carry_buffer_updates(
+    groups: list[list[fx.Node]], nodes: list[fx.Node], module: fx.GraphModule, data: set[str],
+    mutated: Mapping[str, tuple[torch.Tensor, ...]],
+) -> list[list[fx.Node]]:
+    """Put every update of a buffer in forward into a layer, or refuse one that splitting would change.
+
+    An update that reads no sample (``num_batches_tracked += 1``, a step counter) joins the
+    layer after it: every rank that runs that layer updates its copy, as one process does. An
+    update computed from the batch's values (a hand-written running mean of ``x.mean(0)``) would
+    see only a rank's slice of the batch, so it is refused here, naming the buffer; BatchNorm's
+    (``torch.batch_norm``) the executor synchronises.
+    """
+    names = {id(buffer): name for name, buffer in module.named_buffers()}
+    covered = _covered(groups)
+    order = {node.name: index for index, node in enumerate(nodes)}
+    for node in nodes:
+        updated = _updated_buffers(node, module, names, mutated.get(node.name, ()))
+        if not updated or "batch_norm" in str(node.target) or _writes_back_itself(node):
+            continue
+        if any(arg.name in data for arg in node.all_input_nodes):
+            raise DeeppoolError(
+                f"buffer '{updated[0]}' is updated in forward from the batch's values ('{node.name}' in module "
+                f"'{_module_path(node) or type(module).__name__}'): split across GPUs each rank would see only "
+                "its samples; make it an nn.BatchNorm, or update it outside forward"
+            )
+        if node.name in covered:
+            continue
+        after = next((group for group in groups if order[group[-1].name] > order[node.name]), None)
+        if after is None:
+            raise DeeppoolError(f"buffer '{updated[0]}' is updated in forward after the model's last layer")
+        after.insert(next(i for i, member in enumerate(after) if order[member.name] > order[node.name]), node)
+    return groups
+
+
+def _writes_back_itself(node: fx.Node) -> bool:
+    """torch.export's closing ``copy_(buffer, value)`` where ``value`` is the buffer updated in place: a no-op."""
+    if node.target is not torch.ops.aten.copy_.default or len(node.args) < 2:
+        return False
+    value = node.args[1]
+    while isinstance(value, fx.Node) and value is not node.args[0] and _in_place(value) and value.args:
+        value = value.args[0]
+    return value is node.args[0]
+
+
+def _covered(groups: list[list[fx.Node]]) -> set[str]:
+    """The groups' nodes and every node they read: what the layers will run."""
+    stack = [node for group in groups for node in group]
+    seen = {node.name for node in stack}
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg.name not in seen:
+                seen.add(arg.name)
+                stack.append(arg)
+    return seen
+
+
+def _updated_buffers(
+    node: fx.Node, module: fx.GraphModule, names: Mapping[int, str], changed: tuple[torch.Tensor, ...],
+) -> list[str]:
+    """The buffers ``node`` updates in place: seen changing in the probe, or passed to an in-place op."""
+    found = [names[id(tensor)] for tensor in changed if id(tensor) in names]
+    if node.op in ("call_function", "call_method") and _in_place(node):
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                value = _attr(module, str(arg.target))
+                if id(value) in names and not isinstance(value, nn.Parameter):
+                    found.append(names[id(value)])
+    return list(dict.fromkeys(found))
+
+
+def _in_place(node: fx.Node) -> bool:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return bool(target._schema.is_mutable)
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") or name in ("setitem", "iadd", "isub", "imul", "itruediv")
+
+
+def _from_data(nodes: list[fx.Node], inputs: set[str], values: Mapping[str, Any]) -> set[str]:
+    """Nodes computed from the inputs' values (through tensors; a size read carries no data).
+
+    The others (``arange(batch)``, ``zeros(b, d)``: made from sizes and
+    constants) may follow the batch but carry no sample's data, so every reader
+    recomputes them for its own rows rather than receiving another rank's.
+    """
+    found = set(inputs)
+    for node in nodes:
+        holds_tensor = any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(values.get(node.name)))
+        if holds_tensor and any(arg.name in found for arg in node.all_input_nodes):
+            found.add(node.name)
+    return found
+
+
+def _placeholders(nodes: list[fx.Node], values: Mapping[str, Any], batched: set[str]) -> list[fx.Node]:
+    """The tensor inputs; each must carry the batch in dimension 0."""
+    found = []
+    for node in nodes:
+        if node.op == "placeholder" and isinstance(values.get(node.name), torch.Tensor):
+            if node.name not in batched:
+                raise DeeppoolError(
+                    f"input '{input_key(node)}' has shape {tuple(values[node.name].shape)} for a batch of "
+                    f"{_PROBE_BATCHES[0]}: inputs(batch_size) must put the batch in dimension 0 of every tensor"
+                )
+            found.append(node)
+    return found
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return str(path)
+
+
+def _module_type(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    _, kind = list(stack.values())[-1]
+    return getattr(kind, "__name__", str(kind).rsplit(".", 1)[-1].strip("'>"))
+
+
+def _group(heads: list[fx.Node], method: TraceMethod) -> list[list[fx.Node]]:
+    """fx: one node per layer; export: consecutive nodes of one module, one output."""
+    if method is TraceMethod.FX:
+        return [[node] for node in heads]
+    runs: list[list[fx.Node]] = []
+    for node in heads:
+        if runs and _module_path(node) and _module_path(runs[-1][-1]) == _module_path(node):
+            runs[-1].append(node)
+        else:
+            runs.append([node])
+    groups: list[list[fx.Node]] = []
+    for run in runs:
+        members = set(run)
+        escaping = [n for n in run if any(user not in members for user in n.users)]
+        groups.extend([run] if escaping == [run[-1]] else [[n] for n in run])
+    return groups
+
+
+def _merge(groups: list[list[fx.Node]], mutations: list[Mutation], nodes: list[fx.Node]) -> list[list[fx.Node]]:
+    """Join the groups that a mutated tensor's producer, views and mutators fall in (one layer each)."""
+    index = {node.name: i for i, group in enumerate(groups) for node in group}
+    parent = list(range(len(groups)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for members in merged_groups(mutations):
+        found = sorted({root(index[name]) for name in members if name in index})
+        for other in found[1:]:
+            parent[other] = found[0]
+    order = {node.name: i for i, node in enumerate(nodes)}
+    joined: dict[int, list[fx.Node]] = {}
+    for i, group in enumerate(groups):
+        joined.setdefault(root(i), []).extend(group)
+    return sorted(
+        (sorted(group, key=lambda n: order[n.name]) for group in joined.values()),
+        key=lambda group: order[group[-1].name],
+    )
+
+
+class _LayerBuilder:
+    """Turns a group of head nodes plus their glue into a :class:`Layer`."""
+
+    def __init__(
+        self,
+        module: fx.GraphModule,
+        probe: _Recorder,
+        placeholders: set[str],
+        groups: list[list[fx.Node]],
+        shapes: _ShapeOnly,
+        counter: FlopCounterMode,
+    ) -> None:
+        self.module = module
+        self.shapes = shapes
+        self.counter = counter
+        self.values = probe.values
+        self.forward_flops = probe.flops
+        self.placeholders = placeholders
+        self.layer_of = {node.name: group[-1].name for group in groups for node in group}
+        self.order = {node.name: index for index, node in enumerate(module.graph.nodes)}
+        self.by_name = {node.name: node for node in module.graph.nodes}
+        self.canonical = {id(param): name for name, param in module.named_parameters()}
+        self.counted: set[str] = set()
+
+    def build(self, group: list[fx.Node]) -> Layer:
+        head = group[-1]
+        names, inputs = self._members(group)
+        params = self._params(names)
+        value = self.values[head.name]
+        named = _named_node(head)
+        fwd, bwd = self._flops(names, inputs, head)
+        return Layer(
+            name=head.name,
+            op=self._op(named, params),
+            target=self._target(named),
+            nodes=names,
+            inputs=inputs,
+            output_shape=tuple(value.shape[1:]),
+            dtype=str(value.dtype).removeprefix("torch."),
+            params=params,
+            param_bytes=self._param_bytes(params),
+            act_bytes=value[0].numel() * value.element_size(),
+            fwd_flops=fwd / _PROBE_BATCHES[0],
+            bwd_flops=bwd / _PROBE_BATCHES[0],
+            channels_last=_channels_last(value),
+        )
+
+    def build_output(self, output: fx.Node) -> Layer:
+        """The layer that computes the model's whole output structure from the layers it reads."""
+        names, inputs = self._members([output])
+        params = self._params(names)
+        fwd, bwd = self._flops(names, inputs, output)
+        return Layer(
+            name=output.name, op="output", target="output", nodes=names, inputs=inputs, output_shape=(),
+            dtype="", params=params, param_bytes=self._param_bytes(params), act_bytes=0,
+            fwd_flops=fwd / _PROBE_BATCHES[0], bwd_flops=bwd / _PROBE_BATCHES[0],
+        )
+
+    def _members(self, group: list[fx.Node]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The group's nodes with the glue it recomputes, in order, and the layers and inputs it reads."""
+        members: set[str] = {node.name for node in group}
+        inputs: list[str] = []
+        for node in group:
+            self._collect(node, members, inputs, set(members))
+        return tuple(sorted(members, key=self.order.__getitem__)), tuple(inputs)
+
+    def _collect(self, node: fx.Node, members: set[str], inputs: list[str], seen: set[str]) -> None:
+        for arg in node.all_input_nodes:
+            if arg.name in seen:
+                continue
+            seen.add(arg.name)
+            if arg.name in self.placeholders or arg.name in self.layer_of:
+                source = self.layer_of.get(arg.name, arg.name)
+                if source != arg.name:
+                    raise DeeppoolError(
+                        f"node '{node.name}' reads '{arg.name}' from inside layer '{source}': "
+                        "this model cannot be split into layers"
+                    )
+                if source not in inputs:
+                    inputs.append(source)
+            else:
+                members.add(arg.name)
+                self._collect(arg, members, inputs, seen)
+
+    def _params(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """The parameters the nodes use, each by its canonical name (a shared one has one name)."""
+        found: dict[str, None] = {}
+        for name in names:
+            node = self.by_name[name]
+            if node.op == "call_module":
+                for param in self.module.get_submodule(str(node.target)).parameters():
+                    found[self.canonical[id(param)]] = None
+            elif node.op == "get_attr":
+                value = _attr(self.module, str(node.target))
+                if isinstance(value, nn.Parameter):
+                    found[self.canonical[id(value)]] = None
+        return tuple(found)
+
+    def _param_bytes(self, params: tuple[str, ...]) -> int:
+        """Bytes of the parameters no earlier layer has counted (a shared one counts once)."""
+        total = 0
+        for name in params:
+            if name not in self.counted:
+                self.counted.add(name)
+                tensor = _attr(self.module, name)
+                total += tensor.numel() * tensor.element_size()
+        return total
+
+    def _op(self, head: fx.Node, params: tuple[str, ...]) -> str:
+        """The module class for module calls and parameterised groups, else the function."""
+        if head.op == "call_module":
+            return type(self.module.get_submodule(str(head.target))).__name__
+        if params and _module_type(head):
+            return _module_type(head)
+        name = getattr(head.target, "__name__", str(head.target))
+        return name.removesuffix(".default")
+
+    def _target(self, head: fx.Node) -> str:
+        if head.op == "call_module":
+            return str(head.target)
+        return _module_path(head) or getattr(head.target, "__name__", str(head.target))
+
+    def _flops(self, names: tuple[str, ...], inputs: tuple[str, ...], head: fx.Node) -> tuple[float, float]:
+        """Forward FLOPs from the probe run; backward by running the layer's backward.
+
+        The FLOP counter counts matrix products and convolutions only, so a
+        layer without forward FLOPs has no backward FLOPs either and is skipped.
+        """
+        forward = sum(self.forward_flops.get(name, 0) for name in names)
+        if forward == 0:
+            return 0.0, 0.0
+        layer = Layer(
+            name=head.name, op="", target="", nodes=names, inputs=inputs, output_shape=(),
+            dtype="", params=(), param_bytes=0, act_bytes=0, fwd_flops=0.0, bwd_flops=0.0,
+        )
+        runner = LayerRunner(self.module, layer)
+        with self.shapes:
+            args = [_grad_input(self.values[name]) for name in inputs]
+            outputs = floating_leaves(runner(*args))
+            before = self.counter.get_total_flops()
+            if outputs:
+                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+            backward = self.counter.get_total_flops() - before
+        return float(forward), float(backward)
+
+
+def _named_node(head: fx.Node) -> fx.Node:
+    """The node a layer is named after: for a mutation's result node, the mutation."""
+    if head.op == "call_function" and head.target is after_mutation:
+        return head.args[1]
+    return head
+
+
+def _grad_input(value: torch.Tensor) -> torch.Tensor:
+    copy = value.detach().clone()
+    return copy.requires_grad_(copy.is_floating_point())
+
+
+def _attr(module: nn.Module, dotted: str) -> torch.Tensor:
+    value: Any = module
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _output_layer(nodes: list[fx.Node], layer_of: dict[str, str], values: Mapping[str, Any],
+                  module: fx.GraphModule) -> str | None:
+    """The layer whose tensor the model returns, or None when the output is a structure."""
+    output = nodes[-1]
+    result = pytree.tree_leaves(output.args[0])
+    if not isinstance(structured_output(module, values[output.name]), torch.Tensor) or len(result) != 1:
+        return None
+    node = result[0]
+    if not isinstance(node, fx.Node) or layer_of.get(node.name) != node.name:
+        return None
+    return node.name
+
+
+def _channels_last(value: torch.Tensor) -> bool:
+    """Whether a probed output is laid out channels-last (NHWC or NDHWC strides) and not also contiguous."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    layout = formats.get(value.dim())
+    return layout is not None and not value.is_contiguous() and value.is_contiguous(memory_format=layout)
