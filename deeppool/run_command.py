@@ -76,7 +76,7 @@ def run(
         "--tensorboard", help="write loss, throughput, GNS and background work as TensorBoard scalars here, live "
         "(every --monitor-every steps; needs the tensorboard package)")] = None,
 ) -> None:
-    """\bExample: a plan for 4 GPUs on 4 local ranks, each step checked against one process:
+    """\bExample: a 4-GPU plan on 4 local ranks, each step checked against one process:
       deeppool run plan.json --nproc 4 --steps 20 --check
 
     Train with PLAN on --nproc local ranks (torchrun underneath) and print the timing summary.

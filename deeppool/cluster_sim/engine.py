@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import enum
 import heapq
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,7 +46,9 @@ from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.plans import PlanFacts, PlanMode
 from deeppool.planner.profiling.interference import InterferenceModel
 from deeppool.scheduling.choice import ModelChoice
-from deeppool.scheduling.contract import Adaptive, Decision, Lend, Policy, Rebatch, SimJob, Slot, Snapshot, Start
+from deeppool.scheduling.contract import (
+    Adaptive, Decision, Lend, PlanOffer, PlanState, Policy, Rebatch, Replan, SimJob, Slot, Snapshot, Start,
+)
 
 FactsLookup = Callable[[ModelChoice, int, PlanMode], PlanFacts]
 MAX_ROUNDS = 10_000
@@ -104,13 +107,15 @@ class SimResult:
     restart_penalty_gpu_s: float = 0.0
     lent_gpu_s: float = 0.0
     bg_gpu_s_in_windows: float = 0.0
+    replans: int = 0
+    replan_gpu_s: float = 0.0
 
 
 class _Active:
     """A running job (engine-private, mutable)."""
 
     __slots__ = ("job", "remaining", "rate", "since", "version", "facts", "gpus", "guests", "slots", "busy",
-                 "owed_s", "lent", "batch")
+                 "owed_s", "lent", "batch", "mode", "plan_since")
 
     def __init__(self, job: SimJob, remaining: float, now: float, owed_s: float) -> None:
         self.job = job
@@ -120,12 +125,14 @@ class _Active:
         self.version = 0
         self.facts: PlanFacts | None = None
         self.gpus = 0
-        self.guests = 0
+        self.guests: dict[int, int] = {}  # a host's guests: guest id -> its ranks here
         self.slots: tuple[Slot, ...] = ()
         self.busy = 0.0
         self.owed_s = owed_s  # restart penalty still to pay: lost time at the first rate it runs at
         self.lent = 0.0  # lent ranks this guest holds (0 for a job on whole GPUs)
         self.batch: int | None = None  # the global batch of a job run by its speed model
+        self.mode: PlanMode | None = None  # the plan of a job on whole GPUs run by its plans
+        self.plan_since = now  # its start or its last re-plan
 
 
 class _AttainedView(Mapping[int, float]):
@@ -182,8 +189,73 @@ class _AdaptiveView(Mapping[int, Adaptive]):
         return len(self._engine.adaptive_left)
 
 
+class _PlansView(Mapping[int, PlanState]):
+    """Read-only plan, age, time left and guests of every job running a plan on whole GPUs, live."""
+
+    def __init__(self, engine: Simulation) -> None:
+        self._engine = engine
+
+    def __getitem__(self, job_id: int) -> PlanState:
+        engine = self._engine
+        active = engine.running[job_id]
+        if active.mode is None or active.slots:
+            raise KeyError(job_id)
+        left = max(0.0, active.remaining - active.rate * (engine.now - active.since))
+        hosted = sum(engine.running[guest].busy * ranks / len(engine.running[guest].slots)
+                     for guest, ranks in active.guests.items())
+        return PlanState(mode=active.mode, since_s=active.plan_since,
+                         remaining_s=left / active.rate if active.rate > 0 else math.inf,
+                         guests=tuple(active.guests), lent_ranks=sum(active.guests.values()), hosted_rate=hosted)
+
+    def __contains__(self, job_id: object) -> bool:
+        active = self._engine.running.get(job_id)  # type: ignore[arg-type]
+        return active is not None and active.mode is not None and not active.slots
+
+    def __iter__(self) -> Iterator[int]:
+        return (job_id for job_id, active in self._engine.running.items() if active.mode is not None
+                and not active.slots)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class _OffersView(Mapping[int, Mapping[PlanMode, PlanOffer]]):
+    """The plans every job could run on the GPUs it asks for, built from the Plans' facts on first look."""
+
+    MODES = (PlanMode.DATA_PARALLEL, PlanMode.BURST, PlanMode.LENDING)
+
+    def __init__(self, engine: Simulation) -> None:
+        self._engine = engine
+        self._memo: dict[tuple[int, int], dict[PlanMode, PlanOffer]] = {}
+
+    def __getitem__(self, job_id: int) -> Mapping[PlanMode, PlanOffer]:
+        engine = self._engine
+        job = engine.jobs[job_id]
+        if job.speed is not None and job_id in engine.adaptive_left:
+            raise KeyError(job_id)
+        key = (id(job.model), job.gpus)
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = {mode: engine.offer(engine._facts(job.model, job.gpus, mode), mode)
+                                       for mode in self.MODES}
+        return found
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._engine.jobs
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._engine.jobs)
+
+    def __len__(self) -> int:
+        return len(self._engine.jobs)
+
+
 class Simulation:
-    """Runs ``jobs`` on ``cluster`` under ``policy``; ``facts`` gives every Plan's facts."""
+    """Runs ``jobs`` on ``cluster`` under ``policy``; ``facts`` gives every Plan's facts.
+
+    ``replan_penalty_s`` (default: ``restart_penalty_s``) is the time a running job loses when a policy moves
+    it to another plan (:class:`Replan`).
+    """
 
     def __init__(
         self,
@@ -194,10 +266,12 @@ class Simulation:
         facts: FactsLookup,
         interference: InterferenceModel,
         restart_penalty_s: float,
+        replan_penalty_s: float | None = None,
         on_progress: Callable[[int], None] = lambda done: None,
     ) -> None:
         self.cluster, self.policy, self.facts, self.model = cluster, policy, facts, interference
         self.restart_penalty_s = restart_penalty_s
+        self.replan_penalty_s = restart_penalty_s if replan_penalty_s is None else replan_penalty_s
         self.on_progress = on_progress
         self.jobs = {job.job_id: job for job in jobs}
         self.heap: list[tuple[float, int, int, int, int]] = [
@@ -233,6 +307,9 @@ class Simulation:
         self.window_rate = 0.0
         self.window_gpu_s = 0.0
         self.penalty_gpu_s = 0.0
+        self.replans = 0
+        self.replan_gpu_s = 0.0
+        self.wakes: set[float] = set()  # wake-ups already scheduled (a second one at the same instant adds nothing)
         self.timeline: list[tuple[float, float, float]] = []
         self.events = 0
         self.decisions = 0
@@ -241,6 +318,8 @@ class Simulation:
         self.adaptive_left: dict[int, float] = {}  # progress still to make, of jobs run by their speed model
         self.peak_gpus: dict[int, int] = {}
         self._adaptive_view = _AdaptiveView(self)
+        self._plans_view = _PlansView(self)
+        self._offers_view = _OffersView(self)
 
     # ---- the loop -------------------------------------------------------
     def run(self) -> SimResult:
@@ -270,6 +349,8 @@ class Simulation:
             restart_penalty_gpu_s=self.penalty_gpu_s,
             lent_gpu_s=self.lent_gpu_s,
             bg_gpu_s_in_windows=self.window_gpu_s,
+            replans=self.replans,
+            replan_gpu_s=self.replan_gpu_s,
         )
 
     def _advance(self, instant: float) -> None:
@@ -294,7 +375,9 @@ class Simulation:
         return bool(heap)
 
     def _handle(self, kind: int, job_id: int) -> None:
-        if kind == EventKind.ARRIVAL:
+        if kind == EventKind.WAKE:
+            self.wakes.discard(self.now)
+        elif kind == EventKind.ARRIVAL:
             self._enqueue(self.jobs[job_id])
         elif kind == EventKind.COMPLETION:
             active = self.running[job_id]
@@ -327,13 +410,17 @@ class Simulation:
             attained_gpu_s=self._attained_view,
             adaptive=self._adaptive_view,
             round=round_,
+            plans=self._plans_view,
+            offers=self._offers_view,
+            replan_cost_s=self.replan_penalty_s,
         )
 
     def _decide(self) -> None:
         for round_ in range(MAX_ROUNDS):
             decision = self.policy.decide(self._snapshot(round_))
             self.decisions += 1
-            if decision.wake_at_s is not None and decision.wake_at_s > self.now:
+            if decision.wake_at_s is not None and decision.wake_at_s > self.now and decision.wake_at_s not in self.wakes:
+                self.wakes.add(decision.wake_at_s)
                 self._push(decision.wake_at_s, EventKind.WAKE, -1, 0)
             if decision.empty:
                 return
@@ -343,6 +430,8 @@ class Simulation:
     def _apply(self, decision: Decision) -> None:
         for job_id in decision.preempt:
             self._preempt(job_id)
+        for replan in decision.replan:
+            self._replan(replan)
         for start in decision.start:
             self._start(start)
         for lend in decision.lend:
@@ -398,6 +487,7 @@ class Simulation:
         active.gpus = start.gpus
         if start.batch is None:
             active.facts = self._facts(job.model, start.gpus, start.mode)
+            active.mode = start.mode
         else:
             active.batch = start.batch
             self.peak_gpus[job.job_id] = max(start.gpus, self.peak_gpus.get(job.job_id, 0))
@@ -447,20 +537,57 @@ class Simulation:
         active.batch = rebatch.batch
         self._rate_adaptive(active)
 
-    def _open_slots(self, host: _Active) -> None:
-        assert host.facts is not None
-        facts = host.facts
+    def _replan(self, replan: Replan) -> None:
+        """Move a job running a plan on whole GPUs to another plan: its guests are evicted, its ranks lent
+        anew, and it loses ``replan_penalty_s`` on all its GPUs."""
+        active = self.running.get(replan.job_id)
+        if active is None or active.mode is None or active.slots:
+            raise self._fail(f"re-planned job {replan.job_id}, which is not running a plan on whole GPUs")
+        if replan.mode is active.mode:
+            raise self._fail(f"re-planned job {replan.job_id} to the plan it runs ({replan.mode.value})")
+        self._bank(active)
+        self._close_slots(replan.job_id)
+        active.guests = {}
+        active.facts = self._facts(active.job.model, active.gpus, replan.mode)
+        active.mode, active.plan_since = replan.mode, self.now
+        active.owed_s += self.replan_penalty_s
+        self.replans += 1
+        self.replan_gpu_s += self.replan_penalty_s * active.gpus
+        if not active.job.background:
+            self._open_slots(active)
+        self._rate_whole(active)
+
+    def lendable(self, facts: PlanFacts, host: int) -> list[Slot]:
+        """The ranks of a plan that are lent (to ``host``'s guests), most idle first: idle for at least
+        ``min_lend_fraction`` of an iteration, with windows background work fills in pieces of the mode's
+        nominal piece (``bg_piece_ms``)."""
         idle = facts.idle_fractions
+        iteration_ms = facts.iteration_s * 1e3
         ranks = sorted(range(len(idle)), key=lambda r: -idle[r])
-        usable = {r: self.model.usable_fraction(facts.windows_ms(r), facts.iteration_s * 1e3) for r in ranks}
+        usable = {r: self.model.usable_fraction(facts.windows_ms(r), iteration_ms, piece_ms=self.model.bg_piece_ms)
+                  for r in ranks}
         capacity = self.cluster.device_model.memory_bytes
-        slots = [  # a rank whose windows background work cannot fill is not lent
-            Slot(host=host.job.job_id, rank=r, idle_fraction=idle[r], usable_fraction=usable[r],
-                 longest_window_ms=self.model.longest_usable_window_ms(facts.windows_ms(r), facts.iteration_s * 1e3),
+        return [  # a rank whose windows background work cannot fill is not lent
+            Slot(host=host, rank=r, idle_fraction=idle[r], usable_fraction=usable[r],
+                 longest_window_ms=self.model.longest_usable_window_ms(facts.windows_ms(r), iteration_ms),
                  free_memory_bytes=capacity - facts.rank_memory(r))
             for r in ranks
             if idle[r] >= self.model.min_lend_fraction and usable[r] > 0
         ]
+
+    def offer(self, facts: PlanFacts, mode: PlanMode) -> PlanOffer:
+        """A plan as a policy weighs it (:class:`PlanOffer`): its speed alone and hosting, its lendable ranks."""
+        ranks = sorted(self.lendable(facts, -1), key=lambda slot: -slot.usable_fraction)
+        value = [0.0]
+        for slot in ranks:
+            value.append(value[-1] + slot.usable_fraction)
+        return PlanOffer(mode=mode, iteration_s=facts.iteration_s,
+                         hosting_iteration_s=facts.iteration_s * self.model.fg_slowdown, lendable=tuple(ranks),
+                         lendable_value=tuple(value))
+
+    def _open_slots(self, host: _Active) -> None:
+        assert host.facts is not None
+        slots = self.lendable(host.facts, host.job.job_id)
         self.host_slots[host.job.job_id] = slots
         for slot in slots:
             self.free_slots[(slot.host, slot.rank)] = slot
@@ -486,8 +613,8 @@ class Simulation:
             self.slot_guest[key] = job.job_id
         for host_id in dict.fromkeys(slot.host for slot in lend.slots):
             host = self.running[host_id]
-            host.guests += 1
-            if host.guests == 1:
+            host.guests[job.job_id] = sum(1 for slot in lend.slots if slot.host == host_id)
+            if len(host.guests) == 1:
                 self._rate_whole(host)
         self._rate_guest(active)
 
@@ -581,8 +708,8 @@ class Simulation:
         for host_id in dict.fromkeys(slot.host for slot in guest.slots):
             host = self.running.get(host_id)
             if host is not None and host_id in self.host_slots:
-                host.guests -= 1
-                if host.guests == 0:
+                del host.guests[guest.job.job_id]
+                if not host.guests:
                     self._rate_whole(host)
 
     # ---- rates ----------------------------------------------------------

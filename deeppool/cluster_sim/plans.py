@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import deeppool.planner
+import deeppool
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.errors import DeeppoolError
 from deeppool.interrupt import children_start_deaf, die_on_interrupt
@@ -133,21 +133,22 @@ class PlanSettings:
                 asdict(self.interference)]
 
 
-TRACER_SOURCES = ("graph.py", "layer_exec.py", "modelspec.py", "trace.py")
+TRACER_SOURCES = ("model/graph.py", "model/layer_exec.py", "model/loading.py", "model/trace.py", "plans/spec.py",
+                  "plans/branch.py")
 PLANNER_SOURCES = TRACER_SOURCES + (
-    "api.py", "baselines.py", "candidates.py", "cost.py", "hardware.py", "ilp.py", "plan.py", "profile.py",
-    "strategies.py",
-    "request.py", "pins.py", "throughput.py", "objective.py",
+    "plans/*.py", "planner/api.py", "planner/hardware.py", "planner/request.py", "planner/strategies.py",
+    "planner/solve/*.py", "planner/profiling/profile.py", "planner/profiling/interference.py",
 )
-"""The planner modules a Plan depends on (reports and the profiler do not change one)."""
+"""The sources a Plan depends on, as globs under the package (reports and the profiler's measuring do not
+change one)."""
 
 
-def planner_fingerprint(names: tuple[str, ...] | None = None) -> str:
-    """A hash of the planner's source (or of ``names`` in it): cached results are stale once it changes."""
+def planner_fingerprint(patterns: tuple[str, ...]) -> str:
+    """A hash of the sources ``patterns`` name: cached results are stale once one of them changes."""
+    package = Path(deeppool.__file__).parent
     digest = hashlib.sha256()
-    for path in sorted(Path(deeppool.planner.__file__).parent.glob("*.py")):
-        if names is None or path.name in names:
-            digest.update(path.name.encode() + path.read_bytes())
+    for path in sorted({path for pattern in patterns for path in package.glob(pattern)}):
+        digest.update(path.relative_to(package).as_posix().encode() + path.read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -101,6 +101,36 @@ class Slot:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PlanOffer:
+    """A plan a foreground job can run on its GPUs, as a policy weighs it before choosing.
+
+    ``iteration_s`` alone, ``hosting_iteration_s`` while it hosts background work; ``lendable`` the ranks it
+    would lend (``host`` -1: not placed), most usable first, and ``lendable_value[k]`` the usable fractions
+    of the first ``k`` of them summed (``lendable_value[0]`` = 0).
+    """
+
+    mode: PlanMode
+    iteration_s: float
+    hosting_iteration_s: float
+    lendable: tuple[Slot, ...] = ()
+    lendable_value: tuple[float, ...] = (0.0,)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanState:
+    """A job running a plan on whole GPUs: which, since when (its start or its last re-plan), the time it
+    needs to finish at its current rate, and what it hosts: guests, its ranks they hold, and the background
+    work they do there (GPU-seconds of the guests' own data-parallel plans per second)."""
+
+    mode: PlanMode
+    since_s: float
+    remaining_s: float
+    guests: tuple[int, ...] = ()
+    lent_ranks: int = 0
+    hosted_rate: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Adaptive:
     """A job run by its speed model: progress made, its batch while running, restarts, the most GPUs it has held."""
 
@@ -148,6 +178,12 @@ class Snapshot:
     attained_gpu_s: Mapping[int, float]
     adaptive: Mapping[int, Adaptive] = field(default_factory=dict)
     round: int = 0
+    plans: Mapping[int, PlanState] = field(default_factory=dict)
+    """Every job running a plan on whole GPUs (a job run by its speed model is absent)."""
+    offers: Mapping[int, Mapping[PlanMode, PlanOffer]] = field(default_factory=dict)
+    """The plans each job could run on the GPUs it asks for, looked up on demand (empty: none known)."""
+    replan_cost_s: float = 0.0
+    """What moving a running job to another plan costs it: seconds of lost time on all its GPUs."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -169,6 +205,14 @@ class Rebatch:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Replan:
+    """Move running job ``job_id`` to the plan of ``mode`` on the same GPUs; it pays the re-plan cost."""
+
+    job_id: int
+    mode: PlanMode
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Lend:
     """Run background job ``job_id`` data parallel on the idle time of ``slots``."""
 
@@ -180,18 +224,20 @@ class Lend:
 class Decision:
     """What to change now; ``preempt`` names running jobs (on whole GPUs or lent ranks) to requeue.
 
-    A preempted job keeps its progress and pays the engine's restart penalty when it runs again.
+    A preempted job keeps its progress and pays the engine's restart penalty when it runs again. The engine
+    applies preemptions, re-plans, starts, loans and batch changes in that order.
     """
 
     preempt: tuple[int, ...] = ()
     start: tuple[Start, ...] = ()
     lend: tuple[Lend, ...] = ()
     rebatch: tuple[Rebatch, ...] = ()
+    replan: tuple[Replan, ...] = ()
     wake_at_s: float | None = None
 
     @property
     def empty(self) -> bool:
-        return not (self.preempt or self.start or self.lend or self.rebatch)
+        return not (self.preempt or self.start or self.lend or self.rebatch or self.replan)
 
 
 NOTHING = Decision()

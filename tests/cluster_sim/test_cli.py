@@ -137,9 +137,9 @@ def test_a_second_run_into_the_same_out_is_refused_unless_forced(tmp_path, data_
     first = (out / "metrics.json").read_text()
     again = CliRunner().invoke(app, [*args, "--no-plots", "--seed", "3"])
     assert again.exit_code == 2 and "Traceback" not in again.output
-    assert again.output.strip().splitlines() == [
+    assert again.output.strip().splitlines() == [(
         f"error: --out '{out}' holds an earlier run (metrics.json, metrics.csv, jobs.csv, run.json, utilisation.png, "
-        "jct_cdf.png, throughput.png): give another --out, or --force to replace it"]
+        "jct_cdf.png, throughput.png): give another --out, or --force to replace it")]
     assert (out / "metrics.json").read_text() == first  # untouched
     forced = simulate(*args, "--no-plots", "--seed", "3", "--force")
     assert forced.exit_code == 0, forced.output

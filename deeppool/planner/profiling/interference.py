@@ -29,8 +29,10 @@ file in their place (``deeppool simulate --interference FILE``).
 from __future__ import annotations
 
 import bisect
+import enum
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,8 @@ from deeppool.errors import DeeppoolError
 DEFAULT_FG_SLOWDOWN = 1.05
 DEFAULT_BG_EFFICIENCY = 0.8
 DEFAULT_MIN_LEND_FRACTION = 0.1
+DEFAULT_PIECE_MS = 0.5
+"""``priority`` mode's target piece: DeepPool's ``be_graph_split_ms`` (``GraphPieces.cpp``), 0.5 ms."""
 _WHOLE = 1e-9
 """A window this close to the iteration's length is the whole iteration (the times are sums of floats)."""
 
@@ -119,6 +123,70 @@ class InterferenceModel:
                                 "(needs fg_slowdown and bg_efficiency)") from None
         return cls(fg_slowdown=max(1.0, slowdown), bg_efficiency=min(1.0, max(efficiency, 1e-3)),
                    min_lend_fraction=min_lend_fraction, efficiency_by_window_ms=curve)
+
+
+class PieceMode(enum.Enum):
+    """The multiplexing mode that will run the background, which sets the piece a window must hold whole.
+
+    ``priority`` (GPU): the step captured as CUDA graphs cut at layer boundaries, in micro-steps of whole
+    rows, into pieces of a target length: a piece is the target, or one layer phase of one row where that
+    is longer. ``gate`` (CPU): micro-steps of whole rows, the least one the whole step at one row.
+    ``layer``: a whole layer phase at the guest's own batch (a runtime that cuts only between layers).
+    """
+
+    PRIORITY = "priority"
+    GATE = "gate"
+    LAYER = "layer"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pieces:
+    """How the background's step is cut (``--mux``, ``--piece-ms``): the simulator's and the planner's piece."""
+
+    mode: PieceMode = PieceMode.PRIORITY
+    target_ms: float = DEFAULT_PIECE_MS
+    """``priority``: the length pieces are cut to (``be_graph_split_ms``); unused by the other modes."""
+
+    def __post_init__(self) -> None:
+        if not self.target_ms > 0:
+            raise DeeppoolError(f"--piece-ms {self.target_ms} must be above 0")
+
+    def piece_ms(self, *, phase_ms: float, row_phase_ms: float, row_step_ms: float) -> float:
+        """A guest's piece from its own data-parallel plans: ``phase_ms`` its longest layer phase at its batch,
+        ``row_phase_ms`` and ``row_step_ms`` its longest layer phase and its step at one row."""
+        if self.mode is PieceMode.PRIORITY:
+            return max(self.target_ms, row_phase_ms)
+        return row_step_ms if self.mode is PieceMode.GATE else phase_ms
+
+    @property
+    def planning_ms(self) -> float:
+        """The piece plans are chosen for when the guest is not known (a trace's lending plans): the target in
+        ``priority`` mode; 0 (any length) in the others, whose pieces depend on the guest."""
+        return self.target_ms if self.mode is PieceMode.PRIORITY else 0.0
+
+    def describe(self) -> str:
+        if self.mode is PieceMode.PRIORITY:
+            return f"priority mode: pieces of {self.target_ms:g} ms, at least one layer phase of one row"
+        if self.mode is PieceMode.GATE:
+            return "gate mode: micro-steps of whole rows, at least the step at one row"
+        return "whole layer phases at the guest's batch"
+
+
+def claimed_throughput(*, dp_ms: float, iteration_ms: float, hosting_ms: float, gpus: int,
+                       usable: Sequence[float], claimed: int | None = None) -> tuple[float, float]:
+    """``(fg_share, bg_share)`` of a plan whose ``claimed`` most usable lent ranks hold background work.
+
+    ``usable`` holds the usable fraction of every rank the plan lends, most usable first; ``claimed`` is how
+    many of them the background that exists fills (None: all, the unlimited supply of DeepPool's evaluation).
+    The cluster objective (:mod:`deeppool.planner.solve.throughput`) with its supply capped:
+
+        fg_share = T_dp / T_host,  T_host = hosting_ms if claimed > 0 else iteration_ms
+        bg_share = Σ_{the claimed ranks} usable_r / G
+    """
+    count = len(usable) if claimed is None else max(0, min(claimed, len(usable)))
+    if count == 0 or iteration_ms <= 0:
+        return (dp_ms / iteration_ms if iteration_ms > 0 else 1.0), 0.0
+    return dp_ms / hosting_ms, sum(usable[:count]) / gpus
 
 
 def idle_throughout(windows_ms: tuple[float, ...], iteration_ms: float) -> bool:
