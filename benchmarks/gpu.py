@@ -5,7 +5,8 @@
 deeppool has run on one GPU once, a single H200 (``docs/gpu.md``); nothing with two GPUs has run. The
 checks, in order, each passed, failed or skipped (with why), with its figures and the command it ran:
 
-1. ``gpu-tests``: ``pytest -m gpu`` (priority mode on the real GPU, the NCCL ``--check``, the
+1. ``gpu-tests``: ``pytest -m gpu`` (priority mode on the real GPU, its step cut into layer pieces
+   training exactly as the uncut step, the NCCL ``--check``, the
    single-rank NCCL collective, CUDA events, the CUDA profile, dropout's CUDA RNG).
 2. ``multiplex``: the ``priority`` drill (:mod:`deeppool.multiplex.drill`: pieces only in windows, never
    during an all-reduce), then ``deeppool run`` of ``examples/mixer.py`` planned for the GPUs here
@@ -51,7 +52,8 @@ FOREGROUND = REPO / "examples" / "mixer.py"
 EXAMPLES = ("mixer.py", "gpt2.py", "resnet50.py", "vgg16.py", "inception.py")
 DRY_EXAMPLE = "background_mlp.py"
 GPU_TEST_FILES = ("tests/executor/test_executor_gpu.py", "tests/executor/test_executor_timing.py",
-                  "tests/multiplex/test_gpu.py", "tests/planner/test_profiler.py", "tests/planner/test_randomness.py")
+                  "tests/multiplex/test_gpu.py", "tests/multiplex/test_pieces.py", "tests/planner/test_profiler.py",
+                  "tests/planner/test_randomness.py")
 """Where the gpu-marked tests are (``tests/test_gpu_checklist.py`` checks that no other file has one)."""
 SLOWDOWN_GOAL, RECOVERED_GOAL, DDP_RATIO_GOAL, FIDELITY_GOAL = 0.05, 0.50, 1.10, 0.15
 
@@ -132,6 +134,11 @@ def drill_check(check: Check, dry: bool) -> None:
     check.figures["drill"] = {"steps": result.steps, "busy_ms": round(1e3 * result.busy_s, 3),
                               "losses": [round(v, 4) for v in result.losses[:3]] + ["..."],
                               "dropped": result.dropped_tokens, "windows": len(drill.windows), "error": result.error}
+    if drill.pieces is not None:  # the step's layer pieces: kinds and planned / last expected lengths (ms)
+        check.figures["drill"]["pieces"] = [{"kind": kind, "layers": len(layers), "planned_ms": round(planned, 4),
+                                             "expected_ms": round(expected, 4)} for kind, layers, planned, expected
+                                            in zip(drill.pieces.kinds, drill.pieces.layers, drill.pieces.planned_ms,
+                                                   drill.pieces.ms, strict=True)]
     if result.error is not None or not result.losses or result.dropped_tokens < drill.late:
         check.fail(f"the priority drill: error {result.error}, {len(result.losses)} losses, "
                    f"{result.dropped_tokens} dropped of {drill.late} late windows")

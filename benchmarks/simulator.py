@@ -2,12 +2,12 @@
 
 Replays every job of ``traces/philly.csv`` (Pollux OSDI'21 artifact,
 petuum/adaptdl osdi21-artifact, Apache-2.0; derived from the Microsoft Philly
-traces, msr-fiddle/philly-traces, CC-BY-4.0) under ``burst+bg``, and under
+traces, msr-fiddle/philly-traces, CC-BY-4.0) under the default policy (``burst+demand``), and under
 ``dp`` in the same run as the baseline, on each ``--gpus`` cluster of A100s in
 nodes of 8: by default 2,048 (the trace's own scale: lightly loaded) and 256
 (loaded: queues of thousands of jobs, background work on lent ranks). Reports
 the time of every stage, events per second, and the wall-time ratio of
-``burst+bg`` to ``dp``. The target is <= 60 s end to end for ``burst+bg`` on
+the default policy to ``dp``. The target is <= 60 s end to end for the default policy on
 2,048 GPUs.
 
 Plans are read from the on-disk plan cache when present (the first run on a
@@ -32,21 +32,23 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from deeppool.cluster_sim.cli import DEFAULT_CACHE
+from deeppool.cluster_sim.cli import DEFAULT_CACHE, DEFAULT_POLICY
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.metrics import compare, table
 from deeppool.cluster_sim.models import default_mapping
 from deeppool.cluster_sim.plans import PlanBook, PlanSettings
-from deeppool.cluster_sim.runner import assign, run_policies, sim_jobs
+from deeppool.cluster_sim.runner import assign, for_pieces, run_policies, sim_jobs
 from deeppool.cluster_sim.shipped import PHILLY
 from deeppool.cluster_sim.workload import BackgroundRule, read_workload
 from deeppool.docregions import REPO, Stamp, markdown, write_region
-from deeppool.planner.profiling.interference import InterferenceModel
+from deeppool.planner.profiling.interference import InterferenceModel, Pieces
 
 BUDGET_S = 60.0
 BUDGET_GPUS = 2048
 """The configuration the budget is for."""
-POLICY, BASELINE = "burst+bg", "dp"
+POLICY, BASELINE = DEFAULT_POLICY, "dp"
+INTERFERENCE = for_pieces(InterferenceModel(), Pieces())
+"""``deeppool simulate``'s defaults: the assumed interference, plans lent for ``priority`` mode's pieces."""
 
 app = typer.Typer(add_completion=False)
 
@@ -89,13 +91,13 @@ def _bench(console: Console, trace: Path, cluster: ClusterSpec, cache: Path,
     workload = _timed(stages, "read trace", lambda: read_workload(trace))
     assignment = _timed(stages, "map models", lambda: assign(
         workload, mapping=default_mapping(), rule=BackgroundRule(), cluster=cluster, seed=0, drop_oversized=False))
-    book = PlanBook(cluster=cluster, settings=PlanSettings(), cache_dir=cache)
+    book = PlanBook(cluster=cluster, settings=PlanSettings(interference=INTERFERENCE), cache_dir=cache)
     _timed(stages, "plans", lambda: book.prepare(assignment.needs(), workers=os.cpu_count() or 1))
     jobs = _timed(stages, "job work", lambda: sim_jobs(assignment, book))
     results = {}
     for name in (BASELINE, POLICY):
         (results[name],) = _timed(stages, f"simulate {name}", lambda n=name: run_policies(
-            jobs, policies=(n,), cluster=cluster, book=book, interference=InterferenceModel()))
+            jobs, policies=(n,), cluster=cluster, book=book, interference=INTERFERENCE))
     shared = sum(stages[s] for s in ("read trace", "map models", "plans", "job work"))
     end_to_end = shared + stages[f"simulate {POLICY}"]
     budget = ""

@@ -277,24 +277,33 @@ def table(summary: dict[str, dict[str, dict]], trees: list[Tree], nprocs: list[i
     for nproc in nprocs:
         for tree in trees:
             row = summary[f"{tree.label}/{nproc}"]
-            shown.add_row(str(nproc), f"{tree.label} ({tree.commit})", cell(row["first_step_s"]),
+            shown.add_row(str(nproc), f"{tree.label}: {tree.commit}", cell(row["first_step_s"]),
                           cell(row["model_import_s"]), cell(row["exit_s"]), cell(row["cpu_s"]))
     return shown
 
 
-def verdict(summary: dict[str, dict[str, dict]], trees: list[Tree], nprocs: list[int]) -> str:
-    """With a baseline: each rank count's change of the medians, after against before."""
+def verdict(summary: dict[str, dict[str, dict]], samples: list[Sample], trees: list[Tree], nprocs: list[int]) -> str:
+    """With a baseline, per rank count: the change of the medians, and the median (min-max) of the ratios of
+    the runs paired by repeat (run next to each other, so under the same load, more or less)."""
     if len(trees) < 2:
         return ""
     before, after = trees[0].label, trees[1].label
-    lines = []
+    lines = [(f"{after} against {before}: the change of the medians; paired: the median (min-max) of the "
+              f"ratios {after}/{before} of the runs paired by repeat")]
     for nproc in nprocs:
+        pairs = {}
+        for sample in samples:
+            if sample.nproc == nproc:
+                pairs.setdefault(sample.repeat, {})[sample.tree] = sample
         parts = []
         for key, name in (("first_step_s", "first step"), ("exit_s", "exit"), ("cpu_s", "CPU")):
             old, new = summary[f"{before}/{nproc}"][key]["median"], summary[f"{after}/{nproc}"][key]["median"]
-            if old is not None and new is not None:
-                parts.append(f"{name} {new - old:+.2f} s ({new / old:.2f}x)")
-        lines.append(f"{nproc} ranks, {after} against {before}: " + ", ".join(parts))
+            ratios = [getattr(p[after], key) / getattr(p[before], key) for p in pairs.values()
+                      if len(p) == 2 and getattr(p[after], key) is not None and getattr(p[before], key) is not None]
+            if old is not None and new is not None and ratios:
+                parts.append(f"{name} {new - old:+.2f} s, paired {statistics.median(ratios):.2f}x "
+                             f"({min(ratios):.2f}-{max(ratios):.2f})")
+        lines.append(f"  {nproc} ranks: " + ", ".join(parts))
     return "\n".join(lines)
 
 
@@ -315,7 +324,7 @@ def main() -> None:
     args = parser.parse_args()
     from rich.console import Console
 
-    from deeppool.docregions import Stamp, markdown, write_region
+    from deeppool.docregions import Stamp, markdown, text_block, write_region
 
     nprocs = [int(n) for n in args.nproc.split(",")]
     trees = [Tree.at(args.label, args.tree)]
@@ -343,7 +352,7 @@ def main() -> None:
                f"against its tree. Load average {load} at the start, {os.getloadavg()[0]:.2f} at the end.")
     Console(width=160).print(shown)
     print(caption)
-    change = verdict(summary, trees, nprocs)
+    change = verdict(summary, samples, trees, nprocs)
     if change:
         print(change)
     if args.json is not None:
@@ -354,7 +363,7 @@ def main() -> None:
             "summary": summary, "samples": [s._asdict() for s in samples],
         }, indent=1) + "\n")
     if args.write_docs:
-        body = f"{markdown(shown)}\n\n{caption}" + (f"\n\n{change.replace(chr(10), '; ')}." if change else "")
+        body = f"{markdown(shown)}\n\n{caption}" + (f"\n\n{text_block(change)}" if change else "")
         write_region(REPO / "docs" / "performance.md", "startup", body, stamp)
 
 

@@ -22,7 +22,9 @@ from deeppool.cluster_sim.metrics import compare, scenario_table, table, write_j
 from deeppool.cluster_sim.models import EXAMPLE_BATCH, default_mapping, example, load_mapping
 from deeppool.cluster_sim.plans import BurstStrategy, PlanBook, PlanSettings
 from deeppool.cluster_sim.pollux import PolluxDurations
-from deeppool.cluster_sim.runner import DEFAULT_RESTART_PENALTY_S, assign, run_policies, sim_jobs
+from deeppool.cluster_sim.runner import (
+    DEFAULT_REPLAN_PENALTY_S, DEFAULT_RESTART_PENALTY_S, assign, for_pieces, run_policies, sim_jobs,
+)
 from deeppool.cluster_sim.shipped import resolve, shipped
 from deeppool.cluster_sim.workload import (
     BackgroundRule,
@@ -43,13 +45,17 @@ from deeppool.planner.profiling.interference import (
     DEFAULT_BG_EFFICIENCY,
     DEFAULT_FG_SLOWDOWN,
     DEFAULT_MIN_LEND_FRACTION,
+    DEFAULT_PIECE_MS,
     InterferenceModel,
+    PieceMode,
+    Pieces,
 )
 from deeppool.scheduling.contract import SpeedModel
 from deeppool.scheduling.policies import ADAPTIVE, BASELINE, POLICIES, policy_named
 
 app = typer.Typer(add_completion=False, help="Simulate a GPU cluster running a job trace.")
 SYNTHETIC = "synthetic"
+DEFAULT_POLICY = "burst+demand"
 ATTRIBUTION = (
     "traces: Pollux OSDI'21 artifact (petuum/adaptdl osdi21-artifact, Apache-2.0); "
     "philly.csv derived from the Microsoft Philly traces (msr-fiddle/philly-traces, CC-BY-4.0)"
@@ -83,6 +89,15 @@ InterferenceOpt = Annotated[Path | None, typer.Option(
 LendOpt = Annotated[float, typer.Option(help="Ranks idle for less of an iteration are not lent.")]
 RestartOpt = Annotated[float, typer.Option(
     "--restart-penalty", help="Seconds lost each time a preempted or evicted job runs again.")]
+ReplanOpt = Annotated[float, typer.Option(
+    "--replan-penalty", help="Seconds a running job loses when a policy moves it to another plan (an assumption: a "
+    "restart's).")]
+MuxOpt = Annotated[str | None, typer.Option(
+    "--mux", help="The multiplexing mode that runs background work, which sets its pieces: priority (CUDA-graph pieces "
+    "of --piece-ms, at least one layer phase of one row; the default, or the mode of --interference), gate "
+    "(micro-steps of whole rows) or layer (whole layer phases at the guest's batch).")]
+PieceOpt = Annotated[float, typer.Option(
+    "--piece-ms", help="--mux priority: the length background steps are cut to (DeepPool's be_graph_split_ms).")]
 StrategyOpt = Annotated[str, typer.Option(help="Burst plans: ilp or deeppool.")]
 ObjectiveOpt = Annotated[str, typer.Option(
     "--plan-objective", help="The plans burst+bg lends: cluster (the plan maximising the cluster's throughput under "
@@ -120,7 +135,7 @@ def simulate(
     gpus: GpusOpt,
     gpus_per_node: NodeOpt = 8,
     device: DeviceOpt = "a100",
-    policy: PolicyOpt = ["burst+bg"],  # noqa: B006  (typer reads the default, never mutates it)
+    policy: PolicyOpt = [DEFAULT_POLICY],  # noqa: B006  (typer reads the default, never mutates it)
     out: OutOpt = Path("sim-results"),
     seed: SeedOpt = 0,
     mapping: MappingOpt = None,
@@ -130,6 +145,9 @@ def simulate(
     min_lend_fraction: LendOpt = DEFAULT_MIN_LEND_FRACTION,
     interference_file: InterferenceOpt = None,
     restart_penalty: RestartOpt = DEFAULT_RESTART_PENALTY_S,
+    replan_penalty: ReplanOpt = DEFAULT_REPLAN_PENALTY_S,
+    mux: MuxOpt = None,
+    piece_ms: PieceOpt = DEFAULT_PIECE_MS,
     burst_strategy: StrategyOpt = "ilp",
     plan_objective: ObjectiveOpt = "cluster",
     plan_time_limit: TimeLimitOpt = 30.0,
@@ -161,9 +179,12 @@ def simulate(
         checks.positive(plan_time_limit, "--plan-time-limit")
         cluster = ClusterSpec(gpus=gpus, gpus_per_node=gpus_per_node, device=_device(device))
         policies = _policies(policy, no_baseline)
-        if not 0 <= restart_penalty < 86400:
-            raise DeeppoolError(f"--restart-penalty {restart_penalty}: give seconds in [0, 86400)")
-        interference = _interference(interference_file, fg_slowdown, bg_efficiency, min_lend_fraction)
+        for flag, seconds in (("--restart-penalty", restart_penalty), ("--replan-penalty", replan_penalty)):
+            if not 0 <= seconds < 86400:
+                raise DeeppoolError(f"{flag} {seconds}: give seconds in [0, 86400)")
+        pieces = _pieces(mux, piece_ms, interference_file)
+        interference = for_pieces(_interference(interference_file, fg_slowdown, bg_efficiency, min_lend_fraction),
+                                  pieces)
         settings = PlanSettings(burst_strategy=_strategy(burst_strategy), time_limit_s=plan_time_limit,
                                 lending_objective=_objective(plan_objective), interference=interference)
         rule = BackgroundRule.parse(background)
@@ -181,15 +202,17 @@ def simulate(
         with _progress(console) as progress:
             planning = progress.add_task("plans (model x GPUs)", total=len(assignment.needs()))
             book.prepare(assignment.needs(), lambda done: progress.advance(planning, done), workers=plan_workers)
-            sim = sim_jobs(assignment, book, speeds)
+            sim = sim_jobs(assignment, book, speeds, pieces=pieces)
             results = run_policies(sim, policies=policies, cluster=cluster, book=book, interference=interference,
-                                   restart_penalty_s=restart_penalty, progress=_job_counter(progress, len(sim)))
+                                   restart_penalty_s=restart_penalty, replan_penalty_s=replan_penalty,
+                                   progress=_job_counter(progress, len(sim)))
     except DeeppoolError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)  # SystemExit: also leaves a host CLI run with standalone_mode=False
     run = RunInfo(workload=workload, jobs=len(sim), dropped=assignment.dropped, cluster=cluster, rule=rule,
                   interference=interference, settings=settings, seed=seed, solved=book.solved,
-                  restart_penalty_s=restart_penalty)
+                  restart_penalty_s=restart_penalty, replan_penalty_s=replan_penalty, pieces=pieces,
+                  background_jobs=sum(job.background for job in sim))
     _report(results, run, out, console, plots=not no_plots)
 
 
@@ -207,6 +230,9 @@ class RunInfo:
     seed: int
     solved: int
     restart_penalty_s: float
+    replan_penalty_s: float = DEFAULT_REPLAN_PENALTY_S
+    pieces: Pieces = Pieces()
+    background_jobs: int = 0
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -219,6 +245,11 @@ class RunInfo:
             "background": self.rule.describe(),
             "interference": asdict(self.interference),
             "restart_penalty_s": self.restart_penalty_s,
+            "replan_penalty_s": self.replan_penalty_s,
+            "mux": self.pieces.mode.value,
+            "piece_ms": self.pieces.target_ms,
+            "pieces": self.pieces.describe(),
+            "background_jobs": self.background_jobs,
             "burst_strategy": self.settings.burst_strategy.value,
             "plan_objective": self.settings.lending_objective.value,
             "seed": self.seed,
@@ -238,6 +269,8 @@ def _report(results: tuple[SimResult, ...], run: RunInfo, out: Path, console: Co
         write_plots(results, metrics, out)
     title = f"{Path(run.workload.source).name}: {run.jobs:,} jobs on {run.cluster.describe()}"
     stdout().print(table(metrics, title))
+    console.print(f"background jobs: {run.background_jobs:,} of {run.jobs:,} ({run.rule.describe()}, --background); "
+                  f"pieces: {run.pieces.describe()} (--mux)", soft_wrap=True)
     if run.dropped:
         console.print(f"dropped {run.dropped} job(s) asking for more than {run.cluster.gpus} GPUs")
     files = ", ".join(RUN_FILES if plots else RUN_FILES[:4])
@@ -324,6 +357,8 @@ def simulate_deeppool(
     bg_efficiency: EfficiencyOpt = DEFAULT_BG_EFFICIENCY,
     min_lend_fraction: LendOpt = DEFAULT_MIN_LEND_FRACTION,
     interference_file: InterferenceOpt = None,
+    mux: MuxOpt = None,
+    piece_ms: PieceOpt = DEFAULT_PIECE_MS,
     plan_objective: ObjectiveOpt = "cluster",
     plan_time_limit: TimeLimitOpt = 30.0,
     cache_dir: CacheOpt = DEFAULT_CACHE,
@@ -345,7 +380,9 @@ def simulate_deeppool(
         settings = PlanSettings(time_limit_s=plan_time_limit, lending_objective=_objective(plan_objective),
                                 interference=interference)
         book = PlanBook(cluster=cluster, settings=settings, cache_dir=cache_dir)
-        points = [evaluate(example(name), count, gpus_per_node=gpus_per_node, book=book, interference=interference)
+        pieces = _pieces(mux, piece_ms, interference_file)
+        points = [evaluate(example(name), count, gpus_per_node=gpus_per_node, book=book, interference=interference,
+                           pieces=pieces)
                   for name in model for count in gpus]
     except DeeppoolError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -370,6 +407,21 @@ def _replace(earlier: tuple[Path, ...]) -> None:
     """``--force``: the earlier run's files go (a plot it drew and this run does not draw is not left behind)."""
     for path in earlier:
         path.unlink()
+
+
+def _pieces(mux: str | None, piece_ms: float, interference: Path | None) -> Pieces:
+    """``--mux`` (else the mode ``--interference`` was measured in, when it cuts pieces; else ``priority``)."""
+    if mux is None and interference is not None:
+        try:
+            measured = json.loads(interference.read_text()).get("mode")
+        except (OSError, ValueError, AttributeError):
+            measured = None  # what is wrong with the file, reading it as interference says
+        mux = measured if measured in (PieceMode.PRIORITY.value, PieceMode.GATE.value) else None
+    try:
+        mode = PieceMode(mux or PieceMode.PRIORITY.value)
+    except ValueError:
+        raise DeeppoolError(f"--mux '{mux}': use {', '.join(m.value for m in PieceMode)}") from None
+    return Pieces(mode=mode, target_ms=piece_ms)
 
 
 def _interference(path: Path | None, slowdown: float, efficiency: float, lend: float) -> InterferenceModel:

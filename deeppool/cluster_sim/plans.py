@@ -18,6 +18,7 @@ only when a Plan or graph is missing from the cache.
 
 from __future__ import annotations
 
+import ast
 import enum
 import hashlib
 import json
@@ -144,12 +145,27 @@ change one)."""
 
 
 def planner_fingerprint(patterns: tuple[str, ...]) -> str:
-    """A hash of the sources ``patterns`` name: cached results are stale once one of them changes."""
+    """A hash of the code of the sources ``patterns`` name: cached results are stale once one of them changes.
+
+    The code, not the text: a source is hashed as its syntax tree without its docstrings and bare strings
+    (comments are not in it), so a change of prose leaves the cache valid."""
     package = Path(deeppool.__file__).parent
     digest = hashlib.sha256()
     for path in sorted({path for pattern in patterns for path in package.glob(pattern)}):
-        digest.update(path.relative_to(package).as_posix().encode() + path.read_bytes())
+        digest.update(path.relative_to(package).as_posix().encode() + _code(path.read_text()).encode())
     return digest.hexdigest()[:16]
+
+
+def _code(source: str) -> str:
+    """``source``'s syntax tree without its string statements (docstrings, attribute docstrings), as text."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            kept = [stmt for stmt in body if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
+                                                  and isinstance(stmt.value.value, str))]
+            node.body = kept or [ast.Pass()]
+    return ast.dump(tree)
 
 
 class PlanBook:

@@ -12,13 +12,17 @@ from deeppool.cluster_sim.models import ModelMapping
 from deeppool.cluster_sim.plans import PlanBook, PlanMode
 from deeppool.cluster_sim.workload import BackgroundRule, TraceJob, Workload
 from deeppool.errors import DeeppoolError
-from deeppool.planner.profiling.interference import InterferenceModel
+from deeppool.planner.profiling.interference import InterferenceModel, Pieces
 from deeppool.scheduling.choice import ModelChoice
 from deeppool.scheduling.contract import SimJob, SpeedModel
 from deeppool.scheduling.policies import policy_named
 
 DEFAULT_RESTART_PENALTY_S = 30.0
 """Time lost each time a preempted or evicted job runs again: the Pollux artifact simulator's restart delay."""
+DEFAULT_REPLAN_PENALTY_S = DEFAULT_RESTART_PENALTY_S
+"""Time a running job loses when a policy moves it to another plan. An assumption: deeppool re-plans a running
+job by a checkpoint and a restart on the new plan (``docs/adaptation.md``), so a restart's delay, until the live
+coordinator measures what its resizes cost (issue 43)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,9 +35,30 @@ class Assignment:
     dropped: int
 
     def needs(self) -> list[tuple[ModelChoice, int]]:
-        """Every distinct (model, GPU count), largest first (the slow solves show early)."""
+        """Every distinct (model, GPU count), largest first (the slow solves show early), and every background
+        model at one row on one GPU (its pieces: :func:`piece_ms`)."""
         pairs = dict.fromkeys(zip(self.models, (job.gpus for job in self.jobs), strict=True))
-        return sorted(pairs, key=lambda pair: (-pair[1], pair[0].name))
+        rows = dict.fromkeys((one_row(model), 1) for model, bg in zip(self.models, self.background, strict=True) if bg)
+        return sorted(pairs, key=lambda pair: (-pair[1], pair[0].name)) + [row for row in rows if row not in pairs]
+
+
+def for_pieces(interference: InterferenceModel, pieces: Pieces) -> InterferenceModel:
+    """``interference`` with the piece the lending plans are chosen for: the mode's (:attr:`Pieces.planning_ms`)."""
+    return replace(interference, bg_piece_ms=pieces.planning_ms)
+
+
+def one_row(model: ModelChoice) -> ModelChoice:
+    """``model`` at a batch of one row: what a micro-step of one row runs."""
+    return replace(model, global_batch=1, per_gpu_batch=None)
+
+
+def piece_ms(model: ModelChoice, gpus: int, book: PlanBook, pieces: Pieces) -> float:
+    """A background job's piece under the multiplexing mode (:class:`Pieces`), from its own data-parallel
+    plans: at its batch on its GPUs, and at one row on one GPU."""
+    own = book.facts(model, gpus, PlanMode.DATA_PARALLEL)
+    row = book.facts(one_row(model), 1, PlanMode.DATA_PARALLEL)
+    return pieces.piece_ms(phase_ms=own.granularity_ms, row_phase_ms=row.granularity_ms,
+                           row_step_ms=row.iteration_s * 1e3)
 
 
 def assign(
@@ -80,16 +105,22 @@ def _job_model(model: ModelChoice, job: TraceJob, interned: dict[tuple[str, int]
 
 
 def sim_jobs(assignment: Assignment, book: PlanBook,
-             speeds: Callable[[TraceJob], SpeedModel] | None = None) -> tuple[SimJob, ...]:
+             speeds: Callable[[TraceJob], SpeedModel] | None = None, *, pieces: Pieces | None = None) -> tuple[SimJob, ...]:
     """Each job's work: its recorded duration over its recorded allocation's data-parallel iteration time.
 
-    With ``speeds`` each job also gets its speed model, which co-adaptive policies run it by.
+    A background job's step comes in the pieces of the multiplexing mode ``pieces`` (default ``priority``);
+    a foreground job's granularity is its longest layer phase. With ``speeds`` each job also gets its speed
+    model, which co-adaptive policies run it by.
     """
-    jobs = []
+    pieces = Pieces() if pieces is None else pieces
+    jobs, granularity = [], {}
     for index, (job, model, background) in enumerate(
         zip(assignment.jobs, assignment.models, assignment.background, strict=True)
     ):
         dp = book.facts(model, job.gpus, PlanMode.DATA_PARALLEL)
+        key = (id(model), job.gpus)
+        if background and key not in granularity:
+            granularity[key] = piece_ms(model, job.gpus, book, pieces)
         jobs.append(
             SimJob(
                 job_id=index,
@@ -100,7 +131,7 @@ def sim_jobs(assignment: Assignment, book: PlanBook,
                 model=model,
                 iterations=job.duration_s / dp.iteration_s,
                 recorded_duration_s=job.duration_s,
-                granularity_ms=dp.granularity_ms,
+                granularity_ms=granularity[key] if background else dp.granularity_ms,
                 memory_bytes=dp.peak_rank_memory_bytes,
                 speed=speeds(job) if speeds is not None else None,
             )
@@ -116,6 +147,7 @@ def run_policies(
     book: PlanBook,
     interference: InterferenceModel,
     restart_penalty_s: float = DEFAULT_RESTART_PENALTY_S,
+    replan_penalty_s: float = DEFAULT_REPLAN_PENALTY_S,
     progress: Callable[[str], Callable[[int], None]] = lambda name: (lambda done: None),
 ) -> tuple[SimResult, ...]:
     """One engine run per policy, on the same jobs and Plans."""
@@ -128,6 +160,7 @@ def run_policies(
             facts=book.facts,
             interference=interference,
             restart_penalty_s=restart_penalty_s,
+            replan_penalty_s=replan_penalty_s,
             on_progress=progress(name),
         )
         results.append(engine.run())

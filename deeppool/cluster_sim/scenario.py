@@ -20,8 +20,8 @@ own one-GPU runs) up to the foreground's finish ``t``:
 
 The foreground runs the plan ``burst+bg`` lends (``PlanMode.LENDING``: by default the
 one maximising this very throughput, :mod:`deeppool.planner.solve.throughput`, for the guests
-it hosts: their steps come in pieces of their longest layer phase, and a window holds
-only whole pieces, as the engine counts them). Beside data
+it hosts: their steps come in the pieces of the multiplexing mode, :class:`Pieces`, and a
+window holds only whole pieces, as the engine counts them). Beside data
 parallel on all GPUs (DeepPool's baseline) each point gives the strong baseline,
 *right-sizing*: data parallel at the width ``w`` maximising ``T_dp/T_w + (G − w)/G``,
 the ``G − w`` GPUs it leaves running background work at full efficiency.
@@ -38,7 +38,8 @@ from dataclasses import dataclass, replace
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.engine import Simulation
 from deeppool.cluster_sim.plans import PlanBook, PlanMode
-from deeppool.planner.profiling.interference import InterferenceModel
+from deeppool.cluster_sim.runner import piece_ms
+from deeppool.planner.profiling.interference import InterferenceModel, Pieces
 from deeppool.scheduling.choice import ModelChoice
 from deeppool.scheduling.contract import SimJob
 from deeppool.scheduling.policies import POLICIES
@@ -67,6 +68,9 @@ class ScenarioPoint:
     """The strong baseline: data parallel at its best width, the rest of the GPUs at full efficiency."""
     lent_gpu_hours: float = 0.0
     bg_gpu_hours_in_windows: float = 0.0
+    piece_ms: float = 0.0
+    """The background's piece under the multiplexing mode the point assumes."""
+    mux: str = ""
 
     @property
     def vs_right_sizing(self) -> float:
@@ -82,18 +86,22 @@ def scenario_models(model: ModelChoice, gpus: int) -> tuple[ModelChoice, ModelCh
 
 
 def evaluate(
-    model: ModelChoice, gpus: int, *, gpus_per_node: int, book: PlanBook, interference: InterferenceModel
+    model: ModelChoice, gpus: int, *, gpus_per_node: int, book: PlanBook, interference: InterferenceModel,
+    pieces: Pieces | None = None,
 ) -> ScenarioPoint:
-    """Run the scenario for ``model`` on ``gpus`` GPUs (``book`` plans for a cluster of that node size)."""
+    """Run the scenario for ``model`` on ``gpus`` GPUs (``book`` plans for a cluster of that node size), the
+    background cut in the pieces of ``pieces``' mode (default ``priority``)."""
+    pieces = Pieces() if pieces is None else pieces
     cluster = ClusterSpec(gpus=gpus, gpus_per_node=min(gpus_per_node, gpus), device=book.cluster.device)
     foreground, background = scenario_models(model, gpus)
     own = book.facts(background, 1, PlanMode.DATA_PARALLEL)
-    book = book.hosting(own.granularity_ms)
+    piece = piece_ms(background, 1, book, pieces)
+    book = book.hosting(piece)
     jobs = [SimJob(job_id=0, name="foreground", arrival_s=0.0, gpus=gpus, background=False, model=foreground,
                    iterations=FOREGROUND_ITERATIONS, recorded_duration_s=0.0)]
     jobs += [
         SimJob(job_id=index, name=f"background-{index}", arrival_s=0.0, gpus=1, background=True, model=background,
-               iterations=ENDLESS_ITERATIONS, recorded_duration_s=0.0, granularity_ms=own.granularity_ms,
+               iterations=ENDLESS_ITERATIONS, recorded_duration_s=0.0, granularity_ms=piece,
                memory_bytes=own.peak_rank_memory_bytes)
         for index in range(1, gpus + 1)
     ]
@@ -111,4 +119,5 @@ def evaluate(
         guests=sum(1 for r in result.records if r.background and r.start_s < finish),
         right_sizing_gpus=burst.right_sizing_gpus, right_sizing_vs_dp=burst.right_sizing_throughput,
         lent_gpu_hours=result.lent_gpu_s / 3600, bg_gpu_hours_in_windows=result.bg_gpu_s_in_windows / 3600,
+        piece_ms=piece, mux=pieces.mode.value,
     )

@@ -147,7 +147,7 @@ def _script(spec: DriverSpec, plan: Any, config: Any, *, lent: bool, one_node: b
     if lent:
         print("a script job lends no idle windows: the background job was not run", flush=True)
     script = stage_model(spec.script, spec.allowed_roots, spec.out / "script")
-    launch(plan, spec.out / "plan.json", nproc=plan.gpus, config=config, worker_args=[], script=Path(script))
+    launch(plan, spec.out / "plan.json", nproc=plan.gpus, config=config, script=Path(script))
     return {"script": spec.script, "gpus": plan.gpus}
 
 

@@ -80,8 +80,20 @@ class CudaGpu:
     def graph(self) -> Graph:
         return torch.cuda.CUDAGraph()
 
-    def capture(self, graph: Graph, stream: Stream) -> contextlib.AbstractContextManager[None]:
-        return torch.cuda.graph(graph, stream=stream)  # type: ignore[arg-type]
+    def graph_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def capture(self, graph: Graph, stream: Stream, pool: Any = None) -> Iterator[None]:
+        """``torch.cuda.graph``'s two calls without its device-wide synchronize and ``empty_cache``: the capture runs
+        on a thread beside a training foreground, which neither should stall nor lose its cached memory; and in
+        ``thread_local`` mode, so that the foreground's own calls meanwhile are not errors of the capture."""
+        with torch.cuda.stream(stream):  # type: ignore[arg-type]
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # type: ignore[attr-defined]
+            try:
+                yield
+            finally:
+                graph.capture_end()  # type: ignore[attr-defined]
 
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)

@@ -19,6 +19,14 @@ work it follows, so ``elapsed_time`` measures what ran between two events. A col
 communication stream; its handle's ``wait`` makes the waiting thread's current stream wait for it
 (NCCL's semantics), after waiting for the real (gloo) work.
 
+*Modelled durations* (``op_ms``, off by default): each op's device time is given by a function of its
+name instead of the CPU time it takes. Items then run on a device timeline: an item starts at the
+latest of its issue, its stream's previous item's end and the ends of what it waited for, and lasts its
+modelled time (a replay: the sum of its captured ops'); streams overlap without sharing throughput. A
+host wait (``synchronize``, ``Event.synchronize``, ``.item()``) returns once the host clock has reached
+the end of the work it waited for, sleeping until then, as a host waits for a GPU. Timings read through
+events are then the modelled ones, whatever the CPU's load.
+
 Tests read :attr:`FakeGpu.log`: the items that ran, with their stream, label and times.
 """
 
@@ -64,6 +72,8 @@ class _Item:
     run: Callable[[], None] | None = None
     start_s: float | None = None
     end_s: float | None = None
+    ms: float | None = None
+    """Its modelled device time (``FakeGpu(op_ms=...)``); None: the CPU time it takes."""
 
 
 class FakeStream:
@@ -113,7 +123,8 @@ class FakeEvent:
 
     def query(self) -> bool:
         self.gpu.advance()
-        return self.gpu.reached(self.position())
+        clock = self.position()
+        return self.gpu.reached(clock) and max(self.gpu.ends(clock), default=0.0) <= self.gpu.clock()
 
     def time_s(self) -> float:
         clock = self.position()
@@ -150,7 +161,13 @@ class FakeGraph:
     def replay(self) -> None:
         if self.gpu is None:
             raise StreamOrderError("replay of a graph that was never captured")
-        self.gpu.issue("replay", self.reads, self.writes, run=self._run)
+        self.gpu.issue("replay", self.reads, self.writes, run=self._run, ms=self.modelled_ms())
+
+    def modelled_ms(self) -> float | None:
+        """The sum of the captured ops' modelled times (None when the fake does not model them)."""
+        if self.gpu is None or self.gpu.op_ms is None:
+            return None
+        return sum(self.gpu.op_ms(func.__name__) for func, *_ in self.ops)
 
     def _run(self) -> None:
         with torch.no_grad():
@@ -183,13 +200,20 @@ class _Tracker(TorchDispatchMode):
 
 
 class FakeGpu:
-    """The fake. ``gpus`` is what :meth:`count` answers; :meth:`bind` records the index it chose."""
+    """The fake. ``gpus`` is what :meth:`count` answers; :meth:`bind` records the index it chose.
+
+    ``op_ms``: each op's modelled device time in ms, by its name (``"mm.default"``, ``"replay"`` is not
+    asked: a replay lasts its captured ops' sum; ``"collective"`` is); None: the CPU time each takes.
+    ``sleep`` is how a host wait lets the clock reach the device's time.
+    """
 
     backend = "gloo"
 
     def __init__(self, *, gpus: int = 1, memory_bytes: int = 80 * 2**30, clock: Callable[[], float] = time.perf_counter,
-                 mps_run: Run | None = None) -> None:
+                 mps_run: Run | None = None, op_ms: Callable[[str], float] | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.gpus, self.memory_bytes, self.clock, self._mps_run = gpus, memory_bytes, clock, mps_run
+        self.op_ms, self.sleep = op_ms, sleep
         self.lock = threading.RLock()
         self.streams: list[FakeStream] = []
         self.default = self._new_stream(0, "default")
@@ -264,8 +288,12 @@ class FakeGpu:
     def graph(self) -> FakeGraph:
         return FakeGraph()
 
+    def graph_pool(self) -> object:
+        return object()  # CPU memory is not reused behind a graph's back: a pool is only a token here
+
     @contextlib.contextmanager
-    def capture(self, graph: FakeGraph, stream: FakeStream) -> Iterator[None]:
+    def capture(self, graph: FakeGraph, stream: FakeStream, pool: object = None) -> Iterator[None]:
+        del pool
         if getattr(self._local, "capturing", None) is not None:
             raise StreamOrderError("a graph capture inside another")
         graph.gpu = self
@@ -317,9 +345,9 @@ class FakeGpu:
         return result
 
     def issue(self, label: str, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor],
-              run: Callable[[], None] | None) -> _Item:
+              run: Callable[[], None] | None, ms: float | None = None) -> _Item:
         with self.lock:
-            return self._issue_on(self.current_stream(), label, reads, writes, run)
+            return self._issue_on(self.current_stream(), label, reads, writes, run, ms)
 
     def wait(self, stream: FakeStream, clock: Clock) -> None:
         for sid, count in clock.items():
@@ -329,6 +357,9 @@ class FakeGpu:
     def host_waits(self, clock: Clock) -> None:
         """The calling thread waits for ``clock``: what it issues from now on comes after that work."""
         self.complete(clock)
+        late = max(self.ends(clock), default=0.0) - self.clock()
+        if late > 0:  # modelled work ends on the device's timeline: the host waits for it
+            self.sleep(late)
         known = self.host_clock()
         for sid, count in clock.items():
             known[sid] = max(known.get(sid, 0), count)
@@ -366,19 +397,25 @@ class FakeGpu:
         self.complete({item.stream.id: item.index + 1})
 
     def _execute(self, item: _Item) -> None:
-        item.start_s = max([self.clock(), *self.ends(item.deps)])
+        if item.ms is None:
+            item.start_s = max([self.clock(), *self.ends(item.deps)])
+        else:  # the device's timeline: from its issue or what it waits for, for its modelled time
+            item.start_s = max([item.issued_s, *self.ends(item.deps)])
         if item.run is not None:
             self._raw(item.run)
-        item.end_s = max(self.clock(), item.start_s)
+        item.end_s = max(self.clock(), item.start_s) if item.ms is None else item.start_s + item.ms / 1e3
         item.stream.completed += 1
         self.log.append(item)
 
     def _issue_on(self, stream: FakeStream, label: str, reads: Sequence[torch.Tensor],
-                  writes: Sequence[torch.Tensor], run: Callable[[], None] | None) -> _Item:
+                  writes: Sequence[torch.Tensor], run: Callable[[], None] | None, ms: float | None = None) -> _Item:
         deps = stream.position()
         for sid, count in self.host_clock().items():
             deps[sid] = max(deps.get(sid, 0), count)
-        item = _Item(stream=stream, index=len(stream.items), label=label, deps=deps, issued_s=self.clock(), run=run)
+        if ms is None and self.op_ms is not None:
+            ms = self.op_ms(label)
+        item = _Item(stream=stream, index=len(stream.items), label=label, deps=deps, issued_s=self.clock(), run=run,
+                     ms=ms)
         written = {_key(t) for t in writes} - {0}
         for key in {_key(t) for t in reads} - {0}:
             self._check(item, key, self._writer.get(key), "reads")

@@ -104,7 +104,15 @@ class Gpu(Protocol):
 
     def graph(self) -> Graph: ...
 
-    def capture(self, graph: Graph, stream: Stream) -> AbstractContextManager[None]: ...
+    def graph_pool(self) -> Any:
+        """A memory pool graphs captured into it share (``torch.cuda.graph_pool_handle()``): safe while they are
+        replayed one at a time in the order they were captured."""
+        ...
+
+    def capture(self, graph: Graph, stream: Stream, pool: Any = None) -> AbstractContextManager[None]:
+        """Capture what this thread issues inside into ``graph``, on ``stream`` (into ``pool`` when given). Other
+        threads may go on using the device meanwhile."""
+        ...
 
     def synchronize(self, device: torch.device) -> None: ...
 

@@ -11,6 +11,17 @@ from deeppool import options
 from deeppool.errors import DeeppoolError
 from deeppool.executor.config import OptimizerConfig
 from deeppool.options import nested, option
+from deeppool.planner.profiling.interference import DEFAULT_PIECE_MS
+
+PRIORITY_PIECE_MS = DEFAULT_PIECE_MS
+"""``priority`` mode's default piece: the target length in ms of each CUDA graph the background step is cut
+into, at layer boundaries (DeepPool's ``be_graph_split_ms``, 0.5 ms; :mod:`deeppool.multiplex.pieces`). A
+piece is closed before it would pass the target, so every piece is at most this long unless one layer phase
+of one row is longer (the step is cut into micro-steps of fewer rows where a layer of the whole batch is);
+a window of at least this length then holds the next piece. The value is defined once, beside the
+simulator's and the planner's model of pieces (``interference.DEFAULT_PIECE_MS``, which imports neither
+torch nor the executor); ``--piece-ms`` changes it for a run (:attr:`BackgroundConfig.piece_ms`), and
+:attr:`MuxMode.piece_ms` is what a mode assumes by default."""
 
 
 class MuxMode(enum.Enum):
@@ -34,6 +45,13 @@ class MuxMode(enum.Enum):
     @property
     def in_process(self) -> bool:
         return self is MuxMode.PRIORITY
+
+    @property
+    def piece_ms(self) -> float | None:
+        """The default length of the indivisible pieces this mode lends windows in: :data:`PRIORITY_PIECE_MS`
+        for ``priority``. None for the others: ``gate`` sizes each micro-step (whole rows of the batch) to
+        the window it runs in, and the free-running modes do not work in windows."""
+        return PRIORITY_PIECE_MS if self is MuxMode.PRIORITY else None
 
 
 CPU_MODES = (MuxMode.NONE, MuxMode.SCHED_IDLE, MuxMode.GATE)
@@ -82,6 +100,8 @@ class BackgroundConfig:
     checkpoint_every: int = 50
     slowdown_target: float = option(0.05, help="foreground slowdown the controller aims under (fraction)")
     mps_percentage: int = option(30, help="--mux mps: the background client's active-thread percentage")
+    piece_ms: float = option(PRIORITY_PIECE_MS, help="--mux priority: target length (ms) of the CUDA-graph pieces "
+                             "the background step is cut into, at layer boundaries")
     min_window_ms: float = 1.0
     """Shorter windows are not lent: waking and stopping the background costs more than it could do."""
     schedule: ABSchedule = nested(default_factory=ABSchedule)
@@ -106,6 +126,8 @@ class BackgroundConfig:
             raise DeeppoolError(f"a guest of another account runs in --mux gate, not {self.mode.value}")
         if not 1 <= self.mps_percentage <= 100:
             raise DeeppoolError(f"--mps-percentage {self.mps_percentage} must be in [1, 100]")
+        if not self.piece_ms > 0:
+            raise DeeppoolError(f"--piece-ms {self.piece_ms} must be positive, e.g. {PRIORITY_PIECE_MS}")
 
     def checkpoint(self, rank: int) -> Path | None:
         if self.checkpoint_dir is None:

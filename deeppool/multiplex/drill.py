@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from deeppool.device.seam import Gpu
-from deeppool.multiplex.config import BackgroundConfig, MuxMode
+from deeppool.multiplex.config import PRIORITY_PIECE_MS, BackgroundConfig, MuxMode
 from deeppool.multiplex.gpu import StreamBackground, foreground_stream
 from deeppool.multiplex.metrics import RankBackground
+from deeppool.multiplex.pieces import StepPieces
 
 Interval = tuple[float, float]
 
@@ -35,6 +36,8 @@ class Drill:
     """Host times of each foreground all-reduce, launch to completion."""
     late: int
     """Windows admitted after their deadline: nothing may run in them."""
+    pieces: StepPieces | None = None
+    """The background step's pieces, as captured (None when the capture failed)."""
 
 
 def _group() -> dist.ProcessGroup:
@@ -55,10 +58,10 @@ def _first_piece(background: StreamBackground, timeout_s: float) -> None:
 
 
 def priority_drill(gpu: Gpu, device: torch.device, model: Path, *, windows: int = 12, late: int = 3,
-                   window_s: float = 0.03, timeout_s: float = 120.0) -> Drill:
+                   window_s: float = 0.03, timeout_s: float = 120.0, piece_ms: float = PRIORITY_PIECE_MS) -> Drill:
     """``windows`` idle windows of ``window_s`` between all-reduces, then ``late`` windows already past."""
-    background = StreamBackground(BackgroundConfig(model=model, mode=MuxMode.PRIORITY), rank=0, device=device,
-                                  gpu=gpu)
+    background = StreamBackground(BackgroundConfig(model=model, mode=MuxMode.PRIORITY, piece_ms=piece_ms), rank=0,
+                                  device=device, gpu=gpu)
     group = _group()
     opened_at, reduced = [], []
     with gpu.on(device):
@@ -79,7 +82,7 @@ def priority_drill(gpu: Gpu, device: torch.device, model: Path, *, windows: int 
                 opened_at.append((opened, time.perf_counter()))
                 weights = weights * 0.5 + grads * 1e-4
         result = background.stop(timeout_s)
-    return Drill(result=result, windows=opened_at, allreduces=reduced, late=late)
+    return Drill(result=result, windows=opened_at, allreduces=reduced, late=late, pieces=background.pieces)
 
 
 def violations(pieces: list[Interval], drill: Drill) -> list[str]:

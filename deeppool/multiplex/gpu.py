@@ -3,50 +3,53 @@
 As DeepPool's runtime does (``BeTask.cpp``, ``GraphPieces.cpp``): the thread
 shares the rank's CUDA context; the foreground runs on a high-priority stream
 (:func:`foreground_stream`); after warm-up the background step is captured as
-CUDA graphs, cut into *pieces* of about ``piece_ms`` (micro-steps of a few
-rows each, and the optimizer step), replayed on a low-priority stream. A piece
+CUDA graphs, cut at layer boundaries into *pieces* of about ``piece_ms``
+(``--piece-ms``, 0.5 ms as DeepPool; :mod:`deeppool.multiplex.pieces`), in
+micro-steps of fewer rows where one layer of the whole batch is longer: forward
+pieces, backward pieces, the optimizer step, replayed on a low-priority stream. A piece
 is admitted only inside an idle window (a token from the listener, with a
 deadline), at most one is in flight (the thread waits for its event before the
-next), none is launched when its measured length does not fit before the
-window's deadline, and none after the executor has closed the window — so
-none runs into the foreground's next op, all-reduce included. On a rank that
+next), none is launched when its expected length (the median of its recent
+replays) does not fit before the window's deadline, and none after the
+executor has closed the window — so none runs into the foreground's next op,
+all-reduce included. (The one exception: a piece known only from the timing
+steps, which ran beside the foreground and may be inflated by it, is tried
+once after it has been refused in a few windows in a row:
+:meth:`~deeppool.multiplex.pieces.StepPieces.fits`.) On a rank that
 runs no layer no op follows the window, so a piece launched before the deadline
 may end after it (``overrun``). The controller shrinks the deadlines when the foreground slows.
-Each finished background step's loss (the sum of its captured micro-step losses, read
-after the step's last piece has completed) is reported, and so is each token that ran
-no piece (its window closed or too short: ``dropped``).
+Each finished background step's loss (read after the step's last piece has completed) is
+reported, and so is each token that ran no piece (its window closed or too short: ``dropped``).
 
 Every device call goes through the seam (:mod:`deeppool.device`): on a GPU the real
 one; in the tests the fake (:class:`~deeppool.device.fake.FakeGpu`) runs this module
-on CPU and checks its stream order. On a GPU it has run in the one-GPU ``priority`` drill of
-``benchmarks/gpu.py``; a multiplexed ``deeppool run`` needs two GPUs and has not (``docs/gpu.md``).
+on CPU and checks its stream order. On a GPU the micro-step pieces it cut before
+(rows, not layers) have run in the one-GPU ``priority`` drill of ``benchmarks/gpu.py``; the layer pieces have
+not, and a multiplexed ``deeppool run`` needs two GPUs and has not (``docs/gpu.md``).
 Constructing :class:`StreamBackground` without a GPU is a one-line error.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import queue
-import statistics
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from deeppool.device.cuda import CudaGpu
-from deeppool.device.seam import Event, Gpu, Graph, Stream
+from deeppool.device.seam import Event, Gpu
 from deeppool.errors import DeeppoolError
+from deeppool.model.loading import LoadedModel
+from deeppool.model.trace import Traced
 from deeppool.multiplex.config import BackgroundConfig
-from deeppool.multiplex.job import BackgroundJob, _slice, forward, load_background
+from deeppool.multiplex.job import BackgroundJob, load_background
 from deeppool.multiplex.metrics import RankBackground, window_samples
+from deeppool.multiplex.pieces import StepPieces, capture, trace_background
 from deeppool.plans import Optimizer
-
-WARMUP_STEPS = 3
-HISTORY = 5
 
 
 def require_gpu(gpu: Gpu) -> None:
@@ -64,73 +67,15 @@ def foreground_stream(gpu: Gpu, device: torch.device) -> Iterator[None]:
         yield
 
 
-@dataclass
-class Pieces:
-    """The background step as CUDA graphs: micro-step pieces then the optimizer step."""
-
-    graphs: list[Graph]
-    ms: list[float]
-    static: tuple[object, object]
-    rows: int
-    losses: list[torch.Tensor] = field(default_factory=list)
-    history: list[list[float]] = field(default_factory=list)
-
-    def measured(self, index: int, ms: float) -> None:
-        """A piece's expected length: the median of its last few replays and the first estimate, so one
-        slow replay (longer than every window) does not keep the piece, and the background, out for good."""
-        if not self.history:
-            self.history = [[first] for first in self.ms]
-        recent = self.history[index] = [*self.history[index][-(HISTORY - 1):], ms]
-        self.ms[index] = statistics.median(recent)
-
-    def step_loss(self) -> float:
-        """The last replayed step's loss (read once its pieces have completed)."""
-        return float(sum(float(loss.detach()) for loss in self.losses))
-
-
-def capture(gpu: Gpu, job: BackgroundJob, stream: Stream, piece_ms: float) -> Pieces:
-    """Warm up, size micro-steps to ``piece_ms`` and capture each piece (static shapes, no host syncs)."""
-    stream.wait_stream(gpu.current_stream(job.device))  # the model and its data were made on the current stream
-    with gpu.use(stream):
-        for _ in range(WARMUP_STEPS):
-            job.train_step()
-        start, end = gpu.event(), gpu.event()
-        start.record(stream)
-        job.train_step()
-        end.record(stream)
-    end.synchronize()
-    rows = max(1, min(job.batch, math.floor(job.batch * piece_ms / max(start.elapsed_time(end), 1e-3))))
-    with gpu.use(stream):
-        static = job._batch()
-        for p in job.module.parameters():
-            p.grad = torch.zeros_like(p)
-    graphs: list[Graph] = []
-    losses = []
-    for first in range(0, job.batch, rows):
-        last = min(job.batch, first + rows)
-        graph = gpu.graph()
-        with gpu.capture(graph, stream):
-            out = forward(job.module, _slice(static[0], first, last))
-            loss = job.loaded.loss(out, _slice(static[1], first, last)) * ((last - first) / job.batch)
-            loss.backward()
-        graphs.append(graph)
-        losses.append(loss)
-    step = gpu.graph()
-    with gpu.capture(step, stream):
-        job.optimizer.step()
-        job.optimizer.zero_grad(set_to_none=False)
-    graphs.append(step)
-    return Pieces(graphs=graphs, ms=[piece_ms] * len(graphs), static=static, rows=rows, losses=losses)
-
-
 class StreamBackground:
     """The listener's background for ``--mux priority``: tokens in, graph pieces out, one in flight."""
 
-    def __init__(self, config: BackgroundConfig, *, rank: int, device: torch.device, piece_ms: float = 0.5,
-                 gpu: Gpu | None = None) -> None:
+    def __init__(self, config: BackgroundConfig, *, rank: int, device: torch.device, gpu: Gpu | None = None) -> None:
         self.gpu = gpu or CudaGpu()
         require_gpu(self.gpu)
-        self.config, self.rank, self.device, self.piece_ms = config, rank, device, piece_ms
+        self.config, self.rank, self.device = config, rank, device
+        self.pieces: StepPieces | None = None
+        """The captured step, once the thread has captured it."""
         least, _ = self.gpu.priority_range()
         self.stream = self.gpu.stream(device, priority=least)
         self._tokens: queue.SimpleQueue[tuple[float, int, bool] | None] = queue.SimpleQueue()
@@ -183,10 +128,12 @@ class StreamBackground:
             windows=window_samples(self._closed_ms, r["windows"]), error=r["error"],
         )
 
-    def _job(self) -> BackgroundJob:
-        job = BackgroundJob(load_background(self.config.model), batch=self.config.batch, optimizer=self.config.optimizer,
+    def _job(self, loaded: LoadedModel, traced: Traced | None) -> BackgroundJob:
+        job = BackgroundJob(loaded, batch=self.config.batch, optimizer=self.config.optimizer,
                             seed=self.config.seed + self.rank, device=self.device,
                             checkpoint=self.config.checkpoint(self.rank))
+        if traced is not None:
+            traced.module.to(self.device)  # its own constants; the parameters are the job's, moved above
         if self.config.optimizer.kind is Optimizer.ADAM:  # graph capture needs capturable state
             job.optimizer = torch.optim.Adam(job.module.parameters(), lr=self.config.optimizer.lr, capturable=True)
         return job
@@ -194,28 +141,30 @@ class StreamBackground:
     def _main(self) -> None:
         try:
             with self.gpu.on(self.device):
-                job = self._job()
+                loaded = load_background(self.config.model)
+                traced = trace_background(loaded)  # on CPU, before the job moves the model to the device
+                job = self._job(loaded, traced)
                 self._result["start_step"] = job.step
-                pieces = capture(self.gpu, job, self.stream, self.piece_ms)
+                pieces = self.pieces = capture(self.gpu, job, self.stream, self.config.piece_ms, traced)
                 self._serve(job, pieces)
                 self.gpu.current_stream(self.device).wait_stream(self.stream)  # the checkpoint reads the weights
                 job.save()
         except Exception as err:  # noqa: BLE001  reported; the foreground goes on
             self._result["error"] = f"{type(err).__name__}: {err}"
 
-    def _serve(self, job: BackgroundJob, pieces: Pieces) -> None:
+    def _serve(self, job: BackgroundJob, pieces: StepPieces) -> None:
         start, end = self.gpu.event(), self.gpu.event()
         with self.gpu.use(self.stream):
             self._loop(job, pieces, start, end)
 
-    def _loop(self, job: BackgroundJob, pieces: Pieces, start: Event, end: Event) -> None:
+    def _loop(self, job: BackgroundJob, pieces: StepPieces, start: Event, end: Event) -> None:
         index = 0
         while (token := self._tokens.get()) is not None:
             deadline, window, overrun = token
             self._result["tokens"] = int(self._result["tokens"]) + 1
             busy, ran = 0.0, 0
-            while self._closed < window and time.perf_counter() + (0.0 if overrun else pieces.ms[index] / 1e3) \
-                    <= deadline:
+            while self._closed < window and (time.perf_counter() <= deadline if overrun else
+                                             pieces.fits(index, deadline - time.perf_counter())):
                 start.record(self.stream)
                 pieces.graphs[index].replay()  # replays on the current stream: the low-priority one
                 end.record(self.stream)
@@ -232,7 +181,7 @@ class StreamBackground:
             self._result["busy_s"] = float(self._result["busy_s"]) + busy / 1e3
             self._result["windows"].append(busy)  # type: ignore[union-attr]
 
-    def _step_done(self, job: BackgroundJob, pieces: Pieces) -> None:
+    def _step_done(self, job: BackgroundJob, pieces: StepPieces) -> None:
         job.step += 1
         self._result["steps"] = int(self._result["steps"]) + 1
         self._result["losses"].append(pieces.step_loss())  # type: ignore[union-attr]

@@ -11,7 +11,7 @@ from deeppool.options import Given, Group
 
 RUN_BACKGROUND = Group(BackgroundConfig, optional=True)
 """``deeppool run``'s background options: no background unless ``--background`` is given."""
-BENCH_BACKGROUND = Group(BackgroundConfig, only=("model", "batch", "optimizer", "slowdown_target"))
+BENCH_BACKGROUND = Group(BackgroundConfig, only=("model", "batch", "optimizer", "slowdown_target", "piece_ms"))
 """``deeppool multiplex bench``'s: the background it measures in each mode (``--background`` required)."""
 
 

@@ -37,7 +37,6 @@ To add a policy, write a class with ``name`` and ``decide`` and list it in
 
 from __future__ import annotations
 
-import bisect
 import enum
 import heapq
 from collections.abc import Iterable, Iterator
@@ -46,6 +45,7 @@ from dataclasses import dataclass
 
 from deeppool.scheduling.pollux import PolluxPolicy
 from deeppool.scheduling.contract import NOTHING, Decision, Lend, PlanMode, Policy, SimJob, Slot, Snapshot, Start
+from deeppool.scheduling.demand import DemandPolicy, fitting
 from deeppool.errors import DeeppoolError
 
 TIRESIAS_THRESHOLD_GPU_S = 16 * 3600.0
@@ -204,28 +204,11 @@ def _background(
             starts.append(Start(job_id=job.job_id, gpus=job.gpus, mode=placement.mode))
             free -= job.gpus
             continue
-        chosen = _fitting(slots, windows, job)
+        chosen = fitting(slots, windows, job)
         if chosen is None:
             return lends, free, False
         lends.append(Lend(job_id=job.job_id, slots=chosen))
     return lends, free, True
-
-
-def _fitting(slots: list[Slot], windows: list[float], job: SimJob) -> tuple[Slot, ...] | None:
-    """Take the ``job.gpus`` smallest-window slots that fit ``job`` out of ``slots`` (sorted by window)."""
-    chosen: list[int] = []
-    for index in range(bisect.bisect_left(windows, job.granularity_ms), len(slots)):
-        if slots[index].fits(job):
-            chosen.append(index)
-            if len(chosen) == job.gpus:
-                break
-    if len(chosen) < job.gpus:
-        return None
-    taken = tuple(slots[index] for index in chosen)
-    for index in reversed(chosen):
-        del slots[index]
-        del windows[index]
-    return taken
 
 
 def _promote(snapshot: Snapshot, free: int) -> list[int]:
@@ -241,7 +224,7 @@ def _promote(snapshot: Snapshot, free: int) -> list[int]:
 POLICIES: dict[str, Policy] = {
     policy.name: policy
     for policy in (Scheduler(order=order, placement=placement) for order in Order for placement in Placement)
-} | {"pollux": PolluxPolicy()}
+} | {"burst+demand": DemandPolicy(), "pollux": PolluxPolicy()}
 ADAPTIVE = frozenset({"pollux"})
 """Policies that run jobs by their speed models (batch and GPUs chosen together): they need Pollux workloads."""
 BASELINE = "dp"

@@ -133,6 +133,37 @@ def test_events_time_the_work_between_them_and_refuse_before_it_completes() -> N
         assert start.elapsed_time(end) > 0
 
 
+def test_modelled_durations_time_the_device_and_the_host_waits_for_them() -> None:
+    """With ``op_ms`` an op lasts its modelled time on the device's timeline, a replay its ops' sum, streams
+    overlap, and a host wait lets the host clock reach the device's: timings exact whatever the CPU's load."""
+    now = [10.0]
+    gpu = FakeGpu(op_ms=lambda name: 2.0 if name.startswith("mul") else 0.0, clock=lambda: now[0],
+                  sleep=lambda seconds: now.__setitem__(0, now[0] + seconds))
+    with gpu.on(CPU):
+        ones = torch.ones(4)
+        low, high = gpu.stream(CPU, priority=0), gpu.stream(CPU, priority=-5)
+        graphs = []
+        for stream in (low, high):
+            stream.wait_stream(gpu.current_stream(CPU))
+            graphs.append(gpu.graph())
+            with gpu.capture(graphs[-1], stream):
+                ones * 3 * 2  # two modelled ops: 4 ms a replay
+        start, end, other = gpu.event(), gpu.event(), gpu.event()
+        with gpu.use(low):
+            start.record()
+            graphs[0].replay()
+            graphs[0].replay()
+            end.record()
+        with gpu.use(high):
+            graphs[1].replay()
+            other.record()
+        assert now[0] == 10.0 and not end.query()  # issued, not done: the device is behind the host
+        end.synchronize()
+        assert now[0] == pytest.approx(10.008)  # the host waited for the device's 8 ms
+        assert start.elapsed_time(end) == pytest.approx(8.0) and start.elapsed_time(other) == pytest.approx(4.0)
+        assert float((ones + 1).sum()) == 8.0 and now[0] == pytest.approx(10.008)  # no modelled op: no wait
+
+
 def test_a_collective_follows_the_launching_stream_and_its_wait_orders_the_waiter() -> None:
     gpu = FakeGpu()
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=datetime.timedelta(seconds=30))

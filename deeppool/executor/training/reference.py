@@ -1,7 +1,8 @@
 """``--check``: single-process training on the same global batches, and the comparison.
 
-The reference is the eager model (not the traced one), built from the same
-seeded spec, trained with the same optimizer on the same batches. Dropout and
+The reference is the eager model (not the traced one), a copy of the rank's
+model as built from the seeded spec (before tracing; the rank builds its model
+once), trained with the same optimizer on the same batches. Dropout and
 every other random op stay on: both runs draw per sample
 (:class:`~deeppool.model.randomness.SampleRandomness`, same seed), so the
 reference draws for each sample exactly what the ranks draw for it.

@@ -32,7 +32,6 @@ import bisect
 import enum
 import json
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,21 +171,23 @@ class Pieces:
         return "whole layer phases at the guest's batch"
 
 
-def claimed_throughput(*, dp_ms: float, iteration_ms: float, hosting_ms: float, gpus: int,
-                       usable: Sequence[float], claimed: int | None = None) -> tuple[float, float]:
-    """``(fg_share, bg_share)`` of a plan whose ``claimed`` most usable lent ranks hold background work.
+def cluster_shares(*, dp_ms: float, iteration_ms: float, hosting_ms: float, gpus: int,
+                   lent_usable: float) -> tuple[float, float]:
+    """``(fg_share, bg_share)`` of a plan whose ranks holding background work have usable fractions summing
+    to ``lent_usable`` (0: none lent, the plan runs alone): the cluster objective's ``J`` terms
+    (:mod:`deeppool.planner.solve.throughput`), whatever supply fills the ranks.
 
-    ``usable`` holds the usable fraction of every rank the plan lends, most usable first; ``claimed`` is how
-    many of them the background that exists fills (None: all, the unlimited supply of DeepPool's evaluation).
-    The cluster objective (:mod:`deeppool.planner.solve.throughput`) with its supply capped:
+        fg_share = T_dp / T_host,  T_host = hosting_ms if lent_usable > 0 else iteration_ms
+        bg_share = lent_usable / G
 
-        fg_share = T_dp / T_host,  T_host = hosting_ms if claimed > 0 else iteration_ms
-        bg_share = Σ_{the claimed ranks} usable_r / G
+    The planner counts every lendable rank (DeepPool's unlimited supply); a scheduling policy counts only
+    the ranks the background jobs that exist fill (:mod:`deeppool.scheduling.demand`).
     """
-    count = len(usable) if claimed is None else max(0, min(claimed, len(usable)))
-    if count == 0 or iteration_ms <= 0:
-        return (dp_ms / iteration_ms if iteration_ms > 0 else 1.0), 0.0
-    return dp_ms / hosting_ms, sum(usable[:count]) / gpus
+    if iteration_ms <= 0:
+        return 1.0, 0.0
+    if lent_usable <= 0:
+        return dp_ms / iteration_ms, 0.0
+    return dp_ms / hosting_ms, lent_usable / gpus
 
 
 def idle_throughout(windows_ms: tuple[float, ...], iteration_ms: float) -> bool:

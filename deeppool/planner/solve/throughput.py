@@ -86,7 +86,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from deeppool.errors import DeeppoolError
-from deeppool.planner.profiling.interference import InterferenceModel, claimed_throughput
+from deeppool.planner.profiling.interference import InterferenceModel, cluster_shares
 from deeppool.planner.solve.build import rank_idle_windows
 from deeppool.planner.solve.candidates import useful_counts
 from deeppool.planner.solve.cost import CostModel, SchedulePhase
@@ -129,17 +129,16 @@ def shares(
     iteration = cost.iteration_ms(assignment)
     if iteration <= 0:
         return Shares(fg_share=1.0, bg_share=0.0, lent_fraction=0.0)
-    usable: list[float] = []
-    lent_idle = 0.0
+    usable = lent_idle = 0.0
     for rank, count in _rank_groups(phases, gpus):
         windows = tuple(w.length_ms for w in rank_idle_windows(phases, rank, iteration))
         idle = sum(windows)
         fraction = model.usable_fraction(windows, iteration, piece_ms=model.bg_piece_ms)
         if idle / iteration >= model.min_lend_fraction and fraction > 0:
-            usable += [fraction] * count
+            usable += count * fraction
             lent_idle += count * idle
-    fg_share, bg_share = claimed_throughput(dp_ms=dp_ms, iteration_ms=iteration,
-                                            hosting_ms=iteration * model.fg_slowdown, gpus=gpus, usable=usable)
+    fg_share, bg_share = cluster_shares(dp_ms=dp_ms, iteration_ms=iteration, hosting_ms=iteration * model.fg_slowdown,
+                                        gpus=gpus, lent_usable=usable)
     return Shares(fg_share=fg_share, bg_share=bg_share, lent_fraction=lent_idle / (gpus * iteration))
 
 
