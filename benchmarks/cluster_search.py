@@ -1,11 +1,12 @@
 """The cluster objective's exact search on the simulator's DeepPool examples: proven or stopped, and how fast.
 
-    python benchmarks/cluster_search.py [--models resnet50,vgg16] [--gpus 8,64,256] [--write-docs]
+    python benchmarks/cluster_search.py [--models resnet50,vgg16] [--gpus 8,64,256] [--mux priority] [--write-docs]
 
 For every example of ``deeppool simulate-deeppool`` (its foreground model at its batch on A100s) and GPU
 count, the planner's ``--objective cluster`` search (:mod:`deeppool.planner.solve.throughput`) runs as the
 simulator runs it: with the defaults of the interference model and the 30 s limit, once with the
-guest's pieces (the 1-GPU background's longest layer phase, which the scenario sets) and once without.
+guest's pieces (the 1-GPU background's piece under ``--mux``, default ``priority``: 0.5 ms, or one layer phase
+of one row where longer, as the scenario sets it) and once without.
 Each row gives the cluster throughput ``J`` of the plan found (over data parallel on all GPUs), whether
 the search proved it best within the planner's 0.2% gap or stopped at its limit, and then how high its
 bound still was, and the CPU seconds (a busy machine inflates the wall time far more).
@@ -25,12 +26,13 @@ from rich.table import Table
 
 from deeppool.cluster_sim.cluster import ClusterSpec
 from deeppool.cluster_sim.models import EXAMPLE_BATCH, example
-from deeppool.cluster_sim.plans import PlanBook, PlanMode, PlanSettings
+from deeppool.cluster_sim.plans import PlanBook, PlanSettings
+from deeppool.cluster_sim.runner import piece_ms as guest_piece_ms
 from deeppool.cluster_sim.scenario import scenario_models
 from deeppool.docregions import REPO, Stamp, markdown, write_region
 from deeppool.plans import Objective, Strategy
 from deeppool.planner.api import PlanRequest, device_setup, plan_graph
-from deeppool.planner.profiling.interference import InterferenceModel
+from deeppool.planner.profiling.interference import InterferenceModel, PieceMode, Pieces
 
 TIME_LIMIT_S = 30.0
 """The simulator's ``--plan-time-limit`` default."""
@@ -72,9 +74,9 @@ def _search(book: PlanBook, name: str, gpus: int, piece_ms: float) -> Search:
     return Search(throughput=throughput, proven=proven, bound=bound, cpu_s=cpu_s)
 
 
-def _row(book: PlanBook, name: str, gpus: int) -> Row:
+def _row(book: PlanBook, name: str, gpus: int, pieces: Pieces) -> Row:
     _, background = scenario_models(example(name), gpus)
-    piece_ms = book.facts(background, 1, PlanMode.DATA_PARALLEL).granularity_ms
+    piece_ms = guest_piece_ms(background, 1, book, pieces)
     return Row(model=name, gpus=gpus, piece_ms=piece_ms, pieces=_search(book, name, gpus, piece_ms),
                without=_search(book, name, gpus, 0.0))
 
@@ -102,6 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(EXAMPLE_BATCH))
     parser.add_argument("--gpus", default="8,64,256")
+    parser.add_argument("--mux", default=PieceMode.PRIORITY.value, choices=[m.value for m in PieceMode])
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
     console = Console()
@@ -111,11 +114,12 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         for gpus in (int(g) for g in args.gpus.split(",")):
-            rows.append(_row(book, name, gpus))
+            rows.append(_row(book, name, gpus, Pieces(mode=PieceMode(args.mux))))
             done = rows[-1]
             console.print(f"{name} on {gpus}: {done.pieces.throughput:.3f}x in {done.pieces.cpu_s:.1f} s CPU "
                           f"({'proven' if done.pieces.proven else 'stopped'}), load {_load()}")
     table = _table(rows)
+    table.title = f"{table.title}, --mux {args.mux}"
     console.print(table)
     pieces, without = sum(row.pieces.proven for row in rows), sum(row.without.proven for row in rows)
     verdict = (f"{pieces} of {len(rows)} searches with the guest's pieces proven within the limit, "

@@ -1,7 +1,8 @@
 """Start-up of ``deeppool run``: seconds from the command's launch to the end of the first step, and to its exit.
 
     python benchmarks/startup.py [--nproc 2,4] [--repeats 5] [--steps 1] [--batch 32] [--tree PATH] [--label NAME]
-                                 [--baseline-tree PATH] [--json FILE] [--keep] [--write-docs]
+                                 [--baseline-tree PATH | --baseline-commit COMMIT] [--json FILE] [--keep]
+                                 [--write-docs]
 
 Each rank count gets a data-parallel plan of this file's MLP (``deeppool plan --strategy dp --device-model
 a100``: estimated, nothing measured; every rank trains every layer), written by the tree that runs it. Then
@@ -21,6 +22,7 @@ the process starts):
 ``--tree PATH`` runs another checkout's deeppool (e.g. ``git worktree add /tmp/before COMMIT``) instead of
 this one: the command is that tree's ``[project.scripts] deeppool`` entry run by this Python with
 ``PYTHONPATH=PATH``, which the ranks inherit (the editable install's finder comes after ``PYTHONPATH``).
+``--baseline-commit COMMIT`` checks that commit out in a temporary git worktree and measures it the same way;
 ``--baseline-tree PATH`` also measures that tree, as *before* (this tree, or ``--tree``, is *after*),
 interleaved in one invocation: every repeat runs each rank count on both trees, the order alternating. So
 that no figure comes from the wrong code, this file is also the plan's model file and, when imported (in the
@@ -317,6 +319,9 @@ def main() -> None:
     parser.add_argument("--label", default="after", help="the measured tree's name in the table and the JSON")
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="also measure this checkout's deeppool, as 'before', interleaved")
+    parser.add_argument("--baseline-commit", default=None,
+                        help="also measure this commit of the repository, as 'before' (checked out in a temporary "
+                             "git worktree, removed after)")
     parser.add_argument("--json", type=Path, default=None, help="save every run's figures here")
     parser.add_argument("--keep", action="store_true", help="keep the runs' folders (plans, logs, out)")
     parser.add_argument("--write-docs", action="store_true",
@@ -327,13 +332,20 @@ def main() -> None:
     from deeppool.docregions import Stamp, markdown, text_block, write_region
 
     nprocs = [int(n) for n in args.nproc.split(",")]
-    trees = [Tree.at(args.label, args.tree)]
-    if args.baseline_tree is not None:
-        trees.insert(0, Tree.at("before", args.baseline_tree))
-        if args.label == "before":
-            raise SystemExit("error: with --baseline-tree, the measured tree cannot be labelled 'before'")
+    if args.baseline_tree is not None and args.baseline_commit is not None:
+        raise SystemExit("error: give --baseline-tree or --baseline-commit, not both")
     stamp = Stamp.started()
     work = Path(tempfile.mkdtemp(prefix="deeppool-startup-"))
+    baseline = args.baseline_tree
+    if args.baseline_commit is not None:
+        baseline = work / "baseline"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(baseline),
+                        args.baseline_commit], check=True)
+    trees = [Tree.at(args.label, args.tree)]
+    if baseline is not None:
+        trees.insert(0, Tree.at("before", baseline))
+        if args.label == "before":
+            raise SystemExit("error: with a baseline, the measured tree cannot be labelled 'before'")
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
     print(f"machine: {os.cpu_count()} CPU cores, load average {load} at the start; "
           f"deeppool run --steps {args.steps}, data-parallel MLP plans, global batch {args.batch}")
@@ -342,6 +354,8 @@ def main() -> None:
     try:
         samples = measure(trees, nprocs, args.repeats, args.steps, args.batch, work)
     finally:
+        if args.baseline_commit is not None:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(baseline)], check=False)
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     summary = summarise(samples, trees, nprocs)

@@ -100,7 +100,8 @@ PieceOpt = Annotated[float, typer.Option(
     "--piece-ms", help="--mux priority: the length background steps are cut to (DeepPool's be_graph_split_ms).")]
 StrategyOpt = Annotated[str, typer.Option(help="Burst plans: ilp or deeppool.")]
 ObjectiveOpt = Annotated[str, typer.Option(
-    "--plan-objective", help="The plans burst+bg lends: cluster (the plan maximising the cluster's throughput under "
+    "--plan-objective", help="The lending plans (burst+bg lends them; burst+demand moves a job to its lending plan "
+    "when the background waiting makes it worth it): cluster (the plan maximising the cluster's throughput under "
     "the interference model) or time (the fastest plan).")]
 TimeLimitOpt = Annotated[float, typer.Option(help="ILP time limit per plan (s).")]
 CacheOpt = Annotated[Path, typer.Option(help="Where traced graphs and plans are cached.")]

@@ -15,8 +15,9 @@ Rates (see :mod:`deeppool.planner.profiling.interference`):
   on those GPUs, times ``fg_slowdown`` while it hosts a background job; it
   keeps ``gpu_seconds_per_iteration`` of GPU time busy per iteration;
 * a background job on lent ranks runs ``min(usable) / T_dp(k)``, each lent rank's idle windows
-  weighted by the efficiency for their length and cut to whole pieces of the guest's own step
-  granularity (:meth:`InterferenceModel.usable_fraction`);
+  weighted by the efficiency for their length and cut to whole pieces of the guest's piece
+  (``SimJob.granularity_ms``, the multiplexing mode's: :class:`~deeppool.planner.profiling.interference.Pieces`;
+  :meth:`InterferenceModel.usable_fraction`);
 * a job started with a batch (a co-adaptive policy's :class:`Start`) runs by its
   :class:`~deeppool.scheduling.contract.SpeedModel` instead: ``goodput(gpus, batch, epoch)``
   progress per second, all its GPUs busy. Its rate changes at each epoch's end (an event) and
@@ -29,7 +30,13 @@ for it; no job is placed before its arrival; busy GPU-time never exceeds the
 cluster. A violation raises :class:`PolicyError` naming the policy. Every
 preemption (a policy's decision) and eviction (a guest losing its host) is
 counted, and the job pays ``restart_penalty_s`` of lost time when it runs
-again.
+again. A :class:`Replan` moves a job running a plan to another of its plans on
+the same GPUs: its guests are evicted, the new plan's ranks are lent, and it
+pays ``replan_penalty_s`` of lost time on all its GPUs.
+
+A snapshot also shows each running job's plan (:class:`PlanState`) and, for
+any job, the plans it could run (:class:`PlanOffer`: speed alone and hosting,
+the ranks it would lend), both views built from the Plans' facts on demand.
 """
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ class PlanBook:
 
     def hosting(self, piece_ms: float) -> PlanBook:
         """This book with its lending plans chosen for background work in indivisible pieces of ``piece_ms``
-        (the guest's longest layer phase): a window shorter than a piece holds none of it. Traced graphs are
+        (the guest's piece under the multiplexing mode): a window shorter than a piece holds none of it. Traced graphs are
         shared; the plans are cached apart (the piece is part of the settings' key)."""
         interference = self.settings.interference
         if piece_ms == interference.bg_piece_ms:

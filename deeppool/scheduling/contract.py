@@ -66,7 +66,8 @@ class SimJob:
     iterations: float
     recorded_duration_s: float
     granularity_ms: float = 0.0
-    """Its longest layer phase on its own GPUs: a lent window shorter than this holds none of its work."""
+    """Its piece, the work a lent window admits whole (a background job's: its multiplexing mode's; a foreground
+    job's: its longest layer phase): a lent window shorter than this holds none of its work."""
     memory_bytes: int = 0
     """Memory of one of its data-parallel ranks: a lent GPU must have this much free."""
     speed: SpeedModel | None = None

@@ -1,8 +1,11 @@
 """``burst+demand``: plans chosen for the background that is waiting, and background jobs that keep their place.
 
 **Order.** First come, first served over every job, foreground and background alike, as ``dp`` runs it:
-the earliest waiting job starts when its GPUs are free, and while it cannot, the queue waits behind it.
-No job is demoted. A background job may, besides, run *ahead of its turn*: on whole GPUs nobody earlier
+the earliest waiting job starts when its GPUs are free. No job is demoted. Behind a head that cannot
+start, *conservative backfilling*: every job from the head on, in order, reserves the earliest time its
+GPUs are free for its predicted run (its iterations on its fastest plan, against the running jobs'
+predicted ends), and a job whose reservation is now starts now, so a later job never delays an earlier
+one's reservation. A background job may, besides, run *ahead of its turn*: on whole GPUs nobody earlier
 is waiting for, and on the idle ranks of running foreground plans. The GPUs it holds ahead of its turn
 are taken back (a preemption, newest first) as soon as a job that arrived before it needs them, and
 when its turn comes a guest on lent ranks moves to whole GPUs.

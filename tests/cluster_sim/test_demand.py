@@ -1,5 +1,5 @@
-"""``burst+demand``: plans for the background that is waiting, re-plans with hysteresis, no job demoted; and
-the pieces the multiplexing mode cuts a background step into."""
+"""``burst+demand``: plans for the background that is waiting, re-plans with hysteresis, no job demoted; the
+pieces the multiplexing mode cuts a background step into; and the plan cache's key (issue 42)."""
 
 from __future__ import annotations
 
@@ -196,6 +196,16 @@ def test_each_mode_sets_the_piece() -> None:
         Pieces(target_ms=0.0)
 
 
+def test_the_planner_takes_the_piece_from_the_mode_interference_was_measured_in(tmp_path) -> None:
+    import json
+
+    measured = {"fg_slowdown": 1.02, "bg_efficiency": 0.9}
+    for mode, piece, expected in (("priority", None, 0.5), ("priority", 0.25, 0.25), ("gate", None, 0.0)):
+        path = tmp_path / f"{mode}-{piece}.json"
+        path.write_text(json.dumps({**measured, "mode": mode, **({"piece_ms": piece} if piece else {})}))
+        assert InterferenceModel.measured(path).bg_piece_ms == expected, (mode, piece)
+
+
 def test_the_simulator_takes_a_guests_piece_from_its_own_plans(book, tiny) -> None:
     own = book.facts(tiny, 2, PlanMode.DATA_PARALLEL)
     row = book.facts(one_row(tiny), 1, PlanMode.DATA_PARALLEL)
@@ -219,3 +229,42 @@ def test_a_finer_piece_lets_a_guest_into_windows_a_coarse_one_cannot_use() -> No
         result = Simulation(cluster=CLUSTER, jobs=guests, policy=POLICIES["burst+bg"], facts=windows,
                             interference=NO_INTERFERENCE, restart_penalty_s=0.0).run()
         assert (result.lent_gpu_s > 0) is lent, piece
+
+
+# ---- the plan cache's key ---------------------------------------------------------------------------
+
+def test_the_plan_cache_key_follows_code_not_prose() -> None:
+    from deeppool.cluster_sim.plans import _code
+
+    source = 'def f(x):\n    """What f does."""\n    y = 1\n    """The y."""\n    return x + y\n'
+    assert _code(source) == _code(source.replace("What f does.", "Something else entirely."))
+    assert _code(source) == _code(source.replace("The y.", "") + "# a comment\n")
+    assert _code(source) != _code(source.replace("y = 1", "y = 2"))
+
+
+# ---- the command line ---------------------------------------------------------------------------------
+
+def test_simulate_takes_the_piece_from_mux_and_says_which_jobs_are_background(tmp_path, data_dir) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from deeppool.cluster_sim.cli import app
+
+    args = ["synthetic", "--gpus", "8", "--gpus-per-node", "4", "--mapping", str(data_dir / "mapping.json"),
+            "--jobs", "12", "--arrival-rate", "60", "--median-duration", "300", "--size-mix", "1:0.5,4:0.5",
+            "--no-plots", "--cache-dir", str(tmp_path / "cache")]
+    result = CliRunner().invoke(app, [*args, "--mux", "gate", "--out", str(tmp_path / "gate")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    run = json.loads((tmp_path / "gate" / "run.json").read_text())
+    metrics = json.loads((tmp_path / "gate" / "metrics.json").read_text())
+    assert list(metrics) == ["dp", "burst+demand"]  # the default policy, beside the baseline
+    assert run["mux"] == "gate" and run["replan_penalty_s"] == 30.0
+    assert run["interference"]["bg_piece_ms"] == 0.0  # gate's pieces depend on the guest: plans count every ms
+    assert f"background jobs: {run['background_jobs']} of 12" in result.output and "gate mode" in result.output
+    default = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "priority")], catch_exceptions=False)
+    run = json.loads((tmp_path / "priority" / "run.json").read_text())
+    assert run["mux"] == "priority" and run["interference"]["bg_piece_ms"] == 0.5, default.output
+    bad = CliRunner().invoke(app, [*args, "--mux", "fast", "--out", str(tmp_path / "bad")])
+    assert bad.exit_code == 2 and "--mux 'fast': use priority, gate, layer" in bad.output
+    assert len(bad.output.strip().splitlines()) == 1

@@ -109,19 +109,23 @@ class InterferenceModel:
 
     @classmethod
     def measured(cls, path: Path, *, min_lend_fraction: float = DEFAULT_MIN_LEND_FRACTION) -> InterferenceModel:
-        """The slowdown, efficiency and efficiency by window length ``deeppool multiplex bench`` wrote."""
+        """The slowdown, efficiency and efficiency by window length ``deeppool multiplex bench`` wrote, and the
+        piece of the mode it measured (``priority``: its ``piece_ms``, else 0.5 ms; the others': 0, since
+        their pieces depend on the guest)."""
         try:
             data = json.loads(path.read_text())
             slowdown, efficiency = float(data["fg_slowdown"]), float(data["bg_efficiency"])
             curve = tuple(sorted((float(b["window_ms"]), min(1.0, max(0.0, float(b["efficiency"]))))
                                  for b in data.get("efficiency_by_window_ms", ())))
+            piece = float(data.get("piece_ms", DEFAULT_PIECE_MS)) if data.get("mode") == PieceMode.PRIORITY.value \
+                else 0.0
         except FileNotFoundError:
             raise DeeppoolError(f"--interference '{path}' does not exist: write it with `deeppool multiplex bench`") from None
         except (ValueError, KeyError, TypeError):
             raise DeeppoolError(f"--interference '{path}' is not an interference.json from `deeppool multiplex bench` "
                                 "(needs fg_slowdown and bg_efficiency)") from None
         return cls(fg_slowdown=max(1.0, slowdown), bg_efficiency=min(1.0, max(efficiency, 1e-3)),
-                   min_lend_fraction=min_lend_fraction, efficiency_by_window_ms=curve)
+                   min_lend_fraction=min_lend_fraction, efficiency_by_window_ms=curve, bg_piece_ms=max(0.0, piece))
 
 
 class PieceMode(enum.Enum):
