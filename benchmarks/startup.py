@@ -40,35 +40,17 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import sys
 import time
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-WIDTH, HIDDEN, CLASSES = 512, 2048, 10
 PROBE = "DEEPPOOL_STARTUP_PROBE"
 """Environment: the folder where every process that imports this model file records its ``deeppool``."""
 
-
-def model() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(WIDTH, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
-        nn.Linear(HIDDEN, WIDTH), nn.ReLU(), nn.Linear(WIDTH, CLASSES),
-    )
-
-
-def inputs(batch_size: int) -> tuple[torch.Tensor, ...]:
-    return (torch.randn(batch_size, WIDTH, generator=torch.Generator().manual_seed(0)),)
-
-
-def targets(batch_size: int) -> torch.Tensor:
-    return torch.randint(0, CLASSES, (batch_size,), generator=torch.Generator().manual_seed(1))
-
-
-def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output, targets)
+_MLP = runpy.run_path(str(Path(__file__).resolve().parent / "models" / "mlp.py"))
+model, inputs, targets, loss = (_MLP[name] for name in ("model", "inputs", "targets", "loss"))
+"""The model file's convention, served by ``benchmarks/models/mlp.py``'s MLP."""
 
 
 def _record_import() -> None:

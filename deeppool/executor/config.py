@@ -207,7 +207,6 @@ class DataConfig:
     seed: int = option(0, flag="--data-seed", help="seed of the per-epoch sample order (seed + epoch)")
     """Epoch ``e`` visits the samples in the order ``torch.randperm(len, Generator().manual_seed(seed + e))``."""
     workers: int = option(0, flag="--data-workers", help="DataLoader worker processes per rank")
-    """DataLoader worker processes per rank (0: load in the training process)."""
 
     def __post_init__(self) -> None:
         module, _, attr = self.factory.rpartition(":")
@@ -224,9 +223,7 @@ class CheckpointConfig:
 
     directory: Path = option(flag="--checkpoint-dir", help="directory for checkpoints (one shard per layer group)")
     every: int = option(0, flag="--checkpoint-every", help="write a checkpoint every N optimizer steps (0: never)")
-    """Write after every ``every`` optimizer steps (0: never)."""
     resume: bool = option(False, flag="--resume", help="continue from the latest complete checkpoint")
-    """Start from the latest complete checkpoint in ``directory``."""
 
     def __post_init__(self) -> None:
         if self.every < 0:
@@ -263,7 +260,6 @@ class RunConfig:
     """``--policy``: a built-in adaptation policy or ``module:factory`` (:mod:`deeppool.adaptation.policy`)."""
     monitor_every: int = option(10, help="steps per all-gather of the ranks' step and compute times (stragglers, "
                                 "policies' snapshots)")
-    """Steps per all-gather of the ranks' step and compute times (:mod:`deeppool.executor.training.steptimes`)."""
     adaptation: Adaptation = nested(default_factory=Adaptation)
     precision: Precision = option(Precision.FP32, flag="--precision", help="forward under autocast to bf16 or fp16 "
                                   "(fp16 with loss scaling); weights stay fp32")
