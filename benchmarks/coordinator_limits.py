@@ -1,6 +1,7 @@
 """Coordinator limits: the status page and list routes with 200k events, and memory under oversized bodies.
 
     python benchmarks/coordinator_limits.py [--events 200000] [--bodies 4] [--body-mb 200] [--code DIR]
+    python benchmarks/coordinator_limits.py --history 200000 [--pending 50000] [--write-docs]
 
 Builds a database with 50 jobs, one of which has ``--events`` events (what a
 job writing that many lines to its ``events.jsonl`` left in the database
@@ -10,6 +11,20 @@ before the per-job cap), starts ``deeppool serve --paused`` on it, and times
 the server's peak resident memory (``VmHWM``) is read from ``/proc``.
 ``--code`` runs the server from another checkout of deeppool (to measure the
 code before a change: ``git archive BASE deeppool | tar -x -C DIR``).
+
+``--history N`` measures instead what a long history costs (issue 44): a
+database with N finished jobs (succeeded, failed, cancelled; two events each)
+against one with none, and one with ``--pending`` jobs of one user waiting
+(what a server without a pending quota could be given). Each has the same 20
+waiting jobs that cannot start. It times one scheduling tick (the server's
+``Service.tick``, in this process, median of 20), ``GET /metrics`` on a real
+``deeppool serve --paused`` (median of 20), and the time from starting
+``serve`` to its first ``/healthz`` answer (Python's imports included), and
+gives each as a ratio to the empty history. The recovery tick (reconcile
+only) is what runs before the server serves; the queue is scheduled by the
+loop after. Goals: a tick under 20 ms and
+``/metrics`` under 50 ms with 200,000 finished jobs. ``--write-docs`` writes
+the table into ``docs/performance.md`` (region ``coordinator-history``).
 """
 
 from __future__ import annotations
@@ -17,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -29,8 +45,9 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from deeppool.coordinator.jobs import JobKind, JobRequest
+from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
 from deeppool.coordinator.store import Store
+from deeppool.docregions import Stamp, markdown, write_region
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,9 +84,9 @@ def serve(code: Path, db: Path, port: int) -> subprocess.Popen:
     raise SystemExit("the server did not start")
 
 
-def timed(http: httpx.Client, path: str) -> float:
+def timed(http: httpx.Client, path: str, repeats: int = 5) -> float:
     times = []
-    for _ in range(5):
+    for _ in range(repeats):
         start = time.perf_counter()
         http.get(path).raise_for_status()
         times.append(time.perf_counter() - start)
@@ -97,13 +114,118 @@ def peak_rss_mb(pid: int) -> float:
     raise SystemExit(f"no VmHWM for pid {pid}")
 
 
+def fill(db: Path, finished: int, pending: int) -> None:
+    """``finished`` ended jobs and ``pending`` waiting ones (two events and one event each), and 20 waiting
+    foreground jobs, written straight into the database (its triggers keep the counters)."""
+    store = Store(db)
+    store.create_token("bench")
+    store.close()
+    ends = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+    now = "2026-12-01T00:00:00+00:00"
+    with sqlite3.connect(db, isolation_level=None) as raw:
+        raw.execute("BEGIN")
+        rows = [(ends[n % 3].value, "bg" if n % 2 else "fg", 1 if ends[n % 3] is JobStatus.CANCELLED else 0)
+                for n in range(finished)] + [(JobStatus.PENDING.value, "bg", 0)] * pending
+        rows += [(JobStatus.PENDING.value, "fg", 0)] * 20
+        for first in range(0, len(rows), 10_000):
+            chunk = rows[first:first + 10_000]
+            for state, kind, settled in chunk:
+                job = raw.execute("INSERT INTO jobs(owner, kind, state, model, gpus, batch, steps, input_shape, settled,"
+                                  " created_at, updated_at) VALUES ('bench', ?, ?, 'bench.mlp:model', ?, 8, 100, '[16]',"
+                                  " ?, ?, ?)", (kind, state, 4 if kind == "fg" else 1,
+                                                settled, now, now)).lastrowid
+                raw.execute("INSERT INTO events(job_id, from_state, to_state, reason, at) VALUES (?, NULL, 'PENDING', "
+                            "'submitted', ?)", (job, now))
+                if state != "PENDING":
+                    raw.execute("INSERT INTO events(job_id, from_state, to_state, reason, at) VALUES (?, 'PENDING', ?,"
+                                " 'ended', ?)", (job, state, now))
+        raw.execute("COMMIT")
+
+
+def tick_s(db: Path, logs: Path) -> tuple[float, float]:
+    """The median of 20 scheduling ticks of the server's loop on ``db``, on a cluster with no free GPU (so the
+    waiting jobs stay waiting, and every tick does the same work)."""
+    from deeppool.coordinator.launcher import LocalLauncher
+    from deeppool.coordinator.runtime import Runtime
+    from deeppool.coordinator.service import Service
+    from deeppool.scheduling import Order, Placement, Scheduler
+
+    store = Store(db)
+    service = Service(Runtime(store, LocalLauncher(logs), lambda job, attempt, guests: [["true"]]),
+                      Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), 0)
+    times, recoveries = [], []
+    for _ in range(20):
+        start = time.perf_counter()
+        decision = service.tick()
+        times.append(time.perf_counter() - start)
+        assert decision.empty, decision
+        start = time.perf_counter()
+        service.tick(schedule=False)  # what runs before the server serves
+        recoveries.append(time.perf_counter() - start)
+    store.close()
+    return statistics.median(times), statistics.median(recoveries)
+
+
+def started_s(db: Path, port: int) -> tuple[float, subprocess.Popen]:
+    """How long ``deeppool serve`` takes to answer its first ``/healthz`` (imports and recovery included)."""
+    began = time.perf_counter()
+    proc = serve(REPO, db, port)
+    return time.perf_counter() - began, proc
+
+
+def history(args: argparse.Namespace) -> None:
+    stamp = Stamp.started()
+    cases = {"empty history": (0, 0), f"{args.history:,} finished jobs": (args.history, 0),
+             f"{args.pending:,} jobs of one user waiting": (0, args.pending)}
+    found: dict[str, tuple[float, float, float, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (finished, pending) in cases.items():
+            db = Path(tmp) / f"{finished}-{pending}.db"
+            fill(db, finished, pending)
+            tick, recovery = tick_s(db, Path(tmp) / "logs")
+            port = free_port()
+            start, server = started_s(db, port)
+            try:
+                http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+                scrape = timed(http, "/metrics", 20)
+            finally:
+                server.terminate()
+                server.wait(10)
+            found[name] = (tick, recovery, scrape, start)
+    table = Table(title=f"coordinator with history: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    for column in ("database", "tick ms", "x empty", "recovery tick ms", "GET /metrics ms", "x empty",
+                   "serve --paused to first answer s", "x empty"):
+        table.add_column(column, justify="left" if column == "database" else "right")
+    base = found["empty history"]
+    for name, (tick, recovery, scrape, start) in found.items():
+        table.add_row(name, f"{1e3 * tick:.1f}", f"{tick / base[0]:.2f}", f"{1e3 * recovery:.1f}",
+                      f"{1e3 * scrape:.1f}", f"{scrape / base[2]:.2f}", f"{start:.2f}", f"{start / base[3]:.2f}")
+    Console().print(table)
+    tick, _, scrape, _ = found[f"{args.history:,} finished jobs"]
+    verdict = (f"with {args.history:,} finished jobs: tick {1e3 * tick:.1f} ms (goal < 20 ms: "
+               f"{'met' if tick < 0.020 else 'NOT met'}), /metrics {1e3 * scrape:.1f} ms (goal < 50 ms: "
+               f"{'met' if scrape < 0.050 else 'NOT met'})")
+    print(verdict)
+    if args.write_docs:
+        write_region(REPO / "docs" / "performance.md", "coordinator-history", f"{markdown(table)}\n\n{verdict}",
+                     stamp)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=200_000)
     parser.add_argument("--bodies", type=int, default=4)
     parser.add_argument("--body-mb", type=int, default=200)
     parser.add_argument("--code", type=Path, default=REPO, help="the checkout whose deeppool serves")
+    parser.add_argument("--history", type=int, default=0,
+                        help="instead: ticks, /metrics and start with this many finished jobs against none")
+    parser.add_argument("--pending", type=int, default=50_000, help="with --history: also one user's waiting jobs")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="with --history: write the table into docs/performance.md (coordinator-history)")
     args = parser.parse_args()
+    if args.history:
+        history(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         db, port = Path(tmp) / "bench.db", free_port()
         token = build(db, args.events)

@@ -9,7 +9,7 @@ allowed roots; it is never run through a shell.
 Limits: a request body over ``max_body_bytes`` (1 MiB unless ``serve
 --max-body-kb`` says otherwise) is answered 413 before it is read: at once
 when its ``Content-Length`` says so, else as soon as the bytes streamed in
-pass the limit (:class:`BodyLimit`). A refused request's 422 lists where and
+pass the limit (:class:`BodyLimit`); the 413 closes the connection, so the rest is never read. A refused request's 422 lists where and
 what is wrong, never the input. Lists come in pages (``GET /v1/jobs?after=ID``,
 ``/?before=ID``), and the page's timeline reads only the events that moved a
 job, so neither grows with what jobs report. Logs are served in byte ranges
@@ -19,7 +19,11 @@ cut at UTF-8 character boundaries (``X-Next-Offset``, ``X-Log-Size``).
 
 # No ``from __future__ import annotations`` here: FastAPI reads the routes' dependency aliases at runtime.
 import json
+import math
 import re
+import sqlite3
+import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -39,7 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobStatus, differences
 from deeppool.coordinator.metrics import CONTENT_TYPE, exposition
 from deeppool.coordinator.page import render
-from deeppool.coordinator.store import Store
+from deeppool.coordinator.store import QuotaExceeded, Store
 
 if TYPE_CHECKING:
     from deeppool.coordinator.service import Service
@@ -64,6 +68,10 @@ class ServerSettings:
     """the machines a foreground job spans (``serve --nodes``): its GPUs must split evenly over them"""
     max_body_bytes: int = 1 << 20
     """a request body over this is refused (413) before it is read"""
+    max_pending: int = 1000
+    """a user with this many jobs waiting gets 429 for a new one (0: no limit)"""
+    submits_per_minute: int = 600
+    """a user's submissions past this rate (a bucket of this many, refilled over a minute) get 429 (0: no limit)"""
 
 
 class BodyTooLarge(StarletteHTTPException):
@@ -104,7 +112,12 @@ class BodyLimit:
                 raise BodyTooLarge(self.limit)
             return message
 
-        await self.app(scope, counted, send)
+        async def closing(message: Message) -> None:
+            if message["type"] == "http.response.start" and seen > self.limit:  # the rest is never read:
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)  # the connection closes after the 413
+
+        await self.app(scope, counted, closing)
 
 
 class Problem(BaseModel):
@@ -153,6 +166,14 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
                                          "msg": str(problem.get("msg", ""))[:300]} for problem in error.errors()[:20]]},
                             status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
 
+    @app.exception_handler(sqlite3.OperationalError)
+    async def unavailable(request: Request, error: sqlite3.OperationalError) -> JSONResponse:
+        """A database that cannot write now (a full disk, a lock held too long): 503 with one line, never 500."""
+        del request
+        return JSONResponse({"detail": f"the database cannot answer now ({str(error).splitlines()[0][:200]}): "
+                                       "try again later"}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+                            headers={"Retry-After": "60"})
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         """As FastAPI answers, but a 405 lists every method of the path (routes are per method)."""
@@ -160,6 +181,7 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
         if error.status_code == status.HTTP_405_METHOD_NOT_ALLOWED:
             headers["Allow"] = ", ".join(sorted(allowed_methods(app, request.url.path)))
         return JSONResponse({"detail": error.detail}, status_code=error.status_code, headers=headers)
+    rate = RateLimit(settings.submits_per_minute)
     bearer = HTTPBearer(auto_error=False, description="a token from `deeppool token create NAME`")
 
     def user(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
@@ -191,19 +213,29 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
     @app.get("/metrics", response_class=PlainTextResponse, include_in_schema=False)
     def metrics() -> Response:
         """Prometheus metrics (no token, as the status page: counts, no secrets)."""
-        return Response(exposition(store.jobs(), settings.gpus), media_type=CONTENT_TYPE)
+        live = store.jobs(states=(JobStatus.STARTING, JobStatus.RUNNING))  # the history is in the counters
+        return Response(exposition(live, settings.gpus, store.counts()), media_type=CONTENT_TYPE)
 
     @app.get("/healthz", responses={503: {"model": Health}})
     def healthz() -> JSONResponse:
         """ok while the scheduling loop runs (503 with what failed while it does not)."""
         health = service.health if service is not None else None
+        full = store.space()
+        if full is not None:
+            return JSONResponse({"ok": False, "detail": full}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
         if health is None or health.ok:
             return JSONResponse({"ok": True})
         return JSONResponse({"ok": False, "detail": health.detail}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
 
     @app.post("/v1/jobs", status_code=status.HTTP_201_CREATED,
-              responses={200: {"model": Job}, **errors(400, 401, 403, 409, 413, 422)})
+              responses={200: {"model": Job}, **errors(400, 401, 403, 409, 413, 422, 429)})
     def submit(request: JobRequest, name: User, response: Response) -> Job:
+        wait_s = rate.take(name)
+        if wait_s > 0:
+            raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS,
+                                f"you submitted more than {settings.submits_per_minute} jobs in a minute (serve "
+                                f"--max-submits-per-minute): try again in {wait_s:.1f} s",
+                                headers={"Retry-After": str(math.ceil(wait_s))})
         check_model(request.model, settings.allowed_roots)
         check_inputs(request)
         if request.script is not None:
@@ -217,7 +249,17 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                                 f"gpus {request.gpus} do not split evenly over the {settings.nodes} nodes a foreground "
                                 f"job spans: ask for a multiple of {settings.nodes}")
-        job, new = store.submit(name, request)
+        full = store.space()  # a full disk: 503 with the reason, and the database's reserve kept for its jobs
+        if full is not None:
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, full, headers={"Retry-After": "60"})
+        try:
+            job, new = store.submit(name, request, max_pending=settings.max_pending)
+        except QuotaExceeded as err:
+            raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(err)) from None
+        except sqlite3.OperationalError as err:  # the disk filled in between (or the database is locked)
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"the database cannot take the job now "
+                                f"({str(err).splitlines()[0][:200]}): try again later",
+                                headers={"Retry-After": "60"}) from None
         if not new:
             changed = differences(job, request)
             if changed:
@@ -279,6 +321,29 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
                        allocations=allocations)
 
     return app
+
+
+class RateLimit:
+    """Per user, a bucket of ``per_minute`` submissions refilled evenly over a minute (0: no limit)."""
+
+    def __init__(self, per_minute: int) -> None:
+        self.per_minute = per_minute
+        self._lock = threading.Lock()
+        self._buckets: dict[str, tuple[float, float]] = {}  # user: (submissions left, when counted)
+
+    def take(self, user: str) -> float:
+        """Take one submission from ``user``'s bucket: 0 if there was one, else the seconds until there is."""
+        if self.per_minute <= 0:
+            return 0.0
+        now = time.monotonic()
+        with self._lock:
+            left, then = self._buckets.get(user, (float(self.per_minute), now))
+            left = min(float(self.per_minute), left + (now - then) * self.per_minute / 60)
+            if left < 1:
+                self._buckets[user] = (left, now)
+                return (1 - left) * 60 / self.per_minute
+            self._buckets[user] = (left - 1, now)
+            return 0.0
 
 
 def allowed_methods(app: FastAPI, path: str) -> set[str]:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from deeppool.coordinator.isolation import RunAs
     from deeppool.coordinator.launcher import Launcher
     from deeppool.coordinator.slurm import SlurmSettings
+    from deeppool.coordinator.supervisor import JobCaps
 
 REQUESTS_GRACE_S = 1.0
 """At a stop, how long requests in flight may take to finish: a client that stalls in its body must not hold the
@@ -38,7 +39,8 @@ def serve(
     port: Annotated[int, typer.Option(help="port to listen on")] = 8470,
     allow: Annotated[list[Path] | None, typer.Option(help="a folder model files may come from (repeatable)",
                                                      show_default="the current folder")] = None,
-    log_dir: Annotated[Path | None, typer.Option(help="where job logs go", show_default="DB's folder/logs")] = None,
+    log_dir: Annotated[Path | None, typer.Option(help="where job logs go (one database's jobs only)",
+                                                 show_default="DB's folder/logs/DB's name")] = None,
     device_model: Annotated[str, typer.Option(help="device model foreground jobs are planned with")] = "a100",
     paused: Annotated[bool, typer.Option("--paused", help="accept and queue jobs, start none (drain the cluster)")
                       ] = False,
@@ -57,10 +59,27 @@ def serve(
                                                  show_default="this server's user")] = None,
     max_body_kb: Annotated[int, typer.Option(help="request bodies over this many KiB are refused (413) unread")
                            ] = 1024,
+    max_pending: Annotated[int, typer.Option(help="jobs one user may have waiting; past it a submission gets 429 "
+                                             "(0: no limit)")] = 1000,
+    max_submits_per_minute: Annotated[int, typer.Option(help="submissions one user may make a minute; past it, "
+                                                        "429 (0: no limit)")] = 600,
+    max_client_connections: Annotated[int, typer.Option(help="connections one client (an address; on loopback, "
+                                                        "an account) may hold at once; more are refused")] = 64,
+    head_timeout_s: Annotated[float, typer.Option(help="seconds a request's head (line and headers) may take to "
+                                                  "arrive; then the connection is closed")] = 10.0,
+    body_timeout_s: Annotated[float, typer.Option(help="seconds a request's body may stall without a byte; then "
+                                                  "the connection is closed")] = 30.0,
     max_events: Annotated[int, typer.Option(help="run events kept per job attempt; later ones are cut, "
                                             "with a notice")] = 1000,
     max_log_mb: Annotated[int, typer.Option(help="a job whose log grows past this many MiB is stopped, "
                                             "its log ending with a notice")] = 1024,
+    max_job_pids: Annotated[int, typer.Option(help="processes (threads too) one job may have: its cgroup's "
+                                              "pids.max, else RLIMIT_NPROC")] = 4096,
+    max_job_memory_mb: Annotated[int | None, typer.Option(help="memory one job may use, MiB: its cgroup's "
+                                                          "memory.max, else RLIMIT_DATA", show_default="none")] = None,
+    max_job_disk_mb: Annotated[int | None, typer.Option(help="disk one job's folder may take, MiB (past it the job "
+                                                        "is stopped); also the size of its private /tmp and /dev/shm",
+                                                        show_default="none")] = None,
 ) -> None:
     """Run the coordinator: a REST API (OpenAPI at /docs) over an embedded database.
 
@@ -68,7 +87,17 @@ def serve(
     """
     if not 0 < port < 65536:
         raise DeeppoolError(f"--port {port} must be in 1..65535")
-    for flag, value in (("--max-body-kb", max_body_kb), ("--max-events", max_events), ("--max-log-mb", max_log_mb)):
+    for flag, number in (("--max-pending", max_pending), ("--max-submits-per-minute", max_submits_per_minute)):
+        if number < 0:
+            raise DeeppoolError(f"{flag} {number} must be 0 (no limit) or more")
+    for flag, number in (("--max-client-connections", max_client_connections), ("--head-timeout-s", head_timeout_s),
+                         ("--body-timeout-s", body_timeout_s)):
+        if not number > 0:
+            raise DeeppoolError(f"{flag} {number} must be more than 0")
+    for flag, value in (("--max-body-kb", max_body_kb), ("--max-events", max_events), ("--max-log-mb", max_log_mb),
+                        ("--max-job-pids", max_job_pids),
+                        ("--max-job-memory-mb", 1 if max_job_memory_mb is None else max_job_memory_mb),
+                        ("--max-job-disk-mb", 1 if max_job_disk_mb is None else max_job_disk_mb)):
         if value < 1:
             raise DeeppoolError(f"{flag} {value} must be at least 1")
     slots = _slots(gpus)
@@ -79,10 +108,10 @@ def serve(
     if log_dir is not None and log_dir.exists() and not log_dir.is_dir():
         raise DeeppoolError(f"--log-dir '{log_dir}' is a file: give a folder")
     _check_slurm_options(launcher, partition=partition, nodes=nodes, gres=gres)
-    from deeppool.coordinator.store import check_path
+    from deeppool.coordinator.store import check_path, default_log_dir
 
     check_path(db)
-    run_as = _run_as(job_user, logs=log_dir or db.resolve().parent / "logs", paused=paused)
+    run_as = _run_as(job_user, logs=log_dir or default_log_dir(db), paused=paused)
     if launcher == "slurm":
         from deeppool.coordinator.slurm import check_slurm
 
@@ -92,13 +121,21 @@ def serve(
     import uvicorn
 
     from deeppool.coordinator.app import ServerSettings, create_app
+    from deeppool.coordinator.connections import (
+        connection_budget,
+        guarded_protocol,
+        log_once,
+        raise_descriptor_limit,
+    )
     from deeppool.coordinator.driver import DriverSteps
     from deeppool.coordinator.runtime import JobLimits, Runtime
     from deeppool.coordinator.service import Service
     from deeppool.coordinator.slurm import SlurmSettings
-    from deeppool.coordinator.store import Store, lock_database
+    from deeppool.coordinator.store import Store, claim_log_dir, lock_database
+    from deeppool.coordinator.supervisor import JobCaps
     from deeppool.scheduling import Order, Placement, Scheduler
 
+    descriptors, _ = raise_descriptor_limit()  # soft to hard, as systemd's LimitNOFILE: connections need many
     before = os.umask(0o077)  # the database, logs and files of the server: its user's alone
     with contextlib.ExitStack() as held:  # the port, the lock and the database, released in that order's reverse
         held.callback(os.umask, before)  # serve called in a process that goes on (tests) leaves its umask as it was
@@ -106,13 +143,17 @@ def serve(
         held.enter_context(lock_database(db))
         store = Store(db)
         held.callback(store.close)
-        logs = log_dir or db.resolve().parent / "logs"
+        logs = log_dir or default_log_dir(db)
         _make_passable(logs)
+        held.enter_context(claim_log_dir(logs, store.identity()))  # one state's jobs: never another server's
         device = "cuda" if _gpu_count() else "cpu"
         settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs, device=device, nodes=nodes,
-                                  max_body_bytes=max_body_kb << 10)
+                                  max_body_bytes=max_body_kb << 10, max_pending=max_pending,
+                                  submits_per_minute=max_submits_per_minute)
         slurm = SlurmSettings(partition=partition, gres=_gpu_count() > 0 if gres is None else gres)
-        runtime = Runtime(store, _launcher(launcher, logs, slurm),
+        caps = JobCaps(pids=max_job_pids, memory_bytes=None if max_job_memory_mb is None else max_job_memory_mb << 20,
+                       disk_bytes=None if max_job_disk_mb is None else max_job_disk_mb << 20)
+        runtime = Runtime(store, _launcher(launcher, logs, slurm, caps, max_log_mb << 20),
                           DriverSteps(folder=logs, device_model=device_model, check=check, nodes=nodes,
                                       run_as=run_as, allowed_roots=roots),
                           after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None, nodes=nodes,
@@ -125,8 +166,12 @@ def serve(
         typer.echo(f"deeppool serve: {url}, database {db.resolve()}, {slots} "
                    f"{'GPUs' if device == 'cuda' else 'CPU slots'}, policy {policy.name}"
                    f"{' (paused)' if paused else ''}, launcher {launcher}", err=True)
+        backlog, most = connection_budget(descriptors)
         config = uvicorn.Config(create_app(store, settings, service), log_level="warning",
-                                timeout_graceful_shutdown=REQUESTS_GRACE_S)
+                                timeout_graceful_shutdown=REQUESTS_GRACE_S, backlog=backlog,
+                                http=guarded_protocol(per_client=max_client_connections, head_timeout_s=head_timeout_s,
+                                                      body_timeout_s=body_timeout_s, total=most))
+        log_once()  # after uvicorn set up its loggers: each condition once, its repeats counted
         stopped_by = _run(uvicorn.Server(config), listening)
     typer.echo(f"deeppool serve: stopped{' by ' + stopped_by if stopped_by else ''} ({url}, database "
                f"{db.resolve()})", err=True)
@@ -214,15 +259,17 @@ def _run_as(job_user: str | None, *, logs: Path, paused: bool) -> RunAs:
     return RunAs.parse(job_user)
 
 
-def _launcher(kind: str, folder: Path, slurm: SlurmSettings) -> Launcher:
-    """The local launcher, or Slurm's."""
+def _launcher(kind: str, folder: Path, slurm: SlurmSettings, caps: JobCaps | None = None,
+              max_log_bytes: int | None = None) -> Launcher:
+    """The local launcher (each job held to ``caps``), or Slurm's (Slurm's cgroup.conf limits its jobs)."""
     if kind == "slurm":
         from deeppool.coordinator.slurm import SlurmLauncher
 
         return SlurmLauncher(folder, slurm)
     from deeppool.coordinator.launcher import LocalLauncher
+    from deeppool.coordinator.supervisor import JobCaps
 
-    return LocalLauncher(folder)
+    return LocalLauncher(folder, caps=caps or JobCaps(), max_log_bytes=max_log_bytes)  # its writer caps the log
 
 
 FAULT = "DEEPPOOL_FAULT"

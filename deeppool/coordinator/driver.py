@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deeppool.coordinator.isolation import RunAs, private_dir, stage_model, write_private
+from deeppool.coordinator.isolation import REFUSED, RunAs, private_dir, stage_model, write_private
 from deeppool.coordinator.launcher import resources_for
 from deeppool.coordinator.supervisor import JobFiles
 
@@ -81,6 +81,7 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
 
     allocation = slurm_allocation(spec.nodes)
     spec.out.mkdir(parents=True, exist_ok=True)
+    (spec.out / REFUSED).unlink(missing_ok=True)  # an earlier attempt's
     staged = stage_model(spec.model, spec.allowed_roots, spec.out / "model")
     model = ModelSpec.parse(staged, input_shape=spec.input_shape, input_dtype=spec.input_dtype,
                             vocab_size=spec.vocab_size)
@@ -173,6 +174,10 @@ def main() -> None:
         summary = drive(spec)
     except DeeppoolError as err:
         print(f"error: {err}", file=sys.stderr)
+        from deeppool.coordinator.isolation import ModelRefused
+
+        if isinstance(err, ModelRefused):  # which refusal, for the job's reason (the server maps it to its text)
+            (spec.out / REFUSED).write_text(json.dumps({"why": err.why}))
         sys.exit(err.exit_code)
     (spec.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
 

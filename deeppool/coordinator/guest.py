@@ -71,17 +71,20 @@ class GuestSpec:
     model: str
     batch: int
     roots: tuple[Path, ...] = ()
+    ranks: int = 0
+    """the host's ranks (its GPUs): the only ranks whose background it may ask for"""
 
     def to_json(self) -> dict[str, Any]:
         return {"job_id": self.job_id, "account": self.account.to_json(), "folder": str(self.folder),
                 "log": str(self.log), "model": self.model, "batch": self.batch,
-                "roots": [str(root) for root in self.roots]}
+                "roots": [str(root) for root in self.roots], "ranks": self.ranks}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GuestSpec:
         return cls(job_id=int(data["job_id"]), account=Account.from_json(data["account"]),
                    folder=Path(data["folder"]), log=Path(data["log"]), model=str(data["model"]),
-                   batch=int(data["batch"]), roots=tuple(Path(root) for root in data.get("roots", ())))
+                   batch=int(data["batch"]), roots=tuple(Path(root) for root in data.get("roots", ())),
+                   ranks=int(data.get("ranks", 0)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +117,9 @@ class Broker:
         self._server: socket.socket | None = None
         self._lock = threading.Lock()
         self._running: set[str] = set()  # one process per request name (rank) at a time
+        self._measured = False  # the host's plan has one measurement
         self._spawning = threading.Lock()
+        self.spawned: set[int] = set()  # the processes it started: the supervisor's reaper leaves them to it
 
     def start(self) -> None:
         """Listen on ``path`` (0600, the host's account's); serve each connection on a thread of its own."""
@@ -149,13 +154,17 @@ class Broker:
         """One request: start the process, hand over its pipes, report its end; kill it if the host goes."""
         with conn:
             request = Request.parse(_line(conn, MAX_REQUEST))
-            with self._lock:
-                refused = request is None or request.name in self._running or len(self._running) >= MAX_PROCESSES
+            with self._lock:  # the host's plan: ranks it has, one measurement, one process per rank at a time
+                refused = request is None or request.name in self._running or len(self._running) >= MAX_PROCESSES \
+                    or (request.op == "child" and request.rank >= self.spec.ranks) \
+                    or (request.op == "measure" and self._measured)
                 if not refused:
                     self._running.add(request.name)
+                    self._measured = self._measured or request.op == "measure"
             if refused or request is None:
                 with contextlib.suppress(OSError):
-                    conn.sendall(b'{"error": "not a request a host may make, or its process runs already"}\n')
+                    conn.sendall(b'{"error": "not a request the host\'s plan allows (a rank it has, one '
+                                 b'measurement), or its process runs already"}\n')
                 return
             try:
                 self._run(conn, request)
@@ -197,6 +206,7 @@ class Broker:
                 proc = subprocess.Popen(argv, stdin=child_in, stdout=child_out, stderr=log, close_fds=True,
                                         env=job_env(spec.account), cwd=spec.folder,
                                         preexec_fn=enter(group, spec.account))
+                self.spawned.add(proc.pid)
             finally:
                 os.close(child_in)
                 os.close(child_out)

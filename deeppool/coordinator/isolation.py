@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import pwd
 import stat
@@ -46,6 +47,38 @@ class AccountError(DeeppoolError):
     """A job's OS account is missing or unfit; the message names the account."""
 
 
+SHORTAGE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+"""Errors that say the server lacks a resource now (descriptors, memory), not that a fact is absent. Never
+EAGAIN: a job's lease on its own file makes the server's non-blocking open fail with it, and no job may stall
+every tick."""
+
+
+class ModelRefused(DeeppoolError):
+    """A model file refused at launch; ``why`` is one of :data:`REFUSALS`' keys (the job's public reason says
+    which, never the path: the status page shows reasons to anyone)."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+REFUSED = "refused.json"
+"""In the job's folder: why its model was refused at launch (``{"why": KEY}``, a key of :data:`REFUSALS`)."""
+REFUSALS = {"unopenable": "its model file could not be opened at launch",
+            "irregular": "its model file was not a regular file at launch",
+            "outside": "its model file resolved outside the server's allowed roots at launch"}
+
+
+class ServerShortage(Exception):  # not a DeeppoolError, so no job is failed for it
+    """The server cannot read a fact now (no descriptors, no memory): the caller retries later and never
+    records an absence (a lost job, a missing account) from it. The scheduling loop retries its tick."""
+
+
+def shortage(err: OSError) -> bool:
+    """Whether ``err`` is the server's shortage (retry later) rather than an answer about the file."""
+    return err.errno in SHORTAGE_ERRNOS
+
+
 @dataclass(frozen=True, kw_only=True)
 class Account:
     """An OS account a job runs as."""
@@ -62,6 +95,7 @@ class Account:
         try:
             entry = pwd.getpwnam(name)
         except KeyError:
+            _passwd_readable()  # an account database the server cannot read now says nothing of the account
             raise AccountError(f"no OS account '{name}' to run the job as: create it (useradd --system "
                                 f"{name}) or serve with another --job-user") from None
         if entry.pw_uid == 0 or entry.pw_uid == os.geteuid():
@@ -79,6 +113,14 @@ class Account:
         assert isinstance(groups, list)
         return cls(name=str(data["name"]), uid=int(str(data["uid"])), gid=int(str(data["gid"])),
                    groups=tuple(int(g) for g in groups), home=str(data["home"]))
+
+
+def _passwd_readable() -> None:
+    """Raise :class:`ServerShortage` when the account database cannot be read now (no descriptors)."""
+    try:
+        os.close(os.open("/etc/passwd", os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as err:
+        raise ServerShortage(f"the account database cannot be read now: {err.strerror}") from None
 
 
 class RunAsKind(enum.Enum):
@@ -169,10 +211,13 @@ def private_file(path: Path) -> None:
 def read_job_file(path: Path, owner: int | None, limit: int = MAX_JOB_FILE, *,
                   any_owner: bool = False) -> bytes | None:
     """A file a job wrote: not through a link, a regular file (never a FIFO to block on), owned by ``owner``
-    (a uid; None: the server's; ``any_owner``: either), else None."""
+    (a uid; None: the server's; ``any_owner``: either), else None. Raises :class:`ServerShortage` when the
+    server cannot open it now (no descriptors, no memory): that says nothing of the file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+    except OSError as err:
+        if shortage(err):  # not an answer: the caller retries later
+            raise ServerShortage(f"'{path}' cannot be read now: {err.strerror}") from None
         return None
     try:
         info = os.fstat(fd)
@@ -202,13 +247,13 @@ def stage_model(model: str, roots: tuple[Path, ...], folder: Path) -> str:
     try:
         fd = os.open(model, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as err:
-        raise DeeppoolError(f"model file '{model}' cannot be opened at launch: {err.strerror}") from None
+        raise ModelRefused(f"model file '{model}' cannot be opened at launch: {err.strerror}", "unopenable") from None
     try:
         real = Path(os.readlink(f"/proc/self/fd/{fd}"))
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise DeeppoolError(f"model '{model}' is not a regular file at launch")
+            raise ModelRefused(f"model '{model}' is not a regular file at launch", "irregular")
         if roots and not any(real.is_relative_to(root) for root in roots):
-            raise DeeppoolError(f"model '{model}' is '{real}' at launch, outside the server's allowed roots")
+            raise ModelRefused(f"model '{model}' is '{real}' at launch, outside the server's allowed roots", "outside")
         data = b""
         while chunk := os.read(fd, 1 << 20):
             data += chunk

@@ -23,6 +23,7 @@ job whose supervisor is killed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -30,11 +31,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from deeppool.coordinator.isolation import ServerShortage, shortage
+
 
 def _read(path: Path) -> str:
+    """The file's text; "" when it is gone. A server short of descriptors or memory raises
+    :class:`~deeppool.coordinator.isolation.ServerShortage` (an empty answer would say the job ended)."""
     try:
         return path.read_text()
-    except OSError:
+    except OSError as err:
+        if shortage(err):
+            raise ServerShortage(f"'{path}' cannot be read now: {err.strerror}") from None
         return ""
 
 
@@ -50,6 +57,33 @@ class JobGroup:
             except FileNotFoundError:
                 continue
         self.path.mkdir(parents=True, exist_ok=True)
+
+    def limit(self, *, pids: int | None, memory_bytes: int | None) -> tuple[bool, bool]:
+        """Set ``pids.max`` and ``memory.max`` (None: no limit asked), first enabling the ``pids`` and ``memory``
+        controllers in the server's folder and in the server's own group (``pids``, a threaded controller, is
+        enabled there even though the server runs in it; ``memory`` only where that group holds no process,
+        the tree's root). Whether each limit is in force (False: no such controller here; the step takes an
+        rlimit instead)."""
+        for parent in (self.path.parent.parent, self.path.parent):
+            for controller in ("pids", "memory"):
+                try:
+                    (parent / "cgroup.subtree_control").write_text(f"+{controller}\n")
+                except OSError:
+                    pass
+        done = []
+        for name, value in (("pids.max", pids), ("memory.max", memory_bytes)):
+            if value is None:
+                done.append(True)
+                continue
+            try:
+                (self.path / name).write_text(f"{value}\n")
+                if name == "memory.max":
+                    with contextlib.suppress(OSError):
+                        (self.path / "memory.swap.max").write_text("0\n")
+                done.append(True)
+            except OSError:
+                done.append(False)
+        return done[0], done[1]
 
     def join(self) -> None:
         """Move the calling process into the group (a step, before it drops its privileges)."""
@@ -103,7 +137,7 @@ class JobGroup:
         self.kill()
         empty = self.wait_empty(timeout_s)
         if empty:
-            for inner in sorted((p for p in self.path.glob("*/**/") if p != self.path), key=lambda p: -len(p.parts)):
+            for inner in _nested(self.path):
                 try:
                     inner.rmdir()
                 except OSError:
@@ -114,6 +148,16 @@ class JobGroup:
                 except OSError:
                     break
         return empty
+
+
+def _nested(path: Path) -> list[Path]:
+    """The groups nested in ``path``, deepest first (one a guest's broker removes meanwhile is skipped)."""
+    for _ in range(5):
+        try:
+            return sorted((p for p in path.glob("*/**/") if p != path), key=lambda p: -len(p.parts))
+        except FileNotFoundError:
+            continue  # a nested group went while it was listed: list again
+    return []
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Protocol
 
 from deeppool.coordinator.guest import GuestSpec
-from deeppool.coordinator.isolation import Account, job_env
+from deeppool.coordinator.isolation import Account, ServerShortage, job_env, shortage
 from deeppool.coordinator.jobgroup import CgroupRoot, JobGroup
 from deeppool.coordinator.jobs import Job, JobKind
-from deeppool.coordinator.supervisor import JobFiles, SupervisorSpec
+from deeppool.coordinator.supervisor import JobCaps, JobFiles, SupervisorSpec
 from deeppool.errors import DeeppoolError
 
 SUPERVISOR = "deeppool.coordinator.supervisor"
@@ -79,7 +79,9 @@ def _alive_supervisor(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
+    except OSError as err:
+        if shortage(err):  # no descriptors now: not an answer (a lost job would be recorded from it)
+            raise ServerShortage(f"process {pid} cannot be looked at now: {err.strerror}") from None
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z" and SUPERVISOR in cmdline
 
@@ -105,10 +107,13 @@ class Launcher(Protocol):
 
 
 class LocalLauncher:
-    def __init__(self, folder: Path, *, cgroups: bool = True) -> None:
+    def __init__(self, folder: Path, *, cgroups: bool = True, caps: JobCaps | None = None,
+                 max_log_bytes: int | None = None) -> None:
         """``folder``: the attempts' files (0711: jobs pass through it, never list it); ``cgroups``: one per
-        attempt where a writable cgroup v2 tree exists (else the supervisor's process group)."""
-        self.folder = folder
+        attempt where a writable cgroup v2 tree exists (else the supervisor's process group); ``caps``: each
+        job's process, memory and disk limits."""
+        self.folder, self.caps = folder, caps or JobCaps()
+        self.max_log_bytes = max_log_bytes  # the supervisor writes the log up to it, then stops the job
         folder.mkdir(parents=True, exist_ok=True)
         os.chmod(folder, 0o711)
         self.cgroups = CgroupRoot.here(folder) if cgroups else None
@@ -138,7 +143,7 @@ class LocalLauncher:
         files = self.files(job_id, attempt)
         group = None if self.cgroups is None else self.cgroups.group(job_id, attempt)
         SupervisorSpec(job_id=job_id, attempt=attempt, steps=steps, env=env or {}, account=account, workdir=workdir,
-                       group=group, guest=guest).write(files)
+                       group=group, guest=guest, caps=self.caps, max_log_bytes=self.max_log_bytes).write(files)
         self._children[(job_id, attempt)] = subprocess.Popen(
             [sys.executable, "-P", "-m", SUPERVISOR, str(files.spec)], start_new_session=True, close_fds=True,
             cwd=self.folder,  # -P and a folder of the server's: nothing is imported from where serve started

@@ -17,16 +17,22 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LIVE = (JobStatus.STARTING, JobStatus.RUNNING)
 
 
-def exposition(jobs: list[Job], gpus: int) -> bytes:
-    """The metrics of ``jobs`` on a cluster of ``gpus``, as Prometheus scrapes them."""
+def exposition(jobs: list[Job], gpus: int, counts: dict[tuple[JobStatus, JobKind], int] | None = None) -> bytes:
+    """The metrics of ``jobs`` on a cluster of ``gpus``, as Prometheus scrapes them.
+
+    ``counts``: jobs by state and kind (the database's counters, :meth:`Store.counts`), so that ``jobs`` need
+    hold only the live ones; without it they are counted from ``jobs``.
+    """
+    if counts is None:
+        counts = {(state, kind): sum(1 for job in jobs if job.state is state and job.kind is kind)
+                  for state in JobStatus for kind in JobKind}
     registry = CollectorRegistry()
     by_state = Gauge("deeppool_jobs", "jobs by state and kind", ["state", "kind"], registry=registry)
     for state in JobStatus:
         for kind in JobKind:
-            by_state.labels(state=state.value, kind=kind.value).set(
-                sum(1 for job in jobs if job.state is state and job.kind is kind))
+            by_state.labels(state=state.value, kind=kind.value).set(counts.get((state, kind), 0))
     Gauge("deeppool_queue_length", "jobs waiting to start (PENDING)", registry=registry).set(
-        sum(1 for job in jobs if job.state is JobStatus.PENDING))
+        sum(counts.get((JobStatus.PENDING, kind), 0) for kind in JobKind))
     live = [job for job in jobs if job.state in _LIVE]
     hosts = {job.host_id for job in live if job.kind is JobKind.BACKGROUND and job.host_id is not None}
     Gauge("deeppool_gpus", "GPUs of the cluster", registry=registry).set(gpus)

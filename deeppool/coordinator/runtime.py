@@ -10,6 +10,9 @@ every live job's current attempt:
   is re-adoption; the job never stopped); a batch system still queueing it:
   nothing to do;
 * its supervisor is gone without an exit code: FAILED, "lost";
+* a fact the server cannot read now (no descriptors, no memory:
+  :class:`~deeppool.coordinator.isolation.ServerShortage`): the tick fails and
+  is retried; nothing is decided from it (never "lost", never "no account");
 * no supervisor ever took the attempt's lock, ``grace_s`` after the job
   became STARTING: the coordinator died between its commit and the launch, so
   it launches now. The supervisor's lock file makes a second launch of the
@@ -17,7 +20,8 @@ every live job's current attempt:
 
 Jobs CANCELLED while running are stopped (SIGTERM, grace, then every
 process of the attempt killed); until their last process is gone they still
-hold their GPUs (:meth:`Runtime.lingering`). One cancelled after its launch
+hold their GPUs (:meth:`Runtime.lingering`); then the database marks them
+settled (:meth:`~deeppool.coordinator.store.Store.settle`), and no later tick reads them. One cancelled after its launch
 but before its supervisor took the lock never runs (the launcher takes it).
 
 Each job runs as the account :class:`~deeppool.coordinator.isolation.RunAs`
@@ -64,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from deeppool.coordinator.guest import GuestSpec
-from deeppool.coordinator.isolation import Account, AccountError, RunAs, read_job_file
+from deeppool.coordinator.isolation import REFUSALS, REFUSED, Account, AccountError, RunAs, read_job_file
 from deeppool.coordinator.jobs import Job, JobStatus
 from deeppool.coordinator.launcher import Launcher, LaunchPhase, Resources, resources_for
 from deeppool.coordinator.store import Store
@@ -80,6 +84,9 @@ MAX_FILE_BYTES = 1 << 20
 """The most the coordinator reads of a file a job wrote (progress, summary, run events)."""
 MAX_MESSAGE = 500
 """A run event's message is cut to this many characters."""
+LOG_CAP_SLACK = 64 << 10
+"""The server stops a job whose log passed its cap by more than this (its supervisor stops it at the cap; this
+is for a supervisor that does not, under Slurm say)."""
 EXIT_CODES = range(-255, 256)
 """Exit codes the supervisor can report (negative: killed by that signal); anything else is a damaged file."""
 
@@ -157,7 +164,7 @@ class Runtime:
         assert account is not None  # two owners' accounts differ only when each job has one
         return GuestSpec(job_id=guest.id, account=account, folder=self.launcher.folder / f"job-{guest.id}",
                          log=self.launcher.files(guest.id, 1).log, model=guest.model, batch=guest.batch,
-                         roots=self.allowed_roots)
+                         roots=self.allowed_roots, ranks=host.gpus)
 
     def _owner_uid(self, job: Job) -> int | None:
         """The uid a job's files must have to be read (None: the server's own)."""
@@ -169,7 +176,7 @@ class Runtime:
 
     def lingering(self) -> set[int]:
         """Cancelled jobs not yet known to have no process left: they hold their GPUs until then."""
-        return {job.id for job in self.store.jobs(states=(JobStatus.CANCELLED,)) if job.id not in self._ended}
+        return {job.id for job in self.store.unsettled() if job.id not in self._ended}
 
     def requeue(self, job: Job, reason: str) -> None:
         """Preempt a running job: stop its attempt and put it back in the queue (not failed)."""
@@ -184,7 +191,7 @@ class Runtime:
         for guest in self.store.jobs(states=(JobStatus.STARTING, JobStatus.RUNNING)):
             if guest.host_id is not None:
                 self._settle_guest(guest)
-        for job in self.store.jobs(states=(JobStatus.CANCELLED,)):
+        for job in self.store.unsettled():  # not the history: only those not yet known to have ended
             if job.id in self._ended:
                 continue
             attempt = self.store.attempts(job.id)
@@ -192,6 +199,7 @@ class Runtime:
                 self.launcher.stop(job.id, attempt, self.grace_s)  # launched but not started yet: never will be
             if not attempt or not self.launcher.alive(job.id, attempt):
                 self._ended.add(job.id)
+                self.store.settle(job.id)
 
     def _settle(self, job: Job, now: datetime) -> None:
         attempt = self.store.attempts(job.id)
@@ -205,10 +213,10 @@ class Runtime:
                 self.store.transition(job.id, JobStatus.RUNNING, f"attempt {attempt} ran")
                 self._relay(job, attempt)
             code = seen.exit_code if seen.exit_code in EXIT_CODES else None
-            ok = code == 0
+            stopped = self.launcher.files(job.id, attempt).stopped_reason()  # the supervisor's own: its log cap
+            ok = code == 0 and stopped is None
             self.store.transition(job.id, JobStatus.SUCCEEDED if ok else JobStatus.FAILED,
-                                  "finished" if ok else f"exited with code {code}" if code is not None
-                                  else "its exit file is damaged", exit_code=code)
+                                  "finished" if ok else stopped or self._failure(job, code), exit_code=code)
         elif seen.phase is LaunchPhase.RUNNING and job.state is JobStatus.STARTING:
             self.store.transition(job.id, JobStatus.RUNNING, f"attempt {attempt} running")
         elif seen.phase is LaunchPhase.LOST:
@@ -232,6 +240,15 @@ class Runtime:
         if progress is not None and progress != job.progress:
             self.store.set_progress(job.id, progress)
 
+    def _failure(self, job: Job, code: int | None) -> str:
+        """A failed attempt's reason: its exit code, and why its model was refused at launch if it was."""
+        if code is None:
+            return "its exit file is damaged"
+        refused = read_json(self.launcher.folder / f"job-{job.id}" / REFUSED, self._owner_uid(job))
+        key = refused.get("why") if isinstance(refused, dict) else None
+        why = REFUSALS.get(key) if isinstance(key, str) else None
+        return f"{why} (exited with code {code})" if why else f"exited with code {code}"
+
     def _over_log_cap(self, job: Job, attempt: int) -> bool:
         """A job whose log passed its cap is stopped, and its log ends with a line saying so: whether it was."""
         log = self.launcher.files(job.id, attempt).log
@@ -239,7 +256,7 @@ class Runtime:
             size = log.stat().st_size
         except OSError:
             return False
-        if size <= self.limits.max_log_bytes:
+        if size <= self.limits.max_log_bytes + LOG_CAP_SLACK:  # the supervisor's cap comes first
             return False
         reason = f"its log passed the cap of {self.limits.max_log_bytes} bytes (serve --max-log-mb): stopped"
         if not self.store.transition(job.id, JobStatus.FAILED, reason):

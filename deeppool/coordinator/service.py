@@ -27,8 +27,13 @@ requeued job starts again from 0.
 A tick that fails (whatever the cause) is logged with its traceback and
 retried after a growing pause (up to :data:`MAX_RETRY_S`); until a tick
 succeeds again :attr:`Service.health` says what failed, and ``/healthz``
-answers 503. The first tick, before the server serves, may fail too: the
-server starts anyway and the loop keeps trying.
+answers 503. The first tick, before the server serves, only recovers (it
+reconciles; the loop schedules after, so a long queue does not delay serving);
+it may fail too: the server starts anyway and the loop keeps trying.
+
+A tick reads the live jobs and the cancelled ones not yet settled, by indexed
+queries, never the finished history (:meth:`Store.requeued` and
+:meth:`Store.unsettled`).
 """
 
 from __future__ import annotations
@@ -95,15 +100,17 @@ class Service:
         self._failure: SchedulerHealth | None = SchedulerHealth(ok=False, detail="the scheduler has not started")
         self._failing_since: datetime | None = None
 
-    def tick(self, now: datetime | None = None) -> Decision:
+    def tick(self, now: datetime | None = None, *, schedule: bool = True) -> Decision:
+        """Reconcile the processes, then (``schedule``, unless paused) decide and apply what to start or stop."""
         now = now or datetime.now(UTC)
         self.runtime.reconcile(now)
-        if self.paused:
+        if self.paused or not schedule:
             return NOTHING
         store = self.runtime.store
-        jobs = store.jobs()
-        requeued = frozenset(j.id for j in jobs if j.state is JobStatus.PENDING and store.attempts(j.id) > 0)
         lingering = frozenset(self.runtime.lingering())
+        # the live jobs and the cancelled ones still holding GPUs, from indexes: never the finished history
+        jobs = store.jobs(states=(JobStatus.PENDING, *LIVE)) + [j for j in store.unsettled() if j.id in lingering]
+        requeued = frozenset(store.requeued())
         decision = self.policy.decide(snapshot(jobs, self.total_gpus, now, requeued, lingering))
         self.apply(decision, {j.id: j for j in jobs})
         return decision
@@ -131,7 +138,9 @@ class Service:
         return SchedulerHealth(ok=True)
 
     def start(self) -> None:
-        self._guarded_tick()  # recover before serving: adopt, finalise or relaunch what the last run left
+        # recover before serving: adopt, finalise or relaunch what the last run left; the queue, however long,
+        # is scheduled by the loop, so the server serves at once
+        self._guarded_tick(schedule=False)
         self._thread.start()
 
     def stop(self) -> None:
@@ -139,10 +148,10 @@ class Service:
         if self._thread.ident is not None:
             self._thread.join(10)
 
-    def _guarded_tick(self) -> bool:
+    def _guarded_tick(self, *, schedule: bool = True) -> bool:
         """One tick; a failure is logged and recorded, never raised. Whether it succeeded."""
         try:
-            self.tick()
+            self.tick(schedule=schedule)
         except Exception as err:  # noqa: BLE001: any failure must leave the loop running, and say so
             log.exception("the scheduling loop failed; retrying")
             self._failing_since = self._failing_since or datetime.now(UTC)

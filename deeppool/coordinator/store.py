@@ -66,6 +66,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs(owner, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+CREATE INDEX IF NOT EXISTS jobs_owner_state ON jobs(owner, state);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     job_id INTEGER NOT NULL REFERENCES jobs(id),
@@ -83,8 +84,27 @@ CREATE TRIGGER IF NOT EXISTS events_no_delete BEFORE DELETE ON events
 """
 
 
-COLUMNS_SINCE_V1 = {"input_shape": "TEXT", "input_dtype": "TEXT", "vocab_size": "INTEGER", "script": "TEXT"}
+COLUMNS_SINCE_V1 = {"input_shape": "TEXT", "input_dtype": "TEXT", "vocab_size": "INTEGER", "script": "TEXT",
+                    "settled": "INTEGER NOT NULL DEFAULT 0"}
 """Columns added to ``jobs`` after the first schema: a database from before gets them when it is opened."""
+COUNTERS = """
+CREATE TABLE IF NOT EXISTS job_counts (
+    state TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    PRIMARY KEY (state, kind)
+);
+CREATE TRIGGER IF NOT EXISTS job_counts_insert AFTER INSERT ON jobs BEGIN
+    UPDATE job_counts SET n = n + 1 WHERE state = new.state AND kind = new.kind;
+END;
+CREATE TRIGGER IF NOT EXISTS job_counts_move AFTER UPDATE OF state ON jobs WHEN old.state IS NOT new.state BEGIN
+    UPDATE job_counts SET n = n - 1 WHERE state = old.state AND kind = old.kind;
+    UPDATE job_counts SET n = n + 1 WHERE state = new.state AND kind = new.kind;
+END;
+CREATE INDEX IF NOT EXISTS jobs_unsettled ON jobs(id) WHERE state = 'CANCELLED' AND settled = 0;
+"""
+"""Jobs by state and kind, kept by triggers in the writes' own transactions (``/metrics`` and the page read
+these, not the history); and the cancelled jobs not yet known to have no process left (a partial index)."""
 MOVES = "from_state IS NOT to_state"
 """The events that move a job (its submission included), as the partial index ``events_moves`` holds them."""
 
@@ -110,13 +130,30 @@ def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+class QuotaExceeded(DeeppoolError):
+    """A submission past a per-user limit (the API answers 429 with this message)."""
+
+
+RESERVE_BYTES = 8 << 20
+"""Room the database keeps for its own commits: ``DB.reserve``, a file of this size taken at start (and again
+once space returns), freed as soon as its file system has less than this left, so the server's own commits (a
+job's end) still fit on a full disk. Submissions are refused (503) while it is freed."""
+
+
+class DiskFull(DeeppoolError):
+    """The database's file system is full: a one-line reason (the API answers 503 with it)."""
+
+
 class Store:
     """One database file; safe to share between the server's threads (writes are serialised)."""
 
     def __init__(self, path: Path) -> None:
         check_path(path)
         self.path = path
+        self.reserve = path.with_name(path.name + ".reserve")
+        self._released = False  # the reserve was freed for a full disk, and not taken again yet
         self._lock = threading.Lock()
+        self._take_reserve()
         try:
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         except sqlite3.DatabaseError as err:
@@ -145,13 +182,81 @@ class Store:
         for column, kind in COLUMNS_SINCE_V1.items():
             if column not in known:
                 self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
+        self._make_counters()
+
+    def _make_counters(self) -> None:
+        """The job counters (:data:`COUNTERS`): made once, from the jobs there are (a database from before them)."""
+        made = self._db.execute("SELECT COUNT(*) FROM sqlite_master WHERE name IN ('job_counts', 'job_counts_insert', "
+                                "'job_counts_move', 'jobs_unsettled')").fetchone()[0]
+        if made == 4 and self._db.execute("SELECT COUNT(*) FROM job_counts").fetchone()[0] == len(JobStatus) * len(
+                JobKind):
+            return  # the counters are there: opening writes nothing
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            new = self._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'job_counts'").fetchone() is None
+            for statement in _statements(COUNTERS):
+                self._db.execute(statement)
+            self._db.executemany("INSERT OR IGNORE INTO job_counts(state, kind, n) VALUES (?, ?, 0)",
+                                 [(state.value, kind.value) for state in JobStatus for kind in JobKind])
+            if new:
+                self._db.execute("UPDATE job_counts SET n = (SELECT COUNT(*) FROM jobs WHERE jobs.state = "
+                                 "job_counts.state AND jobs.kind = job_counts.kind)")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
+    def _free_bytes(self) -> int | None:
+        try:
+            info = os.statvfs(self.path.resolve().parent)
+        except OSError:
+            return None
+        return info.f_bavail * info.f_frsize
+
+    def _take_reserve(self) -> None:
+        """Take the database's reserve (:data:`RESERVE_BYTES`) if it is not held and there is room for it."""
+        if self.reserve.exists():
+            return
+        free = self._free_bytes()
+        if free is None or free < 2 * RESERVE_BYTES:
+            return
+        try:
+            fd = os.open(self.reserve, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        except OSError:
+            self.reserve.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+
+    def space(self) -> str | None:
+        """None while the database's file system has room; else a one-line reason. Past the reserve's size,
+        the reserve is freed for the database's own commits; it is taken again once space returns."""
+        free = self._free_bytes()
+        if free is None:
+            return None
+        held = self.reserve.exists()
+        if held and free < RESERVE_BYTES:
+            self.reserve.unlink(missing_ok=True)  # the room it held is the database's now
+            self._released, held = True, False
+        elif not held:
+            self._take_reserve()  # once there is room for it and as much again
+            held = self.reserve.exists()
+            self._released = self._released and not held
+        if held or (not self._released and free >= RESERVE_BYTES):
+            return None  # (a file system that cannot hold a reserve at all is full only when it is)
+        return (f"the database's disk is full ({free >> 10} KiB free in {self.path.resolve().parent}): submissions "
+                "wait until the operator frees space")
+
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
+        self.space()  # on a full disk, the reserve makes room for this commit
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -166,6 +271,14 @@ class Store:
             return self._db.execute(sql, args).fetchall()
 
     # -- tokens ----------------------------------------------------------------------------------
+    def identity(self) -> str:
+        """This database's own id: random, made once and kept in it (a server claims its log folder with it)."""
+        with self._write() as db:
+            db.execute("CREATE TABLE IF NOT EXISTS identity (id TEXT NOT NULL)")
+            if db.execute("SELECT 1 FROM identity").fetchone() is None:
+                db.execute("INSERT INTO identity(id) VALUES (?)", (secrets.token_hex(8),))
+            return str(db.execute("SELECT id FROM identity").fetchone()[0])
+
     def create_token(self, name: str) -> str:
         """A new token for ``name`` (replacing any earlier one); only its hash is kept."""
         check_user_name(name)
@@ -186,8 +299,12 @@ class Store:
         return None
 
     # -- jobs ------------------------------------------------------------------------------------
-    def submit(self, owner: str, request: JobRequest) -> tuple[Job, bool]:
-        """The job for this request, and whether it is new (False: an earlier one with the same key)."""
+    def submit(self, owner: str, request: JobRequest, *, max_pending: int = 0) -> tuple[Job, bool]:
+        """The job for this request, and whether it is new (False: an earlier one with the same key).
+
+        ``max_pending`` (0: no limit): a new job of an owner with that many waiting is refused
+        (:class:`QuotaExceeded`), checked in the write's own transaction.
+        """
         now = _now()
         gpus = request.gpus if request.kind is JobKind.FOREGROUND else 1
         with self._write() as db:
@@ -196,6 +313,12 @@ class Store:
                                  (owner, request.idempotency_key)).fetchone()
                 if row is not None:
                     return _job(row), False
+            if max_pending > 0:
+                waiting = db.execute("SELECT COUNT(*) FROM jobs INDEXED BY jobs_owner_state WHERE owner = ? AND "
+                                     "state = ?", (owner, JobStatus.PENDING.value)).fetchone()[0]
+                if waiting >= max_pending:
+                    raise QuotaExceeded(f"you have {waiting} jobs waiting, the most one user may have (serve "
+                                        "--max-pending): wait for some to start, or cancel some")
             shape = json.dumps(list(request.input_shape)) if request.input_shape is not None else None
             cursor = db.execute(
                 "INSERT INTO jobs(owner, kind, state, model, gpus, batch, steps, amplification, input_shape, "
@@ -287,7 +410,30 @@ class Store:
                                                 "LIMIT ?", (*args, limit))]
 
     def count(self) -> int:
-        return int(self._read("SELECT COUNT(*) FROM jobs")[0][0])
+        """How many jobs there are (from the counters, not the history)."""
+        return sum(self.counts().values())
+
+    def counts(self) -> dict[tuple[JobStatus, JobKind], int]:
+        """Jobs by state and kind, from the counters the database keeps (every pair, zeros included)."""
+        return {(JobStatus(row["state"]), JobKind(row["kind"])): int(row["n"])
+                for row in self._read("SELECT state, kind, n FROM job_counts")}
+
+    def requeued(self) -> set[int]:
+        """The waiting jobs that were started before (preempted, or their host ended): one indexed query."""
+        rows = self._read(f"SELECT id FROM jobs WHERE state = ? AND EXISTS (SELECT 1 FROM events INDEXED BY "
+                          f"events_moves WHERE job_id = jobs.id AND to_state = ? AND {MOVES})",
+                          (JobStatus.PENDING.value, JobStatus.STARTING.value))
+        return {int(row["id"]) for row in rows}
+
+    def unsettled(self) -> list[Job]:
+        """Cancelled jobs not yet known to have no process left (:meth:`settle`), from a partial index."""
+        return [_job(row) for row in self._read("SELECT * FROM jobs INDEXED BY jobs_unsettled WHERE state = "
+                                                "'CANCELLED' AND settled = 0 ORDER BY id")]
+
+    def settle(self, job_id: int) -> None:
+        """Record that a cancelled job has no process left: later ticks no longer look at it."""
+        with self._write() as db:
+            db.execute("UPDATE jobs SET settled = 1 WHERE id = ? AND state = ?", (job_id, JobStatus.CANCELLED.value))
 
     def events(self, job_id: int) -> list[JobEvent]:
         rows = self._read("SELECT * FROM events WHERE job_id = ? ORDER BY id", (job_id,))
@@ -315,9 +461,20 @@ class Store:
         return str(self._read("PRAGMA integrity_check")[0][0])
 
 
+def _statements(script: str) -> Iterator[str]:
+    """The statements of ``script`` one by one (``executescript`` would commit the transaction they run in)."""
+    pending = ""
+    for line in script.splitlines(keepends=True):
+        pending += line
+        if sqlite3.complete_statement(pending):
+            yield pending.strip()
+            pending = ""
+
+
 def lock_database(path: Path) -> IO[str]:
     """Hold ``path``'s server lock (an exclusive ``flock`` on ``PATH.lock``) while the returned file is open."""
-    lock = path.with_name(path.name + ".lock")
+    real = path.resolve()  # one lock however the database is named (a link to it too)
+    lock = real.with_name(real.name + ".lock")
     try:
         handle = lock.open("a+")
     except OSError as err:
@@ -333,6 +490,46 @@ def lock_database(path: Path) -> IO[str]:
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def default_log_dir(db: Path) -> Path:
+    """Where a server on ``db`` keeps its jobs' files unless told (``--log-dir``): ``logs/NAME`` beside it, so
+    two databases in one folder never share one."""
+    db = db.resolve()
+    return db.parent / "logs" / db.name
+
+
+STATE_FILE = "state.lock"
+"""In a log folder: the database whose jobs it holds, locked by the server serving it."""
+
+
+def claim_log_dir(folder: Path, identity: str) -> IO[str]:
+    """Hold ``folder`` for the database ``identity`` while the returned file is open: a folder holding another
+    database's jobs, or in use by another server, is refused (its files, cgroups and jobs are that state's)."""
+    lock = folder / STATE_FILE
+    try:
+        handle = lock.open("a+")
+    except OSError as err:
+        raise DeeppoolError(f"--log-dir '{folder}': cannot open '{lock}' ({err.strerror})") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise DeeppoolError(f"--log-dir '{folder}' is in use by another server ({holder}): give each database "
+                            "its own --log-dir") from None
+    handle.seek(0)
+    owner = handle.read().split(",")[0].strip()
+    if owner not in ("", f"database {identity}"):
+        handle.close()
+        raise DeeppoolError(f"--log-dir '{folder}' holds the jobs of another database ({owner}): give each "
+                            "database its own --log-dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"database {identity}, pid {os.getpid()}\n")
     handle.flush()
     return handle
 

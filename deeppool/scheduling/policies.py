@@ -44,7 +44,7 @@ from itertools import chain
 from dataclasses import dataclass
 
 from deeppool.scheduling.pollux import PolluxPolicy
-from deeppool.scheduling.contract import NOTHING, Decision, Lend, PlanMode, Policy, SimJob, Slot, Snapshot, Start
+from deeppool.scheduling.contract import NOTHING, Decision, Lend, PlanMode, Policy, SimJob, Snapshot, Start
 from deeppool.scheduling.demand import DemandPolicy, fitting
 from deeppool.errors import DeeppoolError
 

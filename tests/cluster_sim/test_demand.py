@@ -15,7 +15,7 @@ from deeppool.cluster_sim.plans import PlanFacts, PlanMode
 from deeppool.cluster_sim.runner import one_row, piece_ms
 from deeppool.planner.profiling.interference import InterferenceModel, PieceMode, Pieces, cluster_shares
 from deeppool.scheduling.contract import Decision, PlanOffer, Replan, Snapshot, Start
-from deeppool.scheduling.demand import DemandPolicy, Hysteresis, best_plan
+from deeppool.scheduling.demand import Hysteresis, best_plan
 from deeppool.scheduling.policies import POLICIES
 
 from .fakes import make_job

@@ -207,6 +207,58 @@ def test_another_users_background_job_trains_in_a_foreground_jobs_windows_as_its
     assert group is not None and not group.path.exists()  # every process ended, the nested groups removed
 
 
+def test_a_host_gets_only_what_its_plan_has_from_its_guests_broker(shared: Path, users) -> None:
+    """Issue 44, failure 8: a host asked its guest's broker for ranks 10-15 and a second measurement, and got
+    them, all as the guest's account. Now: the ranks it has, one measurement."""
+    import socket
+
+    from deeppool.coordinator.guest import Broker, GuestSpec
+    from deeppool.coordinator.isolation import Account
+    from deeppool.coordinator.jobgroup import CgroupRoot
+    from deeppool.multiplex.remote import recv
+
+    root = CgroupRoot.here(shared / "jobs")
+    if root is None:
+        pytest.skip("no writable cgroup v2 tree: guests of another account are not lent")
+    (shared / "jobs").mkdir(mode=0o711)
+    guest = GuestSpec(job_id=2, account=Account.named(BOB), folder=shared / "jobs" / "job-2",
+                      log=shared / "jobs" / "job-2.log", model=str(REPO / "examples" / "background_mlp.py"), batch=8,
+                      roots=(REPO / "examples",), ranks=2)
+    host = root.group(1, 1)
+    host.create()
+    broker = Broker(guest, shared / "jobs" / "job-1.1.guest.sock", host=Account.named(ALICE), group=host)
+    broker.start()
+
+    def ask(request: dict) -> tuple[socket.socket, dict]:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(str(broker.path))
+        conn.sendall(json.dumps(request).encode() + b"\n")
+        message, fds, _, _ = socket.recv_fds(conn, 4096, 4)
+        for fd in fds:
+            os.close(fd)
+        return conn, json.loads(message.split(b"\n")[0])
+
+    try:
+        for rank in (2, 10, 15):
+            conn, reply = ask({"op": "child", "rank": rank})
+            conn.close()
+            assert "plan allows" in reply.get("error", ""), (rank, reply)
+        assert not broker.spawned  # nothing ran for ranks the host does not have
+        conn, reply = ask({"op": "measure"})
+        assert "pid" in reply, reply
+        conn.sendall(b'{"op": "kill"}\n')
+        conn.settimeout(60)
+        assert b"exit" in recv(conn)
+        conn.close()
+        again, reply = ask({"op": "measure"})  # the first has ended: a second is still refused
+        again.close()
+        assert "plan allows" in reply.get("error", ""), reply
+        assert len(broker.spawned) == 1
+    finally:
+        broker.close()
+        host.end()
+
+
 def test_a_background_model_is_measured_in_a_process_of_its_own(tmp_path: Path) -> None:
     from deeppool.executor.config import OptimizerConfig
     from deeppool.multiplex.preflight import measured_apart
@@ -252,6 +304,8 @@ def test_a_swapped_model_file_fails_its_job_at_launch(shared: Path, users) -> No
     done = settle(cluster.runtime, job.id, lambda j: j.state.terminal, timeout_s=180)
     log = cluster.log(done)
     assert done.state is JobStatus.FAILED and "outside the server's allowed roots" in log, log
+    assert done.reason == "its model file resolved outside the server's allowed roots at launch (exited with " \
+                          "code 2)"  # issue 44: why, not only the code (and no path: the page shows reasons)
     assert not (cluster.folder / f"job-{job.id}" / "pwned").exists()
     assert (cluster.folder / f"job-{job.id}").stat().st_uid == pwd.getpwnam(BOB).pw_uid
 

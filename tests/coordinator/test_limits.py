@@ -74,6 +74,30 @@ def test_an_oversized_body_gets_413_before_it_is_read(server) -> None:
     assert streamed.startswith(b"HTTP/1.1 413") and b"limit of 1048576 bytes" in streamed
 
 
+def test_a_chunked_body_over_the_limit_is_cut_and_its_connection_closed(server) -> None:
+    """Issue 44, failure 9: a 200 MiB chunked body got its 413 after 1 MiB, but the server read all of it."""
+    _, port, _, _ = server
+    piece = b"%x\r\n%s\r\n" % (1 << 16, b"x" * (1 << 16))
+    sent, answer = 0, b""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as conn:
+        conn.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        closed = False
+        try:
+            while sent < 200 << 20:  # 200 MiB, unless the server closes first
+                conn.sendall(piece)
+                sent += len(piece)
+        except OSError:
+            closed = True
+        try:
+            while part := conn.recv(65536):
+                answer += part
+        except OSError:
+            pass
+    assert answer.startswith(b"HTTP/1.1 413") and b"connection: close" in answer.lower()
+    assert closed and sent < 32 << 20, f"{sent} bytes went in before the server closed"  # buffers, not the body
+
+
 def test_a_422_names_where_and_what_but_never_echoes_the_input(server) -> None:
     http, _, _, _ = server
     junk = "A" * 500_000

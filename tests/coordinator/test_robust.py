@@ -89,6 +89,31 @@ def test_a_job_whose_log_passes_its_cap_is_told_and_stopped(tmp_path: Path) -> N
     assert log.read_text()[-300:].endswith("the job was stopped\n")
 
 
+def test_the_supervisor_stops_writing_a_log_at_its_cap(tmp_path: Path) -> None:
+    """Issue 44, failure 7: the cap was checked once a tick, and a log reached 157 MB past a 5 MB cap."""
+    cap = 1 << 20
+    flood = python("import os\nos.write(1, b'up\\n')\nwhile True: os.write(1, b'x' * (1 << 20))")
+    store = Store(tmp_path / "db.sqlite")
+    store.create_token("alice")
+    rt = Runtime(store, LocalLauncher(tmp_path / "jobs", max_log_bytes=cap), lambda job, attempt, guests: [flood],
+                 grace_s=0.5, limits=JobLimits(max_log_bytes=cap))
+    job_id = background(store)
+    rt.start(store.job(job_id), "granted")
+    log = rt.launcher.files(job_id, 1).log
+    deadline = time.monotonic() + 30
+    try:
+        while rt.launcher.observe(job_id, 1).phase.value != "exited" and time.monotonic() < deadline:
+            assert log.stat().st_size <= cap + 200 if log.exists() else True  # never past it, even between ticks
+            time.sleep(0.01)
+    finally:
+        rt.launcher.stop(job_id, 1, 0.5)  # a failed check leaves no flood behind
+    stopped = settle(rt, job_id, lambda j: j.state.terminal)
+    assert stopped.state is JobStatus.FAILED, stopped
+    assert stopped.reason == f"its log passed the cap of {cap} bytes (serve --max-log-mb): stopped"
+    assert cap < log.stat().st_size <= cap + 200
+    assert log.read_bytes().endswith(b"the job was stopped\n")
+
+
 def left_behind(db: Path) -> None:
     """A job RUNNING in the database whose supervisor left a damaged exit file and hostile run files."""
     store = Store(db)
