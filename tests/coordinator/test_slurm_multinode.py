@@ -46,7 +46,9 @@ from tests.coordinator.test_runtime import settle
 from tests.coordinator.test_slurm import _ensure_packages, _start_munge, _stop_munge, not_up, slurm_folder
 from tests.net import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
+"""In the heavy tier (25 s): the coordinator's Slurm launch runs in test_slurm.py and test_slurm_script.py, and
+a plan over two hosts in test_executor_multinode.py."""
 
 SUBNET = "10.77.0"
 CONTROLLER = f"{SUBNET}.254"

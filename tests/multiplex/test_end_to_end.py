@@ -37,6 +37,7 @@ QUIET_EXTRA_LOAD = 1.5
 """What the run itself adds to the load average: rank 0 busy, rank 1 waiting, the background when it may."""
 
 
+@pytest.mark.heavy  # 21 s: tests/coordinator/test_end_to_end.py runs a burst job hosting a background job
 def test_a_background_trains_on_the_idle_rank_of_the_planners_plan(tmp_path: Path, capfd) -> None:
     """The planner lends rank 1 whole where its profile finds the two cores slowing each other; where they did
     not at the plan (CI once), data parallel wins the cluster objective, and the same layout is pinned."""
