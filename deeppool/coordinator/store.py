@@ -471,27 +471,37 @@ def _statements(script: str) -> Iterator[str]:
             pending = ""
 
 
-def lock_database(path: Path) -> IO[str]:
-    """Hold ``path``'s server lock (an exclusive ``flock`` on ``PATH.lock``) while the returned file is open."""
-    real = path.resolve()  # one lock however the database is named (a link to it too)
-    lock = real.with_name(real.name + ".lock")
+def _locked(lock: Path, flag: str, busy: str) -> IO[str]:
+    """``lock`` opened and held with an exclusive ``flock``; a holder already there is refused in one line
+    naming ``flag`` and what it wrote (``busy``: how to fix it)."""
     try:
         handle = lock.open("a+")
     except OSError as err:
-        raise DeeppoolError(f"--db '{path}': cannot open its lock file '{lock}' ({err.strerror})") from None
+        raise DeeppoolError(f"{flag}: cannot open '{lock}' ({err.strerror})") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
         holder = handle.read().strip() or "another process"
         handle.close()
-        raise DeeppoolError(f"--db '{path}' is in use by another server ({holder}): stop it, or give another --db"
-                            ) from None
+        raise DeeppoolError(f"{flag} is in use by another server ({holder}): {busy}") from None
+    handle.seek(0)
+    return handle
+
+
+def _stamp(handle: IO[str], text: str) -> IO[str]:
     handle.seek(0)
     handle.truncate()
-    handle.write(f"pid {os.getpid()}\n")
+    handle.write(text + "\n")
     handle.flush()
     return handle
+
+
+def lock_database(path: Path) -> IO[str]:
+    """Hold ``path``'s server lock (an exclusive ``flock`` on ``PATH.lock``) while the returned file is open."""
+    real = path.resolve()  # one lock however the database is named (a link to it too)
+    handle = _locked(real.with_name(real.name + ".lock"), f"--db '{path}'", "stop it, or give another --db")
+    return _stamp(handle, f"pid {os.getpid()}")
 
 
 def default_log_dir(db: Path) -> Path:
@@ -508,30 +518,13 @@ STATE_FILE = "state.lock"
 def claim_log_dir(folder: Path, identity: str) -> IO[str]:
     """Hold ``folder`` for the database ``identity`` while the returned file is open: a folder holding another
     database's jobs, or in use by another server, is refused (its files, cgroups and jobs are that state's)."""
-    lock = folder / STATE_FILE
-    try:
-        handle = lock.open("a+")
-    except OSError as err:
-        raise DeeppoolError(f"--log-dir '{folder}': cannot open '{lock}' ({err.strerror})") from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise DeeppoolError(f"--log-dir '{folder}' is in use by another server ({holder}): give each database "
-                            "its own --log-dir") from None
-    handle.seek(0)
+    handle = _locked(folder / STATE_FILE, f"--log-dir '{folder}'", "give each database its own --log-dir")
     owner = handle.read().split(",")[0].strip()
     if owner not in ("", f"database {identity}"):
         handle.close()
         raise DeeppoolError(f"--log-dir '{folder}' holds the jobs of another database ({owner}): give each "
-                            "database its own --log-dir") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"database {identity}, pid {os.getpid()}\n")
-    handle.flush()
-    return handle
+                            "database its own --log-dir")
+    return _stamp(handle, f"database {identity}, pid {os.getpid()}")
 
 
 def _event(row: sqlite3.Row) -> JobEvent:
