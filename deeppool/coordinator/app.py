@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -43,6 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobStatus, differences
 from deeppool.coordinator.metrics import CONTENT_TYPE, exposition
 from deeppool.coordinator.page import render
+from deeppool.coordinator.retention import Retention, disk_short, removed_reason
 from deeppool.coordinator.store import QuotaExceeded, Store
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ class ServerSettings:
     """a user with this many jobs waiting gets 429 for a new one (0: no limit)"""
     submits_per_minute: int = 600
     """a user's submissions past this rate (a bucket of this many, refilled over a minute) get 429 (0: no limit)"""
+    retention: Retention = field(default_factory=lambda: Retention(keep_s=None, min_free_bytes=0))
+    """when ended jobs' files leave ``log_dir`` (:mod:`deeppool.coordinator.retention`)"""
 
 
 class BodyTooLarge(StarletteHTTPException):
@@ -220,7 +223,7 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
     def healthz() -> JSONResponse:
         """ok while the scheduling loop runs (503 with what failed while it does not)."""
         health = service.health if service is not None else None
-        full = store.space()
+        full = store.space() or disk_short(settings.log_dir, settings.retention)
         if full is not None:
             return JSONResponse({"ok": False, "detail": full}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
         if health is None or health.ok:
@@ -291,7 +294,7 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
         200: {"content": {"text/plain": {"schema": {"type": "string"}}},
               "headers": {"X-Next-Offset": {"schema": {"type": "integer"}, "description": "where to read on"},
                           "X-Log-Size": {"schema": {"type": "integer"}, "description": "the log's size now"}}},
-        **errors(401, 403, 404, 416, 422)})
+        **errors(401, 403, 404, 410, 416, 422)})
     def logs(job_id: JobId, name: User, where: Annotated[LogRange, Query()]) -> Response:
         """The log's bytes from ``offset``: at most 1 MiB, ending on a whole UTF-8 character, as written."""
         owned(job_id, name)
@@ -306,6 +309,8 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
                                         f"offset {offset} is past the end of job {job_id}'s log ({size} bytes)")
                 log.seek(offset)
                 text = whole_characters(log.read(LOG_CHUNK), at_end=offset + LOG_CHUNK >= size)
+        elif (removed := removed_reason(store, job_id)) is not None:
+            raise HTTPException(status.HTTP_410_GONE, f"job {job_id}'s log is gone: {removed}")
         elif offset > 0:
             raise HTTPException(status.HTTP_416_RANGE_NOT_SATISFIABLE,
                                 f"offset {offset} is past the end of job {job_id}'s log (it has none yet)")

@@ -80,6 +80,11 @@ def serve(
     max_job_disk_mb: Annotated[int | None, typer.Option(help="disk one job's folder may take, MiB (past it the job "
                                                         "is stopped); also the size of its private /tmp and /dev/shm",
                                                         show_default="none")] = None,
+    keep_job_files_days: Annotated[float | None, typer.Option(help="days an ended job's files (log, checkpoints) "
+                                                              "are kept; then they are removed",
+                                                              show_default="kept")] = None,
+    min_free_mb: Annotated[int, typer.Option(help="free space the jobs' folder keeps, MiB: below it, the files of "
+                                             "the jobs that ended first are removed (0: never)")] = 512,
 ) -> None:
     """Run the coordinator: a REST API (OpenAPI at /docs) over an embedded database.
 
@@ -100,6 +105,9 @@ def serve(
                         ("--max-job-disk-mb", 1 if max_job_disk_mb is None else max_job_disk_mb)):
         if value < 1:
             raise DeeppoolError(f"{flag} {value} must be at least 1")
+    if min_free_mb < 0 or not (keep_job_files_days is None or keep_job_files_days > 0):
+        raise DeeppoolError(f"--keep-job-files-days {keep_job_files_days} must be more than 0 and --min-free-mb "
+                            f"{min_free_mb} at least 0")
     slots = _slots(gpus)
     roots = tuple(root.resolve() for root in (allow or [Path.cwd()]))
     for root in roots:
@@ -128,6 +136,7 @@ def serve(
         raise_descriptor_limit,
     )
     from deeppool.coordinator.driver import DriverSteps
+    from deeppool.coordinator.retention import Retention, Sweeper
     from deeppool.coordinator.runtime import JobLimits, Runtime
     from deeppool.coordinator.service import Service
     from deeppool.coordinator.slurm import SlurmSettings
@@ -149,7 +158,9 @@ def serve(
         device = "cuda" if _gpu_count() else "cpu"
         settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs, device=device, nodes=nodes,
                                   max_body_bytes=max_body_kb << 10, max_pending=max_pending,
-                                  submits_per_minute=max_submits_per_minute)
+                                  submits_per_minute=max_submits_per_minute,
+                                  retention=Retention(keep_s=None if keep_job_files_days is None
+                                                      else keep_job_files_days * 86400, min_free_bytes=min_free_mb << 20))
         slurm = SlurmSettings(partition=partition, gres=_gpu_count() > 0 if gres is None else gres)
         caps = JobCaps(pids=max_job_pids, memory_bytes=None if max_job_memory_mb is None else max_job_memory_mb << 20,
                        disk_bytes=None if max_job_disk_mb is None else max_job_disk_mb << 20)
@@ -161,6 +172,9 @@ def serve(
                           allowed_roots=roots)
         policy = Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG)
         service = Service(runtime, policy, slots, paused=paused)
+        sweeper = Sweeper(store, logs, settings.retention)
+        sweeper.start()
+        held.callback(sweeper.stop)
         logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s", level=logging.WARNING)
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         typer.echo(f"deeppool serve: {url}, database {db.resolve()}, {slots} "

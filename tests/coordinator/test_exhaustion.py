@@ -23,6 +23,7 @@ from deeppool.coordinator.app import ServerSettings, create_app
 from deeppool.coordinator.isolation import RunAs, RunAsKind, ServerShortage
 from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobStatus
 from deeppool.coordinator.launcher import LaunchPhase, LocalLauncher
+from deeppool.coordinator.retention import Retention, sweep
 from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.store import RESERVE_BYTES, Store
 from deeppool.coordinator.supervisor import JobCaps
@@ -124,6 +125,27 @@ def test_a_job_that_fills_the_disk_and_exits_0_is_recorded_succeeded(small_disk:
     assert "full: No space left on device" in cluster.log(job)
     assert http.get("/healthz").json() == {"ok": True}
     assert cluster.store.reserve.exists()  # taken again
+
+
+def test_a_job_that_filled_the_disk_leaves_it_and_the_service_recovers_alone(small_disk: Path, users) -> None:
+    """The issue's case: a job fills the disk shared with the database and exits 0. It is recorded SUCCEEDED,
+    and its files, the oldest ended, are removed for room: /healthz is ok again with no operator."""
+    cluster = Cluster(small_disk)
+    retention = Retention(keep_s=None, min_free_bytes=12 << 20)  # above the database's reserve (8 MiB)
+    http = TestClient(create_app(cluster.store, ServerSettings(gpus=4, allowed_roots=(REPO / "examples",),
+                                                               log_dir=cluster.folder, retention=retention)))
+    job = cluster.start(FILL)
+    deadline = time.monotonic() + 60
+    while not cluster.runtime.launcher.files(job.id, 1).exit.exists():
+        assert time.monotonic() < deadline, cluster.log(job)
+        time.sleep(0.05)
+    assert http.get("/healthz").status_code == 503
+    done = settle(cluster.runtime, job.id, lambda j: j.state.terminal)
+    assert done.state is JobStatus.SUCCEEDED and done.exit_code == 0, done.reason
+    assert sweep(cluster.store, cluster.folder, retention).removed == (job.id,)
+    assert not (cluster.folder / f"job-{job.id}").exists()
+    assert http.get("/healthz").json() == {"ok": True}
+    assert os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize >= 12 << 20
 
 
 def test_a_job_is_never_recorded_lost_or_accountless_when_the_server_has_no_descriptors(shared: Path,
