@@ -38,6 +38,7 @@ queries, never the finished history (:meth:`Store.requeued` and
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -60,11 +61,17 @@ class SchedulerHealth:
     """what failed, and since when (empty when ok)"""
 
 
+@functools.lru_cache(maxsize=4096)
+def model_choice(model: str, batch: int) -> ModelChoice:
+    """The policy's view of a job's model (a pure function of the two, kept for the many jobs that share them)."""
+    path = Path(model) if model.endswith(".py") else Path(model.replace(".", "/").split(":")[0])
+    return ModelChoice(name=path.stem, path=path, global_batch=batch)
+
+
 def as_sim_job(job: Job) -> SimJob:
-    path = Path(job.model) if job.model.endswith(".py") else Path(job.model.replace(".", "/").split(":")[0])
     return SimJob(job_id=job.id, name=f"job-{job.id}", arrival_s=job.created_at.timestamp(), gpus=job.gpus,
                   background=job.kind is JobKind.BACKGROUND, iterations=float(job.steps), recorded_duration_s=0.0,
-                  model=ModelChoice(name=path.stem, path=path, global_batch=job.batch))
+                  model=model_choice(job.model, job.batch))
 
 
 def snapshot(jobs: list[Job], total_gpus: int, now: datetime, requeued: frozenset[int] = frozenset(),
