@@ -82,12 +82,43 @@ class JobGroup:
                         (self.path / "memory.swap.max").write_text("0\n")
                 done.append(True)
             except OSError:
-                done.append(False)
+                done.append(self._limit_v1(name.split(".")[0], value))
         return done[0], done[1]
 
+    def v1_groups(self) -> dict[str, Path]:
+        """The attempt's groups in the cgroup v1 hierarchies of the ``pids`` and ``memory`` controllers, where a
+        hybrid host mounts them (its v2 tree then has neither): the same path from ``deeppool-HASH`` on, under
+        the server's own group in each hierarchy."""
+        parts = self.path.parts
+        start = next((i for i, part in enumerate(parts) if part.startswith("deeppool-")), None)
+        if start is None:
+            return {}
+        return {controller: root / Path(*parts[start:]) for controller, root in v1_roots().items()}
+
+    def _limit_v1(self, controller: str, value: int) -> bool:
+        """Set the limit in the ``controller`` v1 hierarchy (``pids.max``; ``memory.limit_in_bytes``, and the
+        same for memory and swap); whether it is in force."""
+        group = self.v1_groups().get(controller)
+        if group is None:
+            return False
+        names = ("pids.max",) if controller == "pids" else ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")
+        try:
+            group.mkdir(parents=True, exist_ok=True)
+            (group / names[0]).write_text(f"{value}\n")
+        except OSError:
+            return False
+        for name in names[1:]:
+            with contextlib.suppress(OSError):
+                (group / name).write_text(f"{value}\n")
+        return True
+
     def join(self) -> None:
-        """Move the calling process into the group (a step, before it drops its privileges)."""
+        """Move the calling process into the group (a step, before it drops its privileges), and into its v1
+        groups that exist (where :meth:`limit` made them)."""
         (self.path / "cgroup.procs").write_text("0\n")
+        for group in self.v1_groups().values():
+            if group.is_dir():
+                (group / "cgroup.procs").write_text("0\n")
 
     def pids(self) -> list[int]:
         return [int(p) for p in _read(self.path / "cgroup.procs").split()]
@@ -147,7 +178,42 @@ class JobGroup:
                     folder.rmdir()
                 except OSError:
                     break
+            for group in self.v1_groups().values():
+                _remove_v1(group, nested=nested)
         return empty
+
+
+def v1_roots() -> dict[str, Path]:
+    """The server's own group in each cgroup v1 hierarchy of the ``pids`` and ``memory`` controllers mounted here."""
+    mounts: dict[str, Path] = {}
+    for line in _read(Path("/proc/self/mounts")).splitlines():
+        fields = line.split()
+        if fields[2:3] == ["cgroup"] and len(fields) > 3:
+            for controller in ("pids", "memory"):
+                if controller in fields[3].split(","):
+                    mounts[controller] = Path(fields[1])
+    roots: dict[str, Path] = {}
+    for line in _read(Path("/proc/self/cgroup")).splitlines():
+        _, controllers, own = (line.split(":", 2) + ["", ""])[:3]
+        for controller in set(controllers.split(",")) & mounts.keys():
+            roots[controller] = mounts[controller] / own.strip().lstrip("/")
+    return roots
+
+
+def _remove_v1(group: Path, *, nested: bool) -> None:
+    """Remove an ended attempt's v1 group (its processes may take a moment to leave it) and, unless ``nested``,
+    the server's folder there once no attempt is left in it."""
+    for _ in range(100):
+        try:
+            group.rmdir()
+            break
+        except FileNotFoundError:
+            break
+        except OSError:
+            time.sleep(0.01)
+    if not nested:
+        with contextlib.suppress(OSError):
+            group.parent.rmdir()
 
 
 def _nested(path: Path) -> list[Path]:

@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 
 from deeppool.coordinator.app import ServerSettings, create_app
 from deeppool.coordinator.isolation import RunAs, RunAsKind, ServerShortage
+from deeppool.coordinator.jobgroup import v1_roots
 from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobStatus
 from deeppool.coordinator.launcher import LaunchPhase, LocalLauncher
 from deeppool.coordinator.retention import Retention, sweep
@@ -220,8 +221,44 @@ def test_a_memory_hog_is_killed_by_its_own_limit_and_the_server_lives(shared: Pa
     log = cluster.log(job)  # its cgroup's OOM kill (memory.max), or its allocation refused (RLIMIT_DATA)
     assert job.state is JobStatus.FAILED and "allocated 2147483648" not in log, log
     assert "MemoryError" in log or job.exit_code == -9, (job.reason, log)
+    if "memory" in v1_roots():  # a memory controller (this machine's, in v1): the kernel's OOM kill, not an rlimit
+        assert job.exit_code == -9, (job.reason, log)
     assert cluster.run("print('fine')").state is JobStatus.SUCCEEDED  # the server (this process) goes on
 
+
+IN_GROUP = """
+import time
+for line in open('/proc/self/cgroup'):
+    _, names, path = line.strip().split(':', 2)
+    for controller in ('pids', 'memory'):
+        if controller in names.split(','):
+            print(controller, path, flush=True)
+time.sleep(3)
+"""
+
+
+def test_on_a_hybrid_host_the_limits_are_the_v1_controllers(shared: Path, users) -> None:
+    """Where the pids and memory controllers live in cgroup v1 hierarchies (this machine's), a job's processes
+    are in its attempt's groups there, which hold its limits; the groups go with the job."""
+    roots = v1_roots()
+    if not {"pids", "memory"} <= roots.keys():
+        pytest.skip("no cgroup v1 pids and memory hierarchies here")
+    cluster = Cluster(shared, caps=JobCaps(pids=20, memory_bytes=200 << 20))
+    job = cluster.start(IN_GROUP)
+    deadline = time.monotonic() + 30
+    log = cluster.runtime.launcher.files(job.id, 1).log
+    while len(paths := dict(line.split() for line in (log.read_text() if log.exists() else "").splitlines()
+                            if line.startswith(("pids /", "memory /")))) < 2:
+        assert time.monotonic() < deadline, cluster.log(job)
+        time.sleep(0.05)
+    mounts = {controller: Path("/sys/fs/cgroup", controller) for controller in roots}
+    groups = {controller: mounts[controller] / path.lstrip("/") for controller, path in paths.items()}
+    assert all(group.name == f"job-{job.id}.1" and group.parent.name.startswith("deeppool-")
+               for group in groups.values()), groups
+    assert (groups["pids"] / "pids.max").read_text().strip() == "20"
+    assert (groups["memory"] / "memory.limit_in_bytes").read_text().strip() == str(200 << 20)
+    assert settle(cluster.runtime, job.id, lambda j: j.state.terminal).state is JobStatus.SUCCEEDED
+    assert not any(group.exists() for group in groups.values())  # removed with the job
 
 ORPHANS = """
 import os, sys, time
