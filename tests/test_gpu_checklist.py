@@ -6,9 +6,12 @@ import ast
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from deeppool.planner.profiling.interference import InterferenceModel
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,24 +32,43 @@ def _checklist_files() -> tuple[str, ...]:
 
 
 @pytest.mark.slow
-def test_the_dry_run_passes_and_writes_one_report(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--dry-run", "--out", str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+def test_the_dry_run_passes_within_its_budget_and_writes_one_report(tmp_path: Path) -> None:
+    budget_s = 480
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--dry-run", "--out", str(tmp_path), "--budget-s",
+                           str(budget_s)], cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu-report.json").read_text())
     status = {c["name"]: c["status"] for c in report["checks"]}
-    assert report["dry_run"] and status == {"gpu-tests": "passed", "multiplex": "passed", "nccl-vs-ddp": "skipped",
-                                            "profiles": "passed", "fidelity": "skipped"}
+    assert report["dry_run"] and status == {"gpu-tests": "passed", "interference": "passed", "device-time": "passed",
+                                            "profiles": "passed", "nccl-vs-ddp": "skipped", "fidelity": "skipped"}
+    assert list(status) == ["gpu-tests", "interference", "device-time", "profiles", "nccl-vs-ddp", "fidelity"]
     figures = {c["name"]: c["figures"] for c in report["checks"]}
     assert figures["gpu-tests"]["tests"] >= 7
-    assert figures["multiplex"]["drill"]["pieces_checked"] > 0 and figures["multiplex"]["drill"]["dropped"] >= 3
+    assert figures["interference"]["drill"]["pieces_checked"] > 0 and figures["interference"]["drill"]["dropped"] >= 3
+    assert [w["window_ms"] for w in figures["interference"]["windows"]][:2] == [0.5, 30.0]
+    assert InterferenceModel.measured(tmp_path / "interference.json").efficiency_by_window_ms
+    mlp = figures["device-time"]["background_mlp.py"]
+    assert mlp["captured"] == mlp["layers"] == 5 and mlp["stage_fwd_ms"] >= max(mlp["device_fwd_ms"], mlp["host_fwd_ms"])
     assert 0 <= figures["profiles"]["background_mlp.py"]["median_error"]
     assert "DRY RUN" in (tmp_path / "gpu-report.md").read_text()
+    assert time.perf_counter() - started < budget_s + 120  # no check starts after the budget; the last may overrun
+
+
+def test_a_spent_budget_skips_every_check_and_still_writes_the_report(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--dry-run", "--out", str(tmp_path), "--budget-s", "0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu-report.json").read_text())
+    assert [(c["name"], c["status"], c["why"]) for c in report["checks"]] == [
+        (name, "skipped", "budget spent (--budget-s 0)")
+        for name in ("gpu-tests", "interference", "device-time", "profiles", "nccl-vs-ddp", "fidelity")]
+    assert "budget 0 s" in (tmp_path / "gpu-report.md").read_text()
 
 
 def test_without_a_gpu_the_real_run_is_refused_in_one_line(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--out", str(tmp_path / "out")], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode != 0 and done.stderr.strip() == (
         "error: no GPU is visible here: run on a machine with one, or give --dry-run")
     assert not (tmp_path / "out").exists()

@@ -67,7 +67,7 @@ TraceArg = Annotated[str, typer.Argument(
     help="Philly-derived or Pollux workload CSV, a shipped trace's name (philly, workload-6...), or 'synthetic'.")]
 GpusOpt = Annotated[int, typer.Option("--gpus", help="GPUs in the cluster.")]
 NodeOpt = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="Device model of every GPU: v100, a100, h100.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="Device model of every GPU: v100, a100, h100, h200.")]
 PolicyOpt = Annotated[list[str], typer.Option(
     "--policy", help=f"Policy to run (repeat): [ORDER:]PLACEMENT or ORDER, one of {', '.join(POLICIES)} "
          "(pollux: GPUs and batch sizes for goodput; Pollux workloads only).")]

@@ -73,3 +73,57 @@ def _bench(plan: Path, config: BackgroundConfig, modes: tuple[MuxMode, ...], run
     shown.print(f"wrote {out}/multiplex.json", highlight=False)
     write_interference(reports, config.slowdown_target, out)  # a one-line error when no gated mode qualifies
     shown.print(f"wrote {out}/interference.json (for `deeppool simulate --interference`)", highlight=False)
+
+
+def _lengths(text: str) -> tuple[tuple[float, ...], bool]:
+    """``--windows``: window lengths in ms, and ``whole`` for a window of one whole foreground phase."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        lengths = tuple(float(part) for part in parts if part != "whole")
+    except ValueError:
+        raise DeeppoolError(f"--windows '{text}': each must be a length in ms or 'whole'") from None
+    if not parts or any(length <= 0 for length in lengths):
+        raise DeeppoolError(f"--windows '{text}': lengths must be above 0 ms, and at least one is needed")
+    return lengths, "whole" in parts
+
+
+@app.command("windows")
+@removes_if_interrupted("out")
+def windows_command(
+    *,
+    background: Annotated[Path, typer.Option("--background", help="background model file (priority mode)")],
+    out: Annotated[Path, typer.Option("--out", help="folder for interference.json")],
+    windows: Annotated[str, typer.Option(help="window lengths in ms, and 'whole' (one foreground phase)")] =
+        "0.5,1,2,5,20,whole",
+    per_window: Annotated[int, typer.Option(help="windows lent per length")] = 20,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="through the fake GPU on CPU (figures not a GPU's)")] =
+        False,
+) -> None:
+    """On one GPU: the foreground's slowdown and the background's efficiency by idle-window length."""
+    import torch
+
+    from deeppool.device.cuda import CudaGpu
+    from deeppool.device.fake import FakeGpu
+    from deeppool.multiplex.windows import Foreground, sweep, write
+    from deeppool.output import console
+
+    checks.existing_file(background, "--background")
+    checks.out_folder(out, "--out")
+    lengths, whole = _lengths(windows)
+    if per_window < 1:
+        raise DeeppoolError(f"--per-window {per_window} must be at least 1")
+    real = CudaGpu()
+    if not dry_run and not real.available():
+        raise DeeppoolError("deeppool multiplex windows needs a CUDA GPU and none is visible here (or give --dry-run)")
+    gpu = FakeGpu() if dry_run else real
+    device = torch.device("cpu") if dry_run else real.bind(0)
+    shape = Foreground(windows=per_window, **({"size": 128, "matmuls": 2} if dry_run else {}))
+    found = sweep(gpu, device, background.resolve(), lengths, whole=whole, foreground=shape)
+    path = write(found, out, dry_run=dry_run)
+    shown = console()
+    for figures in found:
+        shown.print(f"window {figures.window_ms:g} ms{' (whole)' if figures.whole else ''}: foreground "
+                    f"{100 * figures.slowdown:+.1f}%, background efficiency {100 * figures.efficiency:.0f}%",
+                    highlight=False)
+    shown.print(f"wrote {path} (for `deeppool simulate --interference`, `deeppool plan --objective cluster`)",
+                highlight=False)

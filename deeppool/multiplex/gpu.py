@@ -106,6 +106,14 @@ class StreamBackground:
         """How many graph pieces have completed so far."""
         return int(self._result["pieces"])  # type: ignore[call-overload]
 
+    def busy_s(self) -> float:
+        """The device time its pieces took, over the windows the thread has finished serving."""
+        return float(self._result["busy_s"])  # type: ignore[arg-type]
+
+    def served(self) -> int:
+        """How many windows (tokens) the thread has finished serving."""
+        return len(self._result["windows"])  # type: ignore[arg-type]
+
     def wait_ready(self, timeout_s: float) -> None:
         """Start the thread at the first shared block, once the foreground has built and seeded its model.
 

@@ -176,7 +176,7 @@ def check_precision(request: PlanRequest, source: CostSource) -> None:
     """``--precision`` picks a device model's peak; a measured profile keeps the precision it was measured in."""
     if request.precision is not None and source.device_model == LOCAL:
         raise DeeppoolError(
-            f"--precision {request.precision.value} applies to a --device-model (v100, a100, h100); "
+            f"--precision {request.precision.value} applies to a --device-model (v100, a100, h100, h200); "
             "a measured profile keeps the precision it was measured in"
         )
 

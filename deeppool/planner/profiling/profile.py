@@ -352,22 +352,28 @@ def _fit(entry: dict[str, Any] | None) -> FitQuality | None:
 def estimate_ms(layer: Layer, batch: int, device: DeviceModel, precision: Precision) -> tuple[float, float]:
     """Roofline estimate of (fwd_ms, bwd_ms) for ``layer`` at ``batch`` samples in ``precision``.
 
-    fwd = max(F_fwd·b / (P_p·e_c), (2·A·b + W) / (BW·e_b)) + k_fwd·o
-    bwd = max(F_bwd·b / (P_p·e_c), (4·A·b + 2·W) / (BW·e_b)) + k_bwd·o
+    fwd = max(max(F_fwd·b / (P_p·e_c), (2·A·b + W) / (BW·e_b)) + k_fwd·o,  n·h_fwd)
+    bwd = max(max(F_bwd·b / (P_p·e_c), (4·A·b + 2·W) / (BW·e_b)) + k_bwd·o,  n·h_bwd)
 
     with F the per-sample FLOPs, A the per-sample activation bytes and W the
     parameter bytes (both in precision ``p``), P_p the device's peak FLOP/s in
-    ``p``, BW the memory bandwidth, e the efficiencies, o the launch overhead
-    and k = 1 (fwd) / 2 (bwd) kernels.
+    ``p`` for the layer's op (:meth:`DeviceModel.peak_for`: TF32 where PyTorch runs
+    an fp32 op in TF32), BW the memory bandwidth, e the efficiencies, o the launch
+    overhead, k = 1 (fwd) / 2 (bwd) kernels, n the layer's operators (fx nodes) and
+    h the host's floor per operator (0 where the model has none). The larger of
+    device and host per layer approximates the stage formula (``devicetime.stage_ms``)
+    layer by layer, without the overlap of one layer's issue with another's device
+    time: its sum lies between ``T - max_k min(h_k, d_k)`` and ``Σh + Σd ≤ 2T``.
     """
-    flops_rate = device.peak(precision) * device.compute_efficiency
+    flops_rate = device.peak_for(layer.op, precision) * device.compute_efficiency
     byte_rate = device.mem_bandwidth * device.bandwidth_efficiency
     scale = precision.scale(layer.dtype)
     activation, weights = layer.act_bytes * batch * scale, layer.param_bytes * scale
     fwd = max(layer.fwd_flops * batch / flops_rate, (2 * activation + weights) / byte_rate)
     bwd = max(layer.bwd_flops * batch / flops_rate, (4 * activation + 2 * weights) / byte_rate)
-    overhead = device.launch_overhead_s
-    return 1e3 * (fwd + overhead), 1e3 * (bwd + 2 * overhead)
+    overhead, operators = device.launch_overhead_s, len(layer.nodes)
+    return 1e3 * max(fwd + overhead, operators * device.host_fwd_op_s), \
+        1e3 * max(bwd + 2 * overhead, operators * device.host_bwd_op_s)
 
 
 def estimated_profile(
