@@ -65,10 +65,10 @@ def plan(
     input_dtype: Annotated[str, typer.Option(help="a factory's input dtype: float32, or int64 for token ids")] = "float32",
     vocab_size: Annotated[int, typer.Option(help="token ids are drawn below this (with an integer --input-dtype)")] = 0,
     device_model: Annotated[str | None, typer.Option(
-        help="v100, a100, h100 (estimated) or local (measured here)", show_default="local")] = None,
+        help="v100, a100, h100, h200 (estimated) or local (measured here)", show_default="local")] = None,
     profile: Annotated[Path | None, typer.Option(help="plan from a profile written by `deeppool profile`")] = None,
     network: Annotated[str | None, typer.Option(
-        help="network preset: v100, a100, h100 or local", show_default="the device model's")] = None,
+        help="network preset: v100, a100, h100, h200 or local", show_default="the device model's")] = None,
     network_file: Annotated[Path | None, typer.Option(help="measured network (`deeppool profile-network`)")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(help="override the preset's GPUs per node")] = None,
     intra_gbps: Annotated[float | None, typer.Option(help="override the in-node bandwidth per GPU, GB/s")] = None,
@@ -79,7 +79,7 @@ def plan(
     strategy: Annotated[str, typer.Option(
         help="which plan to write: ilp, dp (data parallel on all GPUs), best-dp (data parallel at its best width) "
              "or deeppool (the paper's planner)")] = "ilp",
-    optimizer: Annotated[str, typer.Option(help="sgd or adam: optimizer state memory and step time")] = "sgd",
+    optimizer: Annotated[str, typer.Option(help="sgd, adam or kfac (SGD with K-FAC, its factors priced per layer): optimizer state memory and step time")] = "sgd",
     precision: Annotated[str | None, typer.Option(help="fp32, tf32, bf16 or fp16 for a device model (default: the model's dtype)")] = None,
     bucket_mb: Annotated[float, typer.Option(help="the executor's gradient bucket, MiB (0: per layer, synchronous)")] = 25.0,
     objective: Annotated[str, typer.Option(
@@ -258,6 +258,8 @@ def _report_plan(planned: Planned, *, out: Path, gantt: Path | None, pareto: Pat
     shown.print(report.cluster_line(planned.plan))
     for line in report.evidence_lines(planned.plan):
         shown.print(line, style="yellow", highlight=False)
+    for line in report.tracing_lines(planned.plan):
+        shown.print(line, highlight=False, markup=False)
     fit = planned.cost.profile.fit
     if fit is not None and fit.noisy > NOISY_SHARE * fit.measurements:
         shown.print(f"warning: do not trust this plan: {fit.noisy} of {fit.measurements} measurements stayed noisy "
@@ -403,6 +405,7 @@ def _mount_package_commands() -> None:
     from deeppool.coordinator import cli as coordinator
     from deeppool.executor.launch.cli import export, profile_network
     from deeppool.multiplex.cli import app as multiplex_app
+    from deeppool.replay.cli import replay
     from deeppool.run_command import RUN_SUMMARY, run
 
     app.command("run", short_help=RUN_SUMMARY)(run)
@@ -411,6 +414,7 @@ def _mount_package_commands() -> None:
     app.command("export")(export)
     app.command("simulate")(simulate)
     app.command("simulate-deeppool")(simulate_deeppool)
+    app.command("replay")(replay)
     app.command("serve")(coordinator.serve)
     app.add_typer(coordinator.token_app, name="token")
     for command in (coordinator.submit, coordinator.jobs, coordinator.logs, coordinator.cancel):

@@ -368,6 +368,15 @@ MISTAKES: list[tuple[str, list[str], str]] = [
                                       "--input-dtype", "int3"], "--input-dtype"),
     ("cancel a job that is not a number", ["cancel", "first"], "job"),
     ("logs a job that is not a number", ["logs", "first"], "job"),
+    # replay
+    ("replay --jobs 1", ["replay", "workload-6", "--dry-run", "--slots", "2", "--jobs", "1"], "--jobs"),
+    ("replay --span 0", ["replay", "workload-6", "--span", "0"], "--span"),
+    ("replay --policy magic", ["replay", "workload-6", "--policy", "magic"], "--policy"),
+    ("replay --mapping missing", ["replay", "workload-6", "--mapping", "map.json"], "--mapping"),
+    ("replay --slots without --dry-run", ["replay", "workload-6", "--slots", "2"], "--slots"),
+    ("replay --out is a file", ["replay", "workload-6", "--out", "{ws}/existing.txt"], "--out"),
+    ("replay trace missing", ["replay", "nosuch.csv", "--dry-run", "--slots", "2"], "trace file"),
+    ("replay --dry-run without --slots", ["replay", "workload-6", "--dry-run"], "--slots"),
     # the command itself
     ("unknown command", ["plna", TINY], "plna"),
 ]
@@ -389,7 +398,7 @@ def test_a_mistake_is_one_line_exit_2_naming_the_flag_and_leaves_nothing(capsys,
 def test_the_mistake_table_covers_every_command():
     covered = {args[0] if args[0] != "multiplex" else " ".join(args[:2]) for _, args, _ in MISTAKES}
     assert {"plan", "profile", "run", "simulate", "multiplex bench", "profile-network", "serve", "token", "submit",
-            "cancel", "logs"} <= covered
+            "cancel", "logs", "replay"} <= covered
     assert len(MISTAKES) >= 15 + 40
 
 

@@ -1,0 +1,182 @@
+"""The simulator against the live coordinator: a slice of a Pollux workload replayed on both, per policy.
+
+    python benchmarks/replay.py [--policy fifo-backfill] [--jobs 20] [--span 300] [--max-run 30] [--write-docs]
+
+For each ``--policy`` it starts ``deeppool serve`` on ``--gpus`` CPU slots (a policy other than the server's
+default is passed as ``serve --policy``; a server that refuses it is reported, not replayed), replays jobs
+``--first`` .. ``--first + --jobs - 1`` of ``--trace`` on it with the small models of
+``benchmarks/replay_models/mapping.json`` (:mod:`deeppool.replay`), and simulates the same jobs with the
+speeds the live run measured. Goal (issue 43): average JCT and makespan within 15% of the live run's.
+
+As root the server must run its jobs as another account (``--job-user ACCOUNT``), which must be able to run
+this Python; the jobs' files go to a fresh folder it can reach. ``--write-docs`` writes the tables into
+``docs/simulator.md`` (region ``replay``) and the first policy's picture to ``docs/images/replay.png``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from deeppool.cluster_sim.models import ModelMapping, load_mapping
+from deeppool.cluster_sim.shipped import resolve
+from deeppool.cluster_sim.workload import Workload, read_workload
+from deeppool.coordinator.client import Client
+from deeppool.coordinator.store import Store
+from deeppool.docregions import REPO, Stamp, markdown, write_region
+from deeppool.replay.compare import ReplayComparison
+from deeppool.replay.live import calibrate
+from deeppool.replay.report import (
+    PICTURE_FILE,
+    ReplayResult,
+    comparison_table,
+    replay,
+    slice_table,
+    speed_table,
+    write,
+)
+from deeppool.replay.slicing import ReplaySlice, SliceSettings, needs, scale
+
+MAPPING = REPO / "benchmarks" / "replay_models" / "mapping.json"
+SERVER_DEFAULT = "fifo-backfill"
+"""What ``deeppool serve`` runs without ``--policy`` (its ``fifo-backfill:burst+bg`` decides as ``fifo-backfill``
+when every job is a foreground job, as the replay's are)."""
+GOAL = 0.15
+PICTURE = REPO / "docs" / "images" / "replay.png"
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    policy: Annotated[list[str], typer.Option(help="policies to replay (repeat)")] = [SERVER_DEFAULT],  # noqa: B006
+    trace: Annotated[str, typer.Option(help="trace file or shipped name")] = "workload-6",
+    first: Annotated[int, typer.Option(help="the slice's first job")] = 0,
+    jobs: Annotated[int, typer.Option(help="jobs in the slice")] = 20,
+    span: Annotated[float, typer.Option(help="seconds the arrivals are compressed into")] = 300.0,
+    max_run: Annotated[float, typer.Option(help="most seconds a job trains")] = 30.0,
+    gpus: Annotated[int, typer.Option(help="the coordinator's CPU slots")] = 4,
+    job_user: Annotated[str | None, typer.Option(help="the account jobs run as (needed as root)")] = None,
+    write_docs: Annotated[bool, typer.Option("--write-docs", help="write docs/simulator.md's region 'replay' and "
+                                             "docs/images/replay.png")] = False,
+) -> None:
+    console = Console(width=160)
+    stamp = Stamp.started()
+    if os.geteuid() == 0 and job_user is None:
+        raise SystemExit("as root, give --job-user ACCOUNT (an account that can run this Python)")
+    settings = SliceSettings(slots=gpus, first=first, jobs=jobs, span_s=span, max_run_s=max_run)
+    workload, mapping = read_workload(resolve(trace)), load_mapping(MAPPING)
+    comparisons: list[ReplayComparison] = []
+    shown: list[Table | str] = []
+    for index, name in enumerate(policy):
+        with tempfile.TemporaryDirectory(prefix="deeppool-replay-") as folder:
+            outcome = _one(console, (workload, settings, mapping), name, Path(folder), job_user)
+            if isinstance(outcome, str):
+                shown.append(outcome)
+                continue
+            result = outcome
+            comparisons.append(result.comparison)
+            if index == 0:
+                shown.insert(0, _described(result.slice, trace))
+            shown.append(f"`{name}`: speeds measured live")
+            shown.append(speed_table(result.speeds))
+            if index == 0 and write_docs:
+                shutil.copyfile(Path(folder) / "out" / PICTURE_FILE, PICTURE)
+    if comparisons:
+        shown.append(comparison_table(comparisons))
+        shown.append(_verdict(comparisons))
+    for item in shown:
+        console.print(item)
+    if write_docs:
+        body = "\n\n".join(markdown(item) if isinstance(item, Table) else item for item in shown)
+        if comparisons:
+            body += f"\n\n![slots over time, live and simulated]({PICTURE.relative_to(REPO / 'docs').as_posix()})"
+        write_region(REPO / "docs" / "simulator.md", "replay", body, stamp)
+
+
+def _described(cut: ReplaySlice, trace: str) -> str:
+    settings = cut.settings
+    return (f"{settings.jobs} jobs of `{trace}` from job {settings.first}, arrivals compressed into "
+            f"{settings.span_s:.0f} s (time x {cut.time_scale:.4f}), run times held to {settings.min_run_s:.0f}-"
+            f"{settings.max_run_s:.0f} s, {cut.gpu_scale:g} trace GPUs a slot, on {settings.slots} CPU slots of a "
+            f"{os.cpu_count()}-core machine; models: `{MAPPING.relative_to(REPO).as_posix()}`, each job's steps "
+            f"sized by a short calibration job of its model on the same server.")
+
+
+def _one(console: Console, trace: tuple[Workload, SliceSettings, ModelMapping], name: str, folder: Path,
+         job_user: str | None) -> ReplayResult | str:
+    """One policy: a fresh server, calibration, the replay, the server stopped; the result, or why it did not
+    run."""
+    workload, settings, mapping = trace
+    gpus = settings.slots
+    db, logs = folder / "deeppool.db", folder / "logs"
+    folder.chmod(0o711)
+    token = Store(db).create_token("replay")
+    port = _free_port()
+    options = ["--job-user", job_user, "--log-dir", str(logs)] if job_user else []
+    options += [] if name == SERVER_DEFAULT else ["--policy", name]
+    with (folder / "serve.log").open("w") as said:
+        server = subprocess.Popen([sys.executable, "-m", "deeppool.cli", "serve", "--db", str(db), "--port",
+                                   str(port), "--gpus", str(gpus), "--allow", str(REPO), *options], cwd=REPO,
+                                  stdout=subprocess.DEVNULL, stderr=said)
+    try:
+        refused = _wait_until_serving(server, port, folder / "serve.log")
+        if refused is not None:
+            return f"`{name}`: not replayed: `deeppool serve` refused it ({refused})"
+        client = Client(f"http://127.0.0.1:{port}", token)
+        say = lambda line: console.print(line, highlight=False)
+        cut = scale(workload, settings, mapping, calibrate(client, needs(workload, settings, mapping), say=say))
+        console.print(slice_table(cut))
+        result = replay(cut, client, name, say=say)
+        write(result, folder / "out")
+        return result
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def _wait_until_serving(server: subprocess.Popen, port: int, log: Path) -> str | None:
+    """None once the server answers; else the last line it said before it ended."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            said = log.read_text().strip().splitlines()
+            return said[-1] if said else f"exit code {server.returncode}"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return None
+        except httpx.TransportError:
+            time.sleep(0.2)
+    return "it did not answer in 120 s"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _verdict(comparisons: list[ReplayComparison]) -> str:
+    parts = []
+    for item in comparisons:
+        within = abs(item.jct_gap) <= GOAL and abs(item.makespan_gap) <= GOAL
+        parts.append(f"`{item.policy}`: average JCT {item.jct_gap:+.1%}, makespan {item.makespan_gap:+.1%} "
+                     f"({'within' if within else 'OUTSIDE'} the ±{GOAL:.0%} goal)")
+    return "Simulated against live: " + "; ".join(parts) + "."
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,184 @@
+"""The live half of a replay: submit a slice to a running coordinator on its schedule and record what it did.
+
+Each job is submitted as a foreground job at its arrival (an idempotency key per replay and job, so a
+retried request never makes a second job). The client polls the job list every ``poll_s`` seconds and
+keeps, per job, when it was submitted (the server's ``created_at``), when it held slots (from a state
+change's ``updated_at``: STARTING or RUNNING opens an interval, PENDING or an end closes it) and how it
+ended. A job first seen already past a state is timed by the poll that saw it last in the state before,
+so a time is late by at most ``poll_s``. Once every job has ended, each succeeded job's log gives its
+measured iteration time (the run's ``iteration: measured X ms`` line, the slowest rank's median after
+warm-up). Times are seconds from the first submission.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from deeppool.cluster_sim.workload import TraceJob
+from deeppool.coordinator.client import Client
+from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobStatus
+from deeppool.errors import DeeppoolError
+from deeppool.replay.slicing import ReplayJob, StepTimer
+from deeppool.scheduling.choice import ModelChoice
+
+ITERATION = re.compile(r"^iteration: measured (?P<ms>[\d.]+) ms", re.MULTILINE)
+HOLDING = (JobStatus.STARTING, JobStatus.RUNNING)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveRecord:
+    """One job of the live run: its coordinator id, times (seconds from the first submission) and result."""
+
+    job: ReplayJob
+    job_id: int
+    submitted_s: float
+    held: tuple[tuple[float, float], ...]
+    """the intervals it held its slots: (from, to)"""
+    state: JobStatus
+    reason: str
+    iteration_s: float | None
+    """its run's measured iteration time; None when it did not succeed or its log does not say"""
+
+    @property
+    def finished_s(self) -> float:
+        return self.held[-1][1] if self.held else self.submitted_s
+
+    @property
+    def started_s(self) -> float:
+        return self.held[0][0] if self.held else self.finished_s
+
+    @property
+    def jct_s(self) -> float:
+        return self.finished_s - self.submitted_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveRun:
+    url: str
+    slots: int
+    records: tuple[LiveRecord, ...]
+
+    @property
+    def makespan_s(self) -> float:
+        return max(record.finished_s for record in self.records)
+
+    def failed(self) -> list[LiveRecord]:
+        return [r for r in self.records if r.state is not JobStatus.SUCCEEDED or r.iteration_s is None]
+
+
+@dataclass(kw_only=True)
+class _Watch:
+    """What the polls saw of one job (mutable, private to :func:`run_live`)."""
+
+    job: ReplayJob
+    job_id: int
+    created: datetime
+    state: JobStatus = JobStatus.PENDING
+    last_seen: datetime | None = None
+    opened: datetime | None = None
+    held: list[tuple[datetime, datetime]] = field(default_factory=list)
+    reason: str = ""
+
+    def see(self, job: Job, polled: datetime) -> None:
+        """Record a poll's view of the job; a state change is timed by its ``updated_at``."""
+        if job.state is not self.state:
+            holding = job.state in HOLDING
+            if holding and self.opened is None:
+                self.opened = job.updated_at
+            elif not holding and self.opened is not None:
+                self.held.append((self.opened, job.updated_at))
+                self.opened = None
+            elif job.state.terminal and self.state is JobStatus.PENDING:  # it ran between two polls
+                self.held.append((self.last_seen or self.created, job.updated_at))
+            self.state, self.reason = job.state, job.reason or ""
+        self.last_seen = polled
+
+
+def run_live(jobs: Sequence[ReplayJob], client: Client, *, poll_s: float = 0.25, timeout_s: float = 3600.0,
+             say: Callable[[str], None] = lambda line: None) -> LiveRun:
+    """Submit ``jobs`` at their arrivals, wait until all have ended (at most ``timeout_s``: then the rest are
+    cancelled and the replay fails), and return what happened."""
+    slots = int(client.cluster()["gpus"])
+    if max(job.gpus for job in jobs) > slots:
+        raise DeeppoolError(f"the slice was scaled for more slots than the coordinator at {client.url} has ({slots})")
+    tag = uuid.uuid4().hex[:8]
+    pending = sorted(jobs, key=lambda job: job.arrival_s)
+    watches: dict[int, _Watch] = {}
+    began = time.monotonic()
+    while pending or any(not w.state.terminal for w in watches.values()):
+        elapsed = time.monotonic() - began
+        while pending and pending[0].arrival_s <= elapsed:
+            job = pending.pop(0)
+            made = client.submit(_request(job, tag))
+            watches[made.id] = _Watch(job=job, job_id=made.id, created=made.created_at)
+            say(f"{elapsed:7.1f} s  submitted {job.name} as job {made.id} ({job.gpus} slots, {job.steps} steps)")
+        polled = datetime.now(UTC)
+        for found in client.jobs() if watches else ():
+            if found.id in watches:
+                watch = watches[found.id]
+                before = watch.state
+                watch.see(found, polled)
+                if watch.state is not before and watch.state.terminal:
+                    say(f"{elapsed:7.1f} s  {watch.job.name} (job {found.id}) {watch.state.value}")
+        if elapsed > timeout_s:
+            _abandon(client, watches.values())
+            raise DeeppoolError(f"the replay did not finish in {timeout_s:.0f} s: its jobs were cancelled")
+        time.sleep(poll_s)
+    return _collect(client, watches)
+
+
+def calibrate(client: Client, needs: Sequence[tuple[ModelChoice, int]], *, steps: int = 20,
+              timeout_s: float = 1800.0, say: Callable[[str], None] = lambda line: None) -> StepTimer:
+    """Each (model, slots)'s iteration time on the coordinator itself: one job of ``steps`` steps each, all
+    submitted at once; a step timer that answers for those (model, slots), from their logs."""
+    jobs = [ReplayJob(name=f"calibrate-{model.name}-{model.global_batch}-{gpus}", arrival_s=0.0, gpus=gpus,
+                      model=model, steps=steps, run_s=0.0,
+                      trace=TraceJob(name=model.name, arrival_s=0.0, gpus=gpus, duration_s=1.0, key=model.name))
+            for model, gpus in needs]
+    run = run_live(jobs, client, timeout_s=timeout_s, say=say)
+    failed = run.failed()
+    if failed:
+        raise DeeppoolError(f"calibrating {failed[0].job.name} (job {failed[0].job_id}) did not measure an "
+                            f"iteration time: {failed[0].state.value}, {failed[0].reason}")
+    measured = {(str(r.job.model.path), r.job.batch, r.job.gpus): r.iteration_s or 0.0 for r in run.records}
+    return lambda model, gpus: measured[(str(model.path), model.global_batch, gpus)]
+
+
+def _request(job: ReplayJob, tag: str) -> JobRequest:
+    return JobRequest(kind=JobKind.FOREGROUND, model=str(job.model.path), gpus=job.gpus, batch=job.batch,
+                      steps=job.steps, idempotency_key=f"replay-{tag}-{job.name}")
+
+
+def _abandon(client: Client, watches: Iterable[_Watch]) -> None:
+    for watch in watches:
+        if not watch.state.terminal:
+            try:
+                client.cancel(watch.job_id)
+            except DeeppoolError:
+                continue
+
+
+def _collect(client: Client, watches: dict[int, _Watch]) -> LiveRun:
+    zero = min(w.created for w in watches.values())
+
+    def since(at: datetime) -> float:
+        return (at - zero).total_seconds()
+
+    records = []
+    for job_id, watch in sorted(watches.items()):
+        iteration = measured_iteration_s("".join(client.log(job_id))) if watch.state is JobStatus.SUCCEEDED else None
+        records.append(LiveRecord(job=watch.job, job_id=job_id, submitted_s=since(watch.created),
+                                  held=tuple((since(a), since(b)) for a, b in watch.held), state=watch.state,
+                                  reason=watch.reason, iteration_s=iteration))
+    return LiveRun(url=client.url, slots=int(client.cluster()["gpus"]), records=tuple(records))
+
+
+def measured_iteration_s(log: str) -> float | None:
+    """The run's measured iteration time in seconds, from its log's ``iteration: measured X ms`` line."""
+    found = ITERATION.findall(log)
+    return float(found[-1]) / 1e3 if found else None

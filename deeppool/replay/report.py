@@ -1,0 +1,107 @@
+"""A replay from start to end, and what it shows: the tables, ``replay.json`` and ``allocation.png``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from deeppool.cluster_sim.engine import SimResult
+from deeppool.coordinator.client import Client
+from deeppool.replay.compare import MeasuredSpeed, ReplayComparison, SpeedKey, compare, measured_speeds
+from deeppool.replay.live import LiveRun, run_live
+from deeppool.replay.plot import draw, live_bands, simulated_bands
+from deeppool.replay.slicing import ReplaySlice
+
+JSON_FILE = "replay.json"
+PICTURE_FILE = "allocation.png"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayResult:
+    slice: ReplaySlice
+    live: LiveRun
+    speeds: dict[SpeedKey, MeasuredSpeed]
+    comparison: ReplayComparison
+    simulated: SimResult
+
+
+def replay(cut: ReplaySlice, client: Client, policy: str, *, timeout_s: float = 3600.0,
+           say: Callable[[str], None] = lambda line: None) -> ReplayResult:
+    """Run ``cut`` live on ``client``'s coordinator (which runs ``policy``), then in the simulator."""
+    live = run_live(cut.jobs, client, timeout_s=timeout_s, say=say)
+    speeds = measured_speeds(live)
+    comparison, simulated = compare(live, policy, speeds)
+    return ReplayResult(slice=cut, live=live, speeds=speeds, comparison=comparison, simulated=simulated)
+
+
+def slice_table(cut: ReplaySlice) -> Table:
+    table = Table(title=f"{len(cut.jobs)} jobs of {Path(cut.source).name} from job {cut.settings.first}: time x "
+                        f"{cut.time_scale:.4f}, {cut.gpu_scale:g} trace GPUs a slot")
+    for column in ("#", "job", "arrives s", "trace GPUs", "slots", "model", "batch", "steps", "trace run s",
+                   "sized for s"):
+        table.add_column(column, justify="left" if column in ("job", "model") else "right")
+    for index, job in enumerate(cut.jobs):
+        table.add_row(str(index), job.name, f"{job.arrival_s:.1f}", str(job.trace.gpus), str(job.gpus),
+                      job.model.name, str(job.batch), str(job.steps), f"{job.trace.duration_s:.0f}",
+                      f"{job.run_s:.1f}")
+    return table
+
+
+def speed_table(speeds: dict[SpeedKey, MeasuredSpeed]) -> Table:
+    table = Table(title="speeds measured live (medians over the jobs of each model, batch and slots)")
+    for column in ("model", "batch", "slots", "jobs", "iteration ms", "start-up s"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for speed in sorted(speeds.values(), key=lambda s: (s.model, s.batch, s.gpus)):
+        table.add_row(speed.model, str(speed.batch), str(speed.gpus), str(speed.jobs),
+                      f"{speed.iteration_s * 1e3:.1f}", f"{speed.start_up_s:.1f}")
+    return table
+
+
+def comparison_table(comparisons: list[ReplayComparison]) -> Table:
+    table = Table(title="live against simulated (gap: simulated / live - 1; steps only: the simulation without "
+                        "start-up)")
+    for column in ("policy", "avg JCT live s", "simulated s", "gap", "makespan live s", "simulated s", "gap",
+                   "steps only: JCT s", "makespan s"):
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for item in comparisons:
+        table.add_row(item.policy, f"{item.live.average_jct_s:.1f}", f"{item.simulated.average_jct_s:.1f}",
+                      f"{item.jct_gap:+.1%}", f"{item.live.makespan_s:.1f}", f"{item.simulated.makespan_s:.1f}",
+                      f"{item.makespan_gap:+.1%}", f"{item.steps_only.average_jct_s:.1f}",
+                      f"{item.steps_only.makespan_s:.1f}")
+    return table
+
+
+def write(result: ReplayResult, out: Path) -> list[Path]:
+    """``replay.json`` (the slice, every live job, the speeds, the comparison, the simulated jobs) and the
+    picture, in ``out``; the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    picture = out / PICTURE_FILE
+    draw([(f"live: coordinator at {result.live.url}, policy {result.comparison.policy}", live_bands(result.live)),
+          ("simulated: the same jobs and policy, speeds measured live", simulated_bands(result.simulated))],
+         result.live.slots, picture)
+    data = out / JSON_FILE
+    data.write_text(json.dumps(_json(result), indent=2))
+    return [data, picture]
+
+
+def _json(result: ReplayResult) -> dict[str, Any]:
+    cut = result.slice
+    return {
+        "source": cut.source, "settings": asdict(cut.settings), "time_scale": cut.time_scale,
+        "gpu_scale": cut.gpu_scale, "slots": result.live.slots, "policy": result.comparison.policy,
+        "comparison": {"live": asdict(result.comparison.live), "simulated": asdict(result.comparison.simulated),
+                       "steps_only": asdict(result.comparison.steps_only), "jct_gap": result.comparison.jct_gap,
+                       "makespan_gap": result.comparison.makespan_gap},
+        "speeds": [asdict(speed) for speed in result.speeds.values()],
+        "live": [{"name": r.job.name, "job_id": r.job_id, "model": r.job.model.name, "batch": r.job.batch,
+                  "slots": r.job.gpus, "steps": r.job.steps, "submitted_s": r.submitted_s, "held": r.held,
+                  "state": r.state.value, "iteration_s": r.iteration_s, "jct_s": r.jct_s}
+                 for r in result.live.records],
+        "simulated": [{"name": r.name, "start_s": r.start_s, "finish_s": r.finish_s, "jct_s": r.jct_s}
+                      for r in result.simulated.records],
+    }
