@@ -15,13 +15,18 @@ measured:
    never during an all-reduce); then ``deeppool multiplex windows``' sweep (:mod:`deeppool.multiplex.windows`):
    a foreground of products holding windows of 0.5, 1, 2, 5 and 20 ms and one whole phase, its slowdown
    and the background's efficiency in each, written as ``OUT/interference.json`` (``deeppool simulate
-   --interference``, ``deeppool plan --objective cluster``); with 2 GPUs, ``deeppool run`` of ``examples/mixer.py`` with
+   --interference``, ``deeppool plan --objective cluster``); a one-rank plan of ``examples/mixer.py``'s
+   natural windows (its data loading and optimizer step, :mod:`deeppool.multiplex.natural`) lent too, into
+   the same file; the sweep in ``mps`` mode (:mod:`deeppool.multiplex.mps_windows`, a client process
+   beside the foreground) as ``OUT/mps/interference.json``, where ``nvidia-cuda-mps-control`` is on PATH;
+   with 2 GPUs, ``deeppool run`` of ``examples/mixer.py`` with
    ``examples/background_mlp.py`` under ``--mux priority`` and ``--mux mps``. Goal: foreground slowdown
    <= 5% with >= 50% of the idle GPU-time recovered.
 3. ``device-time``: each example's layers captured as CUDA graphs and replayed at batch 64
    (:mod:`deeppool.planner.profiling.devicetime`), the host's cost per op, and the stage formula's
    forward and backward set beside the recorded H200 runs' (``docs/gpu-runs/2026-11-28-h200/``).
-4. ``profiles``: each example profiled on the GPU (``measure_profile``, CUDA events) against the
+4. ``profiles``: each example profiled on the GPU (``measure_profile``: each layer's device time by graph
+   replay, the host's issue time beside it) against the
    device model of this GPU (``h200``, ``h100``, ``a100`` or ``v100`` by name, or ``--device-model``): the
    per-layer relative error of forward + backward at the largest batch, median and worst.
 5. ``nccl-vs-ddp``: ``benchmarks/executor.py --backend nccl --skip-burst`` (data-parallel plans
@@ -34,9 +39,10 @@ measured:
 
 ``--dry-run`` (on CPU; ``tests/test_gpu_checklist.py`` runs it in CI) takes the same steps through
 the fake GPU (:class:`~deeppool.device.fake.FakeGpu`), smaller: the gpu tests are collected (they
-import, and their signatures hold), the drill runs through the fake for two window lengths and the MPS
-daemon starts and stops with a stand-in control, ``examples/background_mlp.py``'s layers are captured
-and replayed through the fake and profiled on CPU against the a100 model, the GPU runs are skipped.
+import, and their signatures hold), the drill and the window sweep run through the fake for two window
+lengths, a one-rank plan of ``examples/background_mlp.py`` lends its natural windows through the fake, the
+``mps`` sweep's client is a CPU process under a stand-in MPS control, ``examples/background_mlp.py``'s layers
+are captured and replayed through the fake and profiled on CPU against the a100 model, the GPU runs are skipped.
 Its figures are not GPU figures, and its goals are not enforced.
 
 The report: ``OUT/gpu-report.json`` and ``OUT/gpu-report.md``. Exit status 1 when a check failed.
@@ -54,6 +60,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,12 +142,18 @@ def gpu_tests(dry: bool, out: Path, budget: Budget) -> Check:
 def multiplex(dry: bool, gpus: int, out: Path, steps: int, budget: Budget) -> Check:
     check = Check(name="interference")
     drill_check(check, dry)
-    try:
-        window_sweep(check, dry, out)
-    except Exception as err:  # noqa: BLE001  the sweep's failure is a finding; the drill's figures stay
-        check.fail(f"the window sweep: {type(err).__name__}: {str(err)[-500:]}")
+    for label, measure in (("the window sweep", window_sweep), ("the natural windows", natural_windows),
+                           ("the mps sweep", partial(mps_sweep, budget=budget))):
+        if budget.left() <= 0:
+            check.figures[label] = "budget spent"
+            continue
+        started = time.perf_counter()
+        try:
+            measure(check, dry, out)
+        except Exception as err:  # noqa: BLE001  one measurement's failure is a finding; the others' figures stay
+            check.fail(f"{label}: {type(err).__name__}: {str(err)[-500:]}")
+        check.figures.setdefault("seconds_by_part", {})[label] = round(time.perf_counter() - started, 1)
     if dry:
-        mps_dry(check, out)
         return check
     if gpus < 2:
         check.figures["runs"] = "skipped: a plan with idle windows needs 2 GPUs"
@@ -217,26 +230,74 @@ def window_sweep(check: Check, dry: bool, out: Path) -> None:
         check.fail(f"a window slowed the foreground {100 * worst:.1f}% (goal <= {100 * SLOWDOWN_GOAL:.0f}%)")
 
 
-def mps_dry(check: Check, out: Path) -> None:
-    """The MPS daemon's start and stop with a stand-in for ``nvidia-cuda-mps-control`` (on PATH for the check)."""
-    from deeppool.device.fake import FakeGpu, fake_mps_control
-    from deeppool.device.mps import CONTROL
+def natural_windows(check: Check, dry: bool, out: Path) -> None:
+    """A one-rank plan's natural windows (:mod:`deeppool.multiplex.natural`: its data loading and its optimizer
+    step) lent to the ``priority`` background, added to ``OUT/interference.json`` under ``natural_windows``."""
+    import torch
 
+    from deeppool.device.cuda import CudaGpu
+    from deeppool.device.fake import FakeGpu
+    from deeppool.multiplex.natural import measure_natural
+    from deeppool.planner.api import plan_model
+    from deeppool.planner.request import CostSource, PlanRequest
+    from deeppool.plans import ModelSpec
+
+    example, batch, model = (REPO / "examples" / DRY_EXAMPLE, 16, "a100") if dry else (FOREGROUND, 64, "h200")
+    plan = plan_model(ModelSpec.parse(str(example)), PlanRequest(gpus=1, global_batch=batch),
+                      CostSource(device_model=model, show_progress=False)).plan  # as `deeppool plan --gpus 1`
+    plan.save(out / f"natural-{example.stem}-plan.json")
+    gpu = FakeGpu() if dry else CudaGpu()
+    device = torch.device("cpu") if dry else gpu.bind(0)
+    found = measure_natural(gpu, device, BACKGROUND, plan, iterations=4 if dry else 20)
+    check.figures["natural_windows"] = [{"window": f.window.value, "window_ms": round(f.figures.window_ms, 3),
+                                         "slowdown": round(f.figures.slowdown, 4),
+                                         "efficiency": round(f.figures.efficiency, 4)} for f in found]
+    path = out / "interference.json"
+    written = json.loads(path.read_text())
+    written["natural_windows"] = [f.to_json() for f in found]
+    path.write_text(json.dumps(written, indent=2) + "\n")
+    worst = max(f.figures.slowdown for f in found)
+    if not dry and worst > SLOWDOWN_GOAL:
+        check.fail(f"a natural window slowed the foreground {100 * worst:.1f}% (goal <= {100 * SLOWDOWN_GOAL:.0f}%)")
+
+
+def mps_sweep(check: Check, dry: bool, out: Path, budget: Budget) -> None:
+    """The window sweep in ``mps`` mode (:mod:`deeppool.multiplex.mps_windows`: a client process beside the
+    foreground), as ``OUT/mps/interference.json``: on a GPU by ``deeppool multiplex windows --mux mps`` in a
+    process of its own (its device context must be made under the daemon); dry, in this one, under a
+    stand-in for ``nvidia-cuda-mps-control``."""
+    import torch
+
+    from deeppool.device.fake import FakeGpu, fake_mps_control
+    from deeppool.device.mps import CONTROL, control_available
+    from deeppool.multiplex.config import MuxMode
+    from deeppool.multiplex.mps_windows import sweep_mps
+    from deeppool.multiplex.windows import Foreground, write
+
+    folder = out / "mps"
+    folder.mkdir(parents=True, exist_ok=True)
+    if not dry:
+        if not control_available():
+            check.figures["mps"] = f"skipped: {CONTROL} is not on PATH"
+            return
+        shell(check, [sys.executable, "-m", "deeppool.cli", "multiplex", "windows", "--background", str(BACKGROUND),
+                      "--out", str(folder), "--mux", "mps"], timeout_s=budget.left())
+        path = folder / "interference.json"
+        found = json.loads(path.read_text())["windows"] if path.exists() else []
+        check.figures["mps_windows"] = [{key: round(w[key], 4) if isinstance(w[key], float) else w[key]
+                                         for key in ("window_ms", "whole", "slowdown", "efficiency")} for w in found]
+        check.figures["mps_interference_json"] = str(path)
+        return
     calls: list[tuple[str, dict[str, str]]] = []
-    stand_in = out / "bin" / CONTROL
-    stand_in.parent.mkdir(parents=True, exist_ok=True)
-    stand_in.write_text("#!/bin/sh\nexit 0\n")
-    stand_in.chmod(0o755)
-    saved = os.environ["PATH"]
-    os.environ["PATH"] = f"{stand_in.parent}:{saved}"
-    try:
-        with FakeGpu(mps_run=fake_mps_control(calls, out)).mps_daemon() as daemon:
-            up = (daemon.pipe / "control").exists()
-    finally:
-        os.environ["PATH"] = saved
-    check.figures["mps_daemon"] = [command for command, _ in calls]
-    if not up or [c for c, _ in calls] != [f"{CONTROL} -d", f"{CONTROL} quit"]:
-        check.fail(f"the MPS daemon: up {up}, calls {calls}")
+    gpu = FakeGpu(mps_run=fake_mps_control(calls, folder))
+    found = sweep_mps(gpu, torch.device("cpu"), BACKGROUND, folder, (2.0, 30.0), whole=True,
+                      foreground=Foreground(matmuls=2, size=128, windows=3), calibrate_s=0.3)
+    check.figures["mps_windows"] = [{"window_ms": round(f.window_ms, 3), "whole": f.whole,
+                                     "slowdown": round(f.slowdown, 4), "efficiency": round(f.efficiency, 4)}
+                                    for f in found]
+    check.figures["mps_interference_json"] = str(write(found, folder, dry_run=dry, mode=MuxMode.MPS))
+    if [c for c, _ in calls] != [f"{CONTROL} -d", f"{CONTROL} quit"]:
+        check.fail(f"the MPS daemon: calls {calls}")
 
 
 def judged(check: Check, mode: str, mux: dict) -> dict:

@@ -48,6 +48,12 @@ def test_the_dry_run_passes_within_its_budget_and_writes_one_report(tmp_path: Pa
     assert figures["interference"]["drill"]["pieces_checked"] > 0 and figures["interference"]["drill"]["dropped"] >= 3
     assert [w["window_ms"] for w in figures["interference"]["windows"]][:2] == [0.5, 30.0]
     assert InterferenceModel.measured(tmp_path / "interference.json").efficiency_by_window_ms
+    natural = json.loads((tmp_path / "interference.json").read_text())["natural_windows"]
+    assert [w["window"] for w in natural] == [w["window"] for w in figures["interference"]["natural_windows"]] \
+        == ["data loading", "optimizer step"]
+    assert [w["window_ms"] for w in figures["interference"]["mps_windows"]][:2] == [2.0, 30.0]
+    assert json.loads((tmp_path / "mps" / "interference.json").read_text())["mode"] == "mps"
+    assert InterferenceModel.measured(tmp_path / "mps" / "interference.json").efficiency_by_window_ms
     mlp = figures["device-time"]["background_mlp.py"]
     assert mlp["captured"] == mlp["layers"] == 5 and mlp["stage_fwd_ms"] >= max(mlp["device_fwd_ms"], mlp["host_fwd_ms"])
     assert 0 <= figures["profiles"]["background_mlp.py"]["median_error"]

@@ -319,7 +319,7 @@ class FakeGpu:
     def mps_daemon(self) -> contextlib.AbstractContextManager[Any]:
         if self._mps_run is None:
             raise StreamOrderError("this fake has no MPS control (give mps_run=)")
-        return MpsDaemon.running(self._mps_run)
+        return MpsDaemon.running(self._mps_run, on_path=False)  # the stand-in control is not on PATH
 
     # -- the model: items, clocks, hazards -----------------------------------------------------
     def op(self, func: Any, args: tuple, kwargs: dict) -> Any:

@@ -40,18 +40,20 @@ def client_env(percentage: int) -> dict[str, str]:
 
 
 class MpsDaemon:
-    def __init__(self, root: Path, run: Run = subprocess.run) -> None:
+    def __init__(self, root: Path, run: Run = subprocess.run, *, on_path: bool = True) -> None:
+        """``run`` runs the control (``subprocess.run``, or a stand-in); ``on_path``: the control must be on PATH
+        (a stand-in is not)."""
         self.pipe, self.log = root / "pipe", root / "log"
         self.pipe.mkdir(parents=True)
         self.log.mkdir(parents=True)
-        self._run = run
+        self._run, self._on_path = run, on_path
 
     @property
     def env(self) -> dict[str, str]:
         return {PIPE: str(self.pipe), LOG: str(self.log)}
 
     def start(self) -> None:
-        if not control_available():
+        if self._on_path and not control_available():
             raise DeeppoolError(f"--mux mps needs {CONTROL} on PATH: install the CUDA MPS tools or use --mux priority")
         done = self._run([CONTROL, "-d"], env={**os.environ, **self.env}, capture_output=True, text=True)
         if done.returncode != 0:
@@ -62,9 +64,9 @@ class MpsDaemon:
 
     @classmethod
     @contextlib.contextmanager
-    def running(cls, run: Run = subprocess.run) -> Iterator[MpsDaemon]:
+    def running(cls, run: Run = subprocess.run, *, on_path: bool = True) -> Iterator[MpsDaemon]:
         root = Path(tempfile.mkdtemp(prefix="deeppool-mps-"))
-        daemon = cls(root, run)
+        daemon = cls(root, run, on_path=on_path)
         saved = {key: os.environ.get(key) for key in daemon.env}
         try:
             daemon.start()

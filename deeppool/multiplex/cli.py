@@ -91,11 +91,16 @@ def _lengths(text: str) -> tuple[tuple[float, ...], bool]:
 @removes_if_interrupted("out")
 def windows_command(
     *,
-    background: Annotated[Path, typer.Option("--background", help="background model file (priority mode)")],
+    background: Annotated[Path, typer.Option("--background", help="background model file")],
     out: Annotated[Path, typer.Option("--out", help="folder for interference.json")],
     windows: Annotated[str, typer.Option(help="window lengths in ms, and 'whole' (one foreground phase)")] =
         "0.5,1,2,5,20,whole",
     per_window: Annotated[int, typer.Option(help="windows lent per length")] = 20,
+    mux: Annotated[str, typer.Option("--mux", help="priority (a low-priority stream lent each window) or mps (a "
+                                     "client process beside the foreground)")] = "priority",
+    mps_percentage: Annotated[int, typer.Option(help="--mux mps: the client's active-thread percentage")] = 30,
+    plan: Annotated[Path | None, typer.Option("--plan", help="a one-rank plan: its natural windows (data loading, "
+                                              "the optimizer step) lent too, into the same interference.json")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="through the fake GPU on CPU (figures not a GPU's)")] =
         False,
 ) -> None:
@@ -103,27 +108,53 @@ def windows_command(
     import torch
 
     from deeppool.device.cuda import CudaGpu
-    from deeppool.device.fake import FakeGpu
+    from deeppool.device.fake import FakeGpu, fake_mps_control
+    from deeppool.multiplex.mps_windows import sweep_mps
+    from deeppool.multiplex.natural import measure_natural
     from deeppool.multiplex.windows import Foreground, sweep, write
     from deeppool.output import console
+    from deeppool.plans import Plan
 
     checks.existing_file(background, "--background")
     checks.out_folder(out, "--out")
     lengths, whole = _lengths(windows)
     if per_window < 1:
         raise DeeppoolError(f"--per-window {per_window} must be at least 1")
+    mode = {m.value: m for m in (MuxMode.PRIORITY, MuxMode.MPS)}.get(mux)
+    if mode is None:
+        raise DeeppoolError(f"--mux {mux}: the window sweep runs priority or mps")
+    if not 1 <= mps_percentage <= 100:
+        raise DeeppoolError(f"--mps-percentage {mps_percentage} must be in [1, 100]")
+    if plan is not None and mode is MuxMode.MPS:
+        raise DeeppoolError("--plan with --mux mps: the natural windows are lent in priority mode only")
+    one_rank = None
+    if plan is not None:
+        checks.existing_file(plan, "--plan")
+        one_rank = Plan.load(plan)
     real = CudaGpu()
     if not dry_run and not real.available():
         raise DeeppoolError("deeppool multiplex windows needs a CUDA GPU and none is visible here (or give --dry-run)")
-    gpu = FakeGpu() if dry_run else real
+    gpu = FakeGpu(mps_run=fake_mps_control([], out / "mps")) if dry_run else real
     device = torch.device("cpu") if dry_run else real.bind(0)
     shape = Foreground(windows=per_window, **({"size": 128, "matmuls": 2} if dry_run else {}))
-    found = sweep(gpu, device, background.resolve(), lengths, whole=whole, foreground=shape)
-    path = write(found, out, dry_run=dry_run)
+    if mode is MuxMode.MPS:
+        (out / "mps").mkdir(parents=True, exist_ok=True)
+        found = sweep_mps(gpu, device, background.resolve(), out / "mps", lengths, whole=whole, foreground=shape,
+                          percentage=mps_percentage)
+    else:
+        found = sweep(gpu, device, background.resolve(), lengths, whole=whole, foreground=shape)
+    natural = None if one_rank is None else \
+        measure_natural(gpu, device, background.resolve(), one_rank, iterations=per_window)
+    path = write(found, out, dry_run=dry_run, mode=mode, natural=None if natural is None else
+                 [figures.to_json() for figures in natural])
     shown = console()
     for figures in found:
         shown.print(f"window {figures.window_ms:g} ms{' (whole)' if figures.whole else ''}: foreground "
                     f"{100 * figures.slowdown:+.1f}%, background efficiency {100 * figures.efficiency:.0f}%",
+                    highlight=False)
+    for kind in natural or ():
+        shown.print(f"{kind.window.value} ({kind.figures.window_ms:.2f} ms): foreground "
+                    f"{100 * kind.figures.slowdown:+.1f}%, background efficiency {100 * kind.figures.efficiency:.0f}%",
                     highlight=False)
     shown.print(f"wrote {path} (for `deeppool simulate --interference`, `deeppool plan --objective cluster`)",
                 highlight=False)

@@ -14,7 +14,8 @@ length the same loop runs first with no window lent (the foreground alone), then
 result is ``interference.json`` as ``deeppool simulate --interference`` and ``deeppool plan --objective
 cluster`` read it (:meth:`~deeppool.planner.profiling.interference.InterferenceModel.measured`): the
 efficiency by window length (each length the lower edge of its bin) and the worst slowdown of the windows
-the background was lent. Run through the fake GPU on CPU by the tests and ``benchmarks/gpu.py --dry-run``
+the background was lent (``mps`` mode, a background process beside the foreground: :mod:`deeppool.multiplex.mps_windows`;
+a real plan's natural windows: :mod:`deeppool.multiplex.natural`). Run through the fake GPU on CPU by the tests and ``benchmarks/gpu.py --dry-run``
 (its figures then are not a GPU's); on a GPU by ``deeppool multiplex windows`` and ``benchmarks/gpu.py``.
 """
 
@@ -33,7 +34,6 @@ from deeppool.device.seam import Gpu
 from deeppool.errors import DeeppoolError
 from deeppool.multiplex.config import PRIORITY_PIECE_MS, BackgroundConfig, MuxMode
 from deeppool.multiplex.gpu import StreamBackground, foreground_stream
-from deeppool.planner.profiling.interference import PieceMode
 
 WINDOWS_MS = (0.5, 1.0, 2.0, 5.0, 20.0)
 """The window lengths measured by default, with ``whole`` (one foreground phase)."""
@@ -101,11 +101,11 @@ def sweep(gpu: Gpu, device: torch.device, background: Path, windows_ms: tuple[fl
         weights = torch.randn(shape.size, shape.size, device=device) / shape.size ** 0.5
         with foreground_stream(gpu, device):
             lent.wait_ready(timeout_s)
-            _first_piece(lent, timeout_s)
+            first_piece(lent, timeout_s)
             for window_ms in windows_ms:
                 found.append(_one_length(gpu, device, lent, weights, shape, window_ms, whole=False))
             if whole:
-                alone = statistics.median(_phases(gpu, device, weights, shape, None, 0.0))
+                alone = statistics.median(held_phases(gpu, device, weights, shape, None, 0.0))
                 found.append(_one_length(gpu, device, lent, weights, shape, alone, whole=True))
         result = lent.stop(timeout_s)
     if result.error is not None:
@@ -113,17 +113,17 @@ def sweep(gpu: Gpu, device: torch.device, background: Path, windows_ms: tuple[fl
     return found
 
 
-def _first_piece(background: StreamBackground, timeout_s: float) -> None:
+def first_piece(background: StreamBackground, timeout_s: float) -> None:
     """Lend one long window until the background has captured its graphs and run a piece in it."""
     background.admit(time.perf_counter() + timeout_s, 1e3 * timeout_s)
     until = time.perf_counter() + timeout_s
     while time.perf_counter() < until and background.result_error() is None and background.pieces_run() == 0:
         time.sleep(0.01)
     background.close(None)
-    _served(background, 1, timeout_s)
+    wait_served(background, 1, timeout_s)
 
 
-def _served(background: StreamBackground, windows: int, timeout_s: float) -> None:
+def wait_served(background: StreamBackground, windows: int, timeout_s: float) -> None:
     """Wait until the background has finished serving ``windows`` windows in all (its busy time is then in)."""
     until = time.perf_counter() + timeout_s
     while background.served() < windows and background.result_error() is None and time.perf_counter() < until:
@@ -132,16 +132,16 @@ def _served(background: StreamBackground, windows: int, timeout_s: float) -> Non
 
 def _one_length(gpu: Gpu, device: torch.device, background: StreamBackground, weights: torch.Tensor,
                 shape: Foreground, window_ms: float, *, whole: bool) -> WindowFigures:
-    alone = _phases(gpu, device, weights, shape, None, window_ms)
+    alone = held_phases(gpu, device, weights, shape, None, window_ms)
     busy_before, served_before = background.busy_s(), background.served()
-    lent = _phases(gpu, device, weights, shape, background, window_ms)
-    _served(background, served_before + shape.windows, 10.0)
+    lent = held_phases(gpu, device, weights, shape, background, window_ms)
+    wait_served(background, served_before + shape.windows, 10.0)
     return WindowFigures(window_ms=window_ms, whole=whole, fg_alone_ms=statistics.median(alone),
                          fg_lent_ms=statistics.median(lent), bg_busy_ms=1e3 * (background.busy_s() - busy_before),
                          windows=shape.windows)
 
 
-def _phases(gpu: Gpu, device: torch.device, weights: torch.Tensor, shape: Foreground,
+def held_phases(gpu: Gpu, device: torch.device, weights: torch.Tensor, shape: Foreground,
             background: StreamBackground | None, window_ms: float) -> list[float]:
     """``shape.windows`` phases, each followed by a window (lent to ``background`` when given, else held
     idle); each phase's ms from its issue until the device finished it."""
@@ -163,28 +163,33 @@ def _phases(gpu: Gpu, device: torch.device, weights: torch.Tensor, shape: Foregr
     return times
 
 
-def interference_json(found: list[WindowFigures], *, piece_ms: float = PRIORITY_PIECE_MS,
-                      dry_run: bool = False) -> dict[str, Any]:
-    """``interference.json`` from a sweep: efficiency by window length, the worst slowdown where lent."""
+def interference_json(found: list[WindowFigures], *, piece_ms: float = PRIORITY_PIECE_MS, dry_run: bool = False,
+                      mode: MuxMode = MuxMode.PRIORITY) -> dict[str, Any]:
+    """``interference.json`` from a sweep in ``mode`` (``priority``, or ``mps``: :mod:`deeppool.multiplex.mps_windows`):
+    efficiency by window length, the worst slowdown where lent."""
     curve: dict[float, float] = {}
     for figures in sorted(found, key=lambda f: f.window_ms):
         curve[round(figures.window_ms, 4)] = round(figures.efficiency, 4)
     return {
-        "mode": PieceMode.PRIORITY.value,
-        "piece_ms": piece_ms,
+        "mode": mode.value,
+        **({"piece_ms": piece_ms} if mode is MuxMode.PRIORITY else {}),
         "fg_slowdown": 1 + max(0.0, *(f.slowdown for f in found)),
         "bg_efficiency": max(1e-3, statistics.fmean(f.efficiency for f in found)),
         "efficiency_by_window_ms": [{"window_ms": w, "efficiency": e} for w, e in curve.items()],
         "windows": [f.to_json() for f in found],
-        "source": "deeppool multiplex windows (one GPU, priority mode)" + (" DRY RUN through the fake GPU"
-                                                                           if dry_run else ""),
+        "source": f"deeppool multiplex windows (one GPU, {mode.value} mode)" + (" DRY RUN through the fake GPU"
+                                                                                if dry_run else ""),
     }
 
 
-def write(found: list[WindowFigures], out: Path, *, piece_ms: float = PRIORITY_PIECE_MS,
-          dry_run: bool = False) -> Path:
-    """``OUT/interference.json`` of the sweep."""
+def write(found: list[WindowFigures], out: Path, *, piece_ms: float = PRIORITY_PIECE_MS, dry_run: bool = False,
+          mode: MuxMode = MuxMode.PRIORITY, natural: list[dict[str, Any]] | None = None) -> Path:
+    """``OUT/interference.json`` of the sweep; ``natural``: a one-rank plan's natural windows, under
+    ``natural_windows`` (:mod:`deeppool.multiplex.natural`)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "interference.json"
-    path.write_text(json.dumps(interference_json(found, piece_ms=piece_ms, dry_run=dry_run), indent=2) + "\n")
+    data = interference_json(found, piece_ms=piece_ms, dry_run=dry_run, mode=mode)
+    if natural is not None:
+        data["natural_windows"] = natural
+    path.write_text(json.dumps(data, indent=2) + "\n")
     return path

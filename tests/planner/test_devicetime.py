@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -10,9 +11,11 @@ import torch
 
 from deeppool.device.fake import FakeGpu
 from deeppool.errors import DeeppoolError
+from deeppool.model.graph import LayerGraph
 from deeppool.model.layer_exec import runners
 from deeppool.model.loading import load_model
 from deeppool.model.trace import trace
+from deeppool.planner.api import plan_graph
 from deeppool.planner.profiling.devicetime import (
     HostCost,
     LayerCost,
@@ -25,10 +28,16 @@ from deeppool.planner.profiling.devicetime import (
 )
 from deeppool.planner.profiling.passes import Passes
 from deeppool.planner.profiling.profile import LayerTimes, Profile, WholePass
-from deeppool.plans import ModelSpec
+from deeppool.planner.profiling.profiler import ProfilerConfig, measure_profile
+from deeppool.planner.request import PlanRequest
+from deeppool.planner.solve.cost import CostModel, PhaseKind
+from deeppool.plans import ModelSpec, NetworkModel, Strategy
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[2]
+NETWORK = NetworkModel(gpus_per_node=4, intra_bandwidth=100e9, nics_per_node=4, nic_bandwidth=10e9,
+                       intra_latency_s=1e-5, inter_latency_s=5e-5, allreduce_efficiency=0.5,
+                       allreduce_latency_factor=2.0)
 OP_MS = {"addmm.default": 0.4, "mm.default": 0.3, "relu.default": 0.05, "threshold_backward.default": 0.05}
 
 
@@ -110,22 +119,72 @@ def test_every_layer_of_a_model_is_captured_with_its_ops_counted() -> None:
 
 
 def _a_profile_takes_its_layer_times_from_device_time(found: dict[str, LayerCost]) -> None:
-    """The measured profile's layers at the batch of the device times: the larger of device and host time,
-    scaled to the batch's whole pass; at another batch, the measured time scaled as the nearest batch's."""
+    """The measured profile's layers at the batch of the device times: the device times, the host's issue times
+    beside them; at another batch, the measured time scaled as the nearest batch's, the host time the same."""
     events = {name: LayerTimes(batches=(4, 8), fwd_ms=(1.0, 2.0), bwd_ms=(2.0, 4.0)) for name in found}
     profile = Profile(device="fake-gpu", source="measured", dtype="float32", memory_bytes=2**30, layers=events,
                       whole_pass={4: WholePass(fwd_ms=3.0, bwd_ms=5.0, layer_fwd_ms=5.0, layer_bwd_ms=10.0)})
-    host = HostCost(fwd_op_ms=0.2, bwd_op_ms=0.0, host="h", torch="t", device="fake-gpu")
+    host = HostCost(fwd_op_ms=0.2, bwd_op_ms=0.1, host="h", torch="t", device="fake-gpu")
     made = with_device_time(profile, {4: found}, host)
-    larger = {n: max(c.device.fwd_ms, 0.2 * c.fwd_ops) for n, c in found.items() if c.device is not None}
     assert made.source == "measured+device-time"
-    assert sum(made.times(n, 4)[0] for n in found) == pytest.approx(3.0)
-    assert sum(made.times(n, 4)[1] for n in found) == pytest.approx(5.0)
-    for n in found:
-        assert made.times(n, 4)[0] == pytest.approx(3.0 * larger[n] / sum(larger.values()))
-        assert made.times(n, 8)[0] == pytest.approx(2 * made.times(n, 4)[0])
+    for n, c in found.items():
+        assert c.device is not None
+        assert made.times(n, 4) == pytest.approx((c.device.fwd_ms, c.device.bwd_ms))
+        assert made.times(n, 8) == pytest.approx((2 * c.device.fwd_ms, 2 * c.device.bwd_ms))
+        assert made.host_times(n, 4) == made.host_times(n, 8) == pytest.approx((0.2 * c.fwd_ops, 0.1 * c.bwd_ops))
+    assert Profile.from_json(made.to_json()) == made
+    assert "host" not in profile.to_json()  # a profile without host times is written as before
     with pytest.raises(DeeppoolError, match="no device time for layer"):
         with_device_time(profile, {4: {**found, next(iter(found)): LayerCost(device=None, fwd_ops=1, bwd_ops=1)}}, host)
+
+
+def test_a_profile_through_the_fake_gpu_carries_device_and_host_times_and_plans_stages_by_the_formula(
+        tmp_path: Path) -> None:
+    """The profiler with a GPU (the fake, its device times modelled) keeps each layer's device time and the host's
+    issue time; a plan from it prices each stage by the stage formula, forward and backward, and its iteration
+    is what its schedule adds up to."""
+    spec = ModelSpec.parse(str(REPO / "examples" / "background_mlp.py"))
+    loaded = load_model(spec)
+    traced = trace(loaded)
+    graph = traced.graph
+    config = ProfilerConfig(batches=(4,), warmup=1, repeats=1, max_repeats=1, cache_dir=tmp_path,
+                            show_progress=False, load=lambda: 0.0, spread_bound=1e9, reference=None,
+                            gpu=FakeGpu(op_ms=_modelled), device_replays=2)
+    profile = measure_profile(traced, loaded, config)
+    (kept,) = tmp_path.glob("host-cost-*.json")
+    host = HostCost.from_json(json.loads(kept.read_text()))
+    assert profile.source == "measured+device-time" and set(profile.host) == set(graph.names)
+    linear = [layer.name for layer in graph.layers if layer.op == "Linear"]
+    assert all(profile.times(n, 4)[0] == pytest.approx(0.41) for n in linear)  # addmm and the weight's transpose
+    for name in graph.names:  # the host's issue time: a whole number of ops at the host's cost per op
+        issue = profile.host_times(name, 4)[0]
+        assert issue > 0 and issue == pytest.approx(host.fwd_op_ms * round(issue / host.fwd_op_ms))
+    names = list(graph.names)
+    request = PlanRequest(gpus=1, global_batch=4, strategy=Strategy.DATA_PARALLEL)
+    plan = plan_graph(graph, profile, NETWORK, request, model=spec).plan
+    fwd = stage_ms([profile.host_times(n, 4)[0] for n in names], [profile.times(n, 4)[0] for n in names])
+    bwd = stage_ms([profile.host_times(n, 4)[1] for n in reversed(names)],
+                   [profile.times(n, 4)[1] for n in reversed(names)])
+    loss_fwd, loss_bwd = profile.loss_times(4)
+    assert sum(layer.fwd_ms for layer in plan.layers) == pytest.approx(fwd + loss_fwd)
+    assert sum(layer.bwd_ms for layer in plan.layers) == pytest.approx(bwd + loss_bwd)
+    steps = sum(layer.step_ms for layer in plan.layers) + plan.predicted.step_call_ms
+    assert plan.predicted.iteration_ms == pytest.approx(fwd + bwd + loss_fwd + loss_bwd + steps)
+    _two_stages_are_each_priced_by_the_formula(graph, profile)
+
+
+def _two_stages_are_each_priced_by_the_formula(graph: LayerGraph, profile: Profile) -> None:
+    names = list(graph.names)
+    assignment = {name: 1 if index < 2 else 2 for index, name in enumerate(names)}
+    cost = CostModel(graph=graph, profile=profile, network=NETWORK, global_batch=8)
+    phases = cost.schedule(assignment)
+    assert phases[-1].end_ms == pytest.approx(cost.iteration_ms(assignment))
+    for stage, gpus in ((names[:2], 1), (names[2:], 2)):
+        batch, share = 8 // gpus, profile.sharing(gpus)  # ranks sharing the fake's CPU: both times slowed alike
+        forward = sum(p.end_ms - p.start_ms for p in phases if p.kind is PhaseKind.FORWARD and p.layer in stage)
+        loss = profile.loss_times(batch)[0] if graph.output in stage else 0.0
+        assert forward == pytest.approx(share * (loss + stage_ms([profile.host_times(n, batch)[0] for n in stage],
+                                                                 [profile.times(n, batch)[0] for n in stage])))
 
 
 def test_the_host_cost_is_measured_once_per_host_and_kept(tmp_path: Path) -> None:

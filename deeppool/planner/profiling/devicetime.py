@@ -45,7 +45,7 @@ from deeppool.device.seam import Gpu
 from deeppool.errors import DeeppoolError
 from deeppool.model.layer_exec import floating_leaves, run_at
 from deeppool.planner.profiling.passes import Passes
-from deeppool.planner.profiling.profile import LayerTimes, Profile, WholePass
+from deeppool.planner.profiling.profile import LayerTimes, Profile
 
 HOST_COST_SCHEMA = 1
 HOST_OPS = 200
@@ -301,39 +301,37 @@ def _leaf(value: object, grad: bool) -> object:
 
 
 def with_device_time(profile: Profile, costs: dict[int, dict[str, LayerCost]], host: HostCost) -> Profile:
-    """``profile`` (measured with events) with its layers' times from device time and host cost: at each batch
-    of ``costs``, a layer's forward and backward are the larger of its device time and the host's issue time
-    (the stage formula layer by layer), scaled, where the profile has the batch's :class:`WholePass`, so that
-    they add up to it as the measured times did; at the profile's other batches, the measured time scaled
-    by the nearest batch of ``costs``' ratio. Every layer needs its device times at every batch of ``costs``."""
+    """``profile`` (measured with events) with the device's and the host's times apart: at each batch of
+    ``costs``, a layer's :attr:`Profile.layers` times are its device times (graph replay) and its
+    :attr:`Profile.host` times its ops times ``host``'s cost per op; at the profile's other batches, the
+    device time is the measured time scaled by the nearest batch of ``costs``' ratio, the host time the
+    nearest batch's (a layer's ops do not grow with the batch). The cost model overlaps the two by the stage
+    formula (:func:`stage_ms`). Every layer needs its device times at every batch of ``costs``."""
     if not costs:
         raise DeeppoolError("no device times to build a profile from")
-    new: dict[int, dict[str, tuple[float, float]]] = {}
+    device: dict[int, dict[str, tuple[float, float]]] = {}
+    issue: dict[int, dict[str, tuple[float, float]]] = {}
     for batch, found in costs.items():
         missing = sorted(set(profile.layers) - {n for n, c in found.items() if c.device is not None})
         if missing:
             raise DeeppoolError(f"no device time for layer '{missing[0]}' at batch {batch}")
-        new[batch] = {name: _larger(found[name], host) for name in profile.layers}
-        whole = profile.whole_pass.get(batch)
-        if whole is not None:
-            new[batch] = _scaled(new[batch], whole)
-    layers = {name: _replaced(times, {b: times_at[name] for b, times_at in new.items()})
+        device[batch] = {name: _device(found[name]) for name in profile.layers}
+        issue[batch] = {name: host.issue_ms(found[name].fwd_ops, found[name].bwd_ops) for name in profile.layers}
+    layers = {name: _replaced(times, {b: at[name] for b, at in device.items()})
               for name, times in profile.layers.items()}
-    return replace(profile, layers=layers, source=f"{profile.source}+device-time")
+    issued = {name: _nearest(times, {b: at[name] for b, at in issue.items()}) for name, times in profile.layers.items()}
+    return replace(profile, layers=layers, host=issued, source=f"{profile.source}+device-time")
 
 
-def _larger(cost: LayerCost, host: HostCost) -> tuple[float, float]:
+def _device(cost: LayerCost) -> tuple[float, float]:
     assert cost.device is not None
-    issue = host.issue_ms(cost.fwd_ops, cost.bwd_ops)
-    return max(cost.device.fwd_ms, issue[0]), max(cost.device.bwd_ms, issue[1])
+    return cost.device.fwd_ms, cost.device.bwd_ms
 
 
-def _scaled(times: dict[str, tuple[float, float]], whole: WholePass) -> dict[str, tuple[float, float]]:
-    """Times scaled so that their forwards and backwards add up to ``whole``'s."""
-    fwd, bwd = sum(t[0] for t in times.values()), sum(t[1] for t in times.values())
-    ratio_fwd = whole.fwd_ms / fwd if fwd > 0 and whole.fwd_ms > 0 else 1.0
-    ratio_bwd = whole.bwd_ms / bwd if bwd > 0 and whole.bwd_ms > 0 else 1.0
-    return {name: (t[0] * ratio_fwd, t[1] * ratio_bwd) for name, t in times.items()}
+def _nearest(times: LayerTimes, new: dict[int, tuple[float, float]]) -> LayerTimes:
+    """``times``' batches, each with the value of the nearest batch of ``new``."""
+    chosen = [new[min(new, key=lambda b: (abs(b - batch), b))] for batch in times.batches]
+    return LayerTimes(batches=times.batches, fwd_ms=tuple(c[0] for c in chosen), bwd_ms=tuple(c[1] for c in chosen))
 
 
 def _replaced(times: LayerTimes, new: dict[int, tuple[float, float]]) -> LayerTimes:

@@ -192,6 +192,11 @@ class Profile:
     whole_pass: dict[int, WholePass] = field(default_factory=dict)
     """By measured per-GPU batch: the whole pass the layer times there were scaled to (empty: not scaled, an
     estimate or an older file)."""
+    host: dict[str, LayerTimes] = field(default_factory=dict)
+    """On a GPU, the host's time to issue each layer's forward and backward (its ops times the host's cost per
+    op, :mod:`deeppool.planner.profiling.devicetime`), :attr:`layers` then holding the device's time to run
+    them: the cost model overlaps the two by the stage formula. Empty: the layer times are the whole cost
+    (a CPU, where the host is the device; an estimate; an older file)."""
     schema_version: int = PROFILE_SCHEMA_VERSION
 
     def times(self, layer: str, batch: int, *, grouped: bool = False) -> tuple[float, float]:
@@ -200,6 +205,12 @@ class Profile:
         if batch <= 0:
             return 0.0, 0.0
         return (self.grouped if grouped and layer in self.grouped else self.layers)[layer].at(batch)
+
+    def host_times(self, layer: str, batch: int) -> tuple[float, float]:
+        """(fwd_ms, bwd_ms) the host takes to issue ``layer`` at ``batch`` ((0, 0) where not measured)."""
+        if batch <= 0 or layer not in self.host:
+            return 0.0, 0.0
+        return self.host[layer].at(batch)
 
     def spread(self, layer: str, batch: int) -> float:
         """The relative spread of the measurements ``layer``'s time at ``batch`` rests on (0: unknown)."""
@@ -266,6 +277,7 @@ class Profile:
             "loss": None if self.loss is None else _times_json(self.loss),
             **({"conditions": asdict(self.conditions)} if self.conditions is not None else {}),
             "whole_pass": {str(batch): asdict(whole) for batch, whole in sorted(self.whole_pass.items())},
+            **({"host": {name: _times_json(t) for name, t in self.host.items()}} if self.host else {}),
         }
 
     @classmethod
@@ -273,6 +285,7 @@ class Profile:
         try:
             layers = {str(name): _times(entry) for name, entry in json_field(payload, "layers", kind="profile").items()}
             grouped = {str(name): _times(entry) for name, entry in (payload.get("grouped") or {}).items()}
+            host = {str(name): _times(entry) for name, entry in (payload.get("host") or {}).items()}
             loss = None if payload.get("loss") is None else _times(payload["loss"])
             overhead = {str(name): StepOverhead(**entry) for name, entry in (payload.get("step_overhead") or {}).items()}
             conditions = Conditions(**payload["conditions"]) if payload.get("conditions") else None
@@ -295,6 +308,7 @@ class Profile:
             loss=loss,
             conditions=conditions,
             whole_pass=whole,
+            host=host,
         )
 
     def save(self, path: str | Path) -> None:
