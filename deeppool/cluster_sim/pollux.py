@@ -147,6 +147,10 @@ class Application:
         return self.progress_at(self.max_epochs)
 
     @property
+    def min_gpus(self) -> int:
+        return 1
+
+    @property
     def max_gpus(self) -> int:
         """The most GPUs a job may hold: one per ``min_local_bsz`` samples of the largest batch, at most 64."""
         if self.name in FIXED:

@@ -42,7 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobStatus, differences
 from deeppool.coordinator.metrics import CONTENT_TYPE, exposition
-from deeppool.coordinator.page import render
+from deeppool.coordinator.page import by_job, render
 from deeppool.coordinator.retention import Retention, disk_short, removed_reason
 from deeppool.coordinator.store import QuotaExceeded, Store
 
@@ -210,14 +210,17 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
         (no token: it shows no secrets)."""
         jobs = store.jobs(before=before, limit=PAGE, newest_first=True)
         older = jobs[-1].id if len(jobs) == PAGE else None
-        return HTMLResponse(render(jobs, store.moves([j.id for j in jobs]), settings.gpus, total=store.count(),
-                                   older=older))
+        ids = [j.id for j in jobs]
+        return HTMLResponse(render(jobs, store.moves(ids), settings.gpus, total=store.count(), older=older,
+                                   resizes=by_job(store.resizes_of(ids)), speeds=store.speeds(ids)))
 
     @app.get("/metrics", response_class=PlainTextResponse, include_in_schema=False)
     def metrics() -> Response:
         """Prometheus metrics (no token, as the status page: counts, no secrets)."""
         live = store.jobs(states=(JobStatus.STARTING, JobStatus.RUNNING))  # the history is in the counters
-        return Response(exposition(live, settings.gpus, store.counts()), media_type=CONTENT_TYPE)
+        resizes, last = store.resize_counts()
+        return Response(exposition(live, settings.gpus, store.counts(), resizes=resizes, last_resize=last,
+                                   speeds=store.speeds([j.id for j in live])), media_type=CONTENT_TYPE)
 
     @app.get("/healthz", responses={503: {"model": Health}})
     def healthz() -> JSONResponse:
@@ -321,7 +324,7 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
     def cluster(name: User) -> Cluster:
         del name
         live = store.jobs(states=(JobStatus.STARTING, JobStatus.RUNNING))
-        allocations = [Allocation(job_id=j.id, kind=j.kind.value, gpus=j.gpus, state=j.state) for j in live]
+        allocations = [Allocation(job_id=j.id, kind=j.kind.value, gpus=j.held, state=j.state) for j in live]
         return Cluster(gpus=settings.gpus, device=settings.device, allocated=sum(a.gpus for a in allocations),
                        allocations=allocations)
 

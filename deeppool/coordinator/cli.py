@@ -44,6 +44,9 @@ def serve(
     device_model: Annotated[str, typer.Option(help="device model foreground jobs are planned with")] = "a100",
     paused: Annotated[bool, typer.Option("--paused", help="accept and queue jobs, start none (drain the cluster)")
                       ] = False,
+    policy_name: Annotated[str, typer.Option(
+        "--policy", help="the scheduling policy: a name `deeppool simulate --policy` takes (pollux resizes running "
+        "jobs and changes their batch; burst+demand is refused: it needs plan offers)")] = "fifo-backfill:burst+bg",
     launcher: Annotated[str, typer.Option(help="local (processes here) or slurm (sbatch; a shared file system)")
                         ] = "local",
     partition: Annotated[str | None, typer.Option(help="the Slurm partition jobs go to")] = None,
@@ -116,6 +119,9 @@ def serve(
     if log_dir is not None and log_dir.exists() and not log_dir.is_dir():
         raise DeeppoolError(f"--log-dir '{log_dir}' is a file: give a folder")
     _check_slurm_options(launcher, partition=partition, nodes=nodes, gres=gres)
+    from deeppool.coordinator.live_policy import live_policy
+
+    chosen = live_policy(policy_name)
     from deeppool.coordinator.store import check_path, default_log_dir
 
     check_path(db)
@@ -136,13 +142,13 @@ def serve(
         raise_descriptor_limit,
     )
     from deeppool.coordinator.driver import DriverSteps
+    from deeppool.coordinator.elastic import Elastic
     from deeppool.coordinator.retention import Retention, Sweeper
     from deeppool.coordinator.runtime import JobLimits, Runtime
     from deeppool.coordinator.service import Service
     from deeppool.coordinator.slurm import SlurmSettings
     from deeppool.coordinator.store import Store, claim_log_dir, lock_database
     from deeppool.coordinator.supervisor import JobCaps
-    from deeppool.scheduling import Order, Placement, Scheduler
 
     descriptors, _ = raise_descriptor_limit()  # soft to hard, as systemd's LimitNOFILE: connections need many
     before = os.umask(0o077)  # the database, logs and files of the server: its user's alone
@@ -166,12 +172,14 @@ def serve(
                        disk_bytes=None if max_job_disk_mb is None else max_job_disk_mb << 20)
         runtime = Runtime(store, _launcher(launcher, logs, slurm, caps, max_log_mb << 20),
                           DriverSteps(folder=logs, device_model=device_model, check=check, nodes=nodes,
-                                      run_as=run_as, allowed_roots=roots),
+                                      run_as=run_as, allowed_roots=roots, elastic=chosen.elastic,
+                                      measure_gns=chosen.measures_noise),
                           after_claim=_crash if os.environ.get(FAULT) == "crash-after-claim" else None, nodes=nodes,
                           run_as=run_as, limits=JobLimits(max_events=max_events, max_log_bytes=max_log_mb << 20),
                           allowed_roots=roots)
-        policy = Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG)
-        service = Service(runtime, policy, slots, paused=paused)
+        policy = chosen.policy
+        service = Service(runtime, policy, slots, paused=paused,
+                          elastic=Elastic(runtime, slots) if chosen.elastic else None)
         sweeper = Sweeper(store, logs, settings.retention)
         sweeper.start()
         held.callback(sweeper.stop)

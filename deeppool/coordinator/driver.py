@@ -20,15 +20,31 @@ in the job's folder; the coordinator reads the background's progress from it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deeppool.coordinator.isolation import REFUSED, RunAs, private_dir, stage_model, write_private
+from deeppool.coordinator.jobs import JobKind
 from deeppool.coordinator.launcher import resources_for
 from deeppool.coordinator.supervisor import JobFiles
+
+
+def stop_file(folder: Path, job_id: int) -> Path:
+    """The file whose appearance stops an elastic job resumably (written by the server, as the job's account,
+    beside the job's folder: never in it)."""
+    return folder / f"job-{job_id}.stop"
+
+
+GUEST_RUNNER = "deeppool.coordinator.guest"
+"""What a host's rank runs to start a guest lent the running job: it stages the guest's model (as the account,
+checked against the allowed roots) and trains it as the rank's background child."""
+ATTEMPT = "attempt.json"
+"""In the job's folder: when the attempt's driver started, how long it planned and whether the plan was cached."""
 
 if TYPE_CHECKING:
     from deeppool.coordinator.slurm import SlurmAllocation
@@ -57,6 +73,17 @@ class DriverSpec:
     """a factory model's input (the job's ``input_shape``, ``input_dtype``, ``vocab_size``)"""
     input_dtype: str = "float32"
     vocab_size: int = 0
+    stop_file: str | None = None
+    """An elastic job's: it checkpoints to ``out/checkpoints`` and stops resumably after the step at which this
+    file appears, and resumes from its last checkpoint when started again (on any GPU count)."""
+    gain: float = 1.0
+    """AdaScale's gain at this batch (the coordinator's, when it changed the job's batch): the learning rate is
+    ``deeppool run``'s default times it."""
+    measure_gns: bool = False
+    """measure the gradient noise scale (``--monitor gns``) when the plan has a layer group to measure it on"""
+    guests_control: str | None = None
+    """the control file of the guests the coordinator lends the running job (:mod:`deeppool.multiplex.guests`);
+    None: none join it (it has a guest from its start, or is a script job, or spans several nodes)"""
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "out": str(self.out), "allowed_roots": [str(r) for r in self.allowed_roots],
@@ -70,14 +97,15 @@ class DriverSpec:
 
 
 def drive(spec: DriverSpec) -> dict[str, Any]:
-    from deeppool.coordinator.slurm import run_across
     from deeppool import options
-    from deeppool.executor.config import RunConfig
+    from deeppool.coordinator.slurm import run_across
+    from deeppool.executor.config import Adaptation, Monitor, OptimizerConfig, RunConfig
     from deeppool.multiplex.api import run
     from deeppool.multiplex.options import RUN_BACKGROUND
-    from deeppool.plans import ModelSpec
     from deeppool.planner.api import plan_model
     from deeppool.planner.request import CostSource, PlanRequest, probed_source
+    from deeppool.plans import ModelSpec, Plan
+    from deeppool.plans.jsonio import write_json
 
     allocation = slurm_allocation(spec.nodes)
     spec.out.mkdir(parents=True, exist_ok=True)
@@ -85,26 +113,72 @@ def drive(spec: DriverSpec) -> dict[str, Any]:
     staged = stage_model(spec.model, spec.allowed_roots, spec.out / "model")
     model = ModelSpec.parse(staged, input_shape=spec.input_shape, input_dtype=spec.input_dtype,
                             vocab_size=spec.vocab_size)
-    source = probed_source(CostSource(device_model=spec.device_model), spec.gpus, lambda line: print(line, flush=True))
-    planned = plan_model(model,
-                         PlanRequest(gpus=spec.gpus, global_batch=spec.batch, amplification=spec.amplification),
-                         source)
-    plan = planned.plan
+    started = time.time()
+    cached = spec.out / "plans" / f"{spec.gpus}gpus-{spec.batch}-{_plan_key(spec, staged)}.json"
+    hit = cached.is_file()
+    if hit:  # a width this job has had: not planned again
+        plan = Plan.load(cached)
+    else:
+        source = probed_source(CostSource(device_model=spec.device_model), spec.gpus,
+                               lambda line: print(line, flush=True))
+        plan = plan_model(model, PlanRequest(gpus=spec.gpus, global_batch=spec.batch,
+                                             amplification=spec.amplification), source).plan
+        cached.parent.mkdir(exist_ok=True)
+        plan.save(cached)
     plan.save(spec.out / "plan.json")
+    write_json(spec.out / ATTEMPT, {"started_at": started, "plan_s": time.time() - started, "plan_cached": hit,
+                                    "gpus": spec.gpus, "batch": spec.batch})
     background = None
     if spec.background_model is not None:
         if plan.predicted.idle_windows:
             background = _guest(spec, plan)
         else:
             print("the plan leaves no idle window: the background job was not run", flush=True)
-    config = RunConfig(steps=spec.steps, warmup=min(5, spec.steps - 1), out_dir=spec.out / "run", check=spec.check)
+    monitor = Monitor.GNS if spec.measure_gns and _grouped(plan) else Monitor.NONE
+    config = RunConfig(steps=spec.steps, warmup=min(5, spec.steps - 1), out_dir=spec.out / "run", check=spec.check,
+                       checkpoint=_checkpoint(spec), optimizer=OptimizerConfig(lr=OptimizerConfig().lr * spec.gain),
+                       adaptation=Adaptation(monitor=monitor))
     if spec.script is not None:
         return _script(spec, plan, config, lent=background is not None, one_node=allocation is None)
     if allocation is None:
-        return run(plan, plan_path=spec.out / "plan.json", background=background, config=config, checked=True)
+        return run(plan, plan_path=spec.out / "plan.json", background=background, config=config, checked=True,
+                   guests=_guests(spec, background))
     run_across(allocation, spec.out / "plan.json", plan.gpus,
                options.argv(RunConfig, config) + options.argv(RUN_BACKGROUND, background))
     return json.loads((spec.out / "run" / "summary.json").read_text())
+
+
+def _plan_key(spec: DriverSpec, staged: str) -> str:
+    """What a plan depends on besides its GPUs and batch: the staged model (its bytes, or the factory's name and
+    inputs), the device model and the amplification cap."""
+    path = Path(staged)
+    model = path.read_bytes() if path.is_file() else staged.encode()
+    settings = json.dumps([spec.device_model, spec.amplification, spec.input_shape, spec.input_dtype,
+                           spec.vocab_size]).encode()
+    return hashlib.sha256(model + b"\0" + settings).hexdigest()[:16]
+
+
+def _grouped(plan: Any) -> bool:
+    """Whether some layer's gradients are all-reduced over two or more GPUs (the noise scale is measured there)."""
+    return any(layer.gpus > 1 and layer.allreduce_ms > 0 for layer in plan.layers)
+
+
+def _checkpoint(spec: DriverSpec) -> Any:
+    """An elastic job's checkpoints (written only when it is stopped), resumed from when there is one."""
+    from deeppool.executor.config import CheckpointConfig
+
+    if spec.stop_file is None or spec.check:
+        return None
+    return CheckpointConfig(directory=spec.out / "checkpoints", resume=True, stop_file=Path(spec.stop_file))
+
+
+def _guests(spec: DriverSpec, background: Any) -> Any:
+    """Where the ranks find the guests lent the running job (none with a guest from the start)."""
+    from deeppool.multiplex.guests import GuestsConfig
+
+    if spec.guests_control is None or background is not None:
+        return None
+    return GuestsConfig(control=Path(spec.guests_control), runner=GUEST_RUNNER)
 
 
 def _guest(spec: DriverSpec, plan: Any) -> Any:
@@ -196,7 +270,8 @@ class DriverSteps:
     ``nodes``: the machines a foreground job spans (as the runtime's). ``run_as``: the account each job
     runs as; ``allowed_roots``: where model files may come from, checked again when the job starts. A guest
     of another account is given the socket of its host supervisor's broker, which starts its processes
-    (:mod:`deeppool.coordinator.guest`).
+    (:mod:`deeppool.coordinator.guest`). A job's attempt runs on the GPUs, batch, steps and learning rate its
+    last resize set (:mod:`deeppool.coordinator.elastic`), else those it asked for.
     """
 
     folder: Path
@@ -205,6 +280,10 @@ class DriverSteps:
     nodes: int = 1
     run_as: RunAs = RunAs()
     allowed_roots: tuple[Path, ...] = ()
+    elastic: bool = False
+    """foreground jobs with a model (not a script) run resizable: a stop file, checkpoints, resume"""
+    measure_gns: bool = False
+    """elastic jobs measure their gradient noise scale (a co-adaptive policy changes their batch by it)"""
 
     def __call__(self, job: Any, attempt: int, guests: Any) -> list[list[str]]:
         out = self.folder / f"job-{job.id}"
@@ -214,7 +293,10 @@ class DriverSteps:
         broker = None
         if guest is not None and not self.run_as.same_account(job.owner, guest.owner):
             broker = str(JobFiles(folder=self.folder, job_id=job.id, attempt=attempt).guest_socket)
-        spec = DriverSpec(model=job.model, gpus=job.gpus, batch=job.batch, steps=job.steps,
+        elastic = self.elastic and job.kind is JobKind.FOREGROUND and job.script is None
+        spec = DriverSpec(model=job.model, gpus=job.held, batch=job.current_batch, steps=job.run_steps or job.steps,
+                          stop_file=str(stop_file(self.folder, job.id)) if elastic else None,
+                          gain=job.run_gain or 1.0, measure_gns=self.measure_gns,
                           amplification=job.amplification, out=out, device_model=self.device_model,
                           background_model=guest.model if guest is not None else None,
                           background_batch=guest.batch if guest is not None else 8, background_broker=broker,
@@ -222,6 +304,9 @@ class DriverSteps:
                           nodes=resources_for(job, self.nodes).nodes, allowed_roots=self.allowed_roots,
                           script=job.script, input_shape=tuple(job.input_shape or ()),
                           input_dtype=job.input_dtype or "float32", vocab_size=job.vocab_size or 0)
+        if guest is None and job.kind is JobKind.FOREGROUND and job.script is None and spec.nodes == 1:
+            control = JobFiles(folder=self.folder, job_id=job.id, attempt=attempt).guests_control
+            spec = replace(spec, guests_control=str(control))
         path = self.folder / f"job-{job.id}.{attempt}.driver.json"
         write_private(path, json.dumps(spec.to_json()).encode(), account)
         return [[sys.executable, "-m", "deeppool.coordinator.driver", str(path)]]

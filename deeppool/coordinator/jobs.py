@@ -2,7 +2,9 @@
 
 A job moves PENDING → STARTING → RUNNING → SUCCEEDED | FAILED, may be
 CANCELLED from any live state, and a background job preempted for a
-foreground one goes back to PENDING (requeued, not failed). Terminal states
+foreground one goes back to PENDING (requeued, not failed). A running job
+that is resized (:mod:`deeppool.coordinator.elastic`) goes back to STARTING
+for its attempt on the new GPU count. Terminal states
 are final. The store (:mod:`deeppool.coordinator.store`) applies each move as
 a compare-and-swap against :data:`TRANSITIONS` and records it in an
 append-only event log with its reason.
@@ -38,7 +40,8 @@ class JobStatus(enum.Enum):
 TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.PENDING: frozenset({JobStatus.STARTING, JobStatus.CANCELLED, JobStatus.FAILED}),
     JobStatus.STARTING: frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.PENDING}),
-    JobStatus.RUNNING: frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.PENDING}),
+    JobStatus.RUNNING: frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.PENDING,
+                                  JobStatus.STARTING}),
     JobStatus.SUCCEEDED: frozenset(),
     JobStatus.FAILED: frozenset(),
     JobStatus.CANCELLED: frozenset(),
@@ -116,6 +119,62 @@ class Job(BaseModel):
     progress: float = Field(default=0.0, description="steps done over steps asked, in [0, 1]")
     host_id: int | None = Field(default=None, description="the foreground job whose idle windows it runs in")
     script: str | None = Field(default=None, description="the job's own training script, if it has one")
+    width: int | None = Field(default=None, description="the GPUs it runs on, when a resize changed them from gpus")
+    run_batch: int | None = Field(default=None, description="its global batch, when the policy changed it")
+    run_steps: int | None = Field(default=None, description="the steps its run takes at run_batch (the steps "
+                                  "asked are at batch)")
+    run_gain: float | None = Field(default=None, description="AdaScale's gain at run_batch: its learning rate is "
+                                   "the base one times this, and a step makes this many steps at batch")
+
+    @property
+    def held(self) -> int:
+        """The GPUs it runs on now."""
+        return self.width or self.gpus
+
+    @property
+    def current_batch(self) -> int:
+        return self.run_batch or self.batch
+
+
+class WidthChange(BaseModel):
+    """One resize of a running job (:mod:`deeppool.coordinator.elastic`): from and to which GPUs and batch, its
+    phase, and what each part cost (seconds; None until measured)."""
+
+    id: int
+    job_id: int
+    from_gpus: int
+    to_gpus: int
+    from_batch: int
+    to_batch: int
+    from_steps: int
+    """the steps its run took before (to go back to)"""
+    from_gain: float
+    phase: str
+    reason: str
+    asked_at: float
+    """wall time (Unix seconds) the resize was asked"""
+    steps_done: int | None = None
+    """the steps its checkpoint holds"""
+    checkpoint_s: float | None = None
+    stop_s: float | None = None
+    plan_s: float | None = None
+    plan_cached: bool | None = None
+    restart_s: float | None = None
+    relaunched_at: float | None = None
+    attempt: int | None = None
+    """the attempt that runs on the new width"""
+
+
+class SpeedPoint(BaseModel):
+    """A job's measured speed on ``gpus`` at global ``batch``: the median iteration over ``steps`` steps, and
+    the last gradient noise scale it reported (samples), when it measures one."""
+
+    job_id: int
+    gpus: int
+    batch: int
+    iteration_s: float
+    steps: int
+    gns: float | None = None
 
 
 class JobEvent(BaseModel):

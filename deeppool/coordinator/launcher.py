@@ -65,7 +65,7 @@ class Resources:
 
 def resources_for(job: Job, nodes: int) -> Resources:
     """A foreground job's GPUs over ``nodes`` machines (``serve --nodes``); a background job's on one."""
-    return Resources(gpus=job.gpus, nodes=nodes if job.kind is JobKind.FOREGROUND else 1)
+    return Resources(gpus=job.held, nodes=nodes if job.kind is JobKind.FOREGROUND else 1)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,16 +9,21 @@ token, so it shows no owners and no model paths. It shows the newest jobs, a
 page at a time (an "older jobs" link), and draws the timeline of those jobs
 from the events that moved them, so its cost does not grow with what the
 jobs report.
+
+A job that was resized (:mod:`deeppool.coordinator.elastic`) is drawn at the
+width of each of its attempts, and its row lists its resizes (from → to GPUs,
+what each cost), its measured speed model (iteration time per GPUs and batch,
+its noise scale) and the guests it hosts.
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from deeppool.coordinator.jobs import Job, JobEvent, JobKind, JobStatus
+from deeppool.coordinator.jobs import Job, JobEvent, JobKind, JobStatus, SpeedPoint, WidthChange
 from deeppool.coordinator.report import age
 
 WIDTH, HEIGHT, MARGIN = 900, 220, 40
@@ -30,9 +35,32 @@ class Interval:
     job: Job
     start: float
     end: float
+    gpus: int
+    """the GPUs it held then (a resize changes them)"""
 
 
-def intervals(jobs: Sequence[Job], events: dict[int, list[JobEvent]], now: datetime) -> list[Interval]:
+def by_job(changes: Sequence[WidthChange]) -> dict[int, list[WidthChange]]:
+    """Resizes grouped by job, in order."""
+    found: dict[int, list[WidthChange]] = {}
+    for change in changes:
+        found.setdefault(change.job_id, []).append(change)
+    return found
+
+
+def width_at(job: Job, changes: Sequence[WidthChange], t: float) -> int:
+    """The GPUs ``job`` held at ``t``: those of the last resize relaunched by then (a reverted one changes
+    nothing), else those it started on."""
+    width = changes[0].from_gpus if changes else job.held
+    for change in changes:
+        if change.relaunched_at is not None and change.relaunched_at <= t and change.to_gpus \
+                and change.phase != "REVERTED":
+            width = change.to_gpus
+    return width
+
+
+def intervals(jobs: Sequence[Job], events: dict[int, list[JobEvent]], now: datetime,
+              resizes: Mapping[int, Sequence[WidthChange]] | None = None) -> list[Interval]:
+    resizes = resizes or {}
     out = []
     for job in jobs:
         opened: float | None = None
@@ -40,15 +68,17 @@ def intervals(jobs: Sequence[Job], events: dict[int, list[JobEvent]], now: datet
             if event.to_state is JobStatus.RUNNING:
                 opened = event.at.timestamp()
             elif opened is not None:
-                out.append(Interval(job=job, start=opened, end=event.at.timestamp()))
+                out.append(Interval(job=job, start=opened, end=event.at.timestamp(),
+                                    gpus=width_at(job, resizes.get(job.id, ()), opened)))
                 opened = None
         if opened is not None:
-            out.append(Interval(job=job, start=opened, end=now.timestamp()))
+            out.append(Interval(job=job, start=opened, end=now.timestamp(),
+                                gpus=width_at(job, resizes.get(job.id, ()), opened)))
     return out
 
 
 def allocation(spans: Sequence[Interval], kind: JobKind, t: float) -> int:
-    return sum(s.job.gpus for s in spans if s.job.kind is kind and s.job.host_id is None and s.start <= t < s.end)
+    return sum(s.gpus for s in spans if s.job.kind is kind and s.job.host_id is None and s.start <= t < s.end)
 
 
 def timeline(spans: Sequence[Interval], total_gpus: int) -> str:
@@ -85,16 +115,39 @@ def timeline(spans: Sequence[Interval], total_gpus: int) -> str:
     return "".join(parts)
 
 
+def adapted(job: Job, jobs: Sequence[Job], changes: Sequence[WidthChange], speeds: Sequence[SpeedPoint]) -> str:
+    """A job's resizes, measured speed model and guests, as the page's cell shows them."""
+    parts = []
+    for change in changes:
+        cost = "".join(f", {name} {seconds:.1f} s" for name, seconds in (
+            ("checkpoint", change.checkpoint_s), ("plan", change.plan_s), ("restart", change.restart_s))
+            if seconds is not None)
+        cached = " (plan cached)" if change.plan_cached else ""
+        parts.append(f"{change.from_gpus}&rarr;{change.to_gpus} GPUs {change.phase.lower()}{cost}{cached}")
+    for point in speeds:
+        noise = f", noise scale {point.gns:.0f}" if point.gns is not None else ""
+        parts.append(f"{point.iteration_s:.3f} s/step on {point.gpus} at batch {point.batch}{noise}")
+    guests = [str(other.id) for other in jobs if other.host_id == job.id and other.state is JobStatus.RUNNING]
+    if guests:
+        parts.append(f"hosts job{'s' * (len(guests) > 1)} {', '.join(guests)}")
+    return "<br>".join(parts)
+
+
 def render(jobs: Sequence[Job], events: dict[int, list[JobEvent]], total_gpus: int, now: datetime | None = None, *,
-           total: int | None = None, older: int | None = None) -> str:
-    """The page for ``jobs`` (of ``total`` in all); ``older``: the id the next page of older jobs comes before."""
+           total: int | None = None, older: int | None = None,
+           resizes: Mapping[int, Sequence[WidthChange]] | None = None,
+           speeds: Mapping[int, Sequence[SpeedPoint]] | None = None) -> str:
+    """The page for ``jobs`` (of ``total`` in all); ``older``: the id the next page of older jobs comes before;
+    ``resizes`` and ``speeds``: the jobs' resizes and measured speeds, by job."""
     now = now or datetime.now(UTC)
+    resizes, speeds = resizes or {}, speeds or {}
     shown = len(jobs) if total is None or total == len(jobs) else f"{len(jobs)} of {total}"
     more = f"<p><a href='/?before={older}'>older jobs</a></p>" if older is not None else ""
     rows = "".join(
         f"<tr><td>{j.id}</td><td>{j.kind.value}</td><td class='{j.state.value.lower()}'>{j.state.value}</td>"
-        f"<td>{j.gpus if j.host_id is None else 'windows of ' + str(j.host_id)}</td><td>{100 * j.progress:.0f}%</td>"
-        f"<td>{age(j.created_at, now)}</td><td>{html.escape(j.reason or '')}</td></tr>"
+        f"<td>{j.held if j.host_id is None else 'windows of ' + str(j.host_id)}</td><td>{100 * j.progress:.0f}%</td>"
+        f"<td>{age(j.created_at, now)}</td><td>{html.escape(j.reason or '')}</td>"
+        f"<td>{adapted(j, jobs, resizes.get(j.id, ()), speeds.get(j.id, ()))}</td></tr>"
         for j in jobs)
     legend = "".join(f"<span style='color:{c}'>&#9632;</span> {k.name.lower()} " for k, c in COLOURS.items())
     return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">
@@ -103,6 +156,6 @@ body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
 td,th{{border-bottom:1px solid #ddd;padding:4px 10px;text-align:left}} .running{{color:#2a7}} .failed{{color:#c33}}
 </style></head><body><h1>deeppool coordinator</h1>
 <h2>GPUs over time</h2><p>{legend}(thin band: a background job in a foreground job's idle windows)</p>
-{timeline(intervals(jobs, events, now), total_gpus)}
+{timeline(intervals(jobs, events, now, resizes), total_gpus)}
 <h2>{shown} jobs</h2><table><tr><th>id</th><th>kind</th><th>state</th><th>GPUs</th><th>progress</th>
-<th>age</th><th>last change</th></tr>{rows}</table>{more}</body></html>"""
+<th>age</th><th>last change</th><th>resizes, speed, guests</th></tr>{rows}</table>{more}</body></html>"""

@@ -23,6 +23,6 @@ def jobs_table(jobs: Sequence[Job], now: datetime | None = None) -> Table:
     for column in ("id", "kind", "state", "GPUs", "progress", "age", "model"):
         table.add_column(column, justify="right" if column in ("id", "GPUs", "progress", "age") else "left")
     for job in jobs:
-        table.add_row(str(job.id), job.kind.value, job.state.value, str(job.gpus), f"{100 * job.progress:.0f}%",
+        table.add_row(str(job.id), job.kind.value, job.state.value, str(job.held), f"{100 * job.progress:.0f}%",
                       age(job.created_at, now), job.model)
     return table

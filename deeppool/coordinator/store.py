@@ -35,7 +35,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from deeppool.coordinator.isolation import private_file
-from deeppool.coordinator.jobs import Job, JobEvent, JobKind, JobRequest, JobStatus, sources
+from deeppool.coordinator.jobs import (
+    Job,
+    JobEvent,
+    JobKind,
+    JobRequest,
+    JobStatus,
+    SpeedPoint,
+    WidthChange,
+    sources,
+)
 from deeppool.errors import DeeppoolError
 
 SCHEMA = """
@@ -85,7 +94,8 @@ CREATE TRIGGER IF NOT EXISTS events_no_delete BEFORE DELETE ON events
 
 
 COLUMNS_SINCE_V1 = {"input_shape": "TEXT", "input_dtype": "TEXT", "vocab_size": "INTEGER", "script": "TEXT",
-                    "settled": "INTEGER NOT NULL DEFAULT 0"}
+                    "settled": "INTEGER NOT NULL DEFAULT 0", "width": "INTEGER", "run_batch": "INTEGER",
+                    "run_steps": "INTEGER", "run_gain": "REAL"}
 """Columns added to ``jobs`` after the first schema: a database from before gets them when it is opened."""
 COUNTERS = """
 CREATE TABLE IF NOT EXISTS job_counts (
@@ -105,6 +115,44 @@ CREATE INDEX IF NOT EXISTS jobs_unsettled ON jobs(id) WHERE state = 'CANCELLED' 
 """
 """Jobs by state and kind, kept by triggers in the writes' own transactions (``/metrics`` and the page read
 these, not the history); and the cancelled jobs not yet known to have no process left (a partial index)."""
+ELASTIC = """
+CREATE TABLE IF NOT EXISTS resizes (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id INTEGER NOT NULL REFERENCES jobs(id),
+    from_gpus INTEGER NOT NULL,
+    to_gpus INTEGER NOT NULL,
+    from_batch INTEGER NOT NULL,
+    to_batch INTEGER NOT NULL,
+    from_steps INTEGER NOT NULL,
+    from_gain REAL NOT NULL,
+    phase TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    asked_at REAL NOT NULL,
+    steps_done INTEGER,
+    checkpoint_s REAL,
+    stop_s REAL,
+    plan_s REAL,
+    plan_cached INTEGER,
+    restart_s REAL,
+    relaunched_at REAL,
+    attempt INTEGER
+);
+CREATE INDEX IF NOT EXISTS resizes_job ON resizes(job_id);
+CREATE INDEX IF NOT EXISTS resizes_open ON resizes(id) WHERE phase IN ('STOPPING', 'RESTARTING');
+CREATE TABLE IF NOT EXISTS speeds (
+    job_id INTEGER NOT NULL REFERENCES jobs(id),
+    gpus INTEGER NOT NULL,
+    batch INTEGER NOT NULL,
+    iteration_s REAL NOT NULL,
+    steps INTEGER NOT NULL,
+    gns REAL,
+    PRIMARY KEY (job_id, gpus, batch)
+);
+"""
+"""Elastic jobs: each resize with its phase and what each part cost (written durably before each step of it, so
+a server killed mid-resize carries it on), and each job's measured speed per (GPUs, batch)."""
+RESIZE_FIELDS = ("steps_done", "checkpoint_s", "stop_s", "plan_s", "plan_cached", "restart_s", "relaunched_at",
+                 "attempt")
 MOVES = "from_state IS NOT to_state"
 """The events that move a job (its submission included), as the partial index ``events_moves`` holds them."""
 
@@ -178,6 +226,7 @@ class Store:
             raise DeeppoolError(f"--db '{self.path}' is damaged ({damage.splitlines()[0]}): restore it from a "
                                 "backup (sqlite3's .recover saves what it can)")
         self._db.executescript(SCHEMA)
+        self._db.executescript(ELASTIC)
         known = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
         for column, kind in COLUMNS_SINCE_V1.items():
             if column not in known:
@@ -451,6 +500,86 @@ class Store:
                 found[row["job_id"]].append(_event(row))
         return found
 
+    # -- elastic jobs ------------------------------------------------------------------------------
+    def begin_resize(self, job: Job, gpus: int, batch: int, reason: str) -> WidthChange | None:
+        """Record that running ``job`` is to move to ``gpus`` GPUs at global ``batch`` (phase STOPPING); None
+        when it is not running or a resize of it is under way already (one at a time)."""
+        with self._write() as db:
+            if db.execute("SELECT 1 FROM jobs WHERE id = ? AND state = ?", (job.id, JobStatus.RUNNING.value)
+                          ).fetchone() is None or db.execute(
+                    "SELECT 1 FROM resizes WHERE job_id = ? AND phase IN ('STOPPING', 'RESTARTING')", (job.id,)
+            ).fetchone() is not None:
+                return None
+            cursor = db.execute("INSERT INTO resizes(job_id, from_gpus, to_gpus, from_batch, to_batch, from_steps, "
+                                "from_gain, phase, reason, asked_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'STOPPING', ?, ?)",
+                                (job.id, job.held, gpus, job.current_batch, batch, job.run_steps or job.steps,
+                                 job.run_gain or 1.0, reason, datetime.now(UTC).timestamp()))
+            row = db.execute("SELECT * FROM resizes WHERE id = ?", (cursor.lastrowid,)).fetchone()
+        return _width_change(row)
+
+    def update_resize(self, resize_id: int, phase: str, **measured: float | bool | None) -> None:
+        """Move a resize to ``phase``, recording what it measured (:data:`RESIZE_FIELDS`)."""
+        assert set(measured) <= set(RESIZE_FIELDS), measured
+        sets = "".join(f", {name} = ?" for name in measured)
+        with self._write() as db:
+            db.execute(f"UPDATE resizes SET phase = ?{sets} WHERE id = ?", (phase, *measured.values(), resize_id))
+
+    def open_resizes(self) -> list[WidthChange]:
+        """The resizes under way (STOPPING or RESTARTING), from a partial index."""
+        return [_width_change(row) for row in self._read(
+            "SELECT * FROM resizes INDEXED BY resizes_open WHERE phase IN ('STOPPING', 'RESTARTING') ORDER BY id")]
+
+    def resizing(self, job_id: int) -> bool:
+        """Whether a resize of the job is under way."""
+        return bool(self._read("SELECT 1 FROM resizes INDEXED BY resizes_job WHERE job_id = ? AND phase IN "
+                               "('STOPPING', 'RESTARTING')", (job_id,)))
+
+    def resizes(self, job_id: int | None = None) -> list[WidthChange]:
+        """A job's resizes (every job's when None), oldest first."""
+        where, args = ("WHERE job_id = ?", (job_id,)) if job_id is not None else ("", ())
+        return [_width_change(row) for row in self._read(f"SELECT * FROM resizes {where} ORDER BY id", args)]
+
+    def resizes_of(self, job_ids: Sequence[int]) -> list[WidthChange]:
+        """The resizes of these jobs, oldest first (from an index)."""
+        found: list[WidthChange] = []
+        for first in range(0, len(job_ids), 500):
+            chunk = tuple(job_ids[first:first + 500])
+            found += [_width_change(row) for row in self._read(
+                f"SELECT * FROM resizes INDEXED BY resizes_job WHERE job_id IN ({','.join('?' * len(chunk))}) "
+                "ORDER BY id", chunk)]
+        return sorted(found, key=lambda change: change.id)
+
+    def resize_counts(self) -> tuple[dict[str, int], WidthChange | None]:
+        """Resizes by phase, and the last one that finished (DONE)."""
+        counts = {str(row["phase"]): int(row["n"])
+                  for row in self._read("SELECT phase, COUNT(*) AS n FROM resizes GROUP BY phase")}
+        last = self._read("SELECT * FROM resizes WHERE phase = 'DONE' AND restart_s IS NOT NULL ORDER BY id DESC "
+                          "LIMIT 1")
+        return counts, (_width_change(last[0]) if last else None)
+
+    def set_shape(self, job_id: int, *, width: int, batch: int, steps: int, gain: float | None) -> None:
+        """What the job's next attempt runs on: its GPUs, global batch, steps and AdaScale gain."""
+        with self._write() as db:
+            db.execute("UPDATE jobs SET width = ?, run_batch = ?, run_steps = ?, run_gain = ? WHERE id = ?",
+                       (width, batch, steps, gain, job_id))
+
+    def record_speed(self, point: SpeedPoint) -> None:
+        with self._write() as db:
+            db.execute("INSERT INTO speeds(job_id, gpus, batch, iteration_s, steps, gns) VALUES (?, ?, ?, ?, ?, ?) "
+                       "ON CONFLICT(job_id, gpus, batch) DO UPDATE SET iteration_s = excluded.iteration_s, "
+                       "steps = excluded.steps, gns = excluded.gns",
+                       (point.job_id, point.gpus, point.batch, point.iteration_s, point.steps, point.gns))
+
+    def speeds(self, job_ids: Sequence[int]) -> dict[int, list[SpeedPoint]]:
+        """Each job's measured speeds, by (GPUs, batch)."""
+        found: dict[int, list[SpeedPoint]] = {job_id: [] for job_id in job_ids}
+        for first in range(0, len(job_ids), 500):
+            chunk = tuple(job_ids[first:first + 500])
+            for row in self._read(f"SELECT * FROM speeds WHERE job_id IN ({','.join('?' * len(chunk))}) "
+                                  "ORDER BY gpus, batch", chunk):
+                found[row["job_id"]].append(SpeedPoint(**dict(row)))
+        return found
+
     def attempts(self, job_id: int) -> int:
         """How many times the job has been started (its moves into STARTING): the current attempt's number."""
         rows = self._read(f"SELECT COUNT(*) FROM events INDEXED BY events_moves WHERE job_id = ? AND to_state = ? "
@@ -533,6 +662,12 @@ def _event(row: sqlite3.Row) -> JobEvent:
                     from_state=JobStatus(row["from_state"]) if row["from_state"] else None)
 
 
+def _width_change(row: sqlite3.Row) -> WidthChange:
+    data = dict(row)
+    data["plan_cached"] = None if data["plan_cached"] is None else bool(data["plan_cached"])
+    return WidthChange(**data)
+
+
 def _job(row: sqlite3.Row) -> Job:
     shape = row["input_shape"]
     return Job(id=row["id"], kind=JobKind(row["kind"]), state=JobStatus(row["state"]), owner=row["owner"],
@@ -541,5 +676,6 @@ def _job(row: sqlite3.Row) -> Job:
                input_dtype=row["input_dtype"], vocab_size=row["vocab_size"],
                created_at=datetime.fromisoformat(row["created_at"]),
                updated_at=datetime.fromisoformat(row["updated_at"]), reason=row["reason"],
-               exit_code=row["exit_code"], progress=row["progress"], host_id=row["host_id"], script=row["script"])
+               exit_code=row["exit_code"], progress=row["progress"], host_id=row["host_id"], script=row["script"],
+               width=row["width"], run_batch=row["run_batch"], run_steps=row["run_steps"], run_gain=row["run_gain"])
 

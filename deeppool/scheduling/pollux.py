@@ -21,7 +21,8 @@ and the allocation maximises the power mean with ``p = −1`` (fairness)
 
 that is, it minimises ``Σ_j 1 / (s_j + ε)``. A job gets at most twice the most
 GPUs it has held (at least 1), as the artifact lets a job explore, and at most
-its speed model's ``max_gpus``.
+its speed model's ``max_gpus``, and never fewer than its ``min_gpus`` (a job that cannot be resized has
+one GPU count, ``min = max``).
 
 The artifact searches allocations with a genetic algorithm (NSGA-II, 100
 generations of 100). Here the search is greedy by marginal gain: starting from
@@ -105,14 +106,15 @@ class PolluxPolicy:
         progress, restarts, peak = (state.progress, state.restarts, state.peak_gpus) if state else (0.0, 0, 0)
         epoch = speed.epoch_at(max(progress, 0.0))
         current = snapshot.holding.get(job.job_id, 0)
-        cap = min(speed.max_gpus, max(2 * peak, 1), snapshot.total_gpus)
-        fair = min(math.ceil(snapshot.total_gpus / count), speed.max_gpus)
+        floor = speed.min_gpus
+        cap = max(min(speed.max_gpus, max(2 * peak, 1), snapshot.total_gpus), floor)
+        fair = max(min(math.ceil(snapshot.total_gpus / count), speed.max_gpus), floor)
         base = speed.best_batch(fair, epoch)[1] or 1.0
         age = snapshot.now_s - job.arrival_s
         spent = age + self.restart_delay_s
         factor = max(age - restarts * self.restart_delay_s, 0.0) / spent if spent > 0 else 1.0
         speedups = {}
-        for gpus in _counts(cap, current):
+        for gpus in _counts(cap, current, floor):
             value = speed.best_batch(gpus, epoch)[1] / base
             speedups[gpus] = value if gpus == current else value * factor
         attained = snapshot.attained_gpu_s.get(job.job_id, 0.0)
@@ -159,9 +161,11 @@ class PolluxPolicy:
         return Decision(preempt=tuple(preempt), start=tuple(start), rebatch=tuple(rebatch), wake_at_s=wake)
 
 
-def _counts(cap: int, current: int) -> list[int]:
-    """GPU counts a job may get: 1 to a node, then whole nodes, up to ``cap``; and its current count."""
+def _counts(cap: int, current: int, floor: int = 1) -> list[int]:
+    """GPU counts a job may get: ``floor`` (its fewest), up to a node, then whole nodes, up to ``cap``; and its
+    current count."""
     counts = {g for g in range(1, min(cap, NODE_GPUS) + 1)} | set(range(2 * NODE_GPUS, cap + 1, NODE_GPUS))
+    counts = {g for g in counts if g >= floor} | {floor}
     if 0 < current <= cap:
         counts.add(current)
     return sorted(counts)
