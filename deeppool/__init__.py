@@ -4,7 +4,8 @@
 ``deeppool.run(plan, model=module, background=...)`` runs one (``model`` for a
 plan whose module was built in Python; a background job in its idle
 windows); ``deeppool.parallelize(module, plan)`` runs one inside the user's own
-training loop (``deeppool.Plan.load(path)`` reads a plan file); the packages
+training loop and ``deeppool.kfac(bp)`` adds K-FAC to that loop (``deeppool.Plan.load(path)`` reads a plan
+file); the packages
 are ``planner``, ``executor``, ``library``, ``multiplex`` and ``cluster_sim``.
 """
 
@@ -34,6 +35,13 @@ def parallelize(*args, **kwargs):
     return parallelize_module(*args, **kwargs)
 
 
+def kfac(*args, **kwargs):
+    """K-FAC between ``bp.step(...)`` and ``opt.step()``: see :func:`deeppool.library.kfac.kfac`."""
+    from deeppool.library import kfac as kfac_preconditioner
+
+    return kfac_preconditioner(*args, **kwargs)
+
+
 def __getattr__(name: str):
     if name == "Plan":  # loaded on first use, so ``deeppool --help`` stays light
         from deeppool.plans import Plan
@@ -42,4 +50,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'deeppool' has no attribute '{name}'")
 
 
-__all__ = ["DeeppoolError", "Plan", "__version__", "parallelize", "plan", "run"]
+__all__ = ["DeeppoolError", "Plan", "__version__", "kfac", "parallelize", "plan", "run"]

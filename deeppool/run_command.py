@@ -16,7 +16,7 @@ import contextlib
 import functools
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -37,6 +37,7 @@ from deeppool.multiplex.options import RUN_BACKGROUND, background_config
 from deeppool.options import Given
 
 if TYPE_CHECKING:
+    from deeppool.executor.engine.idle import StartLender
     from deeppool.plans import Plan
 
 RUN_SUMMARY = "Train with PLAN on --nproc local ranks (torchrun underneath) and print the timing summary."
@@ -172,7 +173,6 @@ def worker(
 ) -> None:
     """Run this process's rank of PLAN (rank and world from torchrun's environment)."""
     from deeppool.executor.launch.worker import RankEnv, report_failure, run_worker
-    from deeppool.multiplex.hook import Multiplexer
     from deeppool.plans import Plan
 
     env = RankEnv.from_environ()
@@ -182,14 +182,25 @@ def worker(
         given = RankConfig.load(config) if config is not None else RankConfig(
             run=run_config(Given.defaults(RunConfig), loaded))
         out = given.run.out_dir
-        found = given.extra.get(BACKGROUND_KEY)
-        bg = BackgroundConfig.from_json(found) if found is not None else None
-        run_worker(loaded, given.run, env, functools.partial(Multiplexer.start, config=bg) if bg is not None else None)
+        run_worker(loaded, given.run, env, _lender(given.extra))
     except BaseException as err:  # every failure leaves a record naming this rank
         if isinstance(err, (SystemExit, typer.Exit)):
             raise
         kind = report_failure(err, env, out)
         raise SystemExit(kind.value) from None
+
+
+def _lender(extra: dict[str, Any]) -> StartLender | None:
+    """The rank's lender of idle windows: a background given at the start (``--background``), or the guests a
+    coordinator lends the running job (:mod:`deeppool.multiplex.guests`), or none."""
+    from deeppool.multiplex.guests import GUESTS_KEY, GuestLender, GuestsConfig
+    from deeppool.multiplex.hook import Multiplexer
+
+    if extra.get(BACKGROUND_KEY) is not None:
+        return functools.partial(Multiplexer.start, config=BackgroundConfig.from_json(extra[BACKGROUND_KEY]))
+    if extra.get(GUESTS_KEY) is not None:
+        return functools.partial(GuestLender.start, config=GuestsConfig.from_json(extra[GUESTS_KEY]))
+    return None
 
 
 def main() -> None:

@@ -56,6 +56,7 @@ from deeppool.scheduling.choice import ModelChoice
 from deeppool.scheduling.contract import (
     Adaptive, Decision, Lend, PlanOffer, PlanState, Policy, Rebatch, Replan, SimJob, Slot, Snapshot, Start,
 )
+from deeppool.scheduling.slots import lendable_slots
 
 FactsLookup = Callable[[ModelChoice, int, PlanMode], PlanFacts]
 MAX_ROUNDS = 10_000
@@ -568,19 +569,9 @@ class Simulation:
         """The ranks of a plan that are lent (to ``host``'s guests), most idle first: idle for at least
         ``min_lend_fraction`` of an iteration, with windows background work fills in pieces of the mode's
         nominal piece (``bg_piece_ms``)."""
-        idle = facts.idle_fractions
-        iteration_ms = facts.iteration_s * 1e3
-        ranks = sorted(range(len(idle)), key=lambda r: -idle[r])
-        usable = {r: self.model.usable_fraction(facts.windows_ms(r), iteration_ms, piece_ms=self.model.bg_piece_ms)
-                  for r in ranks}
         capacity = self.cluster.device_model.memory_bytes
-        return [  # a rank whose windows background work cannot fill is not lent
-            Slot(host=host, rank=r, idle_fraction=idle[r], usable_fraction=usable[r],
-                 longest_window_ms=self.model.longest_usable_window_ms(facts.windows_ms(r), iteration_ms),
-                 free_memory_bytes=capacity - facts.rank_memory(r))
-            for r in ranks
-            if idle[r] >= self.model.min_lend_fraction and usable[r] > 0
-        ]
+        return lendable_slots(host, facts.idle_fractions, facts.windows_ms, facts.iteration_s * 1e3, self.model,
+                              free_memory=lambda rank: capacity - facts.rank_memory(rank))
 
     def offer(self, facts: PlanFacts, mode: PlanMode) -> PlanOffer:
         """A plan as a policy weighs it (:class:`PlanOffer`): its speed alone and hosting, its lendable ranks."""

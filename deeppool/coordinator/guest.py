@@ -30,7 +30,9 @@ when the process ends, never from the guest's folder. The broker tells the
 host the process's exit code on the socket; a host that closes the socket, or
 dies, or asks ``kill``, has the process's group killed.
 
-The host's side is :mod:`deeppool.multiplex.remote`.
+The host's side is :mod:`deeppool.multiplex.remote`. A guest of the host's own
+account lent while the host runs is started by the host's rank itself, with
+the same :func:`main` (:mod:`deeppool.multiplex.guests`).
 """
 
 from __future__ import annotations

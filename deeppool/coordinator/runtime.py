@@ -53,7 +53,10 @@ supervisor, as the guest's account, in a cgroup nested in its host's
 guest is lent only to a host of its own account). It becomes RUNNING with its
 host, and when the host ends it SUCCEEDED if it trained (the host's
 ``summary.json`` counts its steps, and the reason gives the host's measured
-slowdown), else it goes back to the queue.
+slowdown), else it goes back to the queue. A guest lent while its host runs
+(:attr:`Runtime.lending`, :mod:`deeppool.coordinator.lending`) is settled from
+its replicas' reports instead: SUCCEEDED once it trained its steps, FAILED
+when its process failed, requeued when its host ends or stops first.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ from deeppool.coordinator.guest import GuestSpec
 from deeppool.coordinator.isolation import REFUSALS, REFUSED, Account, AccountError, RunAs, read_job_file
 from deeppool.coordinator.jobs import Job, JobStatus
 from deeppool.coordinator.launcher import Launcher, LaunchPhase, Resources, resources_for
+from deeppool.coordinator.lending import Lending
 from deeppool.coordinator.store import Store
 from deeppool.executor.training.outputs import EVENTS, PROGRESS
 from deeppool.errors import DeeppoolError
@@ -114,6 +118,9 @@ class Runtime:
         self.after_claim, self.nodes, self.run_as, self.limits = after_claim, nodes, run_as, limits
         self.allowed_roots = allowed_roots
         self._ended: set[int] = set()  # cancelled jobs known to have no process left
+        self.lending = Lending(store, launcher, lambda path, job: read_json(path, self._owner_uid(job)),
+                               run_as=run_as, allowed_roots=allowed_roots, nodes=nodes)
+        """the loans of running hosts' idle ranks (:mod:`deeppool.coordinator.lending`)"""
 
     def resources(self, job: Job) -> Resources:
         """A foreground job's GPUs over ``nodes`` machines; a background job's on one."""
@@ -164,7 +171,7 @@ class Runtime:
         assert account is not None  # two owners' accounts differ only when each job has one
         return GuestSpec(job_id=guest.id, account=account, folder=self.launcher.folder / f"job-{guest.id}",
                          log=self.launcher.files(guest.id, 1).log, model=guest.model, batch=guest.batch,
-                         roots=self.allowed_roots, ranks=host.gpus)
+                         roots=self.allowed_roots, ranks=host.held)
 
     def _owner_uid(self, job: Job) -> int | None:
         """The uid a job's files must have to be read (None: the server's own)."""
@@ -173,6 +180,30 @@ class Runtime:
         except DeeppoolError:
             return -1  # its account is gone: nothing it wrote is read
         return None if account is None else account.uid
+
+    def job_file(self, job: Job, name: str) -> bytes | None:
+        """A file the job wrote (``name``, relative to its folder), read as :func:`read_json` reads one: None when it
+        is missing, not the job's own, or past :data:`MAX_FILE_BYTES` (its first bytes are given then)."""
+        return read_job_file(self.launcher.folder / f"job-{job.id}" / name, self._owner_uid(job), MAX_FILE_BYTES)
+
+    def job_json(self, job: Job, name: str) -> Any:
+        """A JSON file the job wrote (``name``, relative to its folder), or None (:func:`read_json`)."""
+        return read_json(self.launcher.folder / f"job-{job.id}" / name, self._owner_uid(job))
+
+    def relaunch(self, job: Job, reason: str) -> bool:
+        """Start the next attempt of a running job whose attempt ended resumably (a resize): RUNNING → STARTING,
+        then launch on the shape the store holds for it now; False if it was not running."""
+        if not self.store.transition(job.id, JobStatus.STARTING, reason):
+            return False
+        current = self.store.job(job.id)
+        assert current is not None
+        try:
+            resources, account = self.resources(current), self.run_as.account(current.owner)
+        except DeeppoolError as err:
+            self.store.transition(job.id, JobStatus.FAILED, _public(err, job))
+            return False
+        self._launch(current, self.store.attempts(job.id), [], resources, account)
+        return True
 
     def lingering(self) -> set[int]:
         """Cancelled jobs not yet known to have no process left: they hold their GPUs until then."""
@@ -208,6 +239,8 @@ class Runtime:
             self._relay(job, attempt)
         if seen.phase is LaunchPhase.RUNNING and job.state is JobStatus.RUNNING and self._over_log_cap(job, attempt):
             return
+        if seen.phase in (LaunchPhase.EXITED, LaunchPhase.LOST) and self.store.resizing(job.id):
+            return  # an attempt that ended in the middle of a resize: the resize's to settle (elastic.py)
         if seen.phase is LaunchPhase.EXITED:
             if job.state is JobStatus.STARTING:  # it ran and ended between two looks
                 self.store.transition(job.id, JobStatus.RUNNING, f"attempt {attempt} ran")
@@ -270,6 +303,8 @@ class Runtime:
     def _settle_guest(self, guest: Job) -> None:
         host = self.store.job(guest.host_id)
         assert host is not None
+        if self.lending.settle(guest, host):  # lent while its host ran
+            return
         if host.state is JobStatus.RUNNING and guest.state is JobStatus.STARTING:
             self.store.transition(guest.id, JobStatus.RUNNING, f"training in the idle windows of job {host.id}")
         elif host.state.terminal or host.state is JobStatus.PENDING:

@@ -9,17 +9,26 @@ jobs in their own low-priority queue by default): each tick builds a
 * ``preempt``: a background job on whole GPUs is stopped (SIGTERM, grace,
   SIGKILL) and requeued, not failed;
 * ``start``: the job is claimed and launched. A foreground job started while
-  background jobs wait takes the oldest as its guest: it trains in the
-  foreground's idle windows through the multiplexer. Guests join at the
-  start, because the multiplexer runs beside the foreground's ranks; a
-  running foreground job offers no slots to later ones (``free_slots`` is
-  empty), which is where this differs from the simulator. A guest's
-  processes are started by its host's, so a host takes only a guest whose
-  owner's jobs run as the same account (always, unless ``serve --job-user
-  submitter``); another user's background job waits for GPUs of its own.
+  background jobs wait takes the oldest as its guest at its start only when
+  that guest cannot join it while it runs (another account's, whose
+  processes the host's supervisor starts; or a host over several nodes);
+* ``lend``: the snapshot's ``free_slots`` are the idle ranks of running
+  foreground jobs (:meth:`Lending.free_slots
+  <deeppool.coordinator.lending.Lending.free_slots>`, from their plans), and a
+  loan makes the background job a guest of the running host: its ranks pick
+  it up at their next step boundary (:mod:`deeppool.coordinator.lending`).
+  A guest leaves while its host runs when it has trained its steps, or is
+  cancelled or preempted.
 
 A cancelled job holds its GPUs until its last process is gone
 (:meth:`~deeppool.coordinator.runtime.Runtime.lingering`).
+
+With an :class:`~deeppool.coordinator.elastic.Elastic` (a co-adaptive policy:
+``serve --policy pollux``), a decision that preempts a running job and starts
+it again on other GPUs, or changes its batch, resizes it from a checkpoint;
+the snapshot then carries each job's speed model learned from its runs and
+its adaptive state, and a policy that asked to be woken at an instant
+(Pollux's interval) decides at that instant, a tick late at most.
 
 Attained service (Tiresias' order) is GPUs × seconds in the current run; a
 requeued job starts again from 0.
@@ -45,9 +54,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from deeppool.coordinator.elastic import Elastic, ElasticView
 from deeppool.coordinator.jobs import Job, JobKind, JobStatus
 from deeppool.coordinator.runtime import Runtime
-from deeppool.scheduling import NOTHING, Decision, ModelChoice, Policy, SimJob, Snapshot
+from deeppool.scheduling import NOTHING, Decision, Lend, ModelChoice, Policy, SimJob, Slot, Snapshot, SpeedModel
 
 LIVE = (JobStatus.STARTING, JobStatus.RUNNING)
 MAX_RETRY_S = 5.0
@@ -68,40 +78,48 @@ def model_choice(model: str, batch: int) -> ModelChoice:
     return ModelChoice(name=path.stem, path=path, global_batch=batch)
 
 
-def as_sim_job(job: Job) -> SimJob:
-    return SimJob(job_id=job.id, name=f"job-{job.id}", arrival_s=job.created_at.timestamp(), gpus=job.gpus,
+def as_sim_job(job: Job, speed: SpeedModel | None = None) -> SimJob:
+    return SimJob(job_id=job.id, name=f"job-{job.id}", arrival_s=job.created_at.timestamp(), gpus=job.held,
                   background=job.kind is JobKind.BACKGROUND, iterations=float(job.steps), recorded_duration_s=0.0,
-                  model=model_choice(job.model, job.batch))
+                  model=model_choice(job.model, job.current_batch), speed=speed)
 
 
 def snapshot(jobs: list[Job], total_gpus: int, now: datetime, requeued: frozenset[int] = frozenset(),
-             lingering: frozenset[int] = frozenset()) -> Snapshot:
+             lingering: frozenset[int] = frozenset(), free_slots: tuple[Slot, ...] = (),
+             elastic: ElasticView | None = None) -> Snapshot:
     """The policy's view of the database; ``requeued``: the waiting jobs that ran before (preempted);
-    ``lingering``: ended jobs some process of which is still there (they hold their GPUs)."""
-    waiting = [as_sim_job(j) for j in jobs if j.state is JobStatus.PENDING]
+    ``lingering``: ended jobs some process of which is still there (they hold their GPUs); ``free_slots``: the
+    idle ranks running foreground jobs lend (:meth:`Lending.free_slots`); ``elastic``: the jobs' speed models
+    and adaptive state, and the GPUs a job being resized holds (:meth:`Elastic.view`)."""
+    elastic = elastic or ElasticView()
+    waiting = [as_sim_job(j, elastic.speeds.get(j.id)) for j in jobs if j.state is JobStatus.PENDING]
     whole = [j for j in jobs if j.state in LIVE and j.host_id is None]
-    running = [as_sim_job(j) for j in whole]
-    holding = {j.id: j.gpus for j in whole} | {j.id: j.gpus for j in jobs if j.id in lingering and j.host_id is None}
+    running = [as_sim_job(j, elastic.speeds.get(j.id)) for j in whole]
+    holding = {j.id: elastic.reserved.get(j.id, j.held) for j in whole} | {
+        j.id: j.held for j in jobs if j.id in lingering and j.host_id is None}
     preemptible = [job for job in running if job.background]
-    attained = {j.id: (now - j.updated_at).total_seconds() * j.gpus for j in jobs if j.state is JobStatus.RUNNING}
+    attained = {j.id: (now - j.updated_at).total_seconds() * j.held for j in jobs if j.state is JobStatus.RUNNING}
     attained.update({job_id: 0.0 for job_id in requeued})
     return Snapshot(
         now_s=now.timestamp(), total_gpus=total_gpus, free_gpus=total_gpus - sum(holding.values()),
         waiting=waiting, waiting_fg=[j for j in waiting if not j.background],
-        waiting_bg=[j for j in waiting if j.background], free_slots=(), preemptible=preemptible,
+        waiting_bg=[j for j in waiting if j.background], free_slots=free_slots, preemptible=preemptible,
         preemptible_gpus=sum(j.gpus for j in preemptible),
         guests=[as_sim_job(j) for j in jobs if j.state in LIVE and j.host_id is not None],
         holding=holding, running=running, attained_gpu_s=attained,
         requeued=sorted((j for j in waiting if j.job_id in requeued), key=lambda j: (j.arrival_s, j.job_id)),
+        adaptive=elastic.adaptive,
     )
 
 
 class Service:
     def __init__(self, runtime: Runtime, policy: Policy, total_gpus: int, *, period_s: float = 0.5,
-                 paused: bool = False) -> None:
-        """``paused``: keep watching running jobs but start none (to drain the cluster, or queue first)."""
+                 paused: bool = False, elastic: Elastic | None = None) -> None:
+        """``paused``: keep watching running jobs but start none (to drain the cluster, or queue first);
+        ``elastic``: resize running jobs as the policy says (:mod:`deeppool.coordinator.elastic`)."""
         self.runtime, self.policy, self.total_gpus, self.period_s = runtime, policy, total_gpus, period_s
-        self.paused = paused
+        self.paused, self.elastic = paused, elastic
+        self._wake: float | None = None  # the instant the policy last asked to decide at
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="deeppool-coordinator", daemon=True)
         self._failure: SchedulerHealth | None = SchedulerHealth(ok=False, detail="the scheduler has not started")
@@ -110,6 +128,8 @@ class Service:
     def tick(self, now: datetime | None = None, *, schedule: bool = True) -> Decision:
         """Reconcile the processes, then (``schedule``, unless paused) decide and apply what to start or stop."""
         now = now or datetime.now(UTC)
+        if self.elastic is not None:
+            self.elastic.reconcile()  # first: an attempt that ended for a resize is the resize's
         self.runtime.reconcile(now)
         if self.paused or not schedule:
             return NOTHING
@@ -118,22 +138,51 @@ class Service:
         # the live jobs and the cancelled ones still holding GPUs, from indexes: never the finished history
         jobs = store.jobs(states=(JobStatus.PENDING, *LIVE)) + [j for j in store.unsettled() if j.id in lingering]
         requeued = frozenset(store.requeued())
-        decision = self.policy.decide(snapshot(jobs, self.total_gpus, now, requeued, lingering))
+        self.runtime.lending.sync(jobs)
+        slots = tuple(self.runtime.lending.free_slots(jobs))
+        view = self.elastic.view(jobs) if self.elastic is not None else ElasticView()
+        decision = self.policy.decide(snapshot(jobs, self.total_gpus, self._instant(now), requeued, lingering, slots,
+                                               view))
+        self._wake = decision.wake_at_s
         self.apply(decision, {j.id: j for j in jobs})
         return decision
 
+    def _instant(self, now: datetime) -> datetime:
+        """``now``, or the instant the policy asked to be woken at once it has passed: a policy that decides at
+        set instants (Pollux's interval) sees its instant, at most a tick late, as in the simulator."""
+        if self._wake is not None and self._wake <= now.timestamp():
+            return datetime.fromtimestamp(self._wake, UTC)
+        return now
+
     def apply(self, decision: Decision, jobs: dict[int, Job]) -> None:
-        for job_id in decision.preempt:
+        resized = self.elastic.apply(decision, jobs, self.policy.name) if self.elastic is not None else set()
+        for job_id in [job_id for job_id in decision.preempt if job_id not in resized]:
             self.runtime.requeue(jobs[job_id], f"preempted by the {self.policy.name} policy for foreground work")
-        started = {start.job_id for start in decision.start}
+        started = {start.job_id for start in decision.start if start.job_id not in resized} | {
+            lend.job_id for lend in decision.lend}
         spare = [j for j in jobs.values() if j.state is JobStatus.PENDING and j.kind is JobKind.BACKGROUND
                  and j.id not in started]
         for start in decision.start:
-            job = jobs[start.job_id]
-            lendable = [g for g in spare if self.runtime.can_host(job, g)]
+            if start.job_id in resized:
+                continue
+            job = self.runtime.store.job(start.job_id) or jobs[start.job_id]  # its shape as the policy set it
+            lendable = [g for g in spare if self.runtime.can_host(job, g) and not self.runtime.lending.joins(job, g)]
             guests = [lendable[0]] if job.kind is JobKind.FOREGROUND and lendable else []
             spare = [g for g in spare if g not in guests]
             self.runtime.start(job, f"granted {start.gpus} GPUs by the {self.policy.name} policy", guests)
+        for lend in decision.lend:
+            self._lend(lend, jobs)
+
+    def _lend(self, lend: Lend, jobs: dict[int, Job]) -> None:
+        """A policy's loan of running hosts' idle ranks: the guest joins the host that holds its first rank."""
+        guest, host = jobs.get(lend.job_id), jobs.get(lend.slots[0].host) if lend.slots else None
+        if guest is None or host is None or guest.state is not JobStatus.PENDING \
+                or not self.runtime.lending.joins(host, guest):
+            return
+        ranks = tuple(sorted(slot.rank for slot in lend.slots if slot.host == host.id))
+        self.runtime.lending.lend(guest, host, ranks, f"lent rank{'s' * (len(ranks) > 1)} "
+                                  f"{', '.join(map(str, ranks))} of running job {host.id} by the "
+                                  f"{self.policy.name} policy")
 
     @property
     def health(self) -> SchedulerHealth:

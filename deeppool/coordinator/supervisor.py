@@ -109,6 +109,12 @@ class JobFiles:
         return None if not data else data.decode(errors="replace").strip()[:500] or None
 
     @property
+    def guests_control(self) -> Path:
+        """The loans of guests that join the running attempt, which the server writes and its ranks watch
+        (:mod:`deeppool.multiplex.guests`)."""
+        return self._path("guests.json")
+
+    @property
     def guest_socket(self) -> Path:
         """Where the supervisor's broker of a guest of another account listens (the server's folder)."""
         return self._path("guest.sock")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from deeppool.adaptation.adascale import AdaScale
+from deeppool.adaptation.kfac import KFACPreconditioner
 from deeppool.adaptation.policy import AdaptationPolicy
 from deeppool.device.cuda import gpu_for
 from deeppool.device.seam import Gpu, event_factory, side_stream, synchronizer
@@ -50,6 +51,7 @@ from deeppool.executor.engine.engine import Engine, EngineParts
 from deeppool.executor.engine.faults import Slowdown
 from deeppool.executor.engine.gradients import FIRST_BUCKET_BYTES, GradientReducer
 from deeppool.executor.engine.idle import IdleListener, NoBackground
+from deeppool.executor.engine.kfac_groups import kfac_groups
 from deeppool.executor.engine.local_model import LocalModel, check_plan_matches, hold
 from deeppool.executor.engine.monitor import AdaScaleLr, GnsReading, GradientMonitor, group_shares, single_groups
 from deeppool.executor.engine.precision import AgreedScaler, MixedPrecision, output_dtypes
@@ -62,6 +64,7 @@ from deeppool.executor.training.checkpoint import (
     intact,
     latest,
     load_group,
+    load_kfac,
     load_own,
     load_run,
     model_keys,
@@ -69,7 +72,7 @@ from deeppool.executor.training.checkpoint import (
     writer,
 )
 from deeppool.executor.training.checkpoint import groups as checkpoint_groups
-from deeppool.executor.training.outputs import RESIZE
+from deeppool.executor.training.outputs import RESIZE, STOPPED
 from deeppool.executor.training.progress import ProgressFile
 from deeppool.executor.training.reference import CheckResult, LockstepReference, worst_of
 from deeppool.executor.training.steptimes import StepMonitor
@@ -143,13 +146,14 @@ def train_rank(
     precision = _precision(config, module, traced, loaded, device, comm)
     program = build_program(plan, traced.graph, comm.rank)
     recorder = Recorder(clock, event_factory(gpu), None if gpu is not None else time.thread_time)
+    preconditioned = tuple(kfac_groups(plan, traced.graph, module, 0))  # the whole model's, before hold drops some
     local = hold(plan, module, traced.graph, comm.rank, lambda ranks: _group_sum(comm, ranks, recorder),
                  program.stages, traced.random, config.batchnorm)
     reference = None if reference_model is None else LockstepReference(
         reference_model, config.optimizer, params=local.params, buffers=local.buffers, rank=comm.rank,
         bound=config.bound, random=traced.random.mode(plan.model.seed), training=config.training,
         precision=config.precision, scaling=config.loss_scaling, branches=plan.branches,
-        draws=plan.draws,
+        draws=plan.draws, kfac_modules=preconditioned if config.optimizer.kind is Optimizer.KFAC else (),
     )
     engine = _engine(plan, program, local, comm, loaded, config, recorder, on_idle, device, reference, precision,
                      slowdown, gpu)
@@ -174,10 +178,15 @@ def train_rank(
         gns = readings[-1].noise_scale if readings and comm.rank == 0 else None
         stop = adapter.after_step(step, micros, last=step + 1 == config.steps, gns=gns, loss=losses[-1])
         stop = stop or _epoch_ends(adapter, feed, position, position + micros, step + 1, config.steps)
+        asked = not stop and step + 1 < config.steps and _stop_asked(config, comm)
+        stop = stop or asked
         _save(_where(config, stop), step + 1, engine, local, comm, keys, adapter.progress, config.batchnorm,
               force=stop)
         if shown is not None:
             shown.update(step + 1)
+        if asked:
+            adapter.flush(step)
+            _stopped(config, step + 1, comm.rank)
         if stop:
             _resize(adapter, config, step + 1, comm.rank)
             break
@@ -246,6 +255,9 @@ def _resume(config: RunConfig, engine: Engine, local: LocalModel, rank: int) -> 
     if scaler is not None and run.scaler is not None:
         scaler.load_state_dict(run.scaler)
     _load_adaptation(parts, run.adaptation or {})
+    kfac, preconditioner = load_kfac(checkpoint.directory, done, rank), parts.preconditioner
+    if preconditioner is not None and kfac is not None and set(kfac["layers"]) == set(preconditioner.layers):
+        preconditioner.load_state_dict(kfac)  # another plan's (a resize) differs: K-FAC starts afresh
     return done, Progress(**run.progress)
 
 
@@ -310,7 +322,9 @@ def _save(
     shard = None if mine is None else _group_shard(mine, local, optimizer)
     own = None if batchnorm is BatchNormMode.SYNC else {
         name: b.detach().cpu().clone() for name, b in local.buffers.items() if local.groups[name] > 1}
-    save(checkpoint.directory, comm.rank, run, shard, groups, barrier=lambda: comm.all_reduce_max(0.0), own=own)
+    kfac = None if parts.preconditioner is None else parts.preconditioner.state_dict()
+    save(checkpoint.directory, comm.rank, run, shard, groups, barrier=lambda: comm.all_reduce_max(0.0), own=own,
+         kfac=kfac)
 
 
 def _group_shard(gpus: int, local: LocalModel, optimizer: torch.optim.Optimizer | None) -> GroupShard:
@@ -360,6 +374,24 @@ def _resize(adapter: Adapter, config: RunConfig, done: int, rank: int) -> None:
         return
     resize = Resize(gpus=request.gpus, steps_done=done, checkpoint=str(checkpoint.directory), reason=request.reason)
     write_json(config.out_dir / RESIZE, resize.to_json())
+
+
+def _stop_asked(config: RunConfig, comm: Comm) -> bool:
+    """Whether the run's ``--stop-file`` is there, as every rank agrees (the maximum over the ranks of what
+    each sees now, so all stop after the same step); False without one, with no collective."""
+    checkpoint = config.checkpoint
+    if checkpoint is None or checkpoint.stop_file is None:
+        return False
+    return comm.all_reduce_max(1.0 if checkpoint.stop_file.exists() else 0.0) > 0
+
+
+def _stopped(config: RunConfig, done: int, rank: int) -> None:
+    """Rank 0 says the run stopped resumably (``<out>/stopped.json``), after its checkpoint is written."""
+    checkpoint = config.checkpoint
+    if rank != 0 or config.out_dir is None or checkpoint is None:
+        return
+    write_json(config.out_dir / STOPPED, {"steps_done": done, "checkpoint": str(checkpoint.directory),
+                                          "at": time.time()})
 
 
 def _epoch_ends(adapter: Adapter, feed: Feed, start: int, end: int, done: int, steps: int) -> bool:
@@ -524,10 +556,24 @@ def _engine(
             synchronize=synchronizer(gpu, device),
             monitor=monitor,
             lr_scaling=scaling,
+            preconditioner=_preconditioner(plan, local, comm, config, optimizer, precision),
             precision=precision,
             slowdown=slowdown,
         )
     )
+
+
+def _preconditioner(plan: Plan, local: LocalModel, comm: Comm, config: RunConfig,
+                    optimizer: torch.optim.Optimizer | None, precision: MixedPrecision) -> KFACPreconditioner | None:
+    """K-FAC over the rank's ``Linear`` and ``Conv2d`` modules, each in its layer's group (``--optimizer kfac``);
+    KL clipping reads the optimizer's current learning rate."""
+    if config.optimizer.kind is not Optimizer.KFAC:
+        return None
+    lr = config.optimizer.lr if optimizer is None else (lambda _: float(optimizer.param_groups[0]["lr"]))
+    scaler = precision.scaler
+    return KFACPreconditioner(local.module, config.optimizer.kfac, lr=lr,
+                              groups=kfac_groups(plan, local.graph, local.module, comm.rank), collectives=comm,
+                              grad_scaler=None if scaler is None else lambda: scaler.scale)
 
 
 def _monitor(plan: Plan, local: LocalModel, comm: Comm, config: RunConfig,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from deeppool import options
+from deeppool.adaptation.kfac_options import KfacOptions
 from deeppool.device import GPU_BACKEND
 from deeppool.errors import DeeppoolError
 from deeppool.options import Default, nested, option
@@ -42,7 +43,9 @@ DEFAULT_TIMEOUT_S = 60.0
 class OptimizerConfig:
     kind: Optimizer = option(Optimizer.SGD, help="optimizer", flag="--optimizer")
     lr: float = option(0.01, help="learning rate")
-    momentum: float = option(0.0, help="SGD momentum")
+    momentum: float = option(0.0, help="SGD momentum (also K-FAC's SGD)")
+    kfac: KfacOptions = nested(default_factory=KfacOptions, prefix="kfac-")
+    """K-FAC's hyperparameters (``--optimizer kfac``)."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -56,7 +59,7 @@ class OptimizerConfig:
         params = list(params)
         if self.kind is Optimizer.ADAM:
             return torch.optim.Adam(params, lr=self.lr)
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)  # K-FAC's too: it preconditions the grads
 
 
 class BatchNormMode(enum.Enum):
@@ -224,6 +227,9 @@ class CheckpointConfig:
     directory: Path = option(flag="--checkpoint-dir", help="directory for checkpoints (one shard per layer group)")
     every: int = option(0, flag="--checkpoint-every", help="write a checkpoint every N optimizer steps (0: never)")
     resume: bool = option(False, flag="--resume", help="continue from the latest complete checkpoint")
+    stop_file: Path | None = option(
+        None, flag="--stop-file", help="stop resumably after the step at which this file appears: a checkpoint is "
+        "written and <out>/stopped.json says after which step (the coordinator resizes a job so)")
 
     def __post_init__(self) -> None:
         if self.every < 0:
@@ -363,6 +369,9 @@ def check_adaptation(plan: Plan, config: RunConfig, *, grouped: bool) -> None:
     """
     adaptation = config.adaptation
     combine = adaptation.combine or plan.combine
+    if config.optimizer.kind is Optimizer.KFAC and combine is Combine.ADASUM:
+        raise DeeppoolError("--optimizer kfac preconditions the mean gradient, and Adasum does not give it: run "
+                            "K-FAC with --combine sum")
     if combine is Combine.ADASUM and (adaptation.measures or config.check):
         raise DeeppoolError("the plan combines gradients with Adasum, not the mean gradient that --check, "
                             "--monitor gns and --lr-scaling adascale need: drop them, or run with --combine sum")

@@ -6,6 +6,7 @@ the gradients of the global mean loss on ``bp.parameters()`` for the user's opti
 ``docs/library.md``.
 """
 
+from deeppool.library.kfac import kfac
 from deeppool.library.parallel import Options, Parallelized, parallelize
 
-__all__ = ["Options", "Parallelized", "parallelize"]
+__all__ = ["Options", "Parallelized", "kfac", "parallelize"]

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from deeppool.adaptation.kfac import Collectives, KFACPreconditioner, Rate
+from deeppool.adaptation.kfac_options import KfacOptions
 from deeppool.device.cuda import gpu_for
 from deeppool.device.seam import event_factory, side_stream, synchronizer
 from deeppool.errors import DeeppoolError
@@ -38,6 +40,7 @@ from deeppool.executor.engine.data import Batch, needed_rows
 from deeppool.executor.engine.engine import Engine, EngineParts
 from deeppool.executor.engine.gradients import FIRST_BUCKET_BYTES, GradientReducer
 from deeppool.executor.engine.idle import NoBackground
+from deeppool.executor.engine.kfac_groups import kfac_groups
 from deeppool.executor.engine.local_model import LocalModel, check_plan_matches, hold
 from deeppool.executor.engine.monitor import group_shares
 from deeppool.executor.engine.program import Program, build_program, idle_positions, rank_groups
@@ -98,6 +101,7 @@ class Parallelized:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         comm = TorchComm(rank_groups(plan), timeout_s=options.timeout_s)
+        self._comm = comm
         own, traced = _traced_copy(module, inputs, plan)
         self._keys = model_keys(own)
         """Each key of the module's ``state_dict``, and the name the traced model holds its tensor by."""
@@ -328,6 +332,15 @@ class Parallelized:
         if grads:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
+
+    def kfac(self, options: KfacOptions, *, lr: Rate, grad_scaler: Callable[[], float] | None = None
+             ) -> KFACPreconditioner:
+        """K-FAC over the ``Linear`` and ``Conv2d`` modules this rank runs, each over its layer's group (see
+        :func:`deeppool.library.kfac.kfac`)."""
+        groups = kfac_groups(self.plan, self._local.graph, self._local.module, self.rank)
+        collectives: Collectives = self._comm
+        return KFACPreconditioner(self._local.module, options, lr=lr, groups=groups, collectives=collectives,
+                                  grad_scaler=grad_scaler)
 
     # -- modes and rows -------------------------------------------------------------------------
     def train(self, mode: bool = True) -> Parallelized:

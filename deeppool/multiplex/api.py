@@ -22,6 +22,7 @@ from deeppool.executor.launch.cli import check_ranks
 from deeppool.executor.launch.launch import launch
 from deeppool.multiplex import preflight
 from deeppool.multiplex.config import BACKGROUND_KEY, BackgroundConfig, MuxMode
+from deeppool.multiplex.guests import GUESTS_KEY, GuestsConfig
 from deeppool.plans import ModelSource, ModelSpec, Plan
 
 if TYPE_CHECKING:
@@ -30,11 +31,12 @@ if TYPE_CHECKING:
 
 def launch_with_background(
     plan: Plan, plan_path: Path, *, nproc: int, config: RunConfig, background: BackgroundConfig | None,
-    nodes: Nodes = Nodes(), checked: bool = False,
+    nodes: Nodes = Nodes(), checked: bool = False, guests: GuestsConfig | None = None,
 ) -> None:
     """``deeppool run``'s launch of ``plan`` (loaded from, or saved to, ``plan_path``): the background checked
     first (unless ``checked`` already), MPS around the ranks when asked for; the ranks find the background in
-    their config file."""
+    their config file. ``guests`` (without a ``background``): the ranks take in the guests a coordinator lends
+    the running job (:mod:`deeppool.multiplex.guests`)."""
     if background is not None and not checked:
         preflight.check(plan, background)
     daemon: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
@@ -43,14 +45,15 @@ def launch_with_background(
 
         daemon = CudaGpu().mps_daemon()
     with daemon:
-        launch(plan, plan_path, nproc=nproc, config=config, nodes=nodes,
-               extra={BACKGROUND_KEY: background.to_json()} if background is not None else None)
+        extra = {BACKGROUND_KEY: background.to_json()} if background is not None else \
+            {GUESTS_KEY: guests.to_json()} if guests is not None else None
+        launch(plan, plan_path, nproc=nproc, config=config, nodes=nodes, extra=extra)
 
 
 def run(
     plan: Plan | Path | str, *, model: nn.Module | None = None, background: BackgroundConfig | None = None,
     config: RunConfig | None = None, nproc: int | None = None, data: str | None = None, checked: bool = False,
-    plan_path: Path | None = None,
+    plan_path: Path | None = None, guests: GuestsConfig | None = None,
 ) -> dict[str, Any]:
     """Train ``plan`` on local ranks (with ``background`` in its idle windows); returns ``summary.json``.
 
@@ -70,6 +73,8 @@ def run(
     every rank builds it and loads only its rows (``config.data`` for its seed and workers). ``checked``: the
     background passed :func:`deeppool.multiplex.preflight.check` already. ``plan_path``: the file a ``Plan``
     given in memory is saved in already, which the ranks then read (else it is saved into the run's folder).
+    ``guests``: the control file of a coordinator's guests that join the running job
+    (:mod:`deeppool.multiplex.guests`; used only without ``background``).
     """
     loaded = plan if isinstance(plan, Plan) else Plan.load(plan)
     check_ranks(nproc if nproc is not None else loaded.gpus, loaded, given=nproc is not None)
@@ -92,7 +97,7 @@ def run(
     else:
         path = Path(plan)
     launch_with_background(loaded, path, nproc=nproc or loaded.gpus, config=config, background=background,
-                           checked=checked)
+                           checked=checked, guests=guests)
     return json.loads((config.out_dir / "summary.json").read_text())
 
 

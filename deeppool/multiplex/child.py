@@ -15,7 +15,15 @@ as its parent, the rank's process, tells it over stdin, one line per message:
 * ``q``: save a checkpoint and the statistics, exit 0 (the statistics go to a
   file, or, for a guest of another account, as one line on stdout).
 
-It runs under ``SCHED_IDLE`` except in mode ``none``, uses one torch thread,
+With ``steps`` in its spec (a coordinator's guest, :mod:`deeppool.multiplex.guests`)
+it stops by itself once its checkpoint's step count reaches it, saves and exits
+0; with ``progress`` it writes ``{"state": "running", "steps": N}`` there
+(atomically, at most every :data:`PROGRESS_EVERY_S`) as it trains.
+
+It runs under ``SCHED_IDLE`` except in mode ``none`` (with ``idle_after_load``
+in its spec, a guest joining a running host, only once it has loaded its model
+and warmed up: the host never waits for it, and a loading starved by the
+foreground would never be ready), uses one torch thread,
 and dies with its parent (``PR_SET_PDEATHSIG``). At exit, whatever the cause,
 it writes its statistics (``stats`` in the spec) atomically; a failure is
 written there too and the exit code is 1.
@@ -44,6 +52,8 @@ from deeppool.plans import Optimizer
 
 PR_SET_PDEATHSIG = 1
 MAX_SPANS = 20_000
+PROGRESS_EVERY_S = 0.5
+"""The least time between two writes of a guest's progress file."""
 
 
 @dataclass
@@ -97,9 +107,29 @@ class Lines:
 class Worker:
     """Runs the job as the messages say, accounting CPU time per piece of work."""
 
-    def __init__(self, job: BackgroundJob, stats: Stats, every: int, per_row_s: float | None = None) -> None:
+    def __init__(self, job: BackgroundJob, stats: Stats, every: int, per_row_s: float | None = None, *,
+                 limit: int | None = None, progress: Path | None = None) -> None:
+        """``limit``: the step count (the checkpoint's) at which the job is done; ``progress``: where to say how
+        far it is."""
         self.job, self.stats, self.every = job, stats, every
         self.per_row_s = per_row_s
+        self.limit, self.progress = limit, progress
+        self._reported = 0.0
+
+    @property
+    def done(self) -> bool:
+        """Whether the job has trained the steps it was asked for (never, without a limit)."""
+        return self.limit is not None and self.job.step >= self.limit
+
+    def report(self, *, force: bool = False) -> None:
+        """Write the progress file (at most every :data:`PROGRESS_EVERY_S` unless ``force``)."""
+        now = time.monotonic()
+        if self.progress is None or (not force and now - self._reported < PROGRESS_EVERY_S):
+            return
+        self._reported = now
+        tmp = self.progress.with_name(self.progress.name + ".tmp")
+        tmp.write_text(json.dumps({"state": "running", "steps": self.job.step}))
+        os.replace(tmp, self.progress)
 
     def piece(self, rows: int | None) -> None:
         cpu, wall = time.process_time(), time.perf_counter()
@@ -114,8 +144,9 @@ class Worker:
             self.stats.steps += 1
             self.stats.samples += self.job.batch
             self.stats.losses.append(float(done.loss or 0.0))
-            if self.job.step % self.every == 0:
+            if self.job.step % self.every == 0 or self.done:
                 self.job.save()
+            self.report(force=self.done)
 
     def window(self, deadline: float, lines: Lines, *, overrun: bool = False) -> None:
         """Micro-steps while they fit before ``deadline`` and no newer message waits (the window has closed);
@@ -126,7 +157,7 @@ class Worker:
             self.stats.window_busy_ms.append(0.0)
             return
         before = self.stats.busy_s
-        while not lines.pending():
+        while not lines.pending() and not self.done:
             left = deadline - time.perf_counter()
             if overrun and left <= 0:
                 break
@@ -141,7 +172,7 @@ class Worker:
         self.stats.window_busy_ms.append(1e3 * (self.stats.busy_s - before))
 
     def gated(self, lines: Lines) -> None:
-        while True:
+        while not self.done:
             message = lines.next(None)
             if message is None or message == "q":
                 return
@@ -151,7 +182,7 @@ class Worker:
 
     def free(self, lines: Lines) -> None:
         running = False
-        while True:
+        while not self.done:
             message = lines.next(0.0 if running else None)
             if message == "q":
                 return
@@ -194,7 +225,8 @@ def run(spec: dict[str, Any]) -> int:
     another account, whose host cannot read its files), as the last line of stdout."""
     _die_with_parent(int(spec["parent"]))
     mode = MuxMode(spec["mode"])
-    if mode is not MuxMode.NONE:
+    idle_after_load = bool(spec.get("idle_after_load"))
+    if mode is not MuxMode.NONE and not idle_after_load:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     torch.set_num_threads(1)
     stats = Stats(pid=os.getpid())
@@ -208,8 +240,13 @@ def run(spec: dict[str, Any]) -> int:
                             device=torch.device(spec.get("device", "cpu")), checkpoint=checkpoint)
         stats.start_step = job.step
         per_row_s = job.warm_up() if mode.gated else None  # a cold first piece would keep it out of windows
-        worker = Worker(job, stats, int(spec["checkpoint_every"]), per_row_s)
+        limit = int(spec["steps"]) if spec.get("steps") is not None else None
+        progress = Path(spec["progress"]) if spec.get("progress") else None
+        worker = Worker(job, stats, int(spec["checkpoint_every"]), per_row_s, limit=limit, progress=progress)
+        worker.report(force=True)
         lines = Lines(sys.stdin.fileno())
+        if mode is not MuxMode.NONE and idle_after_load:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         os.write(out, b"ready\n")
         (worker.gated if mode.gated else worker.free)(lines)
         job.save()

@@ -12,6 +12,7 @@ from deeppool.errors import DeeppoolError
 from deeppool.executor.config import OptimizerConfig
 from deeppool.options import nested, option
 from deeppool.planner.profiling.interference import DEFAULT_PIECE_MS
+from deeppool.plans import Optimizer
 
 PRIORITY_PIECE_MS = DEFAULT_PIECE_MS
 """``priority`` mode's default piece: the target length in ms of each CUDA graph the background step is cut
@@ -116,6 +117,8 @@ class BackgroundConfig:
     def __post_init__(self) -> None:
         if self.batch < 1:
             raise DeeppoolError(f"--bg-batch {self.batch} must be at least 1")
+        if self.optimizer.kind is Optimizer.KFAC:
+            raise DeeppoolError("--bg-optimizer kfac: a background job trains with sgd or adam")
         if self.checkpoint_every < 1:
             raise DeeppoolError(f"--bg-checkpoint-every {self.checkpoint_every} must be at least 1")
         if not 0 < self.slowdown_target < 1:

@@ -25,6 +25,7 @@ from deeppool.model.trace import Traced, trace, trace_spec
 from deeppool.plans import ClusterShares, ModelSource, ModelSpec, NetworkModel, Objective, Pin, Plan, Precision, Strategy
 from deeppool.planner.hardware import DEVICES, NETWORKS, known_device
 from deeppool.planner.measure_loop import evidence, plan_on_measured
+from deeppool.planner.profiling.kfac_times import KfacTimes, measure_kfac
 from deeppool.planner.profiling.profile import Profile, estimated_profile
 from deeppool.planner.profiling.profiler import LayerProfiler, ProfilerConfig
 from deeppool.planner.profiling.timing import intra_op_threads
@@ -63,6 +64,7 @@ def plan_graph(
         optimizer=request.optimizer, precision=Precision.of_profile(profile.dtype),
         bucket_bytes=int(request.bucket_mb * 2**20),
     )
+    cost = replace(cost, kfac_times=_kfac_times(cost))
     limits = Limits(
         amplification=request.amplification,
         memory_bytes=profile.memory_bytes if request.enforce_memory else None,
@@ -90,6 +92,16 @@ def plan_graph(
         evidence=evidence(cost, chosen, solved.assignments, one_gpu=request.amplification is not None),
     )
     return Planned(plan=plan, assignments=solved.assignments, cost=cost, search=search)
+
+
+def _kfac_times(cost: CostModel) -> dict[str, KfacTimes]:
+    """K-FAC's work timed here, when its layers' times were measured here on a CPU (``--optimizer kfac``)."""
+    profile = cost.profile
+    if not cost.preconditioned or profile.conditions is None or profile.concurrent_ranks is None:
+        return {}
+    sizes = {name: (s.inputs, s.outputs, s.positions) for name, s in cost.preconditioned.items()}
+    threads = max(1, (os.cpu_count() or 1) // profile.concurrent_ranks)
+    return measure_kfac(sizes, cost.global_batch, threads=threads)
 
 
 def cluster_shares(cost: CostModel, assignment: dict[str, int], request: PlanRequest, dp_ms: float) -> ClusterShares:

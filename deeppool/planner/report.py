@@ -168,6 +168,16 @@ def evidence_lines(plan: Plan, shown: int = 6) -> list[str]:
     return lines
 
 
+def tracing_lines(plan: Plan) -> list[str]:
+    """What the tracer could not make a graph of: each opaque layer (run eagerly as one) and why, and the
+    branches on tensor values it specialised (``run`` checks them), by file and line."""
+    lines = [f"opaque layer {layer.name} ({layer.op}, run eagerly as one): {layer.opaque}"
+             for layer in plan.layers if layer.opaque]
+    lines += [f"specialised branch at {branch.file}:{branch.line}: taken {'yes' if branch.taken else 'no'} "
+              "(run checks it every step)" for branch in plan.branches]
+    return lines
+
+
 def _names(names: tuple[str, ...], shown: int) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 

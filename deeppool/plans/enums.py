@@ -6,7 +6,8 @@ import enum
 
 from deeppool.errors import DeeppoolError
 
-_FLOAT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+FLOAT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of the floating dtypes a layer may hold, by torch's name."""
 
 
 class Precision(enum.Enum):
@@ -28,7 +29,7 @@ class Precision(enum.Enum):
 
     def scale(self, dtype: str) -> float:
         """Bytes in this precision per byte of a traced ``dtype`` tensor (integer tensors keep theirs)."""
-        size = _FLOAT_BYTES.get(dtype)
+        size = FLOAT_BYTES.get(dtype)
         return 1.0 if size is None else self.element_bytes / size
 
     @property
@@ -76,11 +77,24 @@ class Optimizer(enum.Enum):
 
     SGD = "sgd"
     ADAM = "adam"
+    KFAC = "kfac"
+    """SGD (``--momentum``) on gradients preconditioned by K-FAC (:mod:`deeppool.adaptation.kfac`): its
+    factors, inverses and their communication are priced per layer, beyond SGD's step."""
+
+    @property
+    def base(self) -> Optimizer:
+        """The first-order optimizer that steps (K-FAC's is SGD)."""
+        return Optimizer.SGD if self is Optimizer.KFAC else self
+
+    @classmethod
+    def first_order(cls) -> tuple[Optimizer, ...]:
+        """The optimizers that step (each its own :attr:`base`): the ones whose steps are measured."""
+        return tuple(optimizer for optimizer in cls if optimizer.base is optimizer)
 
     @property
     def state_factor(self) -> int:
         """Optimizer state bytes per parameter byte (SGD without momentum: none; Adam: two moments)."""
-        return {Optimizer.SGD: 0, Optimizer.ADAM: 2}[self]
+        return {Optimizer.SGD: 0, Optimizer.ADAM: 2}[self.base]
 
     def step_traffic(self, param_bytes: float) -> float:
         """Bytes a step streams over ``param_bytes`` of parameters: read the weights and gradients, write the

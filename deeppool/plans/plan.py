@@ -50,6 +50,8 @@ class PlannedLayer:
     spread: float = 0.0
     """The relative spread of the repeated measurements its forward and backward rest on (0: not
     measured here, e.g. a device model's estimate); absent in older plans."""
+    opaque: str = ""
+    """Why the layer is one submodule run eagerly, not traced (the tracer's error, one line); empty when traced."""
 
     @property
     def busy_ms(self) -> float:
@@ -194,6 +196,9 @@ class Plan:
     """Branches on tensor values the tracer specialised (file, line, the way taken): ``run`` checks them."""
     draws: tuple[Branch, ...] = ()
     """Where the model draws random numbers outside the graph (those branches' draws)."""
+    preconditioned: tuple[str, ...] = ()
+    """With ``--optimizer kfac``: the layers K-FAC preconditions (their ``step_ms`` holds its time); every other
+    layer keeps the plain gradient. Absent from the JSON when empty."""
     evidence: Evidence | None = None
     """With layer times measured here: what the plan rests on; absent for a device model's estimate."""
     schema_version: int = PLAN_SCHEMA_VERSION
@@ -233,6 +238,7 @@ class Plan:
             **({"branches": [branch.to_json() for branch in self.branches]} if self.branches else {}),
             **({"draws": [draw.to_json() for draw in self.draws]} if self.draws else {}),
             **({"evidence": self.evidence.to_json()} if self.evidence is not None else {}),
+            **({"preconditioned": list(self.preconditioned)} if self.preconditioned else {}),
         }
 
     @classmethod
@@ -263,6 +269,7 @@ class Plan:
                 branches=tuple(Branch.from_json(item) for item in payload.get("branches", ())),
                 draws=tuple(Branch.from_json(item) for item in payload.get("draws", ())),
                 evidence=Evidence.from_json(payload["evidence"]) if payload.get("evidence") else None,
+                preconditioned=tuple(str(name) for name in payload.get("preconditioned", ())),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise DeeppoolError(f"plan {where} is malformed ({type(err).__name__}: {err}): regenerate it") from None

@@ -11,6 +11,7 @@ from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.service import Service, snapshot
 from deeppool.coordinator.store import Store
 from deeppool.scheduling import Decision, Order, PlanMode, Placement, Scheduler, Start, policy_named
+from tests.multiplex.plans import burst_plan
 
 
 def queue(tmp_path: Path) -> Store:
@@ -48,7 +49,7 @@ class Recorder(LocalLauncher):
         self.launched.append(job_id)
 
 
-def test_applying_a_decision_starts_foreground_jobs_with_a_waiting_guest(tmp_path: Path) -> None:
+def test_applying_a_decision_starts_jobs_then_lends_a_running_ones_idle_rank(tmp_path: Path) -> None:
     store = queue(tmp_path)
     launcher = Recorder(tmp_path / "jobs")
     service = Service(Runtime(store, launcher, lambda job, attempt, guests: [["true"]]),
@@ -57,8 +58,17 @@ def test_applying_a_decision_starts_foreground_jobs_with_a_waiting_guest(tmp_pat
     states = {job.id: job for job in store.jobs()}
     assert launcher.launched == [2, 5, 1]
     assert states[1].state is JobStatus.STARTING and states[1].host_id is None  # on a free GPU of its own
-    assert states[4].state is JobStatus.STARTING and states[4].host_id == 2  # the waiting one: job 2's guest
+    assert states[4].state is JobStatus.PENDING  # no host runs a plan yet: it waits for an idle rank
     assert states[3].state is JobStatus.PENDING
+    store.transition(2, JobStatus.RUNNING, "running")
+    (launcher.folder / "job-2").mkdir()
+    burst_plan().save(launcher.folder / "job-2" / "plan.json")  # rank 1 idle while layers run on rank 0
+    decision = service.tick()
+    assert [(lend.job_id, [(s.host, s.rank) for s in lend.slots]) for lend in decision.lend] == [(4, [(2, 1)])]
+    guest = store.job(4)
+    assert guest is not None and guest.state is JobStatus.STARTING and guest.host_id == 2
+    assert guest.reason == "lent rank 1 of running job 2 by the fifo-backfill:burst+bg policy"
+    assert list(service.runtime.lending.loans(2, 1)) == [4] and 4 not in launcher.launched  # its host's ranks start it
 
 
 def test_a_paused_service_starts_nothing(tmp_path: Path) -> None:

@@ -56,9 +56,11 @@ def test_deeppool_plan_writes_combine(tmp_path: Path, capsys) -> None:
                                  "(e.g. --batch 32), or re-plan with --batch 40"),
     (GROUPED, ("--batch", "32", "--accumulate", "2"), "--batch 32 sets the micro-batches per step: drop --accumulate 2"),
     (GROUPED, ("--monitor", "gns", "--precision", "fp16"), "--monitor gns and --lr-scaling adascale measure unscaled"),
+    (GROUPED, ("--optimizer", "kfac", "--combine", "adasum"), "--optimizer kfac preconditions the mean gradient"),
+    (GROUPED, ("--optimizer", "kfac", "--kfac-factor-decay", "1"), "--kfac-factor-decay 1.0 must be in [0, 1)"),
 ], ids=["gns-alone", "adascale-alone", "adasum-gns", "base-without-adascale", "base-0", "base-too-large",
         "adascale-check", "plan-adasum-check", "plan-adasum-gns", "batch-not-multiple", "batch-and-accumulate",
-        "gns-fp16"])
+        "gns-fp16", "kfac-adasum", "kfac-decay"])
 def test_bad_combinations_are_refused_in_one_line(tmp_path: Path, capsys, plan: Plan, args: tuple[str, ...],
                                                   message: str) -> None:
     path = tmp_path / "plan.json"

@@ -124,3 +124,20 @@ def test_a_damaged_shard_is_named_and_the_newest_intact_checkpoint_is_used(tmp_p
     zeroed.write_bytes(bytes(zeroed.stat().st_size))
     with pytest.raises(DeeppoolError, match="every complete checkpoint .* is damaged"):
         train(4, CheckpointConfig(directory=tmp_path, resume=True))
+
+
+def test_a_stop_file_stops_every_rank_after_the_same_step_resumably(tmp_path: Path) -> None:
+    whole = train(4, None)
+    stop = tmp_path / "stop"
+    stop.write_text("")
+    config = RunConfig(steps=4, optimizer=OptimizerConfig(lr=0.1, momentum=0.9), bucket_mb=0.0005,
+                       training=TRAINING, out_dir=tmp_path / "out",
+                       checkpoint=CheckpointConfig(directory=tmp_path / "ckpt", resume=True, stop_file=stop))
+    stopped = train_threads(PLAN, config, data=pairs(loader(PLAN, 4 * TRAINING.accumulate)))
+    assert [len(rank.losses) for rank in stopped] == [1, 1]  # both ranks stopped after the first step
+    record = json.loads((tmp_path / "out" / "stopped.json").read_text())
+    assert record["steps_done"] == 1 and latest(tmp_path / "ckpt") == 1
+    stop.unlink()
+    resumed = train_threads(PLAN, config, data=pairs(loader(PLAN, 4 * TRAINING.accumulate)))
+    assert_same(resumed, whole)
+    assert resumed[0].losses == whole[0].losses[1:]

@@ -1,6 +1,7 @@
 """docs/library.md runs: its files are written out, planned, and trained by `deeppool run --script` and by
 plain torchrun; the mixed-precision step it shows trains with every rank skipping the same steps; its
-Lightning script trains under `deeppool run --script` and its checkpoint loads into the plain module."""
+Lightning script trains under `deeppool run --script` and its checkpoint loads into the plain module; its
+K-FAC loop learns and saves its factors."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_the_guide_runs(tmp_path: Path) -> None:
     text = GUIDE.read_text()
     for name, body in files(text).items():
         (tmp_path / name).write_text(body)
-    assert {"model.py", "train.py", "amp_step.py", "lightning_train.py"} <= set(files(text))
+    assert {"model.py", "train.py", "amp_step.py", "lightning_train.py", "kfac_train.py"} <= set(files(text))
     commands = shell(text)
     plan_command = next(c for c in commands if c.startswith("deeppool plan"))
     assert "deeppool run --script train.py plan.json" in commands
@@ -83,6 +84,11 @@ def test_the_guide_runs(tmp_path: Path) -> None:
     assert final is not None and float(final[1]) < 2.0, lightning.stdout[-2000:]  # it learned (from ~2.3)
     checkpoint = torch.load(tmp_path / "lightning.ckpt", weights_only=False)["state_dict"]
     plain.load_state_dict({key.removeprefix("model."): value for key, value in checkpoint.items()})
+    preconditioned = run([*deeppool, "run", "--script", "kfac_train.py", "plan.json", "--out", "kfac"], tmp_path)
+    assert preconditioned.returncode == 0, preconditioned.stdout[-2000:] + preconditioned.stderr[-2000:]
+    found = re.search(r"kfac: loss (\d+\.\d+) after 10 steps on (.*)", preconditioned.stdout)
+    assert found is not None and float(found[1]) < 2.0, preconditioned.stdout[-2000:]  # it learned (from ~2.3)
+    assert set(torch.load(tmp_path / "kfac.pt")["layers"]) == set(found[2].split(", "))
     (tmp_path / "amp_check.py").write_text(AMP_CHECK)
     checked = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                    str(free_port()), "amp_check.py"], tmp_path, DEEPPOOL_PLAN=str(tmp_path / "plan.json"))

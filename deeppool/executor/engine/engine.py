@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from deeppool.adaptation.kfac import KFACPreconditioner
 from deeppool.executor.engine.comm import Comm
 from deeppool.executor.engine.data import Batch
 from deeppool.executor.engine.faults import Slowdown
@@ -111,6 +112,9 @@ class EngineParts:
     reducer's."""
     lr_scaling: AdaScaleLr | None = None
     """Sets the learning rate before the optimizer steps (``--lr-scaling adascale``; then no ``scheduler``)."""
+    preconditioner: KFACPreconditioner | None = None
+    """K-FAC (``--optimizer kfac``): replaces the reduced gradients by preconditioned ones, after ``on_gradients``
+    and before clipping (the norm clipped is the preconditioned gradient's, the one the optimizer steps on)."""
     precision: MixedPrecision = field(default_factory=MixedPrecision.fp32)
     """Autocast, the reshard dtypes it gives and fp16 loss scaling (:mod:`deeppool.executor.engine.precision`)."""
     pace: tuple[int, ...] | None = None
@@ -418,6 +422,7 @@ class Engine:
         self._monitor(step)
         if self.parts.on_gradients is not None:
             self.parts.on_gradients(step)
+        self._precondition(step, skip)
         with recorder.span(step, "optimizer", Category.COMPUTE):
             self._clip()
             if self.parts.lr_scaling is not None:
@@ -430,6 +435,17 @@ class Engine:
                 self.parts.optimizer.zero_grad(set_to_none=True)
             if self.parts.scheduler is not None:
                 self.parts.scheduler.step()
+
+    def _precondition(self, step: int, skip: bool) -> None:
+        """K-FAC's step (factors, inverses, preconditioned gradients); a skipped step's statistics are dropped."""
+        kfac = self.parts.preconditioner
+        if kfac is None:
+            return
+        if skip:
+            kfac.discard()
+            return
+        with self.parts.recorder.span(step, "kfac", Category.COMPUTE):
+            kfac.step()
 
     def _monitor(self, step: int) -> None:
         """The noise scale's statistics of this step (collectives in every group), a trace counter on rank 0."""

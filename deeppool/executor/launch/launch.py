@@ -34,7 +34,7 @@ from deeppool.errors import DeeppoolError
 from deeppool.executor.config import CONFIG_FILE, Nodes, RankConfig, RunConfig
 from deeppool.executor.engine.local_model import check_plan_matches
 from deeppool.executor.launch.hangwatch import HangWatch
-from deeppool.executor.training.outputs import EVENTS, RESIZE, STEPS
+from deeppool.executor.training.outputs import EVENTS, RESIZE, STEPS, STOPPED
 from deeppool.interrupt import Interrupted
 from deeppool.model.batching import check_per_sample, check_plan_batches
 from deeppool.model.loading import load_model
@@ -123,7 +123,7 @@ def _launch(plan: Plan, plan_path: Path, *, nproc: int, config: RunConfig, extra
     out = config.out_dir
     assert out is not None
     out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("error-rank*.json"), out / EVENTS, out / RESIZE, out / STEPS]:
+    for stale in [*out.glob("error-rank*.json"), out / EVENTS, out / RESIZE, out / STEPS, out / STOPPED]:
         stale.unlink(missing_ok=True)
     if script is None:
         RankConfig(run=config, extra=dict(extra)).save(out / CONFIG_FILE)

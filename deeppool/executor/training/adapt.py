@@ -144,6 +144,10 @@ class Adapter:
             self._found(self.monitor.gather(step))
         return self.requested is not None
 
+    def flush(self, step: int) -> None:
+        """The run stops after ``step`` for a reason of its own (a stop file): gather what is still recorded."""
+        self._found(self.monitor.gather(step))
+
     def _found(self, figures: StepFigures | None) -> None:
         if figures is None:
             return

@@ -13,6 +13,8 @@ BatchNorm statistics. So a checkpoint stores each group once:
   ``r``'s BatchNorm running statistics, which differ between the ranks of a
   group (each normalises by its own samples); :func:`export` takes rank 0's,
   as DDP keeps rank 0's buffers;
+* ``<dir>/step-<N>/kfac<r>.pt`` — with ``--optimizer kfac`` only: rank ``r``'s K-FAC state (the
+  factors of the layers it runs, the eigendecompositions it owns);
 * ``<dir>/step-<N>/run.pt`` — what every rank has alike: ``N`` (optimizer
   steps done), the optimizer's hyperparameters, the LR schedule's state, the
   fp16 loss scale and its growth count (``--precision fp16``; every rank
@@ -121,6 +123,16 @@ def load_own(directory: Path, steps_done: int, rank: int) -> dict[str, torch.Ten
     return torch.load(path, map_location="cpu") if path.is_file() else {}
 
 
+def kfac_file(rank: int) -> str:
+    return f"kfac{rank}.pt"
+
+
+def load_kfac(directory: Path, steps_done: int, rank: int) -> dict[str, Any] | None:
+    """Rank ``rank``'s K-FAC state (``--optimizer kfac``), None when the checkpoint has none."""
+    path = step_dir(directory, steps_done) / kfac_file(rank)
+    return torch.load(path, map_location="cpu") if path.is_file() else None
+
+
 def writer(gpus: int) -> int:
     """The rank that writes group ``gpus``: its last, so every group has its own."""
     return gpus - 1
@@ -128,18 +140,21 @@ def writer(gpus: int) -> int:
 
 def save(
     directory: Path, rank: int, run: RunState, shard: GroupShard | None, groups: tuple[int, ...],
-    barrier: Callable[[], None], own: dict[str, torch.Tensor] | None = None,
+    barrier: Callable[[], None], own: dict[str, torch.Tensor] | None = None, kfac: dict[str, Any] | None = None,
 ) -> Path:
     """Write this rank's files atomically; after ``barrier`` (every rank has written) rank 0 marks the step complete.
 
     ``own``: buffers that differ between the ranks of a group (``--batchnorm local``'s running
-    statistics), written by every rank to ``rank<r>.pt``."""
+    statistics), written by every rank to ``rank<r>.pt``. ``kfac``: the rank's K-FAC state (its layers' factors
+    and the eigendecompositions it owns), written by every rank to ``kfac<r>.pt``."""
     target = step_dir(directory, run.steps_done)
     target.mkdir(parents=True, exist_ok=True)
     if shard is not None:
         _atomic(target / group_file(shard.gpus), lambda path: torch.save(shard.to_dict(), path))
     if own:
         _atomic(target / own_file(rank), lambda path: torch.save(own, path))
+    if kfac is not None:
+        _atomic(target / kfac_file(rank), lambda path: torch.save(kfac, path))
     if rank == 0:
         _atomic(target / RUN_FILE, lambda path: torch.save(run.to_dict(), path))
     barrier()

@@ -23,10 +23,15 @@ class ProgressFile:
     every_s: float = 1.0
     clock: Callable[[], float] = time.monotonic
     _written_at: float = field(default=float("-inf"), init=False)
+    _first: tuple[int, float] | None = field(default=None, init=False)
 
     def update(self, steps_done: int) -> None:
+        """``first_step``: the first step this process took and when it ended (wall time, for a resumed run's
+        restart cost)."""
+        self._first = self._first or (steps_done, time.time())
         now = self.clock()
         if steps_done < self.steps and now - self._written_at < self.every_s:
             return
         self._written_at = now
-        write_json(self.out_dir / PROGRESS, {"steps_done": steps_done, "steps": self.steps})
+        write_json(self.out_dir / PROGRESS, {"steps_done": steps_done, "steps": self.steps,
+                                             "first_step": {"steps_done": self._first[0], "at": self._first[1]}})

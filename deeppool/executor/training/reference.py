@@ -72,13 +72,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from deeppool.adaptation.kfac import KFACPreconditioner
 from deeppool.executor.config import LossScaling, OptimizerConfig, Training
 from deeppool.executor.engine.data import Batch, BatchSource
 from deeppool.executor.engine.precision import autocast, grad_scaler
 from deeppool.model.loading import LoadedModel
 from deeppool.model.randomness import SampleRandomness
 from deeppool.model.trace import BranchWatch, check_branches
-from deeppool.plans import Branch, Precision
+from deeppool.plans import Branch, Optimizer, Precision
 
 Tensors = Mapping[str, torch.Tensor]
 MaybeTensors = Mapping[str, torch.Tensor | None]
@@ -189,8 +190,9 @@ class LockstepReference:
         self, loaded: LoadedModel, optimizer: OptimizerConfig, *, params: Mapping[str, nn.Parameter],
         buffers: Tensors, rank: int, bound: float, random: SampleRandomness, training: Training | None = None,
         precision: Precision = Precision.FP32, scaling: LossScaling | None = None, branches: tuple[Branch, ...] = (),
-        draws: tuple[Branch, ...] = (),
+        draws: tuple[Branch, ...] = (), kfac_modules: tuple[str, ...] = (),
     ) -> None:
+        """``kfac_modules``: the modules the run preconditions with K-FAC (``--optimizer kfac``), by name."""
         self._loaded = loaded
         self._branches = branches
         self._draws = draws
@@ -209,6 +211,10 @@ class LockstepReference:
         self._precision = precision
         device = torch.device("cpu")  # the reference model stays on the CPU
         self._scaler = grad_scaler(scaling or LossScaling(), device) if precision.scaled else None
+        self._kfac = None if optimizer.kind is not Optimizer.KFAC else KFACPreconditioner(
+            self._model, optimizer.kfac, lr=lambda _: float(self._optimizer.param_groups[0]["lr"]),
+            groups={name: (0,) for name in kfac_modules},
+            grad_scaler=None if self._scaler is None else self._scaler.get_scale)
 
     def gradients_reduced(self, step: int) -> None:
         """Keep a copy of the rank's reduced gradients (the engine's ``on_gradients``)."""
@@ -236,6 +242,10 @@ class LockstepReference:
         # a step with an fp16 overflow is skipped (its gradients are inf/NaN on both sides): its parameters compare
         floor = self._precision.check_floor
         gradients = relative_differences(self._gradients, reduced, floor=floor) if finite else {}
+        if self._kfac is not None and finite:
+            self._kfac.step()
+        elif self._kfac is not None:
+            self._kfac.discard()
         if self._training.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._training.clip_norm)
         if self._scaler is None:
@@ -325,12 +335,15 @@ def train_reference(
 ) -> Reference:
     """Train the eager model (freshly built, untouched) for ``steps`` global batches.
 
-    A model that draws random numbers needs ``random``, the executor's per-sample mode.
+    A model that draws random numbers needs ``random``, the executor's per-sample mode. With ``--optimizer
+    kfac`` every ``Linear`` and ``Conv2d`` is preconditioned.
     """
     model = loaded.module
     model.train()
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     opt = optimizer.build(model.parameters())
+    kfac = None if optimizer.kind is not Optimizer.KFAC else KFACPreconditioner(
+        model, optimizer.kfac, lr=lambda _: float(opt.param_groups[0]["lr"]))
     losses = []
     for step in range(steps):
         batch = batches(step)
@@ -338,6 +351,8 @@ def train_reference(
             output = batch.run(model)
         loss = loaded.loss(output, batch.targets)
         loss.backward()
+        if kfac is not None:
+            kfac.step()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))

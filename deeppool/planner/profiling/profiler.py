@@ -61,6 +61,14 @@ steadier of the two kept (a noisy draw does not stay in the cache while the
 load is what it was), and otherwise kept but flagged (:attr:`LayerTimes.busy`),
 so the plan names the layers resting on it.
 
+**On a GPU**, a layer timed between events holds the host's time to issue it, which in training the host
+hides by running ahead of the device (``docs/notes/0700-device-time-and-host-cost.md``). So each measured
+batch's layers are also captured as graphs and replayed (:mod:`~deeppool.planner.profiling.devicetime`),
+and the profile's layer times are their device times, its :attr:`~deeppool.planner.profiling.profile.Profile.host`
+times their ops times the host's cost per op (measured once per host, torch and device, kept in the
+cache folder): the cost model overlaps the two by the stage formula. A CPU profile has no host times (the
+host is the device).
+
 **The host's speed.** A shared host's speed can move without its load average
 showing it, and a cache would then give a slow minute's times to every later
 plan of the model (``docs/notes/0003-layer-time-cache-trust.md``). So a fixed
@@ -86,7 +94,8 @@ import torch
 from rich.progress import Progress
 from torch.utils import _pytree as pytree
 
-from deeppool.device.cuda import CudaGpu
+from deeppool.device.cuda import CudaGpu, gpu_for
+from deeppool.device.seam import Gpu
 from deeppool.errors import DeeppoolError
 from deeppool.model.allocator import steady_allocator
 from deeppool.model.graph import Layer
@@ -96,6 +105,7 @@ from deeppool.model.trace import Traced
 from deeppool.plans import Optimizer
 from deeppool.planner.profiling import sharing
 from deeppool.planner.profiling.cache import ProfileCache, layer_code, source_digest
+from deeppool.planner.profiling.devicetime import LayerCost, host_cost, measure_layers, with_device_time
 from deeppool.planner.profiling.fitting import fit_quality, layer_times
 from deeppool.planner.profiling.group_times import GroupedLayers
 from deeppool.planner.profiling.hostload import runnable_now
@@ -147,6 +157,12 @@ class ProfilerConfig:
     """A load above this many cores means the machine was busy: such measurements are not trusted."""
     memory_budget: int | None = None
     """Bytes a profiling pass may take; None: :func:`memory_budget` of the device."""
+    gpu: Gpu | None = None
+    """The device seam a GPU profile measures device time through (every layer captured and replayed,
+    :mod:`~deeppool.planner.profiling.devicetime`); None: the real GPU of a CUDA ``device``, none on a CPU.
+    The fake (:class:`~deeppool.device.fake.FakeGpu`) here runs that path on a CPU in the tests."""
+    device_replays: int = 10
+    """Replays each captured layer is timed over, with a GPU."""
 
     def untrusted(self, measured: Measured) -> bool:
         """Whether ``measured`` was taken on a busy machine or while the host's speed moved (:meth:`busy`), or
@@ -222,6 +238,10 @@ class LayerProfiler:
         self.code = {layer.name: layer_code(traced.module, layer) for layer in graph.layers}
         self._early_sharing: dict[int, float] | None = None
         """The cores' sharing as measuring began (:meth:`_sharing`)."""
+        self.gpu = config.gpu if config.gpu is not None else gpu_for(self.device)
+        """The seam a GPU's device time is measured through; None on a CPU (the host is the device)."""
+        self.device_costs: dict[int, dict[str, LayerCost]] = {}
+        """By measured batch, with a GPU: every layer's device time and ops (:func:`measure_layers`)."""
         if self.device.type == "cpu":
             steady_allocator()
 
@@ -259,6 +279,7 @@ class LayerProfiler:
                 for batch in new:
                     self._keep(batch, self._steadiest(batch, cache))
                     self._measure_grouped(batch)
+                    self._measure_device(batch)
                     progress.advance(task, len(graph) + 1)
         finally:
             if cache:
@@ -309,6 +330,14 @@ class LayerProfiler:
             self.grouped.setdefault(name, {})[batch] = replace(fused, fwd_ms=fused.fwd_ms * ratio.fwd,
                                                                bwd_ms=fused.bwd_ms * ratio.bwd)
 
+    def _measure_device(self, batch: int) -> None:
+        """With a GPU, every layer's device time (captured and replayed) and ops at ``batch``."""
+        if self.gpu is None:
+            return
+        with self.gpu.on(self.device):
+            self.device_costs[batch] = measure_layers(self.passes, _inputs(self, batch), batch, self.gpu,
+                                                      replays=self.config.device_replays)
+
     def conditions(self) -> Conditions:
         """What the measurements so far were taken under (the highest load among them)."""
         loads = [m.load for samples in self.measured.values() for m in samples.values()]
@@ -335,7 +364,7 @@ class LayerProfiler:
         grouped = {name: layer_times(batches, [samples[b] for b in batches], targets, config.untrusted)[0]
                    for name, samples in self.grouped.items() if all(b in samples for b in batches)}
         overhead, bandwidth, shares = self._device_figures
-        return Profile(
+        measured = Profile(
             device=device_name(device),
             source="measured",
             dtype=graph.layers[0].dtype if graph.layers else "float32",
@@ -351,6 +380,11 @@ class LayerProfiler:
             conditions=self.conditions(),
             whole_pass={batch: self.whole[batch] for batch in batches if batch in self.whole},
         )
+        if self.gpu is None or not self.device_costs:
+            return measured
+        with self.gpu.on(device):
+            host = host_cost(config.cache_dir, self.gpu, device, device_name(device))
+        return with_device_time(measured, self.device_costs, host)
 
     @cached_property
     def _device_figures(self) -> tuple[dict[str, StepOverhead], float, dict[int, float]]:
@@ -369,7 +403,7 @@ class LayerProfiler:
         """The batch :func:`measure_model_step` runs its passes at: the largest measured one whose passes for
         it take at most ``STEP_BUDGET_MS`` (a larger backward leaves less of the parameters in the caches, as a
         training step's does), else the smallest."""
-        passes = len(Optimizer) * (STEP_WARMUP + STEP_REPEATS)
+        passes = len(Optimizer.first_order()) * (STEP_WARMUP + STEP_REPEATS)
         fitting = [batch for batch in self.batches if batch in self.whole
                    and passes * (self.whole[batch].fwd_ms + self.whole[batch].bwd_ms) <= STEP_BUDGET_MS]
         return max(fitting, default=self.batches[0])

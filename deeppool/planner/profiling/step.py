@@ -29,7 +29,7 @@ def measure_step_overhead(device: torch.device, repeats: int = 15, tensors: int 
     (as the executor steps) over 1 and over ``tensors`` tiny parameters, the median of ``repeats``;
     the difference per extra tensor is the per-tensor cost, the rest the per-call cost."""
     found = {}
-    for optimizer in Optimizer:
+    for optimizer in Optimizer.first_order():
         one, many = (_step_ms(optimizer, device, count, repeats) for count in (1, tensors))
         per_tensor = max(0.0, (many - one) / (tensors - 1))
         found[optimizer.value] = StepOverhead(call_ms=max(0.0, one - per_tensor), per_tensor_ms=per_tensor)
@@ -67,7 +67,7 @@ def measure_model_step(passes: Passes, inputs: dict[str, torch.Tensor], batch: i
     as they are."""
     params = [param for param in passes.module.parameters() if param.requires_grad]
     found = dict(overhead)
-    for optimizer in Optimizer:
+    for optimizer in Optimizer.first_order():
         step = _optimizer(optimizer, params, lr=0.0)
         times, stepped = [], []
         for index in range(warmup + repeats):

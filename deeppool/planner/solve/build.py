@@ -38,8 +38,9 @@ def build_plan(
 ) -> Plan:
     """Everything a Plan states, derived from ``assignment`` through ``cost``."""
     rounds = cost.group_rounds_ms(assignment)
-    layers = tuple(_plan_layer(cost, layer.name, assignment[layer.name], rounds.get(layer.name, 0.0))
-                   for layer in cost.graph.layers)
+    staged = cost.stage_phases_ms(assignment)
+    layers = tuple(_plan_layer(cost, layer.name, assignment[layer.name], rounds.get(layer.name, 0.0),
+                               staged[layer.name]) for layer in cost.graph.layers)
     phases = cost.schedule(assignment)
     iteration = cost.iteration_ms(assignment)
     busy = sum((p.end_ms - p.start_ms) * p.ranks for p in phases)
@@ -71,6 +72,7 @@ def build_plan(
         network=cost.network,
         strategy=strategy,
         optimizer=cost.optimizer,
+        preconditioned=tuple(cost.preconditioned),
         precision=cost.precision,
         amplification_limit=amplification_limit,
         layers=layers,
@@ -85,20 +87,23 @@ def build_plan(
     )
 
 
-def _plan_layer(cost: CostModel, name: str, gpus: int, rounds_ms: float) -> PlannedLayer:
-    """The layer's figures; ``rounds_ms``: its rank group's all-reduce latency rounds, if it reports them."""
+def _plan_layer(cost: CostModel, name: str, gpus: int, rounds_ms: float, phases_ms: tuple[float, float]
+                ) -> PlannedLayer:
+    """The layer's figures; ``rounds_ms``: its rank group's all-reduce latency rounds, if it reports them;
+    ``phases_ms``: its forward and backward phases in its stage (:meth:`CostModel.stage_phases_ms`)."""
     layer = cost.graph.layer(name)
-    fwd, bwd = cost.phases_ms(layer, gpus)
+    fwd, bwd = phases_ms
     return PlannedLayer(
         name=name,
         op=layer.op,
+        opaque=layer.opaque,
         gpus=gpus,
         ranks=tuple(range(gpus)),
         samples=sample_ranges(cost.global_batch, gpus),
         fwd_ms=fwd,
         bwd_ms=bwd,
         allreduce_ms=cost.allreduce_ms(layer, gpus) + rounds_ms,
-        step_ms=cost.step_ms(layer),
+        step_ms=cost.step_ms(layer) + cost.kfac_ms(layer, gpus),
         amplification=cost.amplification(layer, gpus),
         memory_bytes=cost.memory_bytes(layer, gpus),
         spread=cost.profile.spread(name, cost.per_gpu_batch(gpus)),

@@ -68,8 +68,34 @@ each node across). The predicted iteration time is
                cost per tensor)
     OPT_call  the optimizer's measured cost per ``step()`` and ``zero_grad()`` call, once per
               iteration (a phase on every rank at its end)
+    KFAC_l(g) with ``--optimizer kfac``, for a layer K-FAC preconditions (factors ``a × a`` and
+              ``o × o`` over ``L`` positions, :mod:`deeppool.planner.solve.kfac`), added to OPT_l:
+                = [h(g)·(ρ·2·s(g)·L·(a² + o²) + n_s·c) + AR(g, 4(a² + o²), 1)] / f   statistics, all-reduce
+                  + h(g)·(ρ·E·(a³ + o³) + n_e·c) / (g·i)                             eigendecompositions
+                  + h(g)·(ρ·4·a·o·(a + o) + n_p·c) + AR(g, 4·a·o, 1)                 preconditioning, broadcast
+              with ``ρ`` and ``c`` the layer's own forward on one GPU split into ms per FLOP and a call's
+              fixed ms (the line through its profiled times at ``B`` and ``B/4``: K-FAC's matmuls run at
+              the layer's matmul rate, and each of its ``n`` tensor calls costs what a call costs there;
+              ``c`` is the optimizer's measured cost per tensor where the profile has it),
+              ``h(g)`` the profile's core sharing, ``f``/``i`` the factor and inverse intervals,
+              ``E`` = EIGH_FLOPS, ``(n_s, n_e, n_p)`` = KFAC_CALLS; the all-reduces only on g > 1. With
+              a profile measured here on a CPU, the three works (the ``ρ`` terms) are instead timed on this
+              host (:mod:`deeppool.planner.profiling.kfac_times`: the Gram matrices at ``B``, scaled by
+              ``s(g)/B``; the eigendecompositions; the four matmuls). The
+              inverses are spread over the group's ranks (exact when the group holds a multiple of ``g``
+              such layers), so layers with large factors favour large groups.
+              Memory adds ``8·(a² + o²)`` (fp32 factors and eigenvectors).
     LOSS(g)   the loss function's forward and backward at the output layer's per-GPU batch
               ``s(g_out)``, measured by the profiler; part of the output layer's phases
+    STAGE     on a GPU profile with host times (:attr:`Profile.host`), a stage (consecutive layers on
+              the same count) is priced by the stage formula, the host issuing its layers in order
+              (the backward in reverse) while the device runs them: layer ``k`` ends on the device at
+              ``C_k = max(C_(k-1), H_k) + d_k`` (``H_k`` the host's issue of layers ``1..k``, ``d_k``
+              their device time), the stage at ``C_n = max_k (H_k + Σ_(i≥k) d_i)``, and ``fwd_l``,
+              ``bwd_l`` of the sum above are the layers' shares ``C_k − C_(k−1)``. The solver prices a
+              layer alone at ``max(d_l, h_l)`` (:meth:`CostModel.compute_ms`); plans, the schedule and
+              ``T`` use the formula (:meth:`CostModel.stage_phases_ms`). Without host times ``h = 0``
+              and both are the profile's times.
 
 Layers run one after another (branches included), each phase on the ranks it
 uses: this is the schedule :func:`schedule` lays out, from which GPU-time,
@@ -90,13 +116,19 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
+from deeppool.adaptation.kfac_options import KfacOptions
 from deeppool.errors import DeeppoolError
 from deeppool.model.graph import Layer, LayerGraph
 from deeppool.plans import NetworkModel, Optimizer, Precision
 from deeppool.planner.profiling.profile import Profile
+from deeppool.planner.solve.kfac import EIGH_FLOPS, KFAC_CALLS, FactorSizes, preconditioned_layers
+
+if TYPE_CHECKING:  # timed with torch at plan time; the cost model only reads them
+    from deeppool.planner.profiling.kfac_times import KfacTimes
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """The executor's default gradient bucket (``--bucket-mb 25``)."""
@@ -167,6 +199,11 @@ class CostModel:
     optimizer: Optimizer = Optimizer.SGD
     precision: Precision = Precision.FP32
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    kfac: KfacOptions = field(default_factory=KfacOptions)
+    """K-FAC's update intervals, priced with ``optimizer=Optimizer.KFAC``."""
+    kfac_times: Mapping[str, KfacTimes] = field(default_factory=dict)
+    """K-FAC's work per layer timed on this host at the global batch on one rank
+    (:mod:`deeppool.planner.profiling.kfac_times`); a layer not in it is priced by its FLOPs."""
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 0:
@@ -204,10 +241,63 @@ class CostModel:
         The profile's time at the per-GPU batch ``⌈B/g⌉`` (on ``g > 1``, with BatchNorm synchronised, where the
         profile measured it: :attr:`Profile.grouped`), times ``profile.sharing(g)`` where ranks
         share a host's cores (measured by the profiler, or ``g / concurrent_ranks`` with more ranks than
-        cores: the layer's ``g`` ranks compute at once while the others wait for it)."""
+        cores: the layer's ``g`` ranks compute at once while the others wait for it). With host times, the larger of
+        the device's and the host's (``STAGE``)."""
         fwd, bwd = self.profile.times(layer.name, self.per_gpu_batch(gpus), grouped=gpus > 1)
+        if self.profile.host:
+            host_fwd, host_bwd = self.profile.host_times(layer.name, self.per_gpu_batch(gpus))
+            fwd, bwd = max(fwd, host_fwd), max(bwd, host_bwd)
         share = self.profile.sharing(gpus)
         return fwd * share, bwd * share
+
+    def stage_phases_ms(self, assignment: Mapping[str, int]) -> dict[str, tuple[float, float]]:
+        """Every layer's (forward, backward) phase under ``assignment``: :meth:`phases_ms` with the compute
+        priced by the stage formula (``STAGE``) where the profile has host times."""
+        delta = self._stage_delta(assignment)
+        found = {}
+        for layer in self.graph.layers:
+            fwd, bwd = self.phases_ms(layer, assignment[layer.name])
+            more = delta.get(layer.name, (0.0, 0.0))
+            found[layer.name] = (fwd + more[0], bwd + more[1])
+        return found
+
+    def _stage_delta(self, assignment: Mapping[str, int]) -> dict[str, tuple[float, float]]:
+        """By layer: its share of its stage by the stage formula less :meth:`compute_ms` (empty without host times)."""
+        if not self.profile.host:
+            return {}
+        stages: list[list[Layer]] = []
+        for layer in self.graph.layers:
+            if stages and assignment[stages[-1][-1].name] == assignment[layer.name]:
+                stages[-1].append(layer)
+            else:
+                stages.append([layer])
+        delta = {}
+        for stage in stages:
+            g = assignment[stage[0].name]
+            fwd = self._flow_shop([self._device_host(layer, g, 0) for layer in stage])
+            bwd = self._flow_shop([self._device_host(layer, g, 1) for layer in reversed(stage)])[::-1]
+            for layer, f, b in zip(stage, fwd, bwd, strict=True):
+                priced = self.compute_ms(layer, g)
+                delta[layer.name] = (f - priced[0], b - priced[1])
+        return delta
+
+    def _device_host(self, layer: Layer, gpus: int, index: int) -> tuple[float, float]:
+        """(device, host) ms of ``layer``'s forward (``index`` 0) or backward (1) on ``gpus`` ranks."""
+        batch, share = self.per_gpu_batch(gpus), self.profile.sharing(gpus)
+        device = self.profile.times(layer.name, batch, grouped=gpus > 1)[index]
+        return device * share, self.profile.host_times(layer.name, batch)[index] * share
+
+    @staticmethod
+    def _flow_shop(layers: list[tuple[float, float]]) -> list[float]:
+        """Each layer's share ``C_k − C_(k−1)`` of a stage's time, its (device, host) ms in issue order."""
+        issued = done = 0.0
+        shares = []
+        for device, host in layers:
+            issued += host
+            end = max(done, issued) + device
+            shares.append(end - done)
+            done = end
+        return shares
 
     def allreduce_ms(self, layer: Layer, gpus: int) -> float:
         """``AR*_l(g)``: the gradient all-reduce time the layer does not hide behind the backward."""
@@ -288,14 +378,52 @@ class CostModel:
     def step_ms(self, layer: Layer) -> float:
         """The optimizer step over the layer's parameters (the same on each of its ranks)."""
         moved = self.optimizer.step_traffic(self.param_bytes(layer))
-        overhead = self.profile.overhead(self.optimizer.value)
+        overhead = self.profile.overhead(self.optimizer.base.value)
         return (1e3 * moved / self.profile.memory_bandwidth + overhead.per_tensor_ms * len(layer.params)
                 + overhead.per_megabyte_ms * self.param_bytes(layer) / 1e6)
 
     @property
     def step_call_ms(self) -> float:
         """``OPT_call``: the optimizer's per-call cost, paid once per iteration."""
-        return self.profile.overhead(self.optimizer.value).call_ms
+        return self.profile.overhead(self.optimizer.base.value).call_ms
+
+    @cached_property
+    def preconditioned(self) -> dict[str, FactorSizes]:
+        """The layers K-FAC preconditions and their factor sizes (none unless ``optimizer`` is K-FAC)."""
+        return preconditioned_layers(self.graph) if self.optimizer is Optimizer.KFAC else {}
+
+    def kfac_ms(self, layer: Layer, gpus: int) -> float:
+        """``KFAC_l(g)``: K-FAC's statistics, eigendecompositions and preconditioning, amortised per step."""
+        sizes = self.preconditioned.get(layer.name)
+        if sizes is None or layer.fwd_flops <= 0:
+            return 0.0
+        rate, call = self._matmul_rate(layer)
+        share = self.profile.sharing(gpus)
+        a, o, s = sizes.inputs, sizes.outputs, self.per_gpu_batch(gpus)
+        squares = a * a + o * o
+        timed = self.kfac_times.get(layer.name)
+        work = (rate * 2 * s * sizes.positions * squares, rate * EIGH_FLOPS * (a ** 3 + o ** 3),
+                rate * 4 * a * o * (a + o)) if timed is None else (
+            timed.statistics_ms * s / self.global_batch, timed.inverses_ms, timed.precondition_ms)
+        statistics = share * (work[0] + KFAC_CALLS[0] * call)
+        inverses = share * (work[1] + KFAC_CALLS[1] * call) / gpus
+        precondition = share * (work[2] + KFAC_CALLS[2] * call)
+        if gpus > 1:
+            statistics += 1e3 * self.network.allreduce_s(gpus, 4 * squares)
+            precondition += 1e3 * self.network.allreduce_s(gpus, 4 * a * o)
+        return (statistics / self.kfac.factor_update_steps + inverses / self.kfac.inv_update_steps
+                + precondition)
+
+    def _matmul_rate(self, layer: Layer) -> tuple[float, float]:
+        """``ρ`` (ms per FLOP) and ``c`` (ms per tensor call): the line through the layer's forward times at the
+        global batch and a quarter of it gives the rate per sample and a call's fixed cost; where the profile
+        measured the optimizer's cost per tensor (a handful of small calls, on this host), that is ``c``."""
+        high, low = self.global_batch, max(1, self.global_batch // 4)
+        at_high, at_low = (self.profile.times(layer.name, batch)[0] for batch in (high, low))
+        per_sample = (at_high - at_low) / (high - low) if high > low else at_high / high
+        per_sample = max(per_sample, 0.1 * at_high / high)
+        measured = self.profile.overhead(Optimizer.SGD.value).per_tensor_ms
+        return per_sample / layer.fwd_flops, measured if measured > 0 else max(0.0, at_high - per_sample * high)
 
     @cached_property
     def _layer_memo(self) -> dict[tuple[str, int], float]:
@@ -307,7 +435,8 @@ class CostModel:
         key = (layer.name, gpus)
         if key not in self._layer_memo:
             fwd, bwd = self.phases_ms(layer, gpus)
-            self._layer_memo[key] = fwd + bwd + self.allreduce_ms(layer, gpus) + self.step_ms(layer)
+            self._layer_memo[key] = (fwd + bwd + self.allreduce_ms(layer, gpus) + self.step_ms(layer)
+                                     + self.kfac_ms(layer, gpus))
         return self._layer_memo[key]
 
     def reshard_side_ms(self, producer: Layer, gpus: int, *, across: bool = False) -> float:
@@ -346,11 +475,14 @@ class CostModel:
     def memory_bytes(self, layer: Layer, gpus: int) -> int:
         """Bytes ``layer`` needs on each of its ranks (rank 0 runs every layer)."""
         state = (2 + self.optimizer.state_factor) * self.param_bytes(layer)
-        return int(state + self.act_bytes(layer) * self.per_gpu_batch(gpus))
+        sizes = self.preconditioned.get(layer.name)
+        factors = 0 if sizes is None else 8 * (sizes.inputs ** 2 + sizes.outputs ** 2)
+        return int(state + factors + self.act_bytes(layer) * self.per_gpu_batch(gpus))
 
     def iteration_ms(self, assignment: Mapping[str, int]) -> float:
         """The predicted iteration time T of the formula above."""
         compute = sum(self.layer_ms(layer, assignment[layer.name]) for layer in self.graph.layers)
+        compute += sum(f + b for f, b in self._stage_delta(assignment).values())
         moves = sum(
             self.round_trip_ms(self.graph.layer(src), assignment[src], assignment[dst])
             for src, dst in self.graph.edges()
@@ -392,7 +524,7 @@ class CostModel:
         if slot.kind is SlotKind.ALLREDUCE:
             return self.allreduce_ms(layer, g)
         if slot.kind is SlotKind.STEP:
-            return self.step_ms(layer)
+            return self.step_ms(layer) + self.kfac_ms(layer, g)
         source = counts[slot.source]
         ends = (source, g) if slot.kind is SlotKind.RESHARD_FORWARD else (g, source)
         return self.reshard_ms(self.graph.layer(slot.source), *ends)
@@ -400,10 +532,13 @@ class CostModel:
     def schedule(self, assignment: Mapping[str, int]) -> list[SchedulePhase]:
         """The phases of one iteration (:meth:`slots` that take time), then the optimizer's per-call step."""
         rounds = self.group_rounds_ms(assignment)
+        delta = self._stage_delta(assignment)
         phases: list[SchedulePhase] = []
         clock = 0.0
         for slot in self.slots():
             duration = self.slot_ms(slot, assignment)
+            if slot.kind in (SlotKind.FORWARD, SlotKind.BACKWARD) and slot.layer in delta:
+                duration += delta[slot.layer][slot.kind is SlotKind.BACKWARD]
             if slot.kind is SlotKind.ALLREDUCE:
                 duration += rounds.get(slot.layer, 0.0)
             if duration > 0:
