@@ -49,6 +49,10 @@ RUNS: dict[str, tuple[str, str]] = {
     "tv_densenet": ("features_denseblock1_*=2", "features_conv0=4"),
     "attn_shapes": ("linear*=2", "layer_norm*=4"),
     "fake_quant": ("blocks_*=2", "stem=4"),
+    "moe": ("blocks_*_moe=2", "head=4"),
+    "ragged_loop": ("pool=2", "head=4"),
+    "labelled_loss": ("linear*=2", "embedding=4"),
+    "layerdrop_shifted": ("linear*=2", "embedding=4"),
 }
 RANKS = 4
 BATCH = 8
@@ -85,7 +89,7 @@ def test_zoo_file_runs_eagerly(name: str) -> None:
     assert any(p.grad is not None for p in net.parameters())
 
 
-HEAVY = {"hf_bart", "hf_whisper", "hf_t5", "hf_gpt_neox", "hf_convnext", "hf_swin", "hf_regnet",
+HEAVY = {"moe", "ragged_loop", "labelled_loss", "layerdrop_shifted", "hf_bart", "hf_whisper", "hf_t5", "hf_gpt_neox", "hf_convnext", "hf_swin", "hf_regnet",
          "hf_bert", "hf_llama", "tv_mobilenet", "tv_densenet", "tv_inception", "tv_regnet"}
 """The zoo's slowest burst runs (1-5 min each on 2 cores), and six (10-30 s each) whose kind a faster default run
 covers (hf_bert: hf_gpt2's dict inputs and hf_vit's encoder; hf_llama: hf_gpt2's decoder and causal mask, its
@@ -93,7 +97,10 @@ autocast-on-meta tracing planned by test_a_model_that_autocasts_plans_from_cpu_t
 tv_densenet and tv_regnet: tv_resnet's convolutions, BatchNorm and residuals, tv_inception's concatenations, and
 tv_regnet's build that fails on meta is planned by its local-measurement test in the default run; tv_inception
 itself: its pinned burst plan is planned and run on 4 ranks with --check by
-test_inception_aux_batchnorm_at_one_sample_per_gpu_trains_exactly): in the heavy tier, not the default test run."""
+test_inception_aux_batchnorm_at_one_sample_per_gpu_trains_exactly; moe and ragged_loop, whose opaque layers
+tests/test_opaque.py plans and runs on 2 ranks; labelled_loss and
+layerdrop_shifted, whose real-tensor traces take 10-40 s, planned and run on 2 ranks in tests/test_opaque.py's
+heavy tier): in the heavy tier, not the default test run."""
 
 LOCAL = {"hf_gpt2", "tv_regnet"}
 """Planned from a local measurement in the default test run (a dict of inputs; a model that cannot be

@@ -36,6 +36,8 @@ class TraceMethod(enum.Enum):
 
     FX = "fx"
     EXPORT = "export"
+    REAL = "real"
+    """torch.export carrying real values, specialised on the branches on values it met (:mod:`deeppool.model.real_export`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +60,9 @@ class Layer:
     """The model computes this output channels-last (a 4-d or 5-d tensor with NHWC or NDHWC strides, as
     convolutions on channels-last inputs and permuted views give): a reshard keeps that layout, since some
     kernels run far slower on the other (``docs/notes/0012-reshards-keep-layout.md``)."""
+    opaque: str = ""
+    """Why this layer is one opaque submodule run eagerly (the tracer's error, one line); empty when traced
+    (:mod:`deeppool.model.opaque`)."""
 
     def __post_init__(self) -> None:
         if not self.nodes or self.nodes[-1] != self.name:
@@ -89,6 +94,7 @@ class Layer:
             fwd_flops=float(field(data, "fwd_flops", kind="layer")),
             bwd_flops=float(field(data, "bwd_flops", kind="layer")),
             channels_last=bool(data.get("channels_last", False)),
+            opaque=str(data.get("opaque", "")),
         )
 
 

@@ -4,7 +4,11 @@ torch.fx ``symbolic_trace`` first, with modules as layers (arguments that
 ``inputs()`` does not give, or gives as non-tensors, are traced as the
 constants they are); when fx cannot trace the model, ``torch.export`` with a
 dynamic batch dimension (in training mode), and the exported aten nodes are
-grouped back into layers by their module path. The batch dimension is found by
+grouped back into layers by their module path. When both stop inside a
+submodule (eager-only code), fx again with that submodule as one opaque layer
+(:mod:`deeppool.model.opaque`); when export stops at a branch on a value in the
+root's own code, the real-tensor tracer specialised on the values seen
+(:mod:`deeppool.model.real_export`). The batch dimension is found by
 running the graph at two batch sizes: nodes whose dimension 0 follows the batch
 are layers, everything else (sizes, tuples, parameters) is glue recomputed by
 the layer that reads it. In-place operations are made safe to split first
@@ -24,6 +28,7 @@ import inspect
 import io
 import linecache
 import logging
+import re
 import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -43,13 +48,26 @@ from deeppool.model.graph import OUTPUT_LAYER, Layer, LayerGraph, TraceMethod
 from deeppool.model.layer_exec import LayerRunner, floating_leaves, structured_output
 from deeppool.model.loading import LoadedModel, load_model
 from deeppool.model.mutation import Mutation, Probe, after_mutation, functionalize, merged_groups
+from deeppool.model.opaque import ModuleFailure, check_rows, data_dependent, enclosing_module
 from deeppool.model.randomness import RandomSites, SampleRandomness, batched_calls
+from deeppool.model.real_export import InsideModule, real_export
 from deeppool.plans import Branch, ModelSpec
 
 _PROBE_BATCHES = (2, 3)
 _SKIPPED = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[1]), "<")
 """Frames that are not the model's code: torch's, deeppool's, generated code's."""
 _LAYER_OPS = ("call_module", "call_function", "call_method")
+_LAYERDROP = re.compile(r"torch\.rand\b|random\.(uniform|random)\b|layerdrop|dropout_probability", re.IGNORECASE)
+"""A source line that compares a random draw with a probability: LayerDrop."""
+_FX_IDIOMS = (
+    ("slice indices", "a slice with a tensor bound"),
+    ("used as inputs to control flow", "a value-dependent branch"),
+    ("cannot be iterated", "a loop over a tensor's values"),
+    ("does not support item assignment", "an assignment into a slice of a traced tensor"),
+)
+"""Words of torch.fx's error and what they mean in the model's code."""
+_INDEX_OPS = ("nonzero", "argwhere")
+"""Ops whose output rows are positions in their input."""
 
 
 @dataclass(frozen=True)
@@ -65,12 +83,21 @@ class RandomBranchError(DeeppoolError):
     """A branch on a random value goes both ways: no tracer can make one graph of the model."""
 
 
-class _PathTracer(fx.Tracer):
-    """An fx tracer that remembers the module it was inside when tracing failed."""
+class ValueBranchError(DeeppoolError):
+    """torch.export stopped at a branch on a tensor's value (the real-tensor tracer may take it)."""
 
-    def __init__(self) -> None:
+
+class _PathTracer(fx.Tracer):
+    """An fx tracer that remembers the module it was inside when tracing failed, and keeps the ``opaque``
+    submodules (by path) as leaves: one ``call_module`` node each, run eagerly."""
+
+    def __init__(self, opaque: frozenset[str] = frozenset()) -> None:
         super().__init__()
+        self.opaque = opaque
         self.failed_in: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.opaque or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         try:
@@ -102,24 +129,73 @@ def trace_spec(spec: ModelSpec, *, meta: bool) -> tuple[LoadedModel, Traced]:
 
 
 def trace(loaded: LoadedModel, method: TraceMethod | None = None) -> Traced:
-    """Trace ``loaded`` with ``method``, or fx then export when ``method`` is None."""
+    """Trace ``loaded`` with ``method``, or when ``method`` is None: fx, then export, then fx again with each
+    submodule that stopped them as an opaque layer (:mod:`deeppool.model.opaque`)."""
     named = loaded.named_inputs(_PROBE_BATCHES[0])
     if method is TraceMethod.EXPORT:
         return _graph_of(_export(loaded.module, named), loaded, TraceMethod.EXPORT)
     try:
-        module, seen = _fx_trace(loaded.module, named)
-    except DeeppoolError as fx_error:
-        if method is TraceMethod.FX or isinstance(fx_error, RandomBranchError):
+        return _fx_graph(loaded, named, {})
+    except ModuleFailure as fx_error:
+        if method is TraceMethod.FX:
             raise
-        try:
-            module = _export(loaded.module, named)
-        except DeeppoolError as export_error:
-            raise DeeppoolError(f"{fx_error}; {export_error}") from None
+        failure = fx_error
+    if not failure.retry_export:  # fx traced it; a data-dependent shape inside a module stopped its probe
+        return _opaque_graph(loaded, named, failure)
+    try:
+        module = _export(loaded.module, named)
+    except DeeppoolError as export_error:
+        joined = ModuleFailure(f"{failure}; {export_error}", module=failure.module, reason=failure.reason)
+        return _opaque_graph(loaded, named, joined, real_too=isinstance(export_error, ValueBranchError))
+    try:
         return _graph_of(module, loaded, TraceMethod.EXPORT)
-    return _graph_of(module, loaded, TraceMethod.FX, (tuple(seen.branches), tuple(seen.draws)))
+    except ModuleFailure:
+        return _opaque_graph(loaded, named, failure)
 
 
-def _fx_trace(model: nn.Module, named: Mapping[str, Any]) -> tuple[fx.GraphModule, BranchWatch]:
+def _real_graph(loaded: LoadedModel, named: Mapping[str, Any]) -> Traced | None:
+    """The real-tensor tracer's graph, specialised on the branches on values outside any submodule; None
+    when one is inside a submodule or it cannot trace the model either (an opaque layer may)."""
+    kwargs, dynamic = _export_inputs(loaded.module, named)
+    try:
+        with _quiet_torch_logs(), functions_called(_where_now) as calls:
+            exported = real_export(loaded.module, kwargs, dynamic)
+    except InsideModule:
+        return None
+    except DeeppoolError:
+        raise
+    except Exception:  # noqa: BLE001  the tracer's own failure: the opaque-layer fallback reports its own
+        return None
+    refuse_traced_through(calls)
+    return _graph_of(exported.module, loaded, TraceMethod.REAL, (exported.branches, ()))
+
+
+def _fx_graph(loaded: LoadedModel, named: Mapping[str, Any], opaque: Mapping[str, ModuleFailure]) -> Traced:
+    """fx's graph of ``loaded`` with the ``opaque`` submodules (path: the failure that made it opaque) as
+    leaves, probed."""
+    module, seen = _fx_trace(loaded.module, named, frozenset(opaque))
+    return _graph_of(module, loaded, TraceMethod.FX, (tuple(seen.branches), tuple(seen.draws)), opaque)
+
+
+def _opaque_graph(loaded: LoadedModel, named: Mapping[str, Any], failure: ModuleFailure, *,
+                  real_too: bool = True) -> Traced:
+    """fx's graph with every submodule a tracer stops inside as one opaque layer; when one stops in the
+    root's own code, the real-tensor tracer's graph (with ``real_too``), else ``failure``."""
+    opaque: dict[str, ModuleFailure] = {}
+    while failure.module is not None and failure.module not in opaque:
+        opaque[failure.module] = failure
+        try:
+            return _fx_graph(loaded, named, opaque)
+        except ModuleFailure as again:
+            failure = again
+    real = _real_graph(loaded, named) if real_too and failure.module is None else None
+    if real is None:
+        raise failure
+    return real
+
+
+def _fx_trace(model: nn.Module, named: Mapping[str, Any],
+              opaque: frozenset[str] = frozenset()) -> tuple[fx.GraphModule, BranchWatch]:
     """fx's graph and the branches on tensor values it specialised.
 
     fx runs eagerly whatever no traced tensor feeds: ``torch.rand([])`` draws a real number and
@@ -129,10 +205,10 @@ def _fx_trace(model: nn.Module, named: Mapping[str, Any]) -> tuple[fx.GraphModul
     goes one way (LayerDrop 0) is specialised and listed; a drawn value that reaches the graph
     as a constant is refused.
     """
-    low, low_seen = _fx_trace_once(model, named, 0.0)
+    low, low_seen = _fx_trace_once(model, named, 0.0, opaque)
     if not low_seen.draws:
         return low, low_seen
-    high, high_seen = _fx_trace_once(model, named, 1.0 - 2.0**-24)
+    high, high_seen = _fx_trace_once(model, named, 1.0 - 2.0**-24, opaque)
     for first, second in zip(low_seen.branches, high_seen.branches, strict=False):
         if first != second:
             raise RandomBranchError(
@@ -141,10 +217,9 @@ def _fx_trace(model: nn.Module, named: Mapping[str, Any]) -> tuple[fx.GraphModul
                 "or wrap the branch in a module that always takes one way"
             )
     if low.code != high.code or len(low_seen.branches) != len(high_seen.branches) or not _same_constants(low, high):
-        raise DeeppoolError(
-            "a value drawn while tracing (torch.rand, no traced tensor feeding it) reaches the graph as a constant: "
-            "draw it from a traced tensor (torch.rand_like(x)) so that it is drawn every step"
-        )
+        message = ("a value drawn while tracing (torch.rand, no traced tensor feeding it) reaches the graph as a "
+                   "constant: draw it from a traced tensor (torch.rand_like(x)) so that it is drawn every step")
+        raise ModuleFailure(message, module=None, reason=message)
     return low, low_seen
 
 
@@ -192,17 +267,28 @@ class BranchWatch(TorchDispatchMode):
 
 
 def check_branches(planned: tuple[Branch, ...], seen: list[Branch]) -> None:
-    """Raise, in one line, at the first planned branch that ``seen`` took the other way."""
-    lines = {(branch.file, branch.line) for branch in planned}
-    taken = [branch for branch in seen if (branch.file, branch.line) in lines]
-    for want, got in zip(planned, taken, strict=False):
-        if want != got:
+    """Raise, in one line, at the first planned branch that ``seen`` took the other way.
+
+    Line by line: fx lists every time a line branched, in order; the real-tensor tracer lists a line
+    once, the way every pass through it must go. A planned branch at a line ``seen`` never reports is one
+    on a size (``nonzero(...).size(0) > 0``, which eager torch answers with a Python int, not a tensor):
+    the comparison of results checks it.
+    """
+    ways: dict[tuple[str, int], list[bool]] = {}
+    for branch in planned:
+        ways.setdefault((branch.file, branch.line), []).append(branch.taken)
+    went: dict[tuple[str, int], list[bool]] = {}
+    for branch in seen:
+        if (branch.file, branch.line) in ways:
+            went.setdefault((branch.file, branch.line), []).append(branch.taken)
+    for (file, line), taken in went.items():
+        want = ways[(file, line)]
+        if taken != want and not (len(want) == 1 and set(taken) == set(want)):
             raise DeeppoolError(
-                f"the branch at {want.file}:{want.line}{_source(want.file, want.line)} went the other way than when "
-                "it was planned: the plan's layers are no longer the model's (LayerDrop above 0?); re-plan it"
+                f"the branch at {file}:{line}{_source(file, line)} went {len(taken)} times, "
+                f"{sum(taken)} taken, where the plan has {len(want)}, {sum(want)} taken: the plan's layers are no "
+                "longer the model's (a branch on a random draw or on the data); re-plan it"
             )
-    if len(taken) != len(planned):
-        raise DeeppoolError(f"the model took {len(taken)} planned branches on tensor values, the plan {len(planned)}")
 
 
 def _user_stack_frame() -> tuple[str, int] | None:
@@ -213,8 +299,9 @@ def _user_stack_frame() -> tuple[str, int] | None:
     return None
 
 
-def _fx_trace_once(model: nn.Module, named: Mapping[str, Any], extreme: float) -> tuple[fx.GraphModule, BranchWatch]:
-    tracer = _PathTracer()
+def _fx_trace_once(model: nn.Module, named: Mapping[str, Any], extreme: float,
+                   opaque: frozenset[str]) -> tuple[fx.GraphModule, BranchWatch]:
+    tracer = _PathTracer(opaque)
     buffers = dict(model.named_buffers())
     saved = {name: (buffer._version, buffer.clone()) for name, buffer in buffers.items()}
     rng = torch.random.get_rng_state()
@@ -224,8 +311,10 @@ def _fx_trace_once(model: nn.Module, named: Mapping[str, Any], extreme: float) -
             graph = tracer.trace(model, concrete_args=_concrete_args(model, named) or None)
     except Exception as err:
         where = tracer.failed_in or type(model).__name__
-        raise DeeppoolError(
-            f"torch.fx cannot trace module '{where}'{_at_line(err)} ({type(err).__name__}: {_first_line(err)})"
+        reason = f"{type(err).__name__}: {_first_line(err)}"
+        raise ModuleFailure(
+            f"torch.fx cannot trace module '{where}': {_what_fx_met(err)}{_at_line(err).lstrip()} ({reason})",
+            module=tracer.failed_in if tracer.failed_in != "<root>" else None, reason=f"{reason}{_at_line(err)}",
         ) from None
     finally:
         torch.random.set_rng_state(rng)
@@ -234,7 +323,8 @@ def _fx_trace_once(model: nn.Module, named: Mapping[str, Any], extreme: float) -
             for name in changed:
                 buffers[name].copy_(saved[name][1])
     if changed:  # fx ran the update eagerly on the real buffer: it is not in the graph
-        raise DeeppoolError(f"torch.fx cannot trace the update of buffer '{changed[0]}' in forward")
+        message = f"torch.fx cannot trace the update of buffer '{changed[0]}' in forward"
+        raise ModuleFailure(message, module=None, reason=message)
     return fx.GraphModule(tracer.root, graph, type(model).__name__), watch
 
 
@@ -280,17 +370,25 @@ def _concrete_args(model: nn.Module, named: Mapping[str, Any]) -> dict[str, Any]
     return concrete
 
 
-def _export(model: nn.Module, named: Mapping[str, Any]) -> fx.GraphModule:
+def _export_inputs(model: nn.Module, named: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """torch.export's keyword inputs (on the model's device) and their dynamic batch dimension; the model
+    is put in training mode (the exported graph keeps it: dropout on, BatchNorm on batch statistics)."""
     device = _device_of(model)
     kwargs = {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in named.items()}
     batch = torch.export.Dim("batch", min=1)
     dynamic = {name: {0: batch} if isinstance(value, torch.Tensor) else None for name, value in kwargs.items()}
-    model.train()  # the exported graph keeps training behaviour: dropout on, BatchNorm on batch statistics
+    model.train()
+    return kwargs, dynamic
+
+
+def _export(model: nn.Module, named: Mapping[str, Any]) -> fx.GraphModule:
+    kwargs, dynamic = _export_inputs(model, named)
     try:
         with _quiet_torch_logs(), functions_called(_where_now) as calls:
             program = torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as err:
-        raise DeeppoolError(_export_failure(err)) from None
+        message = _export_failure(err)
+        raise (ValueBranchError if data_dependent(err) else DeeppoolError)(message) from None
     refuse_traced_through(calls)
     return program.module()
 
@@ -298,13 +396,22 @@ def _export(model: nn.Module, named: Mapping[str, Any]) -> fx.GraphModule:
 def _export_failure(err: BaseException) -> str:
     """One line: where in the model's code torch.export stopped, and why."""
     reason = f"{type(err).__name__}: {_first_line(err)}"
-    if "data-dependent" in str(err) or "DataDependent" in type(err).__name__:
+    if not data_dependent(err):
+        return f"torch.export cannot trace the model either{_at_line(err)} ({reason})"
+    frame = user_frame(err)
+    if frame is not None and _LAYERDROP.search(linecache.getline(*frame)):
         return (
-            f"torch.export cannot trace a branch on a tensor's value{_at_line(err)}: a branch on a random or "
-            "data-dependent value changes the layers from step to step; if it is LayerDrop, set its probability "
-            "to 0 (e.g. encoder_layerdrop=0.0) or wrap the branch in a module that always takes one way"
+            f"torch.export cannot trace a branch on a random draw{_at_line(err)} (LayerDrop): the layers would "
+            "change from step to step unless its probability is 0 (e.g. encoder_layerdrop=0.0)"
         )
-    return f"torch.export cannot trace the model either{_at_line(err)} ({reason})"
+    return f"torch.export cannot trace a value-dependent branch{_at_line(err)}: the way it goes depends on the data"
+
+
+def _what_fx_met(err: BaseException) -> str:
+    """What in the model's code stopped torch.fx, in words ('' when not one of the known idioms)."""
+    text = str(err)
+    found = next((what for words, what in _FX_IDIOMS if words in text), "")
+    return f"{found} " if found else ""
 
 
 def placeholder_values(module: fx.GraphModule, named: Mapping[str, Any]) -> list[Any]:
@@ -364,8 +471,11 @@ class _Recorder(fx.Interpreter):
         self.flops: dict[str, int] = {}
         self.mutated: dict[str, tuple[torch.Tensor, ...]] = {}
         self.first_random: dict[str, int] = {}
+        self.at: fx.Node | None = None
+        """The node running now (the one at fault when the run raises)."""
 
     def run_node(self, n: fx.Node) -> Any:
+        self.at = n
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         inputs = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         versions = [tensor._version for tensor in inputs]
@@ -390,11 +500,15 @@ class _Recorder(fx.Interpreter):
 
 class _ShapeOnly:
     """Runs ops for their shapes only: on ``meta`` tensors when the model was built
-    on the meta device (fast), else under a :class:`FakeTensorMode`."""
+    on the meta device (fast), else under a :class:`FakeTensorMode`; with ``real``, on the real
+    tensors themselves (a graph with opaque layers: eager code needs real values)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, real: bool = False) -> None:
         self.meta = device.type == "meta"
-        self.fake = None if self.meta else FakeTensorMode(allow_non_fake_inputs=True)
+        if real and self.meta:
+            raise DeeppoolError("a model with opaque layers (eager code inside a module) cannot be probed on meta")
+        self.real = real
+        self.fake = None if self.meta or real else FakeTensorMode(allow_non_fake_inputs=True)
 
     def __enter__(self) -> None:
         if self.fake is not None:
@@ -407,7 +521,9 @@ class _ShapeOnly:
     def tensor(self, value: torch.Tensor) -> torch.Tensor:
         if self.meta:
             return value.to("meta")
-        assert self.fake is not None
+        if self.fake is None:
+            return value
+
         return self.fake.from_tensor(value)
 
 
@@ -429,9 +545,14 @@ def _run(recorder: _Recorder, inputs: list[Any], shapes: _ShapeOnly) -> None:
         except _Stopped:
             pass
         except Exception as err:
+            reason = f"{type(err).__name__}: {_first_line(err)}"
+            if data_dependent(err):  # in a module: it becomes an opaque layer; in the root: probed on real tensors
+                inside = enclosing_module(recorder.at) if recorder.at is not None else None
+                where = f"module '{inside}'" if inside is not None else "the model's own code"
+                raise ModuleFailure(f"the traced model's shapes depend on data in {where} ({reason})",
+                                    module=inside, reason=reason, retry_export=False) from None
             raise DeeppoolError(
-                f"the traced model fails on its own inputs ({type(err).__name__}: {_first_line(err)}): "
-                "check inputs(batch_size) against model()"
+                f"the traced model fails on its own inputs ({reason}): check inputs(batch_size) against model()"
             ) from None
 
 
@@ -456,12 +577,18 @@ def _batched(small: Mapping[str, Any], large: Mapping[str, Any]) -> set[str]:
 def _graph_of(
     module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod,
     branches: tuple[tuple[Branch, ...], tuple[Branch, ...]] = ((), ()),
+    opaque: Mapping[str, ModuleFailure] | None = None,
 ) -> Traced:
     """Probe the graph; buffers (batch-norm running statistics) and gradients are restored after."""
     saved = {name: buffer.clone() for name, buffer in module.named_buffers()}
     grads = {name: param.grad for name, param in module.named_parameters()}
     try:
-        return _probed_graph(module, loaded, method, branches)
+        try:
+            return _probed_graph(module, loaded, method, branches, opaque or {})
+        except ModuleFailure as failure:  # a data-dependent shape in the root's code: probe on real tensors
+            if failure.module is not None or opaque or _device_of(module).type == "meta":
+                raise
+            return _probed_graph(module, loaded, method, branches, {}, real=True)
     finally:
         with torch.no_grad():
             for name, buffer in module.named_buffers():
@@ -472,10 +599,12 @@ def _graph_of(
 
 def _probed_graph(
     module: fx.GraphModule, loaded: LoadedModel, method: TraceMethod,
-    branches: tuple[tuple[Branch, ...], tuple[Branch, ...]],
+    branches: tuple[tuple[Branch, ...], tuple[Branch, ...]], opaque: Mapping[str, ModuleFailure], *,
+    real: bool = False,
 ) -> Traced:
-    """Shapes and FLOPs come from meta or fake tensors: no arithmetic is done."""
-    shapes = _ShapeOnly(_device_of(module))
+    """Shapes and FLOPs come from meta or fake tensors, no arithmetic done; with opaque layers or ``real``,
+    from real ones."""
+    shapes = _ShapeOnly(_device_of(module), real=real or bool(opaque) or method is TraceMethod.REAL)
     small_inputs, large_inputs = (loaded.named_inputs(b) for b in _PROBE_BATCHES)
     probes: list[_Recorder] = []
 
@@ -489,13 +618,15 @@ def _probed_graph(
     sizes = dict(zip(_PROBE_BATCHES, (small.random.calls, large.random.calls), strict=True))
     random = RandomSites(first=small.first_random, batched=batched_calls(sizes))
     nodes = list(module.graph.nodes)
+    _check_opaque_rows(module, nodes, small, opaque)
     placeholders = _placeholders(nodes, small.values, batched)
     data = _from_data(nodes, {n.name for n in placeholders}, small.values)
-    heads = [n for n in nodes if n.op in _LAYER_OPS and n.name in batched and n.name in data]
+    indices = _row_indices(nodes, data)
+    heads = [n for n in nodes if n.op in _LAYER_OPS and n.name in batched and n.name in data and n.name not in indices]
     groups = _merge(_group(heads, method), mutations, nodes)
     groups = _carry_buffer_updates(groups, nodes, module, data, small.mutated)
     with FlopCounterMode(display=False) as counter:
-        builder = _LayerBuilder(module, small, {n.name for n in placeholders}, groups, shapes, counter)
+        builder = _LayerBuilder(module, small, {n.name for n in placeholders}, groups, shapes, counter, opaque)
         layers = [builder.build(group) for group in groups]
         output = _output_layer(nodes, builder.layer_of, small.values, module)
         if output is None:
@@ -512,6 +643,34 @@ def _probed_graph(
         draws=branches[1],
     )
     return Traced(module=module, graph=graph, random=random)
+
+
+def _row_indices(nodes: list[fx.Node], data: set[str]) -> set[str]:
+    """Nodes whose values are positions in the batch (``nonzero``'s rows, and views of them): glue, recomputed
+    by each layer that reads them, since a rank's positions are not the whole batch's; the layer that
+    gathers with them (``torch.gather(logits, 0, index)``) gives each of its samples what one process does."""
+    found: set[str] = set()
+    for node in nodes:
+        name = getattr(node.target, "__name__", str(node.target))
+        from_data = [arg for arg in node.all_input_nodes if arg.name in data]
+        if name.removesuffix(".default") in _INDEX_OPS or (from_data and all(a.name in found for a in from_data)):
+            found.add(node.name)
+    return found
+
+
+def _check_opaque_rows(module: fx.GraphModule, nodes: list[fx.Node], probe: _Recorder,
+                       opaque: Mapping[str, ModuleFailure]) -> None:
+    """Each opaque layer that draws no random numbers gives every probed sample the same output alone."""
+    for node in nodes:
+        if node.op != "call_module" or str(node.target) not in opaque or node.name in probe.first_random:
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: probe.values[n.name])
+        why = str(opaque[str(node.target)])
+
+        def failed(text: str, why: str = why) -> DeeppoolError:
+            return DeeppoolError(f"{why}; {text}")
+
+        check_rows(str(node.target), module.get_submodule(str(node.target)), args, kwargs, _PROBE_BATCHES[0], failed)
 
 
 def _carry_buffer_updates(
@@ -691,8 +850,10 @@ class _LayerBuilder:
         groups: list[list[fx.Node]],
         shapes: _ShapeOnly,
         counter: FlopCounterMode,
+        opaque: Mapping[str, ModuleFailure],
     ) -> None:
         self.module = module
+        self.opaque = opaque
         self.shapes = shapes
         self.counter = counter
         self.values = probe.values
@@ -725,7 +886,13 @@ class _LayerBuilder:
             fwd_flops=fwd / _PROBE_BATCHES[0],
             bwd_flops=bwd / _PROBE_BATCHES[0],
             channels_last=_channels_last(value),
+            opaque=self._opaque(named),
         )
+
+    def _opaque(self, head: fx.Node) -> str:
+        """Why ``head`` is an opaque submodule's call ('' when it is not one)."""
+        failure = self.opaque.get(str(head.target)) if head.op == "call_module" else None
+        return failure.reason if failure is not None else ""
 
     def build_output(self, output: fx.Node) -> Layer:
         """The layer that computes the model's whole output structure from the layers it reads."""
