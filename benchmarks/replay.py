@@ -10,7 +10,11 @@ speeds the live run measured. Goal (issue 43): average JCT and makespan within 1
 
 As root the server must run its jobs as another account (``--job-user ACCOUNT``), which must be able to run
 this Python; the jobs' files go to a fresh folder it can reach. ``--write-docs`` writes the tables into
-``docs/simulator.md`` (region ``replay``) and the first policy's picture to ``docs/images/replay.png``.
+``docs/simulator.md`` and its picture to ``docs/images/``, one region per policy: ``replay`` and
+``replay.png`` for ``fifo-backfill``, ``replay-NAME`` and ``replay-NAME.png`` for another (``pollux``), so a
+run of one policy keeps the others' figures (each region is stamped with its own run's commit and load).
+A ``pollux`` replay's simulated half runs by the speed models the coordinator fitted
+(:mod:`deeppool.replay.adaptive`), at the coordinator's own Pollux interval.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ from deeppool.replay.report import (
     PICTURE_FILE,
     ReplayResult,
     comparison_table,
+    fit_table,
     replay,
+    resizes_line,
     slice_table,
     speed_table,
     write,
@@ -53,7 +59,7 @@ SERVER_DEFAULT = "fifo-backfill"
 """What ``deeppool serve`` runs without ``--policy`` (its ``fifo-backfill:burst+bg`` decides as ``fifo-backfill``
 when every job is a foreground job, as the replay's are)."""
 GOAL = 0.15
-PICTURE = REPO / "docs" / "images" / "replay.png"
+IMAGES = REPO / "docs" / "images"
 
 app = typer.Typer(add_completion=False)
 
@@ -68,8 +74,8 @@ def main(
     max_run: Annotated[float, typer.Option(help="most seconds a job trains")] = 30.0,
     gpus: Annotated[int, typer.Option(help="the coordinator's CPU slots")] = 4,
     job_user: Annotated[str | None, typer.Option(help="the account jobs run as (needed as root)")] = None,
-    write_docs: Annotated[bool, typer.Option("--write-docs", help="write docs/simulator.md's region 'replay' and "
-                                             "docs/images/replay.png")] = False,
+    write_docs: Annotated[bool, typer.Option("--write-docs", help="write docs/simulator.md's region of each "
+                                             "policy and its picture in docs/images")] = False,
 ) -> None:
     console = Console(width=160)
     stamp = Stamp.started()
@@ -77,32 +83,38 @@ def main(
         raise SystemExit("as root, give --job-user ACCOUNT (an account that can run this Python)")
     settings = SliceSettings(slots=gpus, first=first, jobs=jobs, span_s=span, max_run_s=max_run)
     workload, mapping = read_workload(resolve(trace)), load_mapping(MAPPING)
-    comparisons: list[ReplayComparison] = []
-    shown: list[Table | str] = []
-    for index, name in enumerate(policy):
+    for name in policy:
         with tempfile.TemporaryDirectory(prefix="deeppool-replay-") as folder:
             outcome = _one(console, (workload, settings, mapping), name, Path(folder), job_user)
-            if isinstance(outcome, str):
-                shown.append(outcome)
+            shown: list[Table | str] = [outcome] if isinstance(outcome, str) else _shown(outcome, name, trace)
+            for item in shown:
+                console.print(item)
+            if not write_docs:
                 continue
-            result = outcome
-            comparisons.append(result.comparison)
-            if index == 0:
-                shown.insert(0, _described(result.slice, trace))
-            shown.append(f"`{name}`: speeds measured live")
-            shown.append(speed_table(result.speeds))
-            if index == 0 and write_docs:
-                shutil.copyfile(Path(folder) / "out" / PICTURE_FILE, PICTURE)
-    if comparisons:
-        shown.append(comparison_table(comparisons))
-        shown.append(_verdict(comparisons))
-    for item in shown:
-        console.print(item)
-    if write_docs:
-        body = "\n\n".join(markdown(item) if isinstance(item, Table) else item for item in shown)
-        if comparisons:
-            body += f"\n\n![slots over time, live and simulated]({PICTURE.relative_to(REPO / 'docs').as_posix()})"
-        write_region(REPO / "docs" / "simulator.md", "replay", body, stamp)
+            region, picture = _outputs(name)
+            body = "\n\n".join(markdown(item) if isinstance(item, Table) else item for item in shown)
+            if not isinstance(outcome, str):
+                shutil.copyfile(Path(folder) / "out" / PICTURE_FILE, picture)
+                body += (f"\n\n![slots over time, live and simulated, {name}]"
+                         f"({picture.relative_to(REPO / 'docs').as_posix()})")
+            write_region(REPO / "docs" / "simulator.md", region, body, stamp)
+            stamp = Stamp.started()
+
+
+def _outputs(policy: str) -> tuple[str, Path]:
+    """The region of docs/simulator.md and the picture a policy's replay writes."""
+    suffix = "" if policy == SERVER_DEFAULT else "-" + policy.replace(":", "-").replace("+", "-")
+    return f"replay{suffix}", IMAGES / f"replay{suffix}.png"
+
+
+def _shown(result: ReplayResult, name: str, trace: str) -> list[Table | str]:
+    """What a policy's replay shows: the slice, the speeds the simulation ran by, the comparison, the verdict."""
+    fitted = (f"`{name}`: speed models as the coordinator fitted them; {resizes_line(result.live)}; each restart "
+              f"charged {result.restart_s:.1f} s in the simulation (the median cost of the live resizes that finished)")
+    speeds: list[Table | str] = ([fitted, fit_table(result.fits)] if result.fits
+                                 else [f"`{name}`: speeds measured live", speed_table(result.speeds)])
+    return [_described(result.slice, trace), *speeds, comparison_table([result.comparison]),
+            _verdict([result.comparison])]
 
 
 def _described(cut: ReplaySlice, trace: str) -> str:

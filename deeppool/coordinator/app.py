@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobStatus, differences
+from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobSpeed, JobStatus, differences
 from deeppool.coordinator.metrics import CONTENT_TYPE, exposition
 from deeppool.coordinator.page import by_job, render
 from deeppool.coordinator.retention import Retention, disk_short, removed_reason
@@ -283,6 +283,13 @@ def create_app(store: Store, settings: ServerSettings, service: "Service | None"
     @app.get("/v1/jobs/{job_id}", responses=errors(401, 403, 404, 422))
     def job(job_id: JobId, name: User) -> Job:
         return owned(job_id, name)
+
+    @app.get("/v1/jobs/{job_id}/speed", responses=errors(401, 403, 404, 422))
+    def speed(job_id: JobId, name: User) -> JobSpeed:
+        """The job's measured speed points (per GPUs and batch) and its resizes: what its speed model is fitted
+        to, and its width over time."""
+        owned(job_id, name)
+        return JobSpeed(job_id=job_id, points=store.speeds([job_id])[job_id], resizes=store.resizes(job_id))
 
     @app.post("/v1/jobs/{job_id}/cancel", responses=errors(401, 403, 404, 409, 422))
     def cancel(job_id: JobId, name: User) -> Job:

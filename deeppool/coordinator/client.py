@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from deeppool.coordinator.jobs import Job, JobRequest
+from deeppool.coordinator.jobs import Job, JobRequest, JobSpeed
 from deeppool.errors import DeeppoolError
 
 DEFAULT_URL = "http://127.0.0.1:8470"
@@ -76,6 +76,10 @@ class Client:
 
     def job(self, job_id: int) -> Job:
         return Job.model_validate(self._call("GET", f"/v1/jobs/{job_id}").json())
+
+    def speed(self, job_id: int) -> JobSpeed:
+        """The job's measured speed points and its resizes."""
+        return JobSpeed.model_validate(self._call("GET", f"/v1/jobs/{job_id}/speed").json())
 
     def cancel(self, job_id: int) -> Job:
         return Job.model_validate(self._call("POST", f"/v1/jobs/{job_id}/cancel").json())

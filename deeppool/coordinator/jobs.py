@@ -177,6 +177,15 @@ class SpeedPoint(BaseModel):
     gns: float | None = None
 
 
+class JobSpeed(BaseModel):
+    """What the coordinator measured of a job (``GET /v1/jobs/{id}/speed``): its speed points, one per (GPUs,
+    batch) it ran on, which its speed model is fitted to, and its resizes, oldest first."""
+
+    job_id: int
+    points: list[SpeedPoint]
+    resizes: list[WidthChange]
+
+
 class JobEvent(BaseModel):
     id: int
     job_id: int

@@ -230,7 +230,8 @@ def _resume(config: RunConfig, engine: Engine, local: LocalModel, rank: int) -> 
     layer group it belongs to; under a plan for another GPU count (a policy's request) the checkpoint's
     groups differ, and it takes its tensors by name from every group's shard."""
     checkpoint = config.checkpoint
-    fresh = Progress(accumulate=config.training.accumulate, position=0, lr=config.optimizer.lr)
+    fresh = Progress(accumulate=config.training.accumulate, position=0, lr=config.optimizer.lr,
+                     asked_lr=config.optimizer.lr)
     if checkpoint is None or not checkpoint.resume:
         return 0, fresh
     done = intact(checkpoint.directory, lambda message: _show(f"warning: {message}") if rank == 0 else None)
@@ -258,7 +259,7 @@ def _resume(config: RunConfig, engine: Engine, local: LocalModel, rank: int) -> 
     kfac, preconditioner = load_kfac(checkpoint.directory, done, rank), parts.preconditioner
     if preconditioner is not None and kfac is not None and set(kfac["layers"]) == set(preconditioner.layers):
         preconditioner.load_state_dict(kfac)  # another plan's (a resize) differs: K-FAC starts afresh
-    return done, Progress(**run.progress)
+    return done, Progress(**run.progress).asked(config.optimizer.lr)
 
 
 def _copy_into(held: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) -> None:
@@ -270,9 +271,11 @@ def _copy_into(held: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) -
 
 
 def _shards(directory: Path, done: int, local: LocalModel, rank: int) -> list[GroupShard]:
-    """The shards holding this rank's tensors: those of the groups it belongs to, or, when they miss some
-    (a checkpoint of a plan for another GPU count, after a policy's request), every group's, read by name."""
-    mine = [load_group(directory, done, g) for g in sorted(set(local.groups.values())) if rank < g]
+    """The shards holding this rank's tensors: those of the groups it belongs to, or, when the checkpoint lacks
+    one or they miss some tensors (a checkpoint of a plan for another GPU count, after a policy's request or a
+    resize: a 1-GPU plan's has no 2-GPU group), every group's, read by name."""
+    present = set(checkpoint_groups(directory, done))
+    mine = [load_group(directory, done, g) for g in sorted(set(local.groups.values())) if rank < g and g in present]
     held = {name for shard in mine for name in (*shard.params, *shard.buffers)}
     if held >= {*local.params, *local.buffers}:
         return mine

@@ -45,7 +45,8 @@ def replay(
     The slice's arrivals and run times are compressed by one factor, its GPU counts mapped onto the
     coordinator's slots, each trace model mapped to a real model, whose iteration time a short calibration
     job measures first on the coordinator (with --dry-run: a step timed here). The simulator then runs the
-    same jobs under the same policy with the speeds the live run measured. Prints the average JCT and
+    same jobs under the same policy with the speeds the live run measured (under pollux: each job's speed model
+    as the coordinator fitted it, its width over time from the policy's decisions). Prints the average JCT and
     makespan of both; --out also gets replay.json and allocation.png (slots over time, live and simulated).
     """
     from deeppool import checks
@@ -75,7 +76,15 @@ def _replay(trace: str, *, server: str | None, token: str | None, policy: str, f
     from deeppool.cluster_sim.shipped import resolve
     from deeppool.cluster_sim.workload import read_workload
     from deeppool.output import console
-    from deeppool.replay.report import comparison_table, replay, slice_table, speed_table, write
+    from deeppool.replay.report import (
+        comparison_table,
+        fit_table,
+        replay,
+        resizes_line,
+        slice_table,
+        speed_table,
+        write,
+    )
     from deeppool.replay.slicing import SliceSettings, measure_step_s, needs, scale, sharing_cores
 
     workload = read_workload(resolve(trace))
@@ -99,7 +108,9 @@ def _replay(trace: str, *, server: str | None, token: str | None, policy: str, f
     if client is None:
         return
     result = replay(cut, client, policy, timeout_s=timeout, say=lambda line: err.print(line, highlight=False))
-    console().print(speed_table(result.speeds))
+    console().print(fit_table(result.fits) if result.fits else speed_table(result.speeds))
+    if result.fits:
+        console().print(resizes_line(result.live), highlight=False)
     console().print(comparison_table([result.comparison]))
     if out is not None:
         for path in write(result, out):

@@ -108,8 +108,8 @@ def simulate(run: LiveRun, speeds: dict[SpeedKey, MeasuredSpeed], policy: str, *
              start_up: bool = True) -> SimResult:
     """The live run's jobs in the simulator under ``policy``, run by ``speeds`` (the module docstring)."""
     if policy in ADAPTIVE:
-        raise DeeppoolError(f"replaying --policy {policy} needs each job's goodput model fitted from the live "
-                            "run (batch and GPUs change while it runs); this replay fits iteration times only")
+        raise DeeppoolError(f"--policy {policy} changes jobs' GPUs and batch while they run: its simulated half "
+                            "runs by the coordinator's speed models (deeppool.replay.adaptive)")
     jobs = []
     for index, record in enumerate(sorted(run.records, key=lambda r: (r.submitted_s, r.job_id))):
         speed = speeds[key_of(record.job.model, record.job.gpus)]

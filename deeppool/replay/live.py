@@ -3,11 +3,13 @@
 Each job is submitted as a foreground job at its arrival (an idempotency key per replay and job, so a
 retried request never makes a second job). The client polls the job list every ``poll_s`` seconds and
 keeps, per job, when it was submitted (the server's ``created_at``), when it held slots (from a state
-change's ``updated_at``: STARTING or RUNNING opens an interval, PENDING or an end closes it) and how it
-ended. A job first seen already past a state is timed by the poll that saw it last in the state before,
+change's ``updated_at``: STARTING or RUNNING opens an interval, PENDING or an end closes it), on how many
+slots (a resize under a co-adaptive policy changes them: a new width is timed by the ``updated_at`` of the
+move that came with it, else by the poll that saw it) and how it ended. A job first seen already past a state is timed by the poll that saw it last in the state before,
 so a time is late by at most ``poll_s``. Once every job has ended, each succeeded job's log gives its
 measured iteration time (the run's ``iteration: measured X ms`` line, the slowest rank's median after
-warm-up). Times are seconds from the first submission.
+warm-up), and the coordinator's ``GET /v1/jobs/{id}/speed`` its speed points and resizes. Times are seconds
+from the first submission.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from datetime import UTC, datetime
 
 from deeppool.cluster_sim.workload import TraceJob
 from deeppool.coordinator.client import Client
-from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobStatus
+from deeppool.coordinator.jobs import Job, JobKind, JobRequest, JobSpeed, JobStatus
 from deeppool.errors import DeeppoolError
 from deeppool.replay.slicing import ReplayJob, StepTimer
 from deeppool.scheduling.choice import ModelChoice
@@ -43,6 +45,10 @@ class LiveRecord:
     reason: str
     iteration_s: float | None
     """its run's measured iteration time; None when it did not succeed or its log does not say"""
+    widths: tuple[tuple[float, float, int], ...] = ()
+    """the held intervals cut where its width changed: (from, to, slots)"""
+    speed: JobSpeed | None = None
+    """what the coordinator measured of it: speed points and resizes"""
 
     @property
     def finished_s(self) -> float:
@@ -62,6 +68,9 @@ class LiveRun:
     url: str
     slots: int
     records: tuple[LiveRecord, ...]
+    began_at: float = 0.0
+    """the first submission's wall time (Unix seconds): a policy that decides on a wall-clock tick ticks at
+    the same offsets from it in the simulation"""
 
     @property
     def makespan_s(self) -> float:
@@ -82,10 +91,16 @@ class _Watch:
     last_seen: datetime | None = None
     opened: datetime | None = None
     held: list[tuple[datetime, datetime]] = field(default_factory=list)
+    widths: list[tuple[datetime, int]] = field(default_factory=list)
+    """(from when, slots) each time the width it held changed"""
     reason: str = ""
 
     def see(self, job: Job, polled: datetime) -> None:
-        """Record a poll's view of the job; a state change is timed by its ``updated_at``."""
+        """Record a poll's view of the job; a state change is timed by its ``updated_at``, a width change by
+        the ``updated_at`` of a move that came with it, else by the poll."""
+        if job.state in HOLDING and (not self.widths or self.widths[-1][1] != job.held):
+            moved = job.state is not self.state or (self.last_seen is not None and job.updated_at > self.last_seen)
+            self.widths.append((job.updated_at if moved else polled, job.held))
         if job.state is not self.state:
             holding = job.state in HOLDING
             if holding and self.opened is None:
@@ -95,6 +110,7 @@ class _Watch:
                 self.opened = None
             elif job.state.terminal and self.state is JobStatus.PENDING:  # it ran between two polls
                 self.held.append((self.last_seen or self.created, job.updated_at))
+                self.widths.append((self.last_seen or self.created, job.held))
             self.state, self.reason = job.state, job.reason or ""
         self.last_seen = polled
 
@@ -172,10 +188,30 @@ def _collect(client: Client, watches: dict[int, _Watch]) -> LiveRun:
     records = []
     for job_id, watch in sorted(watches.items()):
         iteration = measured_iteration_s("".join(client.log(job_id))) if watch.state is JobStatus.SUCCEEDED else None
-        records.append(LiveRecord(job=watch.job, job_id=job_id, submitted_s=since(watch.created),
-                                  held=tuple((since(a), since(b)) for a, b in watch.held), state=watch.state,
-                                  reason=watch.reason, iteration_s=iteration))
-    return LiveRun(url=client.url, slots=int(client.cluster()["gpus"]), records=tuple(records))
+        held = tuple((since(a), since(b)) for a, b in watch.held)
+        records.append(LiveRecord(job=watch.job, job_id=job_id, submitted_s=since(watch.created), held=held,
+                                  state=watch.state, reason=watch.reason, iteration_s=iteration,
+                                  widths=cut_by_width(held, [(since(at), slots) for at, slots in watch.widths],
+                                                      watch.job.gpus),
+                                  speed=client.speed(job_id)))
+    return LiveRun(url=client.url, slots=int(client.cluster()["gpus"]), records=tuple(records),
+                   began_at=zero.timestamp())
+
+
+def cut_by_width(held: Sequence[tuple[float, float]], changes: Sequence[tuple[float, int]],
+                 asked: int) -> tuple[tuple[float, float, int], ...]:
+    """The held intervals cut where the width changed (``changes``: (from when, slots), in order): (from, to,
+    slots); before the first change a job holds the slots it ``asked`` for."""
+    cut = []
+    for start, end in held:
+        width = next((slots for at, slots in reversed(changes) if at <= start), changes[0][1] if changes else asked)
+        edges = [(at, slots) for at, slots in changes if start < at < end]
+        for at, slots in edges:
+            if slots != width:
+                cut.append((start, at, width))
+                start, width = at, slots
+        cut.append((start, end, width))
+    return tuple(cut)
 
 
 def measured_iteration_s(log: str) -> float | None:

@@ -1,8 +1,8 @@
 """The replay's picture: slots over time, each job a coloured band, one panel per run (live, then simulated).
 
 The coordinator and the simulator hand out slots as a pool, by count, so the picture places each job's
-interval on the lowest slots free for its whole length (first fit, in start order); a job has the same
-colour and label in every panel.
+interval on the lowest slots free for its whole length (first fit, in start order); a job resized while it
+ran is one band per width; a job has the same colour and label in every panel.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ class Band:
 
 def live_bands(run: LiveRun) -> list[Band]:
     order = {record.job_id: index for index, record in enumerate(sorted(run.records, key=_submission))}
-    return [Band(job=order[r.job_id], name=r.job.name, gpus=r.job.gpus, start_s=start, end_s=end)
-            for r in run.records for start, end in r.held]
+    return [Band(job=order[r.job_id], name=r.job.name, gpus=gpus, start_s=start, end_s=end)
+            for r in run.records for start, end, gpus in (r.widths or [(a, b, r.job.gpus) for a, b in r.held])]
 
 
 def simulated_bands(result: SimResult) -> list[Band]:

@@ -12,10 +12,12 @@ from rich.table import Table
 
 from deeppool.cluster_sim.engine import SimResult
 from deeppool.coordinator.client import Client
+from deeppool.replay.adaptive import FittedSpeed, replay_adaptive
 from deeppool.replay.compare import MeasuredSpeed, ReplayComparison, SpeedKey, compare, measured_speeds
 from deeppool.replay.live import LiveRun, run_live
-from deeppool.replay.plot import draw, live_bands, simulated_bands
+from deeppool.replay.plot import Band, draw, live_bands, simulated_bands
 from deeppool.replay.slicing import ReplaySlice
+from deeppool.scheduling.policies import ADAPTIVE
 
 JSON_FILE = "replay.json"
 PICTURE_FILE = "allocation.png"
@@ -28,15 +30,29 @@ class ReplayResult:
     speeds: dict[SpeedKey, MeasuredSpeed]
     comparison: ReplayComparison
     simulated: SimResult
+    bands: tuple[Band, ...]
+    """the simulated run's slots over time"""
+    fits: tuple[FittedSpeed, ...] = ()
+    """a co-adaptive policy's speed models as the coordinator fitted them (``speeds`` is then empty)"""
+    restart_s: float = 0.0
+    """the restart the simulation charged (a co-adaptive replay: the live resizes' median cost)"""
 
 
 def replay(cut: ReplaySlice, client: Client, policy: str, *, timeout_s: float = 3600.0,
            say: Callable[[str], None] = lambda line: None) -> ReplayResult:
-    """Run ``cut`` live on ``client``'s coordinator (which runs ``policy``), then in the simulator."""
+    """Run ``cut`` live on ``client``'s coordinator (which runs ``policy``), then in the simulator: by the
+    speeds the jobs' logs measured (:mod:`deeppool.replay.compare`), or, for a co-adaptive policy, by the speed
+    models the coordinator fitted (:mod:`deeppool.replay.adaptive`)."""
     live = run_live(cut.jobs, client, timeout_s=timeout_s, say=say)
+    if policy in ADAPTIVE:
+        adaptive = replay_adaptive(live, policy)
+        return ReplayResult(slice=cut, live=live, speeds={}, comparison=adaptive.comparison,
+                            simulated=adaptive.simulated, bands=adaptive.bands, fits=adaptive.fits,
+                            restart_s=adaptive.restart_s)
     speeds = measured_speeds(live)
     comparison, simulated = compare(live, policy, speeds)
-    return ReplayResult(slice=cut, live=live, speeds=speeds, comparison=comparison, simulated=simulated)
+    return ReplayResult(slice=cut, live=live, speeds=speeds, comparison=comparison, simulated=simulated,
+                        bands=tuple(simulated_bands(simulated)))
 
 
 def slice_table(cut: ReplaySlice) -> Table:
@@ -62,6 +78,30 @@ def speed_table(speeds: dict[SpeedKey, MeasuredSpeed]) -> Table:
     return table
 
 
+def fit_table(fits: tuple[FittedSpeed, ...]) -> Table:
+    table = Table(title="speed models the coordinator fitted (T = alpha + beta * batch / slots, over the points "
+                        "of each model's jobs)")
+    for column in ("model", "jobs", "points (slots, batch, ms)", "alpha ms", "beta ms/sample", "noise scale",
+                   "start-up s"):
+        table.add_column(column, justify="left" if column in ("model", "points (slots, batch, ms)") else "right")
+    for fit in fits:
+        points = ", ".join(f"({g}, {b}, {s * 1e3:.0f})" for g, b, s in fit.points) or "none"
+        noise = "-" if fit.noise_scale is None else f"{fit.noise_scale:.1f}"
+        table.add_row(fit.model, str(fit.jobs), points, f"{fit.alpha_s * 1e3:.1f}", f"{fit.beta_s * 1e3:.2f}",
+                      noise, f"{fit.start_up_s:.1f}")
+    return table
+
+
+def resizes_line(live: LiveRun) -> str:
+    """How many resizes the live run's coordinator made, by how each ended (the coordinator's records)."""
+    phases: dict[str, int] = {}
+    for record in live.records:
+        for change in record.speed.resizes if record.speed is not None else ():
+            phases[change.phase] = phases.get(change.phase, 0) + 1
+    shown = ", ".join(f"{count} {phase.lower()}" for phase, count in sorted(phases.items()))
+    return f"resizes in the live run: {sum(phases.values())}" + (f" ({shown})" if shown else "")
+
+
 def comparison_table(comparisons: list[ReplayComparison]) -> Table:
     table = Table(title="live against simulated (gap: simulated / live - 1; steps only: the simulation without "
                         "start-up)")
@@ -82,7 +122,7 @@ def write(result: ReplayResult, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     picture = out / PICTURE_FILE
     draw([(f"live: coordinator at {result.live.url}, policy {result.comparison.policy}", live_bands(result.live)),
-          ("simulated: the same jobs and policy, speeds measured live", simulated_bands(result.simulated))],
+          ("simulated: the same jobs and policy, speeds measured live", result.bands)],
          result.live.slots, picture)
     data = out / JSON_FILE
     data.write_text(json.dumps(_json(result), indent=2))
@@ -98,10 +138,13 @@ def _json(result: ReplayResult) -> dict[str, Any]:
                        "steps_only": asdict(result.comparison.steps_only), "jct_gap": result.comparison.jct_gap,
                        "makespan_gap": result.comparison.makespan_gap},
         "speeds": [asdict(speed) for speed in result.speeds.values()],
+        "fits": [asdict(fit) for fit in result.fits], "restart_s": result.restart_s,
         "live": [{"name": r.job.name, "job_id": r.job_id, "model": r.job.model.name, "batch": r.job.batch,
                   "slots": r.job.gpus, "steps": r.job.steps, "submitted_s": r.submitted_s, "held": r.held,
-                  "state": r.state.value, "iteration_s": r.iteration_s, "jct_s": r.jct_s}
+                  "widths": r.widths, "state": r.state.value, "iteration_s": r.iteration_s, "jct_s": r.jct_s,
+                  "coordinator": r.speed.model_dump(mode="json") if r.speed is not None else None}
                  for r in result.live.records],
         "simulated": [{"name": r.name, "start_s": r.start_s, "finish_s": r.finish_s, "jct_s": r.jct_s}
                       for r in result.simulated.records],
+        "simulated_widths": [asdict(band) for band in result.bands],
     }

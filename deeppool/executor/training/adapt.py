@@ -38,9 +38,21 @@ class Progress:
     accumulate: int
     position: int
     lr: float
+    """the base learning rate in effect (a policy's change included)"""
+    asked_lr: float | None = None
+    """the learning rate the run that wrote it was asked for (``--lr``; None in checkpoints from before it was
+    kept): a run resumed with another asked LR scales ``lr`` by their ratio (:meth:`asked`)"""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def asked(self, lr: float) -> Progress:
+        """This progress for a resumed run asked for learning rate ``lr``: the base LR scaled by ``lr`` over the
+        one the checkpointing run was asked for (a coordinator's batch change asks ``base × AdaScale's gain``),
+        so a policy's change to it carries over; unchanged when they agree or the checkpoint does not say."""
+        if self.asked_lr is None or self.asked_lr == lr:
+            return replace(self, asked_lr=lr)
+        return replace(self, lr=self.lr * lr / self.asked_lr, asked_lr=lr)
 
 
 @dataclass(frozen=True, kw_only=True)
