@@ -200,3 +200,18 @@ def test_a_python_plan_runs_with_the_module_itself(tmp_path: Path) -> None:
     summary = deeppool.run(plan, model=module, config=RunConfig(steps=3, warmup=1, out_dir=tmp_path))
     assert summary["gpus"] == 2 and summary["steps"] == 3
     assert Plan.load(tmp_path / "plan.json").model.source is ModelSource.SAVED
+
+
+def test_a_model_file_names_its_builder_after_a_colon(tmp_path: Path, capsys) -> None:
+    source = (MODELS / "tiny_mlp.py").read_text().replace("def model()", "def build()")
+    (tmp_path / "tiny.py").write_text(source)
+    out = tmp_path / "plans" / "tiny-plan.json"
+    code, err = deeppool_cli(capsys, "plan", f"{tmp_path / 'tiny.py'}:build", "--gpus", "2", "--batch", "8",
+                             "--device-model", "a100", "--out", str(out))
+    assert code == 0, err
+    model = json.loads(out.read_text())["model"]
+    assert (model["source"], model["location"], model["function"]) == ("file", "../tiny.py", "build")
+    assert type(load_model(Plan.load(out).model).module).__name__ == "TinyResidual"
+    code, err = deeppool_cli(capsys, "plan", f"{tmp_path / 'tiny.py'}:missing", "--gpus", "2", "--batch", "8",
+                             "--device-model", "a100", "--out", str(tmp_path / "other.json"))
+    assert code == 2 and err.startswith("error: ") and "defines no missing() function" in err

@@ -2,7 +2,7 @@
 
 A *model file* is a Python file that defines::
 
-    def model() -> nn.Module                                        # required
+    def model() -> nn.Module                       # required (``file.py:build`` names another function)
     def inputs(batch_size: int) -> tuple[Tensor, ...] | dict[str, Any]  # required: forward's args
     def targets(batch_size: int) -> Tensor                          # optional
     def loss(output: Any, targets: Tensor | None) -> Tensor         # optional, mean over samples
@@ -159,16 +159,16 @@ def _no_targets(batch_size: int) -> None:
 
 def _load_file(spec: ModelSpec) -> LoadedModel:
     module = _import_file(Path(spec.location))
-    for required in ("model", "inputs"):
+    for required in (spec.function, "inputs"):
         if not callable(getattr(module, required, None)):
             raise DeeppoolError(
                 f"model file '{spec.location}' defines no {required}() function: "
-                "a model file must define model() and inputs(batch_size)"
+                f"a model file must define {spec.function}() and inputs(batch_size)"
             )
     import torch
 
     torch.manual_seed(spec.seed)
-    model = _build(module.model, spec.location)
+    model = _build(getattr(module, spec.function), spec.location)
     return LoadedModel(
         module=model,
         inputs=_tupled(module.inputs),

@@ -45,6 +45,8 @@ class ModelSpec:
     seed: int = 0
     root: str = ""
     """A factory's import folder (the current one when it was planned); '' imports from the current folder."""
+    function: str = "model"
+    """A model file's function that builds the module (``model.py:build`` names ``build``)."""
 
     def __post_init__(self) -> None:
         if self.source in (ModelSource.FACTORY, ModelSource.SAVED) and not self.input_shape:
@@ -72,13 +74,15 @@ class ModelSpec:
         cls, text: str, *, input_shape: tuple[int, ...] = (), input_dtype: str = "float32", vocab_size: int = 0,
         seed: int = 0,
     ) -> ModelSpec:
-        """A path to a ``.py`` file, or ``package.module:callable``."""
-        if text.endswith(".py") or Path(text).exists():
-            path = Path(text)
+        """A path to a ``.py`` file (``model.py``, or ``model.py:build`` for another function than ``model``),
+        or ``package.module:callable``."""
+        file, function = _file_and_function(text)
+        if file.endswith(".py") or Path(file).exists():
+            path = Path(file)
             if not path.is_file():
-                raise DeeppoolError(f"model file '{text}' does not exist: check the path")
+                raise DeeppoolError(f"model file '{file}' does not exist: check the path")
             _no_factory_options(text, input_shape=input_shape, input_dtype=input_dtype, vocab_size=vocab_size)
-            return cls(source=ModelSource.FILE, location=str(path.resolve()), seed=seed)
+            return cls(source=ModelSource.FILE, location=str(path.resolve()), seed=seed, function=function)
         if ":" not in text:
             raise DeeppoolError(
                 f"model '{text}' is neither a .py file nor 'package.module:callable'"
@@ -98,7 +102,7 @@ class ModelSpec:
             "vocab_size": self.vocab_size,
             "seed": self.seed,
             "root": _relative(self.root, base) if self.root else "",
-        }
+        } | ({"function": self.function} if self.function != "model" else {})
 
     @classmethod
     def from_json(cls, data: dict[str, Any], *, base: Path | None = None) -> ModelSpec:
@@ -117,6 +121,7 @@ class ModelSpec:
             vocab_size=int(data.get("vocab_size", 0)),
             seed=int(data.get("seed", 0)),
             root=_absolute(root, base) if root else "",
+            function=str(data.get("function", "model")),
         )
 
 
@@ -129,6 +134,14 @@ def _relative(path: str, base: Path | None) -> str:
 
 def _absolute(path: str, base: Path | None) -> str:
     return path if base is None else os.path.normpath(base / path)
+
+
+def _file_and_function(text: str) -> tuple[str, str]:
+    """``model.py:build`` as (``model.py``, ``build``); any other text as (text, ``model``)."""
+    file, colon, function = text.rpartition(":")
+    if colon and file.endswith(".py") and function.isidentifier():
+        return file, function
+    return text, "model"
 
 
 def _no_factory_options(text: str, *, input_shape: tuple[int, ...], input_dtype: str, vocab_size: int) -> None:
