@@ -23,7 +23,6 @@ import argparse
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -37,32 +36,11 @@ from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.service import Service
 from deeppool.coordinator.store import Store
 from deeppool.docregions import Stamp, markdown, write_region
-from deeppool.scheduling import POLICIES, Decision, PlanMode, Snapshot, Start
+from deeppool.scheduling.scripted import ScriptedResizes
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "benchmarks" / "models" / "mlp.py"
 START_GPUS, BATCH = 2, 32
-
-
-@dataclass
-class Resizes:
-    """FIFO with backfilling; the job moved to each of ``widths`` once it made a step on the one before."""
-
-    job_id: int
-    widths: list[int]
-    name: str = "benchmark-resizes"
-    reached: list[float] = field(default_factory=list)
-
-    def decide(self, snap: Snapshot) -> Decision:
-        state, held = snap.adaptive.get(self.job_id), snap.holding.get(self.job_id)
-        if self.widths and state is not None and held == self.widths[0]:
-            self.widths.pop(0)
-            self.reached.append(state.progress)
-        if self.widths and state is not None and held is not None and state.progress > max(self.reached,
-                                                                                            default=0.0) + 1:
-            return Decision(preempt=(self.job_id,), start=(Start(job_id=self.job_id, gpus=self.widths[0],
-                                                                 mode=PlanMode.BURST),))
-        return POLICIES["fifo-backfill"].decide(snap)
 
 
 def measure(widths: list[int], steps: int, root: Path) -> list[WidthChange]:
@@ -74,7 +52,8 @@ def measure(widths: list[int], steps: int, root: Path) -> list[WidthChange]:
     runtime = Runtime(store, LocalLauncher(folder, cgroups=False),
                       DriverSteps(folder=folder, elastic=True, allowed_roots=(REPO,)), grace_s=30)
     slots = max(START_GPUS, *widths)
-    service = Service(runtime, Resizes(job_id=job.id, widths=list(widths)), slots, elastic=Elastic(runtime, slots))
+    policy = ScriptedResizes(job_id=job.id, widths=list(widths))
+    service = Service(runtime, policy, slots, elastic=Elastic(runtime, slots))
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         service.tick()

@@ -14,7 +14,7 @@ import signal
 import sqlite3
 import time
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,35 +33,14 @@ from deeppool.coordinator.service import Service, snapshot
 from deeppool.coordinator.speeds import measured, speed_model
 from deeppool.coordinator.store import Store
 from deeppool.errors import DeeppoolError
-from deeppool.scheduling import POLICIES, Decision, PlanMode, PolluxPolicy, Snapshot, Start
+from deeppool.scheduling import POLICIES, PolluxPolicy
+from deeppool.scheduling.scripted import ScriptedResizes
 from tests.coordinator.accounts import job_folder
 from tests.coordinator.test_durability import start
 from tests.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "tests" / "coordinator" / "models" / "burst_cnn.py"
-
-
-@dataclass
-class ResizeAtProgress:
-    """FIFO with backfilling, and job ``job_id`` moved to each of ``widths`` in turn: asked (every decision, as a
-    resize under way refuses another) once it has made a step of progress on its last width."""
-
-    job_id: int
-    widths: list[int]
-    name: str = "resize-at-progress"
-    reached: list[float] = field(default_factory=list)
-
-    def decide(self, snap: Snapshot) -> Decision:
-        state, held = snap.adaptive.get(self.job_id), snap.holding.get(self.job_id)
-        if self.widths and state is not None and held == self.widths[0]:
-            self.widths.pop(0)
-            self.reached.append(state.progress)
-        if self.widths and state is not None and held is not None and state.progress > max(self.reached,
-                                                                                            default=0.0) + 1:
-            return Decision(preempt=(self.job_id,), start=(Start(job_id=self.job_id, gpus=self.widths[0],
-                                                                 mode=PlanMode.BURST),))
-        return POLICIES["fifo-backfill"].decide(snap)
 
 
 @dataclass
@@ -106,7 +85,7 @@ def test_a_job_resized_2_to_1_to_2_continues_the_loss_of_an_unresized_run_and_re
     store.create_token("alice")
     elastic, reference = _submit(store, 2, 24), _submit(store, 1, 24)
     store.close()
-    cluster = Cluster.make(tmp_path, ResizeAtProgress(job_id=elastic, widths=[1, 2]), gpus=3)
+    cluster = Cluster.make(tmp_path, ScriptedResizes(job_id=elastic, widths=[1, 2]), gpus=3)
     cluster.run_until(lambda: all(cluster.store.job(j).state.terminal for j in (elastic, reference)))
     job, events = cluster.store.job(elastic), [e.reason for e in cluster.store.events(elastic)]
     assert job.state is JobStatus.SUCCEEDED and job.held == 2, events
@@ -126,7 +105,7 @@ def test_a_server_lost_mid_resize_leaves_a_job_the_next_one_resumes(tmp_path: Pa
     store.create_token("alice")
     job_id = _submit(store, 2, 120)
     store.close()
-    first = Cluster.make(tmp_path, ResizeAtProgress(job_id=job_id, widths=[1]), gpus=2)
+    first = Cluster.make(tmp_path, ScriptedResizes(job_id=job_id, widths=[1]), gpus=2)
     first.run_until(lambda: bool(first.store.resizes(job_id)))
     first.store.close()  # the server is gone mid-resize: only the database and the processes remain
     second = Cluster.make(tmp_path, POLICIES["fifo-backfill"], gpus=2)
@@ -143,7 +122,7 @@ def test_a_resize_whose_restart_fails_goes_back_to_the_last_good_width_with_no_s
     job, _ = store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model=str(MODEL), gpus=2, batch=2, steps=300))
     store.close()
     # 3 GPUs for a global batch of 2: the planner refuses the new width, so the new attempt fails before a step
-    cluster = Cluster.make(tmp_path, ResizeAtProgress(job_id=job.id, widths=[3]), gpus=3)
+    cluster = Cluster.make(tmp_path, ScriptedResizes(job_id=job.id, widths=[3]), gpus=3)
     cluster.run_until(lambda: cluster.store.job(job.id).state.terminal)
     done, (change,) = cluster.store.job(job.id), cluster.store.resizes(job.id)
     events = [e.reason for e in cluster.store.events(job.id)]

@@ -10,7 +10,8 @@ import pytest
 
 from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
 from deeppool.coordinator.store import Store
-from tests.coordinator.test_elastic import Cluster, ResizeAtProgress
+from deeppool.scheduling.scripted import ScriptedResizes
+from tests.coordinator.test_elastic import Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # real ranks and a resize: about a minute on 2 busy cores
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +26,7 @@ def test_a_job_grown_from_one_gpu_to_a_data_parallel_plan_resumes_and_finishes(t
     alone, _ = store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model=str(MODEL), gpus=1, batch=16,
                                                 steps=80))
     store.close()
-    cluster = Cluster.make(tmp_path, ResizeAtProgress(job_id=grown.id, widths=[2]), gpus=3)
+    cluster = Cluster.make(tmp_path, ScriptedResizes(job_id=grown.id, widths=[2]), gpus=3)
     cluster.run_until(lambda: all(cluster.store.job(j).state.terminal for j in (grown.id, alone.id)), timeout_s=600)
     events = [e.reason for e in cluster.store.events(grown.id)]
     job, (change,) = cluster.store.job(grown.id), cluster.store.resizes(grown.id)
