@@ -198,6 +198,7 @@ def test_data_dependent_control_flow_is_refused_at_plan_time(tmp_path: Path, cap
 @pytest.mark.parametrize(("name", "words"), [
     ("layerdrop", ("layerdrop.py:", "if torch.rand([]) < self.layerdrop", "set its probability to 0")),
     ("running_mean", ("'norm.mean'", "from the batch's values")),
+    ("contrastive", ("makes the batch size a constant", "contrastive loss")),
 ])
 def test_model_is_refused_at_plan_time_naming_the_line_or_buffer(
     tmp_path: Path, capfd, name: str, words: tuple[str, ...]

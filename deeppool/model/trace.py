@@ -66,6 +66,8 @@ _FX_IDIOMS = (
     ("does not support item assignment", "an assignment into a slice of a traced tensor"),
 )
 """Words of torch.fx's error and what they mean in the model's code."""
+_BATCH_FIXED = "specialized it to be a constant"
+"""torch.export's words for a dynamic batch dimension the model's code fixed."""
 _INDEX_OPS = ("nonzero", "argwhere")
 """Ops whose output rows are positions in their input."""
 
@@ -396,6 +398,11 @@ def _export(model: nn.Module, named: Mapping[str, Any]) -> fx.GraphModule:
 def _export_failure(err: BaseException) -> str:
     """One line: where in the model's code torch.export stopped, and why."""
     reason = f"{type(err).__name__}: {_first_line(err)}"
+    if _BATCH_FIXED in str(err):
+        return (f"torch.export cannot trace the model either{_at_line(err)}: its code makes the batch size a "
+                "constant (e.g. a batch-by-batch similarity matrix with arange(batch) labels, as a contrastive loss "
+                "has, or a reshape to a fixed batch), so its samples are not computed each from itself alone and "
+                "the batch cannot be split across GPUs")
     if not data_dependent(err):
         return f"torch.export cannot trace the model either{_at_line(err)} ({reason})"
     frame = user_frame(err)
