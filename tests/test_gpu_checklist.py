@@ -32,6 +32,7 @@ def _checklist_files() -> tuple[str, ...]:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_the_dry_run_passes_within_its_budget_and_writes_one_report(tmp_path: Path) -> None:
     budget_s = 480
     started = time.perf_counter()

@@ -48,10 +48,11 @@ CASES = (
     Case("profile-network", ("profile-network", "--out", "net.json"), ("net.json",), 6.0),
     Case("serve", ("serve", "--port", "PORT", "--gpus", "2", "--paused"), (), 5.0),  # paused: root needs no --job-user
 )
-COVERED = {"profile", "multiplex bench", "profile-network"}
+COVERED = {"profile", "multiplex bench", "profile-network", "simulate"}
 """In the heavy tier: ``plan`` measures locally by default, so its case interrupts the same profiler (9 s each);
 ``multiplex bench`` starts its ranks through the launcher ``run``'s case interrupts, and ``profile-network``
-its probe ranks through the same ``die_on_interrupt`` (12 s and 7 s)."""
+its probe ranks through the same ``die_on_interrupt`` (12 s and 7 s); ``simulate`` plans its models in the pool of
+workers ``simulate-deeppool``'s case interrupts."""
 
 
 @pytest.fixture(scope="module")

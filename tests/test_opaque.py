@@ -93,6 +93,7 @@ def test_a_branch_eager_torch_answers_with_an_int_is_left_to_the_comparison_of_r
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_moe_plans_and_trains_burst_parallel_exactly_on_two_ranks(tmp_path: Path, capfd):
     plan = tmp_path / "plan.json"
     planned = deeppool(capfd, "plan", str(ZOO / "moe.py"), "--gpus", "2", "--batch", "4", "--device-model", "a100",

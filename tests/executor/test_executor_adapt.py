@@ -77,6 +77,7 @@ def test_in_a_burst_plan_the_slow_rank_of_a_group_is_found_first(tmp_path: Path,
     assert summary["stragglers"][0]["rank"] == 2 and summary["stragglers"][0]["relative_speed"] < 0.8
 
 
+@pytest.mark.heavy
 def test_healthy_ranks_are_never_flagged(tmp_path: Path, capfd) -> None:
     """4 ranks on the CI host's 2 cores, about 5 s: a core there computes 1.4-1.5x slower for stretches of up to
     0.7 s (300 steps of 1-2 ms flagged a healthy rank at 0.76x before the time floor)."""

@@ -99,6 +99,7 @@ def test_local_batch_norm_resumes_each_ranks_own_statistics(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the in-process tests above train and resume the same statistics
 def test_run_with_local_batch_norm_trains_per_rank_statistics_in_processes(tmp_path: Path, capfd) -> None:
     plan = make_plan("deep_bn", global_batch=7, gpus=2, assign=cycle(2))
     plan.save(tmp_path / "plan.json")

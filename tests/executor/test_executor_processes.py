@@ -77,7 +77,7 @@ def faulty_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     ("fault", "message"),
     [
-        ("raise:1:6", "rank 1 failed: RuntimeError: injected failure"),
+        pytest.param("raise:1:6", "rank 1 failed: RuntimeError: injected failure", marks=pytest.mark.heavy),
         ("kill:2:6", "rank 2 was killed by SIGKILL"),
         ("hang:1:6", "rank 1 stopped responding"),
         pytest.param("stop:2:6", "rank 2 stopped responding", marks=pytest.mark.heavy),  # as hang's, 12 s

@@ -78,7 +78,8 @@ def test_multi_layer_stages_pass_the_check(name: str, batch: int, gpus: int, ass
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("assign", [cycle(2), cycle(2, 2, 2, 1, 1, 1)], ids=["data-parallel", "burst"])
+@pytest.mark.parametrize("assign", [pytest.param(cycle(2), marks=pytest.mark.heavy), cycle(2, 2, 2, 1, 1, 1)],
+                         ids=["data-parallel", "burst"])  # burst stages cover data-parallel ones
 def test_dropout_in_place_ops_and_a_tied_head_in_stages_stay_exact(tmp_path: Path, capfd, assign: Assign) -> None:
     # Real processes: thread ranks share the process's default generator, which per-sample draws reseed.
     plan_path = tmp_path / "plan.json"

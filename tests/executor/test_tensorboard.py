@@ -40,6 +40,7 @@ def _scalars(folder: Path, tag: str) -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_the_scalars_appear_while_the_run_goes_on(tmp_path: Path) -> None:
     make_plan("mlp", global_batch=8, gpus=2, assign=cycle(2, 1)).save(tmp_path / "plan.json")
     run = subprocess.Popen([sys.executable, "-m", "deeppool.cli", "run", "plan.json", "--steps", "100000",

@@ -110,6 +110,7 @@ for _ in range(3):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_a_loop_that_never_reads_its_losses_leaves_no_collective_unwaited(tmp_path: Path) -> None:
     """Each step's loss all-reduce runs in the background; the library waits for every one (the last at exit),
     so torch does not warn of unwaited collectives when the script ends."""

@@ -119,7 +119,7 @@ def test_a_crashing_background_is_reported_and_the_foreground_finishes(plan_path
     assert "background model blew up; the foreground went on" in proc.stdout
 
 
-@pytest.mark.parametrize("fault", ["raise:1:20", "kill:1:20"])
+@pytest.mark.parametrize("fault", ["raise:1:20", pytest.param("kill:1:20", marks=pytest.mark.heavy)])
 def test_a_foreground_failure_stops_the_background(tmp_path: Path, fault: str, capfd, monkeypatch) -> None:
     plan = tmp_path / "plan.json"
     make_plan("faulty", global_batch=6, gpus=2, assign=cycle(2, 1)).save(plan)

@@ -25,11 +25,17 @@ def simulate(out: Path, cache: Path, *extra: str) -> dict:
     return json.loads((out / "metrics.json").read_text())["burst+bg"]
 
 
-def test_measured_interference_changes_the_background_throughput(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One planning cache for the module's simulations: each plans the same trace's models."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def test_measured_interference_changes_the_background_throughput(tmp_path: Path, cache: Path) -> None:
     measured = tmp_path / "interference.json"
     measured.write_text(json.dumps({"mode": "gate", "fg_slowdown": 1.3, "bg_efficiency": 0.05}))
-    assumed = simulate(tmp_path / "assumed", tmp_path / "cache")
-    used = simulate(tmp_path / "measured", tmp_path / "cache", "--interference", str(measured))
+    assumed = simulate(tmp_path / "assumed", cache)
+    used = simulate(tmp_path / "measured", cache, "--interference", str(measured))
     run = json.loads((tmp_path / "measured" / "run.json").read_text())
     assert run["interference"]["fg_slowdown"] == 1.3 and run["interference"]["bg_efficiency"] == 0.05
     assert used["bg_throughput"] < assumed["bg_throughput"]
@@ -55,14 +61,14 @@ def test_efficiency_follows_the_measured_window_length_bins() -> None:
         InterferenceModel(efficiency_by_window_ms=((4.0, 0.5), (1.0, 0.5)))
 
 
-def test_a_curve_that_fills_no_window_of_the_plans_lends_nothing(tmp_path: Path) -> None:
+def test_a_curve_that_fills_no_window_of_the_plans_lends_nothing(tmp_path: Path, cache: Path) -> None:
     curve = [{"window_ms": 1e6, "efficiency": 1.0}]  # only windows of 1000 s and longer would be filled
     measured = tmp_path / "interference.json"
     measured.write_text(json.dumps({"fg_slowdown": 1.0, "bg_efficiency": 1.0, "efficiency_by_window_ms": curve}))
     flat = tmp_path / "flat.json"
     flat.write_text(json.dumps({"fg_slowdown": 1.0, "bg_efficiency": 1.0}))
-    with_curve = simulate(tmp_path / "curve", tmp_path / "cache", "--interference", str(measured))
-    without = simulate(tmp_path / "flat", tmp_path / "cache", "--interference", str(flat))
+    with_curve = simulate(tmp_path / "curve", cache, "--interference", str(measured))
+    without = simulate(tmp_path / "flat", cache, "--interference", str(flat))
     assert with_curve["bg_throughput"] < without["bg_throughput"]
 
 

@@ -311,7 +311,7 @@ def test_another_op_that_fails_at_a_measured_batch_is_one_error_line_not_a_fitte
     assert not (tmp_path / "plan.json").exists()
 
 
-@pytest.mark.parametrize("batch", [2, 4])
+@pytest.mark.parametrize("batch", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_run_refuses_a_device_model_plan_whose_per_gpu_batch_breaks_an_op_in_one_line(tmp_path, capfd, batch):
     """A device model measures nothing, so its plan may give a layer a batch its ops cannot run: ``run`` probes
     that batch before any rank starts (at global batch 4 each rank gets 2 samples, which the op runs)."""
