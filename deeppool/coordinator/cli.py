@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from deeppool.coordinator.slurm import SlurmSettings
     from deeppool.coordinator.supervisor import JobCaps
 
+MIN_FREE_MB = 512
+"""The free space a jobs' folder keeps unless told (``--min-free-mb``), at most an eighth of its own disk."""
+MIN_JOBS_DISK_MB = 8
+"""The smallest jobs' file system ``--jobs-disk-mb`` makes (ext4's journal and tables take a few MiB)."""
 REQUESTS_GRACE_S = 1.0
 """At a stop, how long requests in flight may take to finish: a client that stalls in its body must not hold the
 server past the Ctrl-C deadline (:data:`deeppool.interrupt.GRACE_S`), which would end it before it said so."""
@@ -47,6 +51,9 @@ def serve(
     policy_name: Annotated[str, typer.Option(
         "--policy", help="the scheduling policy: a name `deeppool simulate --policy` takes (pollux resizes running "
         "jobs and changes their batch; burst+demand is refused: it needs plan offers)")] = "fifo-backfill:burst+bg",
+    policy_interval: Annotated[float | None, typer.Option(
+        help="seconds between a tick policy's decisions (pollux; others decide at every event and refuse it)",
+        show_default="the policy's own: 60 s for pollux")] = None,
     launcher: Annotated[str, typer.Option(help="local (processes here) or slurm (sbatch; a shared file system)")
                         ] = "local",
     partition: Annotated[str | None, typer.Option(help="the Slurm partition jobs go to")] = None,
@@ -86,8 +93,14 @@ def serve(
     keep_job_files_days: Annotated[float | None, typer.Option(help="days an ended job's files (log, checkpoints) "
                                                               "are kept; then they are removed",
                                                               show_default="kept")] = None,
-    min_free_mb: Annotated[int, typer.Option(help="free space the jobs' folder keeps, MiB: below it, the files of "
-                                             "the jobs that ended first are removed (0: never)")] = 512,
+    min_free_mb: Annotated[int | None, typer.Option(help="free space the jobs' folder keeps, MiB: below it, the "
+                                                    "files of the jobs that ended first are removed (0: never)",
+                                                    show_default=f"{MIN_FREE_MB}, or an eighth of --jobs-disk-mb if "
+                                                    "less")] = None,
+    jobs_disk_mb: Annotated[int | None, typer.Option(help="give the jobs' folder a file system of its own of this "
+                                                     "many MiB, apart from the database's: an ext4 image beside "
+                                                     "it, made once and loop-mounted (root)",
+                                                     show_default="none: on the database's")] = None,
 ) -> None:
     """Run the coordinator: a REST API (OpenAPI at /docs) over an embedded database.
 
@@ -108,9 +121,17 @@ def serve(
                         ("--max-job-disk-mb", 1 if max_job_disk_mb is None else max_job_disk_mb)):
         if value < 1:
             raise DeeppoolError(f"{flag} {value} must be at least 1")
+    if min_free_mb is None:
+        min_free_mb = MIN_FREE_MB if jobs_disk_mb is None else min(MIN_FREE_MB, jobs_disk_mb // 8)
     if min_free_mb < 0 or not (keep_job_files_days is None or keep_job_files_days > 0):
         raise DeeppoolError(f"--keep-job-files-days {keep_job_files_days} must be more than 0 and --min-free-mb "
                             f"{min_free_mb} at least 0")
+    if jobs_disk_mb is not None and (jobs_disk_mb < MIN_JOBS_DISK_MB or jobs_disk_mb <= min_free_mb):
+        raise DeeppoolError(f"--jobs-disk-mb {jobs_disk_mb} must be at least {MIN_JOBS_DISK_MB} and more than "
+                            f"--min-free-mb {min_free_mb} (the free space the jobs' folder keeps)")
+    if jobs_disk_mb is not None and launcher == "slurm":
+        raise DeeppoolError("--jobs-disk-mb is for --launcher local: under Slurm the jobs' folder must be on the "
+                            "file system the nodes share (give it its own with --log-dir)")
     slots = _slots(gpus)
     roots = tuple(root.resolve() for root in (allow or [Path.cwd()]))
     for root in roots:
@@ -121,7 +142,7 @@ def serve(
     _check_slurm_options(launcher, partition=partition, nodes=nodes, gres=gres)
     from deeppool.coordinator.live_policy import live_policy
 
-    chosen = live_policy(policy_name)
+    chosen = live_policy(policy_name, interval_s=policy_interval)
     from deeppool.coordinator.store import check_path, default_log_dir
 
     check_path(db)
@@ -160,6 +181,8 @@ def serve(
         held.callback(store.close)
         logs = log_dir or default_log_dir(db)
         _make_passable(logs)
+        if jobs_disk_mb is not None:  # before the claim: the folder's state lock is in the jobs' own file system
+            _own_disk(held, logs, db, jobs_disk_mb)
         held.enter_context(claim_log_dir(logs, store.identity()))  # one state's jobs: never another server's
         device = "cuda" if _gpu_count() else "cpu"
         settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs, device=device, nodes=nodes,
@@ -201,6 +224,17 @@ def serve(
         from deeppool.interrupt import Interrupted
 
         raise Interrupted()
+
+
+def _own_disk(held: contextlib.ExitStack, logs: Path, db: Path, size_mb: int) -> None:
+    """Mount the jobs' own file system at ``logs`` (:mod:`deeppool.coordinator.jobsdisk`), unmounted at the stop;
+    one line each time says what was done."""
+    from deeppool.coordinator.jobsdisk import mount_jobs_disk, unmount_jobs_disk
+
+    disk = mount_jobs_disk(logs.resolve(), db, size_mb)
+    typer.echo(f"deeppool serve: {disk.detail}", err=True)
+    if disk.mounted:
+        held.callback(lambda: typer.echo(f"deeppool serve: {unmount_jobs_disk(disk)}", err=True))
 
 
 def _run(server: uvicorn.Server, listening: socket.socket) -> str | None:

@@ -30,6 +30,14 @@ when the process ends, never from the guest's folder. The broker tells the
 host the process's exit code on the socket; a host that closes the socket, or
 dies, or asks ``kill``, has the process's group killed.
 
+A guest of another account lent to the host while it runs has a broker of its
+own, which the same supervisor starts when the server names the guest
+(:mod:`deeppool.coordinator.lent_brokers`), on ``job-N.A.guest-M.sock``: it
+starts only the ranks of the guest's loan, each as the replica its place in
+the loan says (seeding and checkpointing as it, training the loan's steps,
+saying how far it is in the guest's own folder, :func:`replica_progress`),
+and measures nothing.
+
 The host's side is :mod:`deeppool.multiplex.remote`. A guest of the host's own
 account lent while the host runs is started by the host's rank itself, with
 the same :func:`main` (:mod:`deeppool.multiplex.guests`).
@@ -45,6 +53,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,18 +84,39 @@ class GuestSpec:
     roots: tuple[Path, ...] = ()
     ranks: int = 0
     """the host's ranks (its GPUs): the only ranks whose background it may ask for"""
+    lent: tuple[int, ...] = ()
+    """a guest lent to the running host (:mod:`deeppool.coordinator.lent_brokers`): the host's ranks it was lent,
+    the only ones it may ask for (replica ``i`` is rank ``lent[i]``); empty: a guest given at the host's start"""
+    steps: int = 0
+    """a lent guest's steps per replica (its process stops by itself once its checkpoint holds them)"""
 
     def to_json(self) -> dict[str, Any]:
         return {"job_id": self.job_id, "account": self.account.to_json(), "folder": str(self.folder),
                 "log": str(self.log), "model": self.model, "batch": self.batch,
-                "roots": [str(root) for root in self.roots], "ranks": self.ranks}
+                "roots": [str(root) for root in self.roots], "ranks": self.ranks, "lent": list(self.lent),
+                "steps": self.steps}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GuestSpec:
         return cls(job_id=int(data["job_id"]), account=Account.from_json(data["account"]),
                    folder=Path(data["folder"]), log=Path(data["log"]), model=str(data["model"]),
                    batch=int(data["batch"]), roots=tuple(Path(root) for root in data.get("roots", ())),
-                   ranks=int(data.get("ranks", 0)))
+                   ranks=int(data.get("ranks", 0)), lent=tuple(int(rank) for rank in data.get("lent", ())),
+                   steps=int(data.get("steps", 0)))
+
+    def allows(self, request: Request) -> bool:
+        """Whether the host's plan has what ``request`` asks for (one measurement is counted by the broker): a
+        guest given at the host's start, a rank below its GPU count, or the measurement; a lent guest, a rank
+        of its loan, never a measurement (nothing of it was measured when its host planned)."""
+        if request.op == "measure":
+            return not self.lent
+        return request.rank in self.lent if self.lent else request.rank < self.ranks
+
+
+def replica_progress(folder: Path, replica: int) -> Path:
+    """Where replica ``replica`` of a lent guest of another account says how far it is: its own folder, as its
+    own account, so the server reads its steps from the guest, never from its host."""
+    return folder / f"progress-replica{replica}.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +152,7 @@ class Broker:
         self._measured = False  # the host's plan has one measurement
         self._spawning = threading.Lock()
         self.spawned: set[int] = set()  # the processes it started: the supervisor's reaper leaves them to it
+        self._leave_by: float | None = None  # retired: when what still runs of the guest is killed
 
     def start(self) -> None:
         """Listen on ``path`` (0600, the host's account's); serve each connection on a thread of its own."""
@@ -135,6 +166,12 @@ class Broker:
         server.listen(64)
         self._server = server
         threading.Thread(target=self._accept, name="guest-broker", daemon=True).start()
+
+    def retire(self, grace_s: float) -> None:
+        """The guest left its host: take no new request, and kill what of it still runs ``grace_s`` from now (the
+        host's rank asks it to quit at its next step boundary; it saves its checkpoint first)."""
+        self._leave_by = time.monotonic() + grace_s
+        self.close()
 
     def close(self) -> None:
         if self._server is not None:
@@ -158,8 +195,7 @@ class Broker:
             request = Request.parse(_line(conn, MAX_REQUEST))
             with self._lock:  # the host's plan: ranks it has, one measurement, one process per rank at a time
                 refused = request is None or request.name in self._running or len(self._running) >= MAX_PROCESSES \
-                    or (request.op == "child" and request.rank >= self.spec.ranks) \
-                    or (request.op == "measure" and self._measured)
+                    or not self.spec.allows(request) or (request.op == "measure" and self._measured)
                 if not refused:
                     self._running.add(request.name)
                     self._measured = self._measured or request.op == "measure"
@@ -224,14 +260,22 @@ class Broker:
         task: dict[str, Any] = {"op": request.op, "model": spec.model, "roots": [str(r) for r in spec.roots],
                                 "stage": str(spec.folder / f"model-{request.name}"), "batch": spec.batch}
         if request.op == "child":
+            replica = spec.lent.index(request.rank) if spec.lent else request.rank
             config = BackgroundConfig(model=Path(spec.model), batch=spec.batch, mode=MuxMode.GATE,
                                       checkpoint_dir=spec.folder / "background")
-            task["child"] = {**child_spec(config, rank=request.rank, stats=Path(os.devnull)), "stats": None}
+            task["child"] = {**child_spec(config, rank=replica, stats=Path(os.devnull)), "stats": None}
+            if spec.lent:  # it joins a running host: its steps, its progress in its own folder, loaded at once
+                task["child"].update(steps=spec.steps, progress=str(replica_progress(spec.folder, replica)),
+                                     idle_after_load=True)
         return task
 
     def _watch(self, conn: socket.socket, proc: subprocess.Popen, group: JobGroup) -> None:
         """Until the process ends: a host's ``kill``, or its going, kills the group; then the exit code is sent."""
         while proc.poll() is None:
+            if self._leave_by is not None and time.monotonic() > self._leave_by:
+                group.kill()  # it left its host, and its host did not stop it
+                proc.wait()
+                break
             if not select.select([conn], [], [], 0.1)[0]:
                 continue
             message = recv(conn)

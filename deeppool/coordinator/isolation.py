@@ -199,6 +199,14 @@ def write_private(path: Path, data: bytes, account: Account | None) -> None:
         os.close(fd)
 
 
+def replace_private(path: Path, data: bytes, account: Account | None) -> None:
+    """Replace ``path`` at once (a temporary file beside it, then a rename): as :func:`write_private`, but a
+    reader that watches it (a host's ranks, a supervisor) never finds it missing or half-written."""
+    tmp = path.with_name(path.name + ".tmp")
+    write_private(tmp, data, account)
+    os.replace(tmp, path)
+
+
 def private_file(path: Path) -> None:
     """Make the server's file ``path`` (and its SQLite companions) readable by the server's user only."""
     for name in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):

@@ -12,14 +12,28 @@ host attempt's control file written with its loan (the guest's model, batch,
 steps per replica, folder and the allowed roots). The host's ranks pick it
 up at their next step boundary.
 
+A guest of another account (``serve --job-user submitter``, where the
+launcher can start a process as another account: the local launcher as root,
+with cgroups) joins the same way, through a broker of its own: the server
+first names it in the host attempt's brokers file (the server's, which the
+host cannot change; :mod:`deeppool.coordinator.lent_brokers`), whose
+supervisor starts its broker, then writes its loan naming the broker's
+socket; the host's ranks ask that broker for their replicas, which run as the
+guest's account. Its loan, as the server records it, is the brokers file's.
+
 The control file is the record of which ranks each guest holds, and it is
 kept in step with the database every tick: a loan whose guest is no longer
-live on that host (cancelled, preempted, done) is taken out, and the host's
-ranks stop its process (it saves a checkpoint) while the host trains on.
+live on that host (cancelled, preempted, done) is taken out (and its broker
+retired), and the host's ranks stop its process (it saves a checkpoint)
+while the host trains on.
 
 A guest's progress and end come from its replicas' reports in the host's run
 folder (``job-N/run/guests/job-M.rank-R.json``): every replica ``finished``
-(its steps done): SUCCEEDED; one ``failed``: FAILED, with why. When its host
+(its steps done): SUCCEEDED; one ``failed``: FAILED, with why. The steps of a
+guest of another account come from its own replicas instead, never from its
+host: each says how far it is in the guest's folder
+(:func:`~deeppool.coordinator.guest.replica_progress`, read as the guest's
+file), and every replica at its steps: SUCCEEDED. When its host
 ends, stops, or starts another attempt (a resize: its guests are released,
 never carried over), a guest not finished goes back to the queue, its
 checkpoints in its own folder, and resumes from them when lent again.
@@ -30,12 +44,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from deeppool.coordinator.isolation import RunAs, private_dir, write_private
+from deeppool.coordinator.guest import GuestSpec, replica_progress
+from deeppool.coordinator.isolation import Account, RunAs, private_dir, replace_private
 from deeppool.coordinator.jobs import Job, JobKind, JobStatus
 from deeppool.coordinator.launcher import Launcher
+from deeppool.coordinator.lent_brokers import read_brokers, write_brokers
 from deeppool.coordinator.store import Store
 from deeppool.errors import DeeppoolError
 from deeppool.multiplex.guests import GuestLoan, GuestReport, GuestState, loans_json, parse_loans, report_path
@@ -76,9 +92,18 @@ class Lending:
         return host.kind is JobKind.FOREGROUND and host.script is None and self.nodes == 1
 
     def joins(self, host: Job, guest: Job) -> bool:
-        """Whether ``guest`` may join ``host`` while it runs: its processes are started by the host's ranks, so
-        its jobs must run as the host's account."""
-        return self.takes_guests(host) and self.run_as.same_account(host.owner, guest.owner)
+        """Whether ``guest`` may join ``host`` while it runs: its processes are started by the host's ranks (it
+        runs as the host's account) or by a broker of its own (another account's, where the launcher can start
+        a process as another account)."""
+        return self.takes_guests(host) and (self.run_as.same_account(host.owner, guest.owner)
+                                            or self.launcher.brokers_guests)
+
+    def given_at_start(self, host: Job, guest: Job) -> bool:
+        """Whether ``guest``, waiting when ``host`` starts, is given to it then (its processes start with the
+        host's), rather than lent through the control file once the host has planned: a guest of another
+        account (its broker set up with the host, its memory measured before the host's first step), or any
+        guest of a host that takes none while it runs."""
+        return not self.takes_guests(host) or not self.run_as.same_account(host.owner, guest.owner)
 
     def free_slots(self, jobs: Sequence[Job]) -> list[Slot]:
         """The idle ranks of running hosts that no guest holds, from their Plans."""
@@ -125,10 +150,15 @@ class Lending:
 
     def _write(self, host: Job, attempt: int, loans: Sequence[GuestLoan]) -> None:
         account = self.run_as.account(host.owner)
-        write_private(self.control(host.id, attempt), loans_json(loans), account)
+        replace_private(self.control(host.id, attempt), loans_json(loans), account)
+
+    def brokered(self, host_id: int, attempt: int) -> dict[int, GuestSpec]:
+        """The guests of other accounts lent the host attempt, as the server named them to its supervisor."""
+        return read_brokers(self.launcher.files(host_id, attempt).guest_brokers)
 
     def lend(self, guest: Job, host: Job, ranks: tuple[int, ...], reason: str) -> bool:
-        """Claim ``guest`` for ``ranks`` of running ``host`` and write its loan; whether it was claimed."""
+        """Claim ``guest`` for ``ranks`` of running ``host`` and write its loan (a guest of another account is
+        named in the brokers file first); whether it was claimed."""
         attempt = self.store.attempts(host.id)
         try:
             account = self.run_as.account(guest.owner)
@@ -140,41 +170,74 @@ class Lending:
         private_dir(folder, account)
         loan = GuestLoan(job_id=guest.id, ranks=ranks, model=guest.model, batch=guest.batch,
                          steps=math.ceil(guest.steps / len(ranks)), folder=folder, roots=self.allowed_roots)
+        if account is not None and not self.run_as.same_account(host.owner, guest.owner):
+            loan = self._broker(host, attempt, guest, account, loan)
         self._write(host, attempt, [*self.loans(host.id, attempt).values(), loan])
         return True
 
+    def _broker(self, host: Job, attempt: int, guest: Job, account: Account, loan: GuestLoan) -> GuestLoan:
+        """Name ``guest`` in the host attempt's brokers file (its supervisor starts its broker); its loan, naming
+        the broker's socket."""
+        files = self.launcher.files(host.id, attempt)
+        spec = GuestSpec(job_id=guest.id, account=account, folder=loan.folder,
+                         log=self.launcher.files(guest.id, 1).log, model=guest.model, batch=guest.batch,
+                         roots=self.allowed_roots, ranks=host.held, lent=loan.ranks, steps=loan.steps)
+        write_brokers(files.guest_brokers, {**self.brokered(host.id, attempt), guest.id: spec}.values())
+        return replace(loan, broker=files.lent_socket(guest.id))
+
     def sync(self, hosts: Sequence[Job]) -> None:
-        """Take out of each live host's control file the loans whose guest is no longer live on it."""
+        """Take out of each live host's control file (and brokers file) the loans whose guest is no longer live
+        on it."""
         for host in hosts:
             if host.state not in LIVE or host.host_id is not None or not self.takes_guests(host):
                 continue
             attempt = self.store.attempts(host.id)
             loans = self.loans(host.id, attempt)
-            if not loans:
+            brokered = self.brokered(host.id, attempt) if self.launcher.brokers_guests else {}
+            if not loans and not brokered:
                 continue
             live = {g.id for g in self.store.jobs(states=LIVE, host_id=host.id)}
             kept = [loan for job_id, loan in loans.items() if job_id in live]
             if len(kept) < len(loans):
                 self._write(host, attempt, kept)
+            if set(brokered) - live:
+                write_brokers(self.launcher.files(host.id, attempt).guest_brokers,
+                              [spec for job_id, spec in brokered.items() if job_id in live])
 
     # -- guests' ends ------------------------------------------------------------------------------------------
+    def _lent(self, guest: Job, host: Job, attempt: int) -> tuple[tuple[int, ...], int] | None:
+        """The ranks and steps per replica ``host``'s attempt was lent ``guest`` for, as the server wrote them (for
+        a guest of another account, its brokers file: the host cannot change it), or None."""
+        if not self.run_as.same_account(host.owner, guest.owner):
+            spec = self.brokered(host.id, attempt).get(guest.id)
+            return None if spec is None else (spec.lent, spec.steps)
+        loan = self.loans(host.id, attempt).get(guest.id)
+        return None if loan is None else (loan.ranks, loan.steps)
+
     def lent_in(self, guest: Job, host: Job) -> int | None:
-        """The attempt of ``host`` whose control file lends ``guest`` (its latest), or None: a guest given at the
-        host's start."""
+        """The attempt of ``host`` that lends ``guest`` (its latest), or None: a guest given at the host's start."""
         attempts = range(self.store.attempts(host.id), 0, -1)
-        return next((attempt for attempt in attempts if guest.id in self.loans(host.id, attempt)), None)
+        return next((attempt for attempt in attempts if self._lent(guest, host, attempt) is not None), None)
 
     def outcome(self, guest: Job, host: Job, attempt: int) -> Outcome:
-        loan = self.loans(host.id, attempt).get(guest.id)
-        ranks = loan.ranks if loan is not None else ()
+        ranks, steps = self._lent(guest, host, attempt) or ((), 0)
         run = self.launcher.folder / f"job-{host.id}" / "run"
         reports = [GuestReport.parse(guest.id, rank, self.read(report_path(run, guest.id, rank), host))
                    for rank in ranks]
         seen = [r for r in reports if r is not None]
         failed = next((f"rank {r.rank} of job {host.id}: {r.error or 'failed'}" for r in seen
                        if r.state is GuestState.FAILED), None)
+        if not self.run_as.same_account(host.owner, guest.owner):  # its steps are its own replicas' word
+            own = [self._own_steps(guest, replica) for replica in range(len(ranks))]
+            return Outcome(finished=bool(ranks) and all(done >= steps for done in own), failed=failed, steps=sum(own))
         finished = bool(ranks) and len(seen) == len(ranks) and all(r.state is GuestState.FINISHED for r in seen)
         return Outcome(finished=finished, failed=failed, steps=sum(r.steps for r in seen))
+
+    def _own_steps(self, guest: Job, replica: int) -> int:
+        """The steps replica ``replica`` of a guest of another account holds, as it says in its own folder."""
+        path = replica_progress(self.launcher.folder / f"job-{guest.id}", replica)
+        report = GuestReport.parse(guest.id, replica, self.read(path, guest))
+        return 0 if report is None else report.steps
 
     def settle(self, guest: Job, host: Job) -> bool:
         """Move a guest lent while its host ran as its replicas' reports and its host say; False when ``guest``

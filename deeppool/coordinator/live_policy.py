@@ -10,10 +10,10 @@ given: a placement's plan mode (``dp``, ``burst``) names the simulator's plan ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deeppool.errors import DeeppoolError
-from deeppool.scheduling import Policy, policy_named
+from deeppool.scheduling import Policy, PolluxPolicy, policy_named
 from deeppool.scheduling.policies import ADAPTIVE
 
 REFUSED = {
@@ -34,10 +34,24 @@ class LivePolicy:
     measures_noise: bool
 
 
-def live_policy(name: str) -> LivePolicy:
-    """The policy ``serve --policy NAME`` runs; an unknown name or one that cannot run live is one line."""
+def live_policy(name: str, *, interval_s: float | None = None) -> LivePolicy:
+    """The policy ``serve --policy NAME`` runs; an unknown name or one that cannot run live is one line.
+
+    ``interval_s`` (``serve --policy-interval``) replaces the interval of a policy that decides on a wall-clock
+    tick (``pollux``: 60 s by default); any other policy decides at every event and refuses it in one line."""
     policy = policy_named(name)
     if name in REFUSED:
         raise DeeppoolError(f"--policy {name} cannot run in the coordinator: {REFUSED[name]}")
+    if interval_s is not None:
+        policy = _with_interval(policy, interval_s)
     adaptive = name in ADAPTIVE
     return LivePolicy(policy=policy, elastic=adaptive, measures_noise=adaptive)
+
+
+def _with_interval(policy: Policy, interval_s: float) -> Policy:
+    if not isinstance(policy, PolluxPolicy):
+        raise DeeppoolError(f"--policy-interval is for a policy that decides on a tick (pollux): {policy.name} "
+                            "decides at every event")
+    if not interval_s > 0:
+        raise DeeppoolError(f"--policy-interval {interval_s} must be more than 0 seconds")
+    return replace(policy, interval_s=interval_s)

@@ -54,9 +54,12 @@ guest is lent only to a host of its own account). It becomes RUNNING with its
 host, and when the host ends it SUCCEEDED if it trained (the host's
 ``summary.json`` counts its steps, and the reason gives the host's measured
 slowdown), else it goes back to the queue. A guest lent while its host runs
-(:attr:`Runtime.lending`, :mod:`deeppool.coordinator.lending`) is settled from
-its replicas' reports instead: SUCCEEDED once it trained its steps, FAILED
-when its process failed, requeued when its host ends or stops first.
+(:attr:`Runtime.lending`, :mod:`deeppool.coordinator.lending`; one of another
+account through a broker its host's supervisor starts then,
+:mod:`deeppool.coordinator.lent_brokers`) is settled from its replicas'
+reports instead (one of another account, from its own replicas' files):
+SUCCEEDED once it trained its steps, FAILED when its process failed,
+requeued when its host ends or stops first.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ jobs in their own low-priority queue by default): each tick builds a
   SIGKILL) and requeued, not failed;
 * ``start``: the job is claimed and launched. A foreground job started while
   background jobs wait takes the oldest as its guest at its start only when
-  that guest cannot join it while it runs (another account's, whose
-  processes the host's supervisor starts; or a host over several nodes);
+  that guest is not lent to it once it has planned (another account's, whose
+  broker the host's supervisor sets up with the host; or a host over several
+  nodes);
 * ``lend``: the snapshot's ``free_slots`` are the idle ranks of running
   foreground jobs (:meth:`Lending.free_slots
   <deeppool.coordinator.lending.Lending.free_slots>`, from their plans), and a
@@ -41,23 +42,29 @@ reconciles; the loop schedules after, so a long queue does not delay serving);
 it may fail too: the server starts anyway and the loop keeps trying.
 
 A tick reads the live jobs and the cancelled ones not yet settled, by indexed
-queries, never the finished history (:meth:`Store.requeued` and
-:meth:`Store.unsettled`).
+queries, never the finished history (:meth:`Store.unsettled`); of the waiting
+jobs, those the events since the last tick moved (each read once, then kept
+while it waits: :mod:`deeppool.coordinator.waiting`), and a validated
+:class:`~deeppool.coordinator.jobs.Job` only for those a decision names
+(:class:`TickJobs`). Under an elastic policy the waiting jobs' rows are read in
+full at every tick (their speed models are fitted to them, and its resizes
+reshape them).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from pathlib import Path
 
 from deeppool.coordinator.elastic import Elastic, ElasticView
 from deeppool.coordinator.jobs import Job, JobKind, JobStatus
 from deeppool.coordinator.runtime import Runtime
-from deeppool.scheduling import NOTHING, Decision, Lend, ModelChoice, Policy, SimJob, Slot, Snapshot, SpeedModel
+from deeppool.coordinator.store import Store
+from deeppool.coordinator.waiting import Queue, Waiting, WaitingJobs, model_choice
+from deeppool.scheduling import NOTHING, Decision, Lend, Policy, SimJob, Slot, Snapshot, SpeedModel, Start
 
 LIVE = (JobStatus.STARTING, JobStatus.RUNNING)
 MAX_RETRY_S = 5.0
@@ -71,13 +78,6 @@ class SchedulerHealth:
     """what failed, and since when (empty when ok)"""
 
 
-@functools.lru_cache(maxsize=4096)
-def model_choice(model: str, batch: int) -> ModelChoice:
-    """The policy's view of a job's model (a pure function of the two, kept for the many jobs that share them)."""
-    path = Path(model) if model.endswith(".py") else Path(model.replace(".", "/").split(":")[0])
-    return ModelChoice(name=path.stem, path=path, global_batch=batch)
-
-
 def as_sim_job(job: Job, speed: SpeedModel | None = None) -> SimJob:
     return SimJob(job_id=job.id, name=f"job-{job.id}", arrival_s=job.created_at.timestamp(), gpus=job.held,
                   background=job.kind is JobKind.BACKGROUND, iterations=float(job.steps), recorded_duration_s=0.0,
@@ -87,29 +87,70 @@ def as_sim_job(job: Job, speed: SpeedModel | None = None) -> SimJob:
 def snapshot(jobs: list[Job], total_gpus: int, now: datetime, requeued: frozenset[int] = frozenset(),
              lingering: frozenset[int] = frozenset(), free_slots: tuple[Slot, ...] = (),
              elastic: ElasticView | None = None) -> Snapshot:
-    """The policy's view of the database; ``requeued``: the waiting jobs that ran before (preempted);
-    ``lingering``: ended jobs some process of which is still there (they hold their GPUs); ``free_slots``: the
-    idle ranks running foreground jobs lend (:meth:`Lending.free_slots`); ``elastic``: the jobs' speed models
-    and adaptive state, and the GPUs a job being resized holds (:meth:`Elastic.view`)."""
+    """The policy's view of ``jobs`` (waiting, live and lingering ones); ``requeued``: the waiting jobs that ran
+    before (preempted); ``lingering``: ended jobs some process of which is still there (they hold their GPUs);
+    ``free_slots``: the idle ranks running foreground jobs lend (:meth:`Lending.free_slots`); ``elastic``: the
+    jobs' speed models and adaptive state, and the GPUs a job being resized holds (:meth:`Elastic.view`)."""
+    waiting = Queue.of({j.id: Waiting.of_job(j, j.id in requeued) for j in jobs if j.state is JobStatus.PENDING})
+    live = [j for j in jobs if j.state is not JobStatus.PENDING]
+    return policy_view(live, waiting, total_gpus, now, lingering, free_slots, elastic)
+
+
+def policy_view(live: list[Job], waiting: Queue, total_gpus: int, now: datetime,
+                lingering: frozenset[int] = frozenset(), free_slots: tuple[Slot, ...] = (),
+                elastic: ElasticView | None = None) -> Snapshot:
+    """:func:`snapshot` from the live and lingering jobs as rows and the waiting ones as the tick keeps them
+    (:class:`~deeppool.coordinator.waiting.Queue`: the policy gets copies of its lists, made anew only for the
+    jobs given a speed model)."""
     elastic = elastic or ElasticView()
-    waiting = [as_sim_job(j, elastic.speeds.get(j.id)) for j in jobs if j.state is JobStatus.PENDING]
-    whole = [j for j in jobs if j.state in LIVE and j.host_id is None]
-    running = [as_sim_job(j, elastic.speeds.get(j.id)) for j in whole]
+    speeds = elastic.speeds
+    if any(job_id in waiting.jobs for job_id in speeds):
+        waiting = Queue.of({job_id: replace(w, sim=replace(w.sim, speed=speeds[job_id])) if job_id in speeds else w
+                            for job_id, w in waiting.jobs.items()})
+    whole = [j for j in live if j.state in LIVE and j.host_id is None]
+    running = [as_sim_job(j, speeds.get(j.id)) for j in whole]
     holding = {j.id: elastic.reserved.get(j.id, j.held) for j in whole} | {
-        j.id: j.held for j in jobs if j.id in lingering and j.host_id is None}
+        j.id: j.held for j in live if j.id in lingering and j.host_id is None}
     preemptible = [job for job in running if job.background]
-    attained = {j.id: (now - j.updated_at).total_seconds() * j.held for j in jobs if j.state is JobStatus.RUNNING}
-    attained.update({job_id: 0.0 for job_id in requeued})
+    attained = {j.id: (now - j.updated_at).total_seconds() * j.held for j in live if j.state is JobStatus.RUNNING}
+    attained.update({job.job_id: 0.0 for job in waiting.requeued})
     return Snapshot(
         now_s=now.timestamp(), total_gpus=total_gpus, free_gpus=total_gpus - sum(holding.values()),
-        waiting=waiting, waiting_fg=[j for j in waiting if not j.background],
-        waiting_bg=[j for j in waiting if j.background], free_slots=free_slots, preemptible=preemptible,
-        preemptible_gpus=sum(j.gpus for j in preemptible),
-        guests=[as_sim_job(j) for j in jobs if j.state in LIVE and j.host_id is not None],
-        holding=holding, running=running, attained_gpu_s=attained,
-        requeued=sorted((j for j in waiting if j.job_id in requeued), key=lambda j: (j.arrival_s, j.job_id)),
+        waiting=list(waiting.sims), waiting_fg=list(waiting.foreground), waiting_bg=list(waiting.background),
+        free_slots=free_slots, preemptible=preemptible, preemptible_gpus=sum(j.gpus for j in preemptible),
+        guests=[as_sim_job(j) for j in live if j.state in LIVE and j.host_id is not None],
+        holding=holding, running=running, attained_gpu_s=attained, requeued=list(waiting.requeued),
         adaptive=elastic.adaptive,
     )
+
+
+class TickJobs(Mapping[int, Job]):
+    """The jobs one tick decides about, by id: the live and lingering ones as read, a waiting one read in full
+    (a validated :class:`Job`) only when the decision names it."""
+
+    def __init__(self, store: Store, live: list[Job], waiting: Queue) -> None:
+        self.store = store
+        self._rows = {j.id: j for j in live}
+        self._waiting = waiting.jobs
+
+    def __getitem__(self, job_id: int) -> Job:
+        row = self._rows.get(job_id)
+        if row is None and job_id in self._waiting:
+            row = self.store.job(job_id)
+            if row is not None:
+                self._rows[job_id] = row
+        if row is None:
+            raise KeyError(job_id)
+        return row
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._rows.keys() | self._waiting.keys())
+
+    def __len__(self) -> int:
+        return len(self._rows.keys() | self._waiting.keys())
+
+    def waiting(self) -> list[Waiting]:
+        return list(self._waiting.values())
 
 
 class Service:
@@ -119,7 +160,9 @@ class Service:
         ``elastic``: resize running jobs as the policy says (:mod:`deeppool.coordinator.elastic`)."""
         self.runtime, self.policy, self.total_gpus, self.period_s = runtime, policy, total_gpus, period_s
         self.paused, self.elastic = paused, elastic
+        self.waiting = WaitingJobs(runtime.store)
         self._wake: float | None = None  # the instant the policy last asked to decide at
+        self._deferred: tuple[Start, ...] = ()  # starts decided while their GPUs were still held (see apply)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="deeppool-coordinator", daemon=True)
         self._failure: SchedulerHealth | None = SchedulerHealth(ok=False, detail="the scheduler has not started")
@@ -135,16 +178,23 @@ class Service:
             return NOTHING
         store = self.runtime.store
         lingering = frozenset(self.runtime.lingering())
-        # the live jobs and the cancelled ones still holding GPUs, from indexes: never the finished history
-        jobs = store.jobs(states=(JobStatus.PENDING, *LIVE)) + [j for j in store.unsettled() if j.id in lingering]
-        requeued = frozenset(store.requeued())
-        self.runtime.lending.sync(jobs)
-        slots = tuple(self.runtime.lending.free_slots(jobs))
-        view = self.elastic.view(jobs) if self.elastic is not None else ElasticView()
-        decision = self.policy.decide(snapshot(jobs, self.total_gpus, self._instant(now), requeued, lingering, slots,
-                                               view))
+        # the live jobs and the cancelled ones still holding GPUs, from indexes: never the finished history; the
+        # waiting ones as few columns, each turned into the policy's view once (:mod:`.waiting`)
+        live = store.jobs(states=LIVE) + [j for j in store.unsettled() if j.id in lingering]
+        self.runtime.lending.sync(live)
+        slots = tuple(self.runtime.lending.free_slots(live))
+        rows, view = live, ElasticView()
+        if self.elastic is None:
+            waiting = self.waiting.read()
+        else:  # its speed models are fitted to every waiting job's row, and its resizes reshape waiting jobs
+            pending, requeued = store.jobs(states=(JobStatus.PENDING,)), store.requeued()
+            waiting = Queue.of({j.id: Waiting.of_job(j, j.id in requeued) for j in pending})
+            rows = live + pending
+            view = self.elastic.view(rows)
+        decision = self.policy.decide(policy_view(live, waiting, self.total_gpus, self._instant(now), lingering,
+                                                  slots, view))
         self._wake = decision.wake_at_s
-        self.apply(decision, {j.id: j for j in jobs})
+        self.apply(decision, TickJobs(store, rows, waiting))
         return decision
 
     def _instant(self, now: datetime) -> datetime:
@@ -154,26 +204,65 @@ class Service:
             return datetime.fromtimestamp(self._wake, UTC)
         return now
 
-    def apply(self, decision: Decision, jobs: dict[int, Job]) -> None:
+    def apply(self, decision: Decision, jobs: TickJobs) -> None:
+        """Resize, preempt, start and lend as ``decision`` says. A start whose GPUs a job still holds (one
+        stopping to shrink in the same decision, say) waits: it is tried again at each tick whose decision starts
+        nothing, until it fits or a decision starts other jobs; no GPU is ever given twice."""
         resized = self.elastic.apply(decision, jobs, self.policy.name) if self.elastic is not None else set()
         for job_id in [job_id for job_id in decision.preempt if job_id not in resized]:
             self.runtime.requeue(jobs[job_id], f"preempted by the {self.policy.name} policy for foreground work")
-        started = {start.job_id for start in decision.start if start.job_id not in resized} | {
-            lend.job_id for lend in decision.lend}
-        spare = [j for j in jobs.values() if j.state is JobStatus.PENDING and j.kind is JobKind.BACKGROUND
-                 and j.id not in started]
-        for start in decision.start:
-            if start.job_id in resized:
+        starts = [start for start in decision.start if start.job_id not in resized] or list(self._deferred)
+        taken = {start.job_id for start in starts} | {lend.job_id for lend in decision.lend}
+        spare = [w for w in jobs.waiting() if w.kind is JobKind.BACKGROUND] if starts else []
+        free, deferred = self._free_gpus() if starts else 0, []
+        for start in starts:
+            job = self.runtime.store.job(start.job_id)  # its shape as the policy set it
+            if job is None or job.state is not JobStatus.PENDING:
                 continue
-            job = self.runtime.store.job(start.job_id) or jobs[start.job_id]  # its shape as the policy set it
-            lendable = [g for g in spare if self.runtime.can_host(job, g) and not self.runtime.lending.joins(job, g)]
-            guests = [lendable[0]] if job.kind is JobKind.FOREGROUND and lendable else []
-            spare = [g for g in spare if g not in guests]
-            self.runtime.start(job, f"granted {start.gpus} GPUs by the {self.policy.name} policy", guests)
+            if start.gpus > free:
+                deferred.append(start)  # its GPUs are still held by a job stopping for a resize
+                continue
+            free -= start.gpus
+            guest = self._guest(job, spare, taken, jobs) if job.kind is JobKind.FOREGROUND else None
+            if guest is not None:
+                taken.add(guest.id)
+            self.runtime.start(job, f"granted {start.gpus} GPUs by the {self.policy.name} policy",
+                               [guest] if guest is not None else [])
+        self._deferred = tuple(deferred)
         for lend in decision.lend:
             self._lend(lend, jobs)
 
-    def _lend(self, lend: Lend, jobs: dict[int, Job]) -> None:
+    def _free_gpus(self) -> int:
+        """The GPUs no job holds now: a job stopping or restarting for a resize holds the larger of its two
+        widths until its resize ends, and a cancelled job holds its own until its processes are gone."""
+        store = self.runtime.store
+        reserved = {change.job_id: max(change.from_gpus, change.to_gpus) for change in store.open_resizes()}
+        lingering = frozenset(self.runtime.lingering())
+        holders = store.jobs(states=LIVE) + [j for j in store.unsettled() if j.id in lingering]
+        return self.total_gpus - sum(reserved.get(j.id, j.held) for j in holders if j.host_id is None)
+
+    def _guest(self, host: Job, spare: list[Waiting], taken: set[int], jobs: TickJobs) -> Job | None:
+        """The oldest waiting background job, not ``taken``, that ``host`` takes as its guest at its start: one
+        it may host that is given at its start (:meth:`~deeppool.coordinator.lending.Lending.given_at_start`,
+        not lent once it has planned). Both depend on the guest's owner only, so one row of
+        each owner is read in full."""
+        fits: dict[str, bool] = {}
+        for waiting in spare:
+            if waiting.id in taken:
+                continue
+            if waiting.owner not in fits:
+                guest = jobs.get(waiting.id)
+                if guest is None:
+                    continue  # it left the queue since the tick read it
+                fits[waiting.owner] = self.runtime.can_host(host, guest) and self.runtime.lending.given_at_start(
+                    host, guest)
+            if fits[waiting.owner]:
+                found = jobs.get(waiting.id)
+                if found is not None:
+                    return found
+        return None
+
+    def _lend(self, lend: Lend, jobs: Mapping[int, Job]) -> None:
         """A policy's loan of running hosts' idle ranks: the guest joins the host that holds its first rank."""
         guest, host = jobs.get(lend.job_id), jobs.get(lend.slots[0].host) if lend.slots else None
         if guest is None or host is None or guest.state is not JobStatus.PENDING \

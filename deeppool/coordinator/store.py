@@ -153,6 +153,11 @@ CREATE TABLE IF NOT EXISTS speeds (
 a server killed mid-resize carries it on), and each job's measured speed per (GPUs, batch)."""
 RESIZE_FIELDS = ("steps_done", "checkpoint_s", "stop_s", "plan_s", "plan_cached", "restart_s", "relaunched_at",
                  "attempt")
+WAITING = ("id, kind, owner, model, gpus, width, batch, run_batch, steps, created_at, EXISTS (SELECT 1 FROM events "
+           "INDEXED BY events_moves WHERE job_id = jobs.id AND to_state = 'STARTING' AND from_state IS NOT to_state)")
+"""What the scheduler reads of a waiting job (:mod:`deeppool.coordinator.waiting`); the last column: whether it
+was started before (requeued)."""
+WaitingRow = tuple[int, str, str, str, int, int | None, int, int | None, int, str, int]
 MOVES = "from_state IS NOT to_state"
 """The events that move a job (its submission included), as the partial index ``events_moves`` holds them."""
 
@@ -319,6 +324,13 @@ class Store:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
+    def _tuples(self, sql: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Rows as plain tuples (no :class:`sqlite3.Row`): for the reads a tick makes of every waiting job."""
+        with self._lock:
+            cursor = self._db.cursor()
+            cursor.row_factory = None
+            return cursor.execute(sql, args).fetchall()
+
     # -- tokens ----------------------------------------------------------------------------------
     def identity(self) -> str:
         """This database's own id: random, made once and kept in it (a server claims its log folder with it)."""
@@ -473,6 +485,33 @@ class Store:
                           f"events_moves WHERE job_id = jobs.id AND to_state = ? AND {MOVES})",
                           (JobStatus.PENDING.value, JobStatus.STARTING.value))
         return {int(row["id"]) for row in rows}
+
+    def last_event(self) -> int:
+        """The id of the newest event (0: none): events are numbered in the order their writes committed."""
+        return int(self._tuples("SELECT COALESCE(MAX(id), 0) FROM events")[0][0])
+
+    def moved_since(self, event_id: int) -> tuple[dict[int, JobStatus], int]:
+        """The jobs moved by the events after ``event_id`` (a submission is a move), each with the state its
+        last move put it in, and the newest event's id: a scan of those events only."""
+        moved: dict[int, JobStatus] = {}
+        last = event_id
+        for last, job_id, state, moves in self._tuples(f"SELECT id, job_id, to_state, {MOVES} FROM events WHERE "
+                                                       "id > ? ORDER BY id", (event_id,)):
+            if moves:
+                moved[job_id] = JobStatus(state)
+        return moved, last
+
+    def waiting_rows(self, job_ids: Sequence[int] | None = None) -> list[WaitingRow]:
+        """The waiting jobs (of ``job_ids``; None: all), as :data:`WAITING` reads them, by id: plain tuples."""
+        if job_ids is None:
+            return self._tuples(f"SELECT {WAITING} FROM jobs INDEXED BY jobs_state WHERE state = ? ORDER BY id",
+                                (JobStatus.PENDING.value,))
+        found: list[WaitingRow] = []
+        for first in range(0, len(job_ids), 500):
+            chunk = tuple(job_ids[first:first + 500])
+            found += self._tuples(f"SELECT {WAITING} FROM jobs WHERE id IN ({','.join('?' * len(chunk))}) AND "
+                                  "state = ? ORDER BY id", (*chunk, JobStatus.PENDING.value))
+        return found
 
     def unsettled(self) -> list[Job]:
         """Cancelled jobs not yet known to have no process left (:meth:`settle`), from a partial index."""

@@ -25,7 +25,9 @@ an exit code has no process left. Without a cgroup, the supervisor is a child
 subreaper and kills its remaining descendants instead.
 
 While a step runs the supervisor reaps the orphans re-parented to it (never
-its steps' or its broker's processes), and holds the job to its
+its steps' or its brokers' processes), starts and retires the brokers of the
+guests of other accounts the server lends the running attempt
+(:mod:`deeppool.coordinator.lent_brokers`), and holds the job to its
 :class:`JobCaps`: ``pids.max`` and ``memory.max`` in its cgroup (else
 ``RLIMIT_NPROC`` and ``RLIMIT_DATA``), its folder's size (watched), and, as
 root, a mount and IPC namespace per step with a private tmpfs on ``/tmp`` and
@@ -57,6 +59,7 @@ from typing import Any
 from deeppool.coordinator.guest import Broker, GuestSpec
 from deeppool.coordinator.isolation import Account, job_env, private_dir, read_job_file
 from deeppool.coordinator.jobgroup import JobGroup
+from deeppool.coordinator.lent_brokers import LentBrokers
 from deeppool.errors import DeeppoolError
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -118,6 +121,16 @@ class JobFiles:
     def guest_socket(self) -> Path:
         """Where the supervisor's broker of a guest of another account listens (the server's folder)."""
         return self._path("guest.sock")
+
+    @property
+    def guest_brokers(self) -> Path:
+        """The guests of other accounts lent the running attempt, whose brokers the supervisor runs (the server's
+        file: :mod:`deeppool.coordinator.lent_brokers`)."""
+        return self._path("brokers.json")
+
+    def lent_socket(self, guest_id: int) -> Path:
+        """Where the broker of guest ``guest_id``, lent the running attempt, listens (the server's folder)."""
+        return self._path(f"guest-{guest_id}.sock")
 
     def exit_code(self) -> int | None:
         return _number(self.exit)
@@ -483,6 +496,7 @@ def run(files: JobFiles) -> int:
     env = {**job_env(spec.account), **spec.env}
     code = 0
     broker = _broker(spec, files)
+    lent = LentBrokers(files, host=spec.account, group=spec.group) if spec.group is not None and private else None
     with files.log.open("ab") as log:
         output = None if spec.max_log_bytes is None else CappedOutput(files.log, spec.max_log_bytes,
                                                                       lambda: _stop_at_cap(spec, files))
@@ -500,13 +514,15 @@ def run(files: JobFiles) -> int:
                 _note(log, f"error: the step could not start: {err}\n".encode())
                 code = 127
                 break
-            code = _wait(current[0], spec, files, broker, log)
+            code = _wait(current[0], spec, files, Brokers(at_start=broker, lent=lent), log)
             if code != 0 or (output is not None and output.over):
                 break
         if output is not None:
             output.close_writer()
     if broker is not None:
         broker.close()
+    if lent is not None:
+        lent.close()
     end_leftovers(spec.group)
     if output is not None:
         output.drain()
@@ -556,12 +572,27 @@ def folder_bytes(folder: Path) -> int:
     return total
 
 
-def _wait(step: subprocess.Popen, spec: SupervisorSpec, files: JobFiles, broker: Broker | None, log: Any) -> int:
-    """The step's exit code; meanwhile, orphans are reaped (no zombie piles up), and a job whose folder passes
-    its disk cap is stopped, with a line in its log saying so."""
+@dataclass(frozen=True, kw_only=True)
+class Brokers:
+    """The brokers a supervisor runs: of the guest given at its start, of the guests lent while it runs."""
+
+    at_start: Broker | None
+    lent: LentBrokers | None
+
+    def spawned(self) -> set[int]:
+        return {*(self.at_start.spawned if self.at_start is not None else ()),
+                *(self.lent.spawned if self.lent is not None else ())}
+
+
+def _wait(step: subprocess.Popen, spec: SupervisorSpec, files: JobFiles, brokers: Brokers, log: Any) -> int:
+    """The step's exit code; meanwhile, orphans are reaped (no zombie piles up), the brokers of guests lent the
+    running attempt are started and retired as the server says, and a job whose folder passes its disk cap is
+    stopped, with a line in its log saying so."""
     checked = time.monotonic()
     while (code := step.poll()) is None:
-        reap_orphans({step.pid, *(broker.spawned if broker is not None else ())})
+        if brokers.lent is not None:
+            brokers.lent.update(files.log)
+        reap_orphans({step.pid, *brokers.spawned()})
         cap = spec.caps.disk_bytes
         if cap is not None and spec.workdir is not None and time.monotonic() - checked >= DISK_CHECK_S:
             checked = time.monotonic()

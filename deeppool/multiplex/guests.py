@@ -12,7 +12,10 @@ changed, and a file caught half-written is read at a later boundary):
 
 * a loan that names this rank and is new: the guest's background process is
   started (``gate`` mode; its model staged and checked by the process itself,
-  through :attr:`GuestsConfig.runner`), as one of its replicas (replica ``i``
+  through :attr:`GuestsConfig.runner`; for a guest of another account, by the
+  broker the loan names, as the guest's account, which the rank asks again at
+  later boundaries while it does not answer yet, for :data:`BROKER_WAIT_S`,
+  :mod:`~deeppool.multiplex.remote`), as one of its replicas (replica ``i``
   of a loan of ranks ``(r0, r1, ...)`` seeds and checkpoints as ``i``, in the
   guest's folder, so a guest that comes back resumes). It loads its model at
   normal priority (``idle_after_load``: a few seconds of the host's CPU, once)
@@ -49,7 +52,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,6 +63,7 @@ from deeppool.executor.engine.idle import IdleListener, IdleWindowEvent
 from deeppool.multiplex.config import BackgroundConfig, MuxMode
 from deeppool.multiplex.cpu import ProcessBackground, child_spec
 from deeppool.multiplex.metrics import RankBackground
+from deeppool.multiplex.remote import BrokerAbsent, BrokeredChild
 from deeppool.multiplex.session import Session
 from deeppool.planner.profiling.interference import idle_throughout
 
@@ -76,6 +81,9 @@ MAX_CONTROL_BYTES = 1 << 20
 """The most read of a control file."""
 START_WAIT_S = 20.0
 """The longest a host waits for a guest lent before its first step to load (once, at its first shared step)."""
+BROKER_WAIT_S = 30.0
+"""The longest a rank keeps asking, at its step boundaries, for a lent guest's broker (its host's supervisor
+starts it within a tenth of a second of the server's word) before it reports the guest failed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +117,10 @@ class GuestLoan:
     """the guest's own folder: its staged model and its checkpoints (``background/``)"""
     roots: tuple[Path, ...] = ()
     """where its model file may come from (checked again by its process)"""
+    broker: Path | None = None
+    """a guest of another account: the socket of the broker the host's supervisor runs for it, which starts its
+    process as its account (the coordinator's :mod:`~deeppool.coordinator.lent_brokers`); None: the rank starts
+    it"""
 
     def __post_init__(self) -> None:
         if not self.ranks or self.batch < 1 or self.steps < 1:
@@ -116,13 +128,15 @@ class GuestLoan:
 
     def to_json(self) -> dict[str, Any]:
         return {"job_id": self.job_id, "ranks": list(self.ranks), "model": self.model, "batch": self.batch,
-                "steps": self.steps, "folder": str(self.folder), "roots": [str(root) for root in self.roots]}
+                "steps": self.steps, "folder": str(self.folder), "roots": [str(root) for root in self.roots],
+                "broker": None if self.broker is None else str(self.broker)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GuestLoan:
         return cls(job_id=int(data["job_id"]), ranks=tuple(int(r) for r in data["ranks"]), model=str(data["model"]),
                    batch=int(data["batch"]), steps=int(data["steps"]), folder=Path(data["folder"]),
-                   roots=tuple(Path(root) for root in data.get("roots", ())))
+                   roots=tuple(Path(root) for root in data.get("roots", ())),
+                   broker=Path(data["broker"]) if data.get("broker") else None)
 
 
 def loans_json(loans: Iterable[GuestLoan]) -> bytes:
@@ -215,6 +229,7 @@ class GuestLender:
         self._stamp: tuple[int, int, int] | None = None
         self._step: int | None = None
         self._first = True  # the run's first step boundary: guests found there were lent at its start
+        self._absent: dict[int, float] = {}  # guests whose broker did not answer yet: since when
 
     @classmethod
     def start(cls, plan: Plan, *, config: GuestsConfig, rank: int, out_dir: Path | None,
@@ -249,6 +264,7 @@ class GuestLender:
             return
         mine = {job: loan for job, loan in self._read().items() if self.rank in loan.ranks}
         self.ended &= set(mine)
+        self._absent = {job: since for job, since in self._absent.items() if job in mine}
         for job_id in [job for job in self.runs if job not in mine]:
             self._end(job_id, GuestState.LEFT)
         for job_id, run in list(self.runs.items()):
@@ -261,13 +277,24 @@ class GuestLender:
         self._leaving = {job: thread for job, thread in self._leaving.items() if thread.is_alive()}
         for job_id, loan in mine.items():
             if job_id not in self.runs and job_id not in self.ended and job_id not in self._leaving:
-                try:
-                    self._start(loan, at_start=self._first)
-                except (OSError, subprocess.SubprocessError, ValueError) as err:  # a guest never fails its host
-                    self.ended.add(job_id)
-                    self._report(GuestReport(job_id=job_id, rank=self.rank, state=GuestState.FAILED, steps=0,
-                                             error=f"its process did not start: {err}"))
+                self._try_start(loan)
         self._first = False
+
+    def _try_start(self, loan: GuestLoan) -> None:
+        """Start ``loan``'s replica here; a broker not listening yet is asked again at the next boundaries, for
+        :data:`BROKER_WAIT_S`. A guest never fails its host: what does not start is reported failed."""
+        try:
+            self._start(loan, at_start=self._first)
+        except BrokerAbsent as err:
+            first = self._absent.setdefault(loan.job_id, time.monotonic())
+            if time.monotonic() - first > BROKER_WAIT_S:
+                self._failed(loan.job_id, f"its process did not start: {err}")
+        except (OSError, subprocess.SubprocessError, ValueError, DeeppoolError) as err:
+            self._failed(loan.job_id, f"its process did not start: {err}")
+
+    def _failed(self, job_id: int, error: str) -> None:
+        self.ended.add(job_id)
+        self._report(GuestReport(job_id=job_id, rank=self.rank, state=GuestState.FAILED, steps=0, error=error))
 
     def _read(self) -> dict[int, GuestLoan]:
         """The loans in force: the file's when it changed and is whole, else those read before (none: no file)."""
@@ -297,9 +324,22 @@ class GuestLender:
                                   checkpoint_dir=loan.folder / "background")
         spec = {**child_spec(config, rank=replica, stats=folder / "unused"), "stats": None, "steps": loan.steps,
                 "progress": str(report_path(self.out, loan.job_id, self.rank)), "idle_after_load": True}
+        if loan.broker is not None:  # another account's: its broker starts the same child, as the guest
+            child = BrokeredChild.start(loan.broker, {"op": "child", "rank": self.rank})
+            self._absent.pop(loan.job_id, None)
+            background = ProcessBackground(spec, rank=self.rank, folder=folder, spawn=lambda *_, **__: child)
+        else:
+            background = ProcessBackground(spec, rank=self.rank, folder=folder, spawn=self._runner(loan, spec))
+        session = Session(config, background, predicted_iteration_ms=self.predicted_ms,
+                          idle_throughout=self.throughout)
+        self.runs[loan.job_id] = _Run(loan=loan, background=background, session=session, at_start=at_start)
+
+    def _runner(self, loan: GuestLoan, spec: dict[str, Any]) -> Callable[..., subprocess.Popen]:
+        """What starts a guest of the host's account: the runner, which stages its model, then runs the child."""
+        replica = loan.ranks.index(self.rank)
         task = {"op": "child", "model": loan.model, "roots": [str(root) for root in loan.roots],
                 "stage": str(loan.folder / f"model-rank{replica}"), "batch": loan.batch, "child": spec}
-        task_path = folder / f"task-rank{self.rank}.json"
+        task_path = self.out / "guests" / f"job-{loan.job_id}" / f"task-rank{self.rank}.json"
         task_path.write_text(json.dumps(task))
         runner = [sys.executable, "-P", "-m", self.config.runner, str(task_path)]
 
@@ -307,10 +347,7 @@ class GuestLender:
             del argv  # the runner stages the model, then runs the same child
             return subprocess.Popen(runner, **kwargs)
 
-        background = ProcessBackground(spec, rank=self.rank, folder=folder, spawn=spawn)
-        session = Session(config, background, predicted_iteration_ms=self.predicted_ms,
-                          idle_throughout=self.throughout)
-        self.runs[loan.job_id] = _Run(loan=loan, background=background, session=session, at_start=at_start)
+        return spawn
 
     def _end(self, job_id: int, state: GuestState) -> None:
         """Stop the replica on a thread of its own: the training thread goes on at once."""

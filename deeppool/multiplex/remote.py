@@ -34,6 +34,10 @@ MEASURE_TIMEOUT_S = 120.0
 """The longest a host waits for a guest's memory estimate."""
 
 
+class BrokerAbsent(DeeppoolError):
+    """The broker's socket does not answer (not listening yet, or gone); the message says why."""
+
+
 class BrokeredChild:
     """A guest's process as its host sees it: :class:`subprocess.Popen`'s methods over the broker's socket."""
 
@@ -46,7 +50,8 @@ class BrokeredChild:
 
     @classmethod
     def start(cls, path: Path, request: dict[str, Any]) -> BrokeredChild:
-        """Ask the broker at ``path`` for a process; a one-line error if it starts none."""
+        """Ask the broker at ``path`` for a process; a one-line error if it starts none
+        (:class:`BrokerAbsent` when it does not answer)."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(str(path))
@@ -54,7 +59,7 @@ class BrokeredChild:
             message, fds, _, _ = socket.recv_fds(conn, 4096, 3)
         except OSError as err:
             conn.close()
-            raise DeeppoolError(f"the guest's broker at '{path}' does not answer: {err.strerror or err}") from None
+            raise BrokerAbsent(f"the guest's broker at '{path}' does not answer: {err.strerror or err}") from None
         reply = as_json(message.split(b"\n", 1)[0])
         if len(fds) != 3 or not isinstance(reply.get("pid"), int):
             for fd in fds:

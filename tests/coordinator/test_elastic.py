@@ -275,6 +275,18 @@ def test_serve_takes_simulate_policy_names_or_says_why_not() -> None:
         live_policy("fastest")
 
 
+def test_serve_policy_interval_sets_pollux_s_tick_and_no_other_policy_s() -> None:
+    ticking = live_policy("pollux", interval_s=20.0).policy
+    assert isinstance(ticking, PolluxPolicy) and ticking.interval_s == 20.0
+    default = live_policy("pollux").policy
+    assert isinstance(default, PolluxPolicy) and default.interval_s == 60.0
+    with pytest.raises(DeeppoolError, match="--policy-interval is for a policy that decides on a tick .*"
+                                            "fifo-backfill:burst\\+bg decides at every event"):
+        live_policy("fifo-backfill:burst+bg", interval_s=20.0)
+    with pytest.raises(DeeppoolError, match="--policy-interval 0.0 must be more than 0"):
+        live_policy("pollux", interval_s=0.0)
+
+
 def _job(*, gpus: int, batch: int, steps: int):
     from datetime import UTC, datetime
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
+from deeppool.coordinator import store as store_module
 from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
 from deeppool.coordinator.launcher import LocalLauncher
 from deeppool.coordinator.runtime import Runtime
-from deeppool.coordinator.service import Service, snapshot
+from deeppool.coordinator.service import Service, policy_view, snapshot
 from deeppool.coordinator.store import Store
-from deeppool.scheduling import Decision, Order, PlanMode, Placement, Scheduler, Start, policy_named
+from deeppool.coordinator.waiting import WaitingJobs
+from deeppool.scheduling import Decision, Order, Placement, PlanMode, Scheduler, Start, policy_named
 from tests.multiplex.plans import burst_plan
 
 
@@ -78,3 +80,84 @@ def test_a_paused_service_starts_nothing(tmp_path: Path) -> None:
                       Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), 4, paused=True)
     assert service.tick().empty and launcher.launched == []
     assert all(job.state is JobStatus.PENDING for job in store.jobs())
+
+
+def test_the_waiting_jobs_read_once_give_the_policy_the_view_their_full_rows_give(tmp_path: Path) -> None:
+    store = queue(tmp_path)
+    waiting = WaitingJobs(store)
+    queued = waiting.read()
+    first = list(queued.jobs.values())
+    assert [w.id for w in first] == [1, 2, 3, 4, 5] and not any(w.requeued for w in first)
+    now = datetime.now(UTC)
+    assert policy_view([], queued, 4, now) == snapshot(store.jobs(), 4, now)
+    store.note(1, ["a straggler report"], prefix="attempt 1: ")  # no move: nothing read again
+    assert waiting.read() is queued
+    store.transition(2, JobStatus.STARTING, "granted")
+    assert list(waiting.read().jobs) == [1, 3, 4, 5]
+    store.transition(2, JobStatus.PENDING, "preempted")  # back in the queue, in its place: read again
+    store.transition(4, JobStatus.CANCELLED, "cancelled")
+    store.submit("alice", JobRequest(kind=JobKind.BACKGROUND, model="examples.mlp:model", batch=8))
+    requeued = waiting.read()
+    second = list(requeued.jobs.values())
+    assert [w.id for w in second] == [1, 2, 3, 5, 6]
+    assert [w is before for w, before in zip(second, (first[0], first[1], first[2], first[4]), strict=False)] == [
+        True, False, True, True]
+    assert second[1].requeued and not second[4].requeued
+    assert policy_view([], requeued, 4, now) == snapshot(store.jobs(states=(JobStatus.PENDING,)), 4, now,
+                                                       requeued=frozenset(store.requeued()))
+    assert list(WaitingJobs(store).read().jobs) == [1, 2, 3, 5, 6]  # a new server reads the same queue
+
+
+def test_a_tick_builds_a_full_row_only_for_the_jobs_it_starts(tmp_path: Path, monkeypatch) -> None:
+    store = Store(tmp_path / "db.sqlite")
+    store.create_token("alice")
+    for _ in range(60):
+        store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model="examples.mlp:model", gpus=1, batch=8))
+    built: list[int] = []
+    real = store_module._job
+    monkeypatch.setattr(store_module, "_job", lambda row: built.append(row["id"]) or real(row))
+    launcher = Recorder(tmp_path / "jobs")
+    service = Service(Runtime(store, launcher, lambda job, attempt, guests: [["true"]]),
+                      Scheduler(order=Order.FIFO_BACKFILL, placement=Placement.BURST_BG), 2)
+    service.tick()
+    assert launcher.launched == [1, 2]
+    assert set(built) == {1, 2}  # the two it started, not the 58 still waiting
+    built.clear()
+    assert service.tick().empty and set(built) == {1, 2}  # a tick with no free GPU: the live rows only
+
+
+class StartOnce:
+    """Starts job ``job_id`` on ``gpus`` GPUs at its first decision, then decides nothing."""
+
+    name = "start-once"
+
+    def __init__(self, job_id: int, gpus: int) -> None:
+        self.starts = [Start(job_id=job_id, gpus=gpus, mode=PlanMode.BURST)]
+
+    def decide(self, snap) -> Decision:
+        decision = Decision(start=tuple(self.starts))
+        self.starts = []
+        return decision
+
+
+def test_a_start_waits_for_the_gpus_a_job_stopping_to_shrink_still_holds(tmp_path: Path) -> None:
+    store = Store(tmp_path / "db.sqlite")
+    store.create_token("alice")
+    shrinking, _ = store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model="examples.mlp:model", gpus=3,
+                                                    batch=64))
+    waiting, _ = store.submit("alice", JobRequest(kind=JobKind.FOREGROUND, model="examples.mlp:model", gpus=2,
+                                                  batch=64))
+    store.transition(shrinking.id, JobStatus.STARTING, "started")
+    store.transition(shrinking.id, JobStatus.RUNNING, "running")
+    change = store.begin_resize(store.job(shrinking.id), 1, 64, "shrunk to 1 GPU")  # it stops at its next step
+    assert change is not None
+    launcher = Recorder(tmp_path / "jobs")
+    service = Service(Runtime(store, launcher, lambda job, attempt, guests: [["true"]]),
+                      StartOnce(waiting.id, 2), 4)
+    service.tick()  # 3 GPUs held until the resize ends: 1 free, 2 asked
+    service.tick()
+    assert launcher.launched == [] and store.job(waiting.id).state is JobStatus.PENDING
+    store.update_resize(change.id, "DONE")
+    store.set_shape(shrinking.id, width=1, batch=64, steps=shrinking.steps, gain=None)
+    service.tick()  # the decision of the first tick, carried out now that its GPUs are free
+    assert launcher.launched == [waiting.id] and store.job(waiting.id).state is JobStatus.STARTING
