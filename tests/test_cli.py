@@ -355,6 +355,9 @@ MISTAKES: list[tuple[str, list[str], str]] = [
     ("serve --nodes 0", ["serve", "--launcher", "slurm", "--nodes", "0"], "--nodes"),
     ("serve --max-body-kb 0", ["serve", "--max-body-kb", "0"], "--max-body-kb"),
     ("serve --max-log-mb negative", ["serve", "--max-log-mb", "-1"], "--max-log-mb"),
+    ("serve --policy-interval for an event policy", ["serve", "--policy", "fifo-backfill", "--policy-interval", "20"],
+     "--policy-interval"),
+    ("serve --policy-interval 0", ["serve", "--policy", "pollux", "--policy-interval", "0"], "--policy-interval"),
     ("token create bad name", ["token", "create", "a b"], "user name"),
     ("token create --db is a folder", ["token", "create", "alice", "--db", "{tmp}"], "--db"),
     ("submit unknown kind", ["submit", "xx", TINY, "--batch", "8"], "job kind"),
@@ -377,6 +380,8 @@ MISTAKES: list[tuple[str, list[str], str]] = [
     ("replay --out is a file", ["replay", "workload-6", "--out", "{ws}/existing.txt"], "--out"),
     ("replay trace missing", ["replay", "nosuch.csv", "--dry-run", "--slots", "2"], "trace file"),
     ("replay --dry-run without --slots", ["replay", "workload-6", "--dry-run"], "--slots"),
+    ("replay --policy-interval for an event policy", ["replay", "workload-6", "--policy-interval", "20"],
+     "--policy-interval"),
     # the command itself
     ("unknown command", ["plna", TINY], "plna"),
 ]

@@ -14,7 +14,8 @@ the median cost of the run's finished resizes (checkpoint, stop, plan and restar
 
 **The run.** The same jobs, arriving when the live run submitted them, under the policy object ``serve
 --policy`` runs (:func:`deeppool.coordinator.live_policy.live_policy`), through the simulator's engine. The
-live policy ticks on wall-clock multiples of its interval; the simulation shifts the slice by the first
+live policy ticks on wall-clock multiples of its interval (60 s, or ``serve --policy-interval``, which the
+replay is given as ``--policy-interval``); the simulation shifts the slice by the first
 submission's offset into an interval, so its ticks fall at the same moments of the slice. The slots each job
 held over time are recorded from the policy's decisions (a start opens a band, a preemption or the job's
 end closes it).
@@ -86,16 +87,18 @@ class _DecisionLog:
         return decision
 
 
-def replay_adaptive(run: LiveRun, policy: str) -> AdaptiveReplay:
-    """The live run against its simulation under co-adaptive ``policy`` (the module docstring)."""
+def replay_adaptive(run: LiveRun, policy: str, *, interval_s: float | None = None) -> AdaptiveReplay:
+    """The live run against its simulation under co-adaptive ``policy`` (the module docstring), ticking every
+    ``interval_s`` as the coordinator did (``serve --policy-interval``; None: the policy's own)."""
     unmeasured = [r for r in run.records if r.speed is None]
     if unmeasured:
         raise DeeppoolError(f"job {unmeasured[0].job_id} of the live run has no speed record from the coordinator")
     pooled = _pooled(run.records)
     start_ups = _start_ups(run.records)
     restart_s = _restart_s(run.records)
-    simulated, bands = _simulate(run, policy, pooled, start_ups, restart_s, start_up=True)
-    steps_only, _ = _simulate(run, policy, pooled, start_ups, restart_s, start_up=False)
+    chosen = live_policy(policy, interval_s=interval_s).policy
+    simulated, bands = _simulate(run, chosen, pooled, start_ups, restart_s, start_up=True)
+    steps_only, _ = _simulate(run, chosen, pooled, start_ups, restart_s, start_up=False)
     live = Figures(average_jct_s=statistics.fmean(r.jct_s for r in run.records), makespan_s=run.makespan_s)
     comparison = ReplayComparison(policy=policy, live=live, simulated=_figures(simulated),
                                   steps_only=_figures(steps_only))
@@ -152,9 +155,8 @@ def speed_job(record: LiveRecord) -> Job:
                steps=record.job.steps, amplification=None, created_at=at, updated_at=at)
 
 
-def _simulate(run: LiveRun, policy: str, pooled: dict[str, list[SpeedPoint]], start_ups: dict[str, float],
+def _simulate(run: LiveRun, chosen: Policy, pooled: dict[str, list[SpeedPoint]], start_ups: dict[str, float],
               restart_s: float, *, start_up: bool) -> tuple[SimResult, list[Band]]:
-    chosen = live_policy(policy).policy
     interval = float(getattr(chosen, "interval_s", 0.0))
     offset = run.began_at % interval if interval > 0 else 0.0
     jobs = []

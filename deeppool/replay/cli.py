@@ -23,6 +23,9 @@ def replay(
     token: Annotated[str | None, typer.Option(help="your API token", show_default="$DEEPPOOL_TOKEN")] = None,
     policy: Annotated[str, typer.Option(help="the policy the coordinator runs (serve --policy): the simulator "
                                         "runs the same")] = DEFAULT_POLICY,
+    policy_interval: Annotated[float | None, typer.Option(help="the coordinator's serve --policy-interval (a tick "
+                                                          "policy's: pollux); the simulator ticks the same",
+                                                          show_default="the policy's own")] = None,
     first: Annotated[int, typer.Option(help="the slice's first job (0: the trace's first arrival)")] = 0,
     jobs: Annotated[int, typer.Option(help="jobs in the slice")] = 24,
     span: Annotated[float, typer.Option(help="seconds the slice's arrivals are compressed into (run times "
@@ -50,9 +53,9 @@ def replay(
     makespan of both; --out also gets replay.json and allocation.png (slots over time, live and simulated).
     """
     from deeppool import checks
-    from deeppool.scheduling.policies import policy_named
+    from deeppool.coordinator.live_policy import live_policy
 
-    policy_named(policy)
+    live_policy(policy, interval_s=policy_interval)
     for flag, value in (("--span", span), ("--min-run", min_run), ("--max-run", max_run), ("--timeout", timeout)):
         if not value > 0:
             raise DeeppoolError(f"{flag} {value} must be more than 0")
@@ -64,21 +67,24 @@ def replay(
         raise DeeppoolError("--slots is for --dry-run: a replay scales for the coordinator's own slots")
     if dry_run and slots is None:
         raise DeeppoolError("--dry-run needs --slots: it asks no coordinator how many it has")
-    _replay(trace, server=server, token=token, policy=policy, first=first, jobs=jobs, span=span,
+    _replay(trace, server=server, token=token, policy=policy, interval_s=policy_interval, first=first, jobs=jobs, span=span,
             gpu_scale=gpu_scale, min_run=min_run, max_run=max_run, mapping=mapping, slots=slots, dry_run=dry_run,
             out=out, timeout=timeout)
 
 
-def _replay(trace: str, *, server: str | None, token: str | None, policy: str, first: int, jobs: int, span: float,
+def _replay(trace: str, *, server: str | None, token: str | None, policy: str, interval_s: float | None, first: int,
+            jobs: int, span: float,
             gpu_scale: float | None, min_run: float, max_run: float, mapping: Path | None, slots: int | None,
             dry_run: bool, out: Path | None, timeout: float) -> None:
     from deeppool.cluster_sim.models import default_mapping, load_mapping
     from deeppool.cluster_sim.shipped import resolve
-    from deeppool.cluster_sim.workload import read_workload
+    from deeppool.cluster_sim.workload import BackgroundRule, read_workload
     from deeppool.output import console
+    from deeppool.replay.lending import lends
     from deeppool.replay.report import (
         comparison_table,
         fit_table,
+        loans_line,
         replay,
         resizes_line,
         slice_table,
@@ -86,6 +92,7 @@ def _replay(trace: str, *, server: str | None, token: str | None, policy: str, f
         write,
     )
     from deeppool.replay.slicing import SliceSettings, measure_step_s, needs, scale, sharing_cores
+    from deeppool.scheduling.policies import policy_named
 
     workload = read_workload(resolve(trace))
     chosen = load_mapping(mapping) if mapping is not None else default_mapping(spread=False)
@@ -98,7 +105,8 @@ def _replay(trace: str, *, server: str | None, token: str | None, policy: str, f
         client = Client(server, token)
         slots = int(client.cluster()["gpus"])
     settings = SliceSettings(slots=slots or 1, first=first, jobs=jobs, span_s=span, gpu_scale=gpu_scale,
-                             min_run_s=min_run, max_run_s=max_run)
+                             min_run_s=min_run, max_run_s=max_run,
+                             background=BackgroundRule() if lends(policy_named(policy)) else None)
     if client is not None:
         err.print("calibrating: one short job of each model and slot count", highlight=False)
         step_s = calibrate(client, needs(workload, settings, chosen), timeout_s=timeout,
@@ -107,10 +115,12 @@ def _replay(trace: str, *, server: str | None, token: str | None, policy: str, f
     console().print(slice_table(cut))
     if client is None:
         return
-    result = replay(cut, client, policy, timeout_s=timeout, say=lambda line: err.print(line, highlight=False))
+    result = replay(cut, client, policy, interval_s=interval_s, timeout_s=timeout, say=lambda line: err.print(line, highlight=False))
     console().print(fit_table(result.fits) if result.fits else speed_table(result.speeds))
     if result.fits:
         console().print(resizes_line(result.live), highlight=False)
+    if result.loans is not None:
+        console().print(loans_line(result), highlight=False)
     console().print(comparison_table([result.comparison]))
     if out is not None:
         for path in write(result, out):

@@ -1,15 +1,17 @@
 """The live half of a replay: submit a slice to a running coordinator on its schedule and record what it did.
 
-Each job is submitted as a foreground job at its arrival (an idempotency key per replay and job, so a
-retried request never makes a second job). The client polls the job list every ``poll_s`` seconds and
-keeps, per job, when it was submitted (the server's ``created_at``), when it held slots (from a state
-change's ``updated_at``: STARTING or RUNNING opens an interval, PENDING or an end closes it), on how many
-slots (a resize under a co-adaptive policy changes them: a new width is timed by the ``updated_at`` of the
-move that came with it, else by the poll that saw it) and how it ended. A job first seen already past a state is timed by the poll that saw it last in the state before,
-so a time is late by at most ``poll_s``. Once every job has ended, each succeeded job's log gives its
-measured iteration time (the run's ``iteration: measured X ms`` line, the slowest rank's median after
-warm-up), and the coordinator's ``GET /v1/jobs/{id}/speed`` its speed points and resizes. Times are seconds
-from the first submission.
+Each job is submitted at its arrival, as a foreground job or, where the slice says so, a background job
+(an idempotency key per replay and job, so a retried request never makes a second job). The client polls
+the job list every ``poll_s`` seconds and keeps, per job, when it was submitted (the server's
+``created_at``), when it held slots (from a state change's ``updated_at``: STARTING or RUNNING opens an
+interval, PENDING or an end closes it), on how many slots (a resize under a co-adaptive policy changes
+them: a new width is timed by the ``updated_at`` of the move that came with it, else by the poll that saw
+it), on whose ranks (a background job lent a running job's idle ranks: its ``host_id``), its progress at
+each interval's start and end, and how it ended. A job first seen already past a state is timed by the poll
+that saw it last in the state before, so a time is late by at most ``poll_s``. Once every job has ended,
+each succeeded job's log gives its measured iteration time (the run's ``iteration: measured X ms`` line, the
+slowest rank's median after warm-up), and the coordinator's ``GET /v1/jobs/{id}/speed`` its speed points and
+resizes. Times are seconds from the first submission.
 """
 
 from __future__ import annotations
@@ -49,6 +51,21 @@ class LiveRecord:
     """the held intervals cut where its width changed: (from, to, slots)"""
     speed: JobSpeed | None = None
     """what the coordinator measured of it: speed points and resizes"""
+    hosts: tuple[int | None, ...] = ()
+    """per held interval, the foreground job (its coordinator id) whose idle ranks it was lent; None: whole slots"""
+    gained: tuple[float, ...] = ()
+    """per held interval, the share of its steps it made there (its progress at the poll that saw the interval
+    end, less that at the poll that saw it begin)"""
+
+    def lent_steps(self) -> float:
+        """The steps it made on lent ranks."""
+        return sum(share * self.job.steps for share, host in zip(self.gained, self.hosts, strict=False)
+                   if host is not None)
+
+    @property
+    def lent_s(self) -> float:
+        """The time it ran on lent ranks of a running foreground job."""
+        return sum(end - start for (start, end), host in zip(self.held, self.hosts, strict=False) if host is not None)
 
     @property
     def finished_s(self) -> float:
@@ -77,7 +94,10 @@ class LiveRun:
         return max(record.finished_s for record in self.records)
 
     def failed(self) -> list[LiveRecord]:
-        return [r for r in self.records if r.state is not JobStatus.SUCCEEDED or r.iteration_s is None]
+        """Jobs that did not succeed, or whose log gave no iteration time (a job lent a host's ranks may have none:
+        its speed is its lent time)."""
+        return [r for r in self.records if r.state is not JobStatus.SUCCEEDED
+                or (r.iteration_s is None and not any(host is not None for host in r.hosts))]
 
 
 @dataclass(kw_only=True)
@@ -94,6 +114,12 @@ class _Watch:
     widths: list[tuple[datetime, int]] = field(default_factory=list)
     """(from when, slots) each time the width it held changed"""
     reason: str = ""
+    host: int | None = None
+    """the foreground job whose ranks the open interval runs on (a lent background job)"""
+    hosts: list[int | None] = field(default_factory=list)
+    progress: float = 0.0
+    """its progress when the open interval began"""
+    gained: list[float] = field(default_factory=list)
 
     def see(self, job: Job, polled: datetime) -> None:
         """Record a poll's view of the job; a state change is timed by its ``updated_at``, a width change by
@@ -101,15 +127,21 @@ class _Watch:
         if job.state in HOLDING and (not self.widths or self.widths[-1][1] != job.held):
             moved = job.state is not self.state or (self.last_seen is not None and job.updated_at > self.last_seen)
             self.widths.append((job.updated_at if moved else polled, job.held))
+        if job.state in HOLDING and job.host_id is not None:
+            self.host = job.host_id
         if job.state is not self.state:
             holding = job.state in HOLDING
             if holding and self.opened is None:
-                self.opened = job.updated_at
+                self.opened, self.progress = job.updated_at, job.progress
             elif not holding and self.opened is not None:
                 self.held.append((self.opened, job.updated_at))
-                self.opened = None
+                self.hosts.append(self.host)
+                self.gained.append(max(0.0, _done(job) - self.progress))
+                self.opened, self.host = None, None
             elif job.state.terminal and self.state is JobStatus.PENDING:  # it ran between two polls
                 self.held.append((self.last_seen or self.created, job.updated_at))
+                self.hosts.append(job.host_id)
+                self.gained.append(max(0.0, _done(job) - self.progress))
                 self.widths.append((self.last_seen or self.created, job.held))
             self.state, self.reason = job.state, job.reason or ""
         self.last_seen = polled
@@ -166,7 +198,8 @@ def calibrate(client: Client, needs: Sequence[tuple[ModelChoice, int]], *, steps
 
 
 def _request(job: ReplayJob, tag: str) -> JobRequest:
-    return JobRequest(kind=JobKind.FOREGROUND, model=str(job.model.path), gpus=job.gpus, batch=job.batch,
+    kind = JobKind.BACKGROUND if job.background else JobKind.FOREGROUND
+    return JobRequest(kind=kind, model=str(job.model.path), gpus=job.gpus, batch=job.batch,
                       steps=job.steps, idempotency_key=f"replay-{tag}-{job.name}")
 
 
@@ -193,9 +226,14 @@ def _collect(client: Client, watches: dict[int, _Watch]) -> LiveRun:
                                   state=watch.state, reason=watch.reason, iteration_s=iteration,
                                   widths=cut_by_width(held, [(since(at), slots) for at, slots in watch.widths],
                                                       watch.job.gpus),
-                                  speed=client.speed(job_id)))
+                                  speed=client.speed(job_id), hosts=tuple(watch.hosts), gained=tuple(watch.gained)))
     return LiveRun(url=client.url, slots=int(client.cluster()["gpus"]), records=tuple(records),
                    began_at=zero.timestamp())
+
+
+def _done(job: Job) -> float:
+    """Its progress: all of its steps once it succeeded."""
+    return 1.0 if job.state is JobStatus.SUCCEEDED else job.progress
 
 
 def cut_by_width(held: Sequence[tuple[float, float]], changes: Sequence[tuple[float, int]],

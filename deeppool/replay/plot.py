@@ -2,7 +2,8 @@
 
 The coordinator and the simulator hand out slots as a pool, by count, so the picture places each job's
 interval on the lowest slots free for its whole length (first fit, in start order); a job resized while it
-ran is one band per width; a job has the same colour and label in every panel.
+ran is one band per width; a job has the same colour and label in every panel. A background job lent a running
+job's idle ranks holds no slot of its own: it is drawn hatched on rows above the cluster's ("lent").
 """
 
 from __future__ import annotations
@@ -26,12 +27,21 @@ class Band:
     gpus: int
     start_s: float
     end_s: float
+    lent: bool = False
+    """it ran on a running job's idle ranks (a guest), not on slots of its own"""
 
 
 def live_bands(run: LiveRun) -> list[Band]:
     order = {record.job_id: index for index, record in enumerate(sorted(run.records, key=_submission))}
-    return [Band(job=order[r.job_id], name=r.job.name, gpus=gpus, start_s=start, end_s=end)
+    return [Band(job=order[r.job_id], name=r.job.name, gpus=gpus, start_s=start, end_s=end,
+                 lent=_lent(r, start, end))
             for r in run.records for start, end, gpus in (r.widths or [(a, b, r.job.gpus) for a, b in r.held])]
+
+
+def _lent(record: LiveRecord, start: float, end: float) -> bool:
+    """Whether the held interval around ``start``..``end`` ran on a host's lent ranks."""
+    return any(host is not None and a <= start + 1e-9 and end <= b + 1e-9
+               for (a, b), host in zip(record.held, record.hosts, strict=False))
 
 
 def simulated_bands(result: SimResult) -> list[Band]:
@@ -43,10 +53,18 @@ def _submission(record: LiveRecord) -> tuple[float, int]:
 
 
 def place(bands: Sequence[Band], slots: int) -> list[tuple[Band, list[int]]]:
-    """Each band with the slots it is drawn on (first fit); a band that fits nowhere goes above the cluster."""
+    """Each band with the slots it is drawn on (first fit); a band that fits nowhere goes above the cluster, and
+    a lent band on the rows above it (first fit there)."""
     free_at = [0.0] * slots
+    lent_free_at: list[float] = []
     placed = []
     for band in sorted(bands, key=lambda b: (b.start_s, b.job)):
+        if band.lent:
+            row = next((i for i, at in enumerate(lent_free_at) if at <= band.start_s + 1e-6), len(lent_free_at))
+            lent_free_at[len(lent_free_at):] = [0.0] * (row + 1 - len(lent_free_at))
+            lent_free_at[row] = band.end_s
+            placed.append((band, [slots + row]))
+            continue
         fitting = [slot for slot in range(slots) if free_at[slot] <= band.start_s + 1e-6]
         chosen = fitting[:band.gpus] if len(fitting) >= band.gpus else list(range(slots, slots + band.gpus))
         for slot in chosen:
@@ -72,16 +90,21 @@ def draw(panels: Sequence[tuple[str, Sequence[Band]]], slots: int, path: Path) -
     colours = plt.get_cmap("tab20")
     figure, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False, figsize=(11, 1.0 + (0.6 * slots + 0.6) * len(panels)))
     for axis, (title, bands) in zip(axes[:, 0], panels, strict=True):
-        for band, chosen in place(bands, slots):
+        placed = place(bands, slots)
+        for band, chosen in placed:
             for slot in chosen:
                 axis.broken_barh([(band.start_s, band.end_s - band.start_s)], (slot + 0.05, 0.9),
-                                 facecolors=colours(_colour(band.job)), edgecolors="black", linewidth=0.4)
+                                 facecolors=colours(_colour(band.job)), edgecolors="black", linewidth=0.4,
+                                 hatch="///" if band.lent else None)
             if jobs <= MAX_LABELLED_JOBS:
                 axis.text((band.start_s + band.end_s) / 2, min(chosen) + 0.5, str(band.job), ha="center",
                           va="center", fontsize=7)
         axis.set_title(title, fontsize=10, loc="left")
-        axis.set_ylim(0, max([slots] + [max(chosen) + 1 for _, chosen in place(bands, slots)]))
-        axis.set_yticks([slot + 0.5 for slot in range(slots)], [str(slot) for slot in range(slots)])
+        rows = max([slots] + [max(chosen) + 1 for _, chosen in placed])
+        lent_rows = {row for band, chosen in placed if band.lent for row in chosen}
+        axis.set_ylim(0, rows)
+        axis.set_yticks([slot + 0.5 for slot in range(rows)],
+                        [str(slot) if slot < slots else "lent" if slot in lent_rows else "" for slot in range(rows)])
         axis.set_ylabel("slot")
     axes[-1, 0].set_xlabel("seconds from the first submission (bands: jobs, numbered in submission order)")
     figure.tight_layout()

@@ -13,11 +13,19 @@ from rich.table import Table
 from deeppool.cluster_sim.engine import SimResult
 from deeppool.coordinator.client import Client
 from deeppool.replay.adaptive import FittedSpeed, replay_adaptive
-from deeppool.replay.compare import MeasuredSpeed, ReplayComparison, SpeedKey, compare, measured_speeds
+from deeppool.replay.compare import (
+    MeasuredSpeed,
+    ReplayComparison,
+    SpeedKey,
+    compare,
+    measured_loans,
+    measured_speeds,
+)
+from deeppool.replay.lending import Loans, lends
 from deeppool.replay.live import LiveRun, run_live
-from deeppool.replay.plot import Band, draw, live_bands, simulated_bands
+from deeppool.replay.plot import Band, draw, live_bands
 from deeppool.replay.slicing import ReplaySlice
-from deeppool.scheduling.policies import ADAPTIVE
+from deeppool.scheduling.policies import ADAPTIVE, policy_named
 
 JSON_FILE = "replay.json"
 PICTURE_FILE = "allocation.png"
@@ -36,23 +44,27 @@ class ReplayResult:
     """a co-adaptive policy's speed models as the coordinator fitted them (``speeds`` is then empty)"""
     restart_s: float = 0.0
     """the restart the simulation charged (a co-adaptive replay: the live resizes' median cost)"""
+    loans: Loans | None = None
+    """a lending policy's hosts' plans and the live loans' efficiency"""
 
 
-def replay(cut: ReplaySlice, client: Client, policy: str, *, timeout_s: float = 3600.0,
-           say: Callable[[str], None] = lambda line: None) -> ReplayResult:
-    """Run ``cut`` live on ``client``'s coordinator (which runs ``policy``), then in the simulator: by the
-    speeds the jobs' logs measured (:mod:`deeppool.replay.compare`), or, for a co-adaptive policy, by the speed
-    models the coordinator fitted (:mod:`deeppool.replay.adaptive`)."""
+def replay(cut: ReplaySlice, client: Client, policy: str, *, interval_s: float | None = None,
+           timeout_s: float = 3600.0, say: Callable[[str], None] = lambda line: None) -> ReplayResult:
+    """Run ``cut`` live on ``client``'s coordinator (which runs ``policy``, deciding every ``interval_s`` if
+    it decides on a tick: ``serve --policy-interval``), then in the simulator: by the speeds the jobs' logs
+    measured (:mod:`deeppool.replay.compare`), or, for a co-adaptive policy, by the speed models the
+    coordinator fitted (:mod:`deeppool.replay.adaptive`)."""
     live = run_live(cut.jobs, client, timeout_s=timeout_s, say=say)
     if policy in ADAPTIVE:
-        adaptive = replay_adaptive(live, policy)
+        adaptive = replay_adaptive(live, policy, interval_s=interval_s)
         return ReplayResult(slice=cut, live=live, speeds={}, comparison=adaptive.comparison,
                             simulated=adaptive.simulated, bands=adaptive.bands, fits=adaptive.fits,
                             restart_s=adaptive.restart_s)
     speeds = measured_speeds(live)
-    comparison, simulated = compare(live, policy, speeds)
+    loans = measured_loans(live, speeds) if lends(policy_named(policy)) else None
+    comparison, simulated, bands = compare(live, policy, speeds, lending=loans)
     return ReplayResult(slice=cut, live=live, speeds=speeds, comparison=comparison, simulated=simulated,
-                        bands=tuple(simulated_bands(simulated)))
+                        bands=tuple(bands), loans=loans)
 
 
 def slice_table(cut: ReplaySlice) -> Table:
@@ -62,7 +74,8 @@ def slice_table(cut: ReplaySlice) -> Table:
                    "sized for s"):
         table.add_column(column, justify="left" if column in ("job", "model") else "right")
     for index, job in enumerate(cut.jobs):
-        table.add_row(str(index), job.name, f"{job.arrival_s:.1f}", str(job.trace.gpus), str(job.gpus),
+        table.add_row(str(index), job.name, f"{job.arrival_s:.1f}", str(job.trace.gpus),
+                      f"{job.gpus} bg" if job.background else str(job.gpus),
                       job.model.name, str(job.batch), str(job.steps), f"{job.trace.duration_s:.0f}",
                       f"{job.run_s:.1f}")
     return table
@@ -102,6 +115,23 @@ def resizes_line(live: LiveRun) -> str:
     return f"resizes in the live run: {sum(phases.values())}" + (f" ({shown})" if shown else "")
 
 
+def loans_line(result: ReplayResult) -> str:
+    """What the live run's loans were, and the guests' efficiency the simulation ran them at."""
+    loans = result.loans
+    if loans is None:
+        return ""
+    background = [r for r in result.live.records if r.job.background]
+    lending = loans.lending
+    measured = (f"{lending.efficiency:.2f} of the lent ranks' idle time became guest progress (the simulation's "
+                f"efficiency); each restart of a background job charged {lending.restart_s:.1f} s" if lending.loans
+                else f"nothing was lent: the simulation lends at the default efficiency {lending.efficiency:.2f}")
+    hosts = sorted({(r.job.model.name, r.job.gpus) for r in result.live.records if not r.job.background
+                    and max(loans.planned(r.job.model, r.job.gpus).idle_fractions, default=0.0) > 0})
+    offered = ", ".join(f"{model} on {gpus}" for model, gpus in hosts) or "none"
+    return (f"background jobs: {len(background)}, of which {lending.guests} were lent a running job's idle ranks "
+            f"live ({lending.loans} loans); plans with idle ranks (model on slots): {offered}; {measured}")
+
+
 def comparison_table(comparisons: list[ReplayComparison]) -> Table:
     table = Table(title="live against simulated (gap: simulated / live - 1; steps only: the simulation without "
                         "start-up)")
@@ -132,15 +162,17 @@ def write(result: ReplayResult, out: Path) -> list[Path]:
 def _json(result: ReplayResult) -> dict[str, Any]:
     cut = result.slice
     return {
-        "source": cut.source, "settings": asdict(cut.settings), "time_scale": cut.time_scale,
+        "source": cut.source, "settings": _settings(cut), "time_scale": cut.time_scale,
         "gpu_scale": cut.gpu_scale, "slots": result.live.slots, "policy": result.comparison.policy,
         "comparison": {"live": asdict(result.comparison.live), "simulated": asdict(result.comparison.simulated),
                        "steps_only": asdict(result.comparison.steps_only), "jct_gap": result.comparison.jct_gap,
                        "makespan_gap": result.comparison.makespan_gap},
         "speeds": [asdict(speed) for speed in result.speeds.values()],
         "fits": [asdict(fit) for fit in result.fits], "restart_s": result.restart_s,
+        "lending": asdict(result.loans.lending) if result.loans is not None else None,
         "live": [{"name": r.job.name, "job_id": r.job_id, "model": r.job.model.name, "batch": r.job.batch,
-                  "slots": r.job.gpus, "steps": r.job.steps, "submitted_s": r.submitted_s, "held": r.held,
+                  "slots": r.job.gpus, "steps": r.job.steps, "background": r.job.background,
+                  "submitted_s": r.submitted_s, "held": r.held, "hosts": r.hosts, "gained": r.gained,
                   "widths": r.widths, "state": r.state.value, "iteration_s": r.iteration_s, "jct_s": r.jct_s,
                   "coordinator": r.speed.model_dump(mode="json") if r.speed is not None else None}
                  for r in result.live.records],
@@ -148,3 +180,9 @@ def _json(result: ReplayResult) -> dict[str, Any]:
                       for r in result.simulated.records],
         "simulated_widths": [asdict(band) for band in result.bands],
     }
+
+
+def _settings(cut: ReplaySlice) -> dict[str, Any]:
+    settings = asdict(cut.settings)
+    settings["background"] = cut.settings.background.describe() if cut.settings.background is not None else None
+    return settings

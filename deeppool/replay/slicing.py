@@ -10,6 +10,9 @@ For jobs ``first .. first + jobs - 1`` of the trace (in arrival order) and a coo
   slice's largest job over ``slots`` (that job takes the whole cluster);
 * **model**: the trace's key (a Pollux application) goes through a model mapping
   (:mod:`deeppool.cluster_sim.models`) to a real model file and its batch rule;
+* **kind**: under a policy that lends idle ranks (``...:burst+bg``) the jobs ``background`` names (by default, as
+  ``simulate``'s, those asking for one trace GPU) are background jobs on one slot; otherwise every job is a
+  foreground job;
 * **work**: ``steps = round(run time / step_s)``, at least ``min_steps``, with ``step_s`` the iteration
   time of the model on that many slots: measured on the coordinator by a short job of each
   (:func:`deeppool.replay.live.calibrate`), or, without a coordinator (a dry run), its training step
@@ -30,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from deeppool.cluster_sim.models import ModelMapping
-from deeppool.cluster_sim.workload import TraceJob, Workload
+from deeppool.cluster_sim.workload import BackgroundRule, TraceJob, Workload
 from deeppool.errors import DeeppoolError
 from deeppool.scheduling.choice import ModelChoice
 
@@ -53,6 +56,8 @@ class SliceSettings:
     min_run_s: float = 2.0
     max_run_s: float = 90.0
     min_steps: int = 10
+    background: BackgroundRule | None = None
+    """which trace jobs are submitted as background jobs (a lending policy's replay); None: none"""
 
     def __post_init__(self) -> None:
         if self.slots < 1:
@@ -84,6 +89,10 @@ class ReplayJob:
     steps: int
     run_s: float
     """the training time it was sized for (scaled run time, held to the bounds)"""
+    step_s: float = 0.0
+    """the iteration time its steps were sized by (the calibration's, on its slots)"""
+    background: bool = False
+    """submitted as a background job (on one slot, or lent a running foreground job's idle ranks)"""
 
     @property
     def batch(self) -> int:
@@ -122,14 +131,16 @@ def scale(workload: Workload, settings: SliceSettings, mapping: ModelMapping, st
     timed: dict[tuple[str, int, int], float] = {}
     jobs = []
     for job in chosen:
-        gpus = min(settings.slots, max(1, math.ceil(job.gpus / gpu_scale - 1e-9)))
+        background = settings.background is not None and settings.background.is_background(job)
+        gpus = 1 if background else min(settings.slots, max(1, math.ceil(job.gpus / gpu_scale - 1e-9)))
         model = _model(mapping.resolve(job.key, rng, where=job.where), gpus, job)
         key = (str(model.path), model.global_batch, gpus)
         if key not in timed:
             timed[key] = step_s(model, gpus)
         run_s = min(settings.max_run_s, max(settings.min_run_s, job.duration_s * time_scale))
         jobs.append(ReplayJob(name=job.name, trace=job, arrival_s=(job.arrival_s - start) * time_scale, gpus=gpus,
-                              model=model, steps=max(settings.min_steps, round(run_s / timed[key])), run_s=run_s))
+                              model=model, steps=max(settings.min_steps, round(run_s / timed[key])), run_s=run_s,
+                              step_s=timed[key], background=background))
     return ReplaySlice(source=workload.source, settings=settings, time_scale=time_scale, gpu_scale=gpu_scale,
                        jobs=tuple(jobs))
 

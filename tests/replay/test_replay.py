@@ -68,7 +68,8 @@ def test_the_simulation_queues_the_live_jobs_by_the_speeds_they_measured() -> No
     speeds = measured_speeds(run)
     (speed,) = speeds.values()
     assert speed.iteration_s == pytest.approx(0.1) and speed.start_up_s == pytest.approx(2.0) and speed.jobs == 2
-    comparison, simulated = compare(run, "fifo-backfill", speeds)
+    comparison, simulated, bands = compare(run, "fifo-backfill", speeds)
+    assert not any(band.lent for band in bands)  # every job a foreground job
     assert [(r.start_s, r.finish_s) for r in simulated.records] == [pytest.approx((0.0, 10.0)),
                                                                    pytest.approx((10.0, 20.0))]
     assert comparison.live.average_jct_s == pytest.approx((10.5 + 19.6) / 2)

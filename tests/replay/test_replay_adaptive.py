@@ -73,3 +73,19 @@ def test_a_restart_is_charged_the_live_resizes_median_cost() -> None:
     assert adaptive.restart_s == pytest.approx(10.0)
     (fit,) = adaptive.fits
     assert fit.start_up_s == pytest.approx((30.0 - 40 * 0.1) / 2)
+
+
+def test_the_simulation_ticks_at_the_coordinator_s_policy_interval() -> None:
+    """The same job submitted 10 s past a wall-clock multiple of 20 s: under ``serve --policy-interval 20`` the
+    simulated Pollux starts it at the next 20 s tick, 10 s after its submission (at 60 s it would wait 50 s)."""
+    cut = scale(read_workload(resolve("workload-6")), SliceSettings(slots=2, jobs=2, span_s=1.0),
+                load_mapping(MAPPING), _step_s)
+    job = replace(cut.jobs[0], gpus=1, steps=100)
+    speed = JobSpeed(job_id=1, points=[SpeedPoint(job_id=1, gpus=1, batch=job.batch, iteration_s=0.2, steps=90)],
+                     resizes=[])
+    record = LiveRecord(job=job, job_id=1, submitted_s=0.0, held=((10.0, 40.0),), state=JobStatus.SUCCEEDED,
+                        reason="finished", iteration_s=0.2, widths=((10.0, 40.0, 1),), speed=speed)
+    run = LiveRun(url="http://live", slots=2, records=(record,), began_at=20.0 * 3000 + 10.0)
+    ticked = {interval: replay_adaptive(run, "pollux", interval_s=interval).bands[0].start_s
+              for interval in (20.0, None)}
+    assert ticked == {20.0: pytest.approx(10.0), None: pytest.approx(50.0)}
