@@ -1,6 +1,7 @@
 """K-FAC against first-order optimizers, its overhead by part, and the planner's price of it.
 
-    python benchmarks/kfac.py [--max-steps 400] [--fidelity-steps 40] [--write-docs]
+    python benchmarks/kfac.py [--max-steps 400] [--fidelity-steps 40] [--fidelity-runs 3]
+                              [--parts convergence overhead fidelity] [--write-docs]
 
 **Convergence.** Two synthetic tasks whose optimum is known, trained on one process with mini-batches of 64
 in a seeded order, by SGD with momentum 0.9, AdamW and K-FAC (the same SGD, its gradients preconditioned by
@@ -20,13 +21,19 @@ target, its wall time):
 split into its parts (the statistics the hooks gather in the forward and backward, the factor update, the
 eigendecompositions amortised over their interval, the preconditioning with KL clipping).
 
-**Fidelity.** ``deeppool plan benchmarks/models/kfac_mlp.py --gpus 1 --batch 64 --optimizer kfac`` (measured
-here) against ``deeppool run plan.json --optimizer kfac``'s mean iteration over ``--fidelity-steps`` (the
-eigendecompositions every 10 steps included), and the same for SGD: the predicted and measured iteration
-and K-FAC's share of it (goal: within ±15%).
+**Fidelity.** ``deeppool plan benchmarks/models/kfac_mlp.py --batch 64 --optimizer kfac --no-cache`` (measured
+here, K-FAC's work timed by the preconditioner itself, :mod:`deeppool.planner.profiling.kfac_times`) against
+``deeppool run plan.json --optimizer kfac``'s mean iteration over ``--fidelity-steps`` (the
+eigendecompositions every 10 steps included), and the same for SGD right after: the predicted and measured
+iteration and K-FAC's share of it (goal: within ±15%). Two settings: one rank (``--gpus 1``), and two ranks
+with every layer on both (``--gpus 2 --strategy dp``: each layer's factors all-reduced, its
+eigendecompositions on one of the two, round-robin, and its preconditioned gradient sent to the other).
+Plan and run get one intra-op thread a rank (``OMP_NUM_THREADS``, unless set); the whole comparison is
+repeated ``--fidelity-runs`` times, each row with the load average when its plans started, since other
+processes' load moves both the plan-time timings and the run between minutes.
 
-``--write-docs`` writes the tables into ``docs/adaptation.md`` (region ``kfac``) and ``docs/performance.md``
-(region ``kfac``).
+``--write-docs`` (all three parts) writes the tables into ``docs/adaptation.md`` (region ``kfac``) and
+``docs/performance.md`` (region ``kfac``).
 """
 
 from __future__ import annotations
@@ -55,6 +62,10 @@ from deeppool.adaptation.kfac_options import KfacOptions
 from deeppool.docregions import REPO, Stamp, markdown, write_region
 
 BATCH = 64
+PARTS = ("convergence", "overhead", "fidelity")
+SETTINGS = {"1 rank": ("--gpus", "1"), "2 ranks, every layer on both": ("--gpus", "2", "--strategy", "dp")}
+"""Fidelity's settings: their label and ``deeppool plan``'s options."""
+GOAL = 0.15
 OPTIONS = KfacOptions(damping=0.03, factor_update_steps=1, inv_update_steps=10, kl_clip=0.01)
 GRIDS = {"SGD+momentum": (0.001, 0.01, 0.1), "AdamW": (0.001, 0.01, 0.1), "K-FAC": (0.03, 0.1, 0.3)}
 
@@ -206,6 +217,7 @@ def overhead(repeats: int = 30) -> Table:
 
 def _deeppool(*args: str, cwd: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # the planner times with $OMP_NUM_THREADS threads, as many as each rank of the run gets
     done = subprocess.run([sys.executable, "-m", "deeppool.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=1800, check=False)
     if done.returncode != 0:
@@ -217,27 +229,60 @@ def _measured_ms(out: Path) -> float:
     return statistics.mean(row["iteration_ms"] for row in rows[10:])
 
 
-def fidelity(steps: int) -> Table:
+@dataclass(frozen=True)
+class Compared:
+    """One setting's predicted and measured iterations (ms), SGD's and K-FAC's, and the load when it ran."""
+
+    setting: str
+    load: float
+    sgd: tuple[float, float]
+    kfac: tuple[float, float]
+
+    @property
+    def share(self) -> tuple[float, float]:
+        """K-FAC's share of the iteration (``kfac - sgd``): predicted, measured."""
+        return self.kfac[0] - self.sgd[0], self.kfac[1] - self.sgd[1]
+
+    @property
+    def within(self) -> bool:
+        predicted, measured = self.share
+        return abs(measured / predicted - 1) <= GOAL
+
+
+def _compare(setting: str, options: tuple[str, ...], steps: int, where: Path) -> Compared:
     model = REPO / "benchmarks" / "models" / "kfac_mlp.py"
     found: dict[str, tuple[float, float]] = {}
-    with tempfile.TemporaryDirectory() as folder:
-        where = Path(folder)
-        for optimizer in ("sgd", "kfac"):
-            _deeppool("plan", str(model), "--gpus", "1", "--batch", "64", "--optimizer", optimizer,
-                      "--out", f"{optimizer}.json", cwd=where)
-            plan = json.loads((where / f"{optimizer}.json").read_text())
-            _deeppool("run", f"{optimizer}.json", "--steps", str(steps + 10), "--optimizer", optimizer,
-                      "--out", optimizer, cwd=where)
-            found[optimizer] = (plan["predicted"]["iteration_ms"], _measured_ms(where / optimizer))
-    table = Table(title="The planner's price of K-FAC against a measured run (kfac_mlp, batch 64, 1 rank)")
-    for column in ("", "predicted ms", "measured ms", "measured/predicted"):
+    load = os.getloadavg()[0]
+    for optimizer in ("kfac", "sgd"):
+        _deeppool("plan", str(model), *options, "--batch", str(BATCH), "--optimizer", optimizer, "--no-cache",
+                  "--out", f"{optimizer}.json", cwd=where)
+        plan = json.loads((where / f"{optimizer}.json").read_text())
+        ranks = str(max(layer["gpus"] for layer in plan["layers"]))
+        _deeppool("run", f"{optimizer}.json", "--nproc", ranks, "--steps", str(steps + 10), "--optimizer", optimizer,
+                  "--out", optimizer, cwd=where)
+        found[optimizer] = (plan["predicted"]["iteration_ms"], _measured_ms(where / optimizer))
+    return Compared(setting=setting, load=load, sgd=found["sgd"], kfac=found["kfac"])
+
+
+def fidelity(steps: int, runs: int) -> Table:
+    compared: list[Compared] = []
+    for _ in range(runs):
+        for setting, options in SETTINGS.items():
+            with tempfile.TemporaryDirectory() as folder:
+                compared.append(_compare(setting, options, steps, Path(folder)))
+    table = Table(title=f"The planner's price of K-FAC against measured runs (kfac_mlp, batch {BATCH})")
+    for column in ("run", "setting", "load average", "sgd predicted / measured ms", "kfac predicted / measured ms",
+                   "K-FAC's share predicted ms", "measured ms", "measured/predicted"):
         table.add_column(column)
-    rows = {**found, "K-FAC's share (kfac - sgd)": tuple(k - s for k, s in zip(found["kfac"], found["sgd"],
-                                                                                      strict=True))}
-    for name, (predicted, measured) in rows.items():
-        table.add_row(name, f"{predicted:.2f}", f"{measured:.2f}", f"{measured / predicted:.2f}")
+    for index, row in enumerate(compared):
+        (sgd_p, sgd_m), (kfac_p, kfac_m), (share_p, share_m) = row.sgd, row.kfac, row.share
+        table.add_row(str(index // len(SETTINGS) + 1), row.setting, f"{row.load:.1f}", f"{sgd_p:.2f} / {sgd_m:.2f}",
+                      f"{kfac_p:.2f} / {kfac_m:.2f}", f"{share_p:.2f}", f"{share_m:.2f}", f"{share_m / share_p:.2f}")
+    hits = {setting: sum(row.within for row in compared if row.setting == setting) for setting in SETTINGS}
     table.caption = (f"Measured: the mean iteration of steps 10..{steps + 9} (eigendecompositions every 10 steps "
-                     "included). Goal: within ±15%.")
+                     f"included); the load average (1 minute) when the setting's plans started, on {os.cpu_count()} "
+                     f"cores. K-FAC's share within ±{GOAL:.0%} (the goal): "
+                     + ", ".join(f"{setting} in {hit} of {runs} runs" for setting, hit in hits.items()) + ".")
     return table
 
 
@@ -245,12 +290,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-steps", type=int, default=400)
     parser.add_argument("--fidelity-steps", type=int, default=40)
-    parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--fidelity-runs", type=int, default=3, help="times the fidelity comparison is repeated")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--write-docs", action="store_true", help="write the regions (all three parts)")
     args = parser.parse_args()
+    if args.write_docs and set(args.parts) != set(PARTS):
+        parser.error("--write-docs writes all three parts: leave out --parts")
     torch.set_num_threads(1)
     stamp = Stamp.started()
     console = Console(width=140)
-    tables = [convergence(args.max_steps), overhead(), fidelity(args.fidelity_steps)]
+    build = {"convergence": lambda: convergence(args.max_steps), "overhead": overhead,
+             "fidelity": lambda: fidelity(args.fidelity_steps, args.fidelity_runs)}
+    tables = [build[part]() for part in PARTS if part in args.parts]
     for table in tables:
         console.print(table)
     if args.write_docs:

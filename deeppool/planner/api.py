@@ -25,7 +25,7 @@ from deeppool.model.trace import Traced, trace, trace_spec
 from deeppool.plans import ClusterShares, ModelSource, ModelSpec, NetworkModel, Objective, Pin, Plan, Precision, Strategy
 from deeppool.planner.hardware import DEVICES, NETWORKS, known_device
 from deeppool.planner.measure_loop import evidence, plan_on_measured
-from deeppool.planner.profiling.kfac_times import KfacTimes, measure_kfac
+from deeppool.planner.profiling.kfac_times import KfacTimes, kfac_layers, measure_kfac
 from deeppool.planner.profiling.profile import Profile, estimated_profile
 from deeppool.planner.profiling.profiler import LayerProfiler, ProfilerConfig
 from deeppool.planner.profiling.timing import intra_op_threads
@@ -56,15 +56,17 @@ def plan_graph(
     request: PlanRequest,
     *,
     model: ModelSpec,
+    module: nn.Module | None = None,
 ) -> Planned:
-    """Solve the ILP and its baselines; return the plan of ``request.strategy``."""
+    """Solve the ILP and its baselines; return the plan of ``request.strategy``. ``module``: the traced model
+    (its parameters may be meta tensors), whose ``Linear`` and ``Conv2d`` shapes K-FAC's work is timed on."""
     profile.check_covers(graph)
     cost = CostModel(
         graph=graph, profile=profile, network=network, global_batch=request.global_batch,
         optimizer=request.optimizer, precision=Precision.of_profile(profile.dtype),
         bucket_bytes=int(request.bucket_mb * 2**20),
     )
-    cost = replace(cost, kfac_times=_kfac_times(cost))
+    cost = replace(cost, kfac_times=_kfac_times(cost, module))
     limits = Limits(
         amplification=request.amplification,
         memory_bytes=profile.memory_bytes if request.enforce_memory else None,
@@ -94,14 +96,15 @@ def plan_graph(
     return Planned(plan=plan, assignments=solved.assignments, cost=cost, search=search)
 
 
-def _kfac_times(cost: CostModel) -> dict[str, KfacTimes]:
-    """K-FAC's work timed here, when its layers' times were measured here on a CPU (``--optimizer kfac``)."""
+def _kfac_times(cost: CostModel, module: nn.Module | None) -> dict[str, KfacTimes]:
+    """K-FAC's work timed here by the preconditioner itself, when its layers' times were measured here on a CPU
+    (``--optimizer kfac``) and the traced model is at hand, with the profile's threads."""
     profile = cost.profile
-    if not cost.preconditioned or profile.conditions is None or profile.concurrent_ranks is None:
+    if not cost.preconditioned or module is None or profile.conditions is None or profile.concurrent_ranks is None:
         return {}
-    sizes = {name: (s.inputs, s.outputs, s.positions) for name, s in cost.preconditioned.items()}
-    threads = max(1, (os.cpu_count() or 1) // profile.concurrent_ranks)
-    return measure_kfac(sizes, cost.global_batch, threads=threads)
+    threads = profile.conditions.threads or max(1, (os.cpu_count() or 1) // profile.concurrent_ranks)
+    layers = kfac_layers(cost.graph, tuple(cost.preconditioned), module)
+    return measure_kfac(layers, cost.global_batch, cost.kfac, threads=threads)
 
 
 def cluster_shares(cost: CostModel, assignment: dict[str, int], request: PlanRequest, dp_ms: float) -> ClusterShares:
@@ -163,7 +166,8 @@ def batch_planner(spec: ModelSpec, request: PlanRequest, source: CostSource) -> 
         at = replace(request, global_batch=batch)
 
         def on(profile: Profile) -> Planned:
-            return plan_graph(traced.graph, profile, source.network_model(profile), at, model=spec)
+            return plan_graph(traced.graph, profile, source.network_model(profile), at, model=spec,
+                              module=traced.module)
 
         if profiler is None:
             return on(source_profile(source, traced, at))

@@ -182,8 +182,10 @@ def check_precision(request: PlanRequest, source: CostSource) -> None:
 
 
 def rank_threads(gpus: int) -> int:
-    """The intra-op threads a rank of a ``gpus``-rank run on this host gets: its share of the cores."""
-    return max(1, (os.cpu_count() or 1) // gpus)
+    """The intra-op threads a rank of a ``gpus``-rank run on this host gets: ``$OMP_NUM_THREADS`` where it is a
+    positive number (``deeppool run`` passes it to its ranks), else its share of the cores."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else max(1, (os.cpu_count() or 1) // gpus)
 
 
 def probed_source(source: CostSource, gpus: int, say: Callable[[str], None]) -> CostSource:

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from deeppool.adaptation.kfac_options import KfacOptions
+from deeppool.model.loading import load_model
 from deeppool.planner.hardware import DEVICES, NETWORKS, KnownDevice
-from deeppool.planner.profiling.kfac_times import KfacTimes, measure_kfac
+from deeppool.planner.profiling.kfac_times import KfacLayer, KfacTimes, kfac_layers, measure_kfac
 from deeppool.planner.profiling.profile import estimated_profile
 from deeppool.planner.solve.cost import CostModel
-from deeppool.plans import Optimizer, Plan
+from deeppool.plans import ModelSpec, Optimizer, Plan
 from tests.entry import deeppool
 from tests.executor.plans import traced_graph
 
@@ -87,11 +88,17 @@ def test_work_timed_on_this_host_replaces_the_flop_price(tmp_path: Path) -> None
                      kfac=KfacOptions(factor_update_steps=1, inv_update_steps=4))
     sizes = {name: (s.inputs, s.outputs, s.positions) for name, s in cost.preconditioned.items()}
     assert sizes["_2"] == (65, 2048, 1) and sizes["_0"] == (65, 64, 1)
-    timed = measure_kfac({"_0": sizes["_0"]}, 32, repeats=1)["_0"]
-    assert min(timed.statistics_ms, timed.inverses_ms, timed.precondition_ms) > 0
+    layers = kfac_layers(graph, ("_0",), load_model(ModelSpec.parse(str(model))).module)
+    assert layers["_0"] == KfacLayer(kind="Linear", inputs=64, outputs=64, bias=True, sample_shape=(64,))
+    timed = measure_kfac(layers, 32, rounds=1)["_0"]
+    assert min(timed.inverses_ms, timed.precondition_ms) > 0 and timed.statistics_ms >= 0
     layer = graph.layers[0]
-    zero, unit = (dataclasses.replace(cost, kfac_times={"_0": KfacTimes(statistics_ms=v, inverses_ms=v * 4,
-                                                                        precondition_ms=v)}) for v in (0.0, 1.0))
-    for g in (1, 2):  # statistics scale with the rank's rows, the inverses are shared and amortised over 4 steps
-        assert unit.kfac_ms(layer, g) - zero.kfac_ms(layer, g) == pytest.approx(
-            unit.per_gpu_batch(g) / 32 + 1 / g + 1)
+    zero, unit = (dataclasses.replace(cost, kfac_times={"_0": KfacTimes(
+        statistics_ms=v, inverses_ms=v * 4, precondition_ms=v, factor_update_ms=v)}) for v in (0.0, 1.0))
+    for g in (1, 2):  # statistics scale with the rank's rows (the factor update does not), the inverses are shared
+        assert unit.kfac_ms(layer, g) - zero.kfac_ms(layer, g) == pytest.approx(  # and amortised over 4 steps
+            unit.per_gpu_batch(g) / 32 + 1 + 1 / g + 1)
+    shared = [dataclasses.replace(c, profile=dataclasses.replace(c.profile, measured_sharing={2: 2.0}))
+              for c in (zero, unit)]  # 2 ranks on cores that run one: all but the owner's preconditioning slow down
+    assert shared[1].kfac_ms(layer, 2) - shared[0].kfac_ms(layer, 2) == pytest.approx(
+        2 * (unit.per_gpu_batch(2) / 32 + 1) + 2 / 2 + 1)

@@ -72,16 +72,20 @@ each node across). The predicted iteration time is
               ``o × o`` over ``L`` positions, :mod:`deeppool.planner.solve.kfac`), added to OPT_l:
                 = [h(g)·(ρ·2·s(g)·L·(a² + o²) + n_s·c) + AR(g, 4(a² + o²), 1)] / f   statistics, all-reduce
                   + h(g)·(ρ·E·(a³ + o³) + n_e·c) / (g·i)                             eigendecompositions
-                  + h(g)·(ρ·4·a·o·(a + o) + n_p·c) + AR(g, 4·a·o, 1)                 preconditioning, broadcast
+                  + ρ·4·a·o·(a + o) + n_p·c + AR(g, 4·a·o, 1)                        preconditioning, broadcast
               with ``ρ`` and ``c`` the layer's own forward on one GPU split into ms per FLOP and a call's
               fixed ms (the line through its profiled times at ``B`` and ``B/4``: K-FAC's matmuls run at
               the layer's matmul rate, and each of its ``n`` tensor calls costs what a call costs there;
               ``c`` is the optimizer's measured cost per tensor where the profile has it),
               ``h(g)`` the profile's core sharing, ``f``/``i`` the factor and inverse intervals,
-              ``E`` = EIGH_FLOPS, ``(n_s, n_e, n_p)`` = KFAC_CALLS; the all-reduces only on g > 1. With
-              a profile measured here on a CPU, the three works (the ``ρ`` terms) are instead timed on this
-              host (:mod:`deeppool.planner.profiling.kfac_times`: the Gram matrices at ``B``, scaled by
-              ``s(g)/B``; the eigendecompositions; the four matmuls). The
+              ``E`` = EIGH_FLOPS, ``(n_s, n_e, n_p)`` = KFAC_CALLS; the all-reduces only on g > 1. The
+              group's ranks gather statistics and eigendecompose at once (``h(g)``); the preconditioning
+              runs on the layer's owner while the others wait for its broadcast (no sharing). With
+              a profile measured here on a CPU, the three parts' work and calls are instead timed on this
+              host by the preconditioner itself on a stand-alone module of the layer's kind and shape
+              (:mod:`deeppool.planner.profiling.kfac_times`: the hooks' statistics at ``B``, scaled by
+              ``s(g)/B``, plus the factor update; the eigendecompositions; the preconditioning with KL
+              clipping and the copy into ``.grad``). The
               inverses are spread over the group's ranks (exact when the group holds a multiple of ``g``
               such layers), so layers with large factors favour large groups.
               Memory adds ``8·(a² + o²)`` (fp32 factors and eigenvectors).
@@ -402,12 +406,12 @@ class CostModel:
         a, o, s = sizes.inputs, sizes.outputs, self.per_gpu_batch(gpus)
         squares = a * a + o * o
         timed = self.kfac_times.get(layer.name)
-        work = (rate * 2 * s * sizes.positions * squares, rate * EIGH_FLOPS * (a ** 3 + o ** 3),
-                rate * 4 * a * o * (a + o)) if timed is None else (
-            timed.statistics_ms * s / self.global_batch, timed.inverses_ms, timed.precondition_ms)
-        statistics = share * (work[0] + KFAC_CALLS[0] * call)
-        inverses = share * (work[1] + KFAC_CALLS[1] * call) / gpus
-        precondition = share * (work[2] + KFAC_CALLS[2] * call)
+        work = (rate * 2 * s * sizes.positions * squares + KFAC_CALLS[0] * call,
+                rate * EIGH_FLOPS * (a ** 3 + o ** 3) + KFAC_CALLS[1] * call,
+                rate * 4 * a * o * (a + o) + KFAC_CALLS[2] * call) if timed is None else (
+            timed.statistics_ms * s / self.global_batch + timed.factor_update_ms, timed.inverses_ms,
+            timed.precondition_ms)
+        statistics, inverses, precondition = share * work[0], share * work[1] / gpus, work[2]
         if gpus > 1:
             statistics += 1e3 * self.network.allreduce_s(gpus, 4 * squares)
             precondition += 1e3 * self.network.allreduce_s(gpus, 4 * a * o)
