@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-
 JOB_ACCOUNT = "dpjobs"
 
 
@@ -78,6 +77,20 @@ def shared_folder() -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextmanager
+def small_tmpfs(folder: Path, mib: int) -> Iterator[Path]:
+    """A ``mib`` MiB tmpfs at ``folder/disk`` (0711; root only: skipped otherwise), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small file system needs root")
+    disk = folder / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0711", "tmpfs", str(disk)], check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def _jobs_base() -> Path:

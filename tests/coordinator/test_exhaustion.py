@@ -9,7 +9,6 @@ import errno
 import os
 import resource
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ from deeppool.coordinator.retention import Retention, sweep
 from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.store import RESERVE_BYTES, Store
 from deeppool.coordinator.supervisor import JobCaps
-from tests.coordinator.accounts import accounts, shared_folder
+from tests.coordinator.accounts import accounts, shared_folder, small_tmpfs
 from tests.coordinator.test_runtime import settle
 
 pytestmark = pytest.mark.slow
@@ -51,15 +50,8 @@ def shared() -> Iterator[Path]:
 @pytest.fixture
 def small_disk(shared: Path) -> Iterator[Path]:
     """A 24 MiB tmpfs (root only) holding the database and the jobs' folders, unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small file system needs root")
-    disk = shared / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0711", "tmpfs", str(disk)], check=True)
-    try:
+    with small_tmpfs(shared, 24) as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 class Cluster:

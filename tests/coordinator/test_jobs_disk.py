@@ -20,7 +20,7 @@ from deeppool.coordinator.jobs import JobStatus
 from deeppool.coordinator.jobsdisk import image_of, mount_jobs_disk, mounted_from, unmount_jobs_disk
 from deeppool.coordinator.retention import Retention, sweep
 from deeppool.coordinator.store import default_log_dir
-from tests.coordinator.accounts import shared_folder
+from tests.coordinator.accounts import shared_folder, small_tmpfs
 from tests.coordinator.test_durability import start
 from tests.coordinator.test_exhaustion import FILL, REPO, Cluster, users  # noqa: F401
 from tests.net import free_port
@@ -36,16 +36,8 @@ def free(path: Path) -> int:
 @pytest.fixture
 def small_disk() -> Iterator[Path]:
     """A 48 MiB tmpfs (root only) for the database, its reserve and a 16 MiB jobs' image, unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small file system needs root")
-    with shared_folder() as shared:
-        disk = shared / "disk"
-        disk.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m,mode=0711", "tmpfs", str(disk)], check=True)
-        try:
-            yield disk
-        finally:
-            subprocess.run(["umount", "-l", str(disk)], check=False)
+    with shared_folder() as shared, small_tmpfs(shared, 48) as disk:
+        yield disk
 
 
 @pytest.fixture
