@@ -199,7 +199,11 @@ def test_a_failing_slurm_job_fails_and_a_cancelled_one_is_stopped(slurm, tmp_pat
     settle(sleeping, job.id, lambda j: j.state is JobStatus.RUNNING, timeout_s=120)
     sleeping.store.transition(job.id, JobStatus.CANCELLED, "cancelled by alice")
     sleeping.reconcile()
+    deadline = time.monotonic() + 60
+    while sleeping.launcher.alive(job.id, 1) and time.monotonic() < deadline:
+        time.sleep(0.2)  # scancel is asynchronous: the batch job may show COMPLETING for a moment
     assert sleeping.launcher.observe(job.id, 1).phase not in (LaunchPhase.RUNNING, LaunchPhase.QUEUED)
+    assert sleeping.store.job(job.id).state is JobStatus.CANCELLED
 
 
 # -- jobs as their submitters' accounts (serve --job-user with --launcher slurm) --------------------------------
