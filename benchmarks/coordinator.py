@@ -42,7 +42,8 @@ def free_port() -> int:
 
 def serve(db: Path, port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "deeppool.cli", "serve", "--db", str(db), "--port", str(port),
-                             "--gpus", "2", "--paused", "--max-pending", "0", "--max-submits-per-minute", "0"],
+                             "--gpus", "2", "--paused", "--jobs-disk-mb", "0", "--max-pending", "0",
+                             "--max-submits-per-minute", "0"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # the server, not quotas
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -184,7 +184,8 @@ def _one(console: Console, trace: tuple[Workload, SliceSettings, ModelMapping], 
     folder.chmod(0o711)
     token = Store(db).create_token("replay")
     port = _free_port()
-    options = ["--job-user", serving.job_user, "--log-dir", str(logs)] if serving.job_user else []
+    options = ["--jobs-disk-mb", "0"]  # the scheduler is measured, not the jobs' disk
+    options += ["--job-user", serving.job_user, "--log-dir", str(logs)] if serving.job_user else []
     options += [] if name == SERVER_DEFAULT else ["--policy", name]
     interval = serving.interval_for(name)
     options += [] if interval is None else ["--policy-interval", str(interval)]

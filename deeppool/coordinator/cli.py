@@ -95,12 +95,15 @@ def serve(
                                                               show_default="kept")] = None,
     min_free_mb: Annotated[int | None, typer.Option(help="free space the jobs' folder keeps, MiB: below it, the "
                                                     "files of the jobs that ended first are removed (0: never)",
-                                                    show_default=f"{MIN_FREE_MB}, or an eighth of --jobs-disk-mb if "
-                                                    "less")] = None,
+                                                    show_default=f"{MIN_FREE_MB}, or an eighth of the jobs' own "
+                                                    "disk if less")] = None,
     jobs_disk_mb: Annotated[int | None, typer.Option(help="give the jobs' folder a file system of its own of this "
                                                      "many MiB, apart from the database's: an ext4 image beside "
-                                                     "it, made once and loop-mounted (root)",
-                                                     show_default="none: on the database's")] = None,
+                                                     "it, made once and loop-mounted (root, --launcher local; "
+                                                     "0: none, the folder on the database's)",
+                                                     envvar="DEEPPOOL_JOBS_DISK_MB",
+                                                     show_default="as root, a quarter of the database's free space "
+                                                     "when first made")] = None,
 ) -> None:
     """Run the coordinator: a REST API (OpenAPI at /docs) over an embedded database.
 
@@ -121,17 +124,11 @@ def serve(
                         ("--max-job-disk-mb", 1 if max_job_disk_mb is None else max_job_disk_mb)):
         if value < 1:
             raise DeeppoolError(f"{flag} {value} must be at least 1")
-    if min_free_mb is None:
-        min_free_mb = MIN_FREE_MB if jobs_disk_mb is None else min(MIN_FREE_MB, jobs_disk_mb // 8)
-    if min_free_mb < 0 or not (keep_job_files_days is None or keep_job_files_days > 0):
-        raise DeeppoolError(f"--keep-job-files-days {keep_job_files_days} must be more than 0 and --min-free-mb "
-                            f"{min_free_mb} at least 0")
-    if jobs_disk_mb is not None and (jobs_disk_mb < MIN_JOBS_DISK_MB or jobs_disk_mb <= min_free_mb):
-        raise DeeppoolError(f"--jobs-disk-mb {jobs_disk_mb} must be at least {MIN_JOBS_DISK_MB} and more than "
-                            f"--min-free-mb {min_free_mb} (the free space the jobs' folder keeps)")
-    if jobs_disk_mb is not None and launcher == "slurm":
+    if jobs_disk_mb is not None and jobs_disk_mb != 0 and launcher == "slurm":
         raise DeeppoolError("--jobs-disk-mb is for --launcher local: under Slurm the jobs' folder must be on the "
-                            "file system the nodes share (give it its own with --log-dir)")
+                            "file system the nodes share (give it its own with --log-dir, and --jobs-disk-mb 0)")
+    if jobs_disk_mb is not None and jobs_disk_mb != 0 and jobs_disk_mb < MIN_JOBS_DISK_MB:
+        raise DeeppoolError(f"--jobs-disk-mb {jobs_disk_mb} must be at least {MIN_JOBS_DISK_MB} (or 0: none)")
     slots = _slots(gpus)
     roots = tuple(root.resolve() for root in (allow or [Path.cwd()]))
     for root in roots:
@@ -146,6 +143,10 @@ def serve(
     from deeppool.coordinator.store import check_path, default_log_dir
 
     check_path(db)
+    disk_mb, min_free_mb = _disk_sizes(jobs_disk_mb, min_free_mb, launcher=launcher,
+                                       logs=log_dir or default_log_dir(db), db=db)
+    if keep_job_files_days is not None and keep_job_files_days <= 0:
+        raise DeeppoolError(f"--keep-job-files-days {keep_job_files_days} must be more than 0")
     run_as = _run_as(job_user, logs=log_dir or default_log_dir(db), paused=paused)
     if launcher == "slurm":
         from deeppool.coordinator.slurm import check_slurm
@@ -181,8 +182,8 @@ def serve(
         held.callback(store.close)
         logs = log_dir or default_log_dir(db)
         _make_passable(logs)
-        if jobs_disk_mb is not None:  # before the claim: the folder's state lock is in the jobs' own file system
-            _own_disk(held, logs, db, jobs_disk_mb)
+        if disk_mb is not None:  # before the claim: the folder's state lock is in the jobs' own file system
+            _own_disk(held, logs, db, disk_mb)
         held.enter_context(claim_log_dir(logs, store.identity()))  # one state's jobs: never another server's
         device = "cuda" if _gpu_count() else "cpu"
         settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs, device=device, nodes=nodes,
@@ -224,6 +225,26 @@ def serve(
         from deeppool.interrupt import Interrupted
 
         raise Interrupted()
+
+
+def _disk_sizes(asked: int | None, min_free_mb: int | None, *, launcher: str, logs: Path,
+                db: Path) -> tuple[int | None, int]:
+    """The size of the jobs' own file system (None: none; ``asked`` unless None, where a root server with the
+    local launcher takes :func:`~deeppool.coordinator.jobsdisk.default_size_mb`) and the free space the jobs'
+    folder keeps (``--min-free-mb``: unless given, :data:`MIN_FREE_MB`, at most an eighth of that size)."""
+    from deeppool.coordinator.jobsdisk import default_size_mb
+
+    if asked is None and launcher == "local" and os.geteuid() == 0:
+        asked = default_size_mb(logs, db) or None
+    disk_mb = asked or None
+    if min_free_mb is None:
+        min_free_mb = MIN_FREE_MB if disk_mb is None else min(MIN_FREE_MB, disk_mb // 8)
+    if min_free_mb < 0:
+        raise DeeppoolError(f"--min-free-mb {min_free_mb} must be at least 0")
+    if disk_mb is not None and disk_mb <= min_free_mb:
+        raise DeeppoolError(f"--jobs-disk-mb {disk_mb} must be more than --min-free-mb {min_free_mb} (the free "
+                            "space the jobs' folder keeps)")
+    return disk_mb, min_free_mb
 
 
 def _own_disk(held: contextlib.ExitStack, logs: Path, db: Path, size_mb: int) -> None:

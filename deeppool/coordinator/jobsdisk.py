@@ -1,7 +1,8 @@
 """The jobs' own file system: a preallocated ext4 image, loop-mounted at the jobs' folder (``serve --jobs-disk-mb``).
 
-A root server whose jobs' folder is on the database's file system can give the
-jobs a file system of their own: the image ``FOLDER.img`` beside the folder
+A root server whose jobs' folder is on the database's file system gives the
+jobs a file system of their own (by default, :func:`default_size_mb`; ``serve
+--jobs-disk-mb N`` sets its size, 0 none): the image ``FOLDER.img`` beside the folder
 takes its whole size from the database's file system once, when it is made
 (``posix_fallocate``, then ``mkfs.ext4``), and is mounted at the folder
 (``mount -o loop,nodev,nosuid``). A job that fills it fills its image only:
@@ -37,6 +38,10 @@ UNMOUNT_S = 1.0
 """How long a stop tries to unmount a jobs' disk that is busy (within the stop's own deadline)."""
 RESERVED_PERCENT = 5
 """The share of the image ext4 keeps for root: the server's own files still fit once a job filled the rest."""
+DEFAULT_SHARE = 4
+"""A jobs' disk made by default takes one part in this many of the database's file system's free space."""
+DEFAULT_MIN_MB = 256
+"""Under this size no jobs' disk is made by default: the database's file system has too little room to split."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +92,17 @@ def backing_file(device: str) -> Path | None:
 def _unescape(field: str) -> str:
     """A mountinfo path: spaces and tabs as octal escapes."""
     return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def default_size_mb(folder: Path, db: Path) -> int:
+    """The size of the jobs' disk a root server gives ``folder`` unless told: its image's, once made; else a
+    quarter of the free space of ``db``'s file system now (0: less than :data:`DEFAULT_MIN_MB`, none is made)."""
+    image = image_of(folder.resolve())
+    if image.is_file():
+        return image.stat().st_size >> 20
+    info = os.statvfs(db.resolve().parent)
+    size = (info.f_bavail * info.f_frsize >> 20) // DEFAULT_SHARE
+    return size if size >= DEFAULT_MIN_MB else 0
 
 
 def same_file_system(folder: Path, db: Path) -> bool:

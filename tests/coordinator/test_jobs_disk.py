@@ -17,9 +17,10 @@ from fastapi.testclient import TestClient
 
 from deeppool.coordinator.app import ServerSettings, create_app
 from deeppool.coordinator.jobs import JobStatus
-from deeppool.coordinator.jobsdisk import image_of, mount_jobs_disk, mounted_from, unmount_jobs_disk
+from deeppool.coordinator.jobsdisk import default_size_mb, image_of, mount_jobs_disk, mounted_from, unmount_jobs_disk
 from deeppool.coordinator.retention import Retention, sweep
 from deeppool.coordinator.store import default_log_dir
+from tests.conftest import JOBS_DISK
 from tests.coordinator.accounts import shared_folder, small_tmpfs
 from tests.coordinator.test_durability import start
 from tests.coordinator.test_exhaustion import FILL, REPO, Cluster, users  # noqa: F401
@@ -77,6 +78,7 @@ def test_a_job_filling_its_own_disk_leaves_the_databases_free_space_as_it_was(jo
 
 
 def test_where_it_cannot_be_mounted_the_folder_stays_as_it_was(jobs_folder: Path, small_disk: Path) -> None:
+    assert default_size_mb(jobs_folder, small_disk / "db.sqlite") == 0  # a quarter of 48 MiB: too little to split
     image = image_of(jobs_folder)
     image.write_bytes(bytes(1 << 20))  # an image that is no file system
     refused = mount_jobs_disk(jobs_folder, small_disk / "db.sqlite", 16)
@@ -114,11 +116,31 @@ def test_serve_makes_its_jobs_disk_once_uses_it_after_a_kill_9_and_unmounts_it_a
         subprocess.run(["umount", str(folder)], capture_output=True, check=False)
 
 
+def test_a_root_server_gives_its_jobs_a_quarter_of_the_databases_free_space_unless_told() -> None:
+    with shared_folder() as shared, small_tmpfs(shared, 1200) as disk:
+        db, folder = disk / "db.sqlite", default_log_dir(disk / "db.sqlite")
+        quarter = (free(disk) >> 20) // 4
+        try:
+            server = start(db, free_port(), paused=True, job_user=False, env={JOBS_DISK: ""})  # no setting: default
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(15) == 0
+            said = server.stderr.read().decode()
+            assert "made now" in said and "is unmounted" in said, said
+            assert image_of(folder).stat().st_size >> 20 == quarter and mounted_from(folder) is None
+            assert default_size_mb(folder, db) == quarter  # the next start mounts the image it made
+            off = start(db, free_port(), paused=True, job_user=False, env={JOBS_DISK: "0"})
+            off.send_signal(signal.SIGTERM)
+            assert off.wait(15) == 0 and "jobs' folder" not in off.stderr.read().decode()
+            assert mounted_from(folder) is None and (folder / "state.lock").is_file()  # on the database's
+        finally:
+            subprocess.run(["umount", str(folder)], capture_output=True, check=False)
+
+
 def test_serve_refuses_a_jobs_disk_that_cannot_hold_with_one_line(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     from tests.entry import deeppool
 
-    for options, says in ((("--jobs-disk-mb", "4"), "must be at least 8"),
+    for options, says in ((("--jobs-disk-mb", "4"), "must be at least 8 (or 0: none)"),
                           (("--jobs-disk-mb", "64", "--min-free-mb", "64"), "more than --min-free-mb 64"),
                           (("--jobs-disk-mb", "64", "--launcher", "slurm"), "is for --launcher local")):
         refused = deeppool(capsys, "serve", "--db", str(tmp_path / "d.db"), "--paused", *options)
