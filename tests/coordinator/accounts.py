@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 
 JOB_ACCOUNT = "dpjobs"
+ALICE, BOB = "dpalice", "dpbob"
+"""The submitters of the isolation tests (:func:`tests.coordinator.conftest.users`)."""
 
 
 def can_make_accounts() -> bool:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.coordinator.test_durability import REPO, start
-from tests.net import free_port
 from tests.entry import deeppool
+from tests.net import free_port
 
 pytestmark = pytest.mark.slow
 MODEL = REPO / "examples" / "background_mlp.py"

@@ -27,24 +27,13 @@ from deeppool.coordinator.retention import Retention, sweep
 from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.store import RESERVE_BYTES, Store
 from deeppool.coordinator.supervisor import JobCaps
-from tests.coordinator.accounts import accounts, shared_folder, small_tmpfs
+from tests.coordinator.accounts import ALICE, small_tmpfs
 from tests.coordinator.test_runtime import settle
 
 pytestmark = pytest.mark.slow
-ALICE = "dpalice"
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[str, ...]]:
-    with accounts(ALICE) as names:
-        yield names
-
-
-@pytest.fixture
-def shared() -> Iterator[Path]:
-    with shared_folder() as folder:
-        yield folder
 
 
 @pytest.fixture

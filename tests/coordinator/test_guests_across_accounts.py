@@ -29,8 +29,8 @@ from deeppool.coordinator.runtime import read_json
 from deeppool.coordinator.store import Store
 from deeppool.coordinator.supervisor import JobFiles
 from deeppool.multiplex.guests import report_path
-from tests.coordinator.accounts import accounts, shared_folder
-from tests.coordinator.test_isolation import ALICE, BOB, BURST, REPO, SPY, Cluster
+from tests.coordinator.accounts import ALICE, BOB
+from tests.coordinator.test_isolation import BURST, REPO, SPY, Cluster
 from tests.multiplex.plans import BACKGROUND, burst_plan
 
 pytestmark = pytest.mark.slow
@@ -38,16 +38,6 @@ HOST_STEPS = 600
 """The heavy test's host's steps: enough for two guests to load and train one after the other in its windows."""
 
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[str, ...]]:
-    with accounts(ALICE, BOB) as names:
-        yield names
-
-
-@pytest.fixture
-def shared() -> Iterator[Path]:
-    with shared_folder() as folder:
-        yield folder
 
 
 def _cgroups(folder: Path) -> CgroupRoot:

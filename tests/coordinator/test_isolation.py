@@ -15,7 +15,6 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,25 +27,13 @@ from deeppool.coordinator.service import Service, snapshot
 from deeppool.coordinator.store import Store
 from deeppool.errors import DeeppoolError
 from deeppool.scheduling import Order, Placement, Scheduler
-from tests.coordinator.accounts import accounts, shared_folder
+from tests.coordinator.accounts import ALICE, BOB, shared_folder
 from tests.coordinator.test_runtime import settle
 
 pytestmark = pytest.mark.slow
-ALICE, BOB = "dpalice", "dpbob"
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[str, ...]]:
-    with accounts(ALICE, BOB) as names:
-        yield names
-
-
-@pytest.fixture
-def shared() -> Iterator[Path]:
-    """The server's folder for one test: the database and the jobs' files (jobs can pass through it)."""
-    with shared_folder() as folder:
-        yield folder
 
 
 class Cluster:

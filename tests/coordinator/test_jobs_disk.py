@@ -23,7 +23,7 @@ from deeppool.coordinator.store import default_log_dir
 from tests.conftest import JOBS_DISK
 from tests.coordinator.accounts import shared_folder, small_tmpfs
 from tests.coordinator.test_durability import start
-from tests.coordinator.test_exhaustion import FILL, REPO, Cluster, users  # noqa: F401
+from tests.coordinator.test_exhaustion import FILL, REPO, Cluster
 from tests.net import free_port
 
 pytestmark = pytest.mark.slow

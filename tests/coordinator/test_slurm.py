@@ -30,9 +30,9 @@ from deeppool.coordinator.launcher import LaunchPhase
 from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.slurm import SlurmLauncher
 from deeppool.coordinator.store import Store
-from tests.coordinator.accounts import accounts, job_folder
-from tests.net import free_port
+from tests.coordinator.accounts import ALICE, BOB, accounts, job_folder
 from tests.coordinator.test_runtime import settle
+from tests.net import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -207,7 +207,6 @@ def test_a_failing_slurm_job_fails_and_a_cancelled_one_is_stopped(slurm, tmp_pat
 
 
 # -- jobs as their submitters' accounts (serve --job-user with --launcher slurm) --------------------------------
-ALICE, BOB = "dpalice", "dpbob"
 WHO = """
 import os, pwd, sys
 me = pwd.getpwuid(os.getuid()).pw_name

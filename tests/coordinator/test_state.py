@@ -9,26 +9,19 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from deeppool.coordinator.store import STATE_FILE, default_log_dir
-from tests.coordinator.accounts import accounts, shared_folder
+from tests.coordinator.accounts import ALICE, BOB, shared_folder
 from tests.coordinator.test_durability import REPO, start
 from tests.net import free_port
 
 pytestmark = pytest.mark.slow
-ALICE, BOB = "dpalice", "dpbob"
 SLEEPER = "print({said!r}, flush=True)\nimport time\ntime.sleep(600)\n"
 
-
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[str, ...]]:
-    with accounts(ALICE, BOB) as names:
-        yield names
 
 
 def token(db: Path, name: str) -> str:
