@@ -49,7 +49,7 @@ import enum
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -59,7 +59,9 @@ from deeppool.coordinator.isolation import write_private
 from deeppool.coordinator.jobs import Job, JobKind, JobStatus, SpeedPoint, WidthChange
 from deeppool.coordinator.launcher import LaunchPhase
 from deeppool.coordinator.runtime import Runtime, count
-from deeppool.coordinator.speeds import LiveSpeed, measured, speed_model
+from deeppool.coordinator.speeds import LiveSpeed, measured, speed_model, unmeasured
+from deeppool.coordinator.store import WaitingRow
+from deeppool.coordinator.waiting_models import Models, WaitingModels
 from deeppool.errors import DeeppoolError
 from deeppool.executor.training.outputs import PROGRESS, STEPS, STOPPED
 from deeppool.scheduling import Adaptive, Decision
@@ -90,17 +92,22 @@ class ElasticView:
 
 class Elastic:
     def __init__(self, runtime: Runtime, total_gpus: int, *, clock: Callable[[], float] | None = None) -> None:
-        """``clock``: wall time in Unix seconds (the runs' own timestamps are)."""
+        """``clock``: wall time in Unix seconds (the runs' own timestamps are). :attr:`waiting` makes and keeps
+        the waiting jobs' models as the service's waiting queue reads them (:meth:`view_of`)."""
         self.runtime, self.store, self.total_gpus = runtime, runtime.store, total_gpus
         self.clock = clock or (lambda: datetime.now(UTC).timestamp())
         self._read_at: dict[int, float] = {}
+        self.waiting = WaitingModels(self.waiting_models)
 
     def resizable(self, job: Job) -> bool:
         """A foreground job with a model (a script job cannot checkpoint), of a server whose jobs run resizable
         (``DriverSteps.elastic``, and not ``check``: a checked run trains its reference from the start)."""
-        steps = self.runtime.steps
         return (job.kind is JobKind.FOREGROUND and job.script is None and job.host_id is None
-                and bool(getattr(steps, "elastic", False)) and not getattr(steps, "check", False))
+                and self._runs_resizable())
+
+    def _runs_resizable(self) -> bool:
+        steps = self.runtime.steps
+        return bool(getattr(steps, "elastic", False)) and not getattr(steps, "check", False)
 
     # -- asking ------------------------------------------------------------------------------------
     def resize(self, job: Job, gpus: int, batch: int, reason: str) -> bool:
@@ -160,22 +167,54 @@ class Elastic:
     # -- the policy's view -------------------------------------------------------------------------
     def view(self, jobs: Iterable[Job]) -> ElasticView:
         """Speed models of the jobs on whole GPUs (a background job's and a script job's rigid), the state of
-        those that ran, the GPUs resizes hold."""
-        foreground = [j for j in jobs if j.host_id is None]
-        points = self.store.speeds([j.id for j in foreground])
+        those that ran, the GPUs resizes hold: all from the jobs' rows as given (:meth:`view_of` gives the
+        same, the waiting jobs' part kept between ticks)."""
+        speeds, adaptive = self.models([j for j in jobs if j.host_id is None])
+        return ElasticView(speeds=speeds, adaptive=adaptive, reserved=self._reserved())
+
+    def view_of(self, live: Sequence[Job]) -> ElasticView:
+        """:meth:`view` of the ``live`` jobs' rows and of the waiting jobs the service keeps: their speed models
+        are in its queue and their adaptive states in :attr:`waiting` (both made when the queue reads a job);
+        the live jobs' are made at every call. The view's ``speeds`` are the live jobs' only."""
+        speeds, adaptive = self.models([j for j in live if j.host_id is None])
+        return ElasticView(speeds=speeds, adaptive={**self.waiting.adaptive, **adaptive}, reserved=self._reserved())
+
+    def models(self, jobs: Sequence[Job]) -> Models:
+        """The speed models of ``jobs`` (on whole GPUs) from their measured speeds, and the state of those that
+        are not waiting or were resized before."""
+        ids = [j.id for j in jobs]
+        points = self.store.speeds(ids)
         history: dict[int, list[WidthChange]] = {}
-        for change in self.store.resizes_of([j.id for j in foreground]):
+        for change in self.store.resizes_of(ids):
             history.setdefault(change.job_id, []).append(change)
         speeds = {j.id: speed_model(j, points[j.id], total_gpus=self.total_gpus, rigid=not self.resizable(j))
-                  for j in foreground}
+                  for j in jobs}
         adaptive = {j.id: Adaptive(progress=j.progress * j.steps,
                                    batch=j.current_batch if j.state is not JobStatus.PENDING else None,
                                    restarts=len(history.get(j.id, ())),
                                    peak_gpus=max([j.held, *(c.to_gpus for c in history.get(j.id, ()))]))
-                    for j in foreground if j.state is not JobStatus.PENDING or j.id in history}
-        reserved = {c.job_id: max(c.from_gpus, c.to_gpus) for c in self.store.open_resizes()
-                    if c.phase == ResizePhase.STOPPING.value}
-        return ElasticView(speeds=speeds, adaptive=adaptive, reserved=reserved)
+                    for j in jobs if j.state is not JobStatus.PENDING or j.id in history}
+        return speeds, adaptive
+
+    def waiting_models(self, rows: Sequence[WaitingRow]) -> Models:
+        """:meth:`models` of waiting jobs, from the columns the waiting queue reads of them: the jobs measured or
+        resized before are read in full; the others (most: never started) get :func:`unmeasured`, from their
+        asked GPUs, batch and steps, rigid unless :meth:`resizable` (a waiting job is no guest)."""
+        ids = [row[0] for row in rows]
+        ran = {job_id for job_id, points in self.store.speeds(ids).items() if points} | {
+            change.job_id for change in self.store.resizes_of(ids)}
+        speeds, adaptive = self.models(self.store.jobs_of(sorted(ran)))
+        scripts, resizable = self.store.scripts(ids), self._runs_resizable()
+        for job_id, kind, _, _, gpus, _, batch, _, steps, _, _ in rows:
+            if job_id not in ran:
+                rigid = not (resizable and kind == JobKind.FOREGROUND.value and job_id not in scripts)
+                speeds[job_id] = unmeasured(gpus, batch, steps, total_gpus=self.total_gpus, rigid=rigid)
+        return speeds, adaptive
+
+    def _reserved(self) -> dict[int, int]:
+        """The GPUs each job stopping for a resize holds (the more of its two counts)."""
+        return {c.job_id: max(c.from_gpus, c.to_gpus) for c in self.store.open_resizes()
+                if c.phase == ResizePhase.STOPPING.value}
 
     # -- carrying resizes on -----------------------------------------------------------------------
     def reconcile(self) -> None:

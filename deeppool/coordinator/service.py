@@ -46,9 +46,11 @@ queries, never the finished history (:meth:`Store.unsettled`); of the waiting
 jobs, those the events since the last tick moved (each read once, then kept
 while it waits: :mod:`deeppool.coordinator.waiting`), and a validated
 :class:`~deeppool.coordinator.jobs.Job` only for those a decision names
-(:class:`TickJobs`). Under an elastic policy the waiting jobs' rows are read in
-full at every tick (their speed models are fitted to them, and its resizes
-reshape them).
+(:class:`TickJobs`). Under an elastic policy the same holds: the waiting jobs'
+speed models and adaptive state are made when the queue reads a job and kept
+while it waits (:mod:`deeppool.coordinator.waiting_models`); a resize that
+reshapes a waiting job, and a speed measured for one, are events that read it
+again.
 """
 
 from __future__ import annotations
@@ -100,8 +102,9 @@ def policy_view(live: list[Job], waiting: Queue, total_gpus: int, now: datetime,
                 lingering: frozenset[int] = frozenset(), free_slots: tuple[Slot, ...] = (),
                 elastic: ElasticView | None = None) -> Snapshot:
     """:func:`snapshot` from the live and lingering jobs as rows and the waiting ones as the tick keeps them
-    (:class:`~deeppool.coordinator.waiting.Queue`: the policy gets copies of its lists, made anew only for the
-    jobs given a speed model)."""
+    (:class:`~deeppool.coordinator.waiting.Queue`, under an elastic policy with their speed models): the policy
+    gets copies of its lists, made anew only when ``elastic`` gives waiting jobs speed models (as
+    :meth:`Elastic.view <deeppool.coordinator.elastic.Elastic.view>` of full rows does)."""
     elastic = elastic or ElasticView()
     speeds = elastic.speeds
     if any(job_id in waiting.jobs for job_id in speeds):
@@ -160,7 +163,7 @@ class Service:
         ``elastic``: resize running jobs as the policy says (:mod:`deeppool.coordinator.elastic`)."""
         self.runtime, self.policy, self.total_gpus, self.period_s = runtime, policy, total_gpus, period_s
         self.paused, self.elastic = paused, elastic
-        self.waiting = WaitingJobs(runtime.store)
+        self.waiting = WaitingJobs(runtime.store, elastic.waiting if elastic is not None else None)
         self._wake: float | None = None  # the instant the policy last asked to decide at
         self._deferred: tuple[Start, ...] = ()  # starts decided while their GPUs were still held (see apply)
         self._stop = threading.Event()
@@ -183,18 +186,12 @@ class Service:
         live = store.jobs(states=LIVE) + [j for j in store.unsettled() if j.id in lingering]
         self.runtime.lending.sync(live)
         slots = tuple(self.runtime.lending.free_slots(live))
-        rows, view = live, ElasticView()
-        if self.elastic is None:
-            waiting = self.waiting.read()
-        else:  # its speed models are fitted to every waiting job's row, and its resizes reshape waiting jobs
-            pending, requeued = store.jobs(states=(JobStatus.PENDING,)), store.requeued()
-            waiting = Queue.of({j.id: Waiting.of_job(j, j.id in requeued) for j in pending})
-            rows = live + pending
-            view = self.elastic.view(rows)
+        waiting = self.waiting.read()  # under an elastic policy, with its speed models (made as it reads them)
+        view = self.elastic.view_of(live) if self.elastic is not None else ElasticView()
         decision = self.policy.decide(policy_view(live, waiting, self.total_gpus, self._instant(now), lingering,
                                                   slots, view))
         self._wake = decision.wake_at_s
-        self.apply(decision, TickJobs(store, rows, waiting))
+        self.apply(decision, TickJobs(store, live, waiting))
         return decision
 
     def _instant(self, now: datetime) -> datetime:

@@ -24,6 +24,7 @@ only GPU count is the one it asked for.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -110,10 +111,21 @@ class LiveSpeed:
 
 
 def speed_model(job: Job, points: Sequence[SpeedPoint], *, total_gpus: int, rigid: bool) -> LiveSpeed:
-    """The job's speed model from its measured points (none: linear scaling from its asked GPUs)."""
-    fit = (IterationFit.fit([(p.gpus, p.batch, p.iteration_s) for p in points]) if points
-           else IterationFit(alpha=0.0, beta=job.gpus / job.batch))
+    """The job's speed model from its measured points (none: :func:`unmeasured`)."""
+    if not points:
+        return unmeasured(job.gpus, job.batch, job.steps, total_gpus=total_gpus, rigid=rigid)
+    fit = IterationFit.fit([(p.gpus, p.batch, p.iteration_s) for p in points])
     noise = next((p.gns for p in reversed(points) if p.gns is not None), None)
     low, high = (job.gpus, job.gpus) if rigid else (1, total_gpus)
     return LiveSpeed(steps=job.steps, base_batch=job.batch, fit=fit, noise_scale=noise, min_gpus=low,
                      max_gpus=high)
+
+
+@functools.lru_cache(maxsize=4096)
+def unmeasured(gpus: int, batch: int, steps: int, *, total_gpus: int, rigid: bool) -> LiveSpeed:
+    """The model of a job never measured, which asked for ``gpus`` GPUs at ``batch`` for ``steps`` steps: linear
+    scaling from its asked GPUs (one second a step on them). A pure function of its arguments, kept for the many
+    jobs that ask the same."""
+    low, high = (gpus, gpus) if rigid else (1, total_gpus)
+    return LiveSpeed(steps=steps, base_batch=batch, fit=IterationFit(alpha=0.0, beta=gpus / batch), noise_scale=None,
+                     min_gpus=low, max_gpus=high)

@@ -7,7 +7,9 @@ compare-and-swap (``UPDATE … WHERE id = ? AND state IN (sources)``) against
 :data:`~deeppool.coordinator.jobs.TRANSITIONS`, written in the same
 transaction as its row in the append-only ``events`` table. What a running
 job reports without changing state (a straggler, a policy's request for
-other GPUs) is an event from and to its current state (:meth:`Store.note`). A submission with
+other GPUs) is an event from and to its current state (:meth:`Store.note`);
+so is a change of a waiting job's shape, progress or measured speeds, written
+by the database's own triggers (:data:`WAITING_CHANGES`). A submission with
 an idempotency key its owner has used before returns the first job instead of
 a new one (a unique index, so two racing submissions still make one job).
 Tokens are stored only as their SHA-256.
@@ -160,6 +162,40 @@ was started before (requeued)."""
 WaitingRow = tuple[int, str, str, str, int, int | None, int, int | None, int, str, int]
 MOVES = "from_state IS NOT to_state"
 """The events that move a job (its submission included), as the partial index ``events_moves`` holds them."""
+CHANGED_WAITING = "changed while waiting: "
+"""The reason's prefix of the events the database writes when what the scheduler reads of a waiting job changes
+(:data:`WAITING_CHANGES`)."""
+WAITING_CHANGES = f"""
+CREATE TRIGGER IF NOT EXISTS waiting_reshaped AFTER UPDATE OF width, run_batch, run_steps, run_gain ON jobs
+WHEN new.state = 'PENDING' AND (old.width IS NOT new.width OR old.run_batch IS NOT new.run_batch
+                                OR old.run_steps IS NOT new.run_steps OR old.run_gain IS NOT new.run_gain) BEGIN
+    INSERT INTO events(job_id, from_state, to_state, reason, at) VALUES (new.id, 'PENDING', 'PENDING',
+        '{CHANGED_WAITING}its next attempt runs on ' || COALESCE(new.width, new.gpus) || ' GPUs at batch '
+        || COALESCE(new.run_batch, new.batch), strftime('%Y-%m-%dT%H:%M:%f+00:00', 'now'));
+END;
+CREATE TRIGGER IF NOT EXISTS waiting_progress AFTER UPDATE OF progress ON jobs
+WHEN new.state = 'PENDING' AND old.progress IS NOT new.progress BEGIN
+    INSERT INTO events(job_id, from_state, to_state, reason, at) VALUES (new.id, 'PENDING', 'PENDING',
+        '{CHANGED_WAITING}progress ' || new.progress, strftime('%Y-%m-%dT%H:%M:%f+00:00', 'now'));
+END;
+CREATE TRIGGER IF NOT EXISTS waiting_speed AFTER INSERT ON speeds
+WHEN (SELECT state FROM jobs WHERE id = new.job_id) = 'PENDING' BEGIN
+    INSERT INTO events(job_id, from_state, to_state, reason, at) VALUES (new.job_id, 'PENDING', 'PENDING',
+        '{CHANGED_WAITING}a speed measured on ' || new.gpus || ' GPUs at batch ' || new.batch,
+        strftime('%Y-%m-%dT%H:%M:%f+00:00', 'now'));
+END;
+CREATE TRIGGER IF NOT EXISTS waiting_speed_again AFTER UPDATE ON speeds
+WHEN (SELECT state FROM jobs WHERE id = new.job_id) = 'PENDING' BEGIN
+    INSERT INTO events(job_id, from_state, to_state, reason, at) VALUES (new.job_id, 'PENDING', 'PENDING',
+        '{CHANGED_WAITING}a speed measured again on ' || new.gpus || ' GPUs at batch ' || new.batch,
+        strftime('%Y-%m-%dT%H:%M:%f+00:00', 'now'));
+END;
+"""
+"""A waiting job's shape (an elastic resize of it), progress and measured speeds change without moving it: the
+database writes an event for each change, in the write's own transaction, so the waiting jobs the scheduler keeps
+between ticks (:meth:`Store.moved_since`) and what it keeps of them (the speed models) see every change."""
+CHANGES = f"{MOVES} OR substr(reason, 1, {len(CHANGED_WAITING)}) = '{CHANGED_WAITING}'"
+"""The events :meth:`Store.moved_since` counts: the moves, and the changes of waiting jobs."""
 
 
 def _now() -> str:
@@ -236,6 +272,7 @@ class Store:
         for column, kind in COLUMNS_SINCE_V1.items():
             if column not in known:
                 self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
+        self._db.executescript(WAITING_CHANGES)  # after the columns it reads
         self._make_counters()
 
     def _make_counters(self) -> None:
@@ -470,6 +507,24 @@ class Store:
         return [_job(row) for row in self._read(f"SELECT * FROM jobs WHERE {' AND '.join(clauses)} ORDER BY id {order} "
                                                 "LIMIT ?", (*args, limit))]
 
+    def jobs_of(self, job_ids: Sequence[int]) -> list[Job]:
+        """These jobs (those there are), by id: primary-key look-ups, 500 at a time."""
+        found: list[Job] = []
+        for first in range(0, len(job_ids), 500):
+            chunk = tuple(job_ids[first:first + 500])
+            found += [_job(row) for row in self._read(f"SELECT * FROM jobs WHERE id IN ({','.join('?' * len(chunk))})"
+                                                      " ORDER BY id", chunk)]
+        return found
+
+    def scripts(self, job_ids: Sequence[int]) -> set[int]:
+        """Which of these jobs run their own script (``script``), 500 at a time."""
+        found: set[int] = set()
+        for first in range(0, len(job_ids), 500):
+            chunk = tuple(job_ids[first:first + 500])
+            found.update(row[0] for row in self._tuples(
+                f"SELECT id FROM jobs WHERE id IN ({','.join('?' * len(chunk))}) AND script IS NOT NULL", chunk))
+        return found
+
     def count(self) -> int:
         """How many jobs there are (from the counters, not the history)."""
         return sum(self.counts().values())
@@ -491,11 +546,12 @@ class Store:
         return int(self._tuples("SELECT COALESCE(MAX(id), 0) FROM events")[0][0])
 
     def moved_since(self, event_id: int) -> tuple[dict[int, JobStatus], int]:
-        """The jobs moved by the events after ``event_id`` (a submission is a move), each with the state its
-        last move put it in, and the newest event's id: a scan of those events only."""
+        """The jobs moved by the events after ``event_id`` (a submission is a move), or changed while they
+        waited (:data:`WAITING_CHANGES`: counted as a move into the queue), each with the state its last move
+        put it in, and the newest event's id: a scan of those events only."""
         moved: dict[int, JobStatus] = {}
         last = event_id
-        for last, job_id, state, moves in self._tuples(f"SELECT id, job_id, to_state, {MOVES} FROM events WHERE "
+        for last, job_id, state, moves in self._tuples(f"SELECT id, job_id, to_state, {CHANGES} FROM events WHERE "
                                                        "id > ? ORDER BY id", (event_id,)):
             if moves:
                 moved[job_id] = JobStatus(state)

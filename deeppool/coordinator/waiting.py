@@ -14,21 +14,27 @@ and a validated :class:`~deeppool.coordinator.jobs.Job` (which the service
 builds only for the jobs a decision names).
 
 What is kept of a waiting job is written once, at its submission, except the
-shape an elastic resize gives it (``width``, ``run_batch``), which no event
-records: a service with an elastic policy builds its waiting jobs from their
-rows at every tick instead (:meth:`Waiting.of_job`).
+shape an elastic resize gives it (``width``, ``run_batch``): that change, and
+one of its progress or measured speeds while it waits, is an event the
+database writes in the change's own transaction
+(:data:`~deeppool.coordinator.store.WAITING_CHANGES`), which
+:meth:`~deeppool.coordinator.store.Store.moved_since` counts as a move into
+the queue, so the job is read again. An elastic policy's speed models of the
+waiting jobs are kept the same way (:mod:`deeppool.coordinator.waiting_models`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 from deeppool.coordinator.jobs import Job, JobKind, JobStatus
 from deeppool.coordinator.store import Store, WaitingRow
-from deeppool.scheduling import ModelChoice, SimJob
+from deeppool.scheduling import ModelChoice, SimJob, SpeedModel
 
 BACKGROUND = JobKind.BACKGROUND.value
 
@@ -52,12 +58,13 @@ class Waiting:
     sim: SimJob
 
     @classmethod
-    def of(cls, row: WaitingRow) -> Waiting:
+    def of(cls, row: WaitingRow, speed: SpeedModel | None = None) -> Waiting:
+        """From the columns :meth:`Store.waiting_rows` reads (``speed``: its model, under an elastic policy)."""
         job_id, kind, owner, model, gpus, width, batch, run_batch, steps, created_at, requeued = row
         background = kind == BACKGROUND
         sim = SimJob(job_id=job_id, name=f"job-{job_id}", arrival_s=datetime.fromisoformat(created_at).timestamp(),
                      gpus=width or gpus, background=background, iterations=float(steps), recorded_duration_s=0.0,
-                     model=model_choice(model, run_batch or batch))
+                     model=model_choice(model, run_batch or batch), speed=speed)
         return cls(id=job_id, kind=JobKind.BACKGROUND if background else JobKind.FOREGROUND, owner=owner,
                    requeued=bool(requeued), sim=sim)
 
@@ -92,11 +99,25 @@ class Queue:
                                    key=lambda j: (j.arrival_s, j.job_id)))
 
 
-class WaitingJobs:
-    """The waiting jobs of one store, kept between ticks (one instance per service)."""
+class SpeedModels(Protocol):
+    """The waiting jobs' speed models, made when the queue reads them and kept while they wait (an elastic
+    policy's: :class:`~deeppool.coordinator.waiting_models.WaitingModels`)."""
 
-    def __init__(self, store: Store) -> None:
-        self.store = store
+    def made(self, rows: Sequence[WaitingRow]) -> Mapping[int, SpeedModel]:
+        """The models of the jobs just read (by id), kept with what else they need."""
+        ...
+
+    def forget(self, job_ids: Iterable[int]) -> None:
+        """The jobs moved, or changed while they waited: what was kept of them goes."""
+        ...
+
+
+class WaitingJobs:
+    """The waiting jobs of one store, kept between ticks (one instance per service); ``models``: their speed
+    models, made with them (None: none)."""
+
+    def __init__(self, store: Store, models: SpeedModels | None = None) -> None:
+        self.store, self.models = store, models
         self._seen: int | None = None  # the last event read (None: nothing read yet)
         self._queue = Queue.of({})
 
@@ -104,7 +125,7 @@ class WaitingJobs:
         """The waiting jobs now (by id), the same object as the last read while nothing moved."""
         if self._seen is None:
             self._seen = self.store.last_event()  # first: what comes after is read again next time
-            self._queue = Queue.of({row[0]: Waiting.of(row) for row in self.store.waiting_rows()})
+            self._queue = Queue.of(self._made(self.store.waiting_rows()))
             return self._queue
         moved, self._seen = self.store.moved_since(self._seen)
         if not moved:
@@ -113,10 +134,16 @@ class WaitingJobs:
         last = next(reversed(known), 0)
         for job_id in moved:
             known.pop(job_id, None)
-        back = [Waiting.of(row) for row in self.store.waiting_rows(sorted(
-            job_id for job_id, state in moved.items() if state is JobStatus.PENDING))]
-        known.update((waiting.id, waiting) for waiting in back)
-        if back and back[0].id < last:  # one that waited before (a requeue) goes back in its place
+        if self.models is not None:
+            self.models.forget(moved)
+        back = self._made(self.store.waiting_rows(sorted(
+            job_id for job_id, state in moved.items() if state is JobStatus.PENDING)))
+        known.update(back)
+        if back and next(iter(back)) < last:  # one that waited before (a requeue) goes back in its place
             known = dict(sorted(known.items()))
         self._queue = Queue.of(known)
         return self._queue
+
+    def _made(self, rows: Sequence[WaitingRow]) -> dict[int, Waiting]:
+        speeds = self.models.made(rows) if self.models is not None else {}
+        return {row[0]: Waiting.of(row, speeds.get(row[0])) for row in rows}

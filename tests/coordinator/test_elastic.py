@@ -83,7 +83,7 @@ def test_a_job_resized_2_to_1_to_2_continues_the_loss_of_an_unresized_run_and_re
         tmp_path: Path) -> None:
     store = Store(tmp_path / "deeppool.db")
     store.create_token("alice")
-    elastic, reference = _submit(store, 2, 24), _submit(store, 1, 24)
+    elastic, reference = _submit(store, 2, 120), _submit(store, 1, 120)  # both resizes land before its end
     store.close()
     cluster = Cluster.make(tmp_path, ScriptedResizes(job_id=elastic, widths=[1, 2]), gpus=3)
     cluster.run_until(lambda: all(cluster.store.job(j).state.terminal for j in (elastic, reference)))

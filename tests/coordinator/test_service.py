@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import fields
 from datetime import UTC, datetime
 from pathlib import Path
 
 from deeppool.coordinator import store as store_module
-from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus
+from deeppool.coordinator.elastic import Elastic
+from deeppool.coordinator.jobs import JobKind, JobRequest, JobStatus, SpeedPoint
 from deeppool.coordinator.launcher import LocalLauncher
 from deeppool.coordinator.runtime import Runtime
 from deeppool.coordinator.service import Service, policy_view, snapshot
 from deeppool.coordinator.store import Store
 from deeppool.coordinator.waiting import WaitingJobs
-from deeppool.scheduling import Decision, Order, Placement, PlanMode, Scheduler, Start, policy_named
+from deeppool.scheduling import Decision, Order, Placement, PlanMode, Scheduler, Snapshot, Start, policy_named
 from tests.multiplex.plans import burst_plan
 
 
@@ -161,3 +164,81 @@ def test_a_start_waits_for_the_gpus_a_job_stopping_to_shrink_still_holds(tmp_pat
     store.set_shape(shrinking.id, width=1, batch=64, steps=shrinking.steps, gain=None)
     service.tick()  # the decision of the first tick, carried out now that its GPUs are free
     assert launcher.launched == [waiting.id] and store.job(waiting.id).state is JobStatus.STARTING
+
+
+class ElasticSteps:
+    """A runtime's steps for jobs that run resizable (``DriverSteps.elastic``), launching nothing."""
+
+    elastic = True
+
+    def __call__(self, job, attempt, guests) -> list[list[str]]:
+        return [["true"]]
+
+
+class Comparing:
+    """Decides as scripted (one decision a tick, then nothing), and keeps each snapshot it is given with the one
+    the full rows give at the same instant (every live and waiting job read in full, :meth:`Elastic.view`)."""
+
+    name = "comparing"
+
+    def __init__(self, store: Store, elastic: Elastic, gpus: int) -> None:
+        self.store, self.elastic, self.gpus = store, elastic, gpus
+        self.script: list[Decision] = []
+        self.seen: list[tuple[Snapshot, Snapshot]] = []
+
+    def decide(self, snap: Snapshot) -> Decision:
+        rows = self.store.jobs(states=(JobStatus.STARTING, JobStatus.RUNNING, JobStatus.PENDING))
+        full = snapshot(rows, self.gpus, datetime.fromtimestamp(snap.now_s, UTC),
+                        requeued=frozenset(self.store.requeued()), elastic=self.elastic.view(rows))
+        self.seen.append((snap, full))
+        return self.script.pop(0) if self.script else Decision()
+
+
+def test_an_elastic_tick_keeps_the_waiting_jobs_and_gives_the_policy_the_view_their_full_rows_give(
+        tmp_path: Path) -> None:
+    store = Store(tmp_path / "db.sqlite")
+    store.create_token("alice")
+    for kind, gpus, script in ((JobKind.FOREGROUND, 2, None), (JobKind.FOREGROUND, 1, None),
+                               (JobKind.BACKGROUND, 1, None), (JobKind.FOREGROUND, 2, "examples/hf_user_loop.py"),
+                               (JobKind.FOREGROUND, 2, None)):
+        store.submit("alice", JobRequest(kind=kind, model="examples.mlp:model", gpus=gpus, batch=64, steps=100,
+                                         script=script))
+    runtime = Runtime(store, Recorder(tmp_path / "jobs"), ElasticSteps())
+    elastic = Elastic(runtime, 4)
+    policy = Comparing(store, elastic, 4)
+    service = Service(runtime, policy, 4, elastic=elastic)
+
+    def tick(*decisions: Decision) -> Snapshot:
+        policy.script = list(decisions)
+        service.tick()
+        kept, full = policy.seen[-1]
+        for name in (f.name for f in fields(Snapshot)):
+            assert getattr(kept, name) == getattr(full, name), name
+        return kept
+
+    first = tick(Decision(start=(Start(job_id=1, gpus=2, mode=PlanMode.BURST),
+                                 Start(job_id=3, gpus=1, mode=PlanMode.BURST))))
+    assert [j.job_id for j in first.waiting] == [1, 2, 3, 4, 5] and all(j.speed for j in first.waiting)
+    for job_id in (1, 3):
+        store.transition(job_id, JobStatus.RUNNING, "running")
+    store.record_speed(SpeedPoint(job_id=1, gpus=2, batch=64, iteration_s=0.3, steps=20, gns=200.0))
+    store.record_speed(SpeedPoint(job_id=3, gpus=1, batch=64, iteration_s=0.5, steps=20))
+    tick(Decision(start=(Start(job_id=2, gpus=3, mode=PlanMode.BURST),)))  # 1 GPU free: reshaped, still waiting
+    reshaped = tick()
+    assert [(j.job_id, j.gpus) for j in reshaped.waiting] == [(2, 3), (4, 2), (5, 2)]
+    again = tick()  # nothing changed: the same views, not made again
+    assert all(a is b for a, b in zip(again.waiting, reshaped.waiting, strict=True))
+    assert again.running[0].speed.noise_scale == 200.0
+    tick(Decision(preempt=(3,)))  # a background job: requeued
+    change = store.begin_resize(store.job(1), 0, 64, "stopped resumably")  # a resize to 0, as its end leaves it
+    store.transition(1, JobStatus.PENDING, "stopped resumably after step 40")
+    store.update_resize(change.id, "DONE")
+    requeued = tick()
+    assert [j.job_id for j in requeued.requeued] == [1, 3] and requeued.adaptive[1].restarts == 1
+    store.set_progress(1, 0.4)  # what a late look at its attempt finds, and a late speed report: while it waits
+    store.record_speed(SpeedPoint(job_id=1, gpus=1, batch=64, iteration_s=0.5, steps=20, gns=250.0))
+    late = tick()
+    fit = next(j for j in late.waiting if j.job_id == 1).speed.fit  # from both its points now
+    assert late.adaptive[1].progress == 40.0 and math.isclose(fit.iteration_s(1, 64), 0.5)
+    assert [e.reason for e in store.events(1)][-2:] == ["changed while waiting: progress 0.4",
+                                                        "changed while waiting: a speed measured on 1 GPUs at batch 64"]
