@@ -183,7 +183,7 @@ def serve(
         logs = log_dir or default_log_dir(db)
         _make_passable(logs)
         if disk_mb is not None:  # before the claim: the folder's state lock is in the jobs' own file system
-            _own_disk(held, logs, db, disk_mb)
+            _own_disk(held, logs, db, disk_mb, by_default=jobs_disk_mb is None)
         held.enter_context(claim_log_dir(logs, store.identity()))  # one state's jobs: never another server's
         device = "cuda" if _gpu_count() else "cpu"
         settings = ServerSettings(gpus=slots, allowed_roots=roots, log_dir=logs, device=device, nodes=nodes,
@@ -247,13 +247,15 @@ def _disk_sizes(asked: int | None, min_free_mb: int | None, *, launcher: str, lo
     return disk_mb, min_free_mb
 
 
-def _own_disk(held: contextlib.ExitStack, logs: Path, db: Path, size_mb: int) -> None:
+def _own_disk(held: contextlib.ExitStack, logs: Path, db: Path, size_mb: int, *, by_default: bool) -> None:
     """Mount the jobs' own file system at ``logs`` (:mod:`deeppool.coordinator.jobsdisk`), unmounted at the stop;
-    one line each time says what was done."""
+    one line each time says what was done (and, for an image made by default, how to choose)."""
     from deeppool.coordinator.jobsdisk import mount_jobs_disk, unmount_jobs_disk
 
     disk = mount_jobs_disk(logs.resolve(), db, size_mb)
-    typer.echo(f"deeppool serve: {disk.detail}", err=True)
+    chose = ("; by default a quarter of the database's free space: --jobs-disk-mb N for another size, 0 for none"
+             if disk.made and by_default else "")
+    typer.echo(f"deeppool serve: {disk.detail}{chose}", err=True)
     if disk.mounted:
         held.callback(lambda: typer.echo(f"deeppool serve: {unmount_jobs_disk(disk)}", err=True))
 

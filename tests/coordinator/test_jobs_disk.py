@@ -125,7 +125,7 @@ def test_a_root_server_gives_its_jobs_a_quarter_of_the_databases_free_space_unle
             server.send_signal(signal.SIGTERM)
             assert server.wait(15) == 0
             said = server.stderr.read().decode()
-            assert "made now" in said and "is unmounted" in said, said
+            assert "made now); by default a quarter" in said and "is unmounted" in said, said
             assert image_of(folder).stat().st_size >> 20 == quarter and mounted_from(folder) is None
             assert default_size_mb(folder, db) == quarter  # the next start mounts the image it made
             off = start(db, free_port(), paused=True, job_user=False, env={JOBS_DISK: "0"})
