@@ -42,7 +42,7 @@ def torchrun(*args: str) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}  # stacks
 
 
 def check_against_reference(out: Path, names: list[str]) -> None:
@@ -73,7 +73,8 @@ def test_a_user_loop_under_torchrun_equals_one_process(tmp_path: Path) -> None:
     jobs = plans(tmp_path, ["cnn", "transformer"])
     done = subprocess.run([*torchrun("--nproc-per-node", "4", "--master-port", str(free_port())), str(tmp_path), *jobs],
                           cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    saved = sorted(path.name for path in tmp_path.glob("rank*.pt"))  # a rank that failed at exit saved its own
+    assert done.returncode == 0, f"ranks saved: {saved}\n{done.stderr[:4000]}"
     check_against_reference(tmp_path, ["cnn", "transformer"])
 
 
