@@ -3,16 +3,13 @@
 A script started by ``torchrun`` (or ``deeppool run --script``) finds ``MASTER_ADDR``, ``RANK`` and
 ``WORLD_SIZE`` in its environment; :func:`join` initialises the default process group from them (NCCL
 when a GPU is visible, gloo otherwise), unless the script already did. Started as a plain ``python``
-process, the script is one rank of a world of one. A group :func:`join` made is destroyed when the process
-exits, before the interpreter's teardown (its threads stopped as ``destroy_process_group`` stops them); one the
-script made is the script's to destroy. :func:`broadcast_module` then gives every rank rank
+process, the script is one rank of a world of one. :func:`broadcast_module` then gives every rank rank
 0's parameters and buffers, as ``DistributedDataParallel`` does at construction, so a model built without
 a seed is still one model.
 """
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import os
 import socket
@@ -43,7 +40,6 @@ def join(gpus: int, timeout_s: float) -> torch.device:
         else:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
                                     timeout=timeout)
-        atexit.register(_leave)
     world = dist.get_world_size()
     if world != gpus:
         raise DeeppoolError(f"the plan is for {gpus} GPUs but {world} ranks were started: "
@@ -52,13 +48,6 @@ def join(gpus: int, timeout_s: float) -> torch.device:
         steady_allocator()
         return torch.device("cpu")
     return gpu.bind(int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def _leave() -> None:
-    """The default group :func:`join` made, destroyed (at exit: atexit runs it after what was registered later,
-    such as the lazy losses' settling)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def broadcast_module(module: nn.Module) -> None:
