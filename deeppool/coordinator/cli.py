@@ -124,10 +124,10 @@ def serve(
                         ("--max-job-disk-mb", 1 if max_job_disk_mb is None else max_job_disk_mb)):
         if value < 1:
             raise DeeppoolError(f"{flag} {value} must be at least 1")
-    if jobs_disk_mb is not None and jobs_disk_mb != 0 and launcher == "slurm":
+    if jobs_disk_mb and launcher == "slurm":
         raise DeeppoolError("--jobs-disk-mb is for --launcher local: under Slurm the jobs' folder must be on the "
                             "file system the nodes share (give it its own with --log-dir, and --jobs-disk-mb 0)")
-    if jobs_disk_mb is not None and jobs_disk_mb != 0 and jobs_disk_mb < MIN_JOBS_DISK_MB:
+    if jobs_disk_mb and jobs_disk_mb < MIN_JOBS_DISK_MB:
         raise DeeppoolError(f"--jobs-disk-mb {jobs_disk_mb} must be at least {MIN_JOBS_DISK_MB} (or 0: none)")
     slots = _slots(gpus)
     roots = tuple(root.resolve() for root in (allow or [Path.cwd()]))
